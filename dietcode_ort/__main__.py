@@ -1,0 +1,5 @@
+import sys
+
+from dietcode_ort.cli import main
+
+sys.exit(main())

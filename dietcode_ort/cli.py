@@ -1,0 +1,80 @@
+"""The ``dietcode-ort`` command line.
+
+Settings are read here, at the edge, and handed down as typed values. Each command's work lives in the
+module that owns it; heavy modules (the tuner, triton, scikit-learn) are imported only by the commands
+that need them, so ``dietcode-ort doctor`` works on a deployment that has only the runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from dietcode_ort import __version__
+from dietcode_ort.errors import DietcodeError
+
+__all__ = ["main", "build_parser"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _dim_help() -> str:
+    return ("symbol range NAME=SPEC, SPEC being lo:hi, lo:hi:step or a comma list v1,v2,...; each value may "
+            "carry a weight as VALUE@WEIGHT in a list (e.g. seq=16@3,64@1). Repeat for each symbol")
+
+
+def _add_instance_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=SPEC", help=_dim_help())
+    p.add_argument("--shapes", metavar="FILE.json",
+                   help="observed input shapes instead of --dim: a JSON list of {input name: shape} records "
+                        "(or {\"shapes\": [...]}, each record may carry a \"count\"); repeats become weights")
+
+
+def _cmd_scan(args: argparse.Namespace) -> int:
+    from tuner import scan
+
+    return scan.scan_command(args.model, dims=args.dim, shapes_file=args.shapes, as_json=args.json)
+
+
+def _add_scan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scan", help="list the MatMul/Gemm/Conv workloads with symbolic dims",
+                       description="Load MODEL, infer symbolic shapes, and list every MatMul, Gemm and Conv "
+                                   "node whose shapes depend on a symbolic dim as a workload (GEMM view "
+                                   "M, N, K over the model's symbols), plus the nodes left out and why.")
+    p.add_argument("model", help="ONNX model file (external data next to it is loaded too)")
+    _add_instance_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_cmd_scan)
+
+
+# One explicit list of commands; each _add_* function defines its options and handler.
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_scan,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dietcode-ort",
+        description="Shape-generic (DietCode) kernel tuning for dynamic-shape ONNX models in ONNX Runtime.")
+    parser.add_argument("--version", action="version", version=f"dietcode-ort {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except DietcodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

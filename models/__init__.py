@@ -1,0 +1,1 @@
+"""Builders of the benchmark models (seeded weights, symbolic dims)."""

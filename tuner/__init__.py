@@ -1,0 +1,1 @@
+"""The offline tuner: scan, space, cost model, search, dispatcher, ahead-of-time compilation, rewrite."""

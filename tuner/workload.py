@@ -1,0 +1,116 @@
+"""Workloads: what the scanner hands the rest of the tuner.
+
+A *workload* is one MatMul/Gemm/Conv computation of a model with symbolic dims, in its GEMM view
+(M, N, K as expressions of the model's symbols), grouped over the nodes that share it. An *instance* is
+one assignment of the symbols (with a weight); ``Workload.problem(instance)`` turns it into the concrete
+GEMM problem the kernels, measurers and cost model work on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import sympy
+
+__all__ = ["OPS", "DTYPES", "ACTIVATIONS", "ConvParams", "Epilogue", "Problem", "Instance", "Workload",
+           "evaluate"]
+
+OPS = ("gemm", "bmm", "conv")
+DTYPES = ("float32", "float16", "bfloat16")
+ACTIVATIONS = ("none", "relu", "gelu")
+
+
+@dataclass(frozen=True)
+class ConvParams:
+    """NCHW Conv2d attributes and the constant channel counts (groups = 1 only)."""
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int] = (1, 1)
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # top, left, bottom, right (ONNX order)
+    dilations: tuple[int, int] = (1, 1)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the kernel fuses after the product: a bias Add and an activation."""
+
+    bias: bool = False
+    activation: str = "none"
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """A concrete GEMM problem: ``batch`` independent [m, k] x [k, n] products (batch=1 for gemm).
+
+    For conv, m = N*OH*OW, n = out channels, k = in channels*KH*KW and ``image`` is (N, H, W).
+    """
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    image: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One assignment of the workload's symbols, with a weight (how often it occurs)."""
+
+    values: tuple[tuple[str, int], ...]
+    weight: float = 1.0
+
+    @classmethod
+    def of(cls, values: Mapping[str, int], weight: float = 1.0) -> "Instance":
+        return cls(tuple(sorted((str(k), int(v)) for k, v in values.items())), float(weight))
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.values)
+
+
+def evaluate(expr: str, values: Mapping[str, int]) -> int:
+    """Evaluate a dim expression such as ``batch*seq`` or ``floor((height - 1)/2) + 1``."""
+    result = sympy.sympify(expr, locals={name: sympy.Symbol(name, integer=True, positive=True)
+                                         for name in values}).subs(values)
+    if not result.is_number:
+        raise ValueError(f"expression {expr!r} has symbols without values: {sorted(map(str, result.free_symbols))}")
+    return int(result)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A MatMul/Gemm/Conv computation with symbolic dims, shared by ``nodes``.
+
+    ``m``, ``n``, ``k`` (and ``batch`` for bmm; for conv also ``height``/``width``) are expressions over
+    ``symbols``. ``const_operands`` lists the input indices that are constant initializers.
+    """
+
+    op: str  # one of OPS
+    onnx_op: str  # "MatMul" | "Gemm" | "Conv"
+    nodes: tuple[str, ...]
+    m: str
+    n: str
+    k: str
+    dtype: str
+    symbols: tuple[str, ...]
+    batch: str = "1"
+    const_operands: tuple[int, ...] = ()
+    trans_a: bool = False
+    trans_b: bool = False
+    epilogue: Epilogue = Epilogue()
+    fused_nodes: tuple[tuple[str, ...], ...] = ()  # per node: the Add/activation nodes it would absorb
+    conv: ConvParams | None = None
+    conv_input: tuple[str, str, str] | None = None  # (N, H, W) expressions of the conv input
+    instances: tuple[Instance, ...] = field(default=())
+
+    def problem(self, instance: Instance) -> Problem:
+        values = instance.as_dict()
+        image = None
+        if self.conv_input is not None:
+            image = tuple(evaluate(e, values) for e in self.conv_input)  # type: ignore[assignment]
+        return Problem(m=evaluate(self.m, values), n=evaluate(self.n, values), k=evaluate(self.k, values),
+                       batch=evaluate(self.batch, values), image=image)  # type: ignore[arg-type]
+
+    def problems(self) -> list[tuple[Problem, float]]:
+        return [(self.problem(i), i.weight) for i in self.instances]
