@@ -7,6 +7,7 @@ GEMM problem the kernels, measurers and cost model work on.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -69,10 +70,15 @@ class Instance:
         return dict(self.values)
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse(expr: str) -> sympy.Expr:
+    return sympy.sympify(expr)
+
+
 def evaluate(expr: str, values: Mapping[str, int]) -> int:
     """Evaluate a dim expression such as ``batch*seq`` or ``floor((height - 1)/2) + 1``."""
-    result = sympy.sympify(expr, locals={name: sympy.Symbol(name, integer=True, positive=True)
-                                         for name in values}).subs(values)
+    parsed = _parse(expr)
+    result = parsed.subs({s: values[s.name] for s in parsed.free_symbols if s.name in values})
     if not result.is_number:
         raise ValueError(f"expression {expr!r} has symbols without values: {sorted(map(str, result.free_symbols))}")
     return int(result)

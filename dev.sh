@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One entry point for people and CI:
+#   ./dev.sh demo    set everything up, then build the tiny BERT model and scan it
+#   ./dev.sh test    set everything up, then run the test suite
+#   ./dev.sh setup   only set up: .venv (project-local virtual environment) and the ORT headers in .deps/
+# Every command is idempotent: a second run reuses the environment (it reinstalls only when
+# pyproject.toml changed).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+OUT=${DIETCODE_OUT:-out}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.dietcode-setup" want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "installing dietcode-ort and its dependencies into $VENV (first run takes a few minutes)" >&2
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch is pinned in the test extra so pip takes the local CPU build, never a CUDA one.
+    "$VENV/bin/python" -m pip install -q -e '.[test]'
+    echo "$want" > "$stamp"
+  fi
+  bash scripts/fetch_ort_headers.sh .deps/onnxruntime
+}
+
+demo() {
+  mkdir -p "$OUT"
+  echo "== building the tiny BERT model -> $OUT/bert-tiny.onnx" >&2
+  "$VENV/bin/python" -m models bert --preset tiny -o "$OUT/bert-tiny.onnx"
+  echo "== scanning it for workloads with symbolic dims" >&2
+  "$VENV/bin/dietcode-ort" scan "$OUT/bert-tiny.onnx" --dim batch=1,4 --dim seq=16:128:16
+}
+
+run_tests() {
+  "$VENV/bin/python" -m pytest -q "$@"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; demo ;;
+  test) setup; run_tests "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | setup" >&2; exit 2 ;;
+esac

@@ -1,0 +1,229 @@
+"""Scanner: workloads and their GEMM views, fusion candidates, refusals with reasons, instances, bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dietcode_ort.errors import DietcodeError
+from tuner import scan as scan_mod
+from tuner.instances import parse_dim_spec
+from tuner.scan import attach_instances, scan, scan_model
+from tuner.workload import Epilogue, Instance, Problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(nodes, inputs, outputs, inits, opset=17) -> onnx.ModelProto:
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return m
+
+
+def _w(name, shape, dtype=np.float32):
+    return numpy_helper.from_array(np.ones(shape, dtype), name)
+
+
+def _mlp_like(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    np_dtype = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
+    x = helper.make_tensor_value_info("x", dtype, ["batch", "seq", 16])
+    y = helper.make_tensor_value_info("y", dtype, None)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"], name="mm"),
+             helper.make_node("Add", ["t", "b"], ["u"], name="add"),
+             helper.make_node("Relu", ["u"], ["v"], name="relu"),
+             helper.make_node("MatMul", ["v", "w2"], ["y"], name="mm2")]
+    return _model(nodes, [x], [y], [_w("w", (16, 32), np_dtype), _w("b", (32,), np_dtype),
+                                    _w("w2", (32, 8), np_dtype)])
+
+
+def test_gemm_view_bias_relu_fusion():
+    result = scan_model(_mlp_like())
+    assert result.symbols == ("batch", "seq")
+    first, second = result.workloads
+    assert (first.op, first.m, first.n, first.k) == ("gemm", "batch*seq", "32", "16")
+    assert first.epilogue == Epilogue(True, "relu") and first.fused_nodes == (("add", "relu"),)
+    assert first.const_operands == (1,)
+    assert (second.m, second.n, second.k, second.epilogue) == ("batch*seq", "8", "32", Epilogue())
+    assert second.problem(Instance.of({"batch": 2, "seq": 5})) == Problem(m=10, n=8, k=32)
+
+
+def test_erf_gelu_is_a_fusion_candidate():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n)
+              for n, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+             helper.make_node("Div", ["hb", "sqrt2"], ["d"], name="div"),
+             helper.make_node("Erf", ["d"], ["e"], name="erf"),
+             helper.make_node("Add", ["e", "one"], ["e1"], name="add1"),
+             helper.make_node("Mul", ["hb", "e1"], ["p"], name="mul"),
+             helper.make_node("Mul", ["p", "half"], ["y"], name="half_mul")]
+    result = scan_model(_model(nodes, [x], [y], [_w("w", (8, 12)), _w("b", (12,))] + consts))
+    (w,) = result.workloads
+    assert w.epilogue == Epilogue(True, "gelu")
+    assert set(w.fused_nodes[0]) == {"bias", "div", "erf", "add1", "mul", "half_mul"}
+
+
+def test_identical_nodes_group_and_static_nodes_are_skipped():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    s = helper.make_tensor_value_info("s", TensorProto.FLOAT, [3, 4])
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y1", "y2", "y3")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y1"], name="a"),
+             helper.make_node("MatMul", ["x", "w2"], ["y2"], name="b"),
+             helper.make_node("MatMul", ["s", "w"], ["y3"], name="static")]
+    result = scan_model(_model(nodes, [x, s], outs, [_w("w", (4, 4)), _w("w2", (4, 4))]))
+    (w,) = result.workloads
+    assert w.nodes == ("a", "b")
+    assert [(k.node, k.reason) for k in result.skipped] == [("static", "static shapes: no symbolic dim to tune over")]
+
+
+def test_unsupported_dtype_and_grouped_conv_are_skipped_with_reasons():
+    x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["n", 4])
+    img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 4, "h", "w"])
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "z")]
+    nodes = [helper.make_node("MatMul", ["x", "wd"], ["y"], name="mm64"),
+             helper.make_node("Conv", ["img", "wc"], ["z"], name="gconv", group=2, kernel_shape=[3, 3],
+                              pads=[1, 1, 1, 1])]
+    result = scan_model(_model(nodes, [x, img], outs, [_w("wd", (4, 4), np.float64), _w("wc", (4, 2, 3, 3))]))
+    reasons = {k.node: k.reason for k in result.skipped}
+    assert "unsupported dtype DOUBLE" in reasons["mm64"]
+    assert reasons["gconv"] == "grouped conv (group=2) is not supported"
+    assert result.workloads == ()
+
+
+def test_conv_gemm_view_and_problem():
+    img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 3, "h", "w"])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Conv", ["img", "wc", "bc"], ["c"], name="conv", kernel_shape=[3, 3],
+                              strides=[2, 2], pads=[1, 1, 1, 1], dilations=[1, 1]),
+             helper.make_node("Relu", ["c"], ["z"], name="relu")]
+    result = scan_model(_model(nodes, [img], [z], [_w("wc", (8, 3, 3, 3)), _w("bc", (8,))]))
+    (w,) = result.workloads
+    assert (w.op, w.n, w.k) == ("conv", "8", "27")
+    assert w.epilogue == Epilogue(True, "relu")
+    assert w.conv.strides == (2, 2) and w.conv.pads == (1, 1, 1, 1) and w.conv.kernel == (3, 3)
+    p = w.problem(Instance.of({"n": 2, "h": 33, "w": 20}))
+    assert p.image == (2, 33, 20)
+    assert p.m == 2 * 17 * 10  # out = floor((33 + 2 - 3) / 2) + 1 = 17, floor((20 + 2 - 3) / 2) + 1 = 10
+
+
+def test_batched_matmul_view():
+    q = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", 2, "s", 8])
+    k = helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", 2, 8, "s"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    result = scan_model(_model([helper.make_node("MatMul", ["q", "k"], ["y"], name="qk")], [q, k], [y], []))
+    (w,) = result.workloads
+    assert (w.op, w.batch, w.m, w.n, w.k) == ("bmm", "2*b", "s", "s", "8")
+    assert w.const_operands == ()
+
+
+def test_instances_from_dims_weights_and_product():
+    result = attach_instances(scan_model(_mlp_like()), ["batch=1,2@3", "seq=4:12:4"])
+    inst = result.workloads[0].instances
+    assert len(inst) == 6
+    weights = {tuple(sorted(i.as_dict().items())): i.weight for i in inst}
+    assert weights[(("batch", 2), ("seq", 8))] == 3.0
+    assert weights[(("batch", 1), ("seq", 12))] == 1.0
+
+
+def test_instances_from_shape_log(tmp_path):
+    log = tmp_path / "shapes.json"
+    log.write_text(json.dumps([{"x": [1, 16, 16]}, {"x": [1, 16, 16]}, {"x": [4, 8, 16], "count": 5}]))
+    result = attach_instances(scan_model(_mlp_like()), shapes_file=log)
+    inst = {tuple(sorted(i.as_dict().items())): i.weight for i in result.workloads[0].instances}
+    assert inst == {(("batch", 1), ("seq", 16)): 2.0, (("batch", 4), ("seq", 8)): 5.0}
+
+
+@pytest.mark.parametrize("option, message", [
+    ("seq=9:3", "inverted"),
+    ("seq=", "expected NAME=SPEC"),
+    ("seq=1:x", "not an integer"),
+    ("seq=1,,2", "empty item"),
+    ("seq=0:4", "positive"),
+    ("seq=1:8:0", "step must be positive"),
+    ("seq=4@-1", "weights must be positive"),
+])
+def test_bad_dim_specs(option, message):
+    with pytest.raises(DietcodeError, match=message):
+        parse_dim_spec(option)
+
+
+def test_unknown_symbol_lists_the_model_symbols():
+    with pytest.raises(DietcodeError, match=r"does not have; its symbols are: batch, seq"):
+        attach_instances(scan_model(_mlp_like()), ["tokens=1:4"])
+
+
+def test_missing_symbol_values_are_named():
+    with pytest.raises(DietcodeError, match=r"no values for symbol\(s\) seq"):
+        attach_instances(scan_model(_mlp_like()), ["batch=1:4"])
+
+
+def test_bad_shape_log(tmp_path):
+    log = tmp_path / "shapes.json"
+    log.write_text(json.dumps([{"nope": [1, 2, 16]}]))
+    with pytest.raises(DietcodeError, match="names input 'nope'"):
+        attach_instances(scan_model(_mlp_like()), shapes_file=log)
+    log.write_text("{not json")
+    with pytest.raises(DietcodeError, match="not valid JSON"):
+        attach_instances(scan_model(_mlp_like()), shapes_file=log)
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(DietcodeError, match="model file not found"):
+        scan(tmp_path / "missing.onnx")
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00\x01garbage, not a protobuf" * 10)
+    with pytest.raises(DietcodeError, match="not a readable ONNX model"):
+        scan(bad)
+
+
+def test_external_data_model_scans_without_loading_weights(tmp_path):
+    path = tmp_path / "ext.onnx"
+    onnx.save(_mlp_like(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    assert (tmp_path / "ext.data").exists()
+    result = scan(path, ["batch=1", "seq=3"])
+    assert [w.epilogue for w in result.workloads] == [Epilogue(True, "relu"), Epilogue()]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dietcode_ort", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_cli_json_and_errors(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_mlp_like(), str(path))
+    ok = _cli("scan", str(path), "--dim", "batch=1:2", "--dim", "seq=8", "--json")
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert {"op", "nodes", "m", "n", "k", "dtype", "symbols", "instances"} <= set(data["workloads"][0])
+    assert len(data["workloads"][0]["instances"]) == 2 and data["skipped"] == []
+    for args, message in [((str(tmp_path / "nope.onnx"),), "model file not found"),
+                          ((str(path), "--dim", "seq=5:1"), "inverted"),
+                          ((str(path), "--dim", "tokens=1"), "its symbols are: batch, seq")]:
+        bad = _cli("scan", *args)
+        assert bad.returncode != 0
+        assert bad.stderr.startswith("error: ") and message in bad.stderr
+        assert "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_cli_static_model_says_nothing_to_do(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    path = tmp_path / "static.onnx"
+    onnx.save(_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [x], [y], [_w("w", (4, 4))]), str(path))
+    out = _cli("scan", str(path))
+    assert out.returncode == 0 and "no symbolic dims: nothing to do" in out.stdout
+
+
+def test_scan_module_public_names():
+    assert set(scan_mod.__all__) >= {"scan", "scan_model", "attach_instances", "load_model"}

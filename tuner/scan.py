@@ -1,0 +1,494 @@
+"""Scan: model -> workloads.
+
+Loads an ONNX model, runs onnxruntime's SymbolicShapeInference (auto_merge recovers dims such as
+``batch*seq`` through exporters' Shape -> Gather -> Concat -> Reshape chains, which onnx's own shape
+inference loses), and describes every MatMul, Gemm and Conv node whose shapes depend on a symbolic dim as
+a ``Workload`` in GEMM view. Nodes that will not be handled are returned with the reason, as small
+match-or-refuse rules do: a refusal is data that ``scan`` shows, not an exception.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from dietcode_ort.errors import DietcodeError
+from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
+from tuner.workload import ConvParams, Epilogue, Instance, Workload
+
+__all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
+           "scan_command"]
+
+_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+           onnx.TensorProto.BFLOAT16: "bfloat16"}
+_OPS = ("MatMul", "Gemm", "Conv")
+
+Dim = "int | str"  # a dim is an int or a sympy expression string over the model's symbols
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A MatMul/Gemm/Conv node that is left as it is, and why."""
+
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    symbols: tuple[str, ...]
+    workloads: tuple[Workload, ...]
+    skipped: tuple[Skipped, ...]
+    input_dims: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+
+
+class _Refuse(Exception):
+    """Raised inside a rule to refuse a node with a reason."""
+
+
+def load_model(path: str | Path, load_external_data: bool = True) -> onnx.ModelProto:
+    """Load an ONNX model file, with a clear error for a missing or corrupt file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DietcodeError(f"model file not found: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=load_external_data)
+    except Exception as exc:  # protobuf raises DecodeError, onnx raises several kinds
+        raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise DietcodeError(f"{path} is not a readable ONNX model (its graph has no nodes)")
+    return model
+
+
+def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | None, ...]]:
+    """Each graph input (that is not an initializer) and its dims' symbol names (None where fixed)."""
+    inits = {i.name for i in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        out[vi.name] = tuple(d.dim_param if d.dim_param else None for d in vi.type.tensor_type.shape.dim)
+    return out
+
+
+_SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape inference (shape constants)
+
+
+def _is_external(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+
+
+def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
+    """A copy that shape inference can read: small external tensors loaded, large ones as graph inputs.
+
+    Weights are not needed to infer shapes, only their dims; keeping them out also keeps models over
+    2 GB under protobuf's limit.
+    """
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    keep, as_inputs = [], []
+    for t in copy.graph.initializer:
+        if not _is_external(t):
+            keep.append(t)
+            continue
+        size = int(np.prod(t.dims, dtype=np.int64)) * max(1, onnx.helper.tensor_dtype_to_np_dtype(
+            t.data_type).itemsize)
+        if size <= _SMALL_TENSOR and base_dir is not None:
+            try:
+                load_external_data_for_tensor(t, str(base_dir))
+            except (OSError, ValueError) as exc:
+                raise DietcodeError(f"cannot read external data of tensor {t.name!r}: {exc}") from None
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+            keep.append(t)
+        else:
+            as_inputs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(keep)
+    copy.graph.input.extend(as_inputs)
+    return copy
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
+    except Exception as exc:
+        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc})") \
+            from None
+    if inferred is None:
+        raise DietcodeError("symbolic shape inference could not complete on this model")
+    return inferred
+
+
+class _Graph:
+    """Index of an inferred graph: shapes, dtypes, producers, consumers, constants."""
+
+    def __init__(self, model: onnx.ModelProto, initializers: Sequence[onnx.TensorProto]):
+        g = model.graph
+        self.inits = {i.name: i for i in initializers}
+        self.shapes: dict[str, tuple] = {}
+        self.dtypes: dict[str, int] = {}
+        for vi in list(g.input) + list(g.value_info) + list(g.output):
+            t = vi.type.tensor_type
+            if not vi.type.HasField("tensor_type"):
+                continue
+            self.dtypes[vi.name] = t.elem_type
+            if t.HasField("shape"):
+                self.shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else
+                                             (d.dim_param or None) for d in t.shape.dim)
+        for i in initializers:
+            self.shapes[i.name] = tuple(i.dims)
+            self.dtypes[i.name] = i.data_type
+        for node in g.node:  # Constant nodes act as initializers for matching purposes
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                t = node.attribute[0].t
+                self.inits[node.output[0]] = t
+                self.shapes[node.output[0]] = tuple(t.dims)
+                self.dtypes[node.output[0]] = t.data_type
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in g.node:
+            for name in node.input:
+                if name:
+                    self.consumers[name].append(node)
+        self.graph_outputs = {o.name for o in g.output}
+
+    def const(self, name: str) -> np.ndarray | None:
+        t = self.inits.get(name)
+        if t is None:
+            return None
+        if _is_external(t):
+            return None  # weights not loaded: shape known, value not needed for matching
+        return numpy_helper.to_array(t)
+
+    def exclusive_consumer(self, name: str) -> onnx.NodeProto | None:
+        users = self.consumers.get(name, [])
+        if len(users) != 1 or name in self.graph_outputs:
+            return None
+        return users[0]
+
+
+def _shape(g: _Graph, name: str, what: str) -> tuple:
+    shape = g.shapes.get(name)
+    if shape is None or any(d is None for d in shape):
+        raise _Refuse(f"the shape of {what} {name!r} is unknown after shape inference")
+    return shape
+
+
+def _expr(dims: Sequence) -> str:
+    """The product of dims as a canonical expression string (ints folded)."""
+    import sympy
+
+    product = sympy.Integer(1)
+    for d in dims:
+        product *= sympy.Integer(d) if isinstance(d, int) else sympy.sympify(d)
+    return str(product)
+
+
+def _is_dynamic(*dims: str) -> bool:
+    return any(not d.lstrip("-").isdigit() for d in dims)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _close(value: np.ndarray | None, target: float, rel: float = 1e-3) -> bool:
+    return value is not None and value.size == 1 and math.isclose(float(value.reshape(())), target, rel_tol=rel)
+
+
+def _bias_of(g: _Graph, add: onnx.NodeProto, x: str, n: int) -> bool:
+    """Whether ``add`` adds a constant bias of N elements along the last axis to ``x``."""
+    if add.op_type != "Add" or len(add.input) != 2:
+        return False
+    other = add.input[1] if add.input[0] == x else add.input[0]
+    if other == x or other not in g.inits:
+        return False
+    shape = g.shapes.get(other, ())
+    return len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])
+
+
+def _match_gelu(g: _Graph, x: str) -> list[onnx.NodeProto] | None:
+    """The Erf form of Gelu exporters emit: x*0.5*(1+Erf(x/sqrt2)) in its usual orderings."""
+    users = g.consumers.get(x, [])
+    if x in g.graph_outputs or len(users) != 2:
+        return None
+    scale = next((u for u in users if (u.op_type == "Div" and _close(g.const(u.input[1]), math.sqrt(2)))
+                  or (u.op_type == "Mul" and _close(g.const(u.input[1] if u.input[0] == x else u.input[0]),
+                                                     1 / math.sqrt(2)))), None)
+    if scale is None:
+        return None
+    erf = g.exclusive_consumer(scale.output[0])
+    if erf is None or erf.op_type != "Erf":
+        return None
+    add = g.exclusive_consumer(erf.output[0])
+    if add is None or add.op_type != "Add" or not _close(
+            g.const(add.input[1] if add.input[0] == erf.output[0] else add.input[0]), 1.0):
+        return None
+    other = next(u for u in users if u is not scale)
+    if other.op_type != "Mul":
+        return None
+    # Either Mul(x, 0.5) -> Mul(., 1+erf), or Mul(x, 1+erf) -> Mul(., 0.5), or Mul(x, 1+erf) <- Mul(0.5 ...)
+    half_first = _close(g.const(other.input[1] if other.input[0] == x else other.input[0]), 0.5)
+    last = g.exclusive_consumer(other.output[0])
+    if last is None or last.op_type != "Mul":
+        return None
+    if half_first:
+        if add.output[0] not in last.input or g.exclusive_consumer(add.output[0]) is not last:
+            return None
+    else:
+        if add.output[0] not in other.input or not _close(
+                g.const(last.input[1] if last.input[0] == other.output[0] else last.input[0]), 0.5):
+            return None
+    return [scale, erf, add, other, last]
+
+
+def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool
+              ) -> tuple[Epilogue, tuple[str, ...]]:
+    """The exclusive Add(bias) and Relu/Gelu after ``node`` that a kernel can absorb."""
+    out, fused, bias = node.output[0], [], False
+    nxt = g.exclusive_consumer(out)
+    if allow_bias and nxt is not None and _bias_of(g, nxt, out, n):
+        bias, out = True, nxt.output[0]
+        fused.append(nxt.name)
+        nxt = g.exclusive_consumer(out)
+    if nxt is not None and nxt.op_type == "Relu":
+        return Epilogue(bias, "relu"), tuple(fused + [nxt.name])
+    gelu = _match_gelu(g, out)
+    if gelu is not None:
+        return Epilogue(bias, "gelu"), tuple(fused + [n.name for n in gelu])
+    return Epilogue(bias, "none"), tuple(fused)
+
+
+def _dtype(g: _Graph, name: str) -> str:
+    elem = g.dtypes.get(name)
+    if elem not in _DTYPES:
+        label = onnx.TensorProto.DataType.Name(elem) if elem is not None else "unknown"
+        raise _Refuse(f"unsupported dtype {label} (supported: {', '.join(_DTYPES.values())})")
+    return _DTYPES[elem]
+
+
+def _matmul(g: _Graph, node: onnx.NodeProto) -> dict:
+    a, b = node.input[0], node.input[1]
+    sa, sb = _shape(g, a, "input"), _shape(g, b, "input")
+    if len(sa) < 2 or len(sb) < 2:
+        raise _Refuse("1-D MatMul operands are not supported")
+    k, k2 = sa[-1], sb[-2]
+    if str(k) != str(k2):
+        raise _Refuse(f"inner dims differ ({k} vs {k2})")
+    ba, bb = sa[:-2], sb[:-2]
+    if all(d == 1 for d in bb):  # B is a (possibly broadcast) matrix: one GEMM over A's rows
+        return dict(op="gemm", m=_expr(sa[:-1]), n=_expr([sb[-1]]), k=_expr([k]), batch="1")
+    if len(ba) != len(bb) or any(str(x) != str(y) for x, y in zip(ba, bb)):
+        if all(d == 1 for d in ba):
+            return dict(op="bmm", m=_expr([sa[-2]]), n=_expr([sb[-1]]), k=_expr([k]), batch=_expr(bb))
+        raise _Refuse(f"batch dims {list(ba)} and {list(bb)} need a partial broadcast, which is not supported")
+    return dict(op="bmm", m=_expr([sa[-2]]), n=_expr([sb[-1]]), k=_expr([k]), batch=_expr(ba))
+
+
+def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
+    at = _attrs(node)
+    if at.get("transA", 0):
+        raise _Refuse("Gemm with transA=1 is not supported")
+    if not math.isclose(at.get("alpha", 1.0), 1.0) or (len(node.input) > 2 and node.input[2]
+                                                        and not math.isclose(at.get("beta", 1.0), 1.0)):
+        raise _Refuse("Gemm with alpha or beta other than 1 is not supported")
+    sa, sb = _shape(g, node.input[0], "input"), _shape(g, node.input[1], "input")
+    trans_b = bool(at.get("transB", 0))
+    n = sb[0] if trans_b else sb[1]
+    info = dict(op="gemm", m=_expr([sa[0]]), n=_expr([n]), k=_expr([sa[1]]), batch="1", trans_b=trans_b)
+    if len(node.input) > 2 and node.input[2]:
+        c = node.input[2]
+        shape = g.shapes.get(c, ())
+        if c not in g.inits or not (len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])):
+            raise _Refuse("Gemm's C input is not a constant bias of N elements")
+        info["bias"] = True
+    return info
+
+
+def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
+    at = _attrs(node)
+    if at.get("group", 1) != 1:
+        raise _Refuse(f"grouped conv (group={at['group']}) is not supported")
+    if at.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        raise _Refuse(f"Conv auto_pad={at['auto_pad']!r} is not supported (explicit pads only)")
+    x, w = node.input[0], node.input[1]
+    sx, sw = _shape(g, x, "input"), _shape(g, w, "weight")
+    if len(sx) != 4:
+        raise _Refuse(f"only 2-D convolutions (NCHW) are supported, input has rank {len(sx)}")
+    if w not in g.inits:
+        raise _Refuse("Conv weight is not a constant initializer")
+    sy = _shape(g, node.output[0], "output")
+    oc, c, kh, kw = sw
+    params = ConvParams(in_channels=int(c), out_channels=int(oc), kernel=(int(kh), int(kw)),
+                        strides=tuple(at.get("strides", (1, 1))), pads=tuple(at.get("pads", (0, 0, 0, 0))),
+                        dilations=tuple(at.get("dilations", (1, 1))))
+    return dict(op="conv", m=_expr([sy[0], sy[2], sy[3]]), n=_expr([oc]), k=_expr([c * kh * kw]), batch="1",
+                conv=params, conv_input=(_expr([sx[0]]), _expr([sx[2]]), _expr([sx[3]])),
+                bias=len(node.input) > 2 and bool(node.input[2]))
+
+
+_RULES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv}
+
+
+def _free_symbols(*exprs: str) -> set[str]:
+    import sympy
+
+    out: set[str] = set()
+    for e in exprs:
+        out |= {str(s) for s in sympy.sympify(e).free_symbols}
+    return out
+
+
+def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> ScanResult:
+    """Describe the model's MatMul/Gemm/Conv nodes as workloads (no instances yet).
+
+    ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
+    """
+    input_dims = model_symbols(model)
+    symbols = tuple(sorted({s for dims in input_dims.values() for s in dims if s}))
+    if not symbols:
+        return ScanResult((), (), (), input_dims)
+    inferred = _infer(_inference_copy(model, Path(base_dir) if base_dir is not None else None))
+    g = _Graph(inferred, model.graph.initializer)
+    groups: dict[tuple, list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
+    protos: dict[tuple, Workload] = {}
+    skipped = []
+    for i, node in enumerate(model.graph.node):
+        if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        name = node.name or f"{node.op_type}_{i}"
+        try:
+            info = _RULES[node.op_type](g, node)
+            dtype = _dtype(g, node.input[0])
+            exprs = [info["m"], info["n"], info["k"], info["batch"], *info.get("conv_input", ())]
+            if not _is_dynamic(*exprs):
+                raise _Refuse("static shapes: no symbolic dim to tune over")
+            unknown = _free_symbols(*exprs) - set(symbols)
+            if unknown:
+                raise _Refuse(f"shape depends on data-dependent dim(s) {', '.join(sorted(unknown))}")
+        except _Refuse as refusal:
+            skipped.append(Skipped(name, node.op_type, str(refusal)))
+            continue
+        n_const = int(info["n"]) if info["n"].isdigit() else -1
+        if info.get("bias"):  # Gemm's C / Conv's bias: the op carries it; only an activation can follow
+            act_epi, fused = _epilogue(g, node, n_const, allow_bias=False)
+            epilogue = Epilogue(True, act_epi.activation)
+        else:
+            epilogue, fused = _epilogue(g, node, n_const, allow_bias=info["op"] != "conv" and n_const > 0)
+        const = tuple(j for j, inp in enumerate(node.input) if inp and inp in g.inits)
+        wl = Workload(op=info["op"], onnx_op=node.op_type, nodes=(), m=info["m"], n=info["n"], k=info["k"],
+                      dtype=dtype, symbols=tuple(sorted(_free_symbols(*exprs))), batch=info["batch"],
+                      const_operands=const, trans_b=info.get("trans_b", False), epilogue=epilogue,
+                      conv=info.get("conv"), conv_input=info.get("conv_input"))
+        groups[_group_key(wl)].append((name, fused))
+        protos.setdefault(_group_key(wl), wl)
+    workloads = tuple(replace(protos[key], nodes=tuple(n for n, _ in members),
+                              fused_nodes=tuple(f for _, f in members))
+                      for key, members in groups.items())
+    return ScanResult(symbols, workloads, tuple(skipped), input_dims)
+
+
+def _group_key(w: Workload) -> tuple:
+    return (w.op, w.onnx_op, w.m, w.n, w.k, w.batch, w.dtype, w.trans_b, w.epilogue, w.conv, w.conv_input,
+            w.const_operands)
+
+
+def attach_instances(result: ScanResult, dims: Sequence[str] = (), shapes_file: str | Path | None = None
+                     ) -> ScanResult:
+    """Give every workload its instances, from ``--dim`` options or a shape log (not both)."""
+    if dims and shapes_file:
+        raise DietcodeError("give either --dim options or --shapes, not both")
+    if shapes_file:
+        observed = instances_from_shape_log(shapes_file, result.input_dims)
+        workloads = []
+        for w in result.workloads:
+            counts: dict[tuple[tuple[str, int], ...], float] = defaultdict(float)
+            for assignment, count in observed.items():
+                values = dict(assignment)
+                missing = [s for s in w.symbols if s not in values]
+                if missing:
+                    raise DietcodeError(f"shape log {shapes_file}: a record gives no value for symbol(s) "
+                                        f"{', '.join(missing)}")
+                counts[tuple((s, values[s]) for s in w.symbols)] += count
+            workloads.append(replace(w, instances=tuple(Instance(k, v) for k, v in sorted(counts.items()))))
+        return replace(result, workloads=tuple(workloads))
+    specs = parse_dim_options(dims, result.symbols)
+    if not specs:
+        return result
+    return replace(result, workloads=tuple(replace(w, instances=instances_from_dims(specs, w.symbols))
+                                           for w in result.workloads))
+
+
+def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
+    """Load and scan a model file; weights stored as external data are not read (only their shapes)."""
+    model = load_model(path, load_external_data=False)
+    return attach_instances(scan_model(model, Path(path).parent), dims, shapes_file)
+
+
+def to_json(result: ScanResult) -> dict:
+    def workload(w: Workload) -> dict:
+        return {
+            "op": w.op, "onnx_op": w.onnx_op, "nodes": list(w.nodes), "m": w.m, "n": w.n, "k": w.k,
+            "batch": w.batch, "dtype": w.dtype, "symbols": list(w.symbols),
+            "const_operands": list(w.const_operands), "trans_b": w.trans_b,
+            "epilogue": {"bias": w.epilogue.bias, "activation": w.epilogue.activation},
+            "fused_nodes": [list(f) for f in w.fused_nodes],
+            "conv": None if w.conv is None else {
+                "in_channels": w.conv.in_channels, "out_channels": w.conv.out_channels,
+                "kernel": list(w.conv.kernel), "strides": list(w.conv.strides), "pads": list(w.conv.pads),
+                "dilations": list(w.conv.dilations), "input": list(w.conv_input or ())},
+            "instances": [{"values": i.as_dict(), "weight": i.weight} for i in w.instances],
+        }
+    return {"symbols": list(result.symbols), "workloads": [workload(w) for w in result.workloads],
+            "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped]}
+
+
+def _print_table(result: ScanResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    table = Table(title=f"{len(result.workloads)} workloads over symbols {', '.join(result.symbols)}")
+    for col in ("#", "op", "M", "N", "K", "batch", "dtype", "epilogue", "nodes", "instances"):
+        table.add_column(col, overflow="fold")
+    for i, w in enumerate(result.workloads):
+        epi = "+".join(p for p in ("bias" if w.epilogue.bias else "", w.epilogue.activation
+                                   if w.epilogue.activation != "none" else "") if p) or "-"
+        op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
+        nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
+        table.add_row(str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
+                      str(len(w.instances)) if w.instances else "-")
+    console.print(table)
+    if result.skipped:
+        skipped = Table(title=f"{len(result.skipped)} nodes left as they are")
+        for col in ("node", "op", "reason"):
+            skipped.add_column(col, overflow="fold")
+        for s in result.skipped:
+            skipped.add_row(s.node, s.op, s.reason)
+        console.print(skipped)
+
+
+def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_json: bool) -> int:
+    import json
+
+    result = scan(model, dims, shapes_file)
+    if not result.symbols:
+        import sys
+
+        print(f"{model}: the model has no symbolic dims: nothing to do", file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        print(json.dumps(to_json(result), indent=2))
+    elif result.symbols:
+        _print_table(result)
+    return 0
