@@ -1,0 +1,323 @@
+"""Ahead-of-time compilation of the micro-kernel templates to cubin + PTX, with a disk cache.
+
+``compile_kernel`` calls ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))``
+directly: that needs no GPU (the ``triton.tools.compile`` CLI does). The result is a ``CompiledKernel``
+record that carries everything the runtime needs to launch it under the kernel ABI: parameter names in
+order (the two trailing scratch pointers are always there and take null), threads, shared bytes, the grid
+rule, and whether C must be zeroed first (split-K atomics).
+
+Value specialization: by default no scalar is assumed divisible by 16, so the kernel is valid for any
+shape. Triton only vectorizes and software-pipelines (cp.async / TMA) operand loads when the row strides
+are known multiples of 16, so ``div16`` can name ABI parameters (pointers: address % 16 == 0; int scalars:
+value % 16 == 0) to compile with that assumption; the record lists them in ``div16`` and the runtime must
+check each before choosing the kernel. ``aligned_params(op)`` gives the set that enables pipelining.
+
+Cache: one JSON file per artifact under ``default_cache_dir()`` (or ``cache_dir``), keyed by the Triton
+version, the template source hash, family, config, epilogue, trans_b, conv params, div16 and TF32 flag.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from dietcode_ort.errors import DietcodeError
+from tuner import templates
+from tuner.space import Family, MicroKernel, check_family
+from tuner.workload import ConvParams, Epilogue
+
+__all__ = ["CompiledKernel", "CompileJob", "CompileResult", "GRID_RULE", "compile_kernel", "compile_many",
+           "aligned_params", "default_cache_dir", "cache_key", "template_hash"]
+
+GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
+_TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_POINTERS = ("a", "b", "bias", "c")
+_ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
+_FORMAT = 1  # bump when the record layout changes
+
+
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The kernel cache folder: $DIETCODE_CACHE if set, else ~/.cache/dietcode-ort/kernels.
+
+    This is the one place that reads DIETCODE_CACHE; pass ``cache_dir`` explicitly to bypass it."""
+    env = os.environ if env is None else env
+    value = env.get("DIETCODE_CACHE")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "dietcode-ort" / "kernels"
+
+
+def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:
+    """The ``div16`` set that lets Triton vectorize and pipeline ``op``'s operand loads."""
+    templates.kernel_for(op)
+    return tuple(p for p in _POINTERS if bias or p != "bias") + _ALIGNED[op]
+
+
+def template_hash() -> str:
+    """sha256 of the templates' source file: any edit to a template invalidates cached artifacts."""
+    return hashlib.sha256(Path(templates.__file__).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One compiled micro-kernel and the launch facts the runtime needs (see the kernel ABI)."""
+
+    name: str
+    arch: int
+    cubin: bytes
+    ptx: str
+    params: tuple[str, ...]  # ABI names in parameter order, without the trailing scratch pointers
+    scratch_params: bool  # True: two trailing pointers (global, profile scratch) follow; pass null
+    num_warps: int
+    shared: int  # dynamic shared memory bytes to launch with
+    global_scratch_size: int
+    profile_scratch_size: int
+    zero_output: bool  # split-K accumulates with atomics: zero C on the stream first
+    config: MicroKernel
+    family: Family
+    grid: str  # GRID_RULE
+    block_m: int
+    block_n: int
+    split_k: int
+    epilogue: Epilogue
+    trans_b: bool
+    conv: ConvParams | None
+    div16: tuple[str, ...]  # params assumed divisible by 16; the runtime checks them
+    allow_tf32: bool
+    triton_version: str
+    n_regs: int | None = None  # from the ptxas log, when it was captured
+    n_spills: int | None = None  # spill stores + loads in bytes, from the ptxas log
+    constants: tuple[tuple[str, Any], ...] = field(default=())  # constexprs it was built with
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (cubin as base64)."""
+        data = asdict(self)
+        data["cubin"] = base64.b64encode(self.cubin).decode("ascii")
+        data["config"] = self.config.to_dict()
+        data["config_key"] = self.config.key()
+        data["constants"] = [list(item) for item in self.constants]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CompiledKernel":
+        conv = data.get("conv")
+        return cls(
+            name=data["name"], arch=int(data["arch"]), cubin=base64.b64decode(data["cubin"]), ptx=data["ptx"],
+            params=tuple(data["params"]), scratch_params=bool(data["scratch_params"]),
+            num_warps=int(data["num_warps"]), shared=int(data["shared"]),
+            global_scratch_size=int(data["global_scratch_size"]),
+            profile_scratch_size=int(data["profile_scratch_size"]), zero_output=bool(data["zero_output"]),
+            config=MicroKernel.from_dict(data["config"]), family=Family(**data["family"]), grid=data["grid"],
+            block_m=int(data["block_m"]), block_n=int(data["block_n"]), split_k=int(data["split_k"]),
+            epilogue=Epilogue(**data["epilogue"]), trans_b=bool(data["trans_b"]),
+            conv=None if conv is None else ConvParams(
+                in_channels=conv["in_channels"], out_channels=conv["out_channels"], kernel=tuple(conv["kernel"]),
+                strides=tuple(conv["strides"]), pads=tuple(conv["pads"]), dilations=tuple(conv["dilations"])),
+            div16=tuple(data["div16"]), allow_tf32=bool(data["allow_tf32"]),
+            triton_version=data["triton_version"], n_regs=data.get("n_regs"), n_spills=data.get("n_spills"),
+            constants=tuple((k, v) for k, v in data.get("constants", ())))
+
+
+def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b: bool,
+                  conv: ConvParams | None, div16: Sequence[str], allow_tf32: bool) -> None:
+    check_family(family)
+    templates.check_epilogue(family.op, epilogue, config.split_k)
+    if (family.op == "conv") != (conv is not None):
+        raise DietcodeError(f"{family.op}: ConvParams are {'required' if family.op == 'conv' else 'only for conv'}")
+    if family.op == "conv" and trans_b:
+        raise DietcodeError("conv: trans_b does not apply (the weight is always [OC, C*KH*KW])")
+    allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"})
+    unknown = sorted(set(div16) - allowed)
+    if unknown:
+        raise DietcodeError(f"div16 names {unknown} are not parameters of {family.op}; allowed: "
+                            f"{', '.join(p for p in templates.ABI_PARAMS[family.op] if p in allowed)}")
+    if allow_tf32 and family.dtype != "float32":
+        raise DietcodeError(f"allow_tf32 applies to float32 only, not {family.dtype}")
+
+
+def cache_key(family: Family, config: MicroKernel, *, epilogue: Epilogue, trans_b: bool,
+              conv: ConvParams | None, div16: Sequence[str], allow_tf32: bool) -> str:
+    """sha256 over everything that changes the compiled artifact."""
+    import triton
+
+    payload = {"format": _FORMAT, "triton": triton.__version__, "templates": template_hash(),
+               "family": asdict(family), "config": config.key(), "epilogue": asdict(epilogue),
+               "trans_b": trans_b, "conv": None if conv is None else asdict(conv),
+               "div16": sorted(div16), "allow_tf32": allow_tf32}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b: bool,
+               conv: ConvParams | None, allow_tf32: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    fn = templates.kernel_for(family.op)
+    pointer = "*" + _TRITON_DTYPE[family.dtype]
+    constants: dict[str, Any] = dict(
+        HAS_BIAS=epilogue.bias, ACTIVATION=epilogue.activation,
+        DOT_PRECISION="tf32" if allow_tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=config.split_k)
+    if family.op == "conv":
+        assert conv is not None
+        constants.update(templates.conv_geometry(conv))
+    else:
+        constants["TRANS_B"] = trans_b
+    if not epilogue.bias:
+        constants["bias"] = None
+    signature: dict[str, str] = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in _POINTERS:
+            signature[name] = pointer
+        else:
+            signature[name] = "i32"
+    return signature, constants
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
+    regs = _PTXAS_REGS.search(log)
+    spills = _PTXAS_SPILLS.search(log)
+    return (int(regs.group(1)) if regs else None,
+            int(spills.group(1)) + int(spills.group(2)) if spills else None)
+
+
+def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
+                    arch: int, num_warps: int, num_stages: int) -> tuple[Any, str]:
+    """Compile and capture the ptxas log (Triton prints it when its dump knob is on)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    knobs = triton.knobs.nvidia
+    previous = knobs.dump_ptxas_log
+    log = io.StringIO()
+    try:
+        knobs.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
+                                      target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": num_warps, "num_stages": num_stages,
+                                               "enable_fp_fusion": True})
+    finally:
+        knobs.dump_ptxas_log = previous
+    return compiled, log.getvalue()
+
+
+def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = Epilogue(),
+                   trans_b: bool = False, conv: ConvParams | None = None, cache_dir: Path | None = None,
+                   div16: Sequence[str] = (), allow_tf32: bool = False) -> CompiledKernel:
+    """Compile ``family.op``'s template with ``config`` for ``family.target`` (cached on disk).
+
+    Raises DietcodeError for bad input and for kernels that need scratch memory."""
+    import triton
+
+    _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
+    profile = check_family(family)
+    div16 = tuple(sorted(set(div16)))
+    key = cache_key(family, config, epilogue=epilogue, trans_b=trans_b, conv=conv, div16=div16,
+                    allow_tf32=allow_tf32)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    if path.exists():
+        try:
+            return CompiledKernel.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)  # a damaged entry is rebuilt
+    fn = templates.kernel_for(family.op)
+    signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
+    compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
+                                    config.num_stages)
+    md = compiled.metadata
+    if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
+        raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
+                            f"(global {md.global_scratch_size} B, profile {md.profile_scratch_size} B); "
+                            "the runtime passes null scratch pointers, so such kernels are refused")
+    n_regs, n_spills = _parse_ptxas(log)
+    params = tuple(p for p in templates.ABI_PARAMS[family.op] if signature[p] != "constexpr")
+    kernel = CompiledKernel(
+        name=md.name, arch=profile.arch, cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"], params=params,
+        scratch_params=True, num_warps=md.num_warps, shared=md.shared,
+        global_scratch_size=md.global_scratch_size, profile_scratch_size=md.profile_scratch_size,
+        zero_output=config.split_k > 1, config=config, family=family, grid=GRID_RULE,
+        block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
+        trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
+        n_regs=n_regs, n_spills=n_spills,
+        constants=tuple(sorted((k, v) for k, v in constants.items() if k != "bias")))
+    _write_atomic(path, json.dumps(kernel.to_dict()))
+    return kernel
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """The arguments of one ``compile_kernel`` call."""
+
+    family: Family
+    config: MicroKernel
+    epilogue: Epilogue = Epilogue()
+    trans_b: bool = False
+    conv: ConvParams | None = None
+    div16: tuple[str, ...] = ()
+    allow_tf32: bool = False
+    cache_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """A compile outcome: the kernel, or None and the error (a failure is data, not an exception)."""
+
+    job: CompileJob
+    kernel: CompiledKernel | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kernel is not None
+
+
+def _run_job(job: CompileJob) -> CompileResult:
+    try:
+        kernel = compile_kernel(job.family, job.config, epilogue=job.epilogue, trans_b=job.trans_b,
+                                conv=job.conv, cache_dir=job.cache_dir, div16=job.div16,
+                                allow_tf32=job.allow_tf32)
+        return CompileResult(job, kernel)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure becomes a recorded result
+        return CompileResult(job, None, f"{type(exc).__name__}: {exc}".strip()[:2000])
+
+
+def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
+    """Compile ``jobs`` in ``workers`` processes (default: CPU count); results in job order."""
+    jobs = list(jobs)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+    if workers == 1:
+        return [_run_job(job) for job in jobs]
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_run_job, jobs))

@@ -1,0 +1,145 @@
+"""Hardware profiles of the target GPUs: the limits the search space is pruned by, the occupancy limiter
+the cost model's f_adapt needs (resident blocks per SM), and peak figures for an analytic roofline.
+
+Sources, cited per figure below:
+- [CG] CUDA C++ Programming Guide, "Compute Capabilities", table "Technical Specifications per Compute
+  Capability" (columns 8.0, 8.9, 9.0), and its sections 16.6 (cc 8.x) / 16.7 (cc 9.0) on shared memory.
+- [A100] NVIDIA A100 Tensor Core GPU datasheet (2021) and the NVIDIA A100 Tensor Core GPU Architecture
+  whitepaper (2020), A100 SXM4.
+- [L4] NVIDIA L4 Tensor Core GPU datasheet (2023).
+- [H100] NVIDIA H100 Tensor Core GPU datasheet (2023) and the NVIDIA H100 Tensor Core GPU Architecture
+  whitepaper (2022), H100 SXM5.
+Tensor throughputs are dense (the datasheets' headline figures with sparsity are twice these).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dietcode_ort.errors import DietcodeError
+
+__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "get_profile", "resident_blocks"]
+
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Per-GPU limits (per block / per SM) and peak throughputs. Memory sizes are bytes."""
+
+    name: str
+    arch: int  # compute capability x 10 (80, 89, 90); Triton's GPUTarget arch
+    num_sms: int
+    warp_size: int
+    max_threads_per_block: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    smem_per_block: int  # without opt-in (static + dynamic)
+    smem_per_block_optin: int  # after cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
+    smem_per_sm: int
+    regs_per_sm: int  # 32-bit registers
+    regs_per_thread: int
+    mma_min_tile: tuple[int, int, int]  # (m, n, k) of the smallest fp16 tensor-core MMA (mma.sync)
+    dram_bandwidth_gbs: float
+    fp16_tensor_tflops: float
+    tf32_tensor_tflops: float
+    fp32_tflops: float
+    smem_reserved_per_block: int = 1 * KIB  # [CG] 16.6/16.7: 1 KB of shared memory per block is reserved
+    reg_alloc_unit: int = 256  # [CG] register allocation unit size (per warp), cc 8.x and 9.0
+
+    def limits(self) -> dict[str, int]:
+        """The integer limits the space is pruned by, for reports and JSON."""
+        return {"max_threads_per_block": self.max_threads_per_block, "smem_per_block": self.smem_per_block,
+                "smem_per_block_optin": self.smem_per_block_optin, "smem_per_sm": self.smem_per_sm,
+                "regs_per_thread": self.regs_per_thread, "regs_per_sm": self.regs_per_sm,
+                "num_sms": self.num_sms, "max_blocks_per_sm": self.max_blocks_per_sm}
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "sm_80": HardwareProfile(
+        name="NVIDIA A100 SXM4 (40/80 GB)",
+        arch=80,
+        num_sms=108,  # [A100] whitepaper: 108 SMs enabled on A100
+        warp_size=32,  # [CG] all compute capabilities
+        max_threads_per_block=1024,  # [CG] cc 8.0
+        max_threads_per_sm=2048,  # [CG] cc 8.0: 64 resident warps per SM
+        max_blocks_per_sm=32,  # [CG] cc 8.0
+        smem_per_block=48 * KIB,  # [CG] default per-block limit without opt-in
+        smem_per_block_optin=163 * KIB,  # [CG] cc 8.0: 163 KB per block with opt-in
+        smem_per_sm=164 * KIB,  # [CG] cc 8.0: max shared memory per SM 164 KB
+        regs_per_sm=64 * KIB,  # [CG] 64K 32-bit registers per SM
+        regs_per_thread=255,  # [CG] max registers per thread
+        mma_min_tile=(16, 8, 16),  # PTX ISA: mma.sync.m16n8k16 for f16/bf16
+        dram_bandwidth_gbs=2039.0,  # [A100] datasheet: 80GB SXM 2,039 GB/s (40GB SXM: 1,555 GB/s)
+        fp16_tensor_tflops=312.0,  # [A100] datasheet: FP16/BF16 Tensor Core 312 TFLOPS (dense)
+        tf32_tensor_tflops=156.0,  # [A100] datasheet: TF32 Tensor Core 156 TFLOPS (dense)
+        fp32_tflops=19.5,  # [A100] datasheet: FP32 19.5 TFLOPS
+    ),
+    "sm_89": HardwareProfile(
+        name="NVIDIA L4",
+        arch=89,
+        num_sms=58,  # [L4] AD104 configuration of the L4: 58 SMs (7,424 CUDA cores / 128 per SM)
+        warp_size=32,
+        max_threads_per_block=1024,  # [CG] cc 8.9
+        max_threads_per_sm=1536,  # [CG] cc 8.9: 48 resident warps per SM
+        max_blocks_per_sm=24,  # [CG] cc 8.9
+        smem_per_block=48 * KIB,  # [CG]
+        smem_per_block_optin=99 * KIB,  # [CG] cc 8.6/8.9: 99 KB per block with opt-in
+        smem_per_sm=100 * KIB,  # [CG] cc 8.6/8.9: max shared memory per SM 100 KB
+        regs_per_sm=64 * KIB,  # [CG]
+        regs_per_thread=255,  # [CG]
+        mma_min_tile=(16, 8, 16),  # PTX ISA: mma.sync.m16n8k16
+        dram_bandwidth_gbs=300.0,  # [L4] datasheet: GPU memory bandwidth 300 GB/s
+        fp16_tensor_tflops=121.0,  # [L4] datasheet: FP16/BF16 Tensor Core 242 TFLOPS with sparsity
+        tf32_tensor_tflops=60.0,  # [L4] datasheet: TF32 Tensor Core 120 TFLOPS with sparsity
+        fp32_tflops=30.3,  # [L4] datasheet: FP32 30.3 TFLOPS
+    ),
+    "sm_90": HardwareProfile(
+        name="NVIDIA H100 SXM5",
+        arch=90,
+        num_sms=132,  # [H100] datasheet / whitepaper: H100 SXM5 has 132 SMs
+        warp_size=32,
+        max_threads_per_block=1024,  # [CG] cc 9.0
+        max_threads_per_sm=2048,  # [CG] cc 9.0
+        max_blocks_per_sm=32,  # [CG] cc 9.0
+        smem_per_block=48 * KIB,  # [CG]
+        smem_per_block_optin=227 * KIB,  # [CG] cc 9.0: 227 KB per block with opt-in
+        smem_per_sm=228 * KIB,  # [CG] cc 9.0: max shared memory per SM 228 KB
+        regs_per_sm=64 * KIB,  # [CG]
+        regs_per_thread=255,  # [CG]
+        mma_min_tile=(16, 8, 16),  # PTX ISA: mma.sync.m16n8k16 (wgmma needs a 64-row warpgroup tile)
+        dram_bandwidth_gbs=3350.0,  # [H100] datasheet: SXM 3.35 TB/s HBM3
+        fp16_tensor_tflops=989.4,  # [H100] datasheet: FP16/BF16 Tensor Core 1,979 TFLOPS with sparsity
+        tf32_tensor_tflops=494.7,  # [H100] datasheet: TF32 Tensor Core 989 TFLOPS with sparsity
+        fp32_tflops=66.9,  # [H100] datasheet: FP32 67 TFLOPS
+    ),
+}
+
+TARGETS: tuple[str, ...] = tuple(PROFILES)
+
+
+def get_profile(target: str) -> HardwareProfile:
+    """The profile of ``target`` ("sm_80", "sm_89", "sm_90")."""
+    try:
+        return PROFILES[target]
+    except KeyError:
+        raise DietcodeError(f"unknown target {target!r}; known targets: {', '.join(TARGETS)}") from None
+
+
+def resident_blocks(profile: HardwareProfile, threads: int, regs_per_thread: int, shared_bytes: int) -> int:
+    """Blocks of one kernel that fit on one SM at once: the minimum over the thread, register, shared
+    memory and block-count limits (the CUDA occupancy calculator's rules). 0 means it cannot launch."""
+    if threads <= 0 or threads > profile.max_threads_per_block or regs_per_thread > profile.regs_per_thread:
+        return 0
+    warps = math.ceil(threads / profile.warp_size)
+    by_threads = profile.max_threads_per_sm // (warps * profile.warp_size)
+    if regs_per_thread > 0:
+        unit = profile.reg_alloc_unit
+        regs_per_warp = math.ceil(regs_per_thread * profile.warp_size / unit) * unit
+        by_regs = profile.regs_per_sm // (regs_per_warp * warps)
+    else:
+        by_regs = profile.max_blocks_per_sm
+    if shared_bytes > profile.smem_per_block_optin:
+        return 0
+    by_smem = profile.smem_per_sm // (shared_bytes + profile.smem_reserved_per_block)
+    return max(0, min(by_threads, by_regs, by_smem, profile.max_blocks_per_sm))

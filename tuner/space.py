@@ -1,0 +1,207 @@
+"""The shape-generic search space: micro-kernel configs derived from the target GPU's limits only.
+
+DietCode's point is that every shape of a dynamic workload searches the *same* candidate set, so one
+measurement teaches the cost model about all shapes. ``enumerate_space(family)`` therefore takes no
+shapes: a family is (op, dtype, target) and the space is the product of the axes below minus what the
+target's hardware profile rules out.
+
+Axes (chosen so each family keeps a few hundred candidates, which a tuner measuring 64 per round can
+cover in a handful of rounds):
+- BLOCK_M, BLOCK_N in {16, 32, 64, 128, 256}: 16 is Triton's smallest ``tl.dot`` tile and serves M = 1
+  decode rows; 256 is the largest tile that fits registers with 8 warps.
+- BLOCK_K in {16, 32, 64, 128}.
+- num_warps in {2, 4, 8}; num_stages in {2, 3, 4} (software-pipelining depth; 5 rarely beats 4 and only
+  costs shared memory).
+- GROUP_M = 8 (tile-row swizzle for L2 reuse; with fewer tile rows than 8 it degenerates to row-major,
+  so it never hurts and the value 1 is not worth doubling the space).
+- SPLIT_K in {1, 4}, only with BLOCK_M * BLOCK_N <= 64 * 64: split-K exists for small outputs with
+  long reductions (decode-style M), which large tiles do not serve anyway.
+
+Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
+- ``threads``: num_warps * warp_size <= max_threads_per_block.
+- ``mma_tile``: BLOCK_M >= mma m, BLOCK_N >= mma n, BLOCK_K >= mma k scaled to the dtype (k=16 for
+  16-bit types, 8 for tf32); Triton's ``tl.dot`` additionally needs every dim >= 16.
+- ``warp_tile``: every warp must own at least one mma tile: BLOCK_M * BLOCK_N >= num_warps * m * n * 2
+  (the m16n8 MMA is issued in pairs per 16x16 output fragment).
+- ``shared_memory``: num_stages * (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * dtype bytes <= smem_per_block_optin.
+- ``registers``: fp32 accumulator BLOCK_M*BLOCK_N/threads + one stage of operand fragments
+  (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread.
+- ``split_k``: split-K only on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
+
+``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
+limit (``shared`` > smem_per_block_optin, register spills > 0).
+
+Measured sizes of ``enumerate_space`` (from 3 * 3 * 5 * 5 * 4 * 3 * 3 * 1 * 2 = ... see SPACE_SIZES below,
+checked by tests/test_space.py):
+SPACE_SIZES
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import asdict, dataclass, fields
+
+from dietcode_ort.errors import DietcodeError
+from tuner.hardware import HardwareProfile, TARGETS, get_profile
+from tuner.workload import DTYPES, OPS
+
+__all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
+           "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers"]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+AXES: dict[str, tuple[int, ...]] = {
+    "block_m": (16, 32, 64, 128, 256),
+    "block_n": (16, 32, 64, 128, 256),
+    "block_k": (16, 32, 64, 128),
+    "num_warps": (2, 4, 8),
+    "num_stages": (2, 3, 4),
+    "group_m": (8,),
+    "split_k": (1, 4),
+}
+
+RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k")
+_SPLIT_K_MAX_TILE = 64 * 64
+_REG_OVERHEAD = 32
+_MMA_PER_WARP = 4
+_MIN_K_BYTES = 64
+_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)")
+
+
+@dataclass(frozen=True, order=True)
+class MicroKernel:
+    """One micro-kernel: a tile program's compile-time configuration."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    split_k: int = 1
+
+    def key(self) -> str:
+        """A stable short name, e.g. ``m64n64k32w4s3g8k1`` (the trailing k is split_k)."""
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+                f"g{self.group_m}k{self.split_k}")
+
+    @classmethod
+    def from_key(cls, key: str) -> "MicroKernel":
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1")
+        return cls(*(int(g) for g in match.groups()))
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> "MicroKernel":
+        return cls(**{f.name: int(data[f.name]) for f in fields(cls) if f.name in data})
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+
+@dataclass(frozen=True, order=True)
+class Family:
+    """Workloads that share one search space: same op template, dtype and target GPU."""
+
+    op: str
+    dtype: str
+    target: str
+
+    @property
+    def profile(self) -> HardwareProfile:
+        return get_profile(self.target)
+
+
+FAMILIES: tuple[Family, ...] = tuple(Family(op, dtype, target)
+                                     for target in TARGETS for op in OPS for dtype in DTYPES)
+
+
+def check_family(family: Family) -> HardwareProfile:
+    """Validate op, dtype and target of ``family``; return its hardware profile."""
+    if family.op not in OPS:
+        raise DietcodeError(f"unknown op {family.op!r}; allowed: {', '.join(OPS)}")
+    if family.dtype not in DTYPES:
+        raise DietcodeError(f"unknown dtype {family.dtype!r}; allowed: {', '.join(DTYPES)}")
+    return get_profile(family.target)
+
+
+def estimate_shared(config: MicroKernel, dtype: str) -> int:
+    """Pipelined operand buffers in shared memory: stages x (A tile + B tile) x element size."""
+    tile = config.block_m * config.block_k + config.block_k * config.block_n
+    return config.num_stages * tile * DTYPE_BYTES[dtype]
+
+
+def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32) -> int:
+    """Registers per thread: fp32 accumulator + one stage of operand fragments + a fixed overhead."""
+    threads = config.num_warps * warp_size
+    acc = config.block_m * config.block_n // threads
+    operands = (config.block_m * config.block_k + config.block_k * config.block_n) * DTYPE_BYTES[dtype]
+    return acc + -(-operands // (4 * threads)) + _REG_OVERHEAD
+
+
+def _failed_rule(config: MicroKernel, dtype: str, p: HardwareProfile) -> str | None:
+    mma_m, mma_n, mma_k = p.mma_min_tile
+    k_min = max(16, mma_k * 2 // DTYPE_BYTES[dtype])
+    if config.num_warps * p.warp_size > p.max_threads_per_block:
+        return "threads"
+    if config.block_m < max(16, mma_m) or config.block_n < max(16, mma_n) or config.block_k < k_min:
+        return "mma_tile"
+    if config.block_k * DTYPE_BYTES[dtype] < _MIN_K_BYTES:
+        return "k_bytes"
+    if config.block_m * config.block_n < config.num_warps * mma_m * mma_n * _MMA_PER_WARP:
+        return "warp_tile"
+    if estimate_shared(config, dtype) > p.smem_per_block_optin:
+        return "shared_memory"
+    if estimate_registers(config, dtype, p.warp_size) > p.regs_per_thread:
+        return "registers"
+    if config.split_k > 1 and config.block_m * config.block_n > _SPLIT_K_MAX_TILE:
+        return "split_k"
+    return None
+
+
+def _product() -> list[MicroKernel]:
+    return [MicroKernel(*values) for values in itertools.product(*AXES.values())]
+
+
+def enumerate_space(family: Family) -> list[MicroKernel]:
+    """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic)."""
+    profile = check_family(family)
+    return sorted(c for c in _product() if _failed_rule(c, family.dtype, profile) is None)
+
+
+def prune_report(family: Family) -> dict[str, int]:
+    """How many configs each rule removed, plus ``total`` (the axes' product) and ``kept``."""
+    profile = check_family(family)
+    counts = {rule: 0 for rule in RULES}
+    kept = 0
+    configs = _product()
+    for config in configs:
+        rule = _failed_rule(config, family.dtype, profile)
+        if rule is None:
+            kept += 1
+        else:
+            counts[rule] += 1
+    return {"total": len(configs), **counts, "kept": kept}
+
+
+def validate(family: Family, config: MicroKernel) -> None:
+    """Raise DietcodeError unless ``config`` belongs to ``family``'s space, naming the allowed values."""
+    profile = check_family(family)
+    for name, allowed in AXES.items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise DietcodeError(f"{config.key()}: {name}={value} is outside the space; allowed: "
+                                f"{', '.join(map(str, allowed))}")
+    rule = _failed_rule(config, family.dtype, profile)
+    if rule is not None:
+        raise DietcodeError(
+            f"{config.key()} is pruned from the {family.op}/{family.dtype}/{family.target} space by rule "
+            f"{rule!r} (shared estimate {estimate_shared(config, family.dtype)} B of "
+            f"{profile.smem_per_block_optin} B, registers estimate "
+            f"{estimate_registers(config, family.dtype, profile.warp_size)} of {profile.regs_per_thread}, "
+            f"{config.threads} threads of {profile.max_threads_per_block}); allowed rules: {', '.join(RULES)}")

@@ -1,0 +1,282 @@
+"""Triton micro-kernel templates (GEMM, batched GEMM, NCHW Conv2d as implicit GEMM) and a JIT launcher.
+
+Each template computes one BLOCK_M x BLOCK_N tile of C per program and is run once per tile to cover any
+shape: this is DietCode's micro-kernel. Every load past a tensor edge is masked with ``other=0`` and every
+store is masked, so no shape needs padding. Accumulation is fp32; the output has the input dtype.
+
+Kernel parameters follow the shared kernel ABI (see ``ABI_PARAMS``): pointers ``a, b, [bias], c`` then int32
+scalars; everything else (transposition, activation, tile sizes, conv geometry) is a ``tl.constexpr``.
+The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 the partial
+sums are added into a zeroed C with atomics (activation must be "none"; split 0 adds the bias).
+
+``run`` launches a template through Triton's ordinary JIT path: the tests use it under
+``TRITON_INTERPRET=1`` on torch CPU tensors, a GPU measurer uses it on CUDA tensors. ``tuner.aot`` compiles
+the same functions ahead of time.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import triton
+import triton.language as tl
+
+from dietcode_ort.errors import DietcodeError
+from tuner.workload import ACTIVATIONS, ConvParams, Epilogue
+
+if TYPE_CHECKING:  # torch is only needed by callers that launch
+    import torch
+
+    from tuner.space import MicroKernel
+
+__all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "KERNELS", "ABI_PARAMS", "kernel_for", "conv_geometry",
+           "conv_out_size", "run", "check_epilogue"]
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map program_id(0) to a (tile row, tile col) pair, GROUP_M tile rows at a time (L2 reuse)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, bias, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+              SPLIT_K: tl.constexpr):
+    """Add the bias (broadcast along N; split 0 only under split-K) and apply the activation."""
+    if HAS_BIAS:
+        bias_v = tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            bias_v = bias_v * (tl.program_id(1) == 0).to(tl.float32)
+        acc = acc + bias_v[None, :]
+    if ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    return acc
+
+
+@triton.jit
+def _store(c_ptrs, acc, mask, SPLIT_K: tl.constexpr):
+    out = acc.to(c_ptrs.dtype.element_ty)
+    if SPLIT_K > 1:
+        tl.atomic_add(c_ptrs, out, mask=mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, out, mask=mask)
+
+
+@triton.jit
+def _matmul_tile(a_base, b_base, bias, c_base, M, N, K,
+                 TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ptrs = a_base + offs_m[:, None] * K + offs_k[None, :]
+    if TRANS_B:
+        b_ptrs = b_base + offs_n[None, :] * K + offs_k[:, None]
+        b_step = BLOCK_K * SPLIT_K
+    else:
+        b_ptrs = b_base + offs_k[:, None] * N + offs_n[None, :]
+        b_step = BLOCK_K * SPLIT_K * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+        k_left = K - k0 * BLOCK_K * SPLIT_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * SPLIT_K
+        b_ptrs += b_step
+    acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+    c_ptrs = c_base + offs_m[:, None] * N + offs_n[None, :]
+    _store(c_ptrs, acc, (offs_m[:, None] < M) & (offs_n[None, :] < N), SPLIT_K)
+
+
+@triton.jit
+def gemm_kernel(a, b, bias, c, M, N, K,
+                TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """C[M, N] = act(A[M, K] @ B + bias)."""
+    _matmul_tile(a, b, bias, c, M, N, K, TRANS_B, HAS_BIAS, ACTIVATION, DOT_PRECISION,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+
+
+@triton.jit
+def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch,
+               TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """C[z] = act(A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an operand."""
+    z = tl.program_id(2).to(tl.int64)
+    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, M, N, K,
+                 TRANS_B, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+
+
+@triton.jit
+def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
+                CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+                DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Y = act(conv2d(X, W) + bias), NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc,
+    reduction (c, kh, kw). X [img_n, C, img_h, img_w], W [N=OC, K=C*KH*KW], Y [img_n, OC, out_h, out_w]."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    hw_out = out_h * out_w
+    img = offs_m // hw_out
+    pix = offs_m % hw_out
+    ih0 = (pix // out_w) * STRIDE_H - PAD_H
+    iw0 = (pix % out_w) * STRIDE_W - PAD_W
+    x_img = img.to(tl.int64) * (CHANNELS * img_h * img_w)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+        offs_k = (k0 * SPLIT_K + pid_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        ch = offs_k // (KH * KW)
+        kr = offs_k % (KH * KW)
+        ih = ih0[:, None] + ((kr // KW) * DIL_H)[None, :]
+        iw = iw0[:, None] + ((kr % KW) * DIL_W)[None, :]
+        x_ok = m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < img_h) & (iw >= 0) & (iw < img_w)
+        x_ptrs = a + x_img[:, None] + (ch[None, :] * img_h + ih) * img_w + iw
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+    y_ptrs = c + (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
+    _store(y_ptrs, acc, m_ok[:, None] & n_ok[None, :], SPLIT_K)
+
+
+KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel}
+
+# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" only when it has one.
+ABI_PARAMS: dict[str, tuple[str, ...]] = {
+    "gemm": ("a", "b", "bias", "c", "M", "N", "K"),
+    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
+    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+}
+
+
+def kernel_for(op: str) -> Any:
+    """The @triton.jit template for ``op`` (one of "gemm", "bmm", "conv")."""
+    try:
+        return KERNELS[op]
+    except KeyError:
+        raise DietcodeError(f"unknown op {op!r}; allowed: {', '.join(KERNELS)}") from None
+
+
+def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
+    """Reject epilogues the templates cannot fuse (unknown activation, activation under split-K)."""
+    if epilogue.activation not in ACTIVATIONS:
+        raise DietcodeError(f"unknown activation {epilogue.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+    if split_k > 1 and epilogue.activation != "none":
+        raise DietcodeError(f"{op}: split_k={split_k} sums partial products with atomics, so the activation "
+                            f"must be 'none' (got {epilogue.activation!r}); use split_k=1")
+
+
+def conv_out_size(size: int, kernel: int, stride: int, pad_lo: int, pad_hi: int, dilation: int) -> int:
+    """Output extent of one spatial axis (ONNX/PyTorch formula, floor)."""
+    return (size + pad_lo + pad_hi - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def conv_geometry(conv: ConvParams) -> dict[str, int]:
+    """The conv constexprs of ``conv_kernel`` for one layer. Asymmetric pads are not supported, since
+    the kernel only needs the top/left pad when the output size is given; they are accepted as long as
+    the caller computes out_h/out_w with all four pads (``conv_out_size``)."""
+    if conv.in_channels <= 0 or conv.out_channels <= 0:
+        raise DietcodeError(f"conv channels must be positive, got {conv.in_channels} -> {conv.out_channels}")
+    return {"CHANNELS": conv.in_channels, "KH": conv.kernel[0], "KW": conv.kernel[1],
+            "STRIDE_H": conv.strides[0], "STRIDE_W": conv.strides[1],
+            "PAD_H": conv.pads[0], "PAD_W": conv.pads[1],
+            "DIL_H": conv.dilations[0], "DIL_W": conv.dilations[1]}
+
+
+def _dot_precision(dtype: "torch.dtype", allow_tf32: bool) -> str:
+    import torch
+
+    return "tf32" if (dtype == torch.float32 and allow_tf32) else "ieee"
+
+
+def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Tensor", int]:
+    """The operand and its batch stride: 0 when its batch dims are all 1 (broadcast), rows*cols when they
+    equal the output's. A partial broadcast (e.g. [3, 1] against [3, 4]) is not expressible with one
+    stride, so such an operand is expanded to the full batch here (the runtime ABI has no such case)."""
+    lead = tuple(x.shape[:-2])
+    if math.prod(lead) == 1:
+        return x, 0
+    if math.prod(lead) != math.prod(batch):
+        x = x.expand(*batch, *x.shape[-2:]).contiguous()
+    return x, x.shape[-2] * x.shape[-1]
+
+
+def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
+        bias: "torch.Tensor | None" = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
+        conv: ConvParams | None = None, allow_tf32: bool = False) -> "torch.Tensor":
+    """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
+
+    gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
+    operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
+    b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``.
+    """
+    import torch
+
+    kernel = kernel_for(op)
+    check_epilogue(op, epilogue, config.split_k)
+    if epilogue.bias != (bias is not None):
+        raise DietcodeError(f"{op}: epilogue.bias={epilogue.bias} but bias tensor "
+                            f"{'given' if bias is not None else 'missing'}")
+    a, b = a.contiguous(), b.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=epilogue.activation,
+                DOT_PRECISION=_dot_precision(a.dtype, allow_tf32), BLOCK_M=config.block_m,
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=config.split_k,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    alloc = torch.zeros if config.split_k > 1 else torch.empty
+    if op == "conv":
+        if conv is None:
+            raise DietcodeError("conv: ConvParams are required")
+        n_img, _, h, w = a.shape
+        oh = conv_out_size(h, conv.kernel[0], conv.strides[0], conv.pads[0], conv.pads[2], conv.dilations[0])
+        ow = conv_out_size(w, conv.kernel[1], conv.strides[1], conv.pads[1], conv.pads[3], conv.dilations[1])
+        m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
+        out = alloc((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, **conv_geometry(conv), **meta)
+        return out
+    m, k = a.shape[-2:]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    if (b.shape[-1] if trans_b else b.shape[-2]) != k:
+        raise DietcodeError(f"{op}: inner dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}, trans_b={trans_b}")
+    if op == "gemm":
+        if a.dim() != 2 or b.dim() != 2:
+            raise DietcodeError(f"gemm: expects 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+        out = alloc((m, n), dtype=a.dtype, device=a.device)
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
+        kernel[grid](a, b, bias, out, m, n, k, TRANS_B=trans_b, **meta)
+        return out
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    a, sa = _batch_operand(a, batch)
+    b, sb = _batch_operand(b, batch)
+    out = alloc((*batch, m, n), dtype=a.dtype, device=a.device)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k,
+            max(1, math.prod(batch)))
+    kernel[grid](a, b, bias, out, m, n, k, sa, sb, TRANS_B=trans_b, **meta)
+    return out
