@@ -1,0 +1,620 @@
+"""End-to-end latency of an optimized model against the original, shape by shape.
+
+``dietcode-ort bench MODEL --optimized OPT`` answers the question the project exists for: is the
+``ai.dietcode`` model faster than stock ONNX Runtime on the shapes that matter, and by how much. The
+protocol is built so the comparison is fair:
+
+- both models run on the same provider; the optimized one has the custom-op library registered;
+- every shape's outputs are checked against the original's (dtype-aware tolerance) before any
+  steady-state timing, so a fast but wrong kernel never gets a speedup figure;
+- first-call latency is measured on a shape each session has not seen, after one warm-up run on a
+  different shape (that is where ORT's CUDA EP runs its cuDNN search and a tuned model should not);
+- steady-state repetitions alternate ABBA between the two models so machine drift hits both alike;
+- on CUDA, inputs are copied to the device once and outputs are bound on the device (I/O binding),
+  so host copies are not timed.
+
+Symbols not swept with ``--dim`` take a default from :data:`DEFAULT_DIMS` (first matching pattern).
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import math
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from dietcode_ort import __version__
+from dietcode_ort.errors import DietcodeError
+
+__all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
+           "ShapeResult", "BenchReport", "parse_dims", "sweep", "warmup_shape", "make_feeds",
+           "load_model_info", "check_compatible", "check_agreement", "OrtRunner", "measure", "run_bench",
+           "device_name", "environment", "write_json", "write_plot", "print_report", "bench_command"]
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+# (regex on the symbol name, default value): batch-like dims 1, sequence-like 128, image sides 224.
+DEFAULT_DIMS: tuple[tuple[str, int], ...] = (
+    (r"batch|^n$|^b$", 1), (r"seq|len|token", 128), (r"height|width|size|^h$|^w$", 224))
+FALLBACK_DIM = 1
+# dtype name -> (rtol, atol) for the agreement check; integer and bool outputs must match exactly.
+TOLERANCES = {"float32": (1e-3, 1e-3), "float64": (1e-3, 1e-3), "float16": (2e-2, 2e-2)}
+_SMALL_VOCAB = 2  # index range for int inputs whose embedding table cannot be found
+_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything ``bench`` needs, read at the CLI edge."""
+
+    model: Path
+    optimized: Path
+    dims: tuple[str, ...] = ()         # NAME=SPEC strings
+    ties: tuple[str, ...] = ()         # NAME=OTHER: NAME takes OTHER's value in every shape
+    provider: str = "cpu"
+    repeat: int = 20
+    warmup: int = 3
+    seed: int = 0
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input: name, numpy dtype name and dims (int, or a symbol name)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What bench reads from a model file without its weights."""
+
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+    vocab: tuple[tuple[str, int], ...]  # int input -> rows of the embedding table it indexes
+    custom_nodes: int                   # nodes in the ai.dietcode domain
+
+    @property
+    def symbols(self) -> list[str]:
+        return sorted({d for spec in self.inputs for d in spec.dims if isinstance(d, str)})
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One model's latencies at one shape, in seconds."""
+
+    times: tuple[float, ...]
+    first_call: float | None  # None when the shape served as the session's warm-up
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.times))
+
+    @property
+    def p90(self) -> float:
+        return float(np.percentile(self.times, 90))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"times_ms": [t * 1e3 for t in self.times], "median_ms": self.median * 1e3,
+                "p90_ms": self.p90 * 1e3,
+                "first_call_ms": None if self.first_call is None else self.first_call * 1e3}
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """Both models at one assignment of the symbols."""
+
+    dims: tuple[tuple[str, int], ...]
+    stock: Timing
+    optimized: Timing
+    max_abs_error: tuple[tuple[str, float], ...]
+
+    @property
+    def speedup(self) -> float:
+        return self.stock.median / self.optimized.median if self.optimized.median > 0 else math.inf
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.dims)
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """The results plus what is needed to reproduce and compare them."""
+
+    environment: dict[str, str]
+    settings: dict[str, Any]
+    shapes: tuple[ShapeResult, ...]
+    custom_nodes: int = 0
+
+    @property
+    def geomean_speedup(self) -> float:
+        return float(np.exp(np.mean(np.log([s.speedup for s in self.shapes]))))
+
+    @property
+    def worst(self) -> ShapeResult:
+        return min(self.shapes, key=lambda s: s.speedup)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "schema": "dietcode-ort-bench/1", "environment": self.environment, "settings": self.settings,
+            "optimized_custom_nodes": self.custom_nodes,
+            "shapes": [{"dims": dict(s.dims), "stock": s.stock.as_json(), "optimized": s.optimized.as_json(),
+                        "speedup": s.speedup, "max_abs_error": dict(s.max_abs_error)} for s in self.shapes],
+            "summary": {"geomean_speedup": self.geomean_speedup,
+                        "worst": {"dims": dict(self.worst.dims), "speedup": self.worst.speedup}},
+        }
+
+
+# --- shapes -------------------------------------------------------------------------------------------
+
+def parse_dims(options: Sequence[str], symbols: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``--dim NAME=SPEC`` options -> values per symbol, with the tuner's parser (same syntax everywhere:
+    lo:hi inclusive, lo:hi:step, or v1,v2,... whose VALUE@WEIGHT weights bench ignores)."""
+    from tuner.instances import parse_dim_options
+
+    return {name: tuple(dict.fromkeys(v for v, _ in spec.values))
+            for name, spec in parse_dim_options(options, symbols).items()}
+
+
+def _default_dim(symbol: str) -> int:
+    for pattern, value in DEFAULT_DIMS:
+        if re.search(pattern, symbol, re.IGNORECASE):
+            return value
+    return FALLBACK_DIM
+
+
+def sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str] = ()) -> list[dict[str, int]]:
+    """The cartesian product over the ``--dim`` symbols; the others take defaults or follow a tie."""
+    swept = parse_dims(dims, symbols)
+    tied: dict[str, str] = {}
+    for t in ties:
+        name, _, other = (p.strip() for p in t.partition("="))
+        if not name or not other:
+            raise DietcodeError(f"bad --tie {t!r}: expected NAME=OTHER")
+        tied[name] = other
+    for name in [*tied, *tied.values()]:
+        if name not in symbols:
+            raise DietcodeError(f"symbol {name!r} is not a dim of the model's inputs; its symbols are: "
+                                f"{', '.join(symbols) or '(none)'}")
+    for name, other in tied.items():
+        if name in swept or other in tied:
+            raise DietcodeError(f"--tie {name}={other}: {name} must not be swept and {other} must not be tied")
+    free = [s for s in symbols if s not in swept and s not in tied]
+    names = list(swept)
+    shapes = []
+    for values in product(*swept.values()):
+        shape = dict(zip(names, values)) | {s: _default_dim(s) for s in free}
+        shape |= {name: shape[other] for name, other in tied.items()}
+        shapes.append({s: shape[s] for s in symbols})
+    return shapes
+
+
+def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = ()) -> dict[str, int]:
+    """A shape that differs from every swept shape in every symbol (min-1, or max+1 when min is 1)."""
+    tied = dict(t.replace(" ", "").split("=", 1) for t in ties)
+    warm: dict[str, int] = {}
+    for sym in shapes[0]:
+        seen = {s[sym] for s in shapes}
+        warm[sym] = min(seen) - 1 if min(seen) > 1 else max(seen) + 1
+    return warm | {name: warm[other] for name, other in tied.items()}
+
+
+# --- inputs -------------------------------------------------------------------------------------------
+
+def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int | None:
+    """Rows of the initializer a Gather indexes with ``name`` (following Cast/Reshape/... on the way)."""
+    frontier, seen = [name], set()
+    while frontier:
+        cur = frontier.pop()
+        seen.add(cur)
+        for node in graph.node:
+            if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == cur \
+                    and node.input[0] in initializers and initializers[node.input[0]].dims:
+                return int(initializers[node.input[0]].dims[0])
+            if node.op_type in _PASS_THROUGH and node.input and node.input[0] == cur:
+                frontier.extend(o for o in node.output if o not in seen)
+    return None
+
+
+def load_model_info(path: Path) -> ModelInfo:
+    """Inputs, outputs, embedding sizes and custom-node count, read without external weights."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    if not Path(path).is_file():
+        raise DietcodeError(f"model file not found: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types on a bad file
+        raise DietcodeError(f"cannot read ONNX model {path}: {exc}") from exc
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    inputs = []
+    for value in graph.input:
+        if value.name in inits:
+            continue
+        tensor = value.type.tensor_type
+        dtype = np.dtype(tensor_dtype_to_np_dtype(tensor.elem_type)).name
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or f"{value.name}_dim{i}")
+                     for i, d in enumerate(tensor.shape.dim))
+        inputs.append(InputSpec(value.name, dtype, dims))
+    vocab = tuple((s.name, v) for s in inputs if s.dtype.startswith("int")
+                  for v in [_find_vocab(graph, s.name, inits)] if v)
+    custom = sum(1 for n in graph.node if n.domain == "ai.dietcode")
+    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, custom)
+
+
+def check_compatible(stock: ModelInfo, optimized: ModelInfo) -> None:
+    """The optimized model must take and return exactly what the original does (names, dtypes, ranks)."""
+    a = {s.name: s for s in stock.inputs}
+    b = {s.name: s for s in optimized.inputs}
+    if set(a) != set(b):
+        raise DietcodeError(f"optimized model's inputs {sorted(b)} do not match the original's {sorted(a)}")
+    for name, spec in a.items():
+        other = b[name]
+        if (spec.dtype, len(spec.dims)) != (other.dtype, len(other.dims)):
+            raise DietcodeError(f"input {name!r}: original is {spec.dtype} rank {len(spec.dims)}, optimized is "
+                                f"{other.dtype} rank {len(other.dims)}")
+    if set(stock.outputs) != set(optimized.outputs):
+        raise DietcodeError(f"optimized model's outputs {sorted(optimized.outputs)} do not match the "
+                            f"original's {sorted(stock.outputs)}")
+
+
+def make_feeds(info: ModelInfo, shape: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:
+    """Seeded inputs for one shape: ids in [0, vocab), masks ones with a few trailing zeros, floats N(0, 1)."""
+    rng = np.random.default_rng([seed, *shape.values()])
+    vocab = dict(info.vocab)
+    feeds = {}
+    for spec in info.inputs:
+        dims = tuple(d if isinstance(d, int) else shape[d] for d in spec.dims)
+        if "mask" in spec.name.lower():
+            arr = np.ones(dims, dtype=spec.dtype)
+            if arr.ndim:
+                last = dims[-1]
+                rows = arr.reshape(-1, last)
+                for i, row in enumerate(rows):
+                    zeros = min(1 + i % 3, last // 4)
+                    if zeros:
+                        row[last - zeros:] = 0
+        elif spec.dtype.startswith(("int", "uint")):
+            arr = rng.integers(0, vocab.get(spec.name, _SMALL_VOCAB), size=dims).astype(spec.dtype)
+        elif spec.dtype == "bool":
+            arr = np.ones(dims, dtype=bool)
+        else:
+            arr = rng.standard_normal(dims).astype(spec.dtype)
+        feeds[spec.name] = arr
+    return feeds
+
+
+def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
+                    candidate: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Max abs error per output; raises DietcodeError when any output is outside its dtype's tolerance."""
+    errors = {}
+    for name, ref in reference.items():
+        got = candidate[name]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            raise DietcodeError(f"shape {shape_label}: output {name!r} is {got.dtype}{list(got.shape)} in the "
+                                f"optimized model, {ref.dtype}{list(ref.shape)} in the original")
+        rtol, atol = TOLERANCES.get(ref.dtype.name, (0.0, 0.0))
+        if ref.dtype.kind in "fc":
+            diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+            bad = ~np.isclose(got, ref, rtol=rtol, atol=atol, equal_nan=True)
+            err = float(np.nanmax(diff)) if diff.size else 0.0
+        else:
+            bad = got != ref
+            err = float(np.abs(got.astype(np.int64) - ref.astype(np.int64)).max()) if ref.size else 0.0
+        if bad.any():
+            raise DietcodeError(f"optimized model disagrees with the original at shape {shape_label}: output "
+                                f"{name!r} max abs error {err:.4g} at {int(bad.sum())} of {bad.size} elements "
+                                f"(tolerance for {ref.dtype.name}: rtol={rtol:g}, atol={atol:g})")
+        errors[name] = err
+    return errors
+
+
+# --- running ------------------------------------------------------------------------------------------
+
+class Prepared(Protocol):
+    """One model bound to one shape's inputs: ``run`` is what gets timed, ``outputs`` copies to host."""
+
+    def run(self) -> None: ...
+
+    def outputs(self) -> dict[str, np.ndarray]: ...
+
+
+class Runner(Protocol):
+    def prepare(self, feeds: Mapping[str, np.ndarray]) -> Prepared: ...
+
+
+@dataclass
+class _HostCall:
+    session: Any
+    feeds: Mapping[str, np.ndarray]
+    result: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def run(self) -> None:
+        names = [o.name for o in self.session.get_outputs()]
+        self.result = dict(zip(names, self.session.run(names, dict(self.feeds))))
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return self.result
+
+
+@dataclass
+class _DeviceCall:
+    session: Any
+    binding: Any
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.binding.copy_outputs_to_cpu()))
+
+
+class OrtRunner:
+    """An InferenceSession on one provider; ``register`` adds the custom-op library to its options."""
+
+    def __init__(self, path: Path, provider: str, register: Callable[[Any], Any] | None = None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if register is not None:
+            register(options)
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=PROVIDERS[provider])
+        except Exception as exc:  # ORT's pybind errors share no useful base class
+            raise DietcodeError(f"onnxruntime cannot load {path} on {provider}: {exc}") from exc
+        wanted = PROVIDERS[provider][0]
+        if wanted not in self.session.get_providers():
+            raise DietcodeError(f"{wanted} could not be initialised for {path} (no GPU or CUDA libraries "
+                                f"missing?); the session runs on {self.session.get_providers()}")
+        self.device = "cuda" if provider == "cuda" else "cpu"
+
+    def prepare(self, feeds: Mapping[str, np.ndarray]) -> Prepared:
+        if self.device == "cpu":
+            return _HostCall(self.session, feeds)
+        import onnxruntime as ort
+
+        binding = self.session.io_binding()
+        for name, arr in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0))
+        for out in self.session.get_outputs():
+            binding.bind_output(out.name, "cuda", 0)
+        return _DeviceCall(self.session, binding)
+
+
+def _label(shape: Mapping[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def _guarded(which: str, shape: Mapping[str, int], fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except DietcodeError:
+        raise
+    except Exception as exc:  # ORT's pybind errors (Fail, InvalidArgument, ...) share no useful base
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DietcodeError(f"the {which} model rejects shape {_label(shape)}: {first}") from exc
+
+
+def _timed(clock: Callable[[], float], call: Prepared) -> float:
+    start = clock()
+    call.run()
+    return clock() - start
+
+
+def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]],
+            feeds_for: Callable[[Mapping[str, int]], Mapping[str, np.ndarray]], *, repeat: int, warmup: int,
+            warm_shape: Mapping[str, int] | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> list[ShapeResult]:
+    """Warm up, then first call + agreement check for every shape, then interleaved steady state."""
+    runners = {"stock": stock, "optimized": optimized}
+    skip_first = None  # index of a swept shape that had to serve as the warm-up (first call not fresh)
+    try:
+        if warm_shape is None:  # a model without symbols has only one shape
+            raise DietcodeError("no warm-up shape")
+        warm_feeds = feeds_for(warm_shape)
+        for which, runner in runners.items():
+            _guarded(which, warm_shape, runner.prepare(warm_feeds).run)
+    except DietcodeError:  # the model rejects the extra shape: warm up on the first swept one instead
+        skip_first = 0
+        for which, runner in runners.items():
+            _guarded(which, shapes[0], runner.prepare(feeds_for(shapes[0])).run)
+    first: list[dict[str, float | None]] = []
+    errors: list[dict[str, float]] = []
+    for i, shape in enumerate(shapes):
+        feeds = feeds_for(shape)
+        calls = {which: r.prepare(feeds) for which, r in runners.items()}
+        order = ["stock", "optimized"] if i % 2 == 0 else ["optimized", "stock"]
+        times: dict[str, float] = {}
+        for w in order:
+            try:
+                times[w] = _guarded(w, shape, lambda w=w: _timed(clock, calls[w]))
+            except DietcodeError:
+                if w == "optimized" and "stock" not in times:  # blame the original when it fails too
+                    _guarded("stock", shape, calls["stock"].run)
+                raise
+        first.append({w: None if i == skip_first else times[w] for w in runners})
+        errors.append(check_agreement(_label(shape), calls["stock"].outputs(), calls["optimized"].outputs()))
+    results = []
+    for shape, fc, err in zip(shapes, first, errors):
+        feeds = feeds_for(shape)
+        calls = {which: r.prepare(feeds) for which, r in runners.items()}
+        samples: dict[str, list[float]] = {"stock": [], "optimized": []}
+        for i in range(warmup + repeat):  # ABBA: each pair of iterations runs both models in both orders
+            for w in (("stock", "optimized") if i % 2 == 0 else ("optimized", "stock")):
+                t = _guarded(w, shape, lambda w=w: _timed(clock, calls[w]))
+                if i >= warmup:
+                    samples[w].append(t)
+        results.append(ShapeResult(tuple(shape.items()),
+                                   Timing(tuple(samples["stock"]), fc["stock"]),
+                                   Timing(tuple(samples["optimized"]), fc["optimized"]), tuple(err.items())))
+    return results
+
+
+# --- environment and output ---------------------------------------------------------------------------
+
+def _cuda_device_name() -> str:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        name = ctypes.create_string_buffer(256)
+        dev = ctypes.c_int()
+        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0 \
+                and cuda.cuDeviceGetName(name, 256, dev) == 0:
+            return name.value.decode()
+    except OSError:
+        pass
+    return "unknown CUDA GPU"
+
+
+def device_name(provider: str) -> str:
+    """The GPU's name for cuda, the CPU model (from /proc/cpuinfo) for cpu."""
+    if provider == "cuda":
+        return _cuda_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def environment(provider: str, command: str) -> dict[str, str]:
+    import onnxruntime as ort
+
+    return {"device": device_name(provider), "provider": provider, "onnxruntime": ort.__version__,
+            "numpy": np.__version__, "python": platform.python_version(), "dietcode_ort": __version__,
+            "platform": platform.platform(), "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(report: BenchReport, path: Path) -> None:
+    import json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report.as_json(), indent=2) + "\n")
+
+
+def write_plot(report: BenchReport, path: Path) -> None:
+    """Latency (both models) and speedup against the swept symbol with the most values, one line per
+    combination of the other symbols."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    symbols = [k for k, _ in report.shapes[0].dims]
+    counts = {s: len({dict(r.dims)[s] for r in report.shapes}) for s in symbols}
+    x_sym = max(symbols, key=lambda s: counts[s]) if symbols and max(counts.values()) > 1 else None
+    groups: dict[str, list[ShapeResult]] = {}
+    for r in report.shapes:
+        rest = " ".join(f"{k}={v}" for k, v in r.dims if k != x_sym and counts[k] > 1)
+        groups.setdefault(rest, []).append(r)
+    fig, (lat, spd) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for key, rows in groups.items():
+        xs = [dict(r.dims)[x_sym] for r in rows] if x_sym else list(range(len(rows)))
+        suffix = f" ({key})" if key else ""
+        lat.plot(xs, [r.stock.median * 1e3 for r in rows], "o--", label=f"stock{suffix}")
+        lat.plot(xs, [r.optimized.median * 1e3 for r in rows], "o-", label=f"dietcode{suffix}")
+        spd.plot(xs, [r.speedup for r in rows], "o-", label=key or "speedup")
+    spd.axhline(1.0, color="grey", lw=0.8)
+    lat.set_ylabel("median latency (ms)")
+    lat.set_yscale("log")
+    spd.set_ylabel("speedup (stock / dietcode)")
+    spd.set_xlabel(x_sym or "shape")
+    lat.legend(fontsize="small")
+    env = report.environment
+    lat.set_title(f"{env.get('device', '')} / {env.get('provider', '')}  geomean {report.geomean_speedup:.2f}x")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), format="png", dpi=110)
+    plt.close(fig)
+
+
+def print_report(report: BenchReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{t * 1e3:.3f}"
+
+    table = Table(title=f"{report.environment['device']} / {report.environment['provider']} "
+                        f"(median of {report.settings['repeat']}, ms)")
+    table.add_column("shape", no_wrap=True)
+    for col in ("stock", "dietcode", "speedup", "1st stock", "1st dietcode"):  # p90s are in the JSON
+        table.add_column(col, justify="right")
+    for s in report.shapes:
+        table.add_row(s.label, ms(s.stock.median), ms(s.optimized.median), f"{s.speedup:.2f}x",
+                      ms(s.stock.first_call), ms(s.optimized.first_call))
+    console = Console()
+    console.print(table)
+    console.print(f"geometric-mean speedup {report.geomean_speedup:.3f}x over {len(report.shapes)} shapes; "
+                  f"worst {report.worst.speedup:.3f}x at {report.worst.label}")
+    if report.custom_nodes == 0:
+        console.print("[yellow]note: the optimized model has no ai.dietcode nodes[/yellow]")
+
+
+# --- entry points -------------------------------------------------------------------------------------
+
+def _library_register() -> Callable[[Any], Any]:
+    try:
+        from dietcode_ort.runtime import register
+    except ImportError as exc:
+        raise DietcodeError(f"the custom-op runtime (dietcode_ort.runtime.register) is not available: {exc}") \
+            from exc
+    return register
+
+
+def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> BenchReport:
+    """Validate, build both sessions, measure every shape. ``register`` defaults to the project's
+    custom-op library; tests pass their own."""
+    import onnxruntime as ort
+
+    if options.provider not in PROVIDERS:
+        raise DietcodeError(f"unknown provider {options.provider!r}; choose one of {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    if PROVIDERS[options.provider][0] not in available:
+        raise DietcodeError(f"provider {options.provider!r} is not available in this onnxruntime build; "
+                            f"available: {', '.join(available)}")
+    if options.repeat < 1 or options.warmup < 0:
+        raise DietcodeError(f"--repeat must be >= 1 and --warmup >= 0 (got {options.repeat}, {options.warmup})")
+    stock_info, opt_info = load_model_info(options.model), load_model_info(options.optimized)
+    check_compatible(stock_info, opt_info)
+    shapes = sweep(stock_info.symbols, options.dims, options.ties)
+    warm = warmup_shape(shapes, options.ties) if stock_info.symbols else None
+    stock = OrtRunner(options.model, options.provider)
+    optimized = OrtRunner(options.optimized, options.provider, register or _library_register())
+    results = measure(stock, optimized, shapes, lambda s: make_feeds(stock_info, s, options.seed),
+                      repeat=options.repeat, warmup=options.warmup, warm_shape=warm, clock=clock)
+    settings = {"model": str(options.model), "optimized": str(options.optimized), "repeat": options.repeat,
+                "warmup": options.warmup, "seed": options.seed, "dims": list(options.dims),
+                "ties": list(options.ties), "warmup_shape": warm, "tolerances": TOLERANCES,
+                "interleaving": "ABBA"}
+    return BenchReport(environment(options.provider, options.command), settings, tuple(results),
+                       opt_info.custom_nodes)
+
+
+def bench_command(options: BenchOptions) -> int:
+    """The CLI's ``bench``: run, print the table, write the JSON and the plot when asked."""
+    report = run_bench(options)
+    print_report(report)
+    if options.json_path:
+        write_json(report, options.json_path)
+    if options.plot_path:
+        write_plot(report, options.plot_path)
+    return 0
+

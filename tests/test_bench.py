@@ -1,0 +1,306 @@
+"""``dietcode-ort bench``: shapes, inputs, agreement check, interleaving, bad input, JSON and plot.
+
+Tiny models built here with onnx.helper; the "optimized" model is a copy (or a deliberately wrong
+variant) of the original, run without the custom-op library (a no-op register).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dietcode_ort import bench
+from dietcode_ort.cli import main
+from dietcode_ort.errors import DietcodeError
+
+FAST = dict(repeat=3, warmup=1)
+
+
+def _no_register(_options: object) -> None:
+    return None
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return path
+
+
+def _mlp(path: Path, scale: float = 1.0, dtype: int = TensorProto.FLOAT, name: str = "hidden",
+         dims: tuple = ("tokens", 8)) -> Path:
+    """hidden [tokens, 8] -> MatMul(W) + b -> Relu -> y [tokens, 4]."""
+    np_dtype = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((8, 4)) * scale).astype(np_dtype), "w")
+    b = numpy_helper.from_array(rng.standard_normal(4).astype(np_dtype), "b")
+    nodes = [helper.make_node("MatMul", [name, "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["pre"]),
+             helper.make_node("Relu", ["pre"], ["y"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(name, dtype, list(dims))],
+                              [helper.make_tensor_value_info("y", dtype, [dims[0], 4])], [w, b])
+    return _save(graph, path)
+
+
+def _encoder(path: Path, vocab: int = 50) -> Path:
+    """input_ids, attention_mask int64 [batch, seq] -> embedding (Gather) * mask -> MatMul -> y."""
+    rng = np.random.default_rng(1)
+    emb = numpy_helper.from_array(rng.standard_normal((vocab, 8)).astype(np.float32), "emb")
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w")
+    axes = numpy_helper.from_array(np.array([-1], np.int64), "axes")
+    nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["e"]),
+             helper.make_node("Cast", ["attention_mask"], ["mf"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["mf", "axes"], ["mu"]),
+             helper.make_node("Mul", ["e", "mu"], ["em"]),
+             helper.make_node("MatMul", ["em", "w"], ["y"])]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+              for n in ("input_ids", "attention_mask")]
+    graph = helper.make_graph(nodes, "enc", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+                              [emb, w, axes])
+    return _save(graph, path)
+
+
+def _reshape_model(path: Path) -> Path:
+    """x [batch, 8] -> Reshape to the constant [2, 8]: only batch=2 runs."""
+    shape = numpy_helper.from_array(np.array([2, 8], np.int64), "shape")
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "rs",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [shape])
+    return _save(graph, path)
+
+
+def _options(model: Path, optimized: Path, tmp_path: Path, **kw: object) -> bench.BenchOptions:
+    return bench.BenchOptions(model=model, optimized=optimized, command="dietcode-ort bench test",
+                              **{**FAST, **kw})  # type: ignore[arg-type]
+
+
+# --- end to end on tiny models ------------------------------------------------------------------------
+
+def test_json_schema_and_plot(tmp_path: Path) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    opts = _options(model, model, tmp_path, dims=("tokens=1,3,5",), json_path=tmp_path / "r.json",
+                    plot_path=tmp_path / "r.png")
+    report = bench.run_bench(opts, register=_no_register)
+    bench.write_json(report, opts.json_path)
+    bench.write_plot(report, opts.plot_path)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data) == {"schema", "environment", "settings", "optimized_custom_nodes", "shapes", "summary"}
+    env = data["environment"]
+    for key in ("device", "provider", "onnxruntime", "numpy", "python", "dietcode_ort", "command", "date"):
+        assert isinstance(env[key], str) and env[key], key
+    assert env["provider"] == "cpu" and env["command"] == "dietcode-ort bench test"
+    assert data["settings"]["repeat"] == 3 and data["settings"]["warmup_shape"] == {"tokens": 6}
+    assert [s["dims"] for s in data["shapes"]] == [{"tokens": 1}, {"tokens": 3}, {"tokens": 5}]
+    for shape in data["shapes"]:
+        for side in ("stock", "optimized"):
+            t = shape[side]
+            assert len(t["times_ms"]) == 3 and all(isinstance(v, float) and v > 0 for v in t["times_ms"])
+            assert t["median_ms"] == pytest.approx(float(np.median(t["times_ms"])))
+            assert t["p90_ms"] >= t["median_ms"] and isinstance(t["first_call_ms"], float)
+        assert shape["speedup"] == pytest.approx(shape["stock"]["median_ms"] / shape["optimized"]["median_ms"])
+        assert shape["max_abs_error"] == {"y": 0.0}
+    assert data["summary"]["worst"]["speedup"] == min(s["speedup"] for s in data["shapes"])
+    assert isinstance(data["summary"]["geomean_speedup"], float)
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_with_two_swept_symbols(tmp_path: Path) -> None:
+    model = _encoder(tmp_path / "e.onnx")
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("batch=1,2", "seq=4,8")),
+                             register=_no_register)
+    assert [dict(s.dims) for s in report.shapes] == [{"batch": 1, "seq": 4}, {"batch": 1, "seq": 8},
+                                                     {"batch": 2, "seq": 4}, {"batch": 2, "seq": 8}]
+    bench.write_plot(report, tmp_path / "p" / "plot.png")
+    assert (tmp_path / "p" / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_wrong_weight_fails_the_agreement_check(tmp_path: Path) -> None:
+    model, wrong = _mlp(tmp_path / "m.onnx"), _mlp(tmp_path / "bad.onnx", scale=1.5)
+    with pytest.raises(DietcodeError, match=r"disagrees .* shape tokens=2: output 'y' max abs error"):
+        bench.run_bench(_options(model, wrong, tmp_path, dims=("tokens=2",)), register=_no_register)
+
+
+def test_agreement_tolerance_depends_on_dtype() -> None:
+    ref = np.linspace(-1, 1, 16, dtype=np.float32)
+    assert bench.check_agreement("s", {"y": ref}, {"y": ref + 5e-4})["y"] == pytest.approx(5e-4, rel=1e-2)
+    with pytest.raises(DietcodeError, match=r"float32: rtol=0.001"):
+        bench.check_agreement("s", {"y": ref}, {"y": ref + 1e-2})
+    half = ref.astype(np.float16)
+    bench.check_agreement("s", {"y": half}, {"y": half + np.float16(1e-2)})
+    with pytest.raises(DietcodeError, match="float16"):
+        bench.check_agreement("s", {"y": half}, {"y": half + np.float16(0.1)})
+    with pytest.raises(DietcodeError, match=r"output 'y' is float32\[8\]"):
+        bench.check_agreement("s", {"y": ref}, {"y": ref[:8]})
+
+
+def test_fp16_model_gets_fp16_inputs(tmp_path: Path) -> None:
+    model = _mlp(tmp_path / "h.onnx", dtype=TensorProto.FLOAT16)
+    info = bench.load_model_info(model)
+    feeds = bench.make_feeds(info, {"tokens": 5}, seed=0)
+    assert feeds["hidden"].dtype == np.float16 and feeds["hidden"].shape == (5, 8)
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("tokens=4",)), register=_no_register)
+    assert report.shapes[0].stock.first_call is not None
+
+
+def test_feeds_ids_in_vocab_masks_with_trailing_zeros_and_seeded(tmp_path: Path) -> None:
+    info = bench.load_model_info(_encoder(tmp_path / "e.onnx", vocab=37))
+    assert dict(info.vocab) == {"input_ids": 37} and info.symbols == ["batch", "seq"]
+    feeds = bench.make_feeds(info, {"batch": 3, "seq": 16}, seed=4)
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    assert ids.dtype == np.int64 and ids.shape == (3, 16) and 0 <= ids.min() and ids.max() < 37
+    assert mask.dtype == np.int64 and set(np.unique(mask)) == {0, 1}
+    for row in mask:  # ones, then a few zeros at the end
+        zeros = int((row == 0).sum())
+        assert 1 <= zeros <= 3 and (row[16 - zeros:] == 0).all() and (row[:16 - zeros] == 1).all()
+    again = bench.make_feeds(info, {"batch": 3, "seq": 16}, seed=4)
+    assert np.array_equal(again["input_ids"], ids)
+    assert not np.array_equal(bench.make_feeds(info, {"batch": 3, "seq": 16}, seed=5)["input_ids"], ids)
+
+
+def test_sweep_defaults_ties_and_unknown_symbols() -> None:
+    symbols = ["batch", "height", "width"]
+    shapes = bench.sweep(symbols, ["height=32,64"], ["width=height"])
+    assert shapes == [{"batch": 1, "height": 32, "width": 32}, {"batch": 1, "height": 64, "width": 64}]
+    assert bench.sweep(["batch", "seq", "other"], []) == [{"batch": 1, "seq": 128, "other": 1}]
+    assert bench.warmup_shape(shapes, ["width=height"]) == {"batch": 2, "height": 31, "width": 31}
+    with pytest.raises(DietcodeError, match="symbol 'seq'.*batch, height, width"):
+        bench.sweep(symbols, ["seq=1:4"])
+    with pytest.raises(DietcodeError, match="not a dim"):
+        bench.sweep(symbols, [], ["depth=height"])
+    with pytest.raises(DietcodeError, match="must not be swept"):
+        bench.sweep(symbols, ["width=4"], ["width=height"])
+
+
+# --- the measuring protocol, with a recording runner and a fake clock ---------------------------------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Recorder:
+    """A runner whose calls log (model, shape) and advance the fake clock by a fixed cost."""
+
+    def __init__(self, name: str, cost: float, log: list, clock: _Clock) -> None:
+        self.name, self.cost, self.log, self.clock = name, cost, log, clock
+
+    def prepare(self, feeds):  # type: ignore[no-untyped-def]
+        runner, shape = self, int(feeds["x"].shape[0])
+
+        class Call:
+            def run(self) -> None:
+                runner.log.append((runner.name, shape))
+                runner.clock.now += runner.cost
+
+            def outputs(self) -> dict[str, np.ndarray]:
+                return {"y": np.zeros(shape, np.float32)}
+        return Call()
+
+
+def test_measure_warms_up_checks_first_then_interleaves_abba() -> None:
+    log: list = []
+    clock = _Clock()
+    stock, opt = _Recorder("A", 2.0, log, clock), _Recorder("B", 1.0, log, clock)
+    shapes = [{"n": 3}, {"n": 5}]
+    results = bench.measure(stock, opt, shapes, lambda s: {"x": np.zeros(s["n"])}, repeat=4, warmup=2,
+                            warm_shape={"n": 7}, clock=clock)
+    assert log[:2] == [("A", 7), ("B", 7)]                      # one warm-up run each, on another shape
+    assert log[2:6] == [("A", 3), ("B", 3), ("B", 5), ("A", 5)]  # first calls of every shape, alternating
+    steady = log[6:]
+    assert [m for m, n in steady if n == 3] == list("ABBA" * 3)  # (2 warm-up + 4 timed) x 2 models
+    assert [m for m, n in steady if n == 5] == list("ABBA" * 3)
+    assert [n for _, n in steady] == [3] * 12 + [5] * 12
+    for r in results:
+        assert r.stock.times == (2.0,) * 4 and r.optimized.times == (1.0,) * 4
+        assert r.stock.first_call == 2.0 and r.optimized.first_call == 1.0 and r.speedup == 2.0
+
+
+def test_measure_falls_back_when_the_warmup_shape_is_rejected(tmp_path: Path) -> None:
+    model = _reshape_model(tmp_path / "r.onnx")
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("batch=2",)), register=_no_register)
+    (only,) = report.shapes
+    assert only.stock.first_call is None and only.optimized.first_call is None
+    assert len(only.stock.times) == 3
+    assert bench.BenchReport(report.environment, report.settings, report.shapes).as_json()[
+        "shapes"][0]["stock"]["first_call_ms"] is None
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+def test_shape_the_model_rejects_is_named(tmp_path: Path) -> None:
+    model = _reshape_model(tmp_path / "r.onnx")
+    with pytest.raises(DietcodeError, match=r"stock model rejects shape batch=3: .*"):
+        bench.run_bench(_options(model, model, tmp_path, dims=("batch=2,3",)), register=_no_register)
+
+
+def test_unknown_and_unavailable_provider(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    with pytest.raises(DietcodeError, match="unknown provider 'rocm'; choose one of cpu, cuda"):
+        bench.run_bench(_options(model, model, tmp_path, provider="rocm"), register=_no_register)
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(DietcodeError, match="'cuda' is not available .*available: CPUExecutionProvider"):
+        bench.run_bench(_options(model, model, tmp_path, provider="cuda"), register=_no_register)
+
+
+def test_cuda_that_cannot_start_is_an_error(tmp_path: Path) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    try:
+        bench.OrtRunner(model, "cuda")
+    except DietcodeError as exc:
+        assert "CUDAExecutionProvider could not be initialised" in str(exc)
+    else:
+        pytest.skip("CUDA works here")
+
+
+@pytest.mark.parametrize("variant, message", [
+    (dict(name="h2"), r"inputs \['h2'\] do not match the original's \['hidden'\]"),
+    (dict(dtype=TensorProto.FLOAT16), "input 'hidden': original is float32 rank 2, optimized is float16 rank 2"),
+    (dict(dims=("tokens", 8, 1)), "original is float32 rank 2, optimized is float32 rank 3"),
+])
+def test_optimized_inputs_must_match(tmp_path: Path, variant: dict, message: str) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    if "dims" in variant:  # only the declared input changes: the check runs before any session
+        other = _mlp(tmp_path / "o.onnx")
+        proto = onnx.load(str(other))
+        proto.graph.input[0].type.tensor_type.shape.dim.add().dim_value = 1
+        onnx.save(proto, str(other))
+    else:
+        other = _mlp(tmp_path / "o.onnx", **variant)
+    with pytest.raises(DietcodeError, match=message):
+        bench.run_bench(_options(model, other, tmp_path), register=_no_register)
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    with pytest.raises(DietcodeError, match="model file not found"):
+        bench.run_bench(_options(model, tmp_path / "nope.onnx", tmp_path), register=_no_register)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+def test_cli_bench_writes_json_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    monkeypatch.setattr(bench, "_library_register", lambda: _no_register)
+    rc = main(["bench", str(model), "--optimized", str(model), "--dim", "tokens=2:6:2", "--repeat", "2",
+               "--warmup", "0", "--json", str(tmp_path / "o.json"), "--plot", str(tmp_path / "o.png")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "tokens=4" in out and "geometric-mean speedup" in out
+    assert len(json.loads((tmp_path / "o.json").read_text())["shapes"]) == 3
+    assert (tmp_path / "o.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bad_provider_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    assert main(["bench", str(model), "--optimized", str(model), "--provider", "tpu"]) == 2
+    assert "error: unknown provider 'tpu'" in capsys.readouterr().err
