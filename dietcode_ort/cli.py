@@ -47,9 +47,48 @@ def _add_scan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_scan)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from dietcode_ort import bench
+
+    options = bench.BenchOptions(
+        model=Path(args.model), optimized=Path(args.optimized), dims=tuple(args.dim), ties=tuple(args.tie),
+        provider=args.provider, repeat=args.repeat, warmup=args.warmup, seed=args.seed,
+        json_path=Path(args.json) if args.json else None, plot_path=Path(args.plot) if args.plot else None,
+        command=shlex.join(sys.argv))
+    return bench.bench_command(options)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="end-to-end latency of an optimized model against stock ONNX Runtime",
+                       description="Run MODEL with stock ONNX Runtime and OPT with the custom-op library on the "
+                                   "same provider over a sweep of shapes: check that their outputs agree, then "
+                                   "time the first call of each fresh shape and the steady state (median, p90; "
+                                   "ABBA-interleaved). Symbols not given with --dim default to 1 (batch-like), "
+                                   "128 (seq/len/token-like), 224 (height/width/size), else 1.")
+    p.add_argument("model", help="the original ONNX model")
+    p.add_argument("--optimized", required=True, metavar="OPT",
+                   help="the model written by `dietcode-ort optimize`")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=SPEC",
+                   help="symbol sweep NAME=SPEC, SPEC being lo:hi (inclusive), lo:hi:step or v1,v2,...; the "
+                        "shapes are the cartesian product over the given symbols. Repeat for each symbol")
+    p.add_argument("--tie", action="append", default=[], metavar="NAME=OTHER",
+                   help="NAME takes OTHER's value in every shape (e.g. width=height for square images)")
+    p.add_argument("--provider", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--repeat", type=int, default=20, help="timed runs per model and shape (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per model and shape (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
+    p.add_argument("--json", metavar="FILE", help="write environment, settings and raw timings as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write latency and speedup against the swept symbol")
+    p.set_defaults(handler=_cmd_bench)
+
+
 # One explicit list of commands; each _add_* function defines its options and handler.
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_scan,
+    _add_bench,
 ]
 
 
