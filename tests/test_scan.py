@@ -227,3 +227,62 @@ def test_cli_static_model_says_nothing_to_do(tmp_path):
 
 def test_scan_module_public_names():
     assert set(scan_mod.__all__) >= {"scan", "scan_model", "attach_instances", "load_model"}
+
+
+# ---- the benchmark models --------------------------------------------------------------------------------
+
+def _scan_built(name: str, preset: str, dtype: str = "float32"):
+    import models
+
+    return scan_model(models.build(name, preset, dtype))
+
+
+def test_bert_tiny_workloads():
+    result = _scan_built("bert", "tiny")
+    assert result.symbols == ("batch", "seq") and result.skipped == ()
+    views = {(w.op, w.m, w.n, w.k, w.batch, w.epilogue.activation): len(w.nodes) for w in result.workloads}
+    assert views == {
+        ("gemm", "batch*seq", "128", "128", "1", "none"): 8,  # Q, K, V, attention output x 2 layers
+        ("bmm", "seq", "seq", "64", "2*batch", "none"): 2,  # Q K^T
+        ("bmm", "seq", "64", "seq", "2*batch", "none"): 2,  # attention x V
+        ("gemm", "batch*seq", "512", "128", "1", "gelu"): 2,  # FFN up, with bias + Erf-Gelu fused
+        ("gemm", "batch*seq", "128", "512", "1", "none"): 2,  # FFN down
+    }
+    dense = [w for w in result.workloads if w.op == "gemm"]
+    assert all(w.epilogue.bias and w.const_operands == (1,) for w in dense)
+
+
+def test_bert_tiny_fp16_dtype():
+    assert {w.dtype for w in _scan_built("bert", "tiny", "float16").workloads} == {"float16"}
+
+
+def test_resnet50_tiny_workloads():
+    result = _scan_built("resnet50", "tiny")
+    assert result.symbols == ("batch", "height", "width") and result.skipped == ()
+    convs = [w for w in result.workloads if w.op == "conv"]
+    (head,) = [w for w in result.workloads if w.onnx_op == "Gemm"]
+    assert head.m == "batch" and head.epilogue.bias and head.trans_b
+    stem = next(w for w in convs if w.conv.kernel == (7, 7))
+    assert (stem.conv.strides, stem.conv.pads, stem.k) == ((2, 2), (3, 3, 3, 3), "147")
+    assert stem.epilogue.activation == "relu" and stem.conv_input == ("batch", "height", "width")
+    # the stem's output is 112x112 at 224x224, so M = batch * 112 * 112
+    assert stem.problem(Instance.of({"batch": 2, "height": 224, "width": 224})).m == 2 * 112 * 112
+    assert sum(len(w.nodes) for w in convs) == 17  # stem + 4 stages x (3 convs + 1 projection)
+
+
+def test_mlp_tiny_workloads_group_gate_and_up():
+    result = attach_instances(_scan_built("mlp", "tiny"), ["tokens=1:64"])
+    gate_up, down = result.workloads
+    assert (gate_up.m, gate_up.n, gate_up.k, len(gate_up.nodes)) == ("tokens", "176", "64", 2)
+    assert (down.m, down.n, down.k) == ("tokens", "64", "176")
+    assert len(gate_up.instances) == 64
+
+
+@pytest.mark.slow
+def test_bert_base_dense_and_attention_workloads():
+    result = _scan_built("bert", "base")
+    dense = {(w.n, w.k) for w in result.workloads if w.op == "gemm"}
+    assert all(w.m == "batch*seq" for w in result.workloads if w.op == "gemm")
+    assert dense == {("768", "768"), ("3072", "768"), ("768", "3072")}
+    attention = sorted((w.m, w.n, w.k, w.batch) for w in result.workloads if w.op == "bmm")
+    assert attention == [("seq", "64", "seq", "12*batch"), ("seq", "seq", "64", "12*batch")]
