@@ -51,7 +51,8 @@ def _run(argv: Sequence[str] | None) -> int:
         raise DietcodeError(f"missing model name; allowed: {', '.join(models.MODELS)}")
     builder = models.get(args.name)
     if args.preset is None:
-        raise DietcodeError(f"missing --preset for model {args.name!r}; allowed: {', '.join(builder.presets)}")
+        allowed = ", ".join(builder.presets)
+        raise DietcodeError(f"missing --preset for model {args.name!r}; allowed: {allowed}")
     builder.config(args.preset)  # bad preset or dtype is reported before a missing -o
     check_dtype(args.dtype)
     if args.output is None:
