@@ -1,0 +1,141 @@
+"""Template-vs-torch cases run under TRITON_INTERPRET=1 in a child process (see test_templates.py).
+
+The interpreter flag must be set before triton is imported and changes how @triton.jit decorates, so
+these cases never run inside the pytest process. Importing this module does not import triton or torch:
+``CASES`` is plain data; ``main()`` runs them all and prints one JSON object {case: result}.
+Run by hand: ``TRITON_INTERPRET=1 python tests/_template_cases.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Case", "CASES", "main"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    op: str
+    a: tuple[int, ...]
+    b: tuple[int, ...]
+    configs: tuple[tuple[int, ...], ...]  # MicroKernel fields: bm, bn, bk, warps, stages[, group_m, split_k]
+    dtype: str = "float32"
+    bias: bool = False
+    activation: str = "none"
+    trans_b: bool = False
+    allow_tf32: bool = False
+    conv: dict[str, Any] = field(default_factory=dict)  # ConvParams fields besides the channel counts
+
+
+CASES: tuple[Case, ...] = (
+    # gemm: M = 1, ragged sizes, K < BLOCK_K, every epilogue, trans_b, split-K, fp32 and fp16.
+    Case("gemm_m1", "gemm", (1, 40), (40, 33), ((16, 32, 16, 2, 2), (32, 16, 64, 4, 3, 1))),
+    Case("gemm_ragged_bias_relu", "gemm", (37, 50), (50, 29), ((32, 16, 32, 2, 2), (16, 64, 16, 4, 3)),
+         bias=True, activation="relu"),
+    Case("gemm_many_tiles_swizzle", "gemm", (70, 20), (20, 40), ((16, 16, 16, 2, 2, 2), (16, 16, 32, 2, 2, 8))),
+    Case("gemm_k_lt_block_k", "gemm", (20, 5), (5, 18), ((16, 32, 32, 2, 2), (64, 16, 64, 2, 2))),
+    Case("gemm_transb_bias_gelu_fp16", "gemm", (19, 24), (45, 24), ((16, 16, 32, 2, 2), (32, 64, 16, 4, 3)),
+         dtype="float16", bias=True, activation="gelu", trans_b=True),
+    Case("gemm_gelu_nobias_fp16", "gemm", (1, 33), (33, 70), ((16, 64, 32, 2, 2, 1),), dtype="float16",
+         activation="gelu"),
+    Case("gemm_splitk_bias_fp32", "gemm", (7, 70), (70, 20), ((16, 16, 16, 2, 2, 8, 4), (16, 32, 16, 2, 2, 8, 2)),
+         bias=True),
+    Case("gemm_splitk_transb_fp16", "gemm", (3, 45), (17, 45), ((16, 16, 16, 2, 2, 8, 2),), dtype="float16",
+         trans_b=True),
+    Case("gemm_tf32", "gemm", (9, 30), (30, 11), ((16, 16, 16, 2, 2),), allow_tf32=True),
+    # bmm: broadcast of either operand, partial broadcast, trans_b, epilogue, split-K.
+    Case("bmm_broadcast_b", "bmm", (2, 3, 5, 12), (12, 7), ((16, 16, 16, 2, 2), (32, 32, 32, 4, 2, 1))),
+    Case("bmm_broadcast_a_bias_relu_fp16", "bmm", (1, 9, 20), (4, 20, 6), ((16, 16, 16, 2, 2),),
+         dtype="float16", bias=True, activation="relu"),
+    Case("bmm_transb_gelu", "bmm", (3, 4, 10), (3, 6, 10), ((16, 16, 16, 2, 2),), bias=True,
+         activation="gelu", trans_b=True),
+    Case("bmm_partial_broadcast", "bmm", (3, 1, 5, 8), (4, 8, 6), ((16, 16, 16, 2, 2),)),
+    Case("bmm_splitk_fp16", "bmm", (2, 1, 40), (2, 40, 9), ((16, 16, 16, 2, 2, 8, 2),), dtype="float16"),
+    # conv: stride 2, padding (also asymmetric), dilation, 1x1, epilogues, split-K.
+    Case("conv_stride2_pad_bias_relu", "conv", (2, 3, 9, 9), (5, 3, 3, 3), ((16, 16, 16, 2, 2), (32, 16, 32, 2, 2)),
+         bias=True, activation="relu", conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
+    Case("conv_dilation_asym_gelu_fp16", "conv", (1, 2, 9, 8), (3, 2, 3, 2), ((16, 16, 16, 2, 2),),
+         dtype="float16", bias=True, activation="gelu",
+         conv={"strides": (2, 1), "pads": (1, 2, 0, 1), "dilations": (2, 1)}),
+    Case("conv_1x1_nobias", "conv", (1, 4, 5, 3), (7, 4, 1, 1), ((16, 16, 16, 2, 2),)),
+    Case("conv_splitk", "conv", (2, 5, 6, 6), (4, 5, 3, 3), ((16, 16, 16, 2, 2, 8, 2),), bias=True,
+         conv={"pads": (1, 1, 1, 1)}),
+)
+
+
+def _reference(case: Case, a: Any, b: Any, bias: Any) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    a64, b64 = a.double(), b.double()
+    bias64 = bias.double() if bias is not None else None
+    if case.op == "conv":
+        top, left, bottom, right = case.conv.get("pads", (0, 0, 0, 0))
+        y = F.conv2d(F.pad(a64, (left, right, top, bottom)), b64, bias64, stride=case.conv.get("strides", (1, 1)),
+                     dilation=case.conv.get("dilations", (1, 1)))
+    else:
+        y = torch.matmul(a64, b64.transpose(-1, -2) if case.trans_b else b64)
+        if bias64 is not None:
+            y = y + bias64
+    if case.activation == "relu":
+        y = torch.relu(y)
+    elif case.activation == "gelu":
+        y = F.gelu(y)
+    return y
+
+
+def _run_case(case: Case) -> dict[str, Any]:
+    import torch
+
+    from tuner.space import MicroKernel
+    from tuner.templates import run
+    from tuner.workload import ConvParams, Epilogue
+
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(len(case.name))
+    a = torch.randn(case.a, generator=gen).to(dtype)
+    b = torch.randn(case.b, generator=gen).to(dtype)
+    n_out = case.b[0] if case.op == "conv" else (case.b[-2] if case.trans_b else case.b[-1])
+    bias = torch.randn(n_out, generator=gen).to(dtype) if case.bias else None
+    conv = None
+    if case.op == "conv":
+        conv = ConvParams(in_channels=case.b[1], out_channels=case.b[0], kernel=(case.b[2], case.b[3]), **case.conv)
+    ref = _reference(case, a, b, bias)
+    rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2)}[case.dtype]
+    if case.allow_tf32:
+        rtol, atol = 1e-2, 1e-2
+    results = []
+    for fields_ in case.configs:
+        config = MicroKernel(*fields_)
+        y = run(case.op, config, a, b, bias=bias, epilogue=Epilogue(case.bias, case.activation),
+                trans_b=case.trans_b, conv=conv, allow_tf32=case.allow_tf32)
+        excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()
+        results.append({"config": config.key(), "shape_ok": tuple(y.shape) == tuple(ref.shape),
+                        "dtype_ok": y.dtype == dtype, "excess": excess,
+                        "max_err": (y.double() - ref).abs().max().item()})
+    return {"ok": True, "results": results}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    out: dict[str, Any] = {}
+    start = time.perf_counter()
+    for case in CASES:
+        try:
+            out[case.name] = _run_case(case)
+        except Exception as exc:  # noqa: BLE001 - reported per case to the parent test
+            out[case.name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    out["_seconds"] = time.perf_counter() - start
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
