@@ -37,6 +37,7 @@ class BertConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head (the K of the QK^T MatMul)."""
         return self.hidden // self.heads
 
 

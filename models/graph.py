@@ -153,6 +153,7 @@ class ModelBuilder:
         return self.presets[preset]
 
     def __call__(self, preset: str, dtype: str = "float32", seed: int = 0) -> onnx.ModelProto:
+        """Build the model of ``preset``; bad preset or dtype raise a DietcodeError."""
         config = self.config(preset)
         return self.graph(config, check_dtype(dtype), seed)
 
