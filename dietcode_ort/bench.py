@@ -370,6 +370,8 @@ class OrtRunner:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        # Two sessions alternate: an idle one's spinning intra-op threads would steal cores from the other.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if register is not None:
             register(options)
         try:
@@ -603,7 +605,7 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
     settings = {"model": str(options.model), "optimized": str(options.optimized), "repeat": options.repeat,
                 "warmup": options.warmup, "seed": options.seed, "dims": list(options.dims),
                 "ties": list(options.ties), "warmup_shape": warm, "tolerances": TOLERANCES,
-                "interleaving": "ABBA"}
+                "interleaving": "ABBA", "intra_op_spinning": False}
     return BenchReport(environment(options.provider, options.command), settings, tuple(results),
                        opt_info.custom_nodes)
 

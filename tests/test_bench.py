@@ -304,3 +304,44 @@ def test_cli_bad_provider_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     model = _mlp(tmp_path / "m.onnx")
     assert main(["bench", str(model), "--optimized", str(model), "--provider", "tpu"]) == 2
     assert "error: unknown provider 'tpu'" in capsys.readouterr().err
+
+
+# --- the suite script ---------------------------------------------------------------------------------
+
+def _suite_module():  # type: ignore[no-untyped-def]
+    """benchmarks/run_suite.py is a script, not a package module: load it by path (once)."""
+    import importlib.util
+    import sys
+
+    if "run_suite" not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / "run_suite.py"
+        spec = importlib.util.spec_from_file_location("run_suite", path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules["run_suite"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules["run_suite"]
+
+
+def test_suite_builds_optimizes_for_the_benchmarked_shapes_then_benches(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    rs = _suite_module()
+    assert rs.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, what, log=None):  # type: ignore[no-untyped-def]
+        calls.append(list(cmd))
+        if "models" in cmd:  # the builder: a model with the resnet's input
+            graph = helper.make_graph([helper.make_node("Identity", ["image"], ["y"])], "g",
+                                      [helper.make_tensor_value_info("image", TensorProto.FLOAT,
+                                                                     ["batch", 3, "height", "width"])],
+                                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+            _save(graph, Path(cmd[cmd.index("-o") + 1]))
+    monkeypatch.setattr(rs, "_run", fake_run)
+    out = rs.run_suite(rs.SUITES["resnet50"], "cpu", tmp_path / "w", tmp_path / "res", preset="tiny")
+    build, optimize, run = calls
+    assert build[1:6] == ["-m", "models", "resnet50", "--preset", "tiny"]
+    assert optimize[2:4] == ["dietcode_ort", "optimize"] and "--shapes" in optimize
+    log = json.loads(Path(optimize[optimize.index("--shapes") + 1]).read_text())["shapes"]
+    assert log[0] == {"image": [1, 3, 160, 160]} and log[-1] == {"image": [4, 3, 288, 288]} and len(log) == 6
+    assert run[2:4] == ["dietcode_ort", "bench"] and run[run.index("--tie") + 1] == "width=height"
+    assert out.parent.parent == tmp_path / "res" and out.name == "resnet50-tiny-cpu.json"

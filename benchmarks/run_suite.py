@@ -1,0 +1,144 @@
+"""Run the standard benchmark suites: build each model, optimize it, benchmark it against stock ORT.
+
+    python benchmarks/run_suite.py --suite bert|resnet50|mlp|all --provider cpu|cuda
+
+Each suite is one row of ``SUITES``: the model builder and preset (``python -m models``), and the shapes
+swept per provider. The shapes the tuner sees (``dietcode-ort optimize --shapes``) are exactly the ones
+benchmarked, written as a shape log. Results go to ``benchmarks/results/<device>/<suite>-<preset>-<provider>``
+with ``.json`` (``dietcode-ort bench --json``), ``.png`` and ``.txt`` (the printed table). Models and
+optimized models are cached under ``--workdir`` and rebuilt only with ``--rebuild``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dietcode_ort import bench  # noqa: E402  (the repository root must be on the path first)
+from dietcode_ort.errors import DietcodeError  # noqa: E402
+
+__all__ = ["Suite", "SUITES", "slugify", "results_dir", "shape_log", "run_suite", "main"]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One standard benchmark: a model preset and the shapes swept on each provider."""
+
+    name: str
+    model: str                          # python -m models NAME
+    preset: str
+    dims: dict[str, tuple[str, ...]]    # provider -> --dim NAME=SPEC options
+    ties: tuple[str, ...] = ()          # --tie NAME=OTHER options
+    repeat: dict[str, int] | None = None  # provider -> timed repetitions
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    Suite("bert", "bert", "base",
+          {"cuda": ("batch=1,4,16,32", "seq=16,32,64,100,128,256,384,512"),
+           "cpu": ("batch=1,4", "seq=16,32,64,100,128,256")},
+          repeat={"cuda": 50, "cpu": 10}),
+    Suite("resnet50", "resnet50", "full",
+          {"cuda": ("batch=1,8,32", "height=160,192,224,256,288"),
+           "cpu": ("batch=1,4", "height=160,224,288")},
+          ties=("width=height",), repeat={"cuda": 50, "cpu": 10}),
+    Suite("mlp", "mlp", "llama-7b-layer",
+          {"cuda": ("tokens=1,7,16,33,64,100,128,256,512,1000,2048,4096",),
+           "cpu": ("tokens=1,7,16,64,100,256,512",)},
+          repeat={"cuda": 100, "cpu": 10}),
+)}
+
+
+def slugify(text: str) -> str:
+    """A device name as a folder name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown-device"
+
+
+def results_dir(base: Path, provider: str) -> Path:
+    return base / slugify(bench.device_name(provider))
+
+
+def shape_log(model: Path, suite: Suite, provider: str) -> dict:
+    """The benchmarked shapes as a shape log (``{"shapes": [{input: dims}]}``) for ``optimize --shapes``."""
+    info = bench.load_model_info(model)
+    records = []
+    for shape in bench.sweep(info.symbols, suite.dims[provider], suite.ties):
+        records.append({s.name: [d if isinstance(d, int) else shape[d] for d in s.dims] for s in info.inputs})
+    return {"shapes": records}
+
+
+def _run(cmd: Sequence[str], what: str, log: Path | None = None) -> None:
+    print("+", shlex.join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE if log else None)
+    if log is not None:
+        print(proc.stdout, end="")
+        log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise DietcodeError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}")
+
+
+def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, preset: str | None = None,
+              repeat: int | None = None, warmup: int = 5, rebuild: bool = False,
+              optimize_args: Sequence[str] = ()) -> Path:
+    """Build, optimize and benchmark one suite; returns the JSON results file."""
+    preset = preset or suite.preset
+    tag = f"{suite.name}-{preset}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, optimized = workdir / f"{tag}.onnx", workdir / f"{tag}.{provider}.dietcode.onnx"
+    py = sys.executable
+    if rebuild or not model.exists():
+        _run([py, "-m", "models", suite.model, "--preset", preset, "-o", str(model)], "building the model")
+    if rebuild or not optimized.exists() or optimized.stat().st_mtime < model.stat().st_mtime:
+        shapes = workdir / f"{tag}.{provider}.shapes.json"
+        shapes.write_text(json.dumps(shape_log(model, suite, provider), indent=1) + "\n")
+        _run([py, "-m", "dietcode_ort", "optimize", str(model), "-o", str(optimized), "--shapes", str(shapes),
+              *optimize_args], "dietcode-ort optimize")
+    out = results_dir(results, provider)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{tag}-{provider}"
+    cmd = [py, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized), "--provider", provider,
+           "--repeat", str(repeat or (suite.repeat or {}).get(provider, 20)), "--warmup", str(warmup),
+           "--json", f"{stem}.json", "--plot", f"{stem}.png"]
+    cmd += [a for d in suite.dims[provider] for a in ("--dim", d)] + [a for t in suite.ties for a in ("--tie", t)]
+    _run(cmd, "dietcode-ort bench", log=Path(f"{stem}.txt"))
+    return Path(f"{stem}.json")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", required=True, choices=[*SUITES, "all"])
+    p.add_argument("--provider", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--preset", help="model preset instead of the suite's (e.g. tiny for a quick check)")
+    p.add_argument("--repeat", type=int, help="timed repetitions per shape instead of the suite's")
+    p.add_argument("--warmup", type=int, default=5, help="untimed repetitions per shape (default 5)")
+    p.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "benchmarks",
+                   help="where models and optimized models are cached (default .cache/benchmarks)")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
+                   help="results root; files go to RESULTS/<device>/ (default benchmarks/results)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild and re-optimize even if cached")
+    p.add_argument("--optimize-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `dietcode-ort optimize` (repeat for several)")
+    args = p.parse_args(argv)
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    try:
+        for name in names:
+            path = run_suite(SUITES[name], args.provider, args.workdir, args.results, preset=args.preset,
+                             repeat=args.repeat, warmup=args.warmup, rebuild=args.rebuild,
+                             optimize_args=args.optimize_arg)
+            print(f"wrote {path}")
+    except DietcodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
