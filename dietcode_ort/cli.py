@@ -85,10 +85,40 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
+def _cmd_space(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tuner import aot, space
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else aot.default_cache_dir()
+    return space.space_command(args.target, args.op, args.dtype, as_json=args.json, compile_=args.compile,
+                               workers=args.workers, cache_dir=cache_dir)
+
+
+def _add_space(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("space", help="show the shape-generic micro-kernel search space of a family",
+                       description="List the micro-kernel configs (tile sizes, warps, stages, group_m, "
+                                   "split_k) of one op/dtype on one target GPU, derived from the GPU's limits "
+                                   "only, with the number each pruning rule removed. --compile compiles "
+                                   "every candidate (cached; minutes for a whole space) and drops those "
+                                   "whose compiled shared memory or register spills break the limits.")
+    p.add_argument("--target", required=True, help="GPU target: sm_80, sm_89 or sm_90")
+    p.add_argument("--op", required=True, help="gemm, bmm or conv")
+    p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each candidate; shared_bytes becomes the compiled kernel's")
+    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    p.add_argument("--cache-dir", default=None,
+                   help="kernel cache folder (default: $DIETCODE_CACHE or ~/.cache/dietcode-ort/kernels)")
+    p.set_defaults(handler=_cmd_space)
+
+
 # One explicit list of commands; each _add_* function defines its options and handler.
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_scan,
     _add_bench,
+    _add_space,
 ]
 
 

@@ -39,14 +39,21 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dietcode_ort.errors import DietcodeError
 from tuner.hardware import HardwareProfile, TARGETS, get_profile
-from tuner.workload import DTYPES, OPS
+from tuner.workload import DTYPES, OPS, ConvParams, Epilogue
+
+if TYPE_CHECKING:
+    from tuner.aot import CompiledKernel
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
-           "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers"]
+           "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
+           "COMPILE_RULES", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -205,3 +212,114 @@ def validate(family: Family, config: MicroKernel) -> None:
             f"{profile.smem_per_block_optin} B, registers estimate "
             f"{estimate_registers(config, family.dtype, profile.warp_size)} of {profile.regs_per_thread}, "
             f"{config.threads} threads of {profile.max_threads_per_block}); allowed rules: {', '.join(RULES)}")
+
+
+# ---- compile-time filter (compiles with tuner.aot; imported lazily, aot imports this module) ----
+
+COMPILE_RULES = ("compile_error", "compiled_shared", "spills")
+REFERENCE_CONV = ConvParams(in_channels=64, out_channels=64, kernel=(3, 3), strides=(1, 1), pads=(1, 1, 1, 1))
+
+
+def representative_epilogue(config: MicroKernel) -> Epilogue:
+    """The heaviest epilogue ``config`` admits (bias + gelu; bias only under split-K)."""
+    return Epilogue(bias=True, activation="gelu" if config.split_k == 1 else "none")
+
+
+@dataclass(frozen=True)
+class CompiledSpace:
+    """The candidates that survived compilation, with their kernels, and what was dropped and why."""
+
+    family: Family
+    kept: tuple[tuple[MicroKernel, "CompiledKernel"], ...]
+    dropped: tuple[tuple[MicroKernel, str, str], ...]  # (config, rule, detail)
+    seconds: float
+
+    def counts(self) -> dict[str, int]:
+        counts = {rule: 0 for rule in COMPILE_RULES}
+        for _, rule, _ in self.dropped:
+            counts[rule] += 1
+        return {**counts, "kept": len(self.kept)}
+
+
+def compile_filter(family: Family, configs: list[MicroKernel] | None = None, *, workers: int | None = None,
+                   cache_dir: Path | None = None, conv: ConvParams | None = None) -> CompiledSpace:
+    """Compile ``configs`` (default: the whole space) with their heaviest epilogue and the pipelined
+    (div16) variant, and drop those whose metadata breaks the profile: shared > smem_per_block_optin,
+    spills > 0, or a compile error. Conv families compile against ``conv`` (default a 3x3 64->64 layer);
+    tile resources do not depend on the layer's geometry."""
+    from tuner.aot import CompileJob, aligned_params, compile_many
+
+    profile = check_family(family)
+    configs = enumerate_space(family) if configs is None else configs
+    for config in configs:
+        validate(family, config)
+    layer = (conv or REFERENCE_CONV) if family.op == "conv" else None
+    jobs = [CompileJob(family, c, representative_epilogue(c), conv=layer, div16=aligned_params(family.op),
+                       cache_dir=cache_dir) for c in configs]
+    start = time.perf_counter()
+    results = compile_many(jobs, workers)
+    kept: list[tuple[MicroKernel, CompiledKernel]] = []
+    dropped: list[tuple[MicroKernel, str, str]] = []
+    for config, result in zip(configs, results):
+        kernel = result.kernel
+        if kernel is None:
+            dropped.append((config, "compile_error", result.error))
+        elif kernel.shared > profile.smem_per_block_optin:
+            dropped.append((config, "compiled_shared", f"{kernel.shared} B > {profile.smem_per_block_optin} B"))
+        elif kernel.n_spills:
+            dropped.append((config, "spills", f"{kernel.n_spills} B spilled ({kernel.n_regs} registers)"))
+        else:
+            kept.append((config, kernel))
+    return CompiledSpace(family, tuple(kept), tuple(dropped), time.perf_counter() - start)
+
+
+def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, compile_: bool = False,
+                  workers: int | None = None, cache_dir: Path | None = None) -> int:
+    """``dietcode-ort space``: the family's space for people (rich tables) or as JSON.
+
+    Without ``compile_`` the shared bytes are the estimate (``shared_source`` says which); with it every
+    candidate is compiled (cached) and ``shared_bytes`` is the compiled kernel's, after the compile filter.
+    """
+    import json
+
+    family = Family(op, dtype, target)
+    profile = check_family(family)
+    configs = enumerate_space(family)
+    report = prune_report(family)
+    compiled = compile_filter(family, configs, workers=workers, cache_dir=cache_dir) if compile_ else None
+    rows = ([(c, k.shared, k.n_regs, k.n_spills) for c, k in compiled.kept] if compiled is not None
+            else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype), None) for c in configs])
+    if as_json:
+        out = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
+               "axes": {k: list(v) for k, v in AXES.items()}, "prune": report,
+               "shared_source": "compiled" if compiled is not None else "estimate",
+               "configs": [{**c.to_dict(), "shared_bytes": shared, **({"n_regs": regs, "n_spills": spills}
+                                                                      if compiled is not None else {})}
+                           for c, shared, regs, spills in rows]}
+        if compiled is not None:
+            out["compile_filter"] = compiled.counts()
+            out["compile_seconds"] = round(compiled.seconds, 2)
+        print(json.dumps(out, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{op}/{dtype} on {target}[/] ({profile.name}): {report['kept']} of {report['total']} "
+                  f"configs kept by the profile rules" + (f", {len(rows)} after compiling" if compiled else ""))
+    rules = Table("rule", "pruned", title="pruning (a config counts under the first rule it fails)")
+    for rule in RULES:
+        rules.add_row(rule, str(report[rule]))
+    if compiled is not None:
+        for rule, count in compiled.counts().items():
+            if rule != "kept":
+                rules.add_row(f"compiled: {rule}", str(count))
+    console.print(rules)
+    source = "compiled" if compiled is not None else "estimated"
+    table = Table("config", "threads", f"shared B ({source})", f"regs ({source})",
+                  title=f"{len(rows)} micro-kernels (key: m=BLOCK_M n=BLOCK_N k=BLOCK_K w=warps s=stages "
+                        f"g=group_m k=split_k)")
+    for c, shared, regs, _ in rows:
+        table.add_row(c.key(), str(c.threads), str(shared), str(regs))
+    console.print(table)
+    return 0
