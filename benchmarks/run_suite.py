@@ -104,10 +104,11 @@ def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, pres
     out = results_dir(results, provider)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{tag}-{provider}"
-    cmd = [py, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized), "--provider", provider,
-           "--repeat", str(repeat or (suite.repeat or {}).get(provider, 20)), "--warmup", str(warmup),
-           "--json", f"{stem}.json", "--plot", f"{stem}.png"]
-    cmd += [a for d in suite.dims[provider] for a in ("--dim", d)] + [a for t in suite.ties for a in ("--tie", t)]
+    cmd = [py, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized),
+           "--provider", provider, "--repeat", str(repeat or (suite.repeat or {}).get(provider, 20)),
+           "--warmup", str(warmup), "--json", f"{stem}.json", "--plot", f"{stem}.png"]
+    cmd += [a for d in suite.dims[provider] for a in ("--dim", d)]
+    cmd += [a for t in suite.ties for a in ("--tie", t)]
     _run(cmd, "dietcode-ort bench", log=Path(f"{stem}.txt"))
     return Path(f"{stem}.json")
 

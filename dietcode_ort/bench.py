@@ -11,7 +11,9 @@ protocol is built so the comparison is fair:
   different shape (that is where ORT's CUDA EP runs its cuDNN search and a tuned model should not);
 - steady-state repetitions alternate ABBA between the two models so machine drift hits both alike;
 - on CUDA, inputs are copied to the device once and outputs are bound on the device (I/O binding),
-  so host copies are not timed.
+  so host copies are not timed;
+- intra-op thread spinning is off in both sessions: with two sessions alternating, an idle session's
+  spinning threads would steal cores from the one being timed.
 
 Symbols not swept with ``--dim`` take a default from :data:`DEFAULT_DIMS` (first matching pattern).
 """
@@ -189,7 +191,8 @@ def sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str] = ())
                                 f"{', '.join(symbols) or '(none)'}")
     for name, other in tied.items():
         if name in swept or other in tied:
-            raise DietcodeError(f"--tie {name}={other}: {name} must not be swept and {other} must not be tied")
+            raise DietcodeError(f"--tie {name}={other}: {name} must not be swept and {other} must not be "
+                                "tied itself")
     free = [s for s in symbols if s not in swept and s not in tied]
     names = list(swept)
     shapes = []
@@ -264,15 +267,17 @@ def check_compatible(stock: ModelInfo, optimized: ModelInfo) -> None:
     for name, spec in a.items():
         other = b[name]
         if (spec.dtype, len(spec.dims)) != (other.dtype, len(other.dims)):
-            raise DietcodeError(f"input {name!r}: original is {spec.dtype} rank {len(spec.dims)}, optimized is "
-                                f"{other.dtype} rank {len(other.dims)}")
+            raise DietcodeError(f"input {name!r}: original is {spec.dtype} rank {len(spec.dims)}, "
+                                f"optimized is {other.dtype} rank {len(other.dims)}")
     if set(stock.outputs) != set(optimized.outputs):
         raise DietcodeError(f"optimized model's outputs {sorted(optimized.outputs)} do not match the "
                             f"original's {sorted(stock.outputs)}")
 
 
 def make_feeds(info: ModelInfo, shape: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:
-    """Seeded inputs for one shape: ids in [0, vocab), masks ones with a few trailing zeros, floats N(0, 1)."""
+    """Seeded inputs for one shape: ids in [0, vocab), masks ones with a few trailing zeros, floats N(0, 1).
+
+    The seed combines ``seed`` and the shape, so a shape gets the same data whatever else is swept."""
     rng = np.random.default_rng([seed, *shape.values()])
     vocab = dict(info.vocab)
     feeds = {}
@@ -304,8 +309,8 @@ def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
     for name, ref in reference.items():
         got = candidate[name]
         if got.shape != ref.shape or got.dtype != ref.dtype:
-            raise DietcodeError(f"shape {shape_label}: output {name!r} is {got.dtype}{list(got.shape)} in the "
-                                f"optimized model, {ref.dtype}{list(ref.shape)} in the original")
+            raise DietcodeError(f"shape {shape_label}: output {name!r} is {got.dtype}{list(got.shape)} in "
+                                f"the optimized model, {ref.dtype}{list(ref.shape)} in the original")
         rtol, atol = TOLERANCES.get(ref.dtype.name, (0.0, 0.0))
         if ref.dtype.kind in "fc":
             diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
@@ -316,8 +321,8 @@ def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
             err = float(np.abs(got.astype(np.int64) - ref.astype(np.int64)).max()) if ref.size else 0.0
         if bad.any():
             raise DietcodeError(f"optimized model disagrees with the original at shape {shape_label}: output "
-                                f"{name!r} max abs error {err:.4g} at {int(bad.sum())} of {bad.size} elements "
-                                f"(tolerance for {ref.dtype.name}: rtol={rtol:g}, atol={atol:g})")
+                                f"{name!r} max abs error {err:.4g} at {int(bad.sum())} of {bad.size} "
+                                f"elements (tolerance for {ref.dtype.name}: rtol={rtol:g}, atol={atol:g})")
         errors[name] = err
     return errors
 
@@ -539,7 +544,8 @@ def write_plot(report: BenchReport, path: Path) -> None:
     spd.set_xlabel(x_sym or "shape")
     lat.legend(fontsize="small")
     env = report.environment
-    lat.set_title(f"{env.get('device', '')} / {env.get('provider', '')}  geomean {report.geomean_speedup:.2f}x")
+    lat.set_title(f"{env.get('device', '')} / {env.get('provider', '')}  "
+                  f"geomean speedup {report.geomean_speedup:.2f}x")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(str(path), format="png", dpi=110)
@@ -575,8 +581,8 @@ def _library_register() -> Callable[[Any], Any]:
     try:
         from dietcode_ort.runtime import register
     except ImportError as exc:
-        raise DietcodeError(f"the custom-op runtime (dietcode_ort.runtime.register) is not available: {exc}") \
-            from exc
+        raise DietcodeError("the custom-op runtime (dietcode_ort.runtime.register) is not available: "
+                            f"{exc}") from exc
     return register
 
 
@@ -592,8 +598,9 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
     if PROVIDERS[options.provider][0] not in available:
         raise DietcodeError(f"provider {options.provider!r} is not available in this onnxruntime build; "
                             f"available: {', '.join(available)}")
-    if options.repeat < 1 or options.warmup < 0:
-        raise DietcodeError(f"--repeat must be >= 1 and --warmup >= 0 (got {options.repeat}, {options.warmup})")
+    if options.repeat < 1 or options.warmup < 0 or options.seed < 0:
+        raise DietcodeError(f"--repeat must be >= 1, --warmup and --seed >= 0 (got {options.repeat}, "
+                            f"{options.warmup}, {options.seed})")
     stock_info, opt_info = load_model_info(options.model), load_model_info(options.optimized)
     check_compatible(stock_info, opt_info)
     shapes = sweep(stock_info.symbols, options.dims, options.ties)

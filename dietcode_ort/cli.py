@@ -62,12 +62,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="end-to-end latency of an optimized model against stock ONNX Runtime",
-                       description="Run MODEL with stock ONNX Runtime and OPT with the custom-op library on the "
-                                   "same provider over a sweep of shapes: check that their outputs agree, then "
-                                   "time the first call of each fresh shape and the steady state (median, p90; "
-                                   "ABBA-interleaved). Symbols not given with --dim default to 1 (batch-like), "
-                                   "128 (seq/len/token-like), 224 (height/width/size), else 1.")
+    p = sub.add_parser(
+        "bench", help="end-to-end latency of an optimized model against stock ONNX Runtime",
+        description="Run MODEL with stock ONNX Runtime and OPT with the custom-op library on the same provider "
+                    "over a sweep of shapes: check that their outputs agree, then time the first call of each "
+                    "fresh shape and the steady state (median, p90; ABBA-interleaved). Symbols not given with "
+                    "--dim default to 1 (batch-like), 128 (seq/len/token-like), 224 (height/width/size), else 1.")
     p.add_argument("model", help="the original ONNX model")
     p.add_argument("--optimized", required=True, metavar="OPT",
                    help="the model written by `dietcode-ort optimize`")

@@ -101,7 +101,8 @@ def test_json_schema_and_plot(tmp_path: Path) -> None:
             assert len(t["times_ms"]) == 3 and all(isinstance(v, float) and v > 0 for v in t["times_ms"])
             assert t["median_ms"] == pytest.approx(float(np.median(t["times_ms"])))
             assert t["p90_ms"] >= t["median_ms"] and isinstance(t["first_call_ms"], float)
-        assert shape["speedup"] == pytest.approx(shape["stock"]["median_ms"] / shape["optimized"]["median_ms"])
+        ratio = shape["stock"]["median_ms"] / shape["optimized"]["median_ms"]
+        assert shape["speedup"] == pytest.approx(ratio)
         assert shape["max_abs_error"] == {"y": 0.0}
     assert data["summary"]["worst"]["speedup"] == min(s["speedup"] for s in data["shapes"])
     assert isinstance(data["summary"]["geomean_speedup"], float)
@@ -263,7 +264,8 @@ def test_cuda_that_cannot_start_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant, message", [
     (dict(name="h2"), r"inputs \['h2'\] do not match the original's \['hidden'\]"),
-    (dict(dtype=TensorProto.FLOAT16), "input 'hidden': original is float32 rank 2, optimized is float16 rank 2"),
+    (dict(dtype=TensorProto.FLOAT16),
+     "input 'hidden': original is float32 rank 2, optimized is float16 rank 2"),
     (dict(dims=("tokens", 8, 1)), "original is float32 rank 2, optimized is float32 rank 3"),
 ])
 def test_optimized_inputs_must_match(tmp_path: Path, variant: dict, message: str) -> None:
@@ -322,8 +324,8 @@ def _suite_module():  # type: ignore[no-untyped-def]
     return sys.modules["run_suite"]
 
 
-def test_suite_builds_optimizes_for_the_benchmarked_shapes_then_benches(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_suite_optimizes_for_the_benchmarked_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build, then optimize with a shape log of exactly the swept shapes, then bench with the same dims."""
     rs = _suite_module()
     assert rs.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     calls: list[list[str]] = []
@@ -345,3 +347,12 @@ def test_suite_builds_optimizes_for_the_benchmarked_shapes_then_benches(tmp_path
     assert log[0] == {"image": [1, 3, 160, 160]} and log[-1] == {"image": [4, 3, 288, 288]} and len(log) == 6
     assert run[2:4] == ["dietcode_ort", "bench"] and run[run.index("--tie") + 1] == "width=height"
     assert out.parent.parent == tmp_path / "res" and out.name == "resnet50-tiny-cpu.json"
+
+
+@pytest.mark.parametrize("kw, message", [(dict(repeat=0), "--repeat must be >= 1"),
+                                         (dict(warmup=-1), "--warmup and --seed >= 0"),
+                                         (dict(seed=-3), r"got 3, 1, -3")])
+def test_bad_counts(tmp_path: Path, kw: dict, message: str) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    with pytest.raises(DietcodeError, match=message):
+        bench.run_bench(_options(model, model, tmp_path, **kw), register=_no_register)
