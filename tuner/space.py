@@ -21,8 +21,10 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
 - ``mma_tile``: BLOCK_M >= mma m, BLOCK_N >= mma n, BLOCK_K >= mma k scaled to the dtype (k=16 for
   16-bit types, 8 for tf32); Triton's ``tl.dot`` additionally needs every dim >= 16.
-- ``warp_tile``: every warp must own at least one mma tile: BLOCK_M * BLOCK_N >= num_warps * m * n * 2
-  (the m16n8 MMA is issued in pairs per 16x16 output fragment).
+- ``k_bytes``: BLOCK_K * dtype bytes >= 64, so each operand row slice loaded per stage spans at least two
+  32-byte DRAM sectors (drops BLOCK_K = 16 for 16-bit types; their k16 MMA would run once per stage).
+- ``warp_tile``: every warp owns at least 4 MMA tiles, BLOCK_M * BLOCK_N >= num_warps * m * n * 4, so
+  each loaded operand fragment is reused (fewer and the warps mostly wait on loads).
 - ``shared_memory``: num_stages * (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * dtype bytes <= smem_per_block_optin.
 - ``registers``: fp32 accumulator BLOCK_M*BLOCK_N/threads + one stage of operand fragments
   (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread.
@@ -31,9 +33,19 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` (from 3 * 3 * 5 * 5 * 4 * 3 * 3 * 1 * 2 = ... see SPACE_SIZES below,
-checked by tests/test_space.py):
-SPACE_SIZES
+Measured sizes of ``enumerate_space`` per family (of 1800 axis combinations; the op does not change the
+space, the dtype and the target do; tests/test_space.py checks this table against the code):
+
+    target  op    float32  float16  bfloat16
+    sm_80   gemm      591      549       549
+    sm_80   bmm       591      549       549
+    sm_80   conv      591      549       549
+    sm_89   gemm      460      448       448
+    sm_89   bmm       460      448       448
+    sm_89   conv      460      448       448
+    sm_90   gemm      624      568       568
+    sm_90   bmm       624      568       568
+    sm_90   conv      624      568       568
 """
 from __future__ import annotations
 

@@ -1,0 +1,144 @@
+"""The shape-generic space, the hardware profiles and the ``space`` command (no compilation here)."""
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import math
+import re
+
+import pytest
+
+from dietcode_ort.cli import main
+from dietcode_ort.errors import DietcodeError
+from tuner import space
+from tuner.hardware import PROFILES, TARGETS, get_profile, resident_blocks
+from tuner.space import (AXES, FAMILIES, RULES, Family, MicroKernel, enumerate_space, estimate_registers,
+                         estimate_shared, prune_report, validate)
+from tuner.workload import Instance, Workload
+
+
+def test_key_round_trip_and_order() -> None:
+    config = MicroKernel(64, 64, 32, 4, 3)
+    assert config.key() == "m64n64k32w4s3g8k1"
+    assert MicroKernel.from_key("m128n16k64w2s4g1k4") == MicroKernel(128, 16, 64, 2, 4, 1, 4)
+    assert MicroKernel.from_dict(config.to_dict()) == config
+    assert MicroKernel(16, 16, 16, 2, 2) < MicroKernel(32, 16, 16, 2, 2)
+    with pytest.raises(DietcodeError, match="m64n64k32w4s3g8k1"):
+        MicroKernel.from_key("64x64x32")
+
+
+def _workload(instances: tuple[Instance, ...]) -> Workload:
+    return Workload(op="gemm", onnx_op="MatMul", nodes=("mm",), m="batch*seq", n="768", k="768",
+                    dtype="float16", symbols=("batch", "seq"), instances=instances)
+
+
+def test_space_does_not_depend_on_shapes() -> None:
+    assert list(inspect.signature(enumerate_space).parameters) == ["family"]
+    small = _workload((Instance.of({"batch": 1, "seq": 1}), Instance.of({"batch": 1, "seq": 7})))
+    large = _workload(tuple(Instance.of({"batch": b, "seq": s}) for b in (8, 32) for s in (128, 512)))
+    assert small.problems() != large.problems()
+    spaces = [enumerate_space(Family(w.op, w.dtype, "sm_90")) for w in (small, large)]
+    assert spaces[0] == spaces[1]
+    assert spaces[0] == sorted(spaces[0]) and len(set(spaces[0])) == len(spaces[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f"{f.op}-{f.dtype}-{f.target}")
+def test_pruning_counts_add_up_and_respect_limits(family: Family) -> None:
+    report = prune_report(family)
+    configs = enumerate_space(family)
+    assert report["total"] == math.prod(len(v) for v in AXES.values())
+    assert sum(report[rule] for rule in RULES) + report["kept"] == report["total"]
+    assert report["kept"] == len(configs)
+    assert 100 <= len(configs) <= 1000  # explorable: hundreds
+    p = get_profile(family.target)
+    for c in configs:
+        assert c.threads <= p.max_threads_per_block
+        assert estimate_shared(c, family.dtype) <= p.smem_per_block_optin
+        assert estimate_registers(c, family.dtype) <= p.regs_per_thread
+        assert min(c.block_m, c.block_n, c.block_k) >= 16
+        assert c.split_k == 1 or c.block_m * c.block_n <= 4096
+
+
+def test_limits_shape_the_space() -> None:
+    """Smaller shared memory (L4) and 4-byte elements prune more; the rules actually fire."""
+    sizes = {t: len(enumerate_space(Family("gemm", "float16", t))) for t in TARGETS}
+    assert sizes["sm_89"] < sizes["sm_80"] < sizes["sm_90"]
+    assert prune_report(Family("gemm", "float32", "sm_89"))["shared_memory"] > \
+        prune_report(Family("gemm", "float32", "sm_90"))["shared_memory"]
+    assert prune_report(Family("gemm", "float16", "sm_80"))["k_bytes"] > 0
+    assert prune_report(Family("gemm", "float32", "sm_80"))["k_bytes"] == 0
+    fp16 = enumerate_space(Family("gemm", "float16", "sm_80"))
+    assert MicroKernel(128, 128, 64, 8, 3) in fp16 and MicroKernel(256, 256, 64, 8, 3) not in fp16
+
+
+def test_docstring_sizes_are_measured() -> None:
+    rows = re.findall(r"^\s+(sm_\d+)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)$", space.__doc__ or "", re.M)
+    assert len(rows) == 9
+    for target, op, *sizes in rows:
+        for dtype, size in zip(("float32", "float16", "bfloat16"), sizes):
+            assert len(enumerate_space(Family(op, dtype, target))) == int(size), (target, op, dtype)
+
+
+def test_validate_names_allowed_values() -> None:
+    family = Family("gemm", "float16", "sm_80")
+    validate(family, MicroKernel(64, 64, 32, 4, 3))
+    with pytest.raises(DietcodeError, match="block_m=48 .*allowed: 16, 32, 64, 128, 256"):
+        validate(family, MicroKernel(48, 64, 32, 4, 3))
+    with pytest.raises(DietcodeError, match="split_k=2 .*allowed: 1, 4"):
+        validate(family, MicroKernel(64, 64, 32, 4, 3, 8, 2))
+    with pytest.raises(DietcodeError, match="rule 'registers'"):
+        validate(family, MicroKernel(256, 256, 64, 4, 2))
+    with pytest.raises(DietcodeError, match="rule 'k_bytes'"):
+        validate(family, MicroKernel(64, 64, 16, 4, 3))
+    for bad, message in ((Family("gemm", "float16", "sm_70"), "known targets: sm_80, sm_89, sm_90"),
+                         (Family("matmul", "float16", "sm_80"), "allowed: gemm, bmm, conv"),
+                         (Family("gemm", "int8", "sm_80"), "allowed: float32, float16, bfloat16")):
+        with pytest.raises(DietcodeError, match=message):
+            enumerate_space(bad)
+
+
+def test_profiles_and_resident_blocks() -> None:
+    assert PROFILES["sm_80"].num_sms == 108 and PROFILES["sm_90"].num_sms == 132
+    assert [PROFILES[t].arch for t in TARGETS] == [80, 89, 90]
+    with pytest.raises(DietcodeError, match="known targets: sm_80, sm_89, sm_90"):
+        get_profile("sm_75")
+    a100 = get_profile("sm_80")
+    # 4 warps x 64 regs = 8 KiB registers per block -> 8 blocks; threads alone would allow 16.
+    assert resident_blocks(a100, 128, 64, 0) == 8
+    assert resident_blocks(a100, 128, 32, 0) == 16
+    assert resident_blocks(a100, 64, 16, 0) == 32  # capped by max blocks per SM
+    assert resident_blocks(a100, 256, 128, 100 * 1024) == 1  # shared memory limits
+    assert resident_blocks(a100, 128, 64, 40 * 1024) == 4  # 164 KiB // (40 KiB + 1 KiB reserved)
+    assert resident_blocks(a100, 128, 64, 41 * 1024) == 3  # the reserved 1 KiB per block matters
+    assert resident_blocks(a100, 128, 64, 200 * 1024) == 0  # over the opt-in limit
+    assert resident_blocks(a100, 2048, 32, 0) == 0
+    assert resident_blocks(get_profile("sm_89"), 512, 32, 0) == 3  # 1536 threads per SM on L4
+
+
+def test_space_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["space", "--target", "sm_90", "--op", "bmm", "--dtype", "bfloat16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["target"], out["op"], out["dtype"]) == ("sm_90", "bmm", "bfloat16")
+    assert out["limits"]["smem_per_block_optin"] == 227 * 1024
+    configs = [MicroKernel.from_dict(c) for c in out["configs"]]
+    assert configs == enumerate_space(Family("bmm", "bfloat16", "sm_90"))
+    assert all(set(c) >= {"block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k",
+                          "shared_bytes"} for c in out["configs"])
+    assert out["shared_source"] == "estimate"
+
+
+def test_space_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["space", "--target", "sm_89", "--op", "conv", "--dtype", "float32"]) == 0
+    text = capsys.readouterr().out
+    assert "460 of 1800" in text and "shared_memory" in text
+    assert main(["space", "--target", "sm_70", "--op", "gemm"]) == 2
+    assert "known targets: sm_80, sm_89, sm_90" in capsys.readouterr().err
+    assert main(["space", "--target", "sm_80", "--op", "gemm", "--dtype", "fp8"]) == 2
+    assert "allowed: float32, float16, bfloat16" in capsys.readouterr().err
+
+
+def test_axes_products_are_all_enumerated() -> None:
+    family = Family("conv", "float32", "sm_90")
+    every = set(itertools.product(*AXES.values()))
+    assert {tuple(c.to_dict().values()) for c in enumerate_space(family)} <= every
