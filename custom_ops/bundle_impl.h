@@ -1,0 +1,84 @@
+// Internal representation of a parsed kernel bundle, shared by the parser (core.cc) and the launcher
+// (launch.cc). Everything here has been validated by the parser before any other code sees it.
+#ifndef DIETCODE_BUNDLE_IMPL_H_
+#define DIETCODE_BUNDLE_IMPL_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core.h"
+
+namespace dietcode {
+
+enum Param : uint8_t {
+  kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
+  kImgN, kImgH, kImgW, kOutH, kOutW, kParamCount
+};
+
+enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
+
+struct Image {
+  uint32_t cc = 0;        // compute capability as major*10+minor
+  bool specific = false;  // the 'a' suffix: runs on exactly this cc
+  std::string bytes;
+};
+
+struct Kernel {
+  KernelKind kind = kTriton;
+  std::string name;
+  uint32_t num_warps = 4, shared = 0, block_m = 1, block_n = 1, split_k = 1;
+  bool zero_output = false;
+  std::vector<uint8_t> params;
+  std::vector<Image> images;
+  std::string ptx;
+};
+
+struct Feature {
+  std::string name;
+  std::vector<std::pair<uint32_t, int32_t>> terms;  // (input index, dim index; negative counts from the end)
+};
+
+struct Tree {
+  std::vector<int32_t> feature, left, right, leaf;
+  std::vector<int64_t> threshold;
+};
+
+// Loaded CUDA function of one kernel in one context (opaque driver handles kept as void*).
+struct LoadedKernel {
+  void* module = nullptr;
+  void* function = nullptr;
+};
+
+// Which image a kernel loads on a device: index into images, or -1 for PTX; returns false with a message.
+bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error);
+
+}  // namespace dietcode
+
+struct dc_bundle {
+  std::vector<dietcode::Feature> features;
+  std::vector<dietcode::Kernel> kernels;
+  dietcode::Tree tree;
+
+  // Module cache: (context, kernel id) -> loaded function. Guarded by mutex.
+  std::mutex mutex;
+  std::map<std::pair<void*, int32_t>, dietcode::LoadedKernel> loaded;
+
+  ~dc_bundle();
+};
+
+namespace dietcode {
+
+// Thread-local error message used by the C ABI.
+void SetError(const std::string& message);
+
+// Evaluate the tree; the bundle is validated so this cannot index out of range.
+int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
+
+}  // namespace dietcode
+
+#endif  // DIETCODE_BUNDLE_IMPL_H_

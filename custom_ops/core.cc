@@ -1,0 +1,550 @@
+// Kernel bundle parsing, validation and dispatch (docs/bundle.md). Mirrors dietcode_ort/bundle.py: every
+// size, offset and index is checked before it is used, and a refusal names the field and the limit.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "bundle_impl.h"
+
+namespace dietcode {
+namespace {
+
+constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kHeaderSize = 32;
+constexpr uint32_t kSectionEntrySize = 24;
+constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
+constexpr uint32_t kFlagZeroOutput = 1;
+constexpr uint32_t kArchSpecific = 1;
+
+// Limits shared with dietcode_ort/bundle.py (LIMITS).
+constexpr uint32_t kMaxFeatures = 64, kMaxTerms = 8, kMaxInputs = 8, kMaxDim = 8, kMaxName = 256;
+constexpr uint32_t kMaxKernels = 1024, kMaxParams = 32, kMaxImages = 16, kMaxNodes = 1u << 16;
+constexpr uint64_t kMaxImageBytes = 64ull << 20, kMaxPtxBytes = 64ull << 20, kMaxTotal = 1ull << 30;
+constexpr uint32_t kMaxBlock = 4096, kMaxSplitK = 1024, kMaxShared = 1u << 20;
+
+const char* const kSectionNames[] = {"", "features", "kernels", "tree"};
+
+thread_local std::string g_error;
+
+struct ParseError {
+  std::string message;
+};
+
+[[noreturn]] void Fail(const std::string& message) { throw ParseError{"invalid kernel bundle: " + message}; }
+
+// Python's strict UTF-8 rules: no overlong forms, no surrogates, nothing above U+10FFFF; plus no NUL.
+bool ValidUtf8(const std::string& s) {
+  size_t i = 0, n = s.size();
+  while (i < n) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == 0) return false;
+    if (c < 0x80) { ++i; continue; }
+    int len;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c == 0xE0) { len = 3; lo = 0xA0; }
+    else if (c == 0xED) { len = 3; hi = 0x9F; }
+    else if (c >= 0xE1 && c <= 0xEF) len = 3;
+    else if (c == 0xF0) { len = 4; lo = 0x90; }
+    else if (c >= 0xF1 && c <= 0xF3) len = 4;
+    else if (c == 0xF4) { len = 4; hi = 0x8F; }
+    else return false;
+    if (n - i < static_cast<size_t>(len)) return false;
+    for (int j = 1; j < len; ++j) {
+      unsigned char d = static_cast<unsigned char>(s[i + j]);
+      unsigned l = j == 1 ? lo : 0x80, h = j == 1 ? hi : 0xBF;
+      if (d < l || d > h) return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
+// Bounds-checked little-endian cursor over [pos, end) of the payload.
+class Reader {
+ public:
+  Reader(const uint8_t* data, uint64_t pos, uint64_t end, std::string what)
+      : data_(data), pos_(pos), end_(end), what_(std::move(what)) {}
+
+  const uint8_t* Take(uint64_t n, const char* field) {
+    if (n > end_ - pos_) {
+      Fail(what_ + ": " + field + " needs " + std::to_string(n) + " bytes, " + std::to_string(end_ - pos_) +
+           " left");
+    }
+    const uint8_t* p = data_ + pos_;
+    pos_ += n;
+    return p;
+  }
+  template <typename T>
+  T Get(const char* field) {
+    T v;
+    std::memcpy(&v, Take(sizeof(T), field), sizeof(T));  // the format is little-endian, as is every target
+    return v;
+  }
+  uint32_t Count(const char* field, uint32_t limit, uint32_t lo = 0) {
+    uint32_t n = Get<uint32_t>(field);
+    if (n < lo || n > limit) {
+      Fail(what_ + ": " + field + " " + std::to_string(n) + " outside " + std::to_string(lo) + ".." +
+           std::to_string(limit));
+    }
+    return n;
+  }
+  std::string String(uint64_t n, const char* field) {
+    const uint8_t* p = Take(n, field);
+    return std::string(reinterpret_cast<const char*>(p), n);
+  }
+  void Done() {
+    if (pos_ != end_) Fail(what_ + ": " + std::to_string(end_ - pos_) + " trailing bytes");
+  }
+  uint64_t pos() const { return pos_; }
+  uint64_t end() const { return end_; }
+  void Seek(uint64_t pos) { pos_ = pos; }
+
+ private:
+  const uint8_t* data_;
+  uint64_t pos_, end_;
+  std::string what_;
+};
+
+std::string Utf8(std::string s, const char* what) {
+  if (!ValidUtf8(s)) Fail(std::string(what) + " is not UTF-8 or contains a NUL byte");
+  return s;
+}
+
+void ReadFeatures(Reader r, dc_bundle* b) {
+  uint32_t count = r.Count("feature count", kMaxFeatures);
+  for (uint32_t j = 0; j < count; ++j) {
+    Feature f;
+    f.name = Utf8(r.String(r.Count("feature name length", kMaxName), "feature name"), "feature name");
+    uint32_t terms = r.Count("feature term count", kMaxTerms, 1);
+    for (uint32_t t = 0; t < terms; ++t) {
+      uint32_t input = r.Get<uint32_t>("feature term");
+      int32_t dim = r.Get<int32_t>("feature term");
+      if (input >= kMaxInputs || dim < -static_cast<int32_t>(kMaxDim) || dim >= static_cast<int32_t>(kMaxDim)) {
+        Fail("feature " + std::to_string(j) + " (" + f.name + "): term (input " + std::to_string(input) + ", dim " +
+             std::to_string(dim) + ") out of range");
+      }
+      f.terms.emplace_back(input, dim);
+    }
+    b->features.push_back(std::move(f));
+  }
+  r.Done();
+}
+
+void ValidateKernel(const Kernel& k, uint32_t index) {
+  std::string where = "kernel " + std::to_string(index) + " (" + k.name + ")";
+  if (k.kind == kVendor) {
+    if (!k.images.empty() || !k.ptx.empty() || !k.params.empty()) {
+      Fail(where + ": a vendor kernel carries no cubin, PTX or params");
+    }
+    return;
+  }
+  const uint32_t w = k.num_warps;
+  if (!(w == 1 || w == 2 || w == 4 || w == 8 || w == 16 || w == 32)) {
+    Fail(where + ": num_warps " + std::to_string(w) + ", allowed: 1, 2, 4, 8, 16, 32");
+  }
+  if (k.block_m < 1 || k.block_m > kMaxBlock) Fail(where + ": block_m " + std::to_string(k.block_m) + " outside 1..4096");
+  if (k.block_n < 1 || k.block_n > kMaxBlock) Fail(where + ": block_n " + std::to_string(k.block_n) + " outside 1..4096");
+  if (k.split_k < 1 || k.split_k > kMaxSplitK) Fail(where + ": split_k " + std::to_string(k.split_k) + " outside 1..1024");
+  if (k.split_k > 1 && !k.zero_output) Fail(where + ": split_k > 1 accumulates with atomics and needs zero_output");
+  if (k.shared > kMaxShared) Fail(where + ": shared " + std::to_string(k.shared) + " bytes too large");
+  bool seen[kParamCount] = {};
+  for (uint8_t p : k.params) {
+    if (seen[p]) Fail(where + ": params repeat a name");
+    seen[p] = true;
+  }
+  if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
+  for (size_t i = 0; i < k.images.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (k.images[i].cc == k.images[j].cc && k.images[i].specific == k.images[j].specific) {
+        Fail(where + ": two cubins for sm_" + std::to_string(k.images[i].cc));
+      }
+    }
+    if (k.images[i].bytes.empty()) Fail(where + ": empty cubin for sm_" + std::to_string(k.images[i].cc));
+  }
+  if (k.images.empty() && k.ptx.empty()) Fail(where + ": has neither a cubin nor PTX");
+}
+
+void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
+  uint32_t count = r.Count("kernel count", kMaxKernels, 1);
+  for (uint32_t index = 0; index < count; ++index) {
+    uint64_t start = r.pos();
+    uint32_t record = r.Get<uint32_t>("kernel record size");
+    if (record < 4 || record > r.end() - start) {
+      Fail("kernels: kernel " + std::to_string(index) + " record size " + std::to_string(record) +
+           " outside the section");
+    }
+    Reader sub(data, start + 4, start + record, "kernel " + std::to_string(index));
+    Kernel k;
+    uint8_t kind = sub.Get<uint8_t>("kind");
+    uint8_t flags = sub.Get<uint8_t>("flags");
+    uint16_t reserved = sub.Get<uint16_t>("reserved");
+    if (kind > kVendor || (flags & ~kFlagZeroOutput) || reserved) {
+      Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
+           std::to_string(flags) + " / reserved " + std::to_string(reserved) + " invalid");
+    }
+    k.kind = static_cast<KernelKind>(kind);
+    k.zero_output = flags & kFlagZeroOutput;
+    k.num_warps = sub.Get<uint32_t>("num_warps");
+    k.shared = sub.Get<uint32_t>("shared");
+    k.block_m = sub.Get<uint32_t>("block_m");
+    k.block_n = sub.Get<uint32_t>("block_n");
+    k.split_k = sub.Get<uint32_t>("split_k");
+    k.name = Utf8(sub.String(sub.Count("name length", kMaxName, 1), "name"), "kernel name");
+    uint32_t n_params = sub.Count("param count", kMaxParams);
+    const uint8_t* params = sub.Take(n_params, "params");
+    for (uint32_t p = 0; p < n_params; ++p) {
+      if (params[p] >= kParamCount) {
+        Fail("kernel " + std::to_string(index) + ": param enum out of range 0.." + std::to_string(kParamCount - 1));
+      }
+      k.params.push_back(params[p]);
+    }
+    uint32_t n_images = sub.Count("image count", kMaxImages);
+    for (uint32_t i = 0; i < n_images; ++i) {
+      Image img;
+      img.cc = sub.Get<uint32_t>("image arch");
+      uint32_t aflags = sub.Get<uint32_t>("image flags");
+      uint64_t size = sub.Get<uint64_t>("image size");
+      if (img.cc < 10 || img.cc > 9999 || (aflags & ~kArchSpecific)) {
+        Fail("kernel " + std::to_string(index) + ": image arch " + std::to_string(img.cc) + " / flags " +
+             std::to_string(aflags) + " invalid");
+      }
+      if (size > kMaxImageBytes) Fail("kernel " + std::to_string(index) + ": image of " + std::to_string(size) + " bytes too large");
+      img.specific = aflags & kArchSpecific;
+      img.bytes = sub.String(size, "cubin");
+      k.images.push_back(std::move(img));
+    }
+    uint64_t ptx_size = sub.Get<uint64_t>("PTX size");
+    if (ptx_size > kMaxPtxBytes) Fail("kernel " + std::to_string(index) + ": PTX of " + std::to_string(ptx_size) + " bytes too large");
+    k.ptx = Utf8(sub.String(ptx_size, "PTX"), "PTX");
+    sub.Done();
+    r.Seek(start + record);
+    b->kernels.push_back(std::move(k));
+  }
+  r.Done();
+}
+
+void ReadTree(Reader r, dc_bundle* b) {
+  uint32_t n = r.Count("node count", kMaxNodes, 1);
+  Tree& t = b->tree;
+  auto read_i32 = [&](std::vector<int32_t>* v, const char* field) {
+    const uint8_t* p = r.Take(uint64_t{n} * 4, field);
+    v->resize(n);
+    std::memcpy(v->data(), p, uint64_t{n} * 4);
+  };
+  read_i32(&t.feature, "feature");
+  const uint8_t* p = r.Take(uint64_t{n} * 8, "threshold");
+  t.threshold.resize(n);
+  std::memcpy(t.threshold.data(), p, uint64_t{n} * 8);
+  read_i32(&t.left, "left");
+  read_i32(&t.right, "right");
+  read_i32(&t.leaf, "leaf");
+  r.Done();
+}
+
+void ValidateTree(const dc_bundle& b) {
+  const Tree& t = b.tree;
+  const int32_t n = static_cast<int32_t>(t.leaf.size());
+  const int32_t n_features = static_cast<int32_t>(b.features.size());
+  const int32_t n_kernels = static_cast<int32_t>(b.kernels.size());
+  std::vector<int> parents(n, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    std::string where = "tree node " + std::to_string(i);
+    if (t.leaf[i] >= 0) {
+      if (t.leaf[i] >= n_kernels) {
+        Fail(where + ": leaf kernel id " + std::to_string(t.leaf[i]) + " out of range 0.." + std::to_string(n_kernels - 1));
+      }
+      if (t.feature[i] != -1 || t.left[i] != -1 || t.right[i] != -1) {
+        Fail(where + ": a leaf must have feature, left and right -1");
+      }
+      continue;
+    }
+    if (t.leaf[i] != -1) Fail(where + ": leaf id " + std::to_string(t.leaf[i]) + " (use -1 for inner nodes)");
+    if (t.feature[i] < 0 || t.feature[i] >= n_features) {
+      Fail(where + ": feature " + std::to_string(t.feature[i]) + " out of range 0.." + std::to_string(n_features - 1));
+    }
+    for (int32_t child : {t.left[i], t.right[i]}) {
+      if (child < 1 || child >= n) Fail(where + ": child " + std::to_string(child) + " out of range 1.." + std::to_string(n - 1));
+      if (++parents[child] > 1) {
+        Fail("tree node " + std::to_string(child) + " has more than one parent (cycle or shared subtree)");
+      }
+    }
+  }
+  // With at most one parent each and none for the root, reaching every node from the root means a tree.
+  std::vector<char> seen(n, 0);
+  std::vector<int32_t> stack = {0};
+  while (!stack.empty()) {
+    int32_t i = stack.back();
+    stack.pop_back();
+    seen[i] = 1;
+    if (t.leaf[i] < 0) {
+      stack.push_back(t.left[i]);
+      stack.push_back(t.right[i]);
+    }
+  }
+  auto it = std::find(seen.begin(), seen.end(), 0);
+  if (it != seen.end()) {
+    Fail("tree node " + std::to_string(it - seen.begin()) + " is not reachable from the root (cycle?)");
+  }
+}
+
+void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
+  if (data == nullptr || size < kHeaderSize) {
+    Fail(std::to_string(size) + " bytes, shorter than the 32-byte header");
+  }
+  if (std::memcmp(data, kMagic, 8) != 0) Fail("bad magic, expected DCBUNDLE");
+  Reader h(data, 8, kHeaderSize, "header");
+  uint32_t version = h.Get<uint32_t>("version");
+  uint32_t header_size = h.Get<uint32_t>("header size");
+  uint64_t total = h.Get<uint64_t>("total size");
+  uint32_t count = h.Get<uint32_t>("section count");
+  uint32_t reserved = h.Get<uint32_t>("reserved");
+  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows 1");
+  if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
+  if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
+  if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");
+  if (count != 3) Fail(std::to_string(count) + " sections, expected 3 (features, kernels, tree)");
+  const uint64_t table_end = kHeaderSize + uint64_t{kSectionEntrySize} * count;
+  if (table_end > total) Fail("section table runs past the end");
+  uint64_t off[4] = {}, len[4] = {};
+  bool have[4] = {};
+  Reader table(data, kHeaderSize, table_end, "section table");
+  for (uint32_t s = 0; s < count; ++s) {
+    uint32_t kind = table.Get<uint32_t>("kind");
+    uint32_t res = table.Get<uint32_t>("reserved");
+    uint64_t o = table.Get<uint64_t>("offset");
+    uint64_t n = table.Get<uint64_t>("size");
+    if (kind < kSectionFeatures || kind > kSectionTree || have[kind] || res != 0) {
+      Fail("section entry " + std::to_string(s) + ": kind " + std::to_string(kind) + " unknown or repeated");
+    }
+    if (o < table_end || n > total || o > total - n) {
+      Fail(std::string("section ") + kSectionNames[kind] + ": offset " + std::to_string(o) + " size " +
+           std::to_string(n) + " outside the payload");
+    }
+    have[kind] = true;
+    off[kind] = o;
+    len[kind] = n;
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> spans = {{off[1], len[1]}, {off[2], len[2]}, {off[3], len[3]}};
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 0; i + 1 < spans.size(); ++i) {
+    if (spans[i].first + spans[i].second > spans[i + 1].first) Fail("sections overlap");
+  }
+  ReadFeatures(Reader(data, off[1], off[1] + len[1], "features"), b);
+  ReadKernels(Reader(data, off[2], off[2] + len[2], "kernels"), data, b);
+  ReadTree(Reader(data, off[3], off[3] + len[3], "tree"), b);
+  for (uint32_t k = 0; k < b->kernels.size(); ++k) ValidateKernel(b->kernels[k], k);
+  ValidateTree(*b);
+}
+
+// ".target sm_XY[a]" of a PTX text; false if there is none.
+bool PtxTarget(const std::string& ptx, uint32_t* cc, bool* specific) {
+  size_t pos = 0;
+  while ((pos = ptx.find(".target", pos)) != std::string::npos) {
+    size_t line = ptx.rfind('\n', pos);
+    line = line == std::string::npos ? 0 : line + 1;
+    bool at_line_start = ptx.find_first_not_of(" \t", line) == pos;
+    size_t p = pos + 7;
+    pos = p;
+    if (!at_line_start) continue;
+    p = ptx.find_first_not_of(" \t", p);
+    if (p == std::string::npos || p == pos || ptx.compare(p, 3, "sm_") != 0) continue;
+    p += 3;
+    uint32_t v = 0;
+    size_t digits = 0;
+    while (p < ptx.size() && ptx[p] >= '0' && ptx[p] <= '9' && digits < 6) {
+      v = v * 10 + static_cast<uint32_t>(ptx[p] - '0');
+      ++p;
+      ++digits;
+    }
+    if (digits == 0) continue;
+    *cc = v;
+    *specific = p < ptx.size() && ptx[p] == 'a';
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void SetError(const std::string& message) { g_error = message; }
+
+bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error) {
+  const uint32_t cc = static_cast<uint32_t>(major * 10 + minor);
+  for (size_t i = 0; i < kernel.images.size(); ++i) {
+    if (kernel.images[i].cc == cc) {
+      *image_index = static_cast<int>(i);
+      return true;
+    }
+  }
+  int best = -1;
+  for (size_t i = 0; i < kernel.images.size(); ++i) {
+    const Image& img = kernel.images[i];
+    if (!img.specific && img.cc / 10 == static_cast<uint32_t>(major) && img.cc % 10 <= static_cast<uint32_t>(minor) &&
+        (best < 0 || img.cc > kernel.images[best].cc)) {
+      best = static_cast<int>(i);
+    }
+  }
+  if (best >= 0) {
+    *image_index = best;
+    return true;
+  }
+  uint32_t tcc = 0;
+  bool specific = false;
+  if (!kernel.ptx.empty() && PtxTarget(kernel.ptx, &tcc, &specific) && (specific ? tcc == cc : tcc <= cc)) {
+    *image_index = -1;
+    return true;
+  }
+  std::string have;
+  for (const Image& img : kernel.images) {
+    have += (have.empty() ? "" : ", ") + std::string("sm_") + std::to_string(img.cc) + (img.specific ? "a" : "");
+  }
+  *error = "kernel '" + kernel.name + "' cannot run on sm_" + std::to_string(cc) + ": the bundle has " +
+           (have.empty() ? "no cubin" : have) + " and " + (kernel.ptx.empty() ? "no PTX" : "PTX for a different target");
+  return false;
+}
+
+int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
+  const Tree& t = b.tree;
+  int32_t i = 0;
+  for (size_t step = 0; step < t.leaf.size(); ++step) {
+    if (t.leaf[i] >= 0) return t.leaf[i];
+    i = features[t.feature[i]] <= t.threshold[i] ? t.left[i] : t.right[i];
+  }
+  return -1;  // unreachable for a validated tree
+}
+
+}  // namespace dietcode
+
+using dietcode::SetError;
+
+extern "C" {
+
+int dc_abi_version(void) { return DC_ABI_VERSION; }
+
+const char* dc_last_error(void) { return dietcode::g_error.c_str(); }
+
+dc_bundle* dc_bundle_parse(const uint8_t* data, size_t size) {
+  try {
+    auto b = std::make_unique<dc_bundle>();
+    dietcode::Parse(data, size, b.get());
+    return b.release();
+  } catch (const dietcode::ParseError& e) {
+    SetError(e.message);
+  } catch (const std::exception& e) {
+    SetError(std::string("invalid kernel bundle: ") + e.what());
+  }
+  return nullptr;
+}
+
+void dc_bundle_free(dc_bundle* bundle) { delete bundle; }
+
+int dc_bundle_info(const dc_bundle* b, int32_t* n_features, int32_t* n_kernels, int32_t* n_nodes) {
+  if (b == nullptr) {
+    SetError("null bundle");
+    return -1;
+  }
+  if (n_features) *n_features = static_cast<int32_t>(b->features.size());
+  if (n_kernels) *n_kernels = static_cast<int32_t>(b->kernels.size());
+  if (n_nodes) *n_nodes = static_cast<int32_t>(b->tree.leaf.size());
+  return 0;
+}
+
+int32_t dc_bundle_select(const dc_bundle* b, const int64_t* features, size_t n) {
+  if (b == nullptr || (features == nullptr && n > 0)) {
+    SetError("null bundle or feature vector");
+    return -1;
+  }
+  if (n != b->features.size()) {
+    SetError("expected " + std::to_string(b->features.size()) + " feature values, got " + std::to_string(n));
+    return -1;
+  }
+  return dietcode::Evaluate(*b, features);
+}
+
+int dc_bundle_features(const dc_bundle* b, const int64_t* const* dims, const size_t* ranks, size_t n_inputs,
+                       int64_t* out) {
+  if (b == nullptr || out == nullptr || (n_inputs > 0 && (dims == nullptr || ranks == nullptr))) {
+    SetError("null argument");
+    return -1;
+  }
+  for (size_t j = 0; j < b->features.size(); ++j) {
+    const dietcode::Feature& f = b->features[j];
+    int64_t value = 1;
+    for (const auto& term : f.terms) {
+      const size_t input = term.first;
+      if (input >= n_inputs || dims[input] == nullptr) {
+        SetError("feature '" + f.name + "' reads input " + std::to_string(input) + ", the node has " +
+                 std::to_string(n_inputs) + " inputs");
+        return -1;
+      }
+      const int64_t rank = static_cast<int64_t>(ranks[input]);
+      const int64_t dim = term.second < 0 ? term.second + rank : term.second;
+      if (dim < 0 || dim >= rank) {
+        SetError("feature '" + f.name + "' reads dim " + std::to_string(term.second) + " of input " +
+                 std::to_string(input) + ", whose rank is " + std::to_string(rank));
+        return -1;
+      }
+      value *= dims[input][dim];
+    }
+    out[j] = value;
+  }
+  return 0;
+}
+
+int dc_bundle_kernel_is_vendor(const dc_bundle* b, int32_t k) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  return b->kernels[k].kind == dietcode::kVendor ? 1 : 0;
+}
+
+int dc_bundle_kernel_takes_param(const dc_bundle* b, int32_t k, const char* name) {
+  static const char* const kNames[] = {"a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch",
+                                       "stride_b_batch", "img_n", "img_h", "img_w", "out_h", "out_w"};
+  if (b == nullptr || name == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  for (uint8_t p : b->kernels[k].params) {
+    if (std::strcmp(kNames[p], name) == 0) return 1;
+  }
+  return 0;
+}
+
+int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, char* desc, size_t desc_size) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) {
+    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
+    return -1;
+  }
+  int index = -1;
+  std::string error;
+  if (!dietcode::PickImage(kernel, major, minor, &index, &error)) {
+    SetError(error);
+    return -1;
+  }
+  std::string text;
+  if (index >= 0) {
+    const dietcode::Image& img = kernel.images[index];
+    text = "cubin sm_" + std::to_string(img.cc) + (img.specific ? "a" : "");
+  } else {
+    uint32_t cc = 0;
+    bool specific = false;
+    dietcode::PtxTarget(kernel.ptx, &cc, &specific);
+    text = "ptx sm_" + std::to_string(cc) + (specific ? "a" : "");
+  }
+  if (desc != nullptr && desc_size > 0) std::snprintf(desc, desc_size, "%s", text.c_str());
+  return index >= 0 ? 0 : 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,69 @@
+// The dietcode runtime core: kernel bundle parsing, dispatch and CUDA launch, behind a C ABI.
+//
+// No ONNX Runtime types appear here, so the core can be driven from Python (ctypes) and from fuzzers
+// without a session. Functions that can fail return NULL / a negative value and leave a message for
+// dc_last_error() (per thread). The bundle layout is documented in docs/bundle.md.
+#ifndef DIETCODE_CORE_H_
+#define DIETCODE_CORE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DC_ABI_VERSION 1
+
+typedef struct dc_bundle dc_bundle;
+
+// Arguments of one launch, following the kernel ABI: raw device pointers and int32 scalars. Fields the
+// kernel does not take are ignored. c_bytes is the output size, used to zero it for split-K kernels.
+typedef struct dc_launch_args {
+  uint64_t a, b, bias, c;
+  uint64_t c_bytes;
+  int32_t M, N, K, batch, stride_a_batch, stride_b_batch;
+  int32_t img_n, img_h, img_w, out_h, out_w;
+} dc_launch_args;
+
+int dc_abi_version(void);
+const char* dc_last_error(void);
+
+// Parse and validate a bundle; the bytes are copied. NULL on error (see dc_last_error).
+dc_bundle* dc_bundle_parse(const uint8_t* data, size_t size);
+void dc_bundle_free(dc_bundle* bundle);
+
+// Counts: features, kernels, tree nodes. 0 on success.
+int dc_bundle_info(const dc_bundle* bundle, int32_t* n_features, int32_t* n_kernels, int32_t* n_nodes);
+
+// The kernel id the tree picks for a feature vector of n values (must equal the feature count); -1 on error.
+int32_t dc_bundle_select(const dc_bundle* bundle, const int64_t* features, size_t n);
+
+// Compute the feature vector from input shapes (dims[i] has ranks[i] values; NULL/0 for an absent input)
+// into features_out (room for the feature count). 0 on success, -1 if a feature reads a missing dim.
+int dc_bundle_features(const dc_bundle* bundle, const int64_t* const* dims, const size_t* ranks,
+                       size_t n_inputs, int64_t* features_out);
+
+// 1 if kernel k is the "vendor" kind (run ONNX Runtime's kernel), 0 if a compiled kernel, -1 on error.
+int dc_bundle_kernel_is_vendor(const dc_bundle* bundle, int32_t k);
+
+// 1 if kernel k takes the ABI parameter `name` (e.g. "batch": the bmm view), 0 if not, -1 on error.
+int dc_bundle_kernel_takes_param(const dc_bundle* bundle, int32_t k, const char* name);
+
+// Which image kernel k would load on a device of compute capability major.minor: 0 = cubin, 1 = PTX,
+// -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".
+int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int minor, char* desc, size_t desc_size);
+
+// Whether libcuda loads and device `device` answers: fills name, compute capability and driver version.
+// 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.
+int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);
+
+// Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context,
+// loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
+int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // DIETCODE_CORE_H_

@@ -1,0 +1,290 @@
+// CUDA side of the core: libcuda loaded with dlopen at run time (no toolkit, no link-time dependency),
+// module loading once per (context, kernel), and the launch itself, following the kernel ABI.
+//
+// Symbols are looked up by the exact versioned names the cuda.h in use maps each API to (for example
+// cuCtxPushCurrent -> cuCtxPushCurrent_v2), obtained by stringizing the header's own macros.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include <cuda.h>
+
+#include "bundle_impl.h"
+
+#define DC_STR2(x) #x
+#define DC_STR(x) DC_STR2(x)
+
+namespace dietcode {
+namespace {
+
+struct Driver {
+  bool ok = false;
+  std::string error;
+  decltype(&::cuInit) Init = nullptr;
+  decltype(&::cuDriverGetVersion) DriverGetVersion = nullptr;
+  decltype(&::cuGetErrorString) GetErrorString = nullptr;
+  decltype(&::cuDeviceGetCount) DeviceGetCount = nullptr;
+  decltype(&::cuDeviceGet) DeviceGet = nullptr;
+  decltype(&::cuDeviceGetName) DeviceGetName = nullptr;
+  decltype(&::cuDeviceGetAttribute) DeviceGetAttribute = nullptr;
+  decltype(&::cuCtxGetCurrent) CtxGetCurrent = nullptr;
+  decltype(&::cuCtxPushCurrent) CtxPushCurrent = nullptr;
+  decltype(&::cuCtxPopCurrent) CtxPopCurrent = nullptr;
+  decltype(&::cuCtxGetDevice) CtxGetDevice = nullptr;
+  decltype(&::cuStreamGetCtx) StreamGetCtx = nullptr;
+  decltype(&::cuModuleLoadData) ModuleLoadData = nullptr;
+  decltype(&::cuModuleUnload) ModuleUnload = nullptr;
+  decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
+  decltype(&::cuFuncSetAttribute) FuncSetAttribute = nullptr;
+  decltype(&::cuMemsetD8Async) MemsetD8Async = nullptr;
+  decltype(&::cuLaunchKernel) LaunchKernel = nullptr;
+};
+
+template <typename F>
+bool Load(void* lib, const char* name, F* fn, std::string* missing) {
+  *fn = reinterpret_cast<F>(dlsym(lib, name));
+  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+  return *fn != nullptr;
+}
+
+Driver LoadDriver() {
+  Driver d;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    d.error = std::string("cannot load the CUDA driver libcuda.so.1 (") + (why ? why : "unknown reason") +
+              "): install the NVIDIA driver or run on a machine with a GPU";
+    return d;
+  }
+  std::string missing;
+#define DC_LOAD(field, api) Load(lib, DC_STR(api), &d.field, &missing)
+  DC_LOAD(Init, cuInit);
+  DC_LOAD(DriverGetVersion, cuDriverGetVersion);
+  DC_LOAD(GetErrorString, cuGetErrorString);
+  DC_LOAD(DeviceGetCount, cuDeviceGetCount);
+  DC_LOAD(DeviceGet, cuDeviceGet);
+  DC_LOAD(DeviceGetName, cuDeviceGetName);
+  DC_LOAD(DeviceGetAttribute, cuDeviceGetAttribute);
+  DC_LOAD(CtxGetCurrent, cuCtxGetCurrent);
+  DC_LOAD(CtxPushCurrent, cuCtxPushCurrent);
+  DC_LOAD(CtxPopCurrent, cuCtxPopCurrent);
+  DC_LOAD(CtxGetDevice, cuCtxGetDevice);
+  DC_LOAD(StreamGetCtx, cuStreamGetCtx);
+  DC_LOAD(ModuleLoadData, cuModuleLoadData);
+  DC_LOAD(ModuleUnload, cuModuleUnload);
+  DC_LOAD(ModuleGetFunction, cuModuleGetFunction);
+  DC_LOAD(FuncSetAttribute, cuFuncSetAttribute);
+  DC_LOAD(MemsetD8Async, cuMemsetD8Async);
+  DC_LOAD(LaunchKernel, cuLaunchKernel);
+#undef DC_LOAD
+  if (!missing.empty()) {
+    d.error = "the CUDA driver lacks " + missing + ": update the NVIDIA driver";
+    return d;
+  }
+  CUresult rc = d.Init(0);
+  if (rc != CUDA_SUCCESS) {
+    const char* s = nullptr;
+    d.GetErrorString(rc, &s);
+    d.error = std::string("cuInit failed: ") + (s ? s : "unknown error") + " (code " + std::to_string(rc) +
+              "); is a GPU visible (CUDA_VISIBLE_DEVICES, container runtime)?";
+    return d;
+  }
+  d.ok = true;
+  return d;
+}
+
+const Driver& GetDriver() {
+  static const Driver driver = LoadDriver();  // thread-safe one-time initialization (C++11 statics)
+  return driver;
+}
+
+std::string CuError(const Driver& d, CUresult rc, const char* what) {
+  const char* s = nullptr;
+  if (d.GetErrorString) d.GetErrorString(rc, &s);
+  return std::string(what) + " failed: " + (s ? s : "unknown error") + " (code " + std::to_string(rc) + ")";
+}
+
+// Makes `ctx` current for the scope when it is not already.
+class ContextScope {
+ public:
+  ContextScope(const Driver& d, CUcontext ctx) : d_(d) {
+    CUcontext current = nullptr;
+    d_.CtxGetCurrent(&current);
+    if (current != ctx && ctx != nullptr) pushed_ = d_.CtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
+  ~ContextScope() {
+    if (pushed_) {
+      CUcontext ignored = nullptr;
+      d_.CtxPopCurrent(&ignored);
+    }
+  }
+
+ private:
+  const Driver& d_;
+  bool pushed_ = false;
+};
+
+constexpr uint32_t kDefaultSharedLimit = 48 * 1024;
+
+bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string* error) {
+  CUdevice dev = 0;
+  CUresult rc = d.CtxGetDevice(&dev);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuCtxGetDevice"), false;
+  int major = 0, minor = 0, optin = 0;
+  d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
+  int index = -1;
+  if (!PickImage(k, major, minor, &index, error)) return false;
+  if (k.shared > static_cast<uint32_t>(optin) && optin > 0) {
+    *error = "kernel '" + k.name + "' needs " + std::to_string(k.shared) + " bytes of shared memory, the device allows " +
+             std::to_string(optin);
+    return false;
+  }
+  const void* image = index >= 0 ? static_cast<const void*>(k.images[index].bytes.data())
+                                 : static_cast<const void*>(k.ptx.c_str());
+  CUmodule module = nullptr;
+  rc = d.ModuleLoadData(&module, image);
+  if (rc != CUDA_SUCCESS) {
+    *error = CuError(d, rc, "cuModuleLoadData") + " for kernel '" + k.name + "' (" +
+             (index >= 0 ? "cubin" : "PTX JIT") + " on sm_" + std::to_string(major * 10 + minor) + ")";
+    return false;
+  }
+  CUfunction fn = nullptr;
+  rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
+  if (rc == CUDA_SUCCESS && k.shared > kDefaultSharedLimit) {
+    rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(k.shared));
+  }
+  if (rc != CUDA_SUCCESS) {
+    *error = CuError(d, rc, "loading function") + " '" + k.name + "'";
+    d.ModuleUnload(module);
+    return false;
+  }
+  out->module = module;
+  out->function = fn;
+  return true;
+}
+
+int Fail(const std::string& message) {
+  SetError(message);
+  return -1;
+}
+
+}  // namespace
+}  // namespace dietcode
+
+dc_bundle::~dc_bundle() {
+  if (loaded.empty()) return;
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return;
+  for (auto& entry : loaded) {
+    dietcode::ContextScope scope(d, static_cast<CUcontext>(entry.first.first));
+    d.ModuleUnload(static_cast<CUmodule>(entry.second.module));
+  }
+}
+
+extern "C" {
+
+int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version) {
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return dietcode::Fail(d.error);
+  int version = 0, count = 0;
+  d.DriverGetVersion(&version);
+  if (driver_version) *driver_version = version;
+  CUresult rc = d.DeviceGetCount(&count);
+  if (rc != CUDA_SUCCESS) return dietcode::Fail(dietcode::CuError(d, rc, "cuDeviceGetCount"));
+  if (device < 0 || device >= count) {
+    return dietcode::Fail("device " + std::to_string(device) + " out of range: " + std::to_string(count) + " visible");
+  }
+  CUdevice dev = 0;
+  rc = d.DeviceGet(&dev, device);
+  if (rc != CUDA_SUCCESS) return dietcode::Fail(dietcode::CuError(d, rc, "cuDeviceGet"));
+  char buffer[256] = {};
+  d.DeviceGetName(buffer, sizeof(buffer) - 1, dev);
+  if (name && name_size) std::snprintf(name, name_size, "%s", buffer);
+  int mj = 0, mn = 0;
+  d.DeviceGetAttribute(&mj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.DeviceGetAttribute(&mn, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  if (major) *major = mj;
+  if (minor) *minor = mn;
+  return 0;
+}
+
+int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
+  using dietcode::Fail;
+  if (b == nullptr || args == nullptr) return Fail("null bundle or launch arguments");
+  if (k < 0 || static_cast<size_t>(k) >= b->kernels.size()) return Fail("kernel id " + std::to_string(k) + " out of range");
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) return Fail("kernel '" + kernel.name + "' is the vendor kind: run ORT's kernel");
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return Fail(d.error);
+
+  CUstream s = static_cast<CUstream>(stream);
+  CUcontext ctx = nullptr;
+  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
+  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "finding the stream's context"));
+  if (ctx == nullptr) return Fail("no CUDA context is current on this thread and no stream was given");
+  dietcode::ContextScope scope(d, ctx);
+
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(b->mutex);
+    auto key = std::make_pair(static_cast<void*>(ctx), k);
+    auto it = b->loaded.find(key);
+    if (it == b->loaded.end()) {
+      dietcode::LoadedKernel loaded;
+      std::string error;
+      if (!dietcode::LoadKernel(d, kernel, &loaded, &error)) return Fail(error);
+      it = b->loaded.emplace(key, loaded).first;
+    }
+    fn = static_cast<CUfunction>(it->second.function);
+  }
+
+  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch).
+  if (args->M <= 0 || args->N <= 0 || args->K < 0) {
+    return Fail("launch of '" + kernel.name + "' with M=" + std::to_string(args->M) + " N=" + std::to_string(args->N) +
+                " K=" + std::to_string(args->K) + ": M and N must be positive");
+  }
+  const int64_t batch = args->batch > 0 ? args->batch : 1;
+  const int64_t tiles = ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
+                        ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
+  if (tiles > 0x7fffffff || batch > 65535 || kernel.split_k > 65535) {
+    return Fail("grid of '" + kernel.name + "' too large: " + std::to_string(tiles) + " tiles x batch " + std::to_string(batch));
+  }
+
+  uint64_t ptrs[4] = {args->a, args->b, args->bias, args->c};
+  int32_t ints[dietcode::kParamCount] = {};
+  ints[dietcode::kM] = args->M;
+  ints[dietcode::kN] = args->N;
+  ints[dietcode::kK] = args->K;
+  ints[dietcode::kBatch] = static_cast<int32_t>(batch);
+  ints[dietcode::kStrideABatch] = args->stride_a_batch;
+  ints[dietcode::kStrideBBatch] = args->stride_b_batch;
+  ints[dietcode::kImgN] = args->img_n;
+  ints[dietcode::kImgH] = args->img_h;
+  ints[dietcode::kImgW] = args->img_w;
+  ints[dietcode::kOutH] = args->out_h;
+  ints[dietcode::kOutW] = args->out_w;
+  uint64_t scratch[2] = {0, 0};
+  void* params[dietcode::kParamCount + 2];  // params are unique enums, so at most kParamCount + scratch
+  size_t n_params = 0;
+  for (uint8_t p : kernel.params) {
+    params[n_params++] = p <= dietcode::kC ? static_cast<void*>(&ptrs[p]) : static_cast<void*>(&ints[p]);
+  }
+  params[n_params++] = &scratch[0];
+  params[n_params++] = &scratch[1];
+
+  if (kernel.zero_output) {
+    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->c), 0, args->c_bytes, s);
+    if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
+  }
+  rc = d.LaunchKernel(fn, static_cast<unsigned>(tiles), kernel.split_k, static_cast<unsigned>(batch),
+                      kernel.num_warps * 32, 1, 1, kernel.shared, s, params, nullptr);
+  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");
+  return 0;
+}
+
+}  // extern "C"

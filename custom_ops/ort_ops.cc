@@ -1,0 +1,463 @@
+// ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
+//
+// One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
+// CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
+// compute stream (no allocation, no synchronization), or run ORT's own kernel for "vendor" leaves and for
+// shapes the kernel ABI cannot express. CPU: ORT's own MatMul/Gemm/Conv (fp32) plus the epilogue in C++.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "shapes.h"
+
+namespace dietcode {
+namespace {
+
+constexpr const char* kDomain = "ai.dietcode";
+constexpr const char* kCpuEp = "CPUExecutionProvider";
+constexpr const char* kCudaEp = "CUDAExecutionProvider";
+
+struct BundleDeleter {
+  void operator()(dc_bundle* b) const { dc_bundle_free(b); }
+};
+using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
+
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
+  try {
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return def;
+  }
+}
+
+std::vector<int64_t> IntsOr(const Ort::ConstKernelInfo& info, const char* name) {
+  try {
+    return info.GetAttributes<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    return {};
+  }
+}
+
+float Gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); }
+
+void ApplyActivation(float* y, int64_t n, Activation act) {
+  if (act == Activation::kRelu) {
+    for (int64_t i = 0; i < n; ++i) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
+  } else if (act == Activation::kGelu) {
+    for (int64_t i = 0; i < n; ++i) y[i] = Gelu(y[i]);
+  }
+}
+
+template <typename T>
+void ToFloat(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i].ToFloat();
+}
+
+template <typename T>
+void FromFloat(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+}
+
+// Input converted to fp32 (borrowed when it already is fp32).
+struct FloatTensor {
+  std::vector<float> storage;
+  const float* data = nullptr;
+  Shape shape;
+};
+
+FloatTensor AsFloat(const Ort::ConstValue& v) {
+  FloatTensor t;
+  auto info = v.GetTensorTypeAndShapeInfo();
+  t.shape = info.GetShape();
+  const int64_t n = NumElements(t.shape);
+  switch (info.GetElementType()) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      t.data = v.GetTensorData<float>();
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      t.storage.resize(n);
+      ToFloat(v.GetTensorData<Ort::Float16_t>(), t.storage.data(), n);
+      t.data = t.storage.data();
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      t.storage.resize(n);
+      ToFloat(v.GetTensorData<Ort::BFloat16_t>(), t.storage.data(), n);
+      t.data = t.storage.data();
+      break;
+    default:
+      throw std::runtime_error("unsupported element type; allowed: float, float16, bfloat16");
+  }
+  return t;
+}
+
+class DietcodeKernel {
+ public:
+  DietcodeKernel(const OrtKernelInfo* raw_info, const OpSpec& spec, bool cuda, ONNXTensorElementDataType dtype)
+      : spec_(spec), cuda_(cuda), dtype_(dtype) {
+    Ort::ConstKernelInfo info(raw_info);
+    where_ = "node '" + info.GetNodeName() + "' (" + kDomain + ":" + spec.name + ")";
+    LoadBundle(info);
+    const size_t inputs = info.GetInputCount();
+    has_bias_input_ = inputs >= 3 && !info.GetInputName(2).empty();
+    if (has_bias_input_ != spec.bias) {
+      Throw(spec.bias ? "the op type has a Bias suffix but the node has no third (bias) input"
+                      : "the node has a third input but the op type has no Bias suffix");
+    }
+    if (spec.base == BaseOp::kGemm) {
+      gemm_.trans_a = AttrOr<int64_t>(info, "transA", 0);
+      gemm_.trans_b = AttrOr<int64_t>(info, "transB", 0);
+      gemm_.alpha = AttrOr<float>(info, "alpha", 1.0f);
+      gemm_.beta = AttrOr<float>(info, "beta", 1.0f);
+    } else if (spec.base == BaseOp::kConv) {
+      conv_.strides = IntsOr(info, "strides");
+      conv_.pads = IntsOr(info, "pads");
+      conv_.dilations = IntsOr(info, "dilations");
+      conv_.kernel_shape = IntsOr(info, "kernel_shape");
+      conv_.group = AttrOr<int64_t>(info, "group", 1);
+      conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
+    }
+    CreateVendorOps(raw_info);
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      if (cuda_) {
+        ComputeCuda(context);
+      } else {
+        ComputeCpu(context);
+      }
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, (where_ + ": " + e.what()).c_str());
+    }
+  }
+
+ private:
+  [[noreturn]] void Throw(const std::string& msg) const { throw std::runtime_error(where_ + ": " + msg); }
+
+  void LoadBundle(const Ort::ConstKernelInfo& info) {
+    Ort::AllocatorWithDefaultOptions alloc;
+    Ort::Value tensor{nullptr};
+    try {
+      tensor = info.GetTensorAttribute("bundle", alloc);
+    } catch (const Ort::Exception& e) {
+      Throw(std::string("attribute 'bundle' is missing or not a TENSOR attribute of uint8 (") + e.what() + ")");
+    }
+    auto shape_info = tensor.GetTensorTypeAndShapeInfo();
+    if (shape_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
+      Throw("attribute 'bundle' must be a uint8 tensor");
+    }
+    const size_t size = shape_info.GetElementCount();
+    bundle_.reset(dc_bundle_parse(tensor.GetTensorData<uint8_t>(), size));
+    if (!bundle_) Throw(dc_last_error());
+    int32_t n_features = 0;
+    dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
+    features_.resize(n_features);
+    for (int32_t k = 0; k < n_kernels_; ++k) has_vendor_kernel_ |= dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1;
+  }
+
+  // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
+  void CreateVendorOps(const OrtKernelInfo* info) {
+    const ONNXTensorElementDataType type = cuda_ ? dtype_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const char* type_names[] = {"T"};
+    const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;  // Gemm's C and Conv's B go in the op
+    std::vector<Ort::OpAttr> attrs;
+    const char* op = "MatMul";
+    int version = 13;
+    if (spec_.base == BaseOp::kGemm) {
+      op = "Gemm";
+      attrs.emplace_back("transA", &gemm_.trans_a, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
+      attrs.emplace_back("transB", &gemm_.trans_b, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
+      attrs.emplace_back("alpha", &gemm_.alpha, 1, OrtOpAttrType::ORT_OP_ATTR_FLOAT);
+      attrs.emplace_back("beta", &gemm_.beta, 1, OrtOpAttrType::ORT_OP_ATTR_FLOAT);
+    } else if (spec_.base == BaseOp::kConv) {
+      op = "Conv";
+      version = 11;
+      auto ints = [&](const char* name, const std::vector<int64_t>& v) {
+        if (!v.empty()) attrs.emplace_back(name, v.data(), static_cast<int>(v.size()), OrtOpAttrType::ORT_OP_ATTR_INTS);
+      };
+      ints("strides", conv_.strides);
+      ints("pads", conv_.pads);
+      ints("dilations", conv_.dilations);
+      ints("kernel_shape", conv_.kernel_shape);
+      attrs.emplace_back("group", &conv_.group, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
+      attrs.emplace_back("auto_pad", conv_.auto_pad.c_str(), static_cast<int>(conv_.auto_pad.size()),
+                         OrtOpAttrType::ORT_OP_ATTR_STRING);
+    }
+    try {
+      base_op_ = Ort::Op::Create(info, op, "", version, type_names, &type, 1, attrs.data(), attrs.size(),
+                                 fused_c ? 3 : 2, 1);
+    } catch (const Ort::Exception& e) {
+      if (!cuda_ || has_vendor_kernel_) Throw(std::string("cannot create ONNX Runtime's ") + op + " kernel: " + e.what());
+      base_error_ = e.what();
+    }
+    if (!cuda_) return;
+    // CUDA epilogue for the vendor path: Add (MatMul bias) and the activation as ORT kernels.
+    auto create = [&](const char* name, const char* domain, int ver, size_t n_in) {
+      try {
+        return Ort::Op::Create(info, name, domain, ver, type_names, &type, 1, nullptr, 0, n_in, 1);
+      } catch (const Ort::Exception&) {
+        return Ort::Op{nullptr};
+      }
+    };
+    if (spec_.bias && spec_.base == BaseOp::kMatMul) add_op_ = create("Add", "", 14, 2);
+    if (spec_.activation == Activation::kRelu) act_op_ = create("Relu", "", 14, 1);
+    if (spec_.activation == Activation::kGelu) {
+      act_op_ = create("Gelu", "", 20, 1);
+      if (!act_op_) act_op_ = create("Gelu", "com.microsoft", 1, 1);
+    }
+    const bool epilogue_ok = (!(spec_.bias && spec_.base == BaseOp::kMatMul) || add_op_) &&
+                             (spec_.activation == Activation::kNone || act_op_);
+    if (!epilogue_ok) {
+      if (has_vendor_kernel_) Throw("cannot create ONNX Runtime's Add/Relu/Gelu kernels for the vendor path");
+      base_error_ = "ONNX Runtime's Add/Relu/Gelu kernels are unavailable";
+      base_op_ = Ort::Op{nullptr};
+    }
+  }
+
+  Shape OutputShape(const Shape& a, const Shape& b) const {
+    Shape out;
+    std::string error;
+    bool ok = spec_.base == BaseOp::kMatMul ? MatMulShape(a, b, &out, &error)
+              : spec_.base == BaseOp::kGemm ? GemmShape(a, b, gemm_, &out, &error)
+                                            : ConvShape(a, b, conv_, &out, &error);
+    if (!ok) Throw(error);
+    return out;
+  }
+
+  // MatMul's bias is added here: [N] (broadcast along the last dim) or the full output shape.
+  void AddBias(float* y, const Shape& out, const FloatTensor& bias) const {
+    const int64_t n = out.empty() ? 1 : out.back(), total = NumElements(out), nb = NumElements(bias.shape);
+    if (nb == n && (bias.shape.empty() || bias.shape.back() == n)) {
+      for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i % n];
+    } else if (nb == total) {
+      for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i];
+    } else {
+      Throw("bias has " + std::to_string(nb) + " elements; expected N=" + std::to_string(n) + " or the output size");
+    }
+  }
+
+  void ComputeCpu(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const size_t n_in = has_bias_input_ ? 3 : 2;
+    std::vector<Ort::ConstValue> in;
+    for (size_t i = 0; i < n_in; ++i) in.push_back(ctx.GetInput(i));
+    const Shape a = in[0].GetTensorTypeAndShapeInfo().GetShape(), b = in[1].GetTensorTypeAndShapeInfo().GetShape();
+    const Shape out_shape = OutputShape(a, b);
+    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    const int64_t total = NumElements(out_shape);
+    if (total == 0) return;
+    const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
+    const size_t n_op_inputs = fused_c ? 3 : 2;
+    const bool is_float = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+
+    std::vector<FloatTensor> f;
+    for (size_t i = 0; i < n_in; ++i) f.push_back(AsFloat(in[i]));
+    std::vector<float> y_storage;
+    float* y = nullptr;
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    std::vector<Ort::Value> owned;
+    std::vector<const OrtValue*> op_inputs;
+    for (size_t i = 0; i < n_op_inputs; ++i) {
+      if (is_float) {
+        op_inputs.push_back(in[i]);
+      } else {
+        owned.push_back(Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[i].data),
+                                                        static_cast<size_t>(NumElements(f[i].shape)),
+                                                        f[i].shape.data(), f[i].shape.size()));
+        op_inputs.push_back(owned.back());
+      }
+    }
+    Ort::Value y_value{nullptr};
+    OrtValue* op_output = out;
+    if (is_float) {
+      y = out.GetTensorMutableData<float>();
+    } else {
+      y_storage.resize(total);
+      y = y_storage.data();
+      y_value = Ort::Value::CreateTensor<float>(mem, y, static_cast<size_t>(total), out_shape.data(), out_shape.size());
+      op_output = y_value;
+    }
+    base_op_.Invoke(raw, op_inputs.data(), op_inputs.size(), &op_output, 1);
+    if (spec_.bias && spec_.base == BaseOp::kMatMul) AddBias(y, out_shape, f[2]);
+    ApplyActivation(y, total, spec_.activation);
+    if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+      FromFloat(y, out.GetTensorMutableData<Ort::Float16_t>(), total);
+    } else if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
+      FromFloat(y, out.GetTensorMutableData<Ort::BFloat16_t>(), total);
+    }
+  }
+
+  void ComputeCuda(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const size_t n_in = has_bias_input_ ? 3 : 2;
+    Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
+    Shape shapes[3];
+    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
+    const Shape out_shape = OutputShape(shapes[0], shapes[1]);
+    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    const int64_t total = NumElements(out_shape);
+    if (total == 0) return;
+
+    const int64_t* dims[3] = {shapes[0].data(), shapes[1].data(), n_in > 2 ? shapes[2].data() : nullptr};
+    const size_t ranks[3] = {shapes[0].size(), shapes[1].size(), n_in > 2 ? shapes[2].size() : 0};
+    thread_local std::vector<int64_t> features;
+    features.resize(features_.size());
+    if (dc_bundle_features(bundle_.get(), dims, ranks, n_in, features.data()) != 0) Throw(dc_last_error());
+    const int32_t k = dc_bundle_select(bundle_.get(), features.data(), features.size());
+    if (k < 0) Throw(dc_last_error());
+
+    dc_launch_args args{};
+    bool abi_ok = dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0;
+    if (abi_ok) {
+      if (spec_.base == BaseOp::kMatMul) {
+        abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
+      } else if (spec_.base == BaseOp::kGemm) {
+        abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
+      } else {
+        abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
+      }
+    }
+    if (!abi_ok) {
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
+    const size_t elem = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
+    args.a = reinterpret_cast<uint64_t>(in[0].GetTensorRawData());
+    args.b = reinterpret_cast<uint64_t>(in[1].GetTensorRawData());
+    args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
+    args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
+    args.c_bytes = static_cast<uint64_t>(total) * elem;
+    if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
+  }
+
+  bool KernelIsBatched(int32_t k) {
+    std::call_once(batched_once_, [&] {
+      // A kernel takes the bmm view exactly when its ABI params include "batch"; probe by parameter list.
+      batched_.assign(n_kernels_, false);
+      for (int32_t i = 0; i < n_kernels_; ++i) batched_[i] = dc_bundle_kernel_takes_param(bundle_.get(), i, "batch") == 1;
+    });
+    return batched_[k];
+  }
+
+  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out) {
+    if (!base_op_) Throw("this shape needs ONNX Runtime's own kernel, which could not be created: " + base_error_);
+    const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
+    const OrtValue* inputs[3] = {in[0], in[1], fused_c ? static_cast<const OrtValue*>(in[2]) : nullptr};
+    OrtValue* output = out;
+    base_op_.Invoke(raw, inputs, fused_c ? 3 : 2, &output, 1);
+    if (spec_.bias && spec_.base == BaseOp::kMatMul) {
+      const OrtValue* add_in[2] = {output, in[2]};
+      add_op_.Invoke(raw, add_in, 2, &output, 1);
+    }
+    if (spec_.activation != Activation::kNone) {
+      const OrtValue* act_in[1] = {output};
+      act_op_.Invoke(raw, act_in, 1, &output, 1);
+    }
+    (void)n_in;
+  }
+
+  OpSpec spec_;
+  bool cuda_;
+  ONNXTensorElementDataType dtype_;
+  std::string where_;
+  BundlePtr bundle_;
+  int32_t n_kernels_ = 0;
+  bool has_vendor_kernel_ = false;
+  bool has_bias_input_ = false;
+  std::vector<int64_t> features_;
+  GemmAttrs gemm_;
+  ConvAttrs conv_;
+  Ort::Op base_op_{nullptr}, add_op_{nullptr}, act_op_{nullptr};
+  std::string base_error_;
+  std::once_flag batched_once_;
+  std::vector<bool> batched_;
+};
+
+struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
+  DietcodeOp(const std::string& op_type, bool cuda, ONNXTensorElementDataType dtype) : cuda_(cuda), dtype_(dtype) {
+    ParseOpType(op_type, &spec_);
+  }
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new DietcodeKernel(info, spec_, cuda_, dtype_);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+
+  const char* GetName() const { return spec_.name.c_str(); }
+  const char* GetExecutionProviderType() const { return cuda_ ? kCudaEp : kCpuEp; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return dtype_; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }
+
+ private:
+  OpSpec spec_;
+  bool cuda_;
+  ONNXTensorElementDataType dtype_;
+};
+
+// Every (op type, EP, dtype) overload, created once and kept for the life of the process, as ORT requires.
+struct Registry {
+  std::vector<std::unique_ptr<DietcodeOp>> ops;
+  std::mutex mutex;
+  std::vector<Ort::CustomOpDomain> domains;
+
+  Registry() {
+    const ONNXTensorElementDataType types[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                                               ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
+    for (const std::string& name : AllOpTypes()) {
+      for (bool cuda : {true, false}) {
+        for (auto t : types) ops.push_back(std::make_unique<DietcodeOp>(name, cuda, t));
+      }
+    }
+  }
+};
+
+Registry& GetRegistry() {
+  static Registry registry;
+  return registry;
+}
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+// Entry point named by SessionOptions.register_custom_ops_library.
+OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // cannot even report: this runtime is older than the headers
+  Ort::InitApi(api);
+  try {
+    dietcode::Registry& reg = dietcode::GetRegistry();
+    Ort::CustomOpDomain domain(dietcode::kDomain);
+    for (auto& op : reg.ops) domain.Add(op.get());
+    Ort::UnownedSessionOptions(options).Add(domain);
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    reg.domains.push_back(std::move(domain));  // must outlive every session that uses it
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, (std::string("dietcode custom ops: ") + e.what()).c_str());
+  }
+}
+
+}  // extern "C"

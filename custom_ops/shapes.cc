@@ -1,0 +1,198 @@
+// Output shapes and ABI views of the ai.dietcode ops (see shapes.h).
+#include "shapes.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace dietcode {
+namespace {
+
+std::string ToString(const Shape& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+bool FitsInt32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
+
+// Batch dims of an operand left-padded with 1 to the output's batch rank.
+Shape PadBatch(const Shape& s, size_t rank) {
+  Shape batch(s.begin(), s.end() - 2);
+  batch.insert(batch.begin(), rank - batch.size(), 1);
+  return batch;
+}
+
+}  // namespace
+
+bool ParseOpType(const std::string& op_type, OpSpec* spec) {
+  static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
+  static const char* const kSuffixes[] = {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"};
+  for (int b = 0; b < 3; ++b) {
+    for (int s = 0; s < 6; ++s) {
+      if (op_type == std::string(kBases[b]) + kSuffixes[s]) {
+        spec->base = static_cast<BaseOp>(b);
+        spec->bias = s == 1 || s == 3 || s == 5;
+        spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
+        spec->name = op_type;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> AllOpTypes() {
+  std::vector<std::string> out;
+  for (const char* base : {"MatMul", "Gemm", "Conv"}) {
+    for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) out.push_back(std::string(base) + suffix);
+  }
+  return out;
+}
+
+int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+bool MatMulShape(const Shape& a_in, const Shape& b_in, Shape* out, std::string* error) {
+  if (a_in.empty() || b_in.empty()) {
+    *error = "MatMul inputs must have rank >= 1, got " + ToString(a_in) + " x " + ToString(b_in);
+    return false;
+  }
+  Shape a = a_in, b = b_in;
+  if (a.size() == 1) a.insert(a.begin(), 1);
+  if (b.size() == 1) b.push_back(1);
+  if (a.back() != b[b.size() - 2]) {
+    *error = "MatMul inner dims differ: " + ToString(a_in) + " x " + ToString(b_in);
+    return false;
+  }
+  const size_t rank = std::max(a.size(), b.size()) - 2;
+  Shape pa = PadBatch(a, rank), pb = PadBatch(b, rank);
+  out->clear();
+  for (size_t i = 0; i < rank; ++i) {
+    if (pa[i] != pb[i] && pa[i] != 1 && pb[i] != 1) {
+      *error = "MatMul batch dims do not broadcast: " + ToString(a_in) + " x " + ToString(b_in);
+      return false;
+    }
+    out->push_back(pa[i] == 1 ? pb[i] : pa[i]);
+  }
+  if (a_in.size() > 1) out->push_back(a[a.size() - 2]);
+  if (b_in.size() > 1) out->push_back(b.back());
+  return true;
+}
+
+bool GemmShape(const Shape& a, const Shape& b, const GemmAttrs& attrs, Shape* out, std::string* error) {
+  if (a.size() != 2 || b.size() != 2) {
+    *error = "Gemm inputs must be 2-D, got " + ToString(a) + " and " + ToString(b);
+    return false;
+  }
+  const int64_t m = attrs.trans_a ? a[1] : a[0], k = attrs.trans_a ? a[0] : a[1];
+  const int64_t kb = attrs.trans_b ? b[1] : b[0], n = attrs.trans_b ? b[0] : b[1];
+  if (k != kb) {
+    *error = "Gemm inner dims differ: " + ToString(a) + " x " + ToString(b) + " (transA=" +
+             std::to_string(attrs.trans_a) + ", transB=" + std::to_string(attrs.trans_b) + ")";
+    return false;
+  }
+  *out = {m, n};
+  return true;
+}
+
+bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* out, std::string* error) {
+  if (x.size() < 3 || w.size() != x.size()) {
+    *error = "Conv needs X [N, C, spatial...] and W of the same rank, got " + ToString(x) + " and " + ToString(w);
+    return false;
+  }
+  const size_t sp = x.size() - 2;
+  auto get = [&](const std::vector<int64_t>& v, size_t i, int64_t def) { return v.empty() ? def : v[i]; };
+  if ((!attrs.strides.empty() && attrs.strides.size() != sp) || (!attrs.dilations.empty() && attrs.dilations.size() != sp) ||
+      (!attrs.pads.empty() && attrs.pads.size() != 2 * sp) ||
+      (!attrs.kernel_shape.empty() && attrs.kernel_shape.size() != sp)) {
+    *error = "Conv attributes do not match " + std::to_string(sp) + " spatial dims";
+    return false;
+  }
+  if (attrs.group < 1 || x[1] != w[1] * attrs.group) {
+    *error = "Conv channels: X " + ToString(x) + ", W " + ToString(w) + ", group " + std::to_string(attrs.group);
+    return false;
+  }
+  *out = {x[0], w[0]};
+  for (size_t i = 0; i < sp; ++i) {
+    const int64_t in = x[i + 2], k = get(attrs.kernel_shape, i, w[i + 2]);
+    const int64_t s = get(attrs.strides, i, 1), d = get(attrs.dilations, i, 1);
+    if (s < 1 || d < 1) {
+      *error = "Conv strides and dilations must be >= 1";
+      return false;
+    }
+    int64_t o;
+    if (attrs.auto_pad == "SAME_UPPER" || attrs.auto_pad == "SAME_LOWER") {
+      o = (in + s - 1) / s;
+    } else if (attrs.auto_pad == "VALID") {
+      o = (in - d * (k - 1) - 1) / s + 1;
+    } else if (attrs.auto_pad == "NOTSET" || attrs.auto_pad.empty()) {
+      o = (in + get(attrs.pads, i, 0) + get(attrs.pads, i + sp, 0) - d * (k - 1) - 1);
+      o = o < 0 ? 0 : o / s + 1;
+    } else {
+      *error = "Conv auto_pad '" + attrs.auto_pad + "', allowed: NOTSET, SAME_UPPER, SAME_LOWER, VALID";
+      return false;
+    }
+    if (o < 1) {
+      *error = "Conv output would be empty for X " + ToString(x) + " and W " + ToString(w);
+      return false;
+    }
+    out->push_back(o);
+  }
+  return true;
+}
+
+bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is_batched, dc_launch_args* args) {
+  if (a.size() < 2 || b.size() < 2) return false;
+  const int64_t k = a.back(), n = b.back();
+  if (!kernel_is_batched) {
+    // gemm view: A flattened over its leading dims; B must be a single [K, N] matrix.
+    if (NumElements(b) != k * n) return false;
+    const int64_t m = NumElements(a) / (k ? k : 1);
+    if (!FitsInt32(m) || !FitsInt32(n) || !FitsInt32(k)) return false;
+    args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
+    args->batch = 1, args->stride_a_batch = 0, args->stride_b_batch = 0;
+    return true;
+  }
+  // bmm view: each operand's batch dims are either the output's or all 1 (stride 0).
+  const size_t rank = out.size() - 2;
+  const Shape out_batch(out.begin(), out.end() - 2);
+  const Shape pa = PadBatch(a, rank), pb = PadBatch(b, rank);
+  const int64_t m = a[a.size() - 2], batch = NumElements(out_batch);
+  const int64_t na = NumElements(pa), nb = NumElements(pb);
+  if ((pa != out_batch && na != 1) || (pb != out_batch && nb != 1)) return false;
+  const int64_t sa = na == 1 ? 0 : m * k, sb = nb == 1 ? 0 : k * n;
+  if (!FitsInt32(m) || !FitsInt32(n) || !FitsInt32(k) || !FitsInt32(batch) || !FitsInt32(sa) || !FitsInt32(sb)) return false;
+  args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
+  args->batch = static_cast<int32_t>(batch);
+  args->stride_a_batch = static_cast<int32_t>(sa), args->stride_b_batch = static_cast<int32_t>(sb);
+  return true;
+}
+
+bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& attrs, dc_launch_args* args) {
+  if (attrs.trans_a || attrs.alpha != 1.0f || (c != nullptr && attrs.beta != 1.0f)) return false;
+  const int64_t m = a[0], k = a[1], n = attrs.trans_b ? b[0] : b[1];
+  if (c != nullptr && NumElements(*c) != n) return false;  // only a bias broadcast along N
+  if (c != nullptr && c->size() == 2 && (*c)[1] != n) return false;
+  if (!FitsInt32(m) || !FitsInt32(n) || !FitsInt32(k)) return false;
+  args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
+  args->batch = 1;
+  return true;
+}
+
+bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args) {
+  if (x.size() != 4 || attrs.group != 1) return false;
+  const int64_t m = out[0] * out[2] * out[3], n = w[0], k = w[1] * w[2] * w[3];
+  for (int64_t v : {m, n, k, x[0], x[2], x[3], out[2], out[3]}) {
+    if (!FitsInt32(v)) return false;
+  }
+  args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
+  args->batch = 1;
+  args->img_n = static_cast<int32_t>(x[0]), args->img_h = static_cast<int32_t>(x[2]), args->img_w = static_cast<int32_t>(x[3]);
+  args->out_h = static_cast<int32_t>(out[2]), args->out_w = static_cast<int32_t>(out[3]);
+  return true;
+}
+
+}  // namespace dietcode

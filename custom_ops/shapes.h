@@ -1,0 +1,62 @@
+// Output shapes and ABI views of the ai.dietcode ops, in plain C++ (no ORT types).
+//
+// Output shapes follow ONNX: MatMul broadcasts like numpy.matmul, Gemm is 2-D with transA/transB, Conv is
+// N-D with strides/pads/dilations/auto_pad. The ABI view (abi.md) says how a shape maps onto a compiled
+// kernel's M, N, K, batch and strides; shapes the ABI cannot express go to ONNX Runtime's own kernel.
+#ifndef DIETCODE_SHAPES_H_
+#define DIETCODE_SHAPES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core.h"
+
+namespace dietcode {
+
+using Shape = std::vector<int64_t>;
+
+enum class BaseOp { kMatMul, kGemm, kConv };
+enum class Activation { kNone, kRelu, kGelu };
+
+// What a node's op type says: the base op and the fused epilogue ("GemmBiasGelu" etc.).
+struct OpSpec {
+  BaseOp base = BaseOp::kMatMul;
+  bool bias = false;
+  Activation activation = Activation::kNone;
+  std::string name;
+};
+
+// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]"; false for anything else.
+bool ParseOpType(const std::string& op_type, OpSpec* spec);
+
+// The 18 op type names, in registration order.
+std::vector<std::string> AllOpTypes();
+
+struct GemmAttrs {
+  int64_t trans_a = 0, trans_b = 0;
+  float alpha = 1.0f, beta = 1.0f;
+};
+
+struct ConvAttrs {
+  std::vector<int64_t> strides, pads, dilations, kernel_shape;
+  int64_t group = 1;
+  std::string auto_pad = "NOTSET";
+};
+
+// Each returns false with a message naming the shapes when ONNX would reject them.
+bool MatMulShape(const Shape& a, const Shape& b, Shape* out, std::string* error);
+bool GemmShape(const Shape& a, const Shape& b, const GemmAttrs& attrs, Shape* out, std::string* error);
+bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* out, std::string* error);
+
+int64_t NumElements(const Shape& shape);
+
+// Fill the scalar part of dc_launch_args for a compiled kernel; false when the ABI cannot express this
+// shape (e.g. general batch broadcasting, transA, alpha != 1, grouped conv), meaning: run the vendor kernel.
+bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is_batched, dc_launch_args* args);
+bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& attrs, dc_launch_args* args);
+bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args);
+
+}  // namespace dietcode
+
+#endif  // DIETCODE_SHAPES_H_

@@ -1,0 +1,544 @@
+"""The kernel bundle: the binary payload a rewritten ``ai.dietcode`` node carries.
+
+A bundle holds everything the runtime needs to run one node for any shape: the compiled kernels (a cubin
+per GPU arch and PTX for newer GPUs, with their launch metadata), the dispatch tree over the node's
+symbolic features, and the definitions of those features in terms of the node's input dims, so the C++
+side can compute them from the actual input shapes. The layout is documented in docs/bundle.md; this
+reader validates exactly what the C++ reader (custom_ops/core.cc) validates, so a payload that passes here
+passes there.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from dietcode_ort.errors import DietcodeError
+
+__all__ = [
+    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "LIMITS",
+    "Feature", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
+]
+
+MAGIC = b"DCBUNDLE"
+VERSION = 1
+HEADER_SIZE = 32
+SECTION_ENTRY_SIZE = 24
+SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
+_SECTION_NAMES = {SECTION_FEATURES: "features", SECTION_KERNELS: "kernels", SECTION_TREE: "tree"}
+
+# ABI parameter names (abi.md) in enum order: the index is what the payload stores.
+PARAM_NAMES: tuple[str, ...] = (
+    "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
+    "img_n", "img_h", "img_w", "out_h", "out_w",
+)
+KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
+VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
+FLAG_ZERO_OUTPUT = 1
+ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
+
+# Upper bounds shared with the C++ reader; anything larger is refused as absurd.
+LIMITS: dict[str, int] = {
+    "features": 64, "terms": 8, "inputs": 8, "dim": 8, "name": 256, "kernels": 1024, "params": 32,
+    "images": 16, "image_bytes": 64 << 20, "ptx_bytes": 64 << 20, "nodes": 1 << 16, "block": 4096,
+    "split_k": 1024, "shared": 1 << 20, "total_bytes": 1 << 30,
+}
+
+
+def _fail(msg: str) -> DietcodeError:
+    return DietcodeError(f"invalid kernel bundle: {msg}")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One feature of the dispatch tree: the product of some input dims (e.g. M = A.dim0 * A.dim1).
+
+    ``terms`` are (input index, dim index) pairs; a negative dim counts from the end as in Python, so
+    (0, -1) is the last dim of input 0 whatever its rank.
+    """
+
+    name: str
+    terms: tuple[tuple[int, int], ...]
+
+    def value(self, shapes: Sequence[Sequence[int]]) -> int:
+        """The feature's value for concrete input shapes (raises DietcodeError if a dim is missing)."""
+        out = 1
+        for inp, dim in self.terms:
+            if inp >= len(shapes):
+                raise DietcodeError(f"feature {self.name!r} reads input {inp}, the node has {len(shapes)} inputs")
+            shape = shapes[inp]
+            if not -len(shape) <= dim < len(shape):
+                raise DietcodeError(f"feature {self.name!r} reads dim {dim} of input {inp}, whose rank is {len(shape)}")
+            out *= int(shape[dim])
+        return out
+
+
+@dataclass(frozen=True)
+class BundleKernel:
+    """One kernel: a compiled Triton micro-kernel, or ``kind="vendor"`` (run ONNX Runtime's own kernel).
+
+    ``images`` maps an arch name ("sm_80", "sm_90a", "sm_100") to cubin bytes; ``ptx`` is PTX text the
+    driver can JIT on newer GPUs. ``params`` lists the ABI parameter names in the kernel's order, without
+    the two trailing scratch pointers every Triton kernel takes (the runtime always appends them as null).
+    """
+
+    name: str
+    kind: str = "triton"
+    images: tuple[tuple[str, bytes], ...] = ()
+    ptx: str = ""
+    params: tuple[str, ...] = ()
+    num_warps: int = 4
+    shared: int = 0
+    block_m: int = 1
+    block_n: int = 1
+    split_k: int = 1
+    zero_output: bool = False
+
+    @classmethod
+    def vendor(cls) -> "BundleKernel":
+        """The fallback kernel: ONNX Runtime's own MatMul/Gemm/Conv plus the epilogue."""
+        return cls(name="vendor", kind="vendor")
+
+    @classmethod
+    def from_compiled(cls, compiled: Sequence[Any]) -> "BundleKernel":
+        """Merge compiled kernels of one config (one object per arch, as tuner/aot.py makes them).
+
+        Each object needs ``name, arch, cubin, ptx, params, num_warps, shared, zero_output, block_m,
+        block_n, split_k``; the launch metadata must agree across archs. Trailing scratch parameter names
+        (``global_scratch``, ``profile_scratch``) are dropped since the runtime always appends them.
+        """
+        if not compiled:
+            raise DietcodeError("BundleKernel.from_compiled needs at least one compiled kernel")
+        first = compiled[0]
+        meta = ("params", "num_warps", "block_m", "block_n", "split_k", "zero_output")
+        for other in compiled[1:]:
+            for attr in meta:
+                if getattr(other, attr) != getattr(first, attr):
+                    raise DietcodeError(f"compiled kernels of {first.name!r} disagree on {attr}: "
+                                        f"{getattr(first, attr)!r} vs {getattr(other, attr)!r}")
+        params = tuple(p for p in first.params if p not in ("global_scratch", "profile_scratch"))
+        ptx = next((str(c.ptx) for c in reversed(compiled) if getattr(c, "ptx", "")), "")
+        return cls(name=str(first.name), kind="triton",
+                   images=tuple((str(c.arch), bytes(c.cubin)) for c in compiled if getattr(c, "cubin", b"")),
+                   ptx=ptx, params=params, num_warps=int(first.num_warps),
+                   shared=max(int(c.shared) for c in compiled), block_m=int(first.block_m),
+                   block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output))
+
+    def validate(self, index: int) -> None:
+        """Check the fields the C++ reader checks; raises DietcodeError naming the kernel."""
+        where = f"kernel {index} ({self.name!r})"
+        if self.kind not in KERNEL_KINDS:
+            raise _fail(f"{where}: kind {self.kind!r}, allowed: {', '.join(KERNEL_KINDS)}")
+        if not 1 <= len(self.name.encode()) <= LIMITS["name"]:
+            raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
+        if self.kind == "vendor":
+            if self.images or self.ptx or self.params:
+                raise _fail(f"{where}: a vendor kernel carries no cubin, PTX or params")
+            return
+        if self.num_warps not in VALID_NUM_WARPS:
+            raise _fail(f"{where}: num_warps {self.num_warps}, allowed: {VALID_NUM_WARPS}")
+        for attr in ("block_m", "block_n"):
+            if not 1 <= getattr(self, attr) <= LIMITS["block"]:
+                raise _fail(f"{where}: {attr} {getattr(self, attr)} outside 1..{LIMITS['block']}")
+        if not 1 <= self.split_k <= LIMITS["split_k"]:
+            raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
+        if self.split_k > 1 and not self.zero_output:
+            raise _fail(f"{where}: split_k > 1 accumulates with atomics and needs zero_output")
+        if not 0 <= self.shared <= LIMITS["shared"]:
+            raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
+        if len(self.params) > LIMITS["params"]:
+            raise _fail(f"{where}: {len(self.params)} params, at most {LIMITS['params']}")
+        for p in self.params:
+            if p not in PARAM_NAMES:
+                raise _fail(f"{where}: unknown param {p!r}, allowed: {', '.join(PARAM_NAMES)}")
+        if len(set(self.params)) != len(self.params):
+            raise _fail(f"{where}: params repeat a name: {self.params}")
+        if "c" not in self.params:
+            raise _fail(f"{where}: params lack the output pointer 'c'")
+        if len(self.images) > LIMITS["images"]:
+            raise _fail(f"{where}: {len(self.images)} cubins, at most {LIMITS['images']}")
+        seen = set()
+        for arch, image in self.images:
+            key = parse_arch(arch)
+            if key in seen:
+                raise _fail(f"{where}: two cubins for {arch}")
+            seen.add(key)
+            if not 0 < len(image) <= LIMITS["image_bytes"]:
+                raise _fail(f"{where}: cubin for {arch} has {len(image)} bytes")
+        if len(self.ptx.encode()) > LIMITS["ptx_bytes"]:
+            raise _fail(f"{where}: PTX larger than {LIMITS['ptx_bytes']} bytes")
+        if not self.images and not self.ptx:
+            raise _fail(f"{where}: has neither a cubin nor PTX")
+
+
+_ARCH_RE = re.compile(r"^sm_(\d+)(a?)$")
+_PTX_TARGET_RE = re.compile(rb"^[ \t]*\.target[ \t]+sm_(\d{1,6})(a?)", re.MULTILINE)
+
+
+def parse_arch(arch: str) -> tuple[int, int]:
+    """'sm_90a' -> (90, ARCH_FLAG_SPECIFIC); 'sm_80' -> (80, 0). Raises DietcodeError otherwise."""
+    m = _ARCH_RE.match(arch)
+    if not m or not 10 <= int(m.group(1)) <= 9999:
+        raise _fail(f"arch {arch!r} is not of the form sm_<cc> or sm_<cc>a (e.g. sm_80, sm_90a)")
+    return int(m.group(1)), ARCH_FLAG_SPECIFIC if m.group(2) else 0
+
+
+def _arch_name(cc: int, flags: int) -> str:
+    return f"sm_{cc}{'a' if flags & ARCH_FLAG_SPECIFIC else ''}"
+
+
+@dataclass(frozen=True)
+class ImageChoice:
+    """What the runtime loads for a device: a cubin for ``arch`` or PTX (``arch`` is its .target)."""
+
+    kind: str  # "cubin" or "ptx"
+    arch: str
+
+
+def select_image(kernel: BundleKernel, major: int, minor: int) -> ImageChoice:
+    """Pick the image to load on a device of compute capability major.minor (same rule as C++).
+
+    1. a cubin built for exactly this cc (sm_90a or sm_90 on a 9.0 device);
+    2. a cubin without the 'a' suffix for the same major and a lower or equal minor (binary compatible);
+    3. PTX whose .target is not above the device (an 'a' target only on that exact cc), JIT-ed by the
+       driver: this is how a newer GPU runs kernels built before it existed;
+    otherwise a DietcodeError naming what the bundle has.
+    """
+    cc = major * 10 + minor
+    parsed = [(parse_arch(a), a) for a, _ in kernel.images]
+    for (acc, _flags), name in parsed:
+        if acc == cc:
+            return ImageChoice("cubin", name)
+    compatible = [(acc, name) for (acc, flags), name in parsed
+                  if not flags & ARCH_FLAG_SPECIFIC and acc // 10 == major and acc % 10 <= minor]
+    if compatible:
+        return ImageChoice("cubin", max(compatible)[1])
+    if kernel.ptx:
+        m = _PTX_TARGET_RE.search(kernel.ptx.encode())
+        if m:
+            tcc, specific = int(m.group(1)), bool(m.group(2))
+            if (tcc == cc) if specific else (tcc <= cc):
+                return ImageChoice("ptx", f"sm_{tcc}{'a' if specific else ''}")
+    have = ", ".join(a for a, _ in kernel.images) or "no cubin"
+    ptx = "no PTX" if not kernel.ptx else "PTX for a different target"
+    raise DietcodeError(f"kernel {kernel.name!r} cannot run on sm_{cc}: the bundle has {have} and {ptx}")
+
+
+@dataclass(frozen=True)
+class DispatchTree:
+    """A binary decision tree as flat arrays; node 0 is the root.
+
+    Inner node i: go to ``left[i]`` when ``features[feature[i]] <= threshold[i]`` else ``right[i]``,
+    ``leaf[i] == -1``. Leaf node i: ``leaf[i]`` is the kernel id, ``feature[i] == left[i] == right[i] == -1``.
+    """
+
+    feature: tuple[int, ...]
+    threshold: tuple[int, ...]
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    leaf: tuple[int, ...]
+
+    @classmethod
+    def single(cls, kernel_id: int) -> "DispatchTree":
+        """A tree of one leaf: every shape runs ``kernel_id``."""
+        return cls((-1,), (0,), (-1,), (-1,), (kernel_id,))
+
+    @classmethod
+    def from_sklearn(cls, estimator: Any, kernel_of_class: Mapping[Any, int]) -> "DispatchTree":
+        """Convert a fitted sklearn DecisionTreeClassifier over integer features.
+
+        sklearn goes left when x <= t for a float t; for integer x that is x <= floor(t). Leaves take the
+        majority class, mapped to a kernel id through ``kernel_of_class``.
+        """
+        import math
+
+        t = estimator.tree_
+        feats, thr, left, right, leaf = [], [], [], [], []
+        for i in range(t.node_count):
+            if t.children_left[i] == -1:
+                cls_ = estimator.classes_[int(t.value[i][0].argmax())]
+                feats.append(-1), thr.append(0), left.append(-1), right.append(-1)
+                leaf.append(int(kernel_of_class[cls_.item() if hasattr(cls_, "item") else cls_]))
+            else:
+                feats.append(int(t.feature[i])), thr.append(int(math.floor(float(t.threshold[i]))))
+                left.append(int(t.children_left[i])), right.append(int(t.children_right[i])), leaf.append(-1)
+        return cls(tuple(feats), tuple(thr), tuple(left), tuple(right), tuple(leaf))
+
+    def validate(self, n_features: int, n_kernels: int) -> None:
+        """Check ids and shape: every node reachable from node 0 exactly once (so no cycles)."""
+        n = len(self.leaf)
+        if not all(len(a) == n for a in (self.feature, self.threshold, self.left, self.right)):
+            raise _fail("tree arrays differ in length")
+        if not 1 <= n <= LIMITS["nodes"]:
+            raise _fail(f"tree has {n} nodes, allowed 1..{LIMITS['nodes']}")
+        parents = [0] * n
+        for i in range(n):
+            if not -(1 << 63) <= self.threshold[i] < (1 << 63):
+                raise _fail(f"tree node {i}: threshold {self.threshold[i]} does not fit int64")
+            if self.leaf[i] >= 0:
+                if self.leaf[i] >= n_kernels:
+                    raise _fail(f"tree node {i}: leaf kernel id {self.leaf[i]} out of range 0..{n_kernels - 1}")
+                if (self.feature[i], self.left[i], self.right[i]) != (-1, -1, -1):
+                    raise _fail(f"tree node {i}: a leaf must have feature, left and right -1")
+                continue
+            if self.leaf[i] != -1:
+                raise _fail(f"tree node {i}: leaf id {self.leaf[i]} (use -1 for inner nodes)")
+            if not 0 <= self.feature[i] < n_features:
+                raise _fail(f"tree node {i}: feature {self.feature[i]} out of range 0..{n_features - 1}")
+            for child in (self.left[i], self.right[i]):
+                if not 1 <= child < n:
+                    raise _fail(f"tree node {i}: child {child} out of range 1..{n - 1}")
+                parents[child] += 1
+                if parents[child] > 1:
+                    raise _fail(f"tree node {child} has more than one parent (cycle or shared subtree)")
+        seen, stack = [False] * n, [0]
+        while stack:
+            i = stack.pop()
+            seen[i] = True
+            if self.leaf[i] < 0:
+                stack += [self.left[i], self.right[i]]
+        if not all(seen):
+            raise _fail(f"tree node {seen.index(False)} is not reachable from the root (cycle?)")
+
+    def evaluate(self, features: Sequence[int]) -> int:
+        """The kernel id for a feature vector (the tree must be valid)."""
+        i = 0
+        for _ in range(len(self.leaf)):
+            if self.leaf[i] >= 0:
+                return self.leaf[i]
+            i = self.left[i] if features[self.feature[i]] <= self.threshold[i] else self.right[i]
+        raise _fail("tree walk did not reach a leaf")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Kernels + dispatch tree + feature definitions for one rewritten node."""
+
+    features: tuple[Feature, ...]
+    kernels: tuple[BundleKernel, ...]
+    tree: DispatchTree
+    version: int = field(default=VERSION)
+
+    def validate(self) -> None:
+        """Everything the C++ reader refuses, refused here with the same reasons."""
+        if self.version != VERSION:
+            raise _fail(f"version {self.version}, this reader knows {VERSION}")
+        if len(self.features) > LIMITS["features"]:
+            raise _fail(f"{len(self.features)} features, at most {LIMITS['features']}")
+        for j, f in enumerate(self.features):
+            if len(f.name.encode()) > LIMITS["name"]:
+                raise _fail(f"feature {j}: name longer than {LIMITS['name']} bytes")
+            if not 1 <= len(f.terms) <= LIMITS["terms"]:
+                raise _fail(f"feature {j} ({f.name!r}): {len(f.terms)} terms, allowed 1..{LIMITS['terms']}")
+            for inp, dim in f.terms:
+                if not 0 <= inp < LIMITS["inputs"] or not -LIMITS["dim"] <= dim < LIMITS["dim"]:
+                    raise _fail(f"feature {j} ({f.name!r}): term (input {inp}, dim {dim}) out of range "
+                                f"(input 0..{LIMITS['inputs'] - 1}, dim -{LIMITS['dim']}..{LIMITS['dim'] - 1})")
+        if not 1 <= len(self.kernels) <= LIMITS["kernels"]:
+            raise _fail(f"{len(self.kernels)} kernels, allowed 1..{LIMITS['kernels']}")
+        for k, kern in enumerate(self.kernels):
+            kern.validate(k)
+        self.tree.validate(len(self.features), len(self.kernels))
+
+    def feature_values(self, shapes: Sequence[Sequence[int]]) -> list[int]:
+        """The feature vector for concrete input shapes."""
+        return [f.value(shapes) for f in self.features]
+
+    def evaluate(self, features: Sequence[int]) -> int:
+        """The kernel id the dispatch tree picks for a feature vector."""
+        if len(features) != len(self.features):
+            raise DietcodeError(f"expected {len(self.features)} feature values, got {len(features)}")
+        return self.tree.evaluate([int(v) for v in features])
+
+    def select(self, shapes: Sequence[Sequence[int]]) -> int:
+        """The kernel id for concrete input shapes."""
+        return self.evaluate(self.feature_values(shapes))
+
+    # ---- encoding -------------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Encode (validating first): header, section table, then features, kernels, tree."""
+        self.validate()
+        sections = [(SECTION_FEATURES, self._features_bytes()), (SECTION_KERNELS, self._kernels_bytes()),
+                    (SECTION_TREE, self._tree_bytes())]
+        offset = HEADER_SIZE + SECTION_ENTRY_SIZE * len(sections)
+        table, body = b"", b""
+        for kind, data in sections:
+            table += struct.pack("<IIQQ", kind, 0, offset + len(body), len(data))
+            body += data
+        total = offset + len(body)
+        header = MAGIC + struct.pack("<IIQII", self.version, HEADER_SIZE, total, len(sections), 0)
+        return header + table + body
+
+    def _features_bytes(self) -> bytes:
+        out = [struct.pack("<I", len(self.features))]
+        for f in self.features:
+            name = f.name.encode()
+            out.append(struct.pack("<I", len(name)) + name + struct.pack("<I", len(f.terms)))
+            out += [struct.pack("<Ii", inp, dim) for inp, dim in f.terms]
+        return b"".join(out)
+
+    def _kernels_bytes(self) -> bytes:
+        out = [struct.pack("<I", len(self.kernels))]
+        for k in self.kernels:
+            name, ptx = k.name.encode(), k.ptx.encode()
+            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
+                               0, k.num_warps, k.shared, k.block_m, k.block_n, k.split_k)
+            body += struct.pack("<I", len(name)) + name
+            body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
+            body += struct.pack("<I", len(k.images))
+            for arch, image in k.images:
+                cc, flags = parse_arch(arch)
+                body += struct.pack("<IIQ", cc, flags, len(image)) + image
+            body += struct.pack("<Q", len(ptx)) + ptx
+            out.append(struct.pack("<I", 4 + len(body)) + body)
+        return b"".join(out)
+
+    def _tree_bytes(self) -> bytes:
+        t, n = self.tree, len(self.tree.leaf)
+        return (struct.pack("<I", n) + struct.pack(f"<{n}i", *t.feature) + struct.pack(f"<{n}q", *t.threshold)
+                + struct.pack(f"<{n}i", *t.left) + struct.pack(f"<{n}i", *t.right) + struct.pack(f"<{n}i", *t.leaf))
+
+    # ---- decoding -------------------------------------------------------------------------------------
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Bundle":
+        """Decode and validate; every size and offset is checked before use (DietcodeError on failure)."""
+        data = bytes(data)
+        if len(data) < HEADER_SIZE:
+            raise _fail(f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
+        if data[:8] != MAGIC:
+            raise _fail(f"bad magic {data[:8]!r}, expected {MAGIC!r}")
+        version, header_size, total, count, reserved = struct.unpack_from("<IIQII", data, 8)
+        if version != VERSION:
+            raise _fail(f"version {version}, this reader knows {VERSION}")
+        if header_size != HEADER_SIZE or reserved != 0:
+            raise _fail(f"header size {header_size} / reserved {reserved}, expected {HEADER_SIZE} / 0")
+        if total != len(data):
+            raise _fail(f"header says {total} bytes, payload has {len(data)}")
+        if total > LIMITS["total_bytes"]:
+            raise _fail(f"payload of {total} bytes exceeds {LIMITS['total_bytes']}")
+        if count != 3:
+            raise _fail(f"{count} sections, expected 3 (features, kernels, tree)")
+        table_end = HEADER_SIZE + SECTION_ENTRY_SIZE * count
+        if table_end > total:
+            raise _fail("section table runs past the end")
+        spans: dict[int, tuple[int, int]] = {}
+        for s in range(count):
+            kind, res, off, size = struct.unpack_from("<IIQQ", data, HEADER_SIZE + SECTION_ENTRY_SIZE * s)
+            if kind not in _SECTION_NAMES or kind in spans or res != 0:
+                raise _fail(f"section entry {s}: kind {kind} unknown or repeated (or reserved field set)")
+            if off < table_end or size > total or off > total - size:
+                raise _fail(f"section {_SECTION_NAMES[kind]}: offset {off} size {size} outside the payload")
+            spans[kind] = (off, size)
+        ordered = sorted(spans.values())
+        for (o1, s1), (o2, _s2) in zip(ordered, ordered[1:]):
+            if o1 + s1 > o2:
+                raise _fail("sections overlap")
+        features = _read_features(_Reader(data, *spans[SECTION_FEATURES], "features"))
+        kernels = _read_kernels(_Reader(data, *spans[SECTION_KERNELS], "kernels"))
+        tree = _read_tree(_Reader(data, *spans[SECTION_TREE], "tree"))
+        bundle = cls(features, kernels, tree, version)
+        bundle.validate()
+        return bundle
+
+
+class _Reader:
+    """Bounds-checked little-endian cursor over one section."""
+
+    def __init__(self, data: bytes, offset: int, size: int, what: str) -> None:
+        self.data, self.pos, self.end, self.what = data, offset, offset + size, what
+
+    def take(self, n: int, field_: str) -> bytes:
+        if n < 0 or n > self.end - self.pos:
+            raise _fail(f"{self.what}: {field_} needs {n} bytes, {self.end - self.pos} left")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str, field_: str) -> tuple[int, ...]:
+        return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt), field_))
+
+    def u32(self, field_: str) -> int:
+        return self.unpack("I", field_)[0]
+
+    def count(self, field_: str, limit: int, lo: int = 0) -> int:
+        n = self.u32(field_)
+        if not lo <= n <= limit:
+            raise _fail(f"{self.what}: {field_} {n} outside {lo}..{limit}")
+        return n
+
+    def done(self) -> None:
+        if self.pos != self.end:
+            raise _fail(f"{self.what}: {self.end - self.pos} trailing bytes")
+
+
+def _read_features(r: _Reader) -> tuple[Feature, ...]:
+    out = []
+    for j in range(r.count("feature count", LIMITS["features"])):
+        name = r.take(r.count(f"feature {j} name length", LIMITS["name"]), "feature name")
+        terms = tuple((inp, dim) for inp, dim in (r.unpack("Ii", "feature term")
+                                                  for _ in range(r.count(f"feature {j} term count", LIMITS["terms"], 1))))
+        out.append(Feature(_utf8(name, "feature name"), terms))
+    r.done()
+    return tuple(out)
+
+
+def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
+    out = []
+    for k in range(r.count("kernel count", LIMITS["kernels"], 1)):
+        start = r.pos
+        record = r.u32(f"kernel {k} record size")
+        if record < 4 or record > r.end - start:
+            raise _fail(f"kernels: kernel {k} record size {record} outside the section")
+        sub = _Reader(r.data, start + 4, record - 4, f"kernel {k}")
+        kind, flags, res, warps, shared, bm, bn, sk = sub.unpack("BBHIIIII", "launch metadata")
+        if kind >= len(KERNEL_KINDS) or flags & ~FLAG_ZERO_OUTPUT or res:
+            raise _fail(f"kernel {k}: kind {kind} / flags {flags} / reserved {res} invalid")
+        name = _utf8(sub.take(sub.count("name length", LIMITS["name"], 1), "name"), "kernel name")
+        raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
+        if any(p >= len(PARAM_NAMES) for p in raw_params):
+            raise _fail(f"kernel {k}: param enum out of range 0..{len(PARAM_NAMES) - 1}")
+        images = []
+        for _ in range(sub.count("image count", LIMITS["images"])):
+            cc, aflags, size = sub.unpack("IIQ", "image header")
+            if not 10 <= cc <= 9999 or aflags & ~ARCH_FLAG_SPECIFIC:
+                raise _fail(f"kernel {k}: image arch {cc} / flags {aflags} invalid")
+            if size > LIMITS["image_bytes"]:
+                raise _fail(f"kernel {k}: image of {size} bytes exceeds {LIMITS['image_bytes']}")
+            images.append((_arch_name(cc, aflags), sub.take(size, "cubin")))
+        (ptx_size,) = sub.unpack("Q", "PTX size")
+        if ptx_size > LIMITS["ptx_bytes"]:
+            raise _fail(f"kernel {k}: PTX of {ptx_size} bytes exceeds {LIMITS['ptx_bytes']}")
+        ptx = _utf8(sub.take(ptx_size, "PTX"), "PTX")
+        sub.done()
+        r.pos = start + record
+        out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images), ptx=ptx,
+                                params=tuple(PARAM_NAMES[p] for p in raw_params), num_warps=warps, shared=shared,
+                                block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT)))
+    r.done()
+    return tuple(out)
+
+
+def _read_tree(r: _Reader) -> DispatchTree:
+    n = r.count("node count", LIMITS["nodes"], 1)
+    arrays = [r.unpack(f"{n}{c}", name) for c, name in
+              (("i", "feature"), ("q", "threshold"), ("i", "left"), ("i", "right"), ("i", "leaf"))]
+    r.done()
+    return DispatchTree(*arrays)
+
+
+def _utf8(raw: bytes, what: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(f"{what} is not UTF-8 ({exc.reason})") from None
+    if "\0" in text:
+        raise _fail(f"{what} contains a NUL byte")
+    return text
+
+
+def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tree: DispatchTree) -> Bundle:
+    """Build and validate a bundle from parts (a convenience for callers that assemble lists)."""
+    bundle = Bundle(tuple(features), tuple(kernels), tree)
+    bundle.validate()
+    return bundle

@@ -1,0 +1,169 @@
+"""Runtime API: register the custom-op library with ONNX Runtime, and the C core through ctypes.
+
+``register(sess_options)`` and ``InferenceSession(model)`` are what a deployment calls; ``Core`` exposes the
+library's C ABI (bundle parsing, dispatch, image choice, CUDA probe and launch) for tests, the doctor and
+code that drives kernels without a session.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from dietcode_ort.build import library_path
+from dietcode_ort.errors import DietcodeError
+
+__all__ = ["register", "InferenceSession", "Core", "LaunchArgs", "load_core"]
+
+
+def register(sess_options: Any, build: bool = True) -> Path:
+    """Build/locate the library and register its ops (domain ai.dietcode) with ``sess_options``."""
+    path = library_path(build=build)
+    sess_options.register_custom_ops_library(str(path))
+    return path
+
+
+def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,
+                     **kwargs: Any) -> Any:
+    """An ``onnxruntime.InferenceSession`` with the ai.dietcode ops registered.
+
+    ``model`` is a path, serialized bytes or an ``onnx.ModelProto``; ``providers`` defaults to CUDA then CPU
+    when the CUDA provider is available, else CPU.
+    """
+    import onnxruntime as ort
+
+    opts = sess_options if sess_options is not None else ort.SessionOptions()
+    register(opts)
+    if hasattr(model, "SerializeToString"):
+        model = model.SerializeToString()
+    elif isinstance(model, Path):
+        model = str(model)
+    if providers is None:
+        available = ort.get_available_providers()
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    try:
+        return ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
+    except Exception as exc:  # ORT raises its own exception types; keep them but make the cause visible
+        if "ai.dietcode" in str(exc):
+            raise DietcodeError(f"cannot create the session: {exc}") from exc
+        raise
+
+
+class LaunchArgs(ctypes.Structure):
+    """Mirror of ``dc_launch_args`` in custom_ops/core.h."""
+
+    _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "c_bytes")] + [
+        (n, ctypes.c_int32) for n in ("M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
+                                      "img_n", "img_h", "img_w", "out_h", "out_w")]
+
+
+class Core:
+    """ctypes binding of the library's C core (custom_ops/core.h)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        vp, i32, i64p = ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
+        lib.dc_abi_version.restype = ctypes.c_int
+        lib.dc_last_error.restype = ctypes.c_char_p
+        lib.dc_bundle_parse.restype = vp
+        lib.dc_bundle_parse.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.dc_bundle_free.argtypes = [vp]
+        lib.dc_bundle_info.argtypes = [vp, ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(i32)]
+        lib.dc_bundle_select.restype = i32
+        lib.dc_bundle_select.argtypes = [vp, i64p, ctypes.c_size_t]
+        lib.dc_bundle_features.argtypes = [vp, ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_size_t),
+                                           ctypes.c_size_t, i64p]
+        lib.dc_bundle_kernel_is_vendor.argtypes = [vp, i32]
+        lib.dc_bundle_kernel_takes_param.argtypes = [vp, i32, ctypes.c_char_p]
+        lib.dc_bundle_pick_image.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
+        lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
+        self.lib = lib
+        if lib.dc_abi_version() != 1:
+            raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects 1")
+
+    def error(self) -> str:
+        return (self.lib.dc_last_error() or b"").decode(errors="replace")
+
+    def parse(self, data: bytes) -> "CoreBundle":
+        """Parse a payload in C++; DietcodeError with the C++ reader's message when it is refused."""
+        handle = self.lib.dc_bundle_parse(data, len(data))
+        if not handle:
+            raise DietcodeError(self.error())
+        return CoreBundle(self, handle)
+
+    def cuda_probe(self, device: int = 0) -> dict[str, Any]:
+        """libcuda + cuInit + device name and compute capability; DietcodeError when any is missing."""
+        name = ctypes.create_string_buffer(256)
+        major, minor, drv = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if self.lib.dc_cuda_probe(device, name, 256, ctypes.byref(major), ctypes.byref(minor), ctypes.byref(drv)):
+            raise DietcodeError(self.error())
+        return {"name": name.value.decode(errors="replace"), "major": major.value, "minor": minor.value,
+                "driver_version": drv.value}
+
+
+class CoreBundle:
+    """A bundle parsed by the C++ core (freed with the object)."""
+
+    def __init__(self, core: Core, handle: int) -> None:
+        self.core, self.handle = core, handle
+        nf, nk, nn = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+        core.lib.dc_bundle_info(handle, ctypes.byref(nf), ctypes.byref(nk), ctypes.byref(nn))
+        self.n_features, self.n_kernels, self.n_nodes = nf.value, nk.value, nn.value
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.core.lib.dc_bundle_free(self.handle)
+            self.handle = None
+
+    def select(self, features: Sequence[int]) -> int:
+        arr = (ctypes.c_int64 * max(1, len(features)))(*features)
+        k = self.core.lib.dc_bundle_select(self.handle, arr, len(features))
+        if k < 0:
+            raise DietcodeError(self.core.error())
+        return int(k)
+
+    def features(self, shapes: Sequence[Sequence[int]]) -> list[int]:
+        dims = [(ctypes.c_int64 * max(1, len(s)))(*s) for s in shapes]
+        ptrs = (ctypes.POINTER(ctypes.c_int64) * max(1, len(shapes)))(
+            *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
+        ranks = (ctypes.c_size_t * max(1, len(shapes)))(*[len(s) for s in shapes])
+        out = (ctypes.c_int64 * max(1, self.n_features))()
+        if self.core.lib.dc_bundle_features(self.handle, ptrs, ranks, len(shapes), out):
+            raise DietcodeError(self.core.error())
+        return list(out[:self.n_features])
+
+    def is_vendor(self, k: int) -> bool:
+        r = self.core.lib.dc_bundle_kernel_is_vendor(self.handle, k)
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return bool(r)
+
+    def pick_image(self, k: int, major: int, minor: int) -> tuple[str, str]:
+        """("cubin", "sm_90a") or ("ptx", "sm_80"); DietcodeError when the device can run neither."""
+        desc = ctypes.create_string_buffer(64)
+        r = self.core.lib.dc_bundle_pick_image(self.handle, k, major, minor, desc, 64)
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        kind, arch = desc.value.decode().split()
+        return kind, arch
+
+    def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
+        """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""
+        if self.core.lib.dc_launch(self.handle, k, ctypes.byref(args), ctypes.c_void_p(stream)):
+            raise DietcodeError(self.core.error())
+
+
+_CORE: Core | None = None
+_CORE_LOCK = threading.Lock()
+
+
+def load_core(build: bool = True) -> Core:
+    """The process-wide ctypes binding of the library (built on first use)."""
+    global _CORE
+    with _CORE_LOCK:
+        if _CORE is None:
+            _CORE = Core(library_path(build=build))
+        return _CORE
