@@ -6,7 +6,8 @@ protocol is built so the comparison is fair:
 
 - both models run on the same provider; the optimized one has the custom-op library registered;
 - every shape's outputs are checked against the original's (dtype-aware tolerance) before any
-  steady-state timing, so a fast but wrong kernel never gets a speedup figure;
+  steady-state timing, so a fast but wrong kernel never gets a speedup figure (the check reads the
+  first calls' outputs: no extra runs, and no shape is seen before its first call is timed);
 - first-call latency is measured on a shape each session has not seen, after one warm-up run on a
   different shape (that is where ORT's CUDA EP runs its cuDNN search and a tuned model should not);
 - steady-state repetitions alternate ABBA between the two models so machine drift hits both alike;
