@@ -356,9 +356,14 @@ class Bundle:
         return self.evaluate(self.feature_values(shapes))
 
     # ---- encoding -------------------------------------------------------------------------------------
-    def to_bytes(self) -> bytes:
-        """Encode (validating first): header, section table, then features, kernels, tree."""
-        self.validate()
+    def to_bytes(self, validate: bool = True) -> bytes:
+        """Encode: header, section table, then features, kernels, tree.
+
+        ``validate=False`` encodes whatever the fields hold (tests use it to craft payloads the readers
+        must refuse); kinds, params and arch names must still be encodable.
+        """
+        if validate:
+            self.validate()
         sections = [(SECTION_FEATURES, self._features_bytes()), (SECTION_KERNELS, self._kernels_bytes()),
                     (SECTION_TREE, self._tree_bytes())]
         offset = HEADER_SIZE + SECTION_ENTRY_SIZE * len(sections)

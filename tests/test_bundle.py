@@ -1,0 +1,213 @@
+"""Kernel bundle format: Python round trip, Python <-> C++ agreement, and refusal of bad payloads."""
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from dietcode_ort.bundle import (MAGIC, Bundle, BundleKernel, DispatchTree, Feature, parse_arch, select_image)
+from dietcode_ort.errors import DietcodeError
+from dietcode_ort.runtime import load_core
+
+PTX80 = "//\n.version 8.0\n.target sm_80\n.address_size 64\n"
+
+
+def _kernel(name: str, **kw: object) -> BundleKernel:
+    base = dict(name=name, images=(("sm_90a", b"\x7fELF" + name.encode() * 3), ("sm_80", b"\x7fELF80")),
+                ptx=PTX80, params=("a", "b", "bias", "c", "M", "N", "K"), num_warps=4, shared=16384,
+                block_m=64, block_n=128, split_k=1)
+    base.update(kw)
+    return BundleKernel(**base)  # type: ignore[arg-type]
+
+
+def random_tree(rng: random.Random, n_features: int, n_kernels: int, max_depth: int = 6) -> DispatchTree:
+    """A random valid tree in preorder (children after parents), thresholds spread over small ints."""
+    feat, thr, left, right, leaf = [], [], [], [], []
+
+    def grow(depth: int) -> int:
+        i = len(leaf)
+        feat.append(-1), thr.append(0), left.append(-1), right.append(-1), leaf.append(-1)
+        if depth >= max_depth or rng.random() < 0.25:
+            leaf[i] = rng.randrange(n_kernels)
+            return i
+        feat[i] = rng.randrange(n_features)
+        thr[i] = rng.randrange(-5, 600)
+        left[i] = grow(depth + 1)
+        right[i] = grow(depth + 1)
+        return i
+
+    grow(0)
+    return DispatchTree(tuple(feat), tuple(thr), tuple(left), tuple(right), tuple(leaf))
+
+
+def sample_bundle(seed: int = 0) -> Bundle:
+    rng = random.Random(seed)
+    features = (Feature("M", ((0, 0), (0, 1))), Feature("N", ((1, -1),)), Feature("K", ((0, -1),)))
+    kernels = (BundleKernel.vendor(), _kernel("gemm_64x128"), _kernel("gemm_128x64_sk4", split_k=4, zero_output=True),
+               _kernel("bmm_32x32", params=("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")))
+    return Bundle(features, kernels, random_tree(rng, len(features), len(kernels)))
+
+
+@pytest.fixture(scope="module")
+def core():
+    return load_core()
+
+
+def test_round_trip_python() -> None:
+    b = sample_bundle()
+    data = b.to_bytes()
+    assert data[:8] == MAGIC
+    assert Bundle.from_bytes(data) == b
+
+
+def test_python_and_cpp_agree_on_random_trees(core) -> None:
+    rng = random.Random(7)
+    for seed in range(30):
+        b = sample_bundle(seed)
+        cb = core.parse(b.to_bytes())
+        assert (cb.n_features, cb.n_kernels, cb.n_nodes) == (3, 4, len(b.tree.leaf))
+        for _ in range(100):
+            feats = [rng.randrange(-10, 700) for _ in range(3)]
+            assert cb.select(feats) == b.evaluate(feats), (seed, feats)
+
+
+def test_features_from_shapes_agree(core) -> None:
+    b = sample_bundle(3)
+    cb = core.parse(b.to_bytes())
+    for shapes in ([[2, 7, 16], [16, 33]], [[1, 1, 8], [4, 8, 5]], [[9, 3, 2, 4], [4, 6]]):
+        assert cb.features(shapes) == b.feature_values(shapes) == [shapes[0][0] * shapes[0][1], shapes[1][-1],
+                                                                   shapes[0][-1]]
+    with pytest.raises(DietcodeError, match="reads dim"):
+        cb.features([[5], [4, 4]])
+    with pytest.raises(DietcodeError, match="reads input 1"):
+        cb.features([[2, 3, 4]])
+
+
+def test_vendor_and_params_queries(core) -> None:
+    b = sample_bundle()
+    cb = core.parse(b.to_bytes())
+    assert [cb.is_vendor(k) for k in range(4)] == [True, False, False, False]
+    assert core.lib.dc_bundle_kernel_takes_param(cb.handle, 3, b"batch") == 1
+    assert core.lib.dc_bundle_kernel_takes_param(cb.handle, 1, b"batch") == 0
+    with pytest.raises(DietcodeError, match="out of range"):
+        cb.is_vendor(4)
+
+
+@pytest.mark.parametrize("cc,expected", [((9, 0), ("cubin", "sm_90a")), ((8, 6), ("cubin", "sm_80")),
+                                         ((8, 0), ("cubin", "sm_80")), ((10, 0), ("ptx", "sm_80")),
+                                         ((12, 0), ("ptx", "sm_80"))])
+def test_image_choice(core, cc, expected) -> None:
+    k = _kernel("g")
+    cb = core.parse(Bundle((), (k,), DispatchTree.single(0)).to_bytes())
+    assert cb.pick_image(0, *cc) == expected
+    choice = select_image(k, *cc)
+    assert (choice.kind, choice.arch) == expected
+
+
+def test_arch_without_cubin_or_ptx_is_refused(core) -> None:
+    k = _kernel("hopper_only", images=(("sm_90a", b"\x7fELF"),), ptx="")
+    cb = core.parse(Bundle((), (k,), DispatchTree.single(0)).to_bytes())
+    for major, minor in ((8, 0), (10, 0), (9, 1)):
+        with pytest.raises(DietcodeError, match="cannot run on sm_.*sm_90a.*no PTX"):
+            cb.pick_image(0, major, minor)
+        with pytest.raises(DietcodeError, match="cannot run on"):
+            select_image(k, major, minor)
+    # arch-specific PTX (sm_90a) is not forward compatible either
+    k2 = _kernel("ptx90a", images=(), ptx=".version 8.0\n.target sm_90a\n")
+    cb2 = core.parse(Bundle((), (k2,), DispatchTree.single(0)).to_bytes())
+    assert cb2.pick_image(0, 9, 0) == ("ptx", "sm_90a")
+    with pytest.raises(DietcodeError, match="PTX for a different target"):
+        cb2.pick_image(0, 10, 0)
+
+
+def _both_refuse(core, data: bytes, pattern: str) -> None:
+    with pytest.raises(DietcodeError, match=pattern):
+        Bundle.from_bytes(data)
+    with pytest.raises(DietcodeError, match=pattern):
+        core.parse(data)
+
+
+def test_every_truncation_is_refused(core) -> None:
+    data = sample_bundle(1).to_bytes()
+    for n in list(range(0, 64)) + list(range(64, len(data), 7)) + [len(data) - 1]:
+        _both_refuse(core, data[:n], "invalid kernel bundle")
+
+
+def _tree_bundle(tree: DispatchTree) -> bytes:
+    feats = (Feature("M", ((0, 0),)), Feature("N", ((1, 1),)))
+    return Bundle(feats, (BundleKernel.vendor(), _kernel("k")), tree).to_bytes(validate=False)
+
+
+@pytest.mark.parametrize("tree,pattern", [
+    (DispatchTree((0, -1, -1), (4, 0, 0), (1, -1, -1), (0, -1, -1), (-1, 0, 1)), "child 0 out of range"),
+    (DispatchTree((0, 1, -1), (4, 4, 0), (1, 2, -1), (2, 1, -1), (-1, -1, 0)), "more than one parent"),
+    (DispatchTree((0, -1, -1, -1), (4, 0, 0, 0), (1, -1, -1, -1), (2, -1, -1, -1), (-1, 0, 1, 0)),
+     "not reachable"),
+    (DispatchTree((0, -1, -1), (4, 0, 0), (1, -1, -1), (3, -1, -1), (-1, 0, 1)), "child 3 out of range"),
+    (DispatchTree((2, -1, -1), (4, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1)), "feature 2 out of range"),
+    (DispatchTree((0, -1, -1), (4, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 2)), "leaf kernel id 2"),
+    (DispatchTree((0, -1, -1), (4, 0, 0), (1, -1, -1), (2, -1, -1), (-2, 0, 1)), "leaf id -2"),
+    (DispatchTree((-1,), (0,), (0,), (-1,), (1,)), "a leaf must have"),
+])
+def test_bad_trees_are_refused(core, tree, pattern) -> None:
+    _both_refuse(core, _tree_bundle(tree), pattern)
+
+
+def test_crafted_sizes_are_refused(core) -> None:
+    data = bytearray(sample_bundle(2).to_bytes())
+    total = len(data)
+    _both_refuse(core, bytes(b"XXBUNDLE" + data[8:]), "bad magic")
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, 8, 2)
+    _both_refuse(core, bytes(bad), "version 2")
+    bad = bytearray(data)
+    struct.pack_into("<Q", bad, 16, total + 1)
+    _both_refuse(core, bytes(bad), "header says")
+    _both_refuse(core, bytes(data) + b"\0", "header says")
+    for field_offset, value, pattern in [(32 + 8, 1 << 62, "outside the payload"),
+                                         (32 + 16, total, "outside the payload"),
+                                         (32 + 8, 0, "outside the payload"),
+                                         (32, 7, "unknown or repeated")]:
+        bad = bytearray(data)
+        struct.pack_into("<Q" if field_offset % 8 == 0 and field_offset != 32 else "<I", bad, field_offset, value)
+        _both_refuse(core, bytes(bad), pattern)
+    # kernel count absurd, first kernel record size past the section
+    _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, k_off, 100000)
+    _both_refuse(core, bytes(bad), "kernel count")
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, k_off + 4, 0xFFFFFFF0)
+    _both_refuse(core, bytes(bad), "record size")
+
+
+def test_bad_kernels_are_refused(core) -> None:
+    tree = DispatchTree.single(0)
+    cases = [
+        (_kernel("k", num_warps=3), "num_warps 3"),
+        (_kernel("k", split_k=2), "needs zero_output"),
+        (_kernel("k", block_m=0), "block_m 0"),
+        (_kernel("k", params=("a", "b", "M")), "lack the output pointer"),
+        (_kernel("k", params=("a", "c", "a")), "repeat"),
+        (_kernel("k", images=(), ptx=""), "neither a cubin nor PTX"),
+        (_kernel("k", images=(("sm_90a", b"x"), ("sm_90a", b"y"))), "two cubins"),
+        (BundleKernel(name="vendor", kind="vendor", ptx=PTX80), "vendor kernel carries"),
+    ]
+    for kernel, pattern in cases:
+        _both_refuse(core, Bundle((), (kernel,), tree).to_bytes(validate=False), pattern)
+    with pytest.raises(DietcodeError, match="not of the form"):
+        parse_arch("compute_90")
+
+
+def test_from_compiled_merges_archs() -> None:
+    class CK:
+        def __init__(self, arch: str, cubin: bytes) -> None:
+            self.name, self.arch, self.cubin, self.ptx = "mm", arch, cubin, PTX80 if arch == "sm_80" else ""
+            self.params = ["a", "b", "c", "M", "N", "K", "global_scratch", "profile_scratch"]
+            self.num_warps, self.shared, self.zero_output = 4, 1024, False
+            self.block_m, self.block_n, self.split_k = 64, 64, 1
+
+    k = BundleKernel.from_compiled([CK("sm_90a", b"h"), CK("sm_80", b"a")])
+    assert k.params == ("a", "b", "c", "M", "N", "K")
+    assert dict(k.images) == {"sm_90a": b"h", "sm_80": b"a"} and k.ptx == PTX80
