@@ -1,0 +1,327 @@
+"""DietCode's micro-kernel cost model: throughput(m, i) = f_MK(m) x f_adapt(m, i).
+
+- ``f_adapt`` is analytic and needs no measurement: the padding ratio (useful / computed work over M, N
+  and K) times the wave occupancy ``G / roundup(G, num_SMs x resident blocks per SM)`` where G is the
+  number of tiles (programs). A partial last wave runs faster than a full one (its blocks do not share
+  their SM with as many others), so the occupancy carries a correction exponent ``alpha``: the last wave,
+  filled to fraction r, costs ``r ** alpha`` of a full wave. alpha = 0 is the plain formula above (a
+  partial wave costs a whole wave), alpha = 1 ignores wave quantization. alpha is *fitted per device* from
+  measurements (``calibrate_device``) and stored with the model; it is never a copied constant.
+- A fixed per-launch latency (seconds, also fitted per device) is added to every prediction: small
+  problems on a fast GPU are dominated by it, and leaving it in the label would make f_MK depend on the
+  shape.
+- ``f_MK`` depends on the micro-kernel only. ``LearnedCostModel`` learns it with scikit-learn's gradient
+  boosting from micro-kernel features; its label is the measured throughput (after the latency) divided by f_adapt, so a
+  measurement on any shape teaches the model about every shape.
+
+Units, used consistently by every model here: ``predict`` returns **predicted seconds**
+(latency + useful FLOPs / (f_MK x f_adapt)) for each
+(config, problem) pair, ``update`` takes **measured seconds** (``inf`` for a failed kernel, which is
+remembered and predicted as ``inf``). Throughput is useful FLOP/s: 2 * m * n * k * batch / seconds.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from dietcode_ort.errors import DietcodeError
+from tuner.hardware import HardwareProfile, resident_blocks
+from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared
+from tuner.workload import Problem
+
+__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "useful_flops", "launches",
+           "peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
+           "AnalyticCostModel", "LearnedCostModel", "load_model"]
+
+Pair = tuple[MicroKernel, Problem]
+_ALPHA_GRID = np.linspace(0.0, 1.0, 21)
+_MODEL_MAGIC = "dietcode-cost-model-v1"
+
+
+def _roundup(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def launches(config: MicroKernel) -> int:
+    """Kernel launches per call: split-K zeroes its output first (templates.run uses torch.zeros)."""
+    return 2 if config.split_k > 1 else 1
+
+
+def useful_flops(problem: Problem) -> float:
+    """Multiply-adds of the problem counted as 2 FLOPs each (no padding)."""
+    return 2.0 * problem.m * problem.n * problem.k * problem.batch
+
+
+def peak_flops(profile: HardwareProfile, dtype: str) -> float:
+    """Dense peak FLOP/s of the tensor cores for ``dtype`` (fp32 runs as ieee fp32, not tf32)."""
+    if dtype in ("float16", "bfloat16"):
+        return profile.fp16_tensor_tflops * 1e12
+    if dtype == "float32":
+        return profile.fp32_tflops * 1e12
+    raise DietcodeError(f"unknown dtype {dtype!r}; allowed: float32, float16, bfloat16")
+
+
+def blocks_per_sm(config: MicroKernel, profile: HardwareProfile, dtype: str) -> int:
+    """Resident blocks per SM from the space's register and shared-memory estimates (0: cannot launch)."""
+    threads = config.num_warps * profile.warp_size
+    return resident_blocks(profile, threads, estimate_registers(config, dtype, profile.warp_size),
+                           estimate_shared(config, dtype))
+
+
+@dataclass(frozen=True)
+class AdaptTerms:
+    """The pieces of f_adapt for one (config, problem), for tests and ``inspect``."""
+
+    padding: float  # useful / computed work, in (0, 1]
+    tiles: int  # G: programs launched (tiles x batch x split_k)
+    waves: int  # ceil(G / (num_SMs x blocks_per_sm))
+    occupancy: float  # wave occupancy with the partial-wave correction, in (0, 1]
+    value: float  # padding x occupancy
+
+
+def adapt_terms(config: MicroKernel, problem: Problem, profile: HardwareProfile, blocks_per_sm: int,
+                alpha: float = 0.0) -> AdaptTerms:
+    """f_adapt and its terms. K is padded to BLOCK_K x SPLIT_K (each split covers whole BLOCK_K steps)."""
+    if blocks_per_sm <= 0:
+        return AdaptTerms(0.0, 0, 0, 0.0, 0.0)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k * config.split_k
+    padding = (problem.m / _roundup(problem.m, bm)) * (problem.n / _roundup(problem.n, bn)) \
+        * (problem.k / _roundup(problem.k, bk))
+    tiles = (-(-problem.m // bm)) * (-(-problem.n // bn)) * problem.batch * config.split_k
+    slots = profile.num_sms * blocks_per_sm
+    waves = -(-tiles // slots)
+    last = tiles / slots - (waves - 1)  # fill of the last wave, in (0, 1]
+    occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
+    return AdaptTerms(padding, tiles, waves, occupancy, padding * occupancy)
+
+
+def f_adapt(config: MicroKernel, problem: Problem, profile: HardwareProfile, blocks_per_sm: int,
+            alpha: float = 0.0) -> float:
+    """DietCode's f_adapt: padding ratio x wave occupancy (partial-wave exponent ``alpha``)."""
+    return adapt_terms(config, problem, profile, blocks_per_sm, alpha).value
+
+
+def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], profile: HardwareProfile,
+                   dtype: str, alpha: float = 0.0) -> np.ndarray:
+    """f_adapt for every (config, problem): array [len(configs), len(problems)], vectorized."""
+    cfg = np.array([[c.block_m, c.block_n, c.block_k * c.split_k, c.split_k] for c in configs],
+                   dtype=np.float64).reshape(-1, 4)
+    bps = np.array([blocks_per_sm(c, profile, dtype) for c in configs], dtype=np.float64)
+    prb = np.array([[p.m, p.n, p.k, p.batch] for p in problems], dtype=np.float64).reshape(-1, 4)
+    bm, bn, bk, sk = (cfg[:, i:i + 1] for i in range(4))
+    m, n, k, b = (prb[:, i][None, :] for i in range(4))
+    tm, tn, tk = np.ceil(m / bm), np.ceil(n / bn), np.ceil(k / bk)
+    padding = (m / (tm * bm)) * (n / (tn * bn)) * (k / (tk * bk))
+    tiles = tm * tn * b * sk
+    slots = np.maximum(profile.num_sms * bps, 1.0)[:, None]
+    waves = np.ceil(tiles / slots)
+    last = tiles / slots - (waves - 1)
+    occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
+    return np.where(bps[:, None] > 0, padding * occupancy, 0.0)
+
+
+FEATURE_NAMES = ("log2_block_m", "log2_block_n", "log2_block_k", "num_warps", "num_stages", "log2_group_m",
+                 "log2_split_k", "threads", "log2_shared", "registers", "tile_intensity",
+                 "acc_per_thread", "blocks_per_sm")
+
+
+def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dtype: str) -> np.ndarray:
+    """Features of f_MK, which depend on the micro-kernel only (never on a shape).
+
+    tile_intensity is the FLOPs per byte of one BLOCK_K step of the tile (2*BM*BN*BK over the A and B
+    tile bytes); acc_per_thread is the fp32 accumulator share of each thread.
+    """
+    rows = []
+    for c in configs:
+        threads = c.num_warps * profile.warp_size
+        shared = estimate_shared(c, dtype)
+        tile_bytes = (c.block_m * c.block_k + c.block_k * c.block_n) * DTYPE_BYTES[dtype]
+        rows.append([math.log2(c.block_m), math.log2(c.block_n), math.log2(c.block_k), c.num_warps,
+                     c.num_stages, math.log2(c.group_m), math.log2(c.split_k), threads, math.log2(shared),
+                     estimate_registers(c, dtype, profile.warp_size),
+                     2.0 * c.block_m * c.block_n * c.block_k / tile_bytes,
+                     c.block_m * c.block_n / threads, blocks_per_sm(c, profile, dtype)])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURE_NAMES))
+
+
+def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: HardwareProfile,
+                         dtype: str, min_configs: int = 3) -> tuple[float, float] | None:
+    """Fit the partial-wave exponent alpha and the fixed latency (seconds) from measurements of the
+    same config on different problems.
+
+    f_MK depends on the config only, so for the right (alpha, latency) the label
+    useful FLOPs / (seconds - latency) / f_adapt of one config is the same on every problem: pick the pair
+    on a grid (alpha over [0, 1], latency over [0, 0.95 x the fastest measurement per launch]) that minimizes the
+    within-config variance of log(label). Returns None when fewer than ``min_configs`` configs were
+    measured on two or more problems (not enough evidence; keep the previous values).
+    """
+    by_config: dict[MicroKernel, list[tuple[Problem, float]]] = {}
+    for (config, problem), sec in zip(pairs, seconds):
+        if math.isfinite(sec) and sec > 0:
+            by_config.setdefault(config, []).append((problem, sec))
+    groups = {c: rows for c, rows in by_config.items() if len({p for p, _ in rows}) >= 2}
+    if len(groups) < min_configs:
+        return None
+    fastest = min(s / launches(c) for c, rows in groups.items() for _, s in rows)
+    latencies = np.linspace(0.0, 0.95 * fastest, 20)
+    loss = np.zeros((len(_ALPHA_GRID), len(latencies)))
+    count = 0
+    for config, rows in groups.items():
+        bps = blocks_per_sm(config, profile, dtype)
+        secs = np.array([s for _, s in rows])[None, :]
+        flops = np.array([useful_flops(p) for p, _ in rows])[None, :]
+        for a, alpha in enumerate(_ALPHA_GRID):
+            adapt = np.array([max(f_adapt(config, p, profile, bps, alpha), 1e-12) for p, _ in rows])[None, :]
+            logs = np.log(flops / (secs - launches(config) * latencies[:, None]) / adapt)  # [latency, row]
+            loss[a] += ((logs - logs.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
+        count += len(rows) - 1
+    a, t = np.unravel_index(int(np.argmin(loss)), loss.shape)
+    return float(_ALPHA_GRID[a]), float(latencies[t])
+
+
+class CostModel(ABC):
+    """update(pairs, measured seconds) / predict(pairs) -> predicted seconds / save / load."""
+
+    def __init__(self, profile: HardwareProfile, dtype: str) -> None:
+        self.profile = profile
+        self.dtype = dtype
+        self.alpha = 0.0  # partial-wave exponent, fitted by calibrate_device
+        self.latency = 0.0  # fixed seconds per launch, fitted by calibrate_device
+        peak_flops(profile, dtype)  # validates dtype
+
+    @abstractmethod
+    def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
+        """Predicted f_MK (FLOP/s at f_adapt = 1) per config; inf seconds is expressed as f_MK = 0."""
+
+    def update(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
+        """Learn from measurements (seconds; inf = failed). The analytic model ignores them."""
+
+    def predict(self, pairs: Sequence[Pair]) -> np.ndarray:
+        """Predicted seconds per (config, problem): latency + useful FLOPs / (f_MK x f_adapt)."""
+        if not pairs:
+            return np.zeros(0)
+        configs = sorted({c for c, _ in pairs})
+        index = {c: i for i, c in enumerate(configs)}
+        fmk = self.f_mk(configs)
+        out = np.empty(len(pairs))
+        for j, (config, problem) in enumerate(pairs):
+            adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
+                            self.alpha)
+            through = fmk[index[config]] * adapt
+            out[j] = self.latency * launches(config) + useful_flops(problem) / through if through > 0 \
+                else math.inf
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Pickle the model (regressor, fitted alpha, profile) with a format tag."""
+        with open(path, "wb") as fh:
+            pickle.dump((_MODEL_MAGIC, self), fh)
+
+
+def load_model(path: str | Path) -> CostModel:
+    """Load a model written by ``CostModel.save``; a foreign or damaged file raises DietcodeError."""
+    try:
+        with open(path, "rb") as fh:
+            magic, model = pickle.load(fh)
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise DietcodeError(f"cannot load cost model {path}: {exc}") from None
+    if magic != _MODEL_MAGIC or not isinstance(model, CostModel):
+        raise DietcodeError(f"{path} is not a dietcode cost model (tag {magic!r})")
+    return model
+
+
+class AnalyticCostModel(CostModel):
+    """A trivial, measurement-free f_MK: a roofline of one tile step (tests and no-data fallback).
+
+    f_MK = peak x min(1, tile_intensity / ridge) x pipelining (1 - 0.5 ** num_stages): large tiles reuse
+    operands from shared memory, deeper pipelines hide load latency. Ridge = peak / DRAM bandwidth.
+    """
+
+    def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
+        peak = peak_flops(self.profile, self.dtype)
+        ridge = peak / (self.profile.dram_bandwidth_gbs * 1e9)
+        feats = kernel_features(configs, self.profile, self.dtype)
+        intensity = feats[:, FEATURE_NAMES.index("tile_intensity")]
+        stages = feats[:, FEATURE_NAMES.index("num_stages")]
+        launchable = feats[:, FEATURE_NAMES.index("blocks_per_sm")] > 0
+        return np.where(launchable, peak * np.minimum(1.0, intensity / ridge) * (1 - 0.5 ** stages), 0.0)
+
+
+class LearnedCostModel(CostModel):
+    """f_MK learned from measurements with gradient-boosted trees over ``kernel_features``.
+
+    Target: log(throughput / f_adapt). Configs measured at least once are answered from their own labels
+    (geometric mean), which are exact where the regressor would only approximate; failed configs predict
+    inf seconds. Before any measurement f_MK is a constant, so predictions rank by f_adapt alone.
+    """
+
+    def __init__(self, profile: HardwareProfile, dtype: str, seed: int = 0, n_estimators: int = 120) -> None:
+        super().__init__(profile, dtype)
+        self.seed = seed
+        self.n_estimators = n_estimators
+        self._pairs: list[Pair] = []
+        self._seconds: list[float] = []
+        self._known: dict[MicroKernel, float] = {}  # config -> mean log label
+        self._failed: set[MicroKernel] = set()
+        self._regressor = None
+        self._prior = 0.0
+
+    @property
+    def samples(self) -> int:
+        return len(self._seconds)
+
+    def update(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
+        if len(pairs) != len(seconds):
+            raise DietcodeError(f"update: {len(pairs)} pairs but {len(seconds)} measurements")
+        for pair, sec in zip(pairs, seconds):
+            if math.isfinite(sec) and sec > 0:
+                self._pairs.append(pair)
+                self._seconds.append(float(sec))
+            else:
+                self._failed.add(pair[0])
+        fitted = calibrate_device(self._pairs, self._seconds, self.profile, self.dtype)
+        if fitted is not None:
+            self.alpha, self.latency = fitted
+        self._fit()
+
+    def _fit(self) -> None:
+        from sklearn.ensemble import GradientBoostingRegressor
+
+        logs: dict[MicroKernel, list[float]] = {}
+        for (config, problem), sec in zip(self._pairs, self._seconds):
+            adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
+                            self.alpha)
+            busy = max(sec - self.latency * launches(config), 1e-3 * sec)
+            logs.setdefault(config, []).append(math.log(useful_flops(problem) / busy / max(adapt, 1e-12)))
+        self._known = {c: float(np.mean(v)) for c, v in logs.items()}
+        if not self._known:
+            return
+        configs = sorted(self._known)
+        y = np.array([self._known[c] for c in configs])
+        self._prior = float(np.median(y))
+        if len(configs) < 4:
+            self._regressor = None
+            return
+        reg = GradientBoostingRegressor(n_estimators=self.n_estimators, max_depth=3, learning_rate=0.1,
+                                        subsample=0.9, random_state=self.seed)
+        reg.fit(kernel_features(configs, self.profile, self.dtype), y)
+        self._regressor = reg
+
+    def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
+        logs = np.full(len(configs), self._prior)
+        if self._regressor is not None and len(configs):
+            logs = self._regressor.predict(kernel_features(configs, self.profile, self.dtype))
+        for i, config in enumerate(configs):
+            if config in self._known:
+                logs[i] = self._known[config]
+        out = np.exp(logs)
+        for i, config in enumerate(configs):
+            if config in self._failed and config not in self._known:
+                out[i] = 0.0
+        return out

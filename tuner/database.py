@@ -1,0 +1,161 @@
+"""The measurement database: SQLite (standard library, WAL) reused across runs and models.
+
+A row is keyed by (device key, family signature, config key, problem). Every query filters by the
+device key, so timings from another GPU, driver or Triton version never leak into a decision. Each
+``put`` is one transaction: a run killed at any point loses at most the batch in flight, and the
+``CachingMeasurer`` wrapper makes a restarted run skip everything already stored.
+"""
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from pathlib import Path
+from typing import Sequence
+
+from dietcode_ort.errors import DietcodeError
+from tuner.measure import MeasureResult, Measurer
+from tuner.space import Family, MicroKernel
+from tuner.workload import Problem
+
+__all__ = ["Database", "CachingMeasurer", "family_signature"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS measurements (
+    device TEXT NOT NULL,
+    family TEXT NOT NULL,
+    config TEXT NOT NULL,
+    m INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL, batch INTEGER NOT NULL,
+    image TEXT NOT NULL,
+    seconds REAL,
+    error TEXT,
+    created REAL NOT NULL,
+    PRIMARY KEY (device, family, config, m, n, k, batch, image)
+) WITHOUT ROWID;
+"""
+Pair = tuple[MicroKernel, Problem]
+RowKey = tuple[str, int, int, int, int, str]
+
+
+def family_signature(family: Family) -> str:
+    """Stable text naming a family: op/dtype/target."""
+    return f"{family.op}/{family.dtype}/{family.target}"
+
+
+def _image(problem: Problem) -> str:
+    return "" if problem.image is None else "x".join(map(str, problem.image))
+
+
+def _row_key(config: str, problem: Problem) -> RowKey:
+    return (config, problem.m, problem.n, problem.k, problem.batch, _image(problem))
+
+
+class Database:
+    """Measurements on disk. A locked or damaged file raises DietcodeError naming the file."""
+
+    def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
+        self.path = Path(path)
+        try:
+            self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.executescript(_SCHEMA)
+            self._conn.execute("SELECT count(*) FROM measurements LIMIT 1").fetchone()
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: sqlite3.Error) -> DietcodeError:
+        text = str(exc)
+        if "locked" in text or "busy" in text:
+            return DietcodeError(f"measurement database {self.path} is locked by another process ({text}); "
+                                 f"wait for it to finish or use another --db file")
+        if "not a database" in text or "malformed" in text or "corrupt" in text:
+            return DietcodeError(f"measurement database {self.path} is corrupt ({text}); move it aside and "
+                                 f"re-run (measurements will be taken again)")
+        return DietcodeError(f"measurement database {self.path}: {text}")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "Database":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get(self, device: str, family: Family, pairs: Sequence[Pair]) -> dict[RowKey, MeasureResult]:
+        """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem."""
+        wanted = {_row_key(c.key(), p) for c, p in pairs}
+        return {k: v for k, v in self.rows(device, family).items() if k in wanted}
+
+    def rows(self, device: str, family: Family) -> dict[RowKey, MeasureResult]:
+        """Every stored result of ``family`` on ``device``."""
+        try:
+            cur = self._conn.execute(
+                "SELECT config, m, n, k, batch, image, seconds, error FROM measurements "
+                "WHERE device = ? AND family = ?", (device, family_signature(family)))
+            return {tuple(r[:6]): MeasureResult(math.inf if r[6] is None else r[6], r[7])  # type: ignore[misc]
+                    for r in cur.fetchall()}
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+    def put(self, device: str, family: Family, pairs: Sequence[Pair], results: Sequence[MeasureResult]) -> None:
+        """Store one batch in one transaction (all or nothing)."""
+        if len(pairs) != len(results):
+            raise DietcodeError(f"put: {len(pairs)} pairs but {len(results)} results")
+        now = time.time()
+        fam = family_signature(family)
+        rows = [(device, fam, *_row_key(c.key(), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
+                for (c, p), r in zip(pairs, results)]
+        try:
+            with self._conn:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._conn.executemany("INSERT OR REPLACE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+    def count(self, device: str | None = None) -> int:
+        try:
+            if device is None:
+                return int(self._conn.execute("SELECT count(*) FROM measurements").fetchone()[0])
+            return int(self._conn.execute("SELECT count(*) FROM measurements WHERE device = ?",
+                                          (device,)).fetchone()[0])
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+    def devices(self) -> list[str]:
+        try:
+            return [r[0] for r in self._conn.execute("SELECT DISTINCT device FROM measurements ORDER BY 1")]
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+
+class CachingMeasurer(Measurer):
+    """Consults the database first and measures only what is missing; each batch is stored at once."""
+
+    def __init__(self, inner: Measurer, db: Database) -> None:
+        self.inner = inner
+        self.db = db
+        self._device = inner.device_key()
+        self.hits = 0
+        self.misses = 0
+
+    def device_key(self) -> str:
+        return self._device
+
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        known = self.db.get(self._device, family, configs_and_problems)
+        keys = [_row_key(c.key(), p) for c, p in configs_and_problems]
+        todo = [i for i, k in enumerate(keys) if k not in known]
+        if todo:
+            pairs = [configs_and_problems[i] for i in todo]
+            fresh = self.inner.measure(family, pairs)
+            self.db.put(self._device, family, pairs, fresh)
+            for i, r in zip(todo, fresh):
+                known[keys[i]] = r
+        self.hits += len(keys) - len(todo)
+        self.misses += len(todo)
+        return [known[k] for k in keys]
+
+    def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
+        return self.inner.measure_vendor(family, problems)

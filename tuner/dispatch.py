@@ -1,0 +1,248 @@
+"""The dispatcher: which kernel runs for which instance, as a decision tree over the symbolic dims.
+
+1. Per instance, the best known kernel (``TuningResult.times``: measured where measured, else predicted).
+2. At most ``max_kernels`` distinct kernels per workload: a greedy cover that each time adds the kernel
+   reducing the weighted regret (sum of weight x log(time / best time)) most. The vendor library, when
+   timed, is a free extra choice: an instance where it is faster dispatches to "vendor", so a tuned
+   model is never slower than stock ONNX Runtime on the instances it was tuned for.
+3. A scikit-learn DecisionTreeClassifier fitted on the instances' symbol values (features) -> chosen
+   kernel, exported to flat predicate arrays with integer thresholds: ``value <= threshold`` goes left.
+   sklearn splits integer features at midpoints (x <= 16.5); for integer x that is x <= floor(16.5) = 16.
+4. A regret report: per instance, the dispatched kernel's time against the best known, and the
+   weighted geometric mean of the ratios.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+import numpy as np
+
+from dietcode_ort.errors import DietcodeError
+from tuner.space import MicroKernel
+from tuner.workload import Instance, Problem, Workload
+
+__all__ = ["VENDOR", "TreeArrays", "RegretRow", "RegretReport", "Dispatch", "greedy_cover", "build_dispatch",
+           "dispatch_from_tuning", "regret_report"]
+
+VENDOR = "vendor"
+Kernel = Union[MicroKernel, str]
+
+
+@dataclass(frozen=True)
+class TreeArrays:
+    """A decision tree as flat arrays (node 0 is the root). At node i: if ``feature[i] < 0`` it is a leaf
+    dispatching to ``kernels[leaf[i]]``; else go to ``left[i]`` when value(feature[i]) <= threshold[i],
+    to ``right[i]`` otherwise."""
+
+    feature: tuple[int, ...]
+    threshold: tuple[int, ...]  # int64 values
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    leaf: tuple[int, ...]
+
+    def select(self, values: Sequence[int]) -> int:
+        node = 0
+        while self.feature[node] >= 0:
+            node = self.left[node] if values[self.feature[node]] <= self.threshold[node] else self.right[node]
+        return self.leaf[node]
+
+
+@dataclass(frozen=True)
+class RegretRow:
+    values: tuple[int, ...]  # symbol values, in Dispatch.symbols order
+    weight: float
+    kernel: str  # dispatched kernel's key or "vendor"
+    seconds: float
+    best: str
+    best_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.best_seconds
+
+
+@dataclass(frozen=True)
+class RegretReport:
+    rows: tuple[RegretRow, ...]
+    geomean: float  # weighted geometric mean of dispatched / best
+    worst: float
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Kernels (MicroKernel or "vendor"), the tree over ``symbols`` and its regret report."""
+
+    symbols: tuple[str, ...]
+    kernels: tuple[Kernel, ...]
+    tree: TreeArrays
+    report: RegretReport
+
+    def select(self, values: Mapping[str, int]) -> Kernel:
+        """The kernel for one assignment of the symbols."""
+        missing = [s for s in self.symbols if s not in values]
+        if missing:
+            raise DietcodeError(f"dispatch needs values for {missing}; symbols: {list(self.symbols)}")
+        return self.kernels[self.tree.select([int(values[s]) for s in self.symbols])]
+
+    def render(self) -> str:
+        """The tree as an if-chain, most specific condition first, ending in the catch-all."""
+        leaves: list[tuple[dict[int, list[float]], int]] = []
+
+        def walk(node: int, bounds: dict[int, list[float]]) -> None:
+            t = self.tree
+            if t.feature[node] < 0:
+                leaves.append((bounds, t.leaf[node]))
+                return
+            f = t.feature[node]
+            lo, hi = bounds.get(f, [-math.inf, math.inf])
+            walk(t.left[node], {**bounds, f: [lo, min(hi, t.threshold[node])]})
+            walk(t.right[node], {**bounds, f: [max(lo, t.threshold[node]), hi]})
+
+        walk(0, {})
+
+        def specificity(item: tuple[dict[int, list[float]], int]) -> tuple[int, float]:
+            bounds = item[0]
+            finite = sum(math.isfinite(v) for lo_hi in bounds.values() for v in lo_hi)
+            width = sum(hi - lo for lo, hi in bounds.values() if math.isfinite(hi - lo))
+            return (-finite, width)
+
+        def name(index: int) -> str:
+            k = self.kernels[index]
+            return k if isinstance(k, str) else f"k{index} {k.key()}"
+
+        ordered = sorted(leaves, key=specificity)
+        lines = []
+        for n, (bounds, index) in enumerate(ordered):
+            if n == len(ordered) - 1:
+                lines.append(("else" if lines else "always") + f" -> {name(index)}")
+                break
+            terms = []
+            for f, (lo, hi) in sorted(bounds.items()):
+                sym = self.symbols[f]
+                if math.isfinite(lo) and math.isfinite(hi):
+                    terms.append(f"{int(lo)} < {sym} <= {int(hi)}")
+                elif math.isfinite(hi):
+                    terms.append(f"{sym} <= {int(hi)}")
+                elif math.isfinite(lo):
+                    terms.append(f"{sym} > {int(lo)}")
+            lines.append(f"{'if' if n == 0 else 'elif'} {' and '.join(terms)} -> {name(index)}")
+        return "\n".join(lines)
+
+
+def _regret(times: np.ndarray, weights: np.ndarray, best: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.isfinite(times), np.log(times / best[:, None]), 1e3)
+    return ratio
+
+
+def greedy_cover(times: np.ndarray, weights: Sequence[float], max_kernels: int,
+                 free: np.ndarray | None = None) -> list[int]:
+    """Pick at most ``max_kernels`` columns of ``times`` [instances, kernels] minimizing the weighted
+    regret sum_i w_i log(min over picked (and ``free``[i], e.g. the vendor time) / best_i)."""
+    if max_kernels <= 0:
+        raise DietcodeError(f"max_kernels must be at least 1, got {max_kernels}")
+    w = np.asarray(weights, dtype=np.float64)
+    free_t = np.full(times.shape[0], np.inf) if free is None else np.asarray(free, dtype=np.float64)
+    best = np.minimum(times.min(axis=1), free_t)
+    if not np.isfinite(best).all():
+        bad = int(np.flatnonzero(~np.isfinite(best))[0])
+        raise DietcodeError(f"instance {bad} has no kernel with a finite time (every candidate failed)")
+    log_t = _regret(times, w, best)
+    current = _regret(free_t[:, None], w, best)[:, 0]
+    picked: list[int] = []
+    while len(picked) < min(max_kernels, times.shape[1]):
+        totals = (w[:, None] * np.minimum(current[:, None], log_t)).sum(axis=0)
+        totals[picked] = np.inf
+        j = int(np.argmin(totals))
+        if picked and totals[j] >= (w * current).sum() - 1e-12:
+            break
+        picked.append(j)
+        current = np.minimum(current, log_t[:, j])
+        if (w * current).sum() <= 1e-12:
+            break
+    return picked
+
+
+def regret_report(values: Sequence[Sequence[int]], weights: Sequence[float], dispatched: Sequence[str],
+                  seconds: Sequence[float], best: Sequence[str], best_seconds: Sequence[float]) -> RegretReport:
+    """Rows plus the weighted geometric mean (and the worst) of dispatched / best seconds."""
+    rows = tuple(RegretRow(tuple(int(v) for v in vals), float(w), d, float(s), b, float(bs))
+                 for vals, w, d, s, b, bs in zip(values, weights, dispatched, seconds, best, best_seconds))
+    total = sum(r.weight for r in rows)
+    geomean = math.exp(sum(r.weight * math.log(r.ratio) for r in rows) / total)
+    return RegretReport(rows, geomean, max(r.ratio for r in rows))
+
+
+def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candidates: Sequence[MicroKernel],
+                   times: np.ndarray, vendor: Sequence[float] | None = None, max_kernels: int = 8,
+                   seed: int = 0) -> Dispatch:
+    """Choose kernels for ``instances`` from ``times`` [instance, candidate] (+ optional vendor times)."""
+    from sklearn.tree import DecisionTreeClassifier
+
+    if not instances:
+        raise DietcodeError("cannot build a dispatcher for an empty instance set")
+    times = np.asarray(times, dtype=np.float64)
+    if times.shape != (len(instances), len(candidates)):
+        raise DietcodeError(f"times has shape {times.shape}, expected ({len(instances)}, {len(candidates)})")
+    x = np.array([[inst.as_dict()[s] for s in symbols] for inst in instances], dtype=np.int64)
+    if len({tuple(r) for r in x}) != len(x):
+        raise DietcodeError("instances repeat the same symbol values; merge them (sum their weights) first")
+    w = np.array([inst.weight for inst in instances], dtype=np.float64)
+    vend = None if vendor is None else np.asarray(vendor, dtype=np.float64)
+    picked = greedy_cover(times, w, max_kernels, vend) if len(candidates) else []
+    kernels: list[Kernel] = [candidates[j] for j in picked]
+    options = times[:, picked] if picked else np.zeros((len(instances), 0))
+    if vend is not None:
+        kernels.append(VENDOR)
+        options = np.concatenate([options, vend[:, None]], axis=1)
+    if options.shape[1] == 0:
+        raise DietcodeError("no candidate kernels and no vendor timings: nothing to dispatch to")
+    labels = options.argmin(axis=1)
+    used = sorted(set(int(v) for v in labels))  # drop kernels no instance picks (e.g. an unused vendor)
+    kernels = [kernels[i] for i in used]
+    remap = {old: new for new, old in enumerate(used)}
+    labels = np.array([remap[int(v)] for v in labels])
+    options = options[:, used]
+    clf = DecisionTreeClassifier(random_state=seed).fit(x, labels, sample_weight=w)
+    tree = clf.tree_
+    leaf = [int(clf.classes_[int(np.argmax(tree.value[i][0]))]) if tree.feature[i] < 0 else -1
+            for i in range(tree.node_count)]
+    arrays = TreeArrays(tuple(int(f) if f >= 0 else -1 for f in tree.feature),
+                        tuple(int(math.floor(t)) if f >= 0 else 0 for f, t in zip(tree.feature, tree.threshold)),
+                        tuple(int(v) for v in tree.children_left), tuple(int(v) for v in tree.children_right),
+                        tuple(leaf))
+    chosen = [arrays.select(list(row)) for row in x]
+    names = [k if isinstance(k, str) else k.key() for k in kernels]
+    all_names = [c.key() for c in candidates] + ([VENDOR] if vend is not None else [])
+    all_times = times if vend is None else np.concatenate([times, vend[:, None]], axis=1)
+    best_idx = all_times.argmin(axis=1)
+    report = regret_report(x.tolist(), w, [names[c] for c in chosen],
+                           [options[i, c] for i, c in enumerate(chosen)],
+                           [all_names[b] for b in best_idx], all_times[np.arange(len(x)), best_idx])
+    return Dispatch(tuple(symbols), tuple(kernels), arrays, report)
+
+
+def dispatch_from_tuning(workload: Workload, result: "object", vendor: Sequence[float] | None = None,
+                         max_kernels: int = 8) -> Dispatch:
+    """Dispatch ``workload``'s instances from a ``TuningResult`` (times per problem, mapped per instance).
+
+    ``vendor`` is one time per problem of ``result.problems``.
+    """
+    problems: tuple[Problem, ...] = result.problems  # type: ignore[attr-defined]
+    row = {p: i for i, p in enumerate(problems)}
+    merged: dict[tuple[tuple[str, int], ...], Instance] = {}
+    for inst in workload.instances:
+        prev = merged.get(inst.values)
+        merged[inst.values] = Instance(inst.values, inst.weight + (prev.weight if prev else 0.0))
+    instances = list(merged.values())
+    try:
+        rows = [row[workload.problem(i)] for i in instances]
+    except KeyError as exc:
+        raise DietcodeError(f"the tuning result has no problem {exc.args[0]} for one of the workload's "
+                            f"instances; tune the same instance set") from None
+    times = result.times[rows]  # type: ignore[attr-defined]
+    vend = None if vendor is None else np.asarray(vendor, dtype=np.float64)[rows]
+    return build_dispatch(workload.symbols, instances, result.candidates, times, vend,  # type: ignore[attr-defined]
+                          max_kernels)

@@ -1,0 +1,292 @@
+"""Measurers: who answers "how long does micro-kernel m take on problem p".
+
+One small interface, ``Measurer.measure(family, [(config, problem), ...]) -> [MeasureResult, ...]``, and
+``device_key()`` naming the device every answer belongs to (the database never mixes devices). A
+failed or timed-out kernel is data (``seconds = inf`` plus an error), never an exception that ends a
+tuning run.
+
+- ``GpuMeasurer`` times kernels on a CUDA device (Triton JIT launch, 256 MB L2 flush before each repeat,
+  CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm / conv2d on the same problems.
+- ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
+- ``AnalyticMeasurer`` needs no hardware: a roofline estimate scaled by f_adapt.
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import math
+import statistics
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dietcode_ort.errors import DietcodeError
+from tuner.space import DTYPE_BYTES, Family, MicroKernel
+from tuner.workload import ConvParams, Epilogue, Problem
+
+__all__ = ["MeasureResult", "Measurer", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
+           "problem_key", "VENDOR_KEY"]
+
+VENDOR_KEY = "vendor"
+Pair = tuple[MicroKernel, Problem]
+
+
+@dataclass(frozen=True)
+class MeasureResult:
+    """Median seconds of one (config, problem); ``inf`` with an error message when it failed."""
+
+    seconds: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and math.isfinite(self.seconds)
+
+
+def make_device_key(model: str, arch: str, driver: str, triton: str) -> str:
+    """The database's device identity: every field that changes a timing."""
+    return f"model={model};arch={arch};driver={driver};triton={triton}"
+
+
+def problem_key(problem: Problem) -> tuple[int, int, int, int]:
+    return (problem.m, problem.n, problem.k, problem.batch)
+
+
+class Measurer(ABC):
+    """Times micro-kernels; see the module docstring."""
+
+    @abstractmethod
+    def device_key(self) -> str:
+        """Identity of the device the answers come from (model, arch, driver, triton version)."""
+
+    @abstractmethod
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        """One result per pair, in order; failures are results with seconds = inf."""
+
+    def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
+        """The stock library's time per problem; measurers without one say so."""
+        raise DietcodeError(f"{type(self).__name__} has no vendor timings; use GpuMeasurer or a replay table "
+                            f"with '{VENDOR_KEY}' rows")
+
+
+class ReplayMeasurer(Measurer):
+    """Answers from a recorded table: CSV/CSV.gz with columns config, m, n, k, batch, seconds, device
+    (optional: error, synthetic, family). Rows whose config is "vendor" are the vendor library's times.
+
+    A table holding several devices needs ``device=`` to pick one. Asking for a (config, problem) the
+    table lacks raises DietcodeError listing the missing instances.
+    """
+
+    def __init__(self, path: str | Path, device: str | None = None, family: str | None = None) -> None:
+        self.path = Path(path)
+        self._rows: dict[tuple[str, tuple[int, int, int, int]], MeasureResult] = {}
+        self.synthetic = False
+        try:
+            opener = gzip.open if self.path.suffix == ".gz" else open
+            with opener(self.path, "rt", newline="") as fh:  # type: ignore[operator]
+                reader = csv.DictReader(fh)
+                need = {"config", "m", "n", "k", "batch", "seconds", "device"}
+                missing = need - set(reader.fieldnames or ())
+                if missing:
+                    raise DietcodeError(f"replay table {self.path} lacks columns {sorted(missing)}; "
+                                        f"expected {sorted(need)}")
+                devices: dict[str, list[dict[str, str]]] = {}
+                for row in reader:
+                    if family is not None and row.get("family") not in (None, "", family):
+                        continue
+                    devices.setdefault(row["device"], []).append(row)
+        except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError, csv.Error) as exc:
+            raise DietcodeError(f"cannot read replay table {self.path}: {exc}") from None
+        if device is None:
+            if len(devices) != 1:
+                raise DietcodeError(f"replay table {self.path} holds {len(devices)} devices "
+                                    f"({sorted(devices)}); pass device= to pick one")
+            device = next(iter(devices))
+        if device not in devices:
+            raise DietcodeError(f"replay table {self.path} has no rows for device {device!r}; "
+                                f"it has {sorted(devices)}")
+        self._device = device
+        for row in devices[device]:
+            try:
+                key = (row["config"], (int(row["m"]), int(row["n"]), int(row["k"]), int(row["batch"])))
+                seconds = float(row["seconds"])
+            except ValueError as exc:
+                raise DietcodeError(f"replay table {self.path}: bad row {row}: {exc}") from None
+            error = row.get("error") or None
+            self._rows[key] = MeasureResult(seconds if error is None else math.inf, error)
+            self.synthetic = self.synthetic or row.get("synthetic", "0") in ("1", "true", "True")
+
+    def device_key(self) -> str:
+        return self._device
+
+    def _lookup(self, keys: Sequence[tuple[str, tuple[int, int, int, int]]]) -> list[MeasureResult]:
+        missing = [k for k in keys if k not in self._rows]
+        if missing:
+            shown = ", ".join(f"{c} on m={p[0]} n={p[1]} k={p[2]} batch={p[3]}" for c, p in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise DietcodeError(f"replay table {self.path} has no row for {len(missing)} requested "
+                                f"instance(s): {shown}{more}")
+        return [self._rows[k] for k in keys]
+
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        return self._lookup([(c.key(), problem_key(p)) for c, p in configs_and_problems])
+
+    def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
+        return self._lookup([(VENDOR_KEY, problem_key(p)) for p in problems])
+
+
+class AnalyticMeasurer(Measurer):
+    """No hardware: seconds = max(padded FLOPs / peak, bytes / bandwidth) / occupancy + 3 us launch.
+
+    The compute term is ``useful FLOPs / (peak x f_adapt)`` (f_adapt covers padding and waves); bytes
+    count A re-read once per tile column and B once per tile row, plus C. It ranks tiles sensibly but
+    knows nothing of the real kernel's efficiency: use it on machines without a GPU, never to report speed.
+    """
+
+    def __init__(self, profile: Any, dtype: str, alpha: float = 0.0) -> None:
+        self.profile = profile
+        self.dtype = dtype
+        self.alpha = alpha
+
+    def device_key(self) -> str:
+        return make_device_key(f"analytic:{self.profile.name}", f"sm_{self.profile.arch}", "none", "none")
+
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        from tuner.cost_model import blocks_per_sm, f_adapt, peak_flops, useful_flops
+
+        peak = peak_flops(self.profile, self.dtype)
+        bandwidth = self.profile.dram_bandwidth_gbs * 1e9
+        elem = DTYPE_BYTES[self.dtype]
+        out = []
+        for config, p in configs_and_problems:
+            bps = blocks_per_sm(config, self.profile, self.dtype)
+            adapt = f_adapt(config, p, self.profile, bps, self.alpha)
+            if adapt <= 0:
+                out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM"))
+                continue
+            compute = useful_flops(p) / (peak * adapt)
+            moved = (p.m * p.k * -(-p.n // config.block_n) + p.k * p.n * -(-p.m // config.block_m)
+                     + p.m * p.n) * elem * p.batch
+            out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6))
+        return out
+
+
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+class GpuMeasurer(Measurer):
+    """Times micro-kernels on the current CUDA device with Triton's JIT launcher and torch tensors.
+
+    Per (config, problem): ``warmup`` launches (the first compiles), then ``repeats`` timed launches,
+    each preceded by writing a 256 MB buffer (flushes L2 and hides the host launch latency behind it),
+    each timed with a CUDA event pair; the result is the median. A kernel that raises (compile error,
+    out of resources) or whose warm-up exceeds ``timeout_s`` is recorded as failed (inf). Importing this
+    module needs neither torch nor a GPU; constructing a GpuMeasurer does.
+
+    ``conv`` / ``epilogue`` / ``trans_b`` describe the workload the family's template runs with.
+    """
+
+    def __init__(self, warmup: int = 3, repeats: int = 20, timeout_s: float = 10.0,
+                 conv: ConvParams | None = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
+                 launch: Callable[..., Any] | None = None) -> None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise DietcodeError(f"GpuMeasurer needs torch with CUDA: {exc}") from None
+        if not torch.cuda.is_available():
+            raise DietcodeError("GpuMeasurer needs a CUDA GPU and none is visible; use ReplayMeasurer "
+                                "(a recorded table) or AnalyticMeasurer")
+        self._torch = torch
+        self.warmup, self.repeats, self.timeout_s = warmup, repeats, timeout_s
+        self.conv, self.epilogue, self.trans_b = conv, epilogue, trans_b
+        if launch is None:
+            from tuner.templates import run as launch
+        self._launch = launch
+        self._flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+
+    def device_key(self) -> str:
+        import triton
+
+        torch = self._torch
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        try:
+            from torch._C import _cuda_getDriverVersion  # type: ignore[attr-defined]
+            driver = str(_cuda_getDriverVersion())
+        except (ImportError, RuntimeError):
+            driver = f"cuda{torch.version.cuda}"
+        return make_device_key(props.name, f"sm_{props.major}{props.minor}", driver, triton.__version__)
+
+    def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any]:
+        torch = self._torch
+        dtype = getattr(torch, _TORCH_DTYPES[family.dtype])
+        make = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)  # noqa: E731
+        bias = make(p.n) if self.epilogue.bias else None
+        if family.op == "conv":
+            if self.conv is None or p.image is None:
+                raise DietcodeError("GpuMeasurer: conv problems need ConvParams and Problem.image")
+            n_img, h, w = p.image
+            c = self.conv
+            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias
+        b_shape = (p.n, p.k) if self.trans_b else (p.k, p.n)
+        if family.op == "bmm":
+            return make(p.batch, p.m, p.k), make(p.batch, *b_shape), bias
+        return make(p.m, p.k), make(*b_shape), bias
+
+    def _time(self, fn: Callable[[], Any]) -> float:
+        torch = self._torch
+        started = time.perf_counter()
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        if time.perf_counter() - started > self.timeout_s:
+            raise TimeoutError(f"warm-up took more than {self.timeout_s} s")
+        times = []
+        for _ in range(self.repeats):
+            self._flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        out = []
+        for config, problem in configs_and_problems:
+            try:
+                a, b, bias = self._operands(family, problem)
+                fn = lambda: self._launch(family.op, config, a, b, bias=bias,  # noqa: E731
+                                          epilogue=self.epilogue, trans_b=self.trans_b, conv=self.conv)
+                out.append(MeasureResult(self._time(fn)))
+            except DietcodeError:
+                raise
+            except Exception as exc:  # compile errors, out of resources, timeouts: data, not a crash
+                out.append(MeasureResult(math.inf, f"{type(exc).__name__}: {str(exc)[:300]}"))
+        return out
+
+    def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
+        """cuBLAS (torch.matmul / torch.bmm) or cuDNN (conv2d) on the same problems and epilogue."""
+        torch = self._torch
+        fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
+        act = fn_act[self.epilogue.activation]
+        out = []
+        for problem in problems:
+            try:
+                a, b, bias = self._operands(family, problem)
+                if family.op == "conv":
+                    c = self.conv
+                    assert c is not None
+                    pads = (c.pads[0], c.pads[1])
+                    fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
+                        a, b, bias, stride=c.strides, padding=pads, dilation=c.dilations))
+                else:
+                    bb = b.transpose(-1, -2) if self.trans_b else b
+                    mm = torch.bmm if family.op == "bmm" else torch.matmul
+                    fn = lambda: act(mm(a, bb) + bias if bias is not None else mm(a, bb))  # noqa: E731
+                out.append(MeasureResult(self._time(fn)))
+            except Exception as exc:
+                out.append(MeasureResult(math.inf, f"{type(exc).__name__}: {str(exc)[:300]}"))
+        return out

@@ -1,0 +1,405 @@
+"""Joint search (DietCode) and the per-shape baseline over the same micro-kernel space.
+
+Joint search: every instance of a workload shares one candidate population and one cost model. Each
+round measures ``round_size`` candidates; a new candidate is timed on the instance where its f_adapt is
+best (its cleanest label), an already measured one on the instance where it is predicted to gain most
+over that instance's best so far, and the label fed back is throughput / f_adapt, so one measurement
+informs every shape. Candidates come from an evolving population: the model ranks a population drawn
+from the space plus single-field mutations (one field moved to an adjacent value present in the space)
+of the elite, and an epsilon share of every round is spent on random configs. The first round, with
+no data, is all random.
+
+Per-shape tuning runs the same loop for each instance on its own (its own model, same space and
+measurer), round-robin; it is what a shape-specific auto-tuner (Ansor, MetaSchedule) would do and the
+baseline joint search is compared with.
+
+A candidate's score is the weighted sum over the instances it has not been measured on of
+softplus(log(reference / predicted seconds)), reference being that instance's best measured time (or,
+before any, 1.1 x its best prediction). Both searches stop at the trial budget, the time budget, or
+after ``patience`` rounds in which no candidate is predicted to gain more than ``min_gain``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+import numpy as np
+
+from dietcode_ort.errors import DietcodeError
+from tuner.cost_model import CostModel, LearnedCostModel, f_adapt_matrix, launches, useful_flops
+from tuner.hardware import HardwareProfile
+from tuner.measure import Measurer
+from tuner.space import Family, MicroKernel
+from tuner.workload import Problem
+
+__all__ = ["SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_joint", "tune_per_shape",
+           "neighbours"]
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Every knob of both searches (defaults follow DietCode: 64 measurements per round)."""
+
+    round_size: int = 64
+    max_trials: int = 1000
+    max_seconds: float = math.inf
+    epsilon: float = 0.1  # share of each round spent on random configs
+    prediction_margin: float = 0.05  # a prediction must beat a measurement by this much to be chosen
+    verify: float = 0.25  # share of each round that times a problem's current choice on that problem
+    population: int = 128  # configs drawn from the space and kept between rounds
+    generations: int = 2  # mutation rounds applied to the elite per round
+    patience: int = 2  # rounds without a predicted gain above min_gain before stopping
+    min_gain: float = 1e-3
+    seed: int = 0
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.round_size <= 0 or self.max_trials <= 0:
+            raise DietcodeError(f"search budget must be positive: round_size={self.round_size}, "
+                                f"max_trials={self.max_trials}")
+        if not self.max_seconds > 0:
+            raise DietcodeError(f"search time budget must be positive, got max_seconds={self.max_seconds}")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise DietcodeError(f"epsilon must be in [0, 1], got {self.epsilon}")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    config: MicroKernel
+    problem: Problem
+    seconds: float  # inf when it failed
+    error: str | None
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """State after a round: trials so far and the per-problem choice (None: nothing measured yet)."""
+
+    trials: int
+    elapsed_s: float
+    choice: tuple[MicroKernel | None, ...]
+
+
+@dataclass(frozen=True)
+class TuningResult:
+    """What a search hands the dispatcher.
+
+    ``candidates`` are the configs measured successfully at least once; ``times[p, c]`` is the best
+    knowledge of candidate c on problem p: the measurement where there is one, else the model's
+    prediction; ``measured[p, c]`` says which. ``model`` is the joint model, or one model per problem
+    for the per-shape search.
+    """
+
+    method: str
+    family: Family
+    problems: tuple[Problem, ...]
+    weights: tuple[float, ...]
+    measurements: tuple[Measurement, ...]
+    candidates: tuple[MicroKernel, ...]
+    times: np.ndarray
+    measured: np.ndarray
+    model: CostModel | tuple[CostModel, ...]
+    trials: int
+    seconds: float
+    history: tuple[RoundRecord, ...]
+
+    @property
+    def choice(self) -> tuple[MicroKernel | None, ...]:
+        """Per problem, the best known candidate (measured where measured, else predicted)."""
+        return self.history[-1].choice if self.history else tuple(None for _ in self.problems)
+
+
+def _axis_values(space: Sequence[MicroKernel]) -> dict[str, list[int]]:
+    return {f.name: sorted({getattr(c, f.name) for c in space}) for f in fields(MicroKernel)}
+
+
+def neighbours(config: MicroKernel, space: Sequence[MicroKernel], _axes: dict | None = None,
+               _members: set | None = None) -> list[MicroKernel]:
+    """Configs of ``space`` that differ from ``config`` in one field, moved to an adjacent value."""
+    axes = _axes if _axes is not None else _axis_values(space)
+    members = _members if _members is not None else set(space)
+    out = []
+    for name, values in axes.items():
+        value = getattr(config, name)
+        if value not in values:
+            continue
+        i = values.index(value)
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(values):
+                other = replace(config, **{name: values[j]})
+                if other in members:
+                    out.append(other)
+    return out
+
+
+def _softplus(x: np.ndarray, temperature: float = 0.02) -> np.ndarray:
+    return temperature * np.logaddexp(0.0, x / temperature)
+
+
+class _Search:
+    """One search over a set of problems (all of them: joint; one: a per-shape tuner)."""
+
+    def __init__(self, space: Sequence[MicroKernel], problems: Sequence[Problem], weights: Sequence[float],
+                 model: CostModel, profile: HardwareProfile, dtype: str, options: SearchOptions,
+                 rng: np.random.Generator) -> None:
+        self.space = list(space)
+        self.problems = list(problems)
+        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        self.model, self.profile, self.dtype, self.opts, self.rng = model, profile, dtype, options, rng
+        self.flops = np.array([useful_flops(p) for p in problems])
+        self.launches = np.array([launches(c) for c in self.space], dtype=np.float64)
+        self.measured = np.full((len(self.space), len(problems)), np.nan)
+        self.failed = np.zeros(len(self.space), dtype=bool)
+        self._alpha = model.alpha
+        self.adapt = f_adapt_matrix(self.space, problems, profile, dtype, model.alpha)
+        self.failed |= self.adapt.max(axis=1) <= 0  # cannot launch at all
+        axes, members = _axis_values(self.space), set(self.space)
+        index = {c: i for i, c in enumerate(self.space)}
+        self.neigh = [[index[n] for n in neighbours(c, self.space, axes, members)] for c in self.space]
+        size = min(options.population, len(self.space))
+        self.population = set(int(i) for i in rng.choice(len(self.space), size=size, replace=False))
+        self.stale_rounds = 0
+        self.log: list[Measurement] = []
+
+    # knowledge ----------------------------------------------------------------------------------
+    def predicted(self) -> np.ndarray:
+        if self.model.alpha != self._alpha:
+            self._alpha = self.model.alpha
+            self.adapt = f_adapt_matrix(self.space, self.problems, self.profile, self.dtype, self._alpha)
+        fmk = self.model.f_mk(self.space)
+        through = fmk[:, None] * self.adapt
+        with np.errstate(divide="ignore"):
+            return np.where(through > 0, self.model.latency * self.launches[:, None]
+                            + self.flops[None, :] / np.maximum(through, 1e-300), np.inf)
+
+    def known(self) -> tuple[np.ndarray, np.ndarray]:
+        """(times [C, P]: measured else predicted, mask of configs measured successfully somewhere)."""
+        pred = self.predicted()
+        ok = np.isfinite(self.measured)
+        times = np.where(ok, self.measured, pred)
+        times[self.failed] = np.inf
+        return times, ok.any(axis=1) & ~self.failed
+
+    def choice(self) -> list[int | None]:
+        times, cand = self.known()
+        if not cand.any():
+            return [None] * len(self.problems)
+        ok = np.isfinite(self.measured)
+        damped = np.where(ok, times, times * (1.0 + self.opts.prediction_margin))
+        masked = np.where(cand[:, None], damped, np.inf)
+        return [int(i) for i in masked.argmin(axis=0)]
+
+    # proposal -----------------------------------------------------------------------------------
+    def _gain(self, pred: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ok = np.isfinite(self.measured)
+        measured_best = np.where(ok, self.measured, np.inf).min(axis=0)
+        seen = ok.any(axis=1) & ~self.failed
+        base = pred[seen] if seen.any() else pred
+        ref = np.where(np.isfinite(measured_best), measured_best, 1.1 * base.min(axis=0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_ratio = np.log(ref[None, :]) - np.log(pred)
+        log_ratio = np.where(np.isfinite(log_ratio), log_ratio, -50.0)
+        open_pair = np.isnan(self.measured) & ~self.failed[:, None]
+        raw = np.where(open_pair, np.maximum(log_ratio, 0.0), 0.0) * self.weights[None, :]
+        smooth = np.where(open_pair, _softplus(log_ratio), 0.0) * self.weights[None, :]
+        return raw, smooth
+
+    def _evolve(self, score: np.ndarray) -> list[int]:
+        pool = set(self.population)
+        elite = [int(i) for i in np.argsort(-score, kind="stable")[: max(4, self.opts.population // 8)]]
+        choice = self.choice()
+        elite += [c for c in choice if c is not None]
+        for _ in range(self.opts.generations):
+            grown = {n for e in elite for n in self.neigh[e]}
+            pool |= grown
+            ranked = sorted(pool, key=lambda i: (-score[i], i))
+            elite = ranked[: max(4, self.opts.population // 8)]
+        ranked = sorted(pool, key=lambda i: (-score[i], i))
+        self.population = set(ranked[: self.opts.population])
+        return ranked
+
+    def propose(self, n: int) -> list[tuple[int, int]]:
+        open_pair = np.isnan(self.measured) & ~self.failed[:, None]
+        fresh = [i for i in range(len(self.space)) if not self.failed[i] and open_pair[i].all()]
+        if not open_pair.any():
+            return []
+        pred = self.predicted()
+        raw, smooth = self._gain(pred)
+        score = np.where(open_pair.any(axis=1), smooth.sum(axis=1), -np.inf)
+        best_raw = float(raw.max()) if raw.size else 0.0
+        self.stale_rounds = self.stale_rounds + 1 if best_raw < self.opts.min_gain else 0
+        pairs: list[tuple[int, int]] = []
+        if len(self.log) == 0:  # no data yet: a random first round
+            n_random = n
+        else:
+            n_random = int(round(self.opts.epsilon * n))
+            pairs = self._verification(int(round(self.opts.verify * n)), open_pair)
+            n -= len(pairs)
+        verified = {i for i, _ in pairs}
+        picked: list[int] = []
+        for i in self._evolve(score):
+            if len(picked) >= n - n_random:
+                break
+            if np.isfinite(score[i]) and open_pair[i].any() and i not in verified:
+                picked.append(i)
+        taken = set(picked) | verified
+        pool = [i for i in fresh if i not in taken] or [i for i in range(len(self.space))
+                                                          if open_pair[i].any() and i not in taken]
+        extra = min(n - len(picked), len(pool))
+        if extra > 0:
+            picked += [pool[int(j)] for j in self.rng.choice(len(pool), size=extra, replace=False)]
+        for i in picked:
+            if open_pair[i].all():  # new config: its cleanest label, on its best-f_adapt instance
+                key = self.adapt[i] + 1e-9 * self.weights * self.flops / self.flops.max()
+            else:  # known config: where it is predicted to help most
+                key = np.where(open_pair[i], smooth[i], -np.inf)
+            pairs.append((i, int(np.argmax(np.where(open_pair[i], key, -np.inf)))))
+        return pairs
+
+    def _verification(self, n: int, open_pair: np.ndarray) -> list[tuple[int, int]]:
+        """Up to n (choice, problem) pairs whose choice rests on a prediction, heaviest problems first."""
+        out: list[tuple[int, int]] = []
+        choices = self.choice()
+        for p in np.argsort(-self.weights, kind="stable"):
+            c = choices[int(p)]
+            if len(out) >= n:
+                break
+            if c is not None and open_pair[c, p]:
+                out.append((c, int(p)))
+        return out
+
+    def record(self, pairs: Sequence[tuple[int, int]], seconds: Sequence[float], errors: Sequence[str | None]
+               ) -> None:
+        for (i, p), sec, err in zip(pairs, seconds, errors):
+            self.measured[i, p] = sec if math.isfinite(sec) else np.inf
+            if not math.isfinite(sec):
+                self.failed[i] = True
+            self.log.append(Measurement(self.space[i], self.problems[p], sec, err))
+        self.model.update([(self.space[i], self.problems[p]) for i, p in pairs], list(seconds))
+
+    def done(self) -> bool:
+        return self.stale_rounds >= self.opts.patience or not (np.isnan(self.measured)
+                                                                & ~self.failed[:, None]).any()
+
+
+def _check_inputs(problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
+                  options: SearchOptions) -> tuple[list[Problem], list[float]]:
+    options.check()
+    if not problems:
+        raise DietcodeError("the workload has no instances to tune: give symbol values (--dim NAME=lo:hi) "
+                            "or a shape log")
+    if not space:
+        raise DietcodeError("the micro-kernel space is empty: every config was pruned for this family")
+    merged: dict[Problem, float] = {}
+    for problem, weight in problems:
+        if not weight > 0:
+            raise DietcodeError(f"instance weights must be positive, got {weight} for {problem}")
+        merged[problem] = merged.get(problem, 0.0) + float(weight)
+    order = sorted(merged)
+    return order, [merged[p] for p in order]
+
+
+def _progress(options: SearchOptions, label: str):  # -> rich Progress or a no-op stand-in
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    disable=not options.progress, transient=True)
+
+
+def _measure_round(searches: Sequence[_Search], proposals: Sequence[list[tuple[int, int]]], family: Family,
+                   measurer: Measurer) -> int:
+    """Measure every proposal of this round in one batch (one database transaction)."""
+    flat = [(s.space[i], s.problems[p]) for s, props in zip(searches, proposals) for i, p in props]
+    if not flat:
+        return 0
+    results = measurer.measure(family, flat)
+    at = 0
+    for s, props in zip(searches, proposals):
+        chunk = results[at: at + len(props)]
+        at += len(props)
+        if props:
+            s.record(props, [r.seconds for r in chunk], [r.error for r in chunk])
+    return len(flat)
+
+
+def _result(method: str, family: Family, searches: Sequence[_Search], problems: Sequence[Problem],
+            weights: Sequence[float], models: CostModel | tuple[CostModel, ...], trials: int, elapsed: float,
+            history: list[RoundRecord]) -> TuningResult:
+    columns: dict[MicroKernel, None] = {}
+    per_problem: list[tuple[np.ndarray, np.ndarray, np.ndarray, _Search, list[int]]] = []
+    for s in searches:
+        times, cand = s.known()
+        for i in np.flatnonzero(cand):
+            columns.setdefault(s.space[int(i)], None)
+        per_problem.append((times, cand, np.isfinite(s.measured), s, []))
+    candidates = tuple(sorted(columns))
+    table = np.full((len(problems), len(candidates)), np.inf)
+    measured = np.zeros((len(problems), len(candidates)), dtype=bool)
+    row_of = {p: r for r, p in enumerate(problems)}
+    for times, _cand, ok, s, _ in per_problem:
+        index = {c: i for i, c in enumerate(s.space)}
+        for j, config in enumerate(candidates):
+            i = index[config]
+            for p_local, problem in enumerate(s.problems):
+                table[row_of[problem], j] = times[i, p_local]
+                measured[row_of[problem], j] = ok[i, p_local]
+    log = tuple(m for s in searches for m in s.log)
+    return TuningResult(method, family, tuple(problems), tuple(weights), log, candidates, table, measured,
+                        models, trials, elapsed, tuple(history))
+
+
+def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
+               measurer: Measurer, profile: HardwareProfile, options: SearchOptions = SearchOptions(),
+               model: CostModel | None = None) -> TuningResult:
+    """DietCode's joint search over all ``problems`` (problem, weight) with one model and population."""
+    order, weights = _check_inputs(problems, space, options)
+    rng = np.random.default_rng(options.seed)
+    model = model or LearnedCostModel(profile, family.dtype, seed=options.seed)
+    search = _Search(space, order, weights, model, profile, family.dtype, options, rng)
+    history: list[RoundRecord] = []
+    trials, started = 0, time.perf_counter()
+    with _progress(options, f"joint {family.op} x{len(order)}") as bar:
+        task = bar.add_task("tune", total=options.max_trials)
+        while trials < options.max_trials and time.perf_counter() - started < options.max_seconds:
+            proposal = search.propose(min(options.round_size, options.max_trials - trials))
+            if not proposal or search.done():
+                break
+            trials += _measure_round([search], [proposal], family, measurer)
+            choice = tuple(None if c is None else search.space[c] for c in search.choice())
+            history.append(RoundRecord(trials, time.perf_counter() - started, choice))
+            bar.update(task, completed=trials)
+    return _result("joint", family, [search], order, weights, model, trials, time.perf_counter() - started,
+                   history)
+
+
+def tune_per_shape(family: Family, problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
+                   measurer: Measurer, profile: HardwareProfile, options: SearchOptions = SearchOptions()
+                   ) -> TuningResult:
+    """The baseline: each problem tuned on its own (own model and population), round-robin by rounds.
+
+    ``max_trials`` is the total over all problems; a history record is taken after each sweep.
+    """
+    order, weights = _check_inputs(problems, space, options)
+    rng = np.random.default_rng(options.seed)
+    models = tuple(LearnedCostModel(profile, family.dtype, seed=options.seed) for _ in order)
+    searches = [_Search(space, [p], [1.0], m, profile, family.dtype, options, rng) for p, m in zip(order, models)]
+    history: list[RoundRecord] = []
+    trials, started = 0, time.perf_counter()
+    with _progress(options, f"per-shape {family.op} x{len(order)}") as bar:
+        task = bar.add_task("tune", total=options.max_trials)
+        while trials < options.max_trials and time.perf_counter() - started < options.max_seconds:
+            proposals, budget = [], options.max_trials - trials
+            for s in searches:
+                props = [] if s.done() else s.propose(min(options.round_size, budget))
+                budget -= len(props)
+                proposals.append(props)
+            if not any(proposals):
+                break
+            trials += _measure_round(searches, proposals, family, measurer)
+            choice = tuple(None if (c := s.choice()[0]) is None else s.space[c] for s in searches)
+            history.append(RoundRecord(trials, time.perf_counter() - started, choice))
+            bar.update(task, completed=trials)
+    return _result("per-shape", family, searches, order, weights, models, trials,
+                   time.perf_counter() - started, history)
