@@ -197,23 +197,25 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
 
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
                     arch: int, num_warps: int, num_stages: int) -> tuple[Any, str]:
-    """Compile and capture the ptxas log (Triton prints it when its dump knob is on)."""
+    """Compile and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
+    is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     knobs = triton.knobs.nvidia
-    previous = knobs.dump_ptxas_log
+    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile
     log = io.StringIO()
     try:
         knobs.dump_ptxas_log = True
+        triton.knobs.compilation.always_compile = True
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": num_warps, "num_stages": num_stages,
                                                "enable_fp_fusion": True})
     finally:
-        knobs.dump_ptxas_log = previous
+        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile = previous
     return compiled, log.getvalue()
 
 
@@ -225,6 +227,8 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     Raises DietcodeError for bad input and for kernels that need scratch memory."""
     import triton
 
+    if not epilogue.bias:  # nothing to assume about a pointer the kernel does not take
+        div16 = tuple(p for p in div16 if p != "bias")
     _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
     profile = check_family(family)
     div16 = tuple(sorted(set(div16)))

@@ -1,0 +1,170 @@
+"""Ahead-of-time compilation: cubins for sm_80/sm_90 without a GPU, metadata within the profile's limits,
+the disk cache, scratch refusal, failures as data, JSON round trips, the compile-time filter."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dietcode_ort.errors import DietcodeError
+from tuner import aot, space
+from tuner.aot import CompiledKernel, CompileJob, CompileResult, aligned_params, compile_kernel, compile_many
+from tuner.hardware import get_profile
+from tuner.space import Family, MicroKernel, validate
+from tuner.workload import ConvParams, Epilogue
+
+CONV = ConvParams(in_channels=8, out_channels=16, kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1))
+DTYPE_OF = {"gemm": "float16", "bmm": "bfloat16", "conv": "float32"}
+TILE = MicroKernel(64, 64, 32, 4, 3)
+SPLIT = MicroKernel(32, 64, 64, 4, 2, 8, 4)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
+def _jobs(cache: Path) -> list[CompileJob]:
+    """One config per (op, target): each op gets a plain tile with bias+gelu (pipelined, div16) on one
+    target and a split-K tile (trans_b for gemm/bmm) on the other."""
+    jobs = []
+    for target, split_ops in (("sm_80", ("gemm", "conv")), ("sm_90", ("bmm",))):
+        for op, dtype in DTYPE_OF.items():
+            family = Family(op, dtype, target)
+            conv = CONV if op == "conv" else None
+            if op in split_ops:
+                jobs.append(CompileJob(family, SPLIT, Epilogue(op != "bmm", "none"), trans_b=op != "conv",
+                                       conv=conv, cache_dir=cache))
+            else:
+                jobs.append(CompileJob(family, TILE, Epilogue(True, "gelu"), conv=conv, cache_dir=cache,
+                                       div16=aligned_params(op)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def sample(cache: Path) -> list[CompileResult]:
+    return compile_many(_jobs(cache), workers=2)
+
+
+def test_sample_of_each_family_compiles_within_limits(sample: list[CompileResult]) -> None:
+    assert len(sample) == 6
+    assert {r.job.family.op for r in sample if r.job.config.split_k > 1} == {"gemm", "bmm", "conv"}
+    for result in sample:
+        assert result.ok, result.error
+        kernel, job = result.kernel, result.job
+        assert kernel is not None
+        validate(job.family, job.config)
+        profile = get_profile(job.family.target)
+        assert kernel.arch == profile.arch and kernel.cubin[:4] == b"\x7fELF"
+        assert f".target sm_{profile.arch}" in kernel.ptx
+        assert kernel.shared <= profile.smem_per_block_optin
+        assert kernel.global_scratch_size == 0 and kernel.profile_scratch_size == 0 and kernel.scratch_params
+        assert kernel.n_regs is not None and 0 < kernel.n_regs <= profile.regs_per_thread
+        assert kernel.n_spills is not None
+        assert kernel.num_warps == job.config.num_warps and kernel.grid == "tiles_mn,split_k,batch"
+        assert (kernel.block_m, kernel.block_n, kernel.split_k) == (job.config.block_m, job.config.block_n,
+                                                                    job.config.split_k)
+        assert kernel.zero_output == (job.config.split_k > 1)
+        expected = {"gemm": ["a", "b", "bias", "c", "M", "N", "K"],
+                    "bmm": ["a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"],
+                    "conv": ["a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"]}
+        params = [p for p in expected[job.family.op] if p != "bias" or job.epilogue.bias]
+        assert list(kernel.params) == params
+        # The PTX entry takes the ABI params plus the two trailing scratch pointers.
+        entry = kernel.ptx[kernel.ptx.index(".entry"):]
+        assert entry[:entry.index(")")].count(".param") == len(params) + 2
+
+
+def test_pipelined_variant_uses_more_shared_memory(sample: list[CompileResult]) -> None:
+    """div16 lets Triton pipeline the loads: on sm_90 the stages show up in shared memory."""
+    by_job = {(r.job.family, r.job.config): r.kernel for r in sample}
+    kernel = by_job[(Family("gemm", "float16", "sm_90"), TILE)]
+    assert kernel is not None and kernel.div16 == tuple(sorted(aligned_params("gemm")))
+    assert kernel.shared >= 2 * (64 * 32 + 32 * 64) * 2
+
+
+def test_cache_hit_returns_identical_artifact(sample: list[CompileResult], cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    job = sample[-1].job
+    calls: list[Any] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        raise AssertionError("recompiled")
+
+    monkeypatch.setattr(aot, "_triton_compile", refuse)
+    again = compile_kernel(job.family, job.config, epilogue=job.epilogue, trans_b=job.trans_b, conv=job.conv,
+                           cache_dir=cache, div16=job.div16)
+    assert again == sample[-1].kernel and not calls
+    with pytest.raises(AssertionError, match="recompiled"):  # a different epilogue is a different entry
+        compile_kernel(job.family, job.config, epilogue=Epilogue(False, "relu"), conv=job.conv, cache_dir=cache,
+                       div16=job.div16)
+    assert len(calls) == 1
+
+
+def test_json_round_trip(sample: list[CompileResult]) -> None:
+    for result in sample:
+        assert result.kernel is not None
+        data = json.loads(json.dumps(result.kernel.to_dict()))
+        assert CompiledKernel.from_dict(data) == result.kernel
+
+
+def test_scratch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=256, profile_scratch_size=0,
+                                                    name="k", num_warps=4, shared=0),
+                           asm={"cubin": b"", "ptx": ""})
+    monkeypatch.setattr(aot, "_triton_compile", lambda *a, **k: (fake, ""))
+    with pytest.raises(DietcodeError, match="needs scratch memory .*refused"):
+        compile_kernel(Family("gemm", "float16", "sm_80"), TILE, cache_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_input_is_rejected(tmp_path: Path) -> None:
+    gemm = Family("gemm", "float16", "sm_80")
+    with pytest.raises(DietcodeError, match="split_k=4"):
+        compile_kernel(gemm, SPLIT, epilogue=Epilogue(True, "gelu"), cache_dir=tmp_path)
+    with pytest.raises(DietcodeError, match="ConvParams are required"):
+        compile_kernel(Family("conv", "float16", "sm_80"), TILE, cache_dir=tmp_path)
+    with pytest.raises(DietcodeError, match="not parameters of gemm; allowed: a, b, c, M, N, K"):
+        compile_kernel(gemm, TILE, div16=("bias", "stride_a_batch"), cache_dir=tmp_path)
+    with pytest.raises(DietcodeError, match="float32 only"):
+        compile_kernel(gemm, TILE, allow_tf32=True, cache_dir=tmp_path)
+    with pytest.raises(DietcodeError, match="known targets"):
+        compile_kernel(Family("gemm", "float16", "sm_75"), TILE, cache_dir=tmp_path)
+
+
+def test_compile_failures_are_data(tmp_path: Path) -> None:
+    bad = CompileJob(Family("gemm", "float16", "sm_80"), SPLIT, Epilogue(False, "relu"), cache_dir=tmp_path)
+    (result,) = compile_many([bad], workers=1)
+    assert result.kernel is None and not result.ok and "split_k=4" in result.error
+
+
+def test_default_cache_dir_reads_one_variable(tmp_path: Path) -> None:
+    assert aot.default_cache_dir({"DIETCODE_CACHE": str(tmp_path)}) == tmp_path
+    assert aot.default_cache_dir({}).parts[-3:] == (".cache", "dietcode-ort", "kernels")
+
+
+def test_compile_filter_drops_by_metadata(sample: list[CompileResult], monkeypatch: pytest.MonkeyPatch) -> None:
+    family = Family("gemm", "float16", "sm_80")
+    base = next(r.kernel for r in sample if r.job.family.op == "gemm")
+    assert base is not None
+    configs = [MicroKernel(64, 64, 32, 4, 2), MicroKernel(64, 64, 32, 4, 3), MicroKernel(64, 64, 32, 4, 4),
+               MicroKernel(64, 128, 32, 4, 2)]
+    limit = get_profile("sm_80").smem_per_block_optin
+
+    def fake_many(jobs: list[CompileJob], workers: int | None = None) -> list[CompileResult]:
+        assert all(job.div16 == aligned_params("gemm") for job in jobs)
+        kernels = [dataclasses.replace(base, shared=limit + 1), dataclasses.replace(base, n_spills=16),
+                   None, dataclasses.replace(base, config=jobs[3].config)]
+        return [CompileResult(job, k, "" if k else "PTXASError: boom") for job, k in zip(jobs, kernels)]
+
+    monkeypatch.setattr(aot, "compile_many", fake_many)
+    result = space.compile_filter(family, configs)
+    assert result.counts() == {"compile_error": 1, "compiled_shared": 1, "spills": 1, "kept": 1}
+    assert [c for c, _ in result.kept] == [configs[3]]
+    with pytest.raises(DietcodeError, match="outside the space"):
+        space.compile_filter(family, [MicroKernel(48, 64, 32, 4, 2)])
