@@ -1,0 +1,157 @@
+"""ai.dietcode custom ops on the CPU EP against ONNX Runtime's result for the unfused graph."""
+from __future__ import annotations
+
+import threading
+import zlib
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import dietcode_ort
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+from dietcode_ort.errors import DietcodeError
+
+SUFFIXES = ("", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu")
+CPU = ["CPUExecutionProvider"]
+PTX80 = ".version 8.0\n.target sm_80\n"
+
+# (case id, base op, input shapes, attributes, bias length)
+CASES = [
+    ("matmul2d", "MatMul", [(5, 8), (8, 6)], {}, 6),
+    ("matmul3d", "MatMul", [(2, 5, 8), (8, 6)], {}, 6),
+    ("matmul4d_attention", "MatMul", [(2, 3, 5, 8), (2, 3, 8, 5)], {}, 5),
+    ("matmul_broadcast", "MatMul", [(2, 1, 5, 8), (3, 8, 4)], {}, 4),
+    ("gemm_transB", "Gemm", [(5, 8), (6, 8)], {"transB": 1, "alpha": 0.5, "beta": 2.0}, 6),
+    ("gemm_transA", "Gemm", [(8, 5), (8, 6)], {"transA": 1}, 6),
+    ("conv_stride_pad_dilation", "Conv", [(2, 3, 9, 10), (4, 3, 3, 3)],
+     {"strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, 4),
+    ("conv_same_upper", "Conv", [(1, 2, 7, 7), (3, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 3),
+]
+
+
+def bundle_bytes() -> bytes:
+    """A bundle with a vendor leaf and a compiled kernel (the CPU EP validates it and runs ORT's op)."""
+    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=("a", "b", "c", "M", "N", "K"),
+                        block_m=64, block_n=64)
+    tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
+
+
+def bundle_attribute(payload: bytes) -> onnx.AttributeProto:
+    return helper.make_attribute("bundle", numpy_helper.from_array(np.frombuffer(payload, np.uint8), "bundle"))
+
+
+def _model(nodes, inputs, elem, opset=20) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, elem, None) for n in inputs],
+                              [helper.make_tensor_value_info("Y", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    helper.make_opsetid("ai.dietcode", 1)])
+    model.ir_version = 10
+    return model
+
+
+def custom_model(op_type: str, n_inputs: int, attrs: dict, elem: int, bundle: onnx.AttributeProto | None) -> onnx.ModelProto:
+    node = helper.make_node(op_type, ["A", "B", "bias"][:n_inputs], ["Y"], domain="ai.dietcode", name="n0", **attrs)
+    if bundle is not None:
+        node.attribute.append(bundle)
+    return _model([node], ["A", "B", "bias"][:n_inputs], elem)
+
+
+def reference_model(base: str, suffix: str, attrs: dict) -> onnx.ModelProto:
+    """The unfused fp32 graph: base op (Gemm's C / Conv's B as its own input), Add for MatMul's bias, act."""
+    bias = "Bias" in suffix
+    act = "Relu" if "Relu" in suffix else "Gelu" if "Gelu" in suffix else None
+    ins = ["A", "B"] + (["bias"] if bias and base != "MatMul" else [])
+    nodes = [helper.make_node(base, ins, ["t0"], **attrs)]
+    last = "t0"
+    if bias and base == "MatMul":
+        nodes.append(helper.make_node("Add", ["t0", "bias"], ["t1"]))
+        last = "t1"
+    nodes.append(helper.make_node(act or "Identity", [last], ["Y"]))
+    return _model(nodes, ["A", "B"] + (["bias"] if bias else []), TensorProto.FLOAT)
+
+
+@pytest.fixture(scope="module")
+def payload() -> onnx.AttributeProto:
+    return bundle_attribute(bundle_bytes())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_op_matches_unfused_onnxruntime(case, suffix, dtype, payload) -> None:
+    _, base, shapes, attrs, n_bias = case
+    rng = np.random.default_rng(zlib.crc32(f"{case[0]}{suffix}".encode()))
+    feeds = {"A": rng.standard_normal(shapes[0]).astype(dtype), "B": rng.standard_normal(shapes[1]).astype(dtype)}
+    if "Bias" in suffix:
+        feeds["bias"] = rng.standard_normal(n_bias).astype(dtype)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    sess = dietcode_ort.InferenceSession(custom_model(base + suffix, len(feeds), attrs, elem, payload), providers=CPU)
+    (got,) = sess.run(None, feeds)
+    ref_sess = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(), providers=CPU)
+    (want,) = ref_sess.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:  # fp16 computes in fp32 and rounds once at the end
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float16).astype(np.float32),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def test_missing_bundle_fails_at_session_creation() -> None:
+    with pytest.raises(DietcodeError, match="node 'n0' .*attribute 'bundle' is missing"):
+        dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, None), providers=CPU)
+
+
+def test_string_bundle_attribute_is_refused() -> None:
+    attr = helper.make_attribute("bundle", bundle_bytes())
+    with pytest.raises(DietcodeError, match="attribute 'bundle'"):
+        dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, attr), providers=CPU)
+
+
+@pytest.mark.parametrize("cut", [0, 10, 40, -1])
+def test_malformed_bundle_fails_at_session_creation(cut) -> None:
+    data = bundle_bytes()[:cut] if cut else b"not a bundle at all, definitely"
+    with pytest.raises(DietcodeError, match="invalid kernel bundle"):
+        dietcode_ort.InferenceSession(custom_model("Gemm", 2, {}, TensorProto.FLOAT, bundle_attribute(data)),
+                                      providers=CPU)
+
+
+def test_bias_suffix_must_match_inputs(payload) -> None:
+    with pytest.raises(DietcodeError, match="Bias suffix but the node has no third"):
+        dietcode_ort.InferenceSession(custom_model("MatMulBias", 2, {}, TensorProto.FLOAT, payload), providers=CPU)
+    with pytest.raises(DietcodeError, match="third input but the op type has no Bias"):
+        dietcode_ort.InferenceSession(custom_model("MatMulRelu", 3, {}, TensorProto.FLOAT, payload), providers=CPU)
+
+
+def test_one_session_from_eight_threads(payload) -> None:
+    sess = dietcode_ort.InferenceSession(custom_model("MatMulBiasGelu", 3, {}, TensorProto.FLOAT, payload),
+                                         providers=CPU)
+    rng = np.random.default_rng(0)
+    feeds = [{"A": rng.standard_normal((2, 33, 48)).astype(np.float32) * (i + 1),
+              "B": rng.standard_normal((48, 40)).astype(np.float32),
+              "bias": rng.standard_normal(40).astype(np.float32)} for i in range(4)]
+    expected = [sess.run(None, f)[0] for f in feeds]
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for j in range(25):
+            i = (t + j) % len(feeds)
+            if not np.array_equal(sess.run(None, feeds[i])[0], expected[i]):
+                errors.append(f"thread {t} run {j} differs")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+def test_register_returns_built_library() -> None:
+    opts = ort.SessionOptions()
+    path = dietcode_ort.register(opts)
+    assert path == dietcode_ort.library_path(build=False) and path.is_file()
