@@ -1,0 +1,60 @@
+// libFuzzer target for the kernel bundle parser: any byte string must be refused with a message or
+// accepted as a bundle whose tree evaluates, feature computation and image choice stay in bounds.
+//
+// Build (clang with libFuzzer and sanitizers), from the repository root:
+//   INC="-Icustom_ops -I.venv/lib/python3.11/site-packages/triton/backends/nvidia/include"
+//   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined $INC \
+//       custom_ops/fuzz/bundle_fuzz.cc custom_ops/core.cc custom_ops/launch.cc -ldl -o bundle_fuzz
+//   ./bundle_fuzz -max_total_time=60 custom_ops/fuzz/corpus
+// Without clang, build with g++ and -DDC_FUZZ_STANDALONE to replay files given on the command line:
+//   g++ -std=c++17 -g -fsanitize=address,undefined -DDC_FUZZ_STANDALONE $INC custom_ops/fuzz/bundle_fuzz.cc \
+//       custom_ops/core.cc custom_ops/launch.cc -ldl -o bundle_replay && ./bundle_replay FILE...
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "core.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  dc_bundle* b = dc_bundle_parse(data, size);
+  if (b == nullptr) {
+    if (std::strlen(dc_last_error()) == 0) __builtin_trap();  // a refusal must say why
+    return 0;
+  }
+  int32_t n_features = 0, n_kernels = 0, n_nodes = 0;
+  dc_bundle_info(b, &n_features, &n_kernels, &n_nodes);
+  std::vector<int64_t> features(static_cast<size_t>(n_features) + 1, 0);
+  for (int round = 0; round < 4; ++round) {
+    for (int32_t j = 0; j < n_features; ++j) features[j] = static_cast<int64_t>((data[j % size] + round * 37) % 300) - 10;
+    int32_t k = dc_bundle_select(b, features.data(), static_cast<size_t>(n_features));
+    if (k < 0 || k >= n_kernels) __builtin_trap();  // a valid tree always reaches a valid leaf
+  }
+  const int64_t dims0[4] = {2, 3, 5, 7}, dims1[3] = {4, 8, 16};
+  const int64_t* dims[2] = {dims0, dims1};
+  const size_t ranks[2] = {4, 3};
+  dc_bundle_features(b, dims, ranks, 2, features.data());
+  char desc[64];
+  for (int32_t k = 0; k < n_kernels; ++k) {
+    for (int cc : {80, 86, 90, 100, 120}) dc_bundle_pick_image(b, k, cc / 10, cc % 10, desc, sizeof(desc));
+    dc_bundle_kernel_takes_param(b, k, "batch");
+  }
+  dc_bundle_free(b);
+  return 0;
+}
+
+#ifdef DC_FUZZ_STANDALONE
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    FILE* f = std::fopen(argv[i], "rb");
+    if (f == nullptr) continue;
+    std::vector<uint8_t> buf;
+    uint8_t chunk[4096];
+    size_t n;
+    while ((n = std::fread(chunk, 1, sizeof(chunk), f)) > 0) buf.insert(buf.end(), chunk, chunk + n);
+    std::fclose(f);
+    LLVMFuzzerTestOneInput(buf.data(), buf.size());
+  }
+  return 0;
+}
+#endif

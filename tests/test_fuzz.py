@@ -1,0 +1,129 @@
+"""Randomized differential fuzzing of the bundle readers through ctypes (no clang/libFuzzer needed).
+
+Valid bundles are mutated (bit flips, boundary values written over size/offset/id fields, truncation,
+extension, splices). For every mutant the C++ parser must not crash, and it must agree with the Python
+reader on accept/refuse; when both accept, tree evaluation, feature computation and image choice must agree.
+The loop runs in a subprocess so a crash (signal) fails the test instead of killing pytest.
+"""
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FUZZ_SECONDS = 8.0
+_BOUNDARY = [0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 63, 64, 255, 256, 1023, 1024, 65535, 65536, 0x7FFFFFFF,
+             0x80000000, 0xFFFFFFFF, 0xFFFFFFFE]
+
+
+def _seeds() -> list[bytes]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bundle import _kernel, sample_bundle
+
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+
+    out = [sample_bundle(s).to_bytes() for s in range(6)]
+    out.append(Bundle((), (BundleKernel.vendor(),), DispatchTree.single(0)).to_bytes())
+    out.append(Bundle((Feature("T", ((0, 1),)),), (_kernel("a", images=(), ptx=".target sm_90a\n"), _kernel("b")),
+                      DispatchTree((0, -1, -1), (16, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    return out
+
+
+def _mutate(rng: random.Random, data: bytes, seeds: list[bytes]) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.choice((1, 1, 2, 3, 6))):
+        op = rng.randrange(7)
+        if not buf:
+            buf = bytearray(rng.choice(seeds))
+        pos = rng.randrange(len(buf))
+        if op == 0:
+            buf[pos] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            buf[pos] = rng.choice((0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)))
+        elif op == 2 and pos + 4 <= len(buf):
+            struct.pack_into("<I", buf, pos - pos % 4, rng.choice(_BOUNDARY))
+        elif op == 3 and pos + 8 <= len(buf):
+            struct.pack_into("<Q", buf, pos - pos % 8, rng.choice([1 << 62, 1 << 32, 2**64 - 1] + _BOUNDARY))
+        elif op == 4:
+            del buf[rng.randrange(len(buf) + 1):]
+        elif op == 5:
+            buf += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 16)))
+        else:
+            other = rng.choice(seeds)
+            start = rng.randrange(len(other))
+            buf[pos:pos + 16] = other[start:start + 16]
+    if rng.random() < 0.3 and len(buf) >= 32:  # keep the header's size honest so deeper fields get exercised
+        struct.pack_into("<Q", buf, 16, len(buf))
+    return bytes(buf)
+
+
+def run_fuzz(seconds: float, seed: int) -> dict[str, int]:
+    from dietcode_ort.bundle import Bundle, select_image
+    from dietcode_ort.errors import DietcodeError
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    rng = random.Random(seed)
+    seeds = _seeds()
+    stats = {"cases": 0, "accepted": 0}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        data = _mutate(rng, rng.choice(seeds), seeds)
+        stats["cases"] += 1
+        try:
+            py = Bundle.from_bytes(data)
+        except DietcodeError:
+            py = None
+        try:
+            cb = core.parse(data)
+        except DietcodeError as exc:
+            assert str(exc).startswith("invalid kernel bundle"), str(exc)
+            cb = None
+        assert (py is None) == (cb is None), f"readers disagree on {data.hex()}: python={py is not None}"
+        if py is None or cb is None:
+            continue
+        stats["accepted"] += 1
+        for _ in range(8):
+            feats = [rng.randrange(-20, 2000) for _ in py.features]
+            assert cb.select(feats) == py.evaluate(feats), data.hex()
+        shapes = [[2, 3, 5, 7], [4, 8, 16], [9]]
+        try:
+            want = py.feature_values(shapes)
+        except DietcodeError:
+            want = None
+        try:
+            got = cb.features(shapes)
+        except DietcodeError:
+            got = None
+        assert got == want, data.hex()
+        for k, kern in enumerate(py.kernels):
+            if kern.kind == "vendor":
+                continue
+            for major, minor in ((8, 0), (9, 0), (12, 0)):
+                try:
+                    c = select_image(kern, major, minor)
+                    want_img = (c.kind, c.arch)
+                except DietcodeError:
+                    want_img = None
+                try:
+                    got_img = cb.pick_image(k, major, minor)
+                except DietcodeError:
+                    got_img = None
+                assert got_img == want_img, data.hex()
+    return stats
+
+
+def test_fuzz_readers_in_subprocess() -> None:
+    proc = subprocess.run([sys.executable, __file__, str(FUZZ_SECONDS), "1234"], capture_output=True, text=True,
+                          timeout=FUZZ_SECONDS + 120)
+    assert proc.returncode == 0, f"fuzzer died (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["cases"] > 1000 and stats["accepted"] > 20, stats
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_fuzz(float(sys.argv[1]), int(sys.argv[2]))))
