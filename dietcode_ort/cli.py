@@ -114,8 +114,25 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_space)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from dietcode_ort import doctor
+
+    return doctor.doctor_command(as_json=args.json, build=not args.no_build)
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check onnxruntime, GPU/driver, compiler, headers and the custom-op library",
+                       description="Report what this machine has for running dietcode models: onnxruntime and "
+                                   "its providers, the GPU and driver (through libcuda), the C++ compiler and "
+                                   "headers, whether the custom-op library builds and loads, and triton.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    p.add_argument("--no-build", action="store_true", help="do not build the library if it is not cached")
+    p.set_defaults(handler=_cmd_doctor)
+
+
 # One explicit list of commands; each _add_* function defines its options and handler.
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_doctor,
     _add_scan,
     _add_bench,
     _add_space,
