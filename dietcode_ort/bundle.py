@@ -118,9 +118,9 @@ class BundleKernel:
                     raise DietcodeError(f"compiled kernels of {first.name!r} disagree on {attr}: "
                                         f"{getattr(first, attr)!r} vs {getattr(other, attr)!r}")
         params = tuple(p for p in first.params if p not in ("global_scratch", "profile_scratch"))
-        ptx = next((str(c.ptx) for c in reversed(compiled) if getattr(c, "ptx", "")), "")
+        ptx = _portable_ptx(compiled)
         return cls(name=str(first.name), kind="triton",
-                   images=tuple((str(c.arch), bytes(c.cubin)) for c in compiled if getattr(c, "cubin", b"")),
+                   images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in compiled if getattr(c, "cubin", b"")),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
                    shared=max(int(c.shared) for c in compiled), block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output))
@@ -174,6 +174,30 @@ class BundleKernel:
 
 _ARCH_RE = re.compile(r"^sm_(\d+)(a?)$")
 _PTX_TARGET_RE = re.compile(rb"^[ \t]*\.target[ \t]+sm_(\d{1,6})(a?)", re.MULTILINE)
+
+
+def _compiled_arch(arch: Any) -> str:
+    """Name a compiled kernel's arch: tuner/aot records the integer cc; Triton compiles every cc >= 90 for
+    the arch-specific target (sm_90a, sm_100a: wgmma/tcgen05), which runs on that exact cc only."""
+    if isinstance(arch, int) or str(arch).isdigit():
+        cc = int(arch)
+        return f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+    return str(arch)
+
+
+def _portable_ptx(compiled: Sequence[Any]) -> str:
+    """The PTX newer GPUs can JIT: the highest target without the 'a' suffix, else any PTX at all."""
+    best: tuple[int, str] | None = None
+    fallback = ""
+    for c in compiled:
+        ptx = str(getattr(c, "ptx", "") or "")
+        m = _PTX_TARGET_RE.search(ptx.encode())
+        if not ptx:
+            continue
+        fallback = fallback or ptx
+        if m and not m.group(2) and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), ptx)
+    return best[1] if best else fallback
 
 
 def parse_arch(arch: str) -> tuple[int, int]:

@@ -211,3 +211,8 @@ def test_from_compiled_merges_archs() -> None:
     k = BundleKernel.from_compiled([CK("sm_90a", b"h"), CK("sm_80", b"a")])
     assert k.params == ("a", "b", "c", "M", "N", "K")
     assert dict(k.images) == {"sm_90a": b"h", "sm_80": b"a"} and k.ptx == PTX80
+    # tuner/aot records the integer cc; Triton's cc >= 90 cubins are arch-specific; the portable PTX wins
+    hopper, ampere = CK("sm_90a", b"h"), CK("sm_80", b"a")
+    hopper.arch, hopper.ptx, ampere.arch = 90, ".target sm_90a\n", 80
+    k2 = BundleKernel.from_compiled([ampere, hopper])
+    assert dict(k2.images) == {"sm_80": b"a", "sm_90a": b"h"} and k2.ptx == PTX80
