@@ -174,12 +174,18 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
     count = 0
     for config, rows in groups.items():
         bps = blocks_per_sm(config, profile, dtype)
-        secs = np.array([s for _, s in rows])[None, :]
-        flops = np.array([useful_flops(p) for p, _ in rows])[None, :]
-        for a, alpha in enumerate(_ALPHA_GRID):
-            adapt = np.array([max(f_adapt(config, p, profile, bps, alpha), 1e-12) for p, _ in rows])[None, :]
-            logs = np.log(flops / (secs - launches(config) * latencies[:, None]) / adapt)  # [latency, row]
-            loss[a] += ((logs - logs.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
+        secs = np.array([s for _, s in rows])
+        flops = np.array([useful_flops(p) for p, _ in rows])
+        terms = [adapt_terms(config, p, profile, bps) for p, _ in rows]
+        fill = np.array([t.tiles / (profile.num_sms * bps) for t in terms])  # fractional waves
+        waves = np.array([t.waves for t in terms], dtype=np.float64)
+        padding = np.array([t.padding for t in terms])
+        last = fill - (waves - 1)
+        occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** _ALPHA_GRID[:, None])  # [alpha, row]
+        busy = secs[None, :] - launches(config) * latencies[:, None]  # [latency, row]
+        logs = (np.log(flops)[None, None, :] - np.log(busy)[None, :, :]
+                - np.log(np.maximum(padding[None, :] * occupancy, 1e-12))[:, None, :])  # [alpha, latency, row]
+        loss += ((logs - logs.mean(axis=2, keepdims=True)) ** 2).sum(axis=2)
         count += len(rows) - 1
     a, t = np.unravel_index(int(np.argmin(loss)), loss.shape)
     return float(_ALPHA_GRID[a]), float(latencies[t])
@@ -308,7 +314,8 @@ class LearnedCostModel(CostModel):
         if len(configs) < 4:
             self._regressor = None
             return
-        reg = GradientBoostingRegressor(n_estimators=self.n_estimators, max_depth=3, learning_rate=0.1,
+        trees = min(self.n_estimators, max(20, 2 * len(configs)))  # few samples: few trees (and fast)
+        reg = GradientBoostingRegressor(n_estimators=trees, max_depth=3, learning_rate=0.1,
                                         subsample=0.9, random_state=self.seed)
         reg.fit(kernel_features(configs, self.profile, self.dtype), y)
         self._regressor = reg

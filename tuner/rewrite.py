@@ -91,7 +91,7 @@ def _function(op: str, onnx_op: str, opset: int) -> onnx.FunctionProto:
     else:
         nodes.append(helper.make_node("Identity", [y], ["Y"]))
     return helper.make_function(DOMAIN, op, inputs, ["Y"], nodes, [helper.make_opsetid("", opset)],
-                                attributes=["bundle"] + attrs)
+                                attributes=["bundle", "info"] + attrs)
 
 
 def _node_attributes(node: onnx.NodeProto) -> dict:
@@ -103,11 +103,13 @@ def _node_attributes(node: onnx.NodeProto) -> dict:
     return out
 
 
-def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes]
-                  ) -> RewriteResult:
+def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes],
+                  info: Mapping[str, str] | None = None) -> RewriteResult:
     """Replace the nodes of ``workloads`` that have a bundle (keyed by original node name).
 
-    Nodes without a bundle are left as they are. The input model is not modified.
+    ``info`` (per node, optional) is a JSON description of the workload and its tuning that
+    ``dietcode-ort inspect`` shows; the runtime never reads it. Nodes without a bundle are left as they
+    are. The input model is not modified.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -143,6 +145,8 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
             custom = helper.make_node(op, inputs, [output], name=node_name, domain=DOMAIN,
                                       **_node_attributes(node))
             custom.attribute.append(_bundle_attribute(payload))
+            if info and node_name in info:
+                custom.attribute.append(helper.make_attribute("info", info[node_name]))
             replace[index[id(node)]] = custom
             drop.update(index[id(f)] for f in fused_nodes)
             used_ops[op] = node.op_type

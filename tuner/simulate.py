@@ -36,7 +36,7 @@ from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
-__all__ = ["SyntheticRow", "simulate_seconds", "simulate_vendor", "simulate_table", "write_synthetic_table",
+__all__ = ["SyntheticRow", "SyntheticCase", "bert_dense_case", "simulate_seconds", "simulate_vendor", "simulate_table", "write_synthetic_table",
            "synthetic_table_name", "synthetic_device_key", "TRUE_WAVE_ALPHA", "VENDOR_KEY"]
 
 TRUE_WAVE_ALPHA = 0.55
@@ -153,3 +153,32 @@ def write_synthetic_table(path: str | Path, rows: Sequence[SyntheticRow], profil
             p = row.problem
             writer.writerow([row.config, p.m, p.n, p.k, p.batch, repr(row.seconds), device, row.error or "", 1])
     return path
+
+
+@dataclass(frozen=True)
+class SyntheticCase:
+    """A ready synthetic tuning case: the space subset, the problems, the table on disk and its rows."""
+
+    configs: tuple[MicroKernel, ...]
+    problems: tuple[Problem, ...]
+    path: Path
+    seconds: dict[tuple[str, Problem], float]  # (config key or "vendor", problem) -> synthetic seconds
+
+    def oracle(self, problem: Problem) -> float:
+        """The best synthetic time of any config of the case on ``problem``."""
+        return min(self.seconds[(c.key(), problem)] for c in self.configs)
+
+
+def bert_dense_case(directory: str | Path, profile: HardwareProfile, space: Sequence[MicroKernel],
+                    n_configs: int = 200, t_values: Sequence[int] = tuple(range(1, 65)), hidden: int = 768,
+                    dtype: str = "float16", seed: int = 7) -> SyntheticCase:
+    """BERT's dense layer M = 16T, N = K = ``hidden`` over ``t_values``, on a seeded subset of ``space``
+    (``n_configs`` configs), written as a synthetic replay table in ``directory``."""
+    import random
+
+    rng = random.Random(seed)
+    configs = tuple(sorted(rng.sample(list(space), min(n_configs, len(space)))))
+    problems = tuple(Problem(16 * t, hidden, hidden) for t in t_values)
+    rows = simulate_table(configs, problems, profile, dtype, seed)
+    path = write_synthetic_table(Path(directory) / synthetic_table_name(profile, dtype, seed), rows, profile, seed)
+    return SyntheticCase(configs, problems, path, {(r.config, r.problem): r.seconds for r in rows})

@@ -1,0 +1,79 @@
+"""Inspect: what an optimized model carries, node by node (workload, kernels, dispatch tree, tuned ranges)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from dietcode_ort.bundle import Bundle
+from dietcode_ort.errors import DietcodeError
+from tuner.rewrite import DOMAIN
+from tuner.scan import load_model
+
+__all__ = ["describe", "inspect_command"]
+
+
+def _render(bundle: Bundle, labels: list[str] | None) -> str:
+    """The dispatch tree as the readable if-chain ``tuner.dispatch`` renders."""
+    from tuner.dispatch import Dispatch, RegretReport, TreeArrays
+
+    t = bundle.tree
+    arrays = TreeArrays(t.feature, t.threshold, t.left, t.right, t.leaf)
+    names = tuple(labels) if labels and len(labels) == len(bundle.kernels) else \
+        tuple(k.name if k.kind == "triton" else "vendor" for k in bundle.kernels)
+    return Dispatch(tuple(f.name for f in bundle.features), names, arrays, RegretReport((), 1.0, 1.0)).render()
+
+
+def describe(model: onnx.ModelProto) -> list[dict]:
+    nodes = []
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "bundle" not in attrs:
+            raise DietcodeError(f"custom node {node.name!r} has no 'bundle' attribute")
+        bundle = Bundle.from_bytes(bytes(np.asarray(onnx.numpy_helper.to_array(attrs["bundle"].t), np.uint8)))
+        info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
+        nodes.append({
+            "name": node.name, "op": node.op_type, "workload": info.get("workload"),
+            "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
+                         "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
+                         "shared": k.shared, "split_k": k.split_k} for k in bundle.kernels],
+            "configs": info.get("kernels"),
+            "features": [f.name for f in bundle.features],
+            "tree": {"feature": list(bundle.tree.feature), "threshold": list(bundle.tree.threshold),
+                     "left": list(bundle.tree.left), "right": list(bundle.tree.right),
+                     "leaf": list(bundle.tree.leaf), "if_chain": _render(bundle, info.get("kernels"))},
+            "ranges": info.get("ranges", {}),
+            "tuning": info.get("tuning"),
+        })
+    return nodes
+
+
+def inspect_command(path: str, as_json: bool) -> int:
+    model = load_model(Path(path))
+    nodes = describe(model)
+    if as_json:
+        print(json.dumps({"nodes": nodes}, indent=2))
+        return 0
+    if not nodes:
+        print(f"{path}: no {DOMAIN} nodes (not optimized by dietcode-ort)")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    table = Table(title=f"{len(nodes)} {DOMAIN} nodes")
+    for col in ("node", "op", "workload", "kernels", "tuned ranges", "dispatch"):
+        table.add_column(col, overflow="fold")
+    for n in nodes:
+        w = n["workload"] or {}
+        work = f"{w.get('op', '?')} M={w.get('m')} N={w.get('n')} K={w.get('k')}" + (
+            f" batch={w['batch']}" if w.get("batch", "1") != "1" else "")
+        kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
+        ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
+        table.add_row(n["name"], n["op"], work, kernels, ranges, n["tree"]["if_chain"])
+    console.print(table)
+    return 0

@@ -1,0 +1,308 @@
+"""Optimize: model -> workloads -> tuning -> dispatch -> AOT kernels -> bundles -> rewritten model.
+
+The stages live in their own modules; this one only threads their records through, per workload:
+
+    scan (tuner.scan) -> problems + weights -> joint search (tuner.search) over the family's space
+    (tuner.space) with a measurer (tuner.measure, cached in tuner.database) -> Dispatch (tuner.dispatch)
+    -> compiled kernels per target (tuner.aot) -> Bundle (dietcode_ort.bundle) -> rewrite (tuner.rewrite)
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dietcode_ort.bundle import Bundle, BundleKernel, Feature
+from dietcode_ort.errors import DietcodeError
+from tuner.scan import ScanResult, attach_instances, load_model, scan_model
+from tuner.workload import Problem, Workload
+
+__all__ = ["default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
+           "merge_problems", "optimize"]
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """Everything ``dietcode-ort optimize`` can be told (read at the CLI edge, nowhere else)."""
+
+    targets: tuple[str, ...] = ("sm_90",)
+    measure: str = "auto"  # "auto" | "gpu" | "analytic" | "replay:FILE"
+    budget: int = 256  # measured trials per workload
+    max_kernels: int = 8
+    db: Path | None = None
+    seed: int = 0
+    dims: tuple[str, ...] = ()
+    shapes_file: Path | None = None
+    cache_dir: Path | None = None  # compiled-kernel cache (tuner.aot default when None)
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class WorkloadReport:
+    workload: Workload
+    measurer: str
+    trials: int
+    seconds: float
+    kernels: tuple[str, ...]  # config keys, or "vendor"
+    instances: int
+    geomean_vs_vendor: float | None  # > 1: dispatched kernels faster than the vendor kernel (weighted)
+    regret: float  # weighted geomean of dispatched / best known time, >= 1
+    measured: bool  # whether the times behind the figures were measured (else predicted / analytic)
+
+
+@dataclass(frozen=True)
+class OptimizeReport:
+    output: Path
+    rewritten: tuple[str, ...]
+    workloads: tuple[WorkloadReport, ...]
+    skipped: tuple[tuple[str, str], ...] = field(default=())
+
+
+def default_db() -> Path:
+    """The tuning database shared by all runs and models on this machine."""
+    return Path.home() / ".cache" / "dietcode-ort" / "tuning.db"
+
+
+# --- features: what the dispatch tree looks at, from the problem (tuning) and the node's inputs (runtime) --
+
+def _dynamic(expr: str) -> bool:
+    return not expr.isdigit()
+
+
+def _feature_names(w: Workload) -> tuple[str, ...]:
+    if w.op == "conv":
+        names = ("img_n", "img_h", "img_w")
+        return tuple(n for n, e in zip(names, w.conv_input or ()) if _dynamic(e))
+    exprs = {"M": w.m, "N": w.n, "K": w.k, "batch": w.batch}
+    return tuple(n for n, e in exprs.items() if _dynamic(e))
+
+
+def problem_features(w: Workload, p: Problem) -> tuple[int, ...]:
+    """The dispatch features of a problem, in ``features_for``'s order."""
+    values = {"M": p.m, "N": p.n, "K": p.k, "batch": p.batch}
+    if p.image is not None:
+        values.update(img_n=p.image[0], img_h=p.image[1], img_w=p.image[2])
+    return tuple(values[n] for n in _feature_names(w))
+
+
+def features_for(w: Workload, node_index: int) -> tuple[Feature, ...]:
+    """The same features as products of the node's input dims, for the C++ runtime."""
+    rank_a, rank_b = w.ranks[node_index] if w.ranks else (2, 2)
+    if w.op == "conv":
+        dims = {"img_n": ((0, 0),), "img_h": ((0, 2),), "img_w": ((0, 3),)}
+    elif w.op == "gemm":
+        n = ((1, 0),) if w.trans_b else ((1, -1),)
+        dims = {"M": tuple((0, d) for d in range(rank_a - 1)), "N": n, "K": ((0, -1),)}
+    else:  # bmm: the batch comes from whichever operand carries it
+        batch_from, rank = (0, rank_a) if rank_a >= rank_b else (1, rank_b)
+        dims = {"M": ((0, -2),), "N": ((1, -1),), "K": ((0, -1),),
+                "batch": tuple((batch_from, d) for d in range(rank - 2))}
+    return tuple(Feature(n, dims[n]) for n in _feature_names(w))
+
+
+def merge_problems(w: Workload) -> list[tuple[Problem, float]]:
+    """The workload's distinct problems with summed weights (batch=2,seq=8 and batch=4,seq=4 coincide)."""
+    if not w.instances:
+        raise DietcodeError(f"workload {w.nodes[0]!r} has no instances: give --dim options or --shapes")
+    merged: dict[Problem, float] = {}
+    for problem, weight in w.problems():
+        merged[problem] = merged.get(problem, 0.0) + weight
+    return sorted(merged.items())
+
+
+def _geomean(values: Sequence[float], weights: Sequence[float]) -> float:
+    total = sum(weights)
+    return math.exp(sum(wt * math.log(v) for v, wt in zip(values, weights)) / total)
+
+
+def optimize(model_path: str | Path, output: str | Path, options: OptimizeOptions,
+             log: Callable[[str], None] = print) -> OptimizeReport:
+    """Run the whole pipeline; nothing is written unless every workload succeeds."""
+    from tuner import aot
+    from tuner.rewrite import rewrite_model, save_model
+
+    model_path, output = Path(model_path), Path(output)
+    if output.resolve() == model_path.resolve():
+        raise DietcodeError("the output path must differ from the input model")
+    model = load_model(model_path)
+    scanned = attach_instances(scan_model(model, model_path.parent), options.dims, options.shapes_file)
+    if not scanned.symbols:
+        raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
+    if not scanned.workloads:
+        raise DietcodeError("no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
+                            + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
+    for s in scanned.skipped:
+        log(f"left as it is: {s.node} ({s.op}): {s.reason}")
+    reports, bundles, infos = [], {}, {}
+    for index, w in enumerate(scanned.workloads):
+        problems = merge_problems(w)
+        chosen = _tune(w, problems, options, log)
+        kernels = []
+        for config in chosen.kernels:
+            if config == "vendor":
+                kernels.append(BundleKernel.vendor())
+                continue
+            compiled = [aot.compile_kernel(_family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b,
+                                           conv=w.conv, cache_dir=options.cache_dir, div16=_div16(w))
+                        for target in options.targets]
+            kernels.append(BundleKernel.from_compiled(compiled))
+        for i, node in enumerate(w.nodes):
+            bundle = Bundle(features_for(w, i), tuple(kernels), chosen.tree)
+            bundle.validate()
+            bundles[node] = bundle.to_bytes()
+            infos[node] = _info(w, chosen.report, problems)
+        reports.append(chosen.report)
+        log(_summary(index, chosen.report))
+    result = rewrite_model(model, list(scanned.workloads), bundles, infos)
+    save_model(result.model, output)
+    return OptimizeReport(output, result.rewritten, tuple(reports),
+                          tuple((s.node, s.reason) for s in scanned.skipped))
+
+
+def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]]) -> str:
+    """What ``inspect`` shows about a node: its workload, kernels, the ranges tuned for, the figures."""
+    import json
+
+    values = [problem_features(w, p) for p, _ in problems]
+    ranges = {name: [min(v[i] for v in values), max(v[i] for v in values)]
+              for i, name in enumerate(_feature_names(w))}
+    return json.dumps({
+        "workload": {"op": w.op, "m": w.m, "n": w.n, "k": w.k, "batch": w.batch, "dtype": w.dtype,
+                     "epilogue": [w.epilogue.bias, w.epilogue.activation]},
+        "kernels": list(r.kernels), "ranges": ranges,
+        "tuning": {"measurer": r.measurer, "trials": r.trials, "seconds": round(r.seconds, 3),
+                   "regret": r.regret, "geomean_vs_vendor": r.geomean_vs_vendor, "instances": r.instances},
+    })
+
+
+def optimize_command(model: str, output: str, options: OptimizeOptions) -> int:
+    import sys
+
+    report = optimize(model, output, options, log=lambda line: print(line, file=sys.stderr))
+    kinds = {r.measurer for r in report.workloads}
+    print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
+          f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
+    if any(not r.measured for r in report.workloads):
+        print("note: no GPU timings were used; the kernel choice follows the analytic model only "
+              "(run optimize on a GPU machine, or with --measure replay:FILE, for measured choices)")
+    return 0
+
+
+def _family(w: Workload, target: str):
+    from tuner.space import Family
+
+    return Family(w.op, w.dtype, target)
+
+
+def _div16(w: Workload) -> tuple[str, ...]:
+    """Scalar params that are constant for the workload and divisible by 16 (safe for any shape)."""
+    out = []
+    for name, expr in (("N", w.n), ("K", w.k)):
+        if expr.isdigit() and int(expr) % 16 == 0 and (w.op != "conv" or name == "K"):
+            out.append(name)
+    return tuple(out)
+
+
+def _summary(index: int, r: WorkloadReport) -> str:
+    w = r.workload
+    vs = "n/a" if r.geomean_vs_vendor is None else f"{r.geomean_vs_vendor:.3f}x"
+    kind = "measured" if r.measured else "predicted"
+    return (f"workload {index} {w.op} M={w.m} N={w.n} K={w.k} ({len(w.nodes)} nodes, {r.instances} shapes): "
+            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}; {len(r.kernels)} kernels; "
+            f"{kind} geomean vs vendor {vs}; regret {r.regret:.3f}")
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    kernels: tuple  # MicroKernel | "vendor"
+    tree: object  # dietcode_ort.bundle.DispatchTree
+    report: WorkloadReport
+
+
+def _gpu_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def make_measurer(options: OptimizeOptions, dtype: str):
+    """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached."""
+    from tuner.hardware import get_profile
+    from tuner.measure import AnalyticMeasurer, GpuMeasurer, ReplayMeasurer
+
+    kind = options.measure
+    if kind == "auto":
+        kind = "gpu" if _gpu_visible() else "analytic"
+    if kind == "gpu":
+        if not _gpu_visible():
+            raise DietcodeError("--measure gpu needs a CUDA GPU visible to torch; none is (use analytic or "
+                                "replay:FILE)")
+        measurer, label = GpuMeasurer(), "gpu"
+    elif kind == "analytic":
+        measurer, label = AnalyticMeasurer(get_profile(options.targets[0]), dtype), "analytic (no GPU timing)"
+    elif kind.startswith("replay:") and kind[len("replay:"):]:
+        path = kind[len("replay:"):]
+        measurer, label = ReplayMeasurer(path), f"replay of {path}"
+    else:
+        raise DietcodeError(f"unknown --measure {options.measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    if options.db is not None:
+        from tuner.database import CachingMeasurer, Database
+
+        measurer = CachingMeasurer(measurer, Database(options.db))
+    return measurer, label
+
+
+def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeOptions,
+          log: Callable[[str], None]) -> _Chosen:
+    import numpy as np
+
+    from dietcode_ort.bundle import DispatchTree
+    from tuner.dispatch import VENDOR, build_dispatch
+    from tuner.hardware import get_profile
+    from tuner.search import SearchOptions, tune_joint
+    from tuner.space import enumerate_space
+    from tuner.workload import Instance
+
+    if options.budget <= 0:
+        raise DietcodeError(f"--budget must be positive, got {options.budget}")
+    family = _family(w, options.targets[0])
+    profile = get_profile(options.targets[0])
+    measurer, label = make_measurer(options, w.dtype)
+    # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow
+    space = [c for c in enumerate_space(family) if c.split_k == 1 or w.epilogue.activation == "none"]
+    result = tune_joint(family, problems, space, measurer, profile,
+                        SearchOptions(max_trials=options.budget, seed=options.seed, progress=options.progress))
+    vendor = None
+    try:
+        answers = measurer.measure_vendor(family, list(result.problems))
+        vendor = [a.seconds for a in answers]
+    except DietcodeError:
+        pass  # analytic measurers have no vendor kernel: no vendor leaf, no comparison
+    names = _feature_names(w)
+    instances = [Instance(tuple(zip(names, problem_features(w, p))), wt)
+                 for p, wt in zip(result.problems, result.weights)]
+    if not names:
+        raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
+    dispatch = build_dispatch(names, instances, result.candidates, result.times, vendor, options.max_kernels,
+                              options.seed)
+    t = dispatch.tree
+    leaf = tuple(t.leaf[i] if t.feature[i] < 0 else -1 for i in range(len(t.feature)))
+    tree = DispatchTree(tuple(max(f, -1) for f in t.feature),
+                        tuple(0 if f < 0 else th for f, th in zip(t.feature, t.threshold)),
+                        tuple(-1 if f < 0 else x for f, x in zip(t.feature, t.left)),
+                        tuple(-1 if f < 0 else x for f, x in zip(t.feature, t.right)), leaf)
+    rows = dispatch.report.rows
+    dispatched = np.array([r.seconds for r in rows])
+    weights = [r.weight for r in rows]
+    vs_vendor = None
+    if vendor is not None and all(math.isfinite(v) for v in vendor):
+        vs_vendor = _geomean([v / d for v, d in zip(vendor, dispatched)], weights)
+    report = WorkloadReport(workload=w, measurer=label, trials=result.trials, seconds=result.seconds,
+                            kernels=tuple(k if k == VENDOR else k.key() for k in dispatch.kernels),
+                            instances=len(w.instances), geomean_vs_vendor=vs_vendor,
+                            regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")))
+    return _Chosen(dispatch.kernels, tree, report)
