@@ -180,4 +180,15 @@ def library_path(build: bool = True) -> Path:
     with _lock(dest.with_suffix(".lock")):
         if not dest.is_file():  # another process may have built it while this one waited
             build_library(config, dest)
+            _prune(dest)
     return dest
+
+
+def _prune(keep: Path, min_age_s: float = 600.0) -> None:
+    """Remove libraries of other source versions that nothing has touched for a while."""
+    now = time.time()
+    for old in keep.parent.glob("libdietcode_ort-*.so"):
+        with contextlib.suppress(OSError):
+            if old != keep and now - old.stat().st_mtime > min_age_s:
+                old.unlink()
+                old.with_suffix(".lock").unlink(missing_ok=True)
