@@ -504,6 +504,18 @@ int dc_bundle_kernel_is_vendor(const dc_bundle* b, int32_t k) {
   return b->kernels[k].kind == dietcode::kVendor ? 1 : 0;
 }
 
+int dc_bundle_max_feature_input(const dc_bundle* b) {
+  if (b == nullptr) {
+    SetError("null bundle");
+    return -1;
+  }
+  int max_input = -1;
+  for (const dietcode::Feature& f : b->features) {
+    for (const auto& term : f.terms) max_input = std::max(max_input, static_cast<int>(term.first));
+  }
+  return max_input;
+}
+
 int dc_bundle_kernel_takes_param(const dc_bundle* b, int32_t k, const char* name) {
   static const char* const kNames[] = {"a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch",
                                        "stride_b_batch", "img_n", "img_h", "img_w", "out_h", "out_w"};

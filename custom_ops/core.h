@@ -47,6 +47,9 @@ int dc_bundle_features(const dc_bundle* bundle, const int64_t* const* dims, cons
 // 1 if kernel k is the "vendor" kind (run ONNX Runtime's kernel), 0 if a compiled kernel, -1 on error.
 int dc_bundle_kernel_is_vendor(const dc_bundle* bundle, int32_t k);
 
+// The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
+int dc_bundle_max_feature_input(const dc_bundle* bundle);
+
 // 1 if kernel k takes the ABI parameter `name` (e.g. "batch": the bmm view), 0 if not, -1 on error.
 int dc_bundle_kernel_takes_param(const dc_bundle* bundle, int32_t k, const char* name);
 

@@ -113,6 +113,7 @@ class DietcodeKernel {
       Throw(spec.bias ? "the op type has a Bias suffix but the node has no third (bias) input"
                       : "the node has a third input but the op type has no Bias suffix");
     }
+    CheckBundleFitsNode(has_bias_input_ ? 3 : 2);
     if (spec.base == BaseOp::kGemm) {
       gemm_.trans_a = AttrOr<int64_t>(info, "transA", 0);
       gemm_.trans_b = AttrOr<int64_t>(info, "transB", 0);
@@ -164,6 +165,23 @@ class DietcodeKernel {
     dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
     features_.resize(n_features);
     for (int32_t k = 0; k < n_kernels_; ++k) has_vendor_kernel_ |= dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1;
+  }
+
+  // The bundle must fit the node: features read existing inputs, compiled kernels take a bias exactly when
+  // the op type has one.
+  void CheckBundleFitsNode(size_t n_inputs) {
+    const int max_input = dc_bundle_max_feature_input(bundle_.get());
+    if (max_input >= static_cast<int>(n_inputs)) {
+      Throw("the bundle's features read input " + std::to_string(max_input) + ", the node has " +
+            std::to_string(n_inputs) + " inputs");
+    }
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          (dc_bundle_kernel_takes_param(bundle_.get(), k, "bias") == 1) != spec_.bias) {
+        Throw("bundle kernel " + std::to_string(k) + (spec_.bias ? " takes no bias but the op type has one"
+                                                                  : " takes a bias but the op type has none"));
+      }
+    }
   }
 
   // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
@@ -328,6 +346,8 @@ class DietcodeKernel {
         abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
       }
     }
+    // The kernel adds a bias of N elements; any other broadcastable bias shape goes to ORT's Add.
+    if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
       VendorCuda(raw, in, n_in, out);
       return;

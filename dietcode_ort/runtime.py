@@ -76,6 +76,7 @@ class Core:
         lib.dc_bundle_features.argtypes = [vp, ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_size_t),
                                            ctypes.c_size_t, i64p]
         lib.dc_bundle_kernel_is_vendor.argtypes = [vp, i32]
+        lib.dc_bundle_max_feature_input.argtypes = [vp]
         lib.dc_bundle_kernel_takes_param.argtypes = [vp, i32, ctypes.c_char_p]
         lib.dc_bundle_pick_image.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3

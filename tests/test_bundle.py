@@ -216,3 +216,20 @@ def test_from_compiled_merges_archs() -> None:
     hopper.arch, hopper.ptx, ampere.arch = 90, ".target sm_90a\n", 80
     k2 = BundleKernel.from_compiled([ampere, hopper])
     assert dict(k2.images) == {"sm_80": b"a", "sm_90a": b"h"} and k2.ptx == PTX80
+
+
+def test_cuda_entry_points_fail_cleanly_without_a_driver(core) -> None:
+    """The launch path is compiled in; without libcuda it reports why instead of crashing."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    try:
+        core.cuda_probe(0)
+    except DietcodeError as exc:
+        assert "CUDA driver" in str(exc) or "cuInit" in str(exc) or "device" in str(exc)
+        cb = core.parse(sample_bundle().to_bytes())
+        with pytest.raises(DietcodeError):
+            cb.launch(1, LaunchArgs(M=4, N=4, K=4, batch=1))
+    else:
+        pytest.skip("a CUDA driver and device are present")
+    with pytest.raises(DietcodeError, match="vendor kind"):
+        core.parse(sample_bundle().to_bytes()).launch(0, LaunchArgs(M=4, N=4, K=4))

@@ -32,12 +32,12 @@ CASES = [
 ]
 
 
-def bundle_bytes() -> bytes:
+def bundle_bytes(bias: bool = False, feature_input: int = 0) -> bytes:
     """A bundle with a vendor leaf and a compiled kernel (the CPU EP validates it and runs ORT's op)."""
-    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=("a", "b", "c", "M", "N", "K"),
-                        block_m=64, block_n=64)
+    params = ("a", "b") + (("bias",) if bias else ()) + ("c", "M", "N", "K")
+    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64, block_n=64)
     tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
-    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
+    return Bundle((Feature("M", ((feature_input, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
 
 
 def bundle_attribute(payload: bytes) -> onnx.AttributeProto:
@@ -79,17 +79,23 @@ def payload() -> onnx.AttributeProto:
     return bundle_attribute(bundle_bytes())
 
 
+@pytest.fixture(scope="module")
+def bias_payload() -> onnx.AttributeProto:
+    return bundle_attribute(bundle_bytes(bias=True))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("suffix", SUFFIXES)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_op_matches_unfused_onnxruntime(case, suffix, dtype, payload) -> None:
+def test_op_matches_unfused_onnxruntime(case, suffix, dtype, payload, bias_payload) -> None:
     _, base, shapes, attrs, n_bias = case
     rng = np.random.default_rng(zlib.crc32(f"{case[0]}{suffix}".encode()))
     feeds = {"A": rng.standard_normal(shapes[0]).astype(dtype), "B": rng.standard_normal(shapes[1]).astype(dtype)}
     if "Bias" in suffix:
         feeds["bias"] = rng.standard_normal(n_bias).astype(dtype)
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
-    sess = dietcode_ort.InferenceSession(custom_model(base + suffix, len(feeds), attrs, elem, payload), providers=CPU)
+    attr = bias_payload if "Bias" in suffix else payload
+    sess = dietcode_ort.InferenceSession(custom_model(base + suffix, len(feeds), attrs, elem, attr), providers=CPU)
     (got,) = sess.run(None, feeds)
     ref_sess = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(), providers=CPU)
     (want,) = ref_sess.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
@@ -120,15 +126,26 @@ def test_malformed_bundle_fails_at_session_creation(cut) -> None:
                                       providers=CPU)
 
 
-def test_bias_suffix_must_match_inputs(payload) -> None:
+def test_bias_suffix_must_match_inputs(payload, bias_payload) -> None:
     with pytest.raises(DietcodeError, match="Bias suffix but the node has no third"):
-        dietcode_ort.InferenceSession(custom_model("MatMulBias", 2, {}, TensorProto.FLOAT, payload), providers=CPU)
+        dietcode_ort.InferenceSession(custom_model("MatMulBias", 2, {}, TensorProto.FLOAT, bias_payload),
+                                      providers=CPU)
     with pytest.raises(DietcodeError, match="third input but the op type has no Bias"):
         dietcode_ort.InferenceSession(custom_model("MatMulRelu", 3, {}, TensorProto.FLOAT, payload), providers=CPU)
 
 
-def test_one_session_from_eight_threads(payload) -> None:
-    sess = dietcode_ort.InferenceSession(custom_model("MatMulBiasGelu", 3, {}, TensorProto.FLOAT, payload),
+def test_bundle_must_fit_the_node(payload, bias_payload) -> None:
+    with pytest.raises(DietcodeError, match="takes no bias but the op type has one"):
+        dietcode_ort.InferenceSession(custom_model("GemmBias", 3, {}, TensorProto.FLOAT, payload), providers=CPU)
+    with pytest.raises(DietcodeError, match="takes a bias but the op type has none"):
+        dietcode_ort.InferenceSession(custom_model("Conv", 2, {}, TensorProto.FLOAT, bias_payload), providers=CPU)
+    reads_bias = bundle_attribute(bundle_bytes(feature_input=2))
+    with pytest.raises(DietcodeError, match="features read input 2, the node has 2 inputs"):
+        dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, reads_bias), providers=CPU)
+
+
+def test_one_session_from_eight_threads(bias_payload) -> None:
+    sess = dietcode_ort.InferenceSession(custom_model("MatMulBiasGelu", 3, {}, TensorProto.FLOAT, bias_payload),
                                          providers=CPU)
     rng = np.random.default_rng(0)
     feeds = [{"A": rng.standard_normal((2, 33, 48)).astype(np.float32) * (i + 1),
