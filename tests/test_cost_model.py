@@ -1,0 +1,95 @@
+"""Cost model: f_adapt against hand-computed values, device calibration, learned f_MK, save/load."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dietcode_ort.errors import DietcodeError
+from tuner.cost_model import (AnalyticCostModel, LearnedCostModel, adapt_terms, calibrate_device, f_adapt,
+                              f_adapt_matrix, load_model)
+from tuner.hardware import get_profile
+from tuner.simulate import TRUE_WAVE_ALPHA, simulate_seconds
+from tuner.space import Family, MicroKernel, enumerate_space
+from tuner.workload import Problem
+
+H100 = get_profile("sm_90")  # 132 SMs
+CFG = MicroKernel(64, 64, 32, 4, 3)
+
+
+def test_f_adapt_hand_computed():
+    # M=100 pads to 128: padding 100/128; tiles 2 x 12 = 24 in 132 x 2 = 264 slots: one partial wave
+    t = adapt_terms(CFG, Problem(100, 768, 768), H100, blocks_per_sm=2)
+    assert (t.tiles, t.waves) == (24, 1)
+    assert t.padding == pytest.approx(100 / 128)
+    assert t.occupancy == pytest.approx(24 / 264)  # alpha = 0: G / roundup(G, 264)
+    assert t.value == pytest.approx(100 / 128 * 24 / 264)
+    assert f_adapt(CFG, Problem(100, 768, 768), H100, 2, alpha=1.0) == pytest.approx(100 / 128)
+    # 384 tiles: 2 waves, the second filled to 120/264
+    assert f_adapt(CFG, Problem(2048, 768, 768), H100, 2) == pytest.approx(384 / 528)
+    assert f_adapt(CFG, Problem(2048, 768, 768), H100, 2, alpha=0.5) == pytest.approx(
+        (384 / 264) / (1 + math.sqrt(120 / 264)))
+    # K padding and split-K: K=100 with BLOCK_K 32 x SPLIT_K 2 -> 100/128, tiles doubled
+    split = MicroKernel(64, 64, 32, 4, 3, split_k=2)
+    t = adapt_terms(split, Problem(64, 64, 100), H100, 1)
+    assert t.padding == pytest.approx(100 / 128) and t.tiles == 2
+    assert f_adapt(CFG, Problem(64, 64, 64), H100, 0) == 0.0  # cannot launch
+
+
+def test_vectorized_matrix_matches_scalar():
+    configs = enumerate_space(Family("gemm", "float16", "sm_90"))[::40]
+    problems = [Problem(16 * t, 768, 3072, batch=b) for t in (1, 7, 33) for b in (1, 3)]
+    mat = f_adapt_matrix(configs, problems, H100, "float16", alpha=0.3)
+    from tuner.cost_model import blocks_per_sm
+    for i, c in enumerate(configs):
+        for j, p in enumerate(problems):
+            assert mat[i, j] == pytest.approx(f_adapt(c, p, H100, blocks_per_sm(c, H100, "float16"), 0.3))
+
+
+def test_calibration_recovers_the_partial_wave_exponent():
+    configs = enumerate_space(Family("gemm", "float16", "sm_90"))[::25]
+    problems = [Problem(16 * t, 768, 768) for t in (8, 24, 40, 64, 100, 160)]
+    pairs = [(c, p) for c in configs for p in problems]
+    seconds = [simulate_seconds(c, p, H100, "float16", seed=1, noise=False) for c, p in pairs]
+    fitted = calibrate_device(pairs, seconds, H100, "float16")
+    assert fitted is not None
+    alpha, latency = fitted
+    assert abs(alpha - TRUE_WAVE_ALPHA) <= 0.2 and 1e-6 < latency < 6e-6
+    assert calibrate_device(pairs[:1], seconds[:1], H100, "float16") is None  # no evidence
+
+
+def test_learned_model_predicts_seconds_and_round_trips(tmp_path):
+    space = enumerate_space(Family("gemm", "float16", "sm_90"))
+    train = space[::6]
+    problems = [Problem(16 * t, 768, 768) for t in (4, 32, 64)]
+    pairs = [(c, problems[(i + j) % 3]) for i, c in enumerate(train) for j in (0, 1)]  # lets it calibrate
+    seconds = [simulate_seconds(c, p, H100, "float16", seed=2) for c, p in pairs]
+    model = LearnedCostModel(H100, "float16")
+    model.update(pairs, seconds)
+    got = model.predict(pairs)
+    finite = np.isfinite(seconds)
+    assert np.allclose(got[finite], np.array(seconds)[finite], rtol=0.35)
+    test_pairs = [(c, Problem(512, 768, 768)) for c in space[3::6]]
+    truth = np.array([simulate_seconds(c, p, H100, "float16", seed=2) for c, p in test_pairs])
+    pred = model.predict(test_pairs)
+    ok = np.isfinite(truth) & np.isfinite(pred)
+    rank = np.corrcoef(np.argsort(np.argsort(truth[ok])), np.argsort(np.argsort(pred[ok])))[0, 1]
+    assert rank > 0.6  # unseen configs on an unseen shape are ranked far better than chance
+    model.save(tmp_path / "m.pkl")
+    again = load_model(tmp_path / "m.pkl")
+    assert np.array_equal(again.predict(test_pairs), pred) and again.alpha == model.alpha
+
+
+def test_analytic_model_and_bad_inputs(tmp_path):
+    model = AnalyticCostModel(H100, "float16")
+    small, large = MicroKernel(16, 16, 64, 2, 2), MicroKernel(128, 128, 64, 8, 3)
+    t = model.predict([(small, Problem(4096, 4096, 4096)), (large, Problem(4096, 4096, 4096))])
+    assert t[1] < t[0]  # big tiles win on a big problem
+    with pytest.raises(DietcodeError, match="dtype"):
+        AnalyticCostModel(H100, "int8")
+    (tmp_path / "junk.pkl").write_bytes(b"junk")
+    with pytest.raises(DietcodeError, match="cannot load"):
+        load_model(tmp_path / "junk.pkl")
+    with pytest.raises(DietcodeError, match="pairs"):
+        LearnedCostModel(H100, "float16").update([(small, Problem(1, 1, 1))], [])

@@ -1,0 +1,111 @@
+"""Measurers: replay tables (synthetic, labelled as such), the analytic measurer, the GPU measurer's guard."""
+from __future__ import annotations
+
+import csv
+import gzip
+import math
+
+import pytest
+
+from dietcode_ort.errors import DietcodeError
+from tuner.hardware import get_profile
+from tuner.measure import AnalyticMeasurer, GpuMeasurer, MeasureResult, ReplayMeasurer
+from tuner.simulate import simulate_table, synthetic_table_name, write_synthetic_table
+from tuner.space import Family, MicroKernel, enumerate_space
+from tuner.workload import Problem
+
+FAMILY = Family("gemm", "float16", "sm_90")
+H100 = get_profile("sm_90")
+CONFIGS = [MicroKernel(64, 64, 32, 4, 3), MicroKernel(16, 32, 64, 2, 2), MicroKernel(128, 128, 64, 8, 4)]
+PROBLEMS = [Problem(16, 768, 768), Problem(512, 768, 768)]
+
+
+def _table(tmp_path, seed=3):
+    rows = simulate_table(CONFIGS, PROBLEMS, H100, "float16", seed)
+    return rows, write_synthetic_table(tmp_path / synthetic_table_name(H100, "float16", seed), rows, H100, seed)
+
+
+def test_synthetic_table_is_labelled_and_replays(tmp_path):
+    rows, path = _table(tmp_path)
+    assert "synthetic" in path.name and path.suffix == ".gz"
+    with gzip.open(path, "rt") as fh:
+        records = list(csv.DictReader(fh))
+    assert {r["synthetic"] for r in records} == {"1"} and records[0]["device"].startswith("synthetic:")
+    replay = ReplayMeasurer(path)
+    assert replay.synthetic and replay.device_key().startswith("synthetic:")
+    pairs = [(c, p) for p in PROBLEMS for c in CONFIGS]
+    got = replay.measure(FAMILY, pairs)
+    want = {(r.config, r.problem): r.seconds for r in rows}
+    assert [g.seconds for g in got] == [want[(c.key(), p)] for c, p in pairs]
+    assert all(v.ok for v in replay.measure_vendor(FAMILY, PROBLEMS))
+    # deterministic under the seed, different under another
+    again, _ = _table(tmp_path / "..", seed=3)
+    assert [r.seconds for r in again] == [r.seconds for r in rows]
+    other = simulate_table(CONFIGS, PROBLEMS, H100, "float16", 4)
+    assert [r.seconds for r in other] != [r.seconds for r in rows]
+
+
+def test_synthetic_file_name_must_say_synthetic(tmp_path):
+    rows = simulate_table(CONFIGS, PROBLEMS, H100, "float16", 1)
+    with pytest.raises(DietcodeError, match="synthetic"):
+        write_synthetic_table(tmp_path / "h100.csv", rows, H100, 1)
+
+
+def test_replay_missing_instances_are_named(tmp_path):
+    _, path = _table(tmp_path)
+    replay = ReplayMeasurer(path)
+    with pytest.raises(DietcodeError, match=r"2 requested.*m16n16k64w2s2g8k1 on m=16 n=768 k=768 batch=1"):
+        replay.measure(FAMILY, [(MicroKernel(16, 16, 64, 2, 2), PROBLEMS[0]),
+                                (CONFIGS[0], Problem(7, 8, 9))])
+
+
+def test_replay_device_choice_and_bad_files(tmp_path):
+    path = tmp_path / "two.csv"
+    path.write_text("config,m,n,k,batch,seconds,device\n"
+                    "m64n64k32w4s3g8k1,16,768,768,1,1e-5,gpu-a\n"
+                    "m64n64k32w4s3g8k1,16,768,768,1,2e-5,gpu-b\n")
+    with pytest.raises(DietcodeError, match="2 devices"):
+        ReplayMeasurer(path)
+    assert ReplayMeasurer(path, device="gpu-b").measure(FAMILY, [(CONFIGS[0], PROBLEMS[0])]) == [
+        MeasureResult(2e-5)]
+    with pytest.raises(DietcodeError, match="no rows for device"):
+        ReplayMeasurer(path, device="gpu-c")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("config,m\nx,1\n")
+    with pytest.raises(DietcodeError, match="lacks columns"):
+        ReplayMeasurer(bad)
+    with pytest.raises(DietcodeError, match="cannot read"):
+        ReplayMeasurer(tmp_path / "absent.csv.gz")
+
+
+def test_analytic_measurer_is_a_roofline():
+    m = AnalyticMeasurer(H100, "float16")
+    big = Problem(8192, 8192, 8192)
+    small_tile, big_tile = m.measure(FAMILY, [(MicroKernel(16, 16, 64, 2, 2), big),
+                                              (MicroKernel(128, 128, 64, 8, 3), big)])
+    floor = 2 * 8192 ** 3 / (H100.fp16_tensor_tflops * 1e12)
+    assert big_tile.seconds >= floor and small_tile.seconds > big_tile.seconds
+    assert "analytic" in m.device_key()
+    space = enumerate_space(FAMILY)
+    assert all(r.ok for r in m.measure(FAMILY, [(c, PROBLEMS[0]) for c in space[:20]]))
+
+
+def test_gpu_measurer_refuses_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; covered by the gpu test")
+    with pytest.raises(DietcodeError, match="CUDA"):
+        GpuMeasurer()
+
+
+@pytest.mark.gpu
+def test_gpu_measurer_times_kernels_and_vendor():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = GpuMeasurer(warmup=2, repeats=5)
+    results = m.measure(FAMILY, [(CONFIGS[0], PROBLEMS[1]), (MicroKernel(256, 256, 128, 2, 4), PROBLEMS[1])])
+    assert results[0].ok and 0 < results[0].seconds < 1e-2
+    assert not results[1].ok or math.isfinite(results[1].seconds)  # failure is data, never a crash
+    assert all(r.ok for r in m.measure_vendor(FAMILY, PROBLEMS))
+    assert "arch=sm_" in m.device_key()
