@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 import numpy as np
 
 from dietcode_ort.errors import DietcodeError
 from tuner.space import MicroKernel
 from tuner.workload import Instance, Problem, Workload
+
+if TYPE_CHECKING:
+    from tuner.search import TuningResult
 
 __all__ = ["VENDOR", "TreeArrays", "RegretRow", "RegretReport", "Dispatch", "greedy_cover", "build_dispatch",
            "dispatch_from_tuning", "regret_report"]
@@ -131,7 +134,8 @@ class Dispatch:
         return "\n".join(lines)
 
 
-def _regret(times: np.ndarray, weights: np.ndarray, best: np.ndarray) -> float:
+def _log_ratio(times: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """log(time / best) per entry; a failed (inf) entry is a prohibitive 1000."""
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(np.isfinite(times), np.log(times / best[:, None]), 1e3)
     return ratio
@@ -149,8 +153,8 @@ def greedy_cover(times: np.ndarray, weights: Sequence[float], max_kernels: int,
     if not np.isfinite(best).all():
         bad = int(np.flatnonzero(~np.isfinite(best))[0])
         raise DietcodeError(f"instance {bad} has no kernel with a finite time (every candidate failed)")
-    log_t = _regret(times, w, best)
-    current = _regret(free_t[:, None], w, best)[:, 0]
+    log_t = _log_ratio(times, best)
+    current = _log_ratio(free_t[:, None], best)[:, 0]
     picked: list[int] = []
     while len(picked) < min(max_kernels, times.shape[1]):
         totals = (w[:, None] * np.minimum(current[:, None], log_t)).sum(axis=0)
@@ -224,13 +228,13 @@ def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candid
     return Dispatch(tuple(symbols), tuple(kernels), arrays, report)
 
 
-def dispatch_from_tuning(workload: Workload, result: "object", vendor: Sequence[float] | None = None,
+def dispatch_from_tuning(workload: Workload, result: "TuningResult", vendor: Sequence[float] | None = None,
                          max_kernels: int = 8) -> Dispatch:
     """Dispatch ``workload``'s instances from a ``TuningResult`` (times per problem, mapped per instance).
 
     ``vendor`` is one time per problem of ``result.problems``.
     """
-    problems: tuple[Problem, ...] = result.problems  # type: ignore[attr-defined]
+    problems: tuple[Problem, ...] = result.problems
     row = {p: i for i, p in enumerate(problems)}
     merged: dict[tuple[tuple[str, int], ...], Instance] = {}
     for inst in workload.instances:
@@ -242,7 +246,6 @@ def dispatch_from_tuning(workload: Workload, result: "object", vendor: Sequence[
     except KeyError as exc:
         raise DietcodeError(f"the tuning result has no problem {exc.args[0]} for one of the workload's "
                             f"instances; tune the same instance set") from None
-    times = result.times[rows]  # type: ignore[attr-defined]
+    times = result.times[rows]
     vend = None if vendor is None else np.asarray(vendor, dtype=np.float64)[rows]
-    return build_dispatch(workload.symbols, instances, result.candidates, times, vend,  # type: ignore[attr-defined]
-                          max_kernels)
+    return build_dispatch(workload.symbols, instances, result.candidates, times, vend, max_kernels)
