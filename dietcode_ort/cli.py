@@ -114,6 +114,58 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_space)
 
 
+def _cmd_optimize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tuner import optimize
+
+    targets = tuple(t.strip() for t in args.target.split(",") if t.strip())
+    options = optimize.OptimizeOptions(
+        targets=targets or ("sm_90",), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
+        db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
+        shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet)
+    return optimize.optimize_command(args.model, args.output, options)
+
+
+def _add_optimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="tune the dynamic workloads and rewrite them to ai.dietcode custom ops",
+                       description="Scan MODEL, tune every workload's micro-kernels jointly over its shapes, "
+                                   "train a decision-tree dispatcher, compile the chosen kernels ahead of time "
+                                   "and write a model whose nodes are ai.dietcode custom ops (with fallback "
+                                   "functions, so stock onnxruntime still runs it).")
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("-o", "--output", required=True, help="where to write the optimized model")
+    _add_instance_options(p)
+    p.add_argument("--target", default="sm_90",
+                   help="GPU arch(es) to compile for, comma-separated: sm_80, sm_89, sm_90 (default sm_90); "
+                        "tuning uses the first")
+    p.add_argument("--measure", default="auto",
+                   help="gpu (time on this machine's GPU), analytic (roofline model, no GPU), replay:FILE "
+                        "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
+    p.add_argument("--budget", type=int, default=256, help="measured trials per workload (default 256)")
+    p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
+    p.add_argument("--db", help="tuning database (SQLite); default ~/.cache/dietcode-ort/tuning.db")
+    p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_cmd_optimize)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tuner import inspect_model
+
+    return inspect_model.inspect_command(args.model, args.json)
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show the kernels and dispatch trees an optimized model carries",
+                       description="Print each ai.dietcode node's workload, kernels, dispatch tree and tuned "
+                                   "ranges.")
+    p.add_argument("model", help="an optimized ONNX model")
+    p.add_argument("--json", action="store_true",
+                   help='print {"nodes": [{"name", "op", "kernels", "tree", "ranges", ...}]}')
+    p.set_defaults(handler=_cmd_inspect)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from dietcode_ort import doctor
 
@@ -134,6 +186,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_doctor,
     _add_scan,
+    _add_optimize,
+    _add_inspect,
     _add_bench,
     _add_space,
 ]

@@ -361,7 +361,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
         return ScanResult((), (), (), input_dims)
     inferred = _infer(_inference_copy(model, Path(base_dir) if base_dir is not None else None))
     g = _Graph(inferred, model.graph.initializer)
-    groups: dict[tuple, list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped = []
     for i, node in enumerate(model.graph.node):
@@ -391,10 +391,11 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
                       dtype=dtype, symbols=tuple(sorted(_free_symbols(*exprs))), batch=info["batch"],
                       const_operands=const, trans_b=info.get("trans_b", False), epilogue=epilogue,
                       conv=info.get("conv"), conv_input=info.get("conv_input"))
-        groups[_group_key(wl)].append((name, fused))
+        ranks = (len(g.shapes.get(node.input[0], ())), len(g.shapes.get(node.input[1], ())))
+        groups[_group_key(wl)].append((name, fused, ranks))
         protos.setdefault(_group_key(wl), wl)
-    workloads = tuple(replace(protos[key], nodes=tuple(n for n, _ in members),
-                              fused_nodes=tuple(f for _, f in members))
+    workloads = tuple(replace(protos[key], nodes=tuple(m[0] for m in members),
+                              fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
     return ScanResult(symbols, workloads, tuple(skipped), input_dims)
 

@@ -108,6 +108,7 @@ class Workload:
     fused_nodes: tuple[tuple[str, ...], ...] = ()  # per node: the Add/activation nodes it would absorb
     conv: ConvParams | None = None
     conv_input: tuple[str, str, str] | None = None  # (N, H, W) expressions of the conv input
+    ranks: tuple[tuple[int, int], ...] = ()  # per node: the ranks of its first two inputs
     instances: tuple[Instance, ...] = field(default=())
 
     def problem(self, instance: Instance) -> Problem:
