@@ -316,12 +316,24 @@ def _run_job(job: CompileJob) -> CompileResult:
 
 
 def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
-    """Compile ``jobs`` in ``workers`` processes (default: CPU count); results in job order."""
+    """Compile ``jobs`` in ``workers`` processes (default: CPU count); results in job order.
+
+    Workers are forked (no ``if __name__ == "__main__"`` guard needed in callers; compiling touches no
+    GPU state). A worker that dies (e.g. a crashing ptxas) turns into an error result for its job."""
     jobs = list(jobs)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
     if workers == 1:
         return [_run_job(job) for job in jobs]
     import multiprocessing
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_run_job, jobs))
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_run_job, job) for job in jobs]
+        results = []
+        for job, future in zip(jobs, futures):
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - a lost worker is recorded, not raised
+                results.append(CompileResult(job, None, f"worker failed: {type(exc).__name__}: {exc}"))
+        return results

@@ -27,25 +27,27 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   each loaded operand fragment is reused (fewer and the warps mostly wait on loads).
 - ``shared_memory``: num_stages * (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * dtype bytes <= smem_per_block_optin.
 - ``registers``: fp32 accumulator BLOCK_M*BLOCK_N/threads + one stage of operand fragments
-  (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread.
+  (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread;
+  conv adds num_stages * BLOCK_M*BLOCK_K/threads * 3 (a pipelined gather keeps a 64-bit address and a
+  predicate per input element in flight; without this term most large conv tiles compile to spills).
 - ``split_k``: split-K only on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 1800 axis combinations; the op does not change the
-space, the dtype and the target do; tests/test_space.py checks this table against the code):
+Measured sizes of ``enumerate_space`` per family (of 1800 axis combinations; gemm and bmm share a space,
+conv's gather costs registers; tests/test_space.py checks this table against the code):
 
     target  op    float32  float16  bfloat16
     sm_80   gemm      591      549       549
     sm_80   bmm       591      549       549
-    sm_80   conv      591      549       549
+    sm_80   conv      264      157       157
     sm_89   gemm      460      448       448
     sm_89   bmm       460      448       448
-    sm_89   conv      460      448       448
+    sm_89   conv      236      142       142
     sm_90   gemm      624      568       568
     sm_90   bmm       624      568       568
-    sm_90   conv      624      568       568
+    sm_90   conv      267      159       159
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
            "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
-           "COMPILE_RULES", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
+           "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -155,15 +157,17 @@ def estimate_shared(config: MicroKernel, dtype: str) -> int:
     return config.num_stages * tile * DTYPE_BYTES[dtype]
 
 
-def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32) -> int:
-    """Registers per thread: fp32 accumulator + one stage of operand fragments + a fixed overhead."""
+def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32, op: str = "gemm") -> int:
+    """Registers per thread: fp32 accumulator + one stage of operand fragments + a fixed overhead; conv
+    also keeps, per pipeline stage, a 64-bit address and a predicate for each gathered input element."""
     threads = config.num_warps * warp_size
     acc = config.block_m * config.block_n // threads
     operands = (config.block_m * config.block_k + config.block_k * config.block_n) * DTYPE_BYTES[dtype]
-    return acc + -(-operands // (4 * threads)) + _REG_OVERHEAD
+    gather = config.num_stages * -(-config.block_m * config.block_k // threads) * 3 if op == "conv" else 0
+    return acc + -(-operands // (4 * threads)) + gather + _REG_OVERHEAD
 
 
-def _failed_rule(config: MicroKernel, dtype: str, p: HardwareProfile) -> str | None:
+def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -> str | None:
     mma_m, mma_n, mma_k = p.mma_min_tile
     k_min = max(16, mma_k * 2 // DTYPE_BYTES[dtype])
     if config.num_warps * p.warp_size > p.max_threads_per_block:
@@ -176,7 +180,7 @@ def _failed_rule(config: MicroKernel, dtype: str, p: HardwareProfile) -> str | N
         return "warp_tile"
     if estimate_shared(config, dtype) > p.smem_per_block_optin:
         return "shared_memory"
-    if estimate_registers(config, dtype, p.warp_size) > p.regs_per_thread:
+    if estimate_registers(config, dtype, p.warp_size, op) > p.regs_per_thread:
         return "registers"
     if config.split_k > 1 and config.block_m * config.block_n > _SPLIT_K_MAX_TILE:
         return "split_k"
@@ -190,7 +194,7 @@ def _product() -> list[MicroKernel]:
 def enumerate_space(family: Family) -> list[MicroKernel]:
     """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic)."""
     profile = check_family(family)
-    return sorted(c for c in _product() if _failed_rule(c, family.dtype, profile) is None)
+    return sorted(c for c in _product() if _failed_rule(c, family.op, family.dtype, profile) is None)
 
 
 def prune_report(family: Family) -> dict[str, int]:
@@ -200,7 +204,7 @@ def prune_report(family: Family) -> dict[str, int]:
     kept = 0
     configs = _product()
     for config in configs:
-        rule = _failed_rule(config, family.dtype, profile)
+        rule = _failed_rule(config, family.op, family.dtype, profile)
         if rule is None:
             kept += 1
         else:
@@ -216,13 +220,13 @@ def validate(family: Family, config: MicroKernel) -> None:
         if value not in allowed:
             raise DietcodeError(f"{config.key()}: {name}={value} is outside the space; allowed: "
                                 f"{', '.join(map(str, allowed))}")
-    rule = _failed_rule(config, family.dtype, profile)
+    rule = _failed_rule(config, family.op, family.dtype, profile)
     if rule is not None:
         raise DietcodeError(
             f"{config.key()} is pruned from the {family.op}/{family.dtype}/{family.target} space by rule "
             f"{rule!r} (shared estimate {estimate_shared(config, family.dtype)} B of "
             f"{profile.smem_per_block_optin} B, registers estimate "
-            f"{estimate_registers(config, family.dtype, profile.warp_size)} of {profile.regs_per_thread}, "
+            f"{estimate_registers(config, family.dtype, profile.warp_size, family.op)} of {profile.regs_per_thread}, "
             f"{config.threads} threads of {profile.max_threads_per_block}); allowed rules: {', '.join(RULES)}")
 
 
@@ -300,7 +304,7 @@ def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, co
     report = prune_report(family)
     compiled = compile_filter(family, configs, workers=workers, cache_dir=cache_dir) if compile_ else None
     rows = ([(c, k.shared, k.n_regs, k.n_spills) for c, k in compiled.kept] if compiled is not None
-            else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype), None) for c in configs])
+            else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype, op=op), None) for c in configs])
     if as_json:
         out = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
                "axes": {k: list(v) for k, v in AXES.items()}, "prune": report,

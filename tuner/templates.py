@@ -144,20 +144,23 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
     pix = offs_m % hw_out
     ih0 = (pix // out_w) * STRIDE_H - PAD_H
     iw0 = (pix % out_w) * STRIDE_W - PAD_W
-    x_img = img.to(tl.int64) * (CHANNELS * img_h * img_w)
+    # X offset of (row, col) = row_base + col_off: per-row and per-column parts, added once per tile.
+    row_base = img.to(tl.int64) * (CHANNELS * img_h * img_w) + ih0 * img_w + iw0
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
         offs_k = (k0 * SPLIT_K + pid_k) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        ch = offs_k // (KH * KW)
         kr = offs_k % (KH * KW)
-        ih = ih0[:, None] + ((kr // KW) * DIL_H)[None, :]
-        iw = iw0[:, None] + ((kr % KW) * DIL_W)[None, :]
-        x_ok = m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < img_h) & (iw >= 0) & (iw < img_w)
-        x_ptrs = a + x_img[:, None] + (ch[None, :] * img_h + ih) * img_w + iw
-        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        dh = (kr // KW) * DIL_H
+        dw = (kr % KW) * DIL_W
+        col_off = (offs_k // (KH * KW)) * (img_h * img_w) + dh * img_w + dw
+        # 0 <= ih < img_h as one unsigned compare (a negative ih wraps to a large value).
+        ih = (ih0[:, None] + dh[None, :]).to(tl.uint32, bitcast=True)
+        iw = (iw0[:, None] + dw[None, :]).to(tl.uint32, bitcast=True)
+        x_ok = m_ok[:, None] & k_ok[None, :] & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
+        x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
@@ -198,9 +201,9 @@ def conv_out_size(size: int, kernel: int, stride: int, pad_lo: int, pad_hi: int,
 
 
 def conv_geometry(conv: ConvParams) -> dict[str, int]:
-    """The conv constexprs of ``conv_kernel`` for one layer. Asymmetric pads are not supported, since
-    the kernel only needs the top/left pad when the output size is given; they are accepted as long as
-    the caller computes out_h/out_w with all four pads (``conv_out_size``)."""
+    """The conv constexprs of ``conv_kernel`` for one layer. Only the top/left pads enter the kernel;
+    bottom/right pads only change out_h/out_w (computed with all four, see ``conv_out_size``), and reads
+    past the bottom/right edge are masked, so asymmetric pads are exact."""
     if conv.in_channels <= 0 or conv.out_channels <= 0:
         raise DietcodeError(f"conv channels must be positive, got {conv.in_channels} -> {conv.out_channels}")
     return {"CHANNELS": conv.in_channels, "KH": conv.kernel[0], "KW": conv.kernel[1],
