@@ -55,7 +55,7 @@ def test_launcher_rejects_bad_epilogues() -> None:
     from dietcode_ort.errors import DietcodeError
     from tuner.space import MicroKernel
     from tuner.templates import run
-    from tuner.workload import Epilogue
+    from tuner.workload import ConvParams, Epilogue
 
     a, b = torch.zeros(4, 8), torch.zeros(8, 4)
     with pytest.raises(DietcodeError, match="allowed: none, relu, gelu"):
@@ -68,3 +68,8 @@ def test_launcher_rejects_bad_epilogues() -> None:
         run("attention", MicroKernel(16, 16, 16, 2, 2), a, b)
     with pytest.raises(DietcodeError, match="inner dims"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, torch.zeros(5, 4))
+    conv = ConvParams(3, 4, (3, 3))
+    with pytest.raises(DietcodeError, match=r"W \[4, 3, 3, 3\]"):
+        run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 5, 5), torch.zeros(4, 3, 1, 1), conv=conv)
+    with pytest.raises(DietcodeError, match="smaller than the dilated kernel"):
+        run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 2, 5), torch.zeros(4, 3, 3, 3), conv=conv)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -60,8 +61,10 @@ def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:
     return tuple(p for p in _POINTERS if bias or p != "bias") + _ALIGNED[op]
 
 
+@functools.lru_cache(maxsize=1)
 def template_hash() -> str:
-    """sha256 of the templates' source file: any edit to a template invalidates cached artifacts."""
+    """sha256 of the templates' source file: any edit to a template invalidates cached artifacts.
+    Computed once per process, so it describes the source this process compiles."""
     return hashlib.sha256(Path(templates.__file__).read_bytes()).hexdigest()
 
 

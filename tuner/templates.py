@@ -256,9 +256,15 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     if op == "conv":
         if conv is None:
             raise DietcodeError("conv: ConvParams are required")
+        weight_shape = (conv.out_channels, conv.in_channels, *conv.kernel)
+        if a.dim() != 4 or a.shape[1] != conv.in_channels or tuple(b.shape) != weight_shape:
+            raise DietcodeError(f"conv: expects X [n, {conv.in_channels}, H, W] and W {list(weight_shape)}, "
+                                f"got {list(a.shape)} and {list(b.shape)}")
         n_img, _, h, w = a.shape
         oh = conv_out_size(h, conv.kernel[0], conv.strides[0], conv.pads[0], conv.pads[2], conv.dilations[0])
         ow = conv_out_size(w, conv.kernel[1], conv.strides[1], conv.pads[1], conv.pads[3], conv.dilations[1])
+        if oh <= 0 or ow <= 0:
+            raise DietcodeError(f"conv: input {h}x{w} is smaller than the dilated kernel (output {oh}x{ow})")
         m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
         out = alloc((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
