@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for people and CI:
-#   ./dev.sh demo    set everything up, then build the tiny BERT model and scan it
+#   ./dev.sh demo    set everything up, then build the tiny BERT model, scan it, optimize it and benchmark
+#                    it against stock onnxruntime on the CPU (outputs checked to agree for every shape)
 #   ./dev.sh test    set everything up, then run the test suite
 #   ./dev.sh setup   only set up: .venv (project-local virtual environment) and the ORT headers in .deps/
 # Every command is idempotent: a second run reuses the environment (it reinstalls only when
@@ -35,6 +36,14 @@ demo() {
   "$VENV/bin/python" -m models bert --preset tiny -o "$OUT/bert-tiny.onnx"
   echo "== scanning it for workloads with symbolic dims" >&2
   "$VENV/bin/dietcode-ort" scan "$OUT/bert-tiny.onnx" --dim batch=1,4 --dim seq=16:128:16
+  echo "== optimizing it for those shapes (no GPU here: analytic tuning, kernels compiled for sm_90)" >&2
+  "$VENV/bin/dietcode-ort" optimize "$OUT/bert-tiny.onnx" -o "$OUT/bert-tiny.dietcode.onnx" \
+    --dim batch=1,4 --dim seq=16:128:16 --target sm_90 --budget 128 --quiet
+  "$VENV/bin/dietcode-ort" inspect "$OUT/bert-tiny.dietcode.onnx"
+  echo "== running both models on the CPU EP over a sweep of shapes (outputs must agree), and timing them" >&2
+  "$VENV/bin/dietcode-ort" bench "$OUT/bert-tiny.onnx" --optimized "$OUT/bert-tiny.dietcode.onnx" \
+    --dim batch=1,4 --dim seq=8,16,64,100,128 --provider cpu --repeat 20 \
+    --json "$OUT/bench-bert-tiny-cpu.json" --plot "$OUT/bench-bert-tiny-cpu.png"
 }
 
 run_tests() {

@@ -67,6 +67,7 @@ class BenchOptions:
     json_path: Path | None = None
     plot_path: Path | None = None
     command: str = ""
+    with_library: bool = False  # register the library even on the CPU EP (see runtime.library_needed)
 
 
 @dataclass(frozen=True)
@@ -618,13 +619,17 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
     shapes = sweep(stock_info.symbols, options.dims, options.ties)
     warm = warmup_shape(shapes, options.ties) if stock_info.symbols else None
     stock = OrtRunner(options.model, options.provider)
-    optimized = OrtRunner(options.optimized, options.provider, register or _library_register())
+    from dietcode_ort.runtime import library_needed
+
+    with_library = register is not None or options.with_library or library_needed([PROVIDERS[options.provider][0]])
+    optimized = OrtRunner(options.optimized, options.provider,
+                          (register or _library_register()) if with_library else None)
     results = measure(stock, optimized, shapes, lambda s: make_feeds(stock_info, s, options.seed),
                       repeat=options.repeat, warmup=options.warmup, warm_shape=warm, clock=clock)
     settings = {"model": str(options.model), "optimized": str(options.optimized), "repeat": options.repeat,
                 "warmup": options.warmup, "seed": options.seed, "dims": list(options.dims),
                 "ties": list(options.ties), "warmup_shape": warm, "tolerances": TOLERANCES,
-                "interleaving": "ABBA", "intra_op_spinning": False}
+                "interleaving": "ABBA", "intra_op_spinning": False, "library_registered": with_library}
     return BenchReport(environment(options.provider, options.command), settings, tuple(results),
                        opt_info.custom_nodes)
 

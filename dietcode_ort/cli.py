@@ -57,7 +57,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         model=Path(args.model), optimized=Path(args.optimized), dims=tuple(args.dim), ties=tuple(args.tie),
         provider=args.provider, repeat=args.repeat, warmup=args.warmup, seed=args.seed,
         json_path=Path(args.json) if args.json else None, plot_path=Path(args.plot) if args.plot else None,
-        command=shlex.join(sys.argv))
+        command=shlex.join(sys.argv), with_library=args.with_library)
     return bench.bench_command(options)
 
 
@@ -82,6 +82,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     p.add_argument("--json", metavar="FILE", help="write environment, settings and raw timings as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write latency and speedup against the swept symbol")
+    p.add_argument("--with-library", action="store_true",
+                   help="register the custom-op library for the optimized model even on the CPU provider "
+                        "(by default a CPU-only session runs the model's fallback functions, which ORT inlines "
+                        "and fuses as in the original model)")
     p.set_defaults(handler=_cmd_bench)
 
 

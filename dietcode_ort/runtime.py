@@ -24,17 +24,29 @@ def register(sess_options: Any, build: bool = True) -> Path:
     return path
 
 
+def library_needed(providers: Sequence[Any]) -> bool:
+    """Whether a session on ``providers`` should run the library's kernels.
+
+    Only GPU providers run dietcode kernels. On a CPU-only session the library is left out on purpose:
+    ORT then inlines each node's model-local function (the original MatMul/Gemm/Conv and epilogue) and
+    applies its usual fusions and weight prepacking, which is as fast as the original model; the library's
+    CPU kernel (ORT's kernel called per node, plus the epilogue) is there for CPU nodes of GPU sessions.
+    """
+    names = [p[0] if isinstance(p, (tuple, list)) else str(p) for p in providers]
+    return any(n != "CPUExecutionProvider" for n in names)
+
+
 def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,
                      **kwargs: Any) -> Any:
-    """An ``onnxruntime.InferenceSession`` with the ai.dietcode ops registered.
+    """An ``onnxruntime.InferenceSession`` for an optimized model.
 
     ``model`` is a path, serialized bytes or an ``onnx.ModelProto``; ``providers`` defaults to CUDA then CPU
-    when the CUDA provider is available, else CPU.
+    when the CUDA provider is available, else CPU. The ai.dietcode ops are registered when a GPU provider
+    is used (see ``library_needed``); call ``register(sess_options)`` to register them in any case.
     """
     import onnxruntime as ort
 
     opts = sess_options if sess_options is not None else ort.SessionOptions()
-    register(opts)
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
     elif isinstance(model, Path):
@@ -42,6 +54,8 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     if providers is None:
         available = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    if library_needed(providers):
+        register(opts)
     try:
         return ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
     except Exception as exc:  # ORT raises its own exception types; keep them but make the cause visible

@@ -42,7 +42,9 @@ def _optimized(work: Path, name: str, dims: tuple[str, ...]) -> tuple[Path, Path
 
 def _sessions(src: Path, out: Path):
     stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
-    with_lib = dietcode_ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)  # the library's CPU kernels (a CPU-only InferenceSession leaves it out)
+    with_lib = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
     fallback = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     return stock, with_lib, fallback
 
