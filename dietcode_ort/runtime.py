@@ -30,10 +30,21 @@ def library_needed(providers: Sequence[Any]) -> bool:
     Only GPU providers run dietcode kernels. On a CPU-only session the library is left out on purpose:
     ORT then inlines each node's model-local function (the original MatMul/Gemm/Conv and epilogue) and
     applies its usual fusions and weight prepacking, which is as fast as the original model; the library's
-    CPU kernel (ORT's kernel called per node, plus the epilogue) is there for CPU nodes of GPU sessions.
+    CPU kernel (ORT's kernel called per node, plus the epilogue) is there for CPU nodes of GPU sessions and
+    for models whose custom nodes have no fallback function.
     """
     names = [p[0] if isinstance(p, (tuple, list)) else str(p) for p in providers]
     return any(n != "CPUExecutionProvider" for n in names)
+
+
+def _has_fallback(model: Any) -> bool:
+    """Whether every ai.dietcode op type the model uses has a model-local function ORT can run instead."""
+    import onnx
+
+    proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
+        onnx.load(model, load_external_data=False)
+    functions = {(f.domain, f.name) for f in proto.functions}
+    return all((n.domain, n.op_type) in functions for n in proto.graph.node if n.domain == "ai.dietcode")
 
 
 def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,
@@ -54,7 +65,7 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     if providers is None:
         available = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    if library_needed(providers):
+    if library_needed(providers) or not _has_fallback(model):
         register(opts)
     try:
         return ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
