@@ -28,6 +28,7 @@ def work(tmp_path_factory):
 
 
 def _options(work: Path, *dims: str, **kw) -> OptimizeOptions:
+    kw.setdefault("measure", "analytic")  # the same choice with or without a GPU
     return OptimizeOptions(dims=dims, budget=64, db=work / "tuning.db", cache_dir=work / "kernels",
                            progress=False, **kw)
 
