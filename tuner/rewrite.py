@@ -173,7 +173,7 @@ def save_model(model: onnx.ModelProto, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    large = model.ByteSize() > _TWO_GB if _fits(model) else True
+    large = _byte_size(model) > _TWO_GB
     try:
         if large:
             data = path.name + ".data"
@@ -187,9 +187,9 @@ def save_model(model: onnx.ModelProto, path: str | Path) -> None:
             tmp.unlink()
 
 
-def _fits(model: onnx.ModelProto) -> bool:
+def _byte_size(model: onnx.ModelProto) -> int:
+    """Serialized size; protobuf refuses to size messages past its 2 GB limit, which counts as large."""
     try:
-        model.ByteSize()
-        return True
+        return model.ByteSize()
     except Exception:
-        return False
+        return _TWO_GB + 1
