@@ -33,6 +33,7 @@ struct Kernel {
   std::string name;
   uint32_t num_warps = 4, shared = 0, block_m = 1, block_n = 1, split_k = 1;
   bool zero_output = false;
+  uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   std::vector<uint8_t> params;
   std::vector<Image> images;
   std::string ptx;
@@ -78,6 +79,10 @@ void SetError(const std::string& message);
 
 // Evaluate the tree; the bundle is validated so this cannot index out of range.
 int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
+
+// Whether the launch arguments meet the divisibility assumptions kernel k was compiled with; when not,
+// *why names the first one that fails. A kernel run against unmet assumptions reads or writes wrongly.
+bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why);
 
 }  // namespace dietcode
 

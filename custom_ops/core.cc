@@ -13,7 +13,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -138,8 +138,8 @@ void ReadFeatures(Reader r, dc_bundle* b) {
 void ValidateKernel(const Kernel& k, uint32_t index) {
   std::string where = "kernel " + std::to_string(index) + " (" + k.name + ")";
   if (k.kind == kVendor) {
-    if (!k.images.empty() || !k.ptx.empty() || !k.params.empty()) {
-      Fail(where + ": a vendor kernel carries no cubin, PTX or params");
+    if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16) {
+      Fail(where + ": a vendor kernel carries no cubin, PTX, params or div16 assumptions");
     }
     return;
   }
@@ -158,6 +158,11 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     seen[p] = true;
   }
   if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
+  for (uint32_t p = 0; p < 16; ++p) {
+    if ((k.div16 >> p & 1u) && (p >= kParamCount || !seen[p])) {
+      Fail(where + ": div16 mask names param " + std::to_string(p) + ", which the kernel does not take");
+    }
+  }
   for (size_t i = 0; i < k.images.size(); ++i) {
     for (size_t j = 0; j < i; ++j) {
       if (k.images[i].cc == k.images[j].cc && k.images[i].specific == k.images[j].specific) {
@@ -182,11 +187,12 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     Kernel k;
     uint8_t kind = sub.Get<uint8_t>("kind");
     uint8_t flags = sub.Get<uint8_t>("flags");
-    uint16_t reserved = sub.Get<uint16_t>("reserved");
-    if (kind > kVendor || (flags & ~kFlagZeroOutput) || reserved) {
+    uint16_t div16 = sub.Get<uint16_t>("div16 mask");
+    if (kind > kVendor || (flags & ~kFlagZeroOutput)) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
-           std::to_string(flags) + " / reserved " + std::to_string(reserved) + " invalid");
+           std::to_string(flags) + " invalid");
     }
+    k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
     k.zero_output = flags & kFlagZeroOutput;
     k.num_warps = sub.Get<uint32_t>("num_warps");
@@ -303,7 +309,7 @@ void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   uint64_t total = h.Get<uint64_t>("total size");
   uint32_t count = h.Get<uint32_t>("section count");
   uint32_t reserved = h.Get<uint32_t>("reserved");
-  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows 1");
+  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows 2");
   if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
   if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
   if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");
@@ -418,6 +424,24 @@ int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
   return -1;  // unreachable for a validated tree
 }
 
+bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+  static const char* const kNames[kParamCount] = {"a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch",
+                                                  "stride_b_batch", "img_n", "img_h", "img_w", "out_h", "out_w"};
+  const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};
+  const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
+                                     args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w};
+  for (uint32_t p = 0; p < kParamCount; ++p) {
+    if (!(kernel.div16 >> p & 1u)) continue;
+    const bool ok = p <= kC ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
+    if (!ok) {
+      *why = "kernel '" + kernel.name + "' was compiled for " + kNames[p] +
+             (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not";
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace dietcode
 
 using dietcode::SetError;
@@ -502,6 +526,17 @@ int dc_bundle_kernel_is_vendor(const dc_bundle* b, int32_t k) {
     return -1;
   }
   return b->kernels[k].kind == dietcode::kVendor ? 1 : 0;
+}
+
+int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
+  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  std::string why;
+  if (dietcode::MeetsAssumptions(b->kernels[k], *args, &why)) return 1;
+  SetError(why);
+  return 0;
 }
 
 int dc_bundle_max_feature_input(const dc_bundle* b) {

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 1
+#define DC_ABI_VERSION 2
 
 typedef struct dc_bundle dc_bundle;
 
@@ -56,6 +56,11 @@ int dc_bundle_kernel_takes_param(const dc_bundle* bundle, int32_t k, const char*
 // Which image kernel k would load on a device of compute capability major.minor: 0 = cubin, 1 = PTX,
 // -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".
 int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int minor, char* desc, size_t desc_size);
+
+// Whether `args` meet the divisibility assumptions kernel k was compiled with (its div16 mask: pointers
+// 16-byte aligned, int params multiples of 16): 1 yes, 0 no (reason in dc_last_error), -1 on error. A
+// caller that gets 0 runs another kernel (ORT's own); dc_launch refuses such a launch.
+int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
 
 // Whether libcuda loads and device `device` answers: fills name, compute capability and driver version.
 // 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.

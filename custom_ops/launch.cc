@@ -219,6 +219,8 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
   if (k < 0 || static_cast<size_t>(k) >= b->kernels.size()) return Fail("kernel id " + std::to_string(k) + " out of range");
   const dietcode::Kernel& kernel = b->kernels[k];
   if (kernel.kind == dietcode::kVendor) return Fail("kernel '" + kernel.name + "' is the vendor kind: run ORT's kernel");
+  std::string why;
+  if (!dietcode::MeetsAssumptions(kernel, *args, &why)) return Fail(why);
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return Fail(d.error);
 

@@ -358,6 +358,10 @@ class DietcodeKernel {
     args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.c_bytes = static_cast<uint64_t>(total) * elem;
+    if (dc_kernel_accepts(bundle_.get(), k, &args) != 1) {  // e.g. a view at an unaligned offset
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
   }
 

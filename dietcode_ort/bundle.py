@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 MAGIC = b"DCBUNDLE"
-VERSION = 1
+VERSION = 2  # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0)
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -94,6 +94,9 @@ class BundleKernel:
     block_n: int = 1
     split_k: int = 1
     zero_output: bool = False
+    # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
+    # the runtime checks them per call and runs ORT's kernel instead when one does not hold
+    div16: tuple[str, ...] = ()
 
     @classmethod
     def vendor(cls) -> "BundleKernel":
@@ -111,19 +114,20 @@ class BundleKernel:
         if not compiled:
             raise DietcodeError("BundleKernel.from_compiled needs at least one compiled kernel")
         first = compiled[0]
-        meta = ("params", "num_warps", "block_m", "block_n", "split_k", "zero_output")
+        meta = ("params", "num_warps", "block_m", "block_n", "split_k", "zero_output", "div16")
         for other in compiled[1:]:
             for attr in meta:
-                if getattr(other, attr) != getattr(first, attr):
+                if getattr(other, attr, ()) != getattr(first, attr, ()):
                     raise DietcodeError(f"compiled kernels of {first.name!r} disagree on {attr}: "
-                                        f"{getattr(first, attr)!r} vs {getattr(other, attr)!r}")
+                                        f"{getattr(first, attr, ())!r} vs {getattr(other, attr, ())!r}")
         params = tuple(p for p in first.params if p not in ("global_scratch", "profile_scratch"))
         ptx = _portable_ptx(compiled)
         return cls(name=str(first.name), kind="triton",
                    images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in compiled if getattr(c, "cubin", b"")),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
                    shared=max(int(c.shared) for c in compiled), block_m=int(first.block_m),
-                   block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output))
+                   block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
+                   div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))))
 
     def validate(self, index: int) -> None:
         """Check the fields the C++ reader checks; raises DietcodeError naming the kernel."""
@@ -133,8 +137,8 @@ class BundleKernel:
         if not 1 <= len(self.name.encode()) <= LIMITS["name"]:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
-            if self.images or self.ptx or self.params:
-                raise _fail(f"{where}: a vendor kernel carries no cubin, PTX or params")
+            if self.images or self.ptx or self.params or self.div16:
+                raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params or div16 assumptions")
             return
         if self.num_warps not in VALID_NUM_WARPS:
             raise _fail(f"{where}: num_warps {self.num_warps}, allowed: {VALID_NUM_WARPS}")
@@ -156,6 +160,9 @@ class BundleKernel:
             raise _fail(f"{where}: params repeat a name: {self.params}")
         if "c" not in self.params:
             raise _fail(f"{where}: params lack the output pointer 'c'")
+        for p in self.div16:
+            if p not in self.params:
+                raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
         if len(self.images) > LIMITS["images"]:
             raise _fail(f"{where}: {len(self.images)} cubins, at most {LIMITS['images']}")
         seen = set()
@@ -412,7 +419,8 @@ class Bundle:
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
-                               0, k.num_warps, k.shared, k.block_m, k.block_n, k.split_k)
+                               sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
+                               k.block_n, k.split_k)
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))
@@ -520,9 +528,11 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         if record < 4 or record > r.end - start:
             raise _fail(f"kernels: kernel {k} record size {record} outside the section")
         sub = _Reader(r.data, start + 4, record - 4, f"kernel {k}")
-        kind, flags, res, warps, shared, bm, bn, sk = sub.unpack("BBHIIIII", "launch metadata")
-        if kind >= len(KERNEL_KINDS) or flags & ~FLAG_ZERO_OUTPUT or res:
-            raise _fail(f"kernel {k}: kind {kind} / flags {flags} / reserved {res} invalid")
+        kind, flags, mask, warps, shared, bm, bn, sk = sub.unpack("BBHIIIII", "launch metadata")
+        if kind >= len(KERNEL_KINDS) or flags & ~FLAG_ZERO_OUTPUT:
+            raise _fail(f"kernel {k}: kind {kind} / flags {flags} invalid")
+        if mask >> len(PARAM_NAMES):
+            raise _fail(f"kernel {k}: div16 mask names param {mask.bit_length() - 1}, which the kernel does not take")
         name = _utf8(sub.take(sub.count("name length", LIMITS["name"], 1), "name"), "kernel name")
         raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
         if any(p >= len(PARAM_NAMES) for p in raw_params):
@@ -543,7 +553,8 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         r.pos = start + record
         out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images), ptx=ptx,
                                 params=tuple(PARAM_NAMES[p] for p in raw_params), num_warps=warps, shared=shared,
-                                block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT)))
+                                block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT),
+                                div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1)))
     r.done()
     return tuple(out)
 

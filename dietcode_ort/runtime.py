@@ -83,6 +83,9 @@ class LaunchArgs(ctypes.Structure):
                                       "img_n", "img_h", "img_w", "out_h", "out_w")]
 
 
+C_ABI_VERSION = 2  # DC_ABI_VERSION in custom_ops/core.h
+
+
 class Core:
     """ctypes binding of the library's C core (custom_ops/core.h)."""
 
@@ -106,9 +109,11 @@ class Core:
         lib.dc_bundle_pick_image.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
+        lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         self.lib = lib
-        if lib.dc_abi_version() != 1:
-            raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects 1")
+        if lib.dc_abi_version() != C_ABI_VERSION:
+            raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects "
+                                f"{C_ABI_VERSION}")
 
     def error(self) -> str:
         return (self.lib.dc_last_error() or b"").decode(errors="replace")
@@ -175,6 +180,13 @@ class CoreBundle:
             raise DietcodeError(self.core.error())
         kind, arch = desc.value.decode().split()
         return kind, arch
+
+    def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:
+        """Whether ``args`` meet kernel k's div16 assumptions, and if not, why."""
+        r = self.core.lib.dc_kernel_accepts(self.handle, k, ctypes.byref(args))
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return bool(r), "" if r else self.core.error()
 
     def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
         """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""

@@ -16,7 +16,7 @@ PTX80 = "//\n.version 8.0\n.target sm_80\n.address_size 64\n"
 def _kernel(name: str, **kw: object) -> BundleKernel:
     base = dict(name=name, images=(("sm_90a", b"\x7fELF" + name.encode() * 3), ("sm_80", b"\x7fELF80")),
                 ptx=PTX80, params=("a", "b", "bias", "c", "M", "N", "K"), num_warps=4, shared=16384,
-                block_m=64, block_n=128, split_k=1)
+                block_m=64, block_n=128, split_k=1, div16=("a", "b", "c", "K"))
     base.update(kw)
     return BundleKernel(**base)  # type: ignore[arg-type]
 
@@ -45,7 +45,8 @@ def sample_bundle(seed: int = 0) -> Bundle:
     rng = random.Random(seed)
     features = (Feature("M", ((0, 0), (0, 1))), Feature("N", ((1, -1),)), Feature("K", ((0, -1),)))
     kernels = (BundleKernel.vendor(), _kernel("gemm_64x128"), _kernel("gemm_128x64_sk4", split_k=4, zero_output=True),
-               _kernel("bmm_32x32", params=("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")))
+               _kernel("bmm_32x32", params=("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch"),
+                       div16=("a", "b", "c", "stride_b_batch")))
     return Bundle(features, kernels, random_tree(rng, len(features), len(kernels)))
 
 
@@ -159,8 +160,8 @@ def test_crafted_sizes_are_refused(core) -> None:
     total = len(data)
     _both_refuse(core, bytes(b"XXBUNDLE" + data[8:]), "bad magic")
     bad = bytearray(data)
-    struct.pack_into("<I", bad, 8, 2)
-    _both_refuse(core, bytes(bad), "version 2")
+    struct.pack_into("<I", bad, 8, 1)
+    _both_refuse(core, bytes(bad), "version 1")
     bad = bytearray(data)
     struct.pack_into("<Q", bad, 16, total + 1)
     _both_refuse(core, bytes(bad), "header says")
@@ -233,3 +234,33 @@ def test_cuda_entry_points_fail_cleanly_without_a_driver(core) -> None:
         pytest.skip("a CUDA driver and device are present")
     with pytest.raises(DietcodeError, match="vendor kind"):
         core.parse(sample_bundle().to_bytes()).launch(0, LaunchArgs(M=4, N=4, K=4))
+
+
+def test_div16_round_trips_and_is_checked_per_call(core) -> None:
+    from dietcode_ort.runtime import LaunchArgs
+
+    bundle = sample_bundle()
+    assert Bundle.from_bytes(bundle.to_bytes()).kernels[1].div16 == ("a", "b", "c", "K")
+    parsed = core.parse(bundle.to_bytes())
+    ok = LaunchArgs(a=0x1000, b=0x2000, bias=0x3004, c=0x4000, M=17, N=33, K=64)
+    assert parsed.accepts(1, ok) == (True, "")  # bias and N are not assumed: any value passes
+    for field, value, what in (("a", 0x1008, "a 16-byte aligned"), ("c", 0x4002, "c 16-byte aligned"),
+                               ("K", 40, "K a multiple of 16")):
+        args = LaunchArgs(**{**{f: getattr(ok, f) for f, _ in LaunchArgs._fields_}, field: value})
+        accepted, why = parsed.accepts(1, args)
+        assert not accepted and what in why and "gemm_64x128" in why
+    assert parsed.accepts(0, ok)[0]  # the vendor kernel assumes nothing
+
+
+def test_div16_naming_a_param_the_kernel_lacks_is_refused(core) -> None:
+    bad = Bundle((Feature("M", ((0, 0),)),), (_kernel("k", div16=("a", "batch")),), DispatchTree.single(0))
+    with pytest.raises(DietcodeError, match="div16 mask names param 'batch'"):
+        bad.validate()
+    # set a mask bit past the param enum in the first compiled kernel's record: both readers refuse
+    data = Bundle((Feature("M", ((0, 0),)),), (_kernel("k"),), DispatchTree.single(0)).to_bytes()
+    at = data.index(struct.pack("<I", 4) + struct.pack("<I", 16384)) - 2  # u16 mask precedes num_warps
+    assert struct.unpack_from("<H", data, at)[0] == 0b1001011  # a, b, c, K
+    for mask, pattern in ((1 << 15, "div16 mask names param 15"), (1 << 7, "div16 mask names param")):
+        bad_bytes = bytearray(data)
+        struct.pack_into("<H", bad_bytes, at, mask)
+        _both_refuse(core, bytes(bad_bytes), pattern)

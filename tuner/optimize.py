@@ -197,12 +197,14 @@ def _family(w: Workload, target: str):
 
 
 def _div16(w: Workload) -> tuple[str, ...]:
-    """Scalar params that are constant for the workload and divisible by 16 (safe for any shape)."""
-    out = []
-    for name, expr in (("N", w.n), ("K", w.k)):
-        if expr.isdigit() and int(expr) % 16 == 0 and (w.op != "conv" or name == "K"):
-            out.append(name)
-    return tuple(out)
+    """What the kernels may assume 16-divisible: all pointers (ORT's allocations are aligned; the runtime
+    checks each call and runs ORT's kernel for one that is not) and the int params that are constant for
+    the workload and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
+    from tuner import aot
+
+    constant = {"N": w.n, "K": w.k}
+    return tuple(p for p in aot.aligned_params(w.op, w.epilogue.bias)
+                 if p in ("a", "b", "bias", "c") or (constant.get(p, "x").isdigit() and int(constant[p]) % 16 == 0))
 
 
 def _summary(index: int, r: WorkloadReport) -> str:
