@@ -62,6 +62,27 @@ def test_caching_measurer_measures_only_missing_and_keeps_failures(tmp_path):
     assert other.inner.calls == 2  # type: ignore[attr-defined]
 
 
+class WithContext(Counting):
+    def __init__(self, device: str, context: str) -> None:
+        super().__init__(device)
+        self._ctx = context
+
+    def context(self) -> str:
+        return self._ctx
+
+
+def test_rows_are_separated_by_kernel_context(tmp_path):
+    # the same family and problems timed with another epilogue / conv geometry must not be reused
+    relu = CachingMeasurer(WithContext("gpu-a", "bias=1;act=relu"), Database(tmp_path / "m.db"))
+    relu.measure(FAMILY, PAIRS)
+    gelu_inner = WithContext("gpu-a", "bias=1;act=gelu")
+    CachingMeasurer(gelu_inner, Database(tmp_path / "m.db")).measure(FAMILY, PAIRS)
+    assert gelu_inner.calls == len(PAIRS)
+    relu_again = WithContext("gpu-a", "bias=1;act=relu")
+    CachingMeasurer(relu_again, Database(tmp_path / "m.db")).measure(FAMILY, PAIRS)
+    assert relu_again.calls == 0
+
+
 def test_corrupt_file_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.db"
     path.write_bytes(b"this is not sqlite" * 100)

@@ -37,9 +37,11 @@ Pair = tuple[MicroKernel, Problem]
 RowKey = tuple[str, int, int, int, int, str]
 
 
-def family_signature(family: Family) -> str:
-    """Stable text naming a family: op/dtype/target."""
-    return f"{family.op}/{family.dtype}/{family.target}"
+def family_signature(family: Family, context: str = "") -> str:
+    """Stable text naming a family (op/dtype/target) plus what else fixes the kernel being timed
+    (``Measurer.context()``: epilogue, trans_b, conv geometry), so such timings never mix."""
+    base = f"{family.op}/{family.dtype}/{family.target}"
+    return f"{base}|{context}" if context else base
 
 
 def _image(problem: Problem) -> str:
@@ -83,28 +85,30 @@ class Database:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get(self, device: str, family: Family, pairs: Sequence[Pair]) -> dict[RowKey, MeasureResult]:
+    def get(self, device: str, family: Family, pairs: Sequence[Pair], context: str = ""
+            ) -> dict[RowKey, MeasureResult]:
         """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem."""
         wanted = {_row_key(c.key(), p) for c, p in pairs}
-        return {k: v for k, v in self.rows(device, family).items() if k in wanted}
+        return {k: v for k, v in self.rows(device, family, context).items() if k in wanted}
 
-    def rows(self, device: str, family: Family) -> dict[RowKey, MeasureResult]:
+    def rows(self, device: str, family: Family, context: str = "") -> dict[RowKey, MeasureResult]:
         """Every stored result of ``family`` on ``device``."""
         try:
             cur = self._conn.execute(
                 "SELECT config, m, n, k, batch, image, seconds, error FROM measurements "
-                "WHERE device = ? AND family = ?", (device, family_signature(family)))
+                "WHERE device = ? AND family = ?", (device, family_signature(family, context)))
             return {tuple(r[:6]): MeasureResult(math.inf if r[6] is None else r[6], r[7])  # type: ignore[misc]
                     for r in cur.fetchall()}
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
-    def put(self, device: str, family: Family, pairs: Sequence[Pair], results: Sequence[MeasureResult]) -> None:
+    def put(self, device: str, family: Family, pairs: Sequence[Pair], results: Sequence[MeasureResult],
+            context: str = "") -> None:
         """Store one batch in one transaction (all or nothing)."""
         if len(pairs) != len(results):
             raise DietcodeError(f"put: {len(pairs)} pairs but {len(results)} results")
         now = time.time()
-        fam = family_signature(family)
+        fam = family_signature(family, context)
         rows = [(device, fam, *_row_key(c.key(), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
                 for (c, p), r in zip(pairs, results)]
         try:
@@ -137,6 +141,7 @@ class CachingMeasurer(Measurer):
         self.inner = inner
         self.db = db
         self._device = inner.device_key()
+        self._context = inner.context()
         self.hits = 0
         self.misses = 0
 
@@ -144,18 +149,21 @@ class CachingMeasurer(Measurer):
         return self._device
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        known = self.db.get(self._device, family, configs_and_problems)
+        known = self.db.get(self._device, family, configs_and_problems, self._context)
         keys = [_row_key(c.key(), p) for c, p in configs_and_problems]
         todo = [i for i, k in enumerate(keys) if k not in known]
         if todo:
             pairs = [configs_and_problems[i] for i in todo]
             fresh = self.inner.measure(family, pairs)
-            self.db.put(self._device, family, pairs, fresh)
+            self.db.put(self._device, family, pairs, fresh, self._context)
             for i, r in zip(todo, fresh):
                 known[keys[i]] = r
         self.hits += len(keys) - len(todo)
         self.misses += len(todo)
         return [known[k] for k in keys]
+
+    def context(self) -> str:
+        return self._context
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         return self.inner.measure_vendor(family, problems)

@@ -65,6 +65,11 @@ class Measurer(ABC):
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
         """One result per pair, in order; failures are results with seconds = inf."""
 
+    def context(self) -> str:
+        """What besides the family and the problem fixes the timed kernel (epilogue, trans_b, conv
+        geometry); the database keys rows by it. Measurers whose answers do not depend on it return ""."""
+        return ""
+
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The stock library's time per problem; measurers without one say so."""
         raise DietcodeError(f"{type(self).__name__} has no vendor timings; use GpuMeasurer or a replay table "
@@ -218,6 +223,13 @@ class GpuMeasurer(Measurer):
             driver = f"cuda{torch.version.cuda}"
         return make_device_key(props.name, f"sm_{props.major}{props.minor}", driver, triton.__version__)
 
+    def context(self) -> str:
+        c = self.conv
+        conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
+                                     f"p{c.pads}d{c.dilations}")
+        return (f"bias={int(self.epilogue.bias)};act={self.epilogue.activation};trans_b={int(self.trans_b)}"
+                + conv).replace(" ", "")
+
     def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any]:
         torch = self._torch
         dtype = getattr(torch, _TORCH_DTYPES[family.dtype])
@@ -279,9 +291,14 @@ class GpuMeasurer(Measurer):
                 if family.op == "conv":
                     c = self.conv
                     assert c is not None
-                    pads = (c.pads[0], c.pads[1])
-                    fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
-                        a, b, bias, stride=c.strides, padding=pads, dilation=c.dilations))
+                    top, left, bottom, right = c.pads
+                    if (top, left) == (bottom, right):
+                        fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
+                            a, b, bias, stride=c.strides, padding=(top, left), dilation=c.dilations))
+                    else:  # conv2d pads symmetrically: pad the input explicitly, as ORT does
+                        fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
+                            torch.nn.functional.pad(a, (left, right, top, bottom)), b, bias,
+                            stride=c.strides, dilation=c.dilations))
                 else:
                     bb = b.transpose(-1, -2) if self.trans_b else b
                     mm = torch.bmm if family.op == "bmm" else torch.matmul

@@ -231,7 +231,7 @@ def _gpu_visible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def make_measurer(options: OptimizeOptions, dtype: str):
+def make_measurer(options: OptimizeOptions, w: Workload):
     """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached."""
     from tuner.hardware import get_profile
     from tuner.measure import AnalyticMeasurer, GpuMeasurer, ReplayMeasurer
@@ -243,9 +243,9 @@ def make_measurer(options: OptimizeOptions, dtype: str):
         if not _gpu_visible():
             raise DietcodeError("--measure gpu needs a CUDA GPU visible to torch; none is (use analytic or "
                                 "replay:FILE)")
-        measurer, label = GpuMeasurer(), "gpu"
+        measurer, label = GpuMeasurer(conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b), "gpu"
     elif kind == "analytic":
-        measurer, label = AnalyticMeasurer(get_profile(options.targets[0]), dtype), "analytic (no GPU timing)"
+        measurer, label = AnalyticMeasurer(get_profile(options.targets[0]), w.dtype), "analytic (no GPU timing)"
     elif kind.startswith("replay:") and kind[len("replay:"):]:
         path = kind[len("replay:"):]
         measurer, label = ReplayMeasurer(path), f"replay of {path}"
@@ -273,7 +273,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
-    measurer, label = make_measurer(options, w.dtype)
+    measurer, label = make_measurer(options, w)
     # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow
     space = [c for c in enumerate_space(family) if c.split_k == 1 or w.epilogue.activation == "none"]
     result = tune_joint(family, problems, space, measurer, profile,
