@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,8 +59,11 @@ class BuildConfig:
 
 
 def source_dir() -> Path:
-    """custom_ops/ next to the package (the library is built from a source checkout)."""
-    return _REPO / "custom_ops"
+    """custom_ops/ of a source checkout, else the copy a wheel installs under <prefix>/share/dietcode-ort."""
+    checkout = _REPO / "custom_ops"
+    if (checkout / "core.cc").is_file():
+        return checkout
+    return Path(sys.prefix) / "share" / "dietcode-ort" / "custom_ops"
 
 
 def cache_dir() -> Path:

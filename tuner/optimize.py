@@ -274,8 +274,11 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
     measurer, label = make_measurer(options, w)
-    # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow
-    space = [c for c in enumerate_space(family) if c.split_k == 1 or w.epilogue.activation == "none"]
+    # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow;
+    # a bundle carries every kernel for every target: only configs valid on all of them
+    others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
+    space = [c for c in enumerate_space(family) if (c.split_k == 1 or w.epilogue.activation == "none")
+             and all(c in other for other in others)]
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed, progress=options.progress))
     vendor = None
