@@ -36,6 +36,7 @@ class OptimizeOptions:
     dims: tuple[str, ...] = ()
     shapes_file: Path | None = None
     cache_dir: Path | None = None  # compiled-kernel cache (tuner.aot default when None)
+    compile_workers: int | None = None  # parallel compile processes (default: CPU count)
     progress: bool = True
 
 
@@ -135,30 +136,59 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
     for s in scanned.skipped:
         log(f"left as it is: {s.node} ({s.op}): {s.reason}")
-    reports, bundles, infos = [], {}, {}
+    tuned = []
     for index, w in enumerate(scanned.workloads):
         problems = merge_problems(w)
         chosen = _tune(w, problems, options, log)
-        kernels = []
-        for config in chosen.kernels:
-            if config == "vendor":
-                kernels.append(BundleKernel.vendor())
-                continue
-            compiled = [aot.compile_kernel(_family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b,
-                                           conv=w.conv, cache_dir=options.cache_dir, div16=_div16(w))
-                        for target in options.targets]
-            kernels.append(BundleKernel.from_compiled(compiled))
+        tuned.append((w, problems, chosen))
+        log(_summary(index, chosen.report))
+    compiled = _compile_all([(w, c.kernels) for w, _, c in tuned], options, log)
+    bundles, infos = {}, {}
+    for w, problems, chosen in tuned:
+        kernels = tuple(BundleKernel.vendor() if config == "vendor"
+                        else BundleKernel.from_compiled([compiled[_job_key(w, config, t)] for t in options.targets])
+                        for config in chosen.kernels)
         for i, node in enumerate(w.nodes):
-            bundle = Bundle(features_for(w, i), tuple(kernels), chosen.tree)
+            bundle = Bundle(features_for(w, i), kernels, chosen.tree)
             bundle.validate()
             bundles[node] = bundle.to_bytes()
             infos[node] = _info(w, chosen.report, problems)
-        reports.append(chosen.report)
-        log(_summary(index, chosen.report))
+    reports = [chosen.report for _, _, chosen in tuned]
     result = rewrite_model(model, list(scanned.workloads), bundles, infos)
     save_model(result.model, output)
     return OptimizeReport(output, result.rewritten, tuple(reports),
                           tuple((s.node, s.reason) for s in scanned.skipped))
+
+
+def _job_key(w: Workload, config, target: str) -> tuple:
+    return (w.op, w.dtype, target, config, w.epilogue, w.trans_b, w.conv, _div16(w))
+
+
+def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
+                 log: Callable[[str], None]) -> dict[tuple, object]:
+    """Compile every chosen kernel for every target, in parallel processes (cache hits cost nothing).
+
+    Workloads that share a kernel (same op, dtype, epilogue, geometry) share one compile."""
+    from tuner import aot
+
+    jobs: dict[tuple, aot.CompileJob] = {}
+    for w, kernels in chosen:
+        for config in kernels:
+            if config == "vendor":
+                continue
+            for target in options.targets:
+                jobs.setdefault(_job_key(w, config, target), aot.CompileJob(
+                    _family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b, conv=w.conv,
+                    div16=_div16(w), cache_dir=options.cache_dir))
+    started = time.perf_counter()
+    results = aot.compile_many(list(jobs.values()), workers=options.compile_workers)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        r = failed[0]
+        raise DietcodeError(f"{len(failed)} of {len(results)} kernels failed to compile; first: {r.job.family.op} "
+                            f"{r.job.config.key()} for {r.job.family.target}: {r.error}")
+    log(f"compiled {len(results)} kernels for {', '.join(options.targets)} in {time.perf_counter() - started:.1f}s")
+    return {key: r.kernel for key, r in zip(jobs, results)}
 
 
 def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]]) -> str:
