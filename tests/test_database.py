@@ -83,6 +83,25 @@ def test_rows_are_separated_by_kernel_context(tmp_path):
     assert relu_again.calls == 0
 
 
+class WithVendor(Counting):
+    def measure_vendor(self, family, problems):
+        self.calls += len(problems)
+        return [MeasureResult(2e-6 * p.m) for p in problems]
+
+
+def test_vendor_timings_are_cached_too(tmp_path):
+    problems = [p for _, p in PAIRS]
+    first = WithVendor("gpu-a")
+    want = CachingMeasurer(first, Database(tmp_path / "m.db")).measure_vendor(FAMILY, problems)
+    again = WithVendor("gpu-a")
+    got = CachingMeasurer(again, Database(tmp_path / "m.db")).measure_vendor(FAMILY, problems)
+    assert (first.calls, again.calls) == (2, 0) and got == want
+    # vendor rows never answer for a kernel, nor kernel rows for the vendor
+    kernels = WithVendor("gpu-a")
+    CachingMeasurer(kernels, Database(tmp_path / "m.db")).measure(FAMILY, PAIRS)
+    assert kernels.calls == len(PAIRS)
+
+
 def test_corrupt_file_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.db"
     path.write_bytes(b"this is not sqlite" * 100)

@@ -11,10 +11,10 @@ import math
 import sqlite3
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.measure import MeasureResult, Measurer
+from tuner.measure import VENDOR_KEY, MeasureResult, Measurer
 from tuner.space import Family, MicroKernel
 from tuner.workload import Problem
 
@@ -46,6 +46,10 @@ def family_signature(family: Family, context: str = "") -> str:
 
 def _image(problem: Problem) -> str:
     return "" if problem.image is None else "x".join(map(str, problem.image))
+
+
+def _config_key(config: MicroKernel | str) -> str:
+    return config if isinstance(config, str) else config.key()
 
 
 def _row_key(config: str, problem: Problem) -> RowKey:
@@ -87,8 +91,10 @@ class Database:
 
     def get(self, device: str, family: Family, pairs: Sequence[Pair], context: str = ""
             ) -> dict[RowKey, MeasureResult]:
-        """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem."""
-        wanted = {_row_key(c.key(), p) for c, p in pairs}
+        """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem.
+
+        A pair's config is a MicroKernel, or the string VENDOR_KEY for the vendor library's time."""
+        wanted = {_row_key(_config_key(c), p) for c, p in pairs}
         return {k: v for k, v in self.rows(device, family, context).items() if k in wanted}
 
     def rows(self, device: str, family: Family, context: str = "") -> dict[RowKey, MeasureResult]:
@@ -109,7 +115,7 @@ class Database:
             raise DietcodeError(f"put: {len(pairs)} pairs but {len(results)} results")
         now = time.time()
         fam = family_signature(family, context)
-        rows = [(device, fam, *_row_key(c.key(), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
+        rows = [(device, fam, *_row_key(_config_key(c), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
                 for (c, p), r in zip(pairs, results)]
         try:
             with self._conn:
@@ -149,12 +155,16 @@ class CachingMeasurer(Measurer):
         return self._device
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        return self._cached(family, configs_and_problems, lambda pairs: self.inner.measure(family, pairs))
+
+    def _cached(self, family: Family, configs_and_problems: Sequence[tuple[MicroKernel | str, Problem]],
+                measure: Callable[[list], list[MeasureResult]]) -> list[MeasureResult]:
         known = self.db.get(self._device, family, configs_and_problems, self._context)
-        keys = [_row_key(c.key(), p) for c, p in configs_and_problems]
+        keys = [_row_key(_config_key(c), p) for c, p in configs_and_problems]
         todo = [i for i, k in enumerate(keys) if k not in known]
         if todo:
             pairs = [configs_and_problems[i] for i in todo]
-            fresh = self.inner.measure(family, pairs)
+            fresh = measure(pairs)
             self.db.put(self._device, family, pairs, fresh, self._context)
             for i, r in zip(todo, fresh):
                 known[keys[i]] = r
@@ -166,4 +176,6 @@ class CachingMeasurer(Measurer):
         return self._context
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
-        return self.inner.measure_vendor(family, problems)
+        """The vendor library's times, stored like kernels' under the config key VENDOR_KEY."""
+        return self._cached(family, [(VENDOR_KEY, p) for p in problems],
+                            lambda pairs: self.inner.measure_vendor(family, [p for _, p in pairs]))
