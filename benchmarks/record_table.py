@@ -1,0 +1,187 @@
+"""Record a full micro-kernel measurement table on a GPU: every candidate of the space x every instance.
+
+    python benchmarks/record_table.py --out DIR [--sets dense,attention,conv] [--repeats 10]
+
+The table lets any search strategy, cost model or dispatcher be evaluated later on a CPU by replay
+(``tuner.measure.ReplayMeasurer``, ``benchmarks/report_table.py``). Sets (the DietCode BERT shapes and
+ResNet-50's convolutions, fp16):
+
+- ``dense``: (N, K) in (768, 768), (3072, 768), (768, 3072); M = 16*T for T = 1..128 (384 instances).
+- ``attention``: batch*heads = 192; (M, N, K) = (T, T, 64) and (T, 64, T) for T = 1..128.
+- ``conv``: every distinct ResNet-50 conv layer (from ``tuner.scan`` of the full model) at batch 1, 8, 32
+  and 224x224, plus batch 8 at 160 and 288.
+
+Rows are appended to DIR/table.csv after every config (a run cut off keeps what it measured) with the
+columns ReplayMeasurer reads plus ``family`` (the set's tag, e.g. ``dense-768x768``); each problem also
+gets a ``vendor`` row (cuBLAS / cuDNN through torch). DIR/table.json holds the device, driver, library
+versions, the command and the date. Compress the CSV (gzip) to commit it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import random
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dietcode_ort.errors import DietcodeError  # noqa: E402
+from tuner.workload import ConvParams, Epilogue, Problem  # noqa: E402
+
+__all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "SETS", "COLUMNS", "record", "main"]
+
+COLUMNS = ["config", "m", "n", "k", "batch", "seconds", "device", "error", "family"]
+
+
+@dataclass(frozen=True)
+class TableSet:
+    """One workload of the table: a tag, its template and constants, and its instances."""
+
+    tag: str
+    op: str  # gemm | bmm | conv
+    problems: tuple[Problem, ...]
+    epilogue: Epilogue = Epilogue()
+    conv: ConvParams | None = None
+    dtype: str = "float16"
+    meta: dict = field(default_factory=dict)
+
+
+def dense_sets(t_max: int = 128) -> list[TableSet]:
+    return [TableSet(f"dense-{n}x{k}", "gemm", tuple(Problem(16 * t, n, k) for t in range(1, t_max + 1)),
+                     meta={"N": n, "K": k, "M": "16*T"})
+            for n, k in ((768, 768), (3072, 768), (768, 3072))]
+
+
+def attention_sets(t_max: int = 128, batch: int = 192) -> list[TableSet]:
+    return [TableSet("attention-qk", "bmm", tuple(Problem(t, t, 64, batch) for t in range(1, t_max + 1)),
+                     meta={"M": "T", "N": "T", "K": 64, "batch": batch}),
+            TableSet("attention-av", "bmm", tuple(Problem(t, 64, t, batch) for t in range(1, t_max + 1)),
+                     meta={"M": "T", "N": 64, "K": "T", "batch": batch})]
+
+
+CONV_IMAGES = ((1, 224, 224), (8, 224, 224), (32, 224, 224), (8, 160, 160), (8, 288, 288))
+
+
+def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES) -> list[TableSet]:
+    """The distinct conv layers of ResNet-50 (as the scanner sees the full model) at ``images``."""
+    import models
+    from tuner.scan import scan_model
+    from tuner.workload import Instance
+
+    out = []
+    for w in scan_model(models.build("resnet50", "full")).workloads:
+        if w.op != "conv":
+            continue
+        c = w.conv
+        problems = tuple(w.problem(Instance.of({"batch": n, "height": h, "width": wd})) for n, h, wd in images)
+        tag = (f"conv-{c.in_channels}x{c.out_channels}-k{c.kernel[0]}s{c.strides[0]}"
+               f"-{'bias' if w.epilogue.bias else 'nobias'}-{w.epilogue.activation}")
+        out.append(TableSet(tag, "conv", problems, w.epilogue, c, meta={"nodes": len(w.nodes)}))
+    return out
+
+
+SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets}
+
+
+def _environment(command: str) -> dict:
+    import platform
+
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        from torch._C import _cuda_getDriverVersion  # type: ignore[attr-defined]
+        driver = str(_cuda_getDriverVersion())
+    except (ImportError, RuntimeError):
+        driver = "unknown"
+    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}", "sms": props.multi_processor_count,
+            "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_configs: int | None = None,
+           seed: int = 0, command: str = "") -> Path:
+    """Measure every config of each set's space on each of its problems; returns the CSV path."""
+    from rich.progress import Progress
+
+    from tuner.measure import GpuMeasurer
+    from tuner.space import Family, enumerate_space
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment(command)
+    target = "sm_90" if env["arch"].startswith("sm_9") else "sm_89" if env["arch"] == "sm_89" else "sm_80"
+    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed,
+            "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
+                     for s in sets], "done": []}
+    meta_path, table = out / "table.json", out / "table.csv"
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    new = not table.exists()
+    with table.open("a", newline="") as fh, Progress() as bar:
+        writer = csv.writer(fh)
+        if new:
+            writer.writerow(COLUMNS)
+        for s in sets:
+            family = Family(s.op, s.dtype, target)
+            space = [c for c in enumerate_space(family) if c.split_k == 1 or s.epilogue.activation == "none"]
+            random.Random(seed).shuffle(space)  # a run cut off still covers the space evenly
+            space = space[:max_configs] if max_configs else space
+            measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue)
+            device = measurer.device_key()
+            task = bar.add_task(s.tag, total=len(space) + 1)
+            for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
+                writer.writerow(["vendor", p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
+            bar.advance(task)
+            for config in space:
+                results = measurer.measure(family, [(config, p) for p in s.problems])
+                for r, p in zip(results, s.problems):
+                    writer.writerow([config.key(), p.m, p.n, p.k, p.batch, repr(r.seconds), device,
+                                     r.error or "", s.tag])
+                fh.flush()
+                bar.advance(task)
+            meta["done"].append(s.tag)
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for table.csv and table.json")
+    p.add_argument("--sets", default="dense,attention,conv", help=f"comma list of: {', '.join(SETS)}")
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median; default 10)")
+    p.add_argument("--max-configs", type=int, help="measure only this many configs per set (a seeded sample)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        names = [n.strip() for n in args.sets.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SETS]
+        if unknown or not names:
+            raise DietcodeError(f"unknown set(s) {unknown or args.sets!r}; allowed: {', '.join(SETS)}")
+        if args.repeats < 1:
+            raise DietcodeError(f"--repeats must be >= 1, got {args.repeats}")
+        try:
+            import torch
+        except ImportError:
+            raise DietcodeError("recording a table needs torch with CUDA") from None
+        if not torch.cuda.is_available():
+            raise DietcodeError("recording a table needs a CUDA GPU and none is visible")
+        sets = [s for n in names for s in SETS[n]()]
+        path = record(sets, args.out, repeats=args.repeats, max_configs=args.max_configs, seed=args.seed,
+                      command=shlex.join(sys.argv))
+    except DietcodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} and {args.out / 'table.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Measurement tables: the GPU recorder's workload sets and CSV format, and the report by replay (CPU)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tuner.hardware import get_profile
+from tuner.simulate import simulate_table
+from tuner.space import Family, enumerate_space
+from tuner.workload import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+record_table = _load("record_table")
+report_table = _load("report_table")
+
+
+def test_sets_follow_the_recorded_shapes():
+    dense = record_table.dense_sets()
+    assert [s.tag for s in dense] == ["dense-768x768", "dense-3072x768", "dense-768x3072"]
+    assert sum(len(s.problems) for s in dense) == 384
+    assert dense[1].problems[0] == Problem(16, 3072, 768) and dense[1].problems[-1] == Problem(2048, 3072, 768)
+    qk, av = record_table.attention_sets()
+    assert qk.problems[4] == Problem(5, 5, 64, 192) and av.problems[4] == Problem(5, 64, 5, 192)
+
+
+@pytest.mark.slow
+def test_conv_sets_are_resnet50_layers():
+    sets = record_table.conv_sets(((1, 224, 224),))
+    stem = next(s for s in sets if s.conv.kernel == (7, 7))
+    assert stem.problems == (Problem(112 * 112, 64, 3 * 49, 1, (1, 224, 224)),)
+    assert len({s.tag for s in sets}) == len(sets) > 15
+
+
+def test_recorder_refuses_without_a_gpu(tmp_path):
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present: the recorder would record")
+    except ImportError:
+        pass
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record_table.py"), "--out", str(tmp_path),
+                          "--sets", "dense"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record_table.py"), "--out", str(tmp_path),
+                          "--sets", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "allowed: dense, attention, conv" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> Path:
+    """A small synthetic table in the recorder's CSV format (labelled synthetic in device and file name)."""
+    profile = get_profile("sm_90")
+    space = enumerate_space(Family("gemm", "float16", "sm_90"))[::12]
+    path = tmp_path_factory.mktemp("table") / "synthetic-table.csv"
+    with path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(record_table.COLUMNS)
+        for tag, problems in (("dense-768x768", [Problem(16 * t, 768, 768) for t in range(1, 25)]),
+                              ("attention-qk", [Problem(t, t, 64, 192) for t in range(1, 25)])):
+            for r in simulate_table(space, problems, profile, "float16", seed=3):
+                p = r.problem
+                writer.writerow([r.config, p.m, p.n, p.k, p.batch, repr(r.seconds), "synthetic:sm_90",
+                                 r.error or "", tag])
+    return path
+
+
+def test_report_figures_match_the_table(table, tmp_path):
+    figures = {f.tag: f for f in report_table.report(table, budget=128, plot=tmp_path / "speed.png")}
+    tables = report_table.load_table(table)
+    for tag, f in figures.items():
+        t = tables[tag]
+        oracle = t.times.min(axis=1)
+        assert math.isclose(f.oracle_vs_vendor, float(np.exp(np.mean(np.log(t.vendor / oracle)))))
+        assert f.vendor_wins == int((t.vendor < oracle).sum())
+        assert f.best_single_vs_vendor <= f.oracle_vs_vendor + 1e-12
+        assert f.regret >= 1.0 and f.search_trials <= 128
+        # with vendor leaves, dispatch is never better than the best of oracle and vendor per instance
+        assert f.dispatched_vs_vendor <= float(np.exp(np.mean(np.log(t.vendor / np.minimum(oracle, t.vendor))))) + 1e-9
+    assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_cli_json_and_bad_table(table, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report_table.py"), str(table), "--budget", "64",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {f["tag"] for f in data["figures"]} == {"dense-768x768", "attention-qk"}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report_table.py"), str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "is not a measurement table" in out.stderr
