@@ -125,7 +125,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     targets = tuple(t.strip() for t in args.target.split(",") if t.strip())
     options = optimize.OptimizeOptions(
-        targets=targets or ("sm_90",), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
+        targets=targets or optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet)
     return optimize.optimize_command(args.model, args.output, options)
@@ -140,9 +140,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("-o", "--output", required=True, help="where to write the optimized model")
     _add_instance_options(p)
-    p.add_argument("--target", default="sm_90",
-                   help="GPU arch(es) to compile for, comma-separated: sm_80, sm_89, sm_90 (default sm_90); "
-                        "tuning uses the first")
+    p.add_argument("--target", default="",
+                   help="GPU arch(es) to compile for, comma-separated: sm_80, sm_89, sm_90; tuning uses the "
+                        "first. Default: the visible GPU's (sm_90 without a GPU). Add sm_80 for a bundle "
+                        "that also runs on Ampere/Ada and, through its PTX, on newer GPUs")
     p.add_argument("--measure", default="auto",
                    help="gpu (time on this machine's GPU), analytic (roofline model, no GPU), replay:FILE "
                         "(a recorded table), or auto: gpu when a GPU is visible, else analytic")

@@ -19,7 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner.scan import ScanResult, attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
-__all__ = ["default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
+__all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
            "merge_problems", "optimize"]
 
 
@@ -251,6 +251,19 @@ class _Chosen:
     kernels: tuple  # MicroKernel | "vendor"
     tree: object  # dietcode_ort.bundle.DispatchTree
     report: WorkloadReport
+
+
+def default_targets() -> tuple[str, ...]:
+    """The visible GPU's target family (sm_90 for Hopper, sm_89 for Ada, sm_80 for the other Ampere
+    parts, whose cubins it runs), or sm_90 on a machine without a GPU."""
+    if not _gpu_visible():
+        return ("sm_90",)
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if major >= 9:
+        return ("sm_90",) if (major, minor) == (9, 0) else ("sm_80",)  # sm_90a cubins run on 9.0 only
+    return ("sm_89",) if (major, minor) == (8, 9) else ("sm_80",)
 
 
 def _gpu_visible() -> bool:
