@@ -95,7 +95,8 @@ def _cmd_space(args: argparse.Namespace) -> int:
     from tuner import aot, space
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else aot.default_cache_dir()
-    return space.space_command(args.target, args.op, args.dtype, as_json=args.json, compile_=args.compile,
+    compile_ = args.compile or (args.json and not args.estimate)  # JSON reports compiled shared bytes
+    return space.space_command(args.target, args.op, args.dtype, as_json=args.json, compile_=compile_,
                                workers=args.workers, cache_dir=cache_dir)
 
 
@@ -109,9 +110,13 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="GPU target: sm_80, sm_89 or sm_90")
     p.add_argument("--op", required=True, help="gemm, bmm or conv")
     p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON instead of tables; shared_bytes are the compiled kernels' (each candidate is "
+                        "compiled on demand and cached) unless --estimate is given")
     p.add_argument("--compile", action="store_true",
-                   help="compile each candidate; shared_bytes becomes the compiled kernel's")
+                   help="compile each candidate for the table too; shared_bytes becomes the compiled kernel's")
+    p.add_argument("--estimate", action="store_true",
+                   help="with --json: report the estimated shared bytes instead of compiling")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     p.add_argument("--cache-dir", default=None,
                    help="kernel cache folder (default: $DIETCODE_CACHE or ~/.cache/dietcode-ort/kernels)")

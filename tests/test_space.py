@@ -117,7 +117,7 @@ def test_profiles_and_resident_blocks() -> None:
 
 
 def test_space_command_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["space", "--target", "sm_90", "--op", "bmm", "--dtype", "bfloat16", "--json"]) == 0
+    assert main(["space", "--target", "sm_90", "--op", "bmm", "--dtype", "bfloat16", "--json", "--estimate"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["target"], out["op"], out["dtype"]) == ("sm_90", "bmm", "bfloat16")
     assert out["limits"]["smem_per_block_optin"] == 227 * 1024
@@ -142,3 +142,17 @@ def test_axes_products_are_all_enumerated() -> None:
     family = Family("conv", "float32", "sm_90")
     every = set(itertools.product(*AXES.values()))
     assert {tuple(c.to_dict().values()) for c in enumerate_space(family)} <= every
+
+
+def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path) -> None:
+    import tuner.space as space_mod
+
+    family = Family("gemm", "float16", "sm_90")
+    sample = enumerate_space(family)[:2]
+    monkeypatch.setattr(space_mod, "enumerate_space", lambda f: list(sample))  # keep the compile short
+    assert main(["space", "--target", "sm_90", "--op", "gemm", "--json", "--cache-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shared_source"] == "compiled"
+    assert [MicroKernel.from_dict(c) for c in out["configs"]] == sample
+    assert all(isinstance(c["shared_bytes"], int) and c["shared_bytes"] > 0 for c in out["configs"])
+    assert list(tmp_path.glob("*.json"))  # cached for the next call
