@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
-from tuner.scan import ScanResult, attach_instances, load_model, scan_model
+from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
@@ -121,7 +121,6 @@ def _geomean(values: Sequence[float], weights: Sequence[float]) -> float:
 def optimize(model_path: str | Path, output: str | Path, options: OptimizeOptions,
              log: Callable[[str], None] = print) -> OptimizeReport:
     """Run the whole pipeline; nothing is written unless every workload succeeds."""
-    from tuner import aot
     from tuner.rewrite import rewrite_model, save_model
 
     model_path, output = Path(model_path), Path(output)
