@@ -62,6 +62,15 @@ int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int mino
 // caller that gets 0 runs another kernel (ORT's own); dc_launch refuses such a launch.
 int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
 
+// The ABI view of one node call: the M, N, K, batch, batch strides and conv dims the CUDA path passes a
+// compiled kernel for these input shapes (c: Gemm's C or NULL). op 0 = MatMul (batched != 0 selects the
+// bmm view), 1 = Gemm (ints: trans_a, trans_b; floats: alpha, beta), 2 = Conv (ints: strides[2], pads[4],
+// dilations[2], group). 1: `out` holds the view; 0: the ABI cannot express the call (ORT's kernel runs);
+// -1: the shapes are invalid (message in dc_last_error). Pointers in `out` are left 0.
+int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c, size_t rc,
+                const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats, int batched,
+                dc_launch_args* out);
+
 // Whether libcuda loads and device `device` answers: fills name, compute capability and driver version.
 // 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.
 int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);

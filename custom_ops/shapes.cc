@@ -1,6 +1,8 @@
 // Output shapes and ABI views of the ai.dietcode ops (see shapes.h).
 #include "shapes.h"
 
+#include "bundle_impl.h"
+
 #include <algorithm>
 #include <limits>
 
@@ -196,3 +198,47 @@ bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs&
 }
 
 }  // namespace dietcode
+
+extern "C" int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c,
+                           size_t rc, const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats,
+                           int batched, dc_launch_args* out) {
+  using namespace dietcode;
+  if (a == nullptr || b == nullptr || out == nullptr || ra > 16 || rb > 16 || rc > 16) {
+    SetError("dc_abi_view: null shapes or arguments, or a rank above 16");
+    return -1;
+  }
+  const Shape sa(a, a + ra), sb(b, b + rb);
+  const Shape sc = c != nullptr ? Shape(c, c + rc) : Shape();
+  *out = dc_launch_args{};
+  Shape shape;
+  std::string error;
+  bool ok = false;
+  if (op == 0) {
+    ok = MatMulShape(sa, sb, &shape, &error) && MatMulView(sa, sb, shape, batched != 0, out);
+  } else if (op == 1) {
+    if (n_ints != 2 || n_floats != 2 || ints == nullptr || floats == nullptr) {
+      SetError("dc_abi_view: Gemm takes ints (trans_a, trans_b) and floats (alpha, beta)");
+      return -1;
+    }
+    GemmAttrs attrs;
+    attrs.trans_a = ints[0], attrs.trans_b = ints[1], attrs.alpha = floats[0], attrs.beta = floats[1];
+    ok = GemmShape(sa, sb, attrs, &shape, &error) && GemmView(sa, sb, c != nullptr ? &sc : nullptr, attrs, out);
+  } else if (op == 2) {
+    if (n_ints != 9 || ints == nullptr) {
+      SetError("dc_abi_view: Conv takes ints (strides[2], pads[4], dilations[2], group)");
+      return -1;
+    }
+    ConvAttrs attrs;
+    attrs.strides = {ints[0], ints[1]}, attrs.pads = {ints[2], ints[3], ints[4], ints[5]};
+    attrs.dilations = {ints[6], ints[7]}, attrs.group = ints[8];
+    ok = ConvShape(sa, sb, attrs, &shape, &error) && ConvView(sa, sb, shape, attrs, out);
+  } else {
+    SetError("dc_abi_view: op must be 0 (MatMul), 1 (Gemm) or 2 (Conv)");
+    return -1;
+  }
+  if (!error.empty()) {
+    SetError(error);
+    return -1;
+  }
+  return ok ? 1 : 0;
+}

@@ -110,6 +110,9 @@ class Core:
         lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
+        lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
+                                    ctypes.POINTER(LaunchArgs)]
         self.lib = lib
         if lib.dc_abi_version() != C_ABI_VERSION:
             raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects "
@@ -124,6 +127,23 @@ class Core:
         if not handle:
             raise DietcodeError(self.error())
         return CoreBundle(self, handle)
+
+    def abi_view(self, op: str, a: Sequence[int], b: Sequence[int], c: Sequence[int] | None = None, *,
+                 ints: Sequence[int] = (), floats: Sequence[float] = (), batched: bool = False
+                 ) -> LaunchArgs | None:
+        """The launch arguments the CUDA path gives a compiled kernel for a node call with these input
+        shapes (``dc_abi_view``); None when ORT's own kernel runs that call instead."""
+        ops = {"MatMul": 0, "Gemm": 1, "Conv": 2}
+        if op not in ops:
+            raise DietcodeError(f"abi_view: op {op!r}, allowed: {', '.join(ops)}")
+        arr = lambda v, t=ctypes.c_int64: (t * max(1, len(v)))(*v)  # noqa: E731
+        out = LaunchArgs()
+        r = self.lib.dc_abi_view(ops[op], arr(a), len(a), arr(b), len(b), arr(c) if c is not None else None,
+                                 len(c) if c is not None else 0, arr(ints), len(ints), arr(floats, ctypes.c_float),
+                                 len(floats), int(batched), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
 
     def cuda_probe(self, device: int = 0) -> dict[str, Any]:
         """libcuda + cuInit + device name and compute capability; DietcodeError when any is missing."""

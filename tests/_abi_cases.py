@@ -1,0 +1,144 @@
+"""The kernel ABI end to end without a GPU: the C++ runtime's view of a node call drives the Triton template.
+
+For each ONNX node call below, the custom-op library computes the launch arguments its CUDA path would
+pass (``dc_abi_view``: M, N, K, batch, batch strides, conv dims); this script then launches the matching
+template under ``TRITON_INTERPRET=1`` with exactly those arguments, in the ABI's parameter order and grid
+rule (as ``custom_ops/launch.cc`` does with a cubin), and compares with the ONNX semantics computed by torch.
+Run by tests/test_abi_contract.py in a child process (the interpreter flag must precede importing triton).
+Prints one JSON object {case: {"view": "kernel"|"vendor", "max_err": float}}.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AbiCase", "CASES", "main"]
+
+
+@dataclass(frozen=True)
+class AbiCase:
+    name: str
+    onnx_op: str  # MatMul | Gemm | Conv
+    a: tuple[int, ...]
+    b: tuple[int, ...]
+    bias: tuple[int, ...] | None = None
+    activation: str = "none"
+    attrs: dict[str, Any] = field(default_factory=dict)
+    config: tuple[int, ...] = (16, 16, 16, 2, 2)  # MicroKernel fields
+    dtype: str = "float32"
+    expect_kernel: bool = True  # False: the ABI cannot express it and ORT's kernel runs
+
+
+CASES: tuple[AbiCase, ...] = (
+    AbiCase("matmul_3d_bias_relu", "MatMul", (3, 17, 40), (40, 24), bias=(24,), activation="relu"),
+    AbiCase("matmul_m1_gelu", "MatMul", (1, 33), (33, 20), activation="gelu"),
+    AbiCase("matmul_fp16", "MatMul", (2, 9, 32), (32, 48), bias=(48,), dtype="float16"),
+    AbiCase("matmul_split_k", "MatMul", (5, 64), (64, 12), config=(16, 16, 16, 2, 2, 8, 2)),
+    AbiCase("attention_4d", "MatMul", (2, 3, 17, 8), (2, 3, 8, 19)),
+    AbiCase("attention_a_broadcast", "MatMul", (17, 8), (2, 3, 8, 19)),
+    AbiCase("attention_partial_broadcast", "MatMul", (2, 3, 17, 8), (1, 3, 8, 19), expect_kernel=False),
+    AbiCase("gemm_trans_b_bias", "Gemm", (13, 40), (24, 40), bias=(24,), attrs={"trans_b": 1}),
+    AbiCase("gemm_alpha", "Gemm", (13, 40), (40, 24), attrs={"alpha": 2.0}, expect_kernel=False),
+    AbiCase("conv_stride2_pad_bias_relu", "Conv", (2, 3, 17, 15), (8, 3, 3, 3), bias=(8,), activation="relu",
+            attrs={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
+    AbiCase("conv_dilated_asymmetric", "Conv", (1, 4, 12, 11), (6, 4, 3, 2),
+            attrs={"pads": (0, 1, 2, 1), "dilations": (2, 1)}),
+)
+
+
+def _view(core: Any, case: AbiCase, batched: bool) -> Any:
+    at = case.attrs
+    if case.onnx_op == "MatMul":
+        return core.abi_view("MatMul", case.a, case.b, batched=batched)
+    if case.onnx_op == "Gemm":
+        return core.abi_view("Gemm", case.a, case.b, case.bias, ints=(0, at.get("trans_b", 0)),
+                             floats=(at.get("alpha", 1.0), 1.0))
+    ints = (*at.get("strides", (1, 1)), *at.get("pads", (0, 0, 0, 0)), *at.get("dilations", (1, 1)), 1)
+    return core.abi_view("Conv", case.a, case.b, case.bias, ints=ints)
+
+
+def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any) -> Any:
+    at = case.attrs
+    a32, b32 = a.float(), b.float()
+    if case.onnx_op == "MatMul":
+        y = torch.matmul(a32, b32)
+    elif case.onnx_op == "Gemm":
+        y = at.get("alpha", 1.0) * (a32 @ (b32.T if at.get("trans_b") else b32))
+    else:
+        top, left, bottom, right = at.get("pads", (0, 0, 0, 0))
+        y = torch.nn.functional.conv2d(torch.nn.functional.pad(a32, (left, right, top, bottom)), b32,
+                                       stride=at.get("strides", (1, 1)), dilation=at.get("dilations", (1, 1)))
+        if bias is not None:
+            y = y + bias.float()[None, :, None, None]
+        bias = None
+    if bias is not None:
+        y = y + bias.float()
+    if case.activation == "relu":
+        y = torch.relu(y)
+    elif case.activation == "gelu":
+        y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
+    return y
+
+
+def run_case(case: AbiCase) -> dict[str, Any]:
+    import torch
+    import triton
+
+    from dietcode_ort.runtime import load_core
+    from tuner import templates
+    from tuner.workload import ConvParams
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    a, b = torch.randn(case.a, dtype=dtype), torch.randn(case.b, dtype=dtype)
+    bias = torch.randn(case.bias, dtype=dtype) if case.bias else None
+    batched = case.onnx_op == "MatMul" and (len(case.a) > 2 and len(case.b) > 2 or len(case.b) > 2)
+    args = _view(load_core(), case, batched)
+    if args is None:
+        return {"view": "vendor"}
+    op = {"MatMul": "bmm" if batched else "gemm", "Gemm": "gemm", "Conv": "conv"}[case.onnx_op]
+    bm, bn, bk, warps, stages, *rest = case.config
+    group_m, split_k = (rest + [8, 1])[:2] if rest else (8, 1)
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=case.activation, DOT_PRECISION="ieee", BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+    if op == "conv":
+        at = case.attrs
+        oc, c, kh, kw = case.b
+        meta.update(templates.conv_geometry(ConvParams(c, oc, (kh, kw), tuple(at.get("strides", (1, 1))),
+                                                       tuple(at.get("pads", (0, 0, 0, 0))),
+                                                       tuple(at.get("dilations", (1, 1))))))
+        out_shape = (args.img_n, oc, args.out_h, args.out_w)
+    else:
+        meta["TRANS_B"] = bool(case.attrs.get("trans_b", 0))
+        out_shape = tuple(torch.matmul(torch.empty(case.a, device="meta"), torch.empty(case.b, device="meta").mT
+                                       if meta["TRANS_B"] else torch.empty(case.b, device="meta")).shape)
+    c_out = torch.zeros(out_shape, dtype=dtype)  # the runtime zeroes C for split-K kernels
+    pointers = {"a": a.contiguous(), "b": b.contiguous(), "bias": bias, "c": c_out}
+    values = [pointers[p] if p in pointers else getattr(args, p) for p in templates.ABI_PARAMS[op]]
+    grid = (triton.cdiv(args.M, bm) * triton.cdiv(args.N, bn), split_k, max(1, args.batch))  # the ABI's grid rule
+    templates.KERNELS[op][grid](*values, **meta)
+    want = _reference(torch, case, a, b, bias)
+    return {"view": "kernel", "max_err": float((c_out.float() - want).abs().max()),
+            "scale": float(want.abs().max())}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    out = {}
+    for case in CASES:
+        try:
+            out[case.name] = run_case(case)
+        except Exception as exc:  # reported per case
+            out[case.name] = {"view": "error", "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
