@@ -34,6 +34,11 @@ struct Kernel {
   uint32_t num_warps = 4, shared = 0, block_m = 1, block_n = 1, split_k = 1;
   bool zero_output = false;
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
+  // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
+  // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,
+  // stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor kernels).
+  uint8_t dtype = 0, activation = 0, trans_b = 0;
+  uint32_t conv[9] = {};
   std::vector<uint8_t> params;
   std::vector<Image> images;
   std::string ptx;

@@ -138,8 +138,11 @@ void ReadFeatures(Reader r, dc_bundle* b) {
 void ValidateKernel(const Kernel& k, uint32_t index) {
   std::string where = "kernel " + std::to_string(index) + " (" + k.name + ")";
   if (k.kind == kVendor) {
-    if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16) {
-      Fail(where + ": a vendor kernel carries no cubin, PTX, params or div16 assumptions");
+    bool any_conv = false;
+    for (uint32_t v : k.conv) any_conv |= v != 0;
+    if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
+        k.trans_b || any_conv) {
+      Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
   }
@@ -158,6 +161,13 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     seen[p] = true;
   }
   if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
+  // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
+  static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
+  static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
+  for (int i = 0; i < 9; ++i) {
+    const bool ok = seen[kImgH] ? (k.conv[i] >= kConvMin[i] && k.conv[i] <= kConvMax[i]) : k.conv[i] == 0;
+    if (!ok) Fail(where + ": conv geometry field " + std::to_string(i) + " = " + std::to_string(k.conv[i]) + " invalid");
+  }
   for (uint32_t p = 0; p < 16; ++p) {
     if ((k.div16 >> p & 1u) && (p >= kParamCount || !seen[p])) {
       Fail(where + ": div16 mask names param " + std::to_string(p) + ", which the kernel does not take");
@@ -200,6 +210,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.block_m = sub.Get<uint32_t>("block_m");
     k.block_n = sub.Get<uint32_t>("block_n");
     k.split_k = sub.Get<uint32_t>("split_k");
+    k.dtype = sub.Get<uint8_t>("dtype");
+    k.activation = sub.Get<uint8_t>("activation");
+    k.trans_b = sub.Get<uint8_t>("trans_b");
+    if (sub.Get<uint8_t>("reserved") != 0 || k.dtype > 2 || k.activation > 2 || k.trans_b > 1) {
+      Fail("kernel " + std::to_string(index) + ": dtype " + std::to_string(k.dtype) + " / activation " +
+           std::to_string(k.activation) + " / trans_b " + std::to_string(k.trans_b) + " / reserved invalid");
+    }
+    for (uint32_t& v : k.conv) v = sub.Get<uint32_t>("conv geometry");
     k.name = Utf8(sub.String(sub.Count("name length", kMaxName, 1), "name"), "kernel name");
     uint32_t n_params = sub.Count("param count", kMaxParams);
     const uint8_t* params = sub.Take(n_params, "params");
@@ -536,6 +554,69 @@ int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args)
   std::string why;
   if (dietcode::MeetsAssumptions(b->kernels[k], *args, &why)) return 1;
   SetError(why);
+  return 0;
+}
+
+int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, int32_t* activation, int32_t* trans_b,
+                               int32_t* conv9) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (dtype) *dtype = kernel.dtype;
+  if (activation) *activation = kernel.activation;
+  if (trans_b) *trans_b = kernel.trans_b;
+  if (conv9) {
+    for (int i = 0; i < 9; ++i) conv9[i] = static_cast<int32_t>(kernel.conv[i]);
+  }
+  return 0;
+}
+
+int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation, int trans_b, const int64_t* conv8,
+                         int explicit_pads) {
+  if (b == nullptr || (base == 2 && conv8 == nullptr)) {
+    SetError("dc_bundle_check_node: null bundle or conv attributes");
+    return -1;
+  }
+  for (size_t k = 0; k < b->kernels.size(); ++k) {
+    const dietcode::Kernel& kernel = b->kernels[k];
+    if (kernel.kind == dietcode::kVendor) continue;
+    const std::string which = "bundle kernel " + std::to_string(k) + " ('" + kernel.name + "')";
+    if (kernel.dtype != dtype) {
+      SetError(which + " was compiled for another element type than the node's");
+      return -1;
+    }
+    if (kernel.activation != activation) {
+      SetError(which + " was compiled for another activation than the op type's");
+      return -1;
+    }
+    if (kernel.trans_b != trans_b) {
+      SetError(which + " was compiled with transB=" + std::to_string(kernel.trans_b) + ", the node has " +
+               std::to_string(trans_b));
+      return -1;
+    }
+    const bool conv_kernel = kernel.conv[0] != 0;
+    if (conv_kernel != (base == 2)) {
+      SetError(which + " is not a kernel for this op type");
+      return -1;
+    }
+    if (!conv_kernel) continue;
+    if (!explicit_pads) {
+      SetError(which + " needs explicit pads, the node has auto_pad");
+      return -1;
+    }
+    // conv8: strides h, w, pads top, left, dilations h, w, kernel_shape h, w (0: not given)
+    const int64_t node[9] = {kernel.conv[0], conv8[6] ? conv8[6] : kernel.conv[1], conv8[7] ? conv8[7] : kernel.conv[2],
+                             conv8[0], conv8[1], conv8[2], conv8[3], conv8[4], conv8[5]};
+    for (int i = 0; i < 9; ++i) {
+      if (node[i] != static_cast<int64_t>(kernel.conv[i])) {
+        SetError(which + " was compiled for another conv geometry (field " + std::to_string(i) + ": " +
+                 std::to_string(kernel.conv[i]) + ", the node has " + std::to_string(node[i]) + ")");
+        return -1;
+      }
+    }
+  }
   return 0;
 }
 

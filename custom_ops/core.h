@@ -47,6 +47,19 @@ int dc_bundle_features(const dc_bundle* bundle, const int64_t* const* dims, cons
 // 1 if kernel k is the "vendor" kind (run ONNX Runtime's kernel), 0 if a compiled kernel, -1 on error.
 int dc_bundle_kernel_is_vendor(const dc_bundle* bundle, int32_t k);
 
+// What compiled kernel k was built for: dtype (0 float32, 1 float16, 2 bfloat16), activation (0 none,
+// 1 relu, 2 gelu), trans_b, and for conv kernels conv9 = channels, KH, KW, stride h, stride w, pad top,
+// pad left, dilation h, dilation w (zeros otherwise). Any pointer may be NULL. 0 on success.
+int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtype, int32_t* activation,
+                               int32_t* trans_b, int32_t* conv9);
+
+// Whether every compiled kernel of the bundle was built for this node: dtype (as above), base op (0 MatMul,
+// 1 Gemm, 2 Conv), activation, trans_b, and for Conv conv8 = strides h, w, pads top, left, dilations h, w,
+// kernel_shape h, w (0 where the node does not give it) and explicit_pads (0 when the node uses auto_pad).
+// 0 if they all fit, -1 with a message naming the first that does not.
+int dc_bundle_check_node(const dc_bundle* bundle, int dtype, int base, int activation, int trans_b,
+                         const int64_t* conv8, int explicit_pads);
+
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);
 

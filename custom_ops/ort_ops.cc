@@ -8,6 +8,7 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <array>
 #include <cmath>
 #include <exception>
 #include <memory>
@@ -127,6 +128,7 @@ class DietcodeKernel {
       conv_.group = AttrOr<int64_t>(info, "group", 1);
       conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
     }
+    if (cuda_) CheckKernelsBuiltForNode();
     CreateVendorOps(raw_info);
   }
 
@@ -181,6 +183,27 @@ class DietcodeKernel {
         Throw("bundle kernel " + std::to_string(k) + (spec_.bias ? " takes no bias but the op type has one"
                                                                   : " takes a bias but the op type has none"));
       }
+    }
+  }
+
+  // Compiled kernels run on CUDA with their constexprs baked in: the element type, activation, transposed B
+  // and a conv layer's geometry must be this node's, or a kernel would compute something else or read past
+  // its inputs. (The CPU EP never launches them.) Per call, ComputeCuda also checks a conv's channels and
+  // kernel size against the weight it is given.
+  void CheckKernelsBuiltForNode() {
+    const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    const int trans_b = spec_.base == BaseOp::kGemm ? static_cast<int>(gemm_.trans_b) : 0;
+    auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
+    const int64_t conv8[8] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1), at(conv_.pads, 0, 0),
+                              at(conv_.pads, 1, 0), at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1),
+                              at(conv_.kernel_shape, 0, 0), at(conv_.kernel_shape, 1, 0)};
+    if (dc_bundle_check_node(bundle_.get(), dtype, static_cast<int>(spec_.base), static_cast<int>(spec_.activation),
+                             trans_b, conv8, conv_.auto_pad == "NOTSET") != 0) {
+      Throw(dc_last_error());
+    }
+    conv_geometry_.assign(n_kernels_, {});
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      dc_bundle_kernel_built_for(bundle_.get(), k, nullptr, nullptr, nullptr, conv_geometry_[k].data());
     }
   }
 
@@ -343,6 +366,12 @@ class DietcodeKernel {
       } else if (spec_.base == BaseOp::kGemm) {
         abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
       } else {
+        const std::array<int32_t, 9>& g = conv_geometry_[k];
+        if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
+            shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
+          Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
+                " was compiled for");
+        }
         abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
       }
     }
@@ -396,6 +425,7 @@ class DietcodeKernel {
   ONNXTensorElementDataType dtype_;
   std::string where_;
   BundlePtr bundle_;
+  std::vector<std::array<int32_t, 9>> conv_geometry_;  // per kernel, CUDA only (see CheckKernelsBuiltForNode)
   int32_t n_kernels_ = 0;
   bool has_vendor_kernel_ = false;
   bool has_bias_input_ = false;

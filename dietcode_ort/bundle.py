@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from dietcode_ort.errors import DietcodeError
 
 __all__ = [
-    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "LIMITS",
+    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
 ]
 
@@ -34,6 +34,11 @@ PARAM_NAMES: tuple[str, ...] = (
     "img_n", "img_h", "img_w", "out_h", "out_w",
 )
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
+DTYPE_CODES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
+# A conv kernel's geometry (its constexprs), in the payload's order, with the allowed ranges.
+CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", "PAD_H", "PAD_W", "DIL_H", "DIL_W")
+_CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
@@ -97,6 +102,12 @@ class BundleKernel:
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
+    # what a compiled kernel was built for; the CUDA path refuses a node it does not fit (a vendor kernel
+    # leaves these at their defaults: float32, none, False, ())
+    dtype: str = "float32"
+    activation: str = "none"
+    trans_b: bool = False
+    conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
 
     @classmethod
     def vendor(cls) -> "BundleKernel":
@@ -127,7 +138,8 @@ class BundleKernel:
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
                    shared=max(int(c.shared) for c in compiled), block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
-                   div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))))
+                   div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
+                   **_built_for(first))
 
     def validate(self, index: int) -> None:
         """Check the fields the C++ reader checks; raises DietcodeError naming the kernel."""
@@ -137,8 +149,9 @@ class BundleKernel:
         if not 1 <= len(self.name.encode()) <= LIMITS["name"]:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
-            if self.images or self.ptx or self.params or self.div16:
-                raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params or div16 assumptions")
+            if (self.images or self.ptx or self.params or self.div16 or self.dtype != "float32"
+                    or self.activation != "none" or self.trans_b or self.conv):
+                raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
         if self.num_warps not in VALID_NUM_WARPS:
             raise _fail(f"{where}: num_warps {self.num_warps}, allowed: {VALID_NUM_WARPS}")
@@ -163,6 +176,15 @@ class BundleKernel:
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
+        if self.dtype not in DTYPE_CODES or self.activation not in ACTIVATION_CODES:
+            raise _fail(f"{where}: dtype {self.dtype!r} / activation {self.activation!r}; allowed "
+                        f"{DTYPE_CODES} / {ACTIVATION_CODES}")
+        conv = self.conv or (0,) * len(CONV_FIELDS)
+        if len(conv) != len(CONV_FIELDS):
+            raise _fail(f"{where}: conv geometry needs {len(CONV_FIELDS)} values {CONV_FIELDS}, got {len(conv)}")
+        for i, (v, (lo, hi)) in enumerate(zip(conv, _CONV_RANGES)):
+            if not ((lo <= v <= hi) if "img_h" in self.params else v == 0):
+                raise _fail(f"{where}: conv geometry field {i} = {v} invalid")
         if len(self.images) > LIMITS["images"]:
             raise _fail(f"{where}: {len(self.images)} cubins, at most {LIMITS['images']}")
         seen = set()
@@ -181,6 +203,23 @@ class BundleKernel:
 
 _ARCH_RE = re.compile(r"^sm_(\d+)(a?)$")
 _PTX_TARGET_RE = re.compile(rb"^[ \t]*\.target[ \t]+sm_(\d{1,6})(a?)", re.MULTILINE)
+
+
+def _built_for(compiled: Any) -> dict[str, Any]:
+    """The build facts of a tuner/aot CompiledKernel (absent fields keep BundleKernel's defaults)."""
+    out: dict[str, Any] = {}
+    family = getattr(compiled, "family", None)
+    if family is not None:
+        out["dtype"] = family.dtype
+    epilogue = getattr(compiled, "epilogue", None)
+    if epilogue is not None:
+        out["activation"] = epilogue.activation
+    if hasattr(compiled, "trans_b"):
+        out["trans_b"] = bool(compiled.trans_b)
+    conv = getattr(compiled, "conv", None)
+    if conv is not None:
+        out["conv"] = (conv.in_channels, *conv.kernel, *conv.strides, conv.pads[0], conv.pads[1], *conv.dilations)
+    return out
 
 
 def _compiled_arch(arch: Any) -> str:
@@ -421,6 +460,8 @@ class Bundle:
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
+            body += struct.pack("<BBBB9I", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),
+                                int(k.trans_b), 0, *(k.conv or (0,) * len(CONV_FIELDS)))
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))
@@ -533,6 +574,9 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
             raise _fail(f"kernel {k}: kind {kind} / flags {flags} invalid")
         if mask >> len(PARAM_NAMES):
             raise _fail(f"kernel {k}: div16 mask names param {mask.bit_length() - 1}, which the kernel does not take")
+        dtype, act, trans_b, reserved, *conv = sub.unpack("BBBB9I", "build facts")
+        if reserved or dtype >= len(DTYPE_CODES) or act >= len(ACTIVATION_CODES) or trans_b > 1:
+            raise _fail(f"kernel {k}: dtype {dtype} / activation {act} / trans_b {trans_b} / reserved invalid")
         name = _utf8(sub.take(sub.count("name length", LIMITS["name"], 1), "name"), "kernel name")
         raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
         if any(p >= len(PARAM_NAMES) for p in raw_params):
@@ -554,7 +598,9 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images), ptx=ptx,
                                 params=tuple(PARAM_NAMES[p] for p in raw_params), num_warps=warps, shared=shared,
                                 block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT),
-                                div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1)))
+                                div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1),
+                                dtype=DTYPE_CODES[dtype], activation=ACTIVATION_CODES[act], trans_b=bool(trans_b),
+                                conv=tuple(conv) if any(conv) else ()))
     r.done()
     return tuple(out)
 

@@ -110,6 +110,8 @@ class Core:
         lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
+                                             ctypes.c_int]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
@@ -200,6 +202,19 @@ class CoreBundle:
             raise DietcodeError(self.core.error())
         kind, arch = desc.value.decode().split()
         return kind, arch
+
+    def check_node(self, dtype: str, op: str, activation: str = "none", trans_b: bool = False,
+                   conv: Sequence[int] = (1, 1, 0, 0, 1, 1, 0, 0), explicit_pads: bool = True) -> None:
+        """Whether the compiled kernels fit a node (what the CUDA path checks at session creation);
+        DietcodeError naming the first that does not. ``conv``: strides h, w, pads top, left, dilations
+        h, w, kernel_shape h, w (0 = not given)."""
+        from dietcode_ort.bundle import ACTIVATION_CODES, DTYPE_CODES
+
+        arr = (ctypes.c_int64 * 8)(*conv)
+        if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv").index(op),
+                                              ACTIVATION_CODES.index(activation), int(trans_b), arr,
+                                              int(explicit_pads)):
+            raise DietcodeError(self.core.error())
 
     def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:
         """Whether ``args`` meet kernel k's div16 assumptions, and if not, why."""

@@ -264,3 +264,61 @@ def test_div16_naming_a_param_the_kernel_lacks_is_refused(core) -> None:
         bad_bytes = bytearray(data)
         struct.pack_into("<H", bad_bytes, at, mask)
         _both_refuse(core, bytes(bad_bytes), pattern)
+
+
+def _conv_kernel(**kw: object) -> BundleKernel:
+    base = dict(params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+                div16=(), dtype="float16", activation="relu", conv=(64, 3, 3, 2, 2, 1, 1, 1, 1))
+    base.update(kw)
+    return _kernel("conv_k", **base)
+
+
+def test_build_facts_round_trip_and_must_fit_the_node(core) -> None:
+    gemm = _kernel("g", dtype="float16", activation="gelu", trans_b=True)
+    bundle = Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), DispatchTree.single(1))
+    back = Bundle.from_bytes(bundle.to_bytes()).kernels[1]
+    assert (back.dtype, back.activation, back.trans_b, back.conv) == ("float16", "gelu", True, ())
+    parsed = core.parse(bundle.to_bytes())
+    parsed.check_node("float16", "Gemm", "gelu", trans_b=True)
+    for args, pattern in ((("float32", "Gemm", "gelu", True), "another element type"),
+                          (("float16", "Gemm", "relu", True), "another activation"),
+                          (("float16", "Gemm", "gelu", False), "transB=1, the node has 0"),
+                          (("float16", "Conv", "gelu", True), "not a kernel for this op type")):
+        with pytest.raises(DietcodeError, match=pattern):
+            parsed.check_node(*args)
+
+    conv = core.parse(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(),), DispatchTree.single(0)).to_bytes())
+    conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3))
+    conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 0, 0))  # kernel_shape not given
+    with pytest.raises(DietcodeError, match="another conv geometry"):
+        conv.check_node("float16", "Conv", "relu", conv=(1, 1, 1, 1, 1, 1, 3, 3))
+    with pytest.raises(DietcodeError, match="another conv geometry"):
+        conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 5, 5))
+    with pytest.raises(DietcodeError, match="needs explicit pads"):
+        conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3), explicit_pads=False)
+
+
+@pytest.mark.parametrize("kernel, pattern", [
+    (BundleKernel(name="v", kind="vendor", dtype="float16"), "vendor kernel carries no"),
+    (_kernel("g", conv=(64, 3, 3, 1, 1, 0, 0, 1, 1)), "conv geometry field 0"),
+    (_conv_kernel(conv=(0, 3, 3, 1, 1, 0, 0, 1, 1)), "conv geometry field 0"),
+    (_conv_kernel(conv=(64, 3, 3, 1, 1, 0, 0, 1, 999)), "conv geometry field 8"),
+])
+def test_bad_build_facts_are_refused(core, kernel, pattern) -> None:
+    bundle = Bundle((Feature("M", ((0, 0),)),), (kernel,), DispatchTree.single(0))
+    with pytest.raises(DietcodeError, match=pattern):
+        bundle.validate()
+    # the same bytes, written without validation, are refused by both readers
+    _both_refuse(core, _unchecked_bytes(bundle), pattern)
+
+
+def _unchecked_bytes(bundle: Bundle) -> bytes:
+    """Serialize without validating (to_bytes may validate first)."""
+    import dietcode_ort.bundle as mod
+
+    original = mod.Bundle.validate
+    try:
+        mod.Bundle.validate = lambda self: None  # type: ignore[method-assign]
+        return bundle.to_bytes()
+    finally:
+        mod.Bundle.validate = original  # type: ignore[method-assign]

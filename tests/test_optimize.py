@@ -88,6 +88,8 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         assert all(k["kind"] == "triton" and k["archs"] == ["sm_90a"] for k in node["kernels"])
         # pointers always, and N/K because 64 and 176 are multiples of 16 (checked again per call)
         assert all(k["div16"] == ["a", "b", "c", "N", "K"] for k in node["kernels"])
+        assert all(k["built_for"] == {"dtype": "float32", "activation": "none", "trans_b": False, "conv": []}
+                   for k in node["kernels"])
         assert node["tree"]["if_chain"]
     # the same bundle and tree describe() reads in-process
     assert [n["name"] for n in describe(onnx.load(str(out)))] == [n["name"] for n in nodes]

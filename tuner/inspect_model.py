@@ -40,7 +40,9 @@ def describe(model: onnx.ModelProto) -> list[dict]:
             "name": node.name, "op": node.op_type, "workload": info.get("workload"),
             "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
-                         "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16)}
+                         "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16),
+                         "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
+                                       "conv": list(k.conv)}}
                         for k in bundle.kernels],
             "configs": info.get("kernels"),
             "features": [f.name for f in bundle.features],
