@@ -22,7 +22,7 @@ _BOUNDARY = [0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 63, 64, 255, 256, 1023, 1024, 6553
 
 def _seeds() -> list[bytes]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_bundle import _kernel, sample_bundle
+    from test_bundle import _conv_kernel, _kernel, sample_bundle
 
     from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 
@@ -30,6 +30,9 @@ def _seeds() -> list[bytes]:
     out.append(Bundle((), (BundleKernel.vendor(),), DispatchTree.single(0)).to_bytes())
     out.append(Bundle((Feature("T", ((0, 1),)),), (_kernel("a", images=(), ptx=".target sm_90a\n"), _kernel("b")),
                       DispatchTree((0, -1, -1), (16, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    out.append(Bundle((Feature("N", ((0, 0),)), Feature("H", ((0, 2),))),
+                      (_conv_kernel(), BundleKernel.vendor(), _kernel("g", dtype="bfloat16", trans_b=True)),
+                      DispatchTree((1, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
 
