@@ -23,7 +23,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dietcode_ort import bench  # noqa: E402  (the repository root must be on the path first)
+from dietcode_ort import bench, bench_report  # noqa: E402  (the repository root must be on the path first)
 from dietcode_ort.errors import DietcodeError  # noqa: E402
 
 __all__ = ["Suite", "SUITES", "slugify", "results_dir", "shape_log", "run_suite", "main"]
@@ -63,7 +63,7 @@ def slugify(text: str) -> str:
 
 
 def results_dir(base: Path, provider: str) -> Path:
-    return base / slugify(bench.device_name(provider))
+    return base / slugify(bench_report.device_name(provider))
 
 
 def shape_log(model: Path, suite: Suite, provider: str) -> dict:

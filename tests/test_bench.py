@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dietcode_ort import bench
+from dietcode_ort import bench, bench_report
 from dietcode_ort.cli import main
 from dietcode_ort.errors import DietcodeError
 
@@ -85,8 +85,8 @@ def test_json_schema_and_plot(tmp_path: Path) -> None:
     opts = _options(model, model, tmp_path, dims=("tokens=1,3,5",), json_path=tmp_path / "r.json",
                     plot_path=tmp_path / "r.png")
     report = bench.run_bench(opts, register=_no_register)
-    bench.write_json(report, opts.json_path)
-    bench.write_plot(report, opts.plot_path)
+    bench_report.write_json(report, opts.json_path)
+    bench_report.write_plot(report, opts.plot_path)
     data = json.loads((tmp_path / "r.json").read_text())
     assert set(data) == {"schema", "environment", "settings", "optimized_custom_nodes", "shapes", "summary"}
     env = data["environment"]
@@ -115,7 +115,7 @@ def test_plot_with_two_swept_symbols(tmp_path: Path) -> None:
                              register=_no_register)
     assert [dict(s.dims) for s in report.shapes] == [{"batch": 1, "seq": 4}, {"batch": 1, "seq": 8},
                                                      {"batch": 2, "seq": 4}, {"batch": 2, "seq": 8}]
-    bench.write_plot(report, tmp_path / "p" / "plot.png")
+    bench_report.write_plot(report, tmp_path / "p" / "plot.png")
     assert (tmp_path / "p" / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
