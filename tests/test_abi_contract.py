@@ -6,28 +6,16 @@ result must match the ONNX semantics. This is what a cubin launched by custom_op
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from _abi_cases import CASES
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from _interpreter import run_interpreted
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_abi_cases.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("_abi_cases.py")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -6,28 +6,17 @@ one case's result. Input validation of the launcher runs in-process (no kernel i
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _interpreter import run_interpreted
 from _template_cases import CASES
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_template_cases.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("_template_cases.py")
 
 
 @pytest.mark.parametrize("name", [case.name for case in CASES])
