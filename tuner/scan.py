@@ -19,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from dietcode_ort.errors import DietcodeError
+from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
@@ -29,7 +30,7 @@ _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16
            onnx.TensorProto.BFLOAT16: "bfloat16"}
 _OPS = ("MatMul", "Gemm", "Conv")
 
-Dim = "int | str"  # a dim is an int or a sympy expression string over the model's symbols
+Dim = "int | str"  # a dim is an int or an expression text over the model's symbols (tuner.shape_expr)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,44 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     return copy
 
 
+def _alias_dims(model: onnx.ModelProto) -> dict[str, str]:
+    """Give each dim name that is not a plain identifier a plain stand-in, in place; returns stand-in ->
+    name.
+
+    Shape inference prints its results as sympy does, so a name such as ``input-ids.1`` would come back
+    inside texts like ``2*input-ids.1`` that no grammar can read; stand-ins come back intact.
+    """
+    dims = [d for vi in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)
+            if vi.type.HasField("tensor_type") for d in vi.type.tensor_type.shape.dim if d.dim_param]
+    names = {d.dim_param for d in dims}
+    aliases: dict[str, str] = {}
+    for name in sorted(names):
+        if shape_expr.is_plain_name(name):
+            continue
+        alias = f"dim_alias_{len(aliases)}"
+        while alias in names:
+            alias += "_"
+        aliases[name] = alias
+    for d in dims:
+        if d.dim_param in aliases:
+            d.dim_param = aliases[d.dim_param]
+    return {alias: name for name, alias in aliases.items()}
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A dim whose text is outside tuner.shape_expr's grammar: nodes that need it are refused."""
+
+    reason: str
+
+
+def _dim_text(text: str, aliases: dict[str, str]) -> str | _Unreadable:
+    try:
+        return shape_expr.to_text(shape_expr.parse(text, aliases))
+    except shape_expr.ShapeExprError as exc:
+        return _Unreadable(str(exc))
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -134,7 +173,8 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
 class _Graph:
     """Index of an inferred graph: shapes, dtypes, producers, consumers, constants."""
 
-    def __init__(self, model: onnx.ModelProto, initializers: Sequence[onnx.TensorProto]):
+    def __init__(self, model: onnx.ModelProto, initializers: Sequence[onnx.TensorProto],
+                 aliases: dict[str, str] | None = None):
         g = model.graph
         self.inits = {i.name: i for i in initializers}
         self.shapes: dict[str, tuple] = {}
@@ -146,7 +186,8 @@ class _Graph:
             self.dtypes[vi.name] = t.elem_type
             if t.HasField("shape"):
                 self.shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else
-                                             (d.dim_param or None) for d in t.shape.dim)
+                                             (_dim_text(d.dim_param, aliases or {}) if d.dim_param else None)
+                                             for d in t.shape.dim)
         for i in initializers:
             self.shapes[i.name] = tuple(i.dims)
             self.dtypes[i.name] = i.data_type
@@ -182,17 +223,15 @@ def _shape(g: _Graph, name: str, what: str) -> tuple:
     shape = g.shapes.get(name)
     if shape is None or any(d is None for d in shape):
         raise _Refuse(f"the shape of {what} {name!r} is unknown after shape inference")
+    bad = next((d for d in shape if isinstance(d, _Unreadable)), None)
+    if bad is not None:
+        raise _Refuse(f"the shape of {what} {name!r} has a dim outside the supported grammar: {bad.reason}")
     return shape
 
 
 def _expr(dims: Sequence) -> str:
-    """The product of dims as a canonical expression string (ints folded)."""
-    import sympy
-
-    product = sympy.Integer(1)
-    for d in dims:
-        product *= sympy.Integer(d) if isinstance(d, int) else sympy.sympify(d)
-    return str(product)
+    """The product of dims as a canonical expression text (ints folded)."""
+    return shape_expr.product(dims)
 
 
 def _is_dynamic(*dims: str) -> bool:
@@ -342,11 +381,9 @@ _RULES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv}
 
 
 def _free_symbols(*exprs: str) -> set[str]:
-    import sympy
-
     out: set[str] = set()
     for e in exprs:
-        out |= {str(s) for s in sympy.sympify(e).free_symbols}
+        out |= shape_expr.free_names(e)
     return out
 
 
@@ -359,8 +396,9 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     symbols = tuple(sorted({s for dims in input_dims.values() for s in dims if s}))
     if not symbols:
         return ScanResult((), (), (), input_dims)
-    inferred = _infer(_inference_copy(model, Path(base_dir) if base_dir is not None else None))
-    g = _Graph(inferred, model.graph.initializer)
+    copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
+    aliases = _alias_dims(copy)
+    g = _Graph(_infer(copy), model.graph.initializer, aliases)
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped = []
@@ -458,9 +496,10 @@ def to_json(result: ScanResult) -> dict:
 def _print_table(result: ScanResult) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(width=max(Console().width, 140))
-    table = Table(title=f"{len(result.workloads)} workloads over symbols {', '.join(result.symbols)}")
+    table = Table(title=Text(f"{len(result.workloads)} workloads over symbols {', '.join(result.symbols)}"))
     for col in ("#", "op", "M", "N", "K", "batch", "dtype", "epilogue", "nodes", "instances"):
         table.add_column(col, overflow="fold")
     for i, w in enumerate(result.workloads):
@@ -468,15 +507,16 @@ def _print_table(result: ScanResult) -> None:
                                    if w.epilogue.activation != "none" else "") if p) or "-"
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
-        table.add_row(str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
-                      str(len(w.instances)) if w.instances else "-")
+        cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
+                 str(len(w.instances)) if w.instances else "-")
+        table.add_row(*(Text(c) for c in cells))  # names come from the model: never read as markup
     console.print(table)
     if result.skipped:
         skipped = Table(title=f"{len(result.skipped)} nodes left as they are")
         for col in ("node", "op", "reason"):
             skipped.add_column(col, overflow="fold")
         for s in result.skipped:
-            skipped.add_row(s.node, s.op, s.reason)
+            skipped.add_row(Text(s.node), Text(s.op), Text(s.reason))
         console.print(skipped)
 
 

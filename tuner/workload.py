@@ -1,20 +1,19 @@
 """Workloads: what the scanner hands the rest of the tuner.
 
 A *workload* is one MatMul/Gemm/Conv computation of a model with symbolic dims, in its GEMM view
-(M, N, K as expressions of the model's symbols), grouped over the nodes that share it. An *instance* is
-one assignment of the symbols (with a weight); ``Workload.problem(instance)`` turns it into the concrete
-GEMM problem the kernels, measurers and cost model work on.
+(M, N, K as expressions of the model's symbols, in ``tuner.shape_expr``'s grammar), grouped over the
+nodes that share it. An *instance* is one assignment of the symbols (with a weight);
+``Workload.problem(instance)`` turns it into the concrete GEMM problem the kernels, measurers and cost
+model work on.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import sympy
+from tuner.shape_expr import evaluate
 
-__all__ = ["OPS", "DTYPES", "ACTIVATIONS", "ConvParams", "Epilogue", "Problem", "Instance", "Workload",
-           "evaluate"]
+__all__ = ["OPS", "DTYPES", "ACTIVATIONS", "ConvParams", "Epilogue", "Problem", "Instance", "Workload"]
 
 OPS = ("gemm", "bmm", "conv")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -68,20 +67,6 @@ class Instance:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.values)
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse(expr: str) -> sympy.Expr:
-    return sympy.sympify(expr)
-
-
-def evaluate(expr: str, values: Mapping[str, int]) -> int:
-    """Evaluate a dim expression such as ``batch*seq`` or ``floor((height - 1)/2) + 1``."""
-    parsed = _parse(expr)
-    result = parsed.subs({s: values[s.name] for s in parsed.free_symbols if s.name in values})
-    if not result.is_number:
-        raise ValueError(f"expression {expr!r} has symbols without values: {sorted(map(str, result.free_symbols))}")
-    return int(result)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,337 @@
+"""Shape expressions: symbolic dims parsed by a small grammar, never evaluated as code.
+
+Dims come from the model (``dim_param`` strings) and from onnxruntime's SymbolicShapeInference, which
+writes them as sympy prints them (``2*batch*seq``, ``floor(height/2) + 1``, ``Max(1, seq)``). Text from
+a model is untrusted: ``sympy.sympify`` would evaluate it as Python, and would also read dim names such
+as ``sequence``, ``E``, ``N``, ``beta`` or ``lambda`` as sympy objects. This module parses that text
+with its own grammar into sympy expressions built from explicit ``Symbol`` objects (which never
+evaluate their names), and prints expressions back in a form it can parse again:
+
+    expr  := term (('+' | '-') term)*
+    term  := unary (('*' | '/' | '//' | '%') unary)*
+    unary := '-' unary | power
+    power := atom ('**' INT)?
+    atom  := INT | NAME | '`' any name without '`' '`' | FUNC '(' expr (',' expr)* ')' | '(' expr ')'
+    FUNC  := floor | ceil | ceiling | min | Min | max | Max | mod | Mod
+
+``NAME`` is ``[A-Za-z_][A-Za-z0-9_]*``; any other dim name (dots, dashes, spaces) is printed between
+backquotes. Sizes are bounded (text length, nesting, literal digits, exponents), so a crafted dim cannot
+make parsing or arithmetic blow up. Anything outside the grammar raises ``ShapeExprError``, which the
+scanner turns into a reason for leaving the node alone.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from fractions import Fraction
+from typing import Iterable, Mapping, Union
+
+import sympy
+from sympy.printing.str import StrPrinter
+
+__all__ = ["ShapeExprError", "parse", "to_text", "symbol", "free_names", "product", "evaluate",
+           "is_plain_name", "MAX_TEXT"]
+
+MAX_TEXT = 2000  # characters in one expression
+_MAX_DEPTH = 64  # nesting of parentheses, calls and unary minus
+_MAX_DIGITS = 18  # an integer literal (dims are int64)
+_MAX_POWER = 8  # exponent of '**' (sympy prints x*x as x**2)
+_MAX_TOKENS = 400  # bounds the tree's size, and so the recursion of parsing and evaluating it
+
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_TOKEN = re.compile(r"\s*(?:(?P<int>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|`(?P<quoted>[^`]*)`|"
+                    r"(?P<op>\*\*|//|[-+*/%(),]))")
+_FUNCS = {"floor": "floor", "ceil": "ceiling", "ceiling": "ceiling", "min": "min", "Min": "min",
+          "max": "max", "Max": "max", "mod": "mod", "Mod": "mod"}
+
+
+class ShapeExprError(ValueError):
+    """Text that is not a shape expression of the grammar above."""
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` prints without backquotes."""
+    return bool(_PLAIN.match(name))
+
+
+@functools.lru_cache(maxsize=None)
+def symbol(name: str) -> sympy.Symbol:
+    """The one sympy symbol for a dim name (positive integer, so floor(n) simplifies to n)."""
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+# A parsed expression: a small tuple tree, evaluated exactly with Python integers and fractions.
+Node = Union[int, str, tuple]
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    if not isinstance(text, str):
+        raise ShapeExprError(f"a shape expression must be text, got {type(text).__name__}")
+    if len(text) > MAX_TEXT:
+        raise ShapeExprError(f"shape expression of {len(text)} characters (at most {MAX_TEXT}): {_show(text)}")
+    out, pos, end = [], 0, len(text.rstrip())
+    while pos < end:
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ShapeExprError(f"unexpected {text[pos:].lstrip()[:20]!r} in shape expression {_show(text)}")
+        kind = m.lastgroup or ""
+        out.append((kind, m.group(kind)))
+        pos = m.end()
+        if len(out) > _MAX_TOKENS:
+            raise ShapeExprError(f"shape expression of more than {_MAX_TOKENS} tokens: {_show(text)}")
+    return out
+
+
+def _show(text: str) -> str:
+    """Text for an error message: quoted, and cut short."""
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text, self.toks, self.i, self.depth = text, _tokens(text), 0, 0
+
+    def fail(self, what: str) -> ShapeExprError:
+        return ShapeExprError(f"{what} in shape expression {_show(self.text)}")
+
+    def peek(self) -> tuple[str, str]:
+        return self.toks[self.i] if self.i < len(self.toks) else ("end", "")
+
+    def take(self, op: str) -> bool:
+        if self.peek() == ("op", op):
+            self.i += 1
+            return True
+        return False
+
+    def expect(self, op: str) -> None:
+        if not self.take(op):
+            raise self.fail(f"expected {op!r}, found {self.peek()[1] or 'the end'!r}")
+
+    def nested(self) -> None:
+        self.depth += 1
+        if self.depth > _MAX_DEPTH:
+            raise self.fail(f"nesting deeper than {_MAX_DEPTH}")
+
+    def parse(self) -> Node:
+        if not self.toks:
+            raise ShapeExprError("empty shape expression")
+        node = self.expr()
+        if self.i != len(self.toks):
+            raise self.fail(f"unexpected {self.peek()[1]!r}")
+        return node
+
+    def expr(self) -> Node:
+        node = self.term()
+        while self.peek() in (("op", "+"), ("op", "-")):
+            op = self.toks[self.i][1]
+            self.i += 1
+            node = (op, node, self.term())
+        return node
+
+    def term(self) -> Node:
+        node = self.unary()
+        while self.peek()[0] == "op" and self.peek()[1] in ("*", "/", "//", "%"):
+            op = self.toks[self.i][1]
+            self.i += 1
+            node = (op, node, self.unary())
+        return node
+
+    def unary(self) -> Node:
+        if self.take("-"):
+            self.nested()
+            node: Node = ("neg", self.unary())
+            self.depth -= 1
+            return node
+        return self.power()
+
+    def power(self) -> Node:
+        base = self.atom()
+        if self.take("**"):
+            kind, text = self.peek()
+            if kind != "int" or int(text) > _MAX_POWER:
+                raise self.fail(f"'**' takes an integer exponent of at most {_MAX_POWER}")
+            self.i += 1
+            return ("**", base, int(text))
+        return base
+
+    def atom(self) -> Node:
+        kind, text = self.peek()
+        self.i += 1
+        if kind == "int":
+            if len(text) > _MAX_DIGITS:
+                raise self.fail(f"integer literal of more than {_MAX_DIGITS} digits")
+            return int(text)
+        if kind == "quoted":
+            if not text:
+                raise self.fail("empty quoted name")
+            return ("sym", text)
+        if kind == "name":
+            if self.peek() == ("op", "("):
+                if text not in _FUNCS:
+                    raise self.fail(f"unknown function {text!r} (known: floor, ceil, min, max, mod)")
+                self.i += 1
+                self.nested()
+                args = [self.expr()]
+                while self.take(","):
+                    args.append(self.expr())
+                self.expect(")")
+                self.depth -= 1
+                func = _FUNCS[text]
+                if func in ("floor", "ceiling") and len(args) != 1 or func == "mod" and len(args) != 2:
+                    raise self.fail(f"{text}() takes {1 if func != 'mod' else 2} argument(s), got {len(args)}")
+                return (func, *args)
+            return ("sym", text)
+        if (kind, text) == ("op", "("):
+            self.nested()
+            node = self.expr()
+            self.expect(")")
+            self.depth -= 1
+            return node
+        raise self.fail(f"unexpected {text or 'end'!r}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _tree(text: str) -> Node:
+    return _Parser(text).parse()
+
+
+def _to_sympy(node: Node, aliases: Mapping[str, str]) -> sympy.Expr:
+    if isinstance(node, int):
+        return sympy.Integer(node)
+    op, *args = node
+    if op == "sym":
+        return symbol(aliases.get(args[0], args[0]))
+    vals = [a if isinstance(a, int) and op == "**" and i == 1 else _to_sympy(a, aliases)
+            for i, a in enumerate(args)]
+    if op == "+":
+        return vals[0] + vals[1]
+    if op == "-":
+        return vals[0] - vals[1]
+    if op == "*":
+        return vals[0] * vals[1]
+    if op == "/":
+        return vals[0] / vals[1]
+    if op == "//":
+        return sympy.floor(vals[0] / vals[1])
+    if op in ("%", "mod"):
+        return sympy.Mod(vals[0], vals[1])
+    if op == "neg":
+        return -vals[0]
+    if op == "**":
+        return vals[0] ** vals[1]
+    if op == "floor":
+        return sympy.floor(vals[0])
+    if op == "ceiling":
+        return sympy.ceiling(vals[0])
+    if op == "min":
+        return sympy.Min(*vals)
+    if op == "max":
+        return sympy.Max(*vals)
+    raise AssertionError(op)
+
+
+def parse(text: str, aliases: Mapping[str, str] | None = None) -> sympy.Expr:
+    """The sympy expression of ``text``; ``aliases`` renames names (e.g. safe stand-ins back to dim names)."""
+    try:
+        return _to_sympy(_tree(text), aliases or {})
+    except ZeroDivisionError:
+        raise ShapeExprError(f"division by zero in shape expression {_show(text)}") from None
+
+
+class _Printer(StrPrinter):
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        name = expr.name
+        if is_plain_name(name):
+            return name
+        if "`" in name or not name:
+            raise ShapeExprError(f"dim name {name!r} cannot be written in a shape expression")
+        return f"`{name}`"
+
+    def _print_Max(self, expr: sympy.Expr) -> str:
+        return "max(" + ", ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Min(self, expr: sympy.Expr) -> str:
+        return "min(" + ", ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Mod(self, expr: sympy.Expr) -> str:
+        return f"mod({self._print(expr.args[0])}, {self._print(expr.args[1])})"
+
+
+_PRINTER = _Printer()
+
+
+def to_text(expr: sympy.Expr) -> str:
+    """Canonical text of an expression, which ``parse`` reads back to the same expression."""
+    return _PRINTER.doprint(expr)
+
+
+def product(dims: Iterable[int | str], aliases: Mapping[str, str] | None = None) -> str:
+    """The product of dims (ints or expression texts) as canonical text, e.g. ``["batch", "seq"]`` ->
+    ``batch*seq``."""
+    out: sympy.Expr = sympy.Integer(1)
+    for d in dims:
+        out *= sympy.Integer(d) if isinstance(d, int) else parse(d, aliases)
+    return to_text(out)
+
+
+def free_names(text: str) -> set[str]:
+    """The dim names an expression text uses."""
+    return _names(_tree(text))
+
+
+def _names(node: Node) -> set[str]:
+    if isinstance(node, int):
+        return set()
+    if node[0] == "sym":
+        return {node[1]}
+    out: set[str] = set()
+    for a in node[1:]:
+        out |= _names(a)
+    return out
+
+
+def evaluate(text: str, values: Mapping[str, int]) -> int:
+    """The integer value of an expression text at ``values`` (exact: integer and fraction arithmetic)."""
+    value = _eval(_tree(text), values, text)
+    if value.denominator != 1:
+        raise ShapeExprError(f"shape expression {_show(text)} is not an integer at {dict(values)} ({value})")
+    return int(value)
+
+
+def _eval(node: Node, values: Mapping[str, int], text: str) -> Fraction:
+    if isinstance(node, int):
+        return Fraction(node)
+    op, *args = node
+    if op == "sym":
+        if args[0] not in values:
+            raise ShapeExprError(f"shape expression {_show(text)} needs a value for {args[0]!r}")
+        return Fraction(int(values[args[0]]))
+    if op == "**":
+        return _eval(args[0], values, text) ** args[1]
+    vals = [_eval(a, values, text) for a in args]
+    try:
+        if op == "+":
+            return vals[0] + vals[1]
+        if op == "-":
+            return vals[0] - vals[1]
+        if op == "*":
+            return vals[0] * vals[1]
+        if op == "/":
+            return vals[0] / vals[1]
+        if op == "//":
+            return Fraction(vals[0] // vals[1])
+        if op in ("%", "mod"):
+            return vals[0] % vals[1]
+    except ZeroDivisionError:
+        raise ShapeExprError(f"division by zero in shape expression {_show(text)} at {dict(values)}") from None
+    if op == "neg":
+        return -vals[0]
+    if op == "floor":
+        return Fraction(vals[0].numerator // vals[0].denominator)
+    if op == "ceiling":
+        return Fraction(-(-vals[0].numerator // vals[0].denominator))
+    if op == "min":
+        return min(vals)
+    if op == "max":
+        return max(vals)
+    raise AssertionError(op)
