@@ -25,24 +25,27 @@ def _times(ts):
 
 
 def test_exported_tree_reproduces_sklearn_on_every_instance():
+    """The exported arrays against references computed here: each instance gets the fastest of the kernels
+    the greedy cover picked (argmin over ``times``), and unseen integer points go where sklearn's own
+    classifier, trained on those labels, sends them."""
     from sklearn.tree import DecisionTreeClassifier
 
     rng = np.random.default_rng(0)
     instances = [Instance.of({"batch": int(b), "seq": int(s)}) for b in (1, 2, 4, 8) for s in range(1, 40, 3)]
     times = rng.uniform(1.0, 2.0, size=(len(instances), len(K)))
+    weights = [i.weight for i in instances]
     d = build_dispatch(("batch", "seq"), instances, K, times, max_kernels=4)
+    picked = greedy_cover(times, weights, 4)
+    expected = [K[picked[int(np.argmin(times[r, picked]))]] for r in range(len(instances))]
+    assert [d.select(i.as_dict()) for i in instances] == expected
+    # unseen points: sklearn's classifier on the same data, mapped through the same kernel list
     x = np.array([[i.as_dict()["batch"], i.as_dict()["seq"]] for i in instances])
-    labels = np.array([d.kernels.index(d.select(i.as_dict())) for i in instances])
-    clf = DecisionTreeClassifier(random_state=0).fit(x, labels)
-    assert (clf.predict(x) == labels).all()
-    # the tree has integer thresholds (sklearn's midpoints x.5 floored), checked on unseen values too
-    assert all(isinstance(t, int) for t in d.tree.threshold)
+    labels = np.array([d.kernels.index(k) for k in expected])
+    ref = DecisionTreeClassifier(random_state=0).fit(x, labels, sample_weight=np.asarray(weights))
     grid = np.array([[b, s] for b in range(0, 10) for s in range(0, 45)])
-    ours = [d.tree.select(list(row)) for row in grid]
-    # refit on our own labels: our arrays agree with the classifier we exported, on every integer point
-    from sklearn.tree import DecisionTreeClassifier as Tree
-    ref = Tree(random_state=0).fit(x, labels, sample_weight=np.ones(len(x)))
-    assert list(ref.predict(grid)) == ours
+    assert [d.kernels[int(c)] for c in ref.predict(grid)] == [d.select({"batch": int(b), "seq": int(s)})
+                                                            for b, s in grid]
+    assert all(isinstance(t, int) for t in d.tree.threshold)
 
 
 def test_threshold_conversion_is_floor_of_midpoint():
