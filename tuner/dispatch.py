@@ -116,7 +116,7 @@ class Dispatch:
             return k if isinstance(k, str) else f"k{index} {k.key()}"
 
         ordered = sorted(leaves, key=specificity)
-        lines = []
+        lines: list[str] = []
         for n, (bounds, index) in enumerate(ordered):
             if n == len(ordered) - 1:
                 lines.append(("else" if lines else "always") + f" -> {name(index)}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from fractions import Fraction
-from typing import Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 import sympy
 from sympy.printing.str import StrPrinter
@@ -61,7 +61,7 @@ def symbol(name: str) -> sympy.Symbol:
 
 
 # A parsed expression: a small tuple tree, evaluated exactly with Python integers and fractions.
-Node = Union[int, str, tuple]
+Node = Union[int, tuple[Any, ...]]
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:

@@ -306,7 +306,7 @@ def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, co
     rows = ([(c, k.shared, k.n_regs, k.n_spills) for c, k in compiled.kept] if compiled is not None
             else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype, op=op), None) for c in configs])
     if as_json:
-        out = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
+        out: dict[str, object] = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
                "axes": {k: list(v) for k, v in AXES.items()}, "prune": report,
                "shared_source": "compiled" if compiled is not None else "estimate",
                "configs": [{**c.to_dict(), "shared_bytes": shared, **({"n_regs": regs, "n_spills": spills}
