@@ -71,7 +71,9 @@ def inspect_command(path: str, as_json: bool) -> int:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
-    table = Table(title=f"{len(nodes)} {DOMAIN} nodes")
+    bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes}
+    table = Table(title=f"{len(nodes)} {DOMAIN} nodes, {len(bundles)} distinct kernel bundles "
+                        f"({sum(bundles.values()) / 1e6:.2f} MB, stored once each)")
     for col in ("node", "op", "workload", "kernels", "tuned ranges", "dispatch"):
         table.add_column(col, overflow="fold")
     for n in nodes:
