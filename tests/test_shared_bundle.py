@@ -281,3 +281,51 @@ def test_empty_input_names_are_refused(op, inputs, message) -> None:
     model.ir_version = 10
     with pytest.raises(Exception, match="node 'n0' .*" + message):
         _library_session(model)
+
+
+def test_acquire_from_many_threads_parses_once() -> None:
+    import threading
+
+    core = load_core()
+    data = big_bundle(4096, bias=True) + b""  # bytes no other test holds a parse of
+    _, parses0 = core.cache_stats()
+    handles: list[int] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(50):
+            h = core.lib.dc_bundle_acquire(data, len(data))
+            with lock:
+                handles.append(h)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(handles) == 400 and len(set(handles)) == 1 and handles[0]
+        assert core.cache_stats()[1] == parses0 + 1
+    finally:
+        for h in handles:
+            core.lib.dc_bundle_release(h)
+
+
+def test_opset1_model_runs_stock_and_is_refused_by_the_library() -> None:
+    """A model written before the bundle became an input (per-node attribute, functions without a bundle
+    input) still runs on stock ORT through its functions; the library names the old contract."""
+    node = helper.make_node("MatMul", ["A", "B"], ["Y"], domain="ai.dietcode", name="n0")
+    node.attribute.append(helper.make_attribute("bundle", bundle_initializer(GOOD)))
+    body = [helper.make_node("MatMul", ["A", "B"], ["Y"])]
+    function = helper.make_function("ai.dietcode", "MatMul", ["A", "B"], ["Y"], body,
+                                    [helper.make_opsetid("", 20)], attributes=["bundle", "info"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "AB"],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("ai.dietcode", 1)],
+                              functions=[function])
+    model.ir_version = 10
+    feeds = _feeds2()
+    got = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)[0]
+    np.testing.assert_allclose(got, feeds["A"] @ feeds["B"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="node 'n0' .*bundle as an attribute.*optimize the original model again"):
+        _library_session(model)
