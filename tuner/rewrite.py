@@ -3,9 +3,10 @@
 Each scanned node (with the Add(bias) and Relu/Gelu it absorbs) becomes one custom node whose op type
 names the fused epilogue (``MatMulBiasGelu``, ``ConvBiasRelu``, ...; the node contract is in
 docs/bundle.md). The node keeps the output name of the last node it replaces; its last input is its kernel
-bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For every op type used, the model also gets a model-local function whose body is
-the original computation, so stock onnxruntime without the custom-op library still runs the model; with
-the library registered, ORT runs the library's kernel instead.
+bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
+every op type used, the model also gets a model-local function whose body is the original computation
+(it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
+the model; with the library registered, ORT runs the library's kernel instead.
 """
 from __future__ import annotations
 
