@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -484,6 +486,86 @@ dc_bundle* dc_bundle_parse(const uint8_t* data, size_t size) {
 }
 
 void dc_bundle_free(dc_bundle* bundle) { delete bundle; }
+
+}  // extern "C"
+
+namespace dietcode {
+namespace {
+
+// Shared bundles: the raw bytes (for the full comparison that decides a hit), the parsed bundle, how many
+// handles are out. Few distinct bundles live at once (one per workload), so a linear scan by size suffices.
+struct SharedBundle {
+  std::string bytes;
+  dc_bundle* bundle = nullptr;
+  int64_t refs = 0;
+};
+
+struct BundleCache {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<SharedBundle>> entries;
+  int64_t parses = 0;
+};
+
+BundleCache& Cache() {
+  static BundleCache* cache = new BundleCache;  // never destroyed: kernels may outlive static destruction
+  return *cache;
+}
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+dc_bundle* dc_bundle_acquire(const uint8_t* data, size_t size) {
+  if (data == nullptr && size > 0) {
+    SetError("invalid kernel bundle: null data");
+    return nullptr;
+  }
+  dietcode::BundleCache& cache = dietcode::Cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  for (auto& e : cache.entries) {
+    if (e->bytes.size() == size && (size == 0 || std::memcmp(e->bytes.data(), data, size) == 0)) {
+      ++e->refs;
+      return e->bundle;
+    }
+  }
+  dc_bundle* parsed = dc_bundle_parse(data, size);
+  if (parsed == nullptr) return nullptr;
+  try {
+    auto entry = std::make_unique<dietcode::SharedBundle>();
+    entry->bytes.assign(reinterpret_cast<const char*>(data), size);
+    entry->bundle = parsed;
+    entry->refs = 1;
+    cache.entries.push_back(std::move(entry));
+  } catch (const std::exception& e) {
+    dc_bundle_free(parsed);
+    SetError(std::string("cannot cache the kernel bundle: ") + e.what());
+    return nullptr;
+  }
+  ++cache.parses;
+  return parsed;
+}
+
+void dc_bundle_release(dc_bundle* bundle) {
+  if (bundle == nullptr) return;
+  dietcode::BundleCache& cache = dietcode::Cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  for (auto it = cache.entries.begin(); it != cache.entries.end(); ++it) {
+    if ((*it)->bundle != bundle) continue;
+    if (--(*it)->refs == 0) {
+      dc_bundle_free(bundle);
+      cache.entries.erase(it);
+    }
+    return;
+  }
+}
+
+void dc_bundle_cache_stats(int64_t* live, int64_t* parses) {
+  dietcode::BundleCache& cache = dietcode::Cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  if (live) *live = static_cast<int64_t>(cache.entries.size());
+  if (parses) *parses = cache.parses;
+}
 
 int dc_bundle_info(const dc_bundle* b, int32_t* n_features, int32_t* n_kernels, int32_t* n_nodes) {
   if (b == nullptr) {

@@ -33,6 +33,17 @@ const char* dc_last_error(void);
 dc_bundle* dc_bundle_parse(const uint8_t* data, size_t size);
 void dc_bundle_free(dc_bundle* bundle);
 
+// The parsed bundle for these bytes, shared: every caller that passes the same bytes (compared in full, not
+// by hash) gets the same handle, parsed once, so the nodes of a workload share one parse and one CUDA
+// module cache. Reference counted: release each handle with dc_bundle_release (never dc_bundle_free).
+// Thread-safe. NULL on error (see dc_last_error).
+dc_bundle* dc_bundle_acquire(const uint8_t* data, size_t size);
+void dc_bundle_release(dc_bundle* bundle);
+
+// The shared cache: distinct bundles alive now, and parses done by dc_bundle_acquire since the library
+// loaded (a cache hit does not parse). Either pointer may be NULL.
+void dc_bundle_cache_stats(int64_t* live, int64_t* parses);
+
 // Counts: features, kernels, tree nodes. 0 on success.
 int dc_bundle_info(const dc_bundle* bundle, int32_t* n_features, int32_t* n_kernels, int32_t* n_nodes);
 

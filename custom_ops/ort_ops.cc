@@ -27,8 +27,9 @@ constexpr const char* kDomain = "ai.dietcode";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 
+// Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
 struct BundleDeleter {
-  void operator()(dc_bundle* b) const { dc_bundle_free(b); }
+  void operator()(dc_bundle* b) const { dc_bundle_release(b); }
 };
 using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
 
@@ -38,6 +39,25 @@ T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
     return info.GetAttribute<T>(name);
   } catch (const Ort::Exception&) {
     return def;
+  }
+}
+
+// The bundle is the node's last input: index 2, or 3 for op types with a bias.
+size_t BundleInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
+
+// Whether the node still carries a per-node `bundle` attribute (the contract before ai.dietcode opset 2).
+bool HasBundleAttribute(const Ort::ConstKernelInfo& info) {
+  try {
+    Ort::AllocatorWithDefaultOptions alloc;
+    info.GetTensorAttribute("bundle", alloc);
+    return true;
+  } catch (const Ort::Exception&) {
+  }
+  try {
+    info.GetAttribute<std::string>("bundle");
+    return true;
+  } catch (const Ort::Exception&) {
+    return false;
   }
 }
 
@@ -107,14 +127,10 @@ class DietcodeKernel {
       : spec_(spec), cuda_(cuda), dtype_(dtype) {
     Ort::ConstKernelInfo info(raw_info);
     where_ = "node '" + info.GetNodeName() + "' (" + kDomain + ":" + spec.name + ")";
+    CheckInputs(info);
+    has_bias_input_ = spec.bias;
     LoadBundle(info);
-    const size_t inputs = info.GetInputCount();
-    has_bias_input_ = inputs >= 3 && !info.GetInputName(2).empty();
-    if (has_bias_input_ != spec.bias) {
-      Throw(spec.bias ? "the op type has a Bias suffix but the node has no third (bias) input"
-                      : "the node has a third input but the op type has no Bias suffix");
-    }
-    CheckBundleFitsNode(has_bias_input_ ? 3 : 2);
+    CheckBundleFitsNode(BundleInput(spec));
     if (spec.base == BaseOp::kGemm) {
       gemm_.trans_a = AttrOr<int64_t>(info, "transA", 0);
       gemm_.trans_b = AttrOr<int64_t>(info, "transB", 0);
@@ -148,21 +164,59 @@ class DietcodeKernel {
  private:
   [[noreturn]] void Throw(const std::string& msg) const { throw std::runtime_error(where_ + ": " + msg); }
 
-  void LoadBundle(const Ort::ConstKernelInfo& info) {
-    Ort::AllocatorWithDefaultOptions alloc;
-    Ort::Value tensor{nullptr};
-    try {
-      tensor = info.GetTensorAttribute("bundle", alloc);
-    } catch (const Ort::Exception& e) {
-      Throw(std::string("attribute 'bundle' is missing or not a TENSOR attribute of uint8 (") + e.what() + ")");
+  // Inputs: (A, B, bundle) or, with a Bias suffix, (A, B, bias, bundle); none may be left empty.
+  void CheckInputs(const Ort::ConstKernelInfo& info) const {
+    const size_t want = BundleInput(spec_) + 1, have = info.GetInputCount();
+    const std::string signature = spec_.bias ? "(A, B, bias, bundle)" : "(A, B, bundle)";
+    if (have != want && HasBundleAttribute(info)) {
+      Throw("the node carries its kernel bundle as an attribute, the node contract before ai.dietcode opset 2; "
+            "this library reads it from the node's last input " + signature +
+            ": optimize the original model again with this dietcode-ort");
     }
+    if (have != want) {
+      Throw("the node has " + std::to_string(have) + " inputs; " + spec_.name + " takes " +
+            std::to_string(want) + " " + signature + (spec_.bias ? "" : " (an op type without Bias takes no bias)"));
+    }
+    for (size_t i = 0; i < want; ++i) {
+      if (info.GetInputName(i).empty()) {
+        Throw("input " + std::to_string(i) + " of " + signature + " is empty");
+      }
+    }
+  }
+
+  // The bundle input must be a constant initializer (not a graph input, not computed): a 1-D, non-empty
+  // uint8 tensor in CPU memory (the op declares that input OrtMemTypeCPUInput, so ORT keeps it on the host
+  // also for a CUDA node). Read once here; nodes with the same bytes share one parse (dc_bundle_acquire).
+  void LoadBundle(const Ort::ConstKernelInfo& info) {
+    const size_t index = BundleInput(spec_);
+    const std::string name = info.GetInputName(index);
+    int is_constant = 0;
+    Ort::ConstValue tensor{nullptr};
+    try {
+      tensor = info.GetTensorConstantInput(index, &is_constant);
+    } catch (const Ort::Exception& e) {
+      Throw("cannot read the bundle input '" + name + "': " + e.what());
+    }
+    if (!is_constant || static_cast<const OrtValue*>(tensor) == nullptr) {
+      Throw("the bundle input '" + name + "' is not a constant initializer (a graph input, or computed by a node); "
+            "it must be a uint8 initializer that is not also a graph input");
+    }
+    if (!tensor.IsTensor()) Throw("the bundle input '" + name + "' is not a tensor");
     auto shape_info = tensor.GetTensorTypeAndShapeInfo();
     if (shape_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
-      Throw("attribute 'bundle' must be a uint8 tensor");
+      Throw("the bundle input '" + name + "' must be a uint8 tensor");
+    }
+    if (shape_info.GetDimensionsCount() != 1) {
+      Throw("the bundle input '" + name + "' must be 1-D, it has rank " +
+            std::to_string(shape_info.GetDimensionsCount()));
     }
     const size_t size = shape_info.GetElementCount();
-    bundle_.reset(dc_bundle_parse(tensor.GetTensorData<uint8_t>(), size));
-    if (!bundle_) Throw(dc_last_error());
+    if (size == 0) Throw("the bundle input '" + name + "' is empty");
+    if (tensor.GetTensorMemoryInfo().GetDeviceType() != OrtMemoryInfoDeviceType_CPU) {
+      Throw("the bundle input '" + name + "' is not in CPU memory");
+    }
+    bundle_.reset(dc_bundle_acquire(tensor.GetTensorData<uint8_t>(), size));
+    if (!bundle_) Throw("bundle input '" + name + "': " + dc_last_error());
     int32_t n_features = 0;
     dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
     features_.resize(n_features);
@@ -175,7 +229,7 @@ class DietcodeKernel {
     const int max_input = dc_bundle_max_feature_input(bundle_.get());
     if (max_input >= static_cast<int>(n_inputs)) {
       Throw("the bundle's features read input " + std::to_string(max_input) + ", the node has " +
-            std::to_string(n_inputs) + " inputs");
+            std::to_string(n_inputs) + " data inputs (A, B[, bias]; the bundle input is not one)");
     }
     for (int32_t k = 0; k < n_kernels_; ++k) {
       if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
@@ -454,11 +508,18 @@ struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
 
   const char* GetName() const { return spec_.name.c_str(); }
   const char* GetExecutionProviderType() const { return cuda_ ? kCudaEp : kCpuEp; }
-  size_t GetInputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return dtype_; }
+  // (A, B[, bias], bundle): the bundle is uint8 and stays in host memory on every EP. Inputs after B are
+  // declared optional so that the kernel, not the schema check, reports a node with a missing bundle.
+  size_t GetInputTypeCount() const { return BundleInput(spec_) + 1; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == BundleInput(spec_) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : dtype_;
+  }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+    return index >= 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                       : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  OrtMemType GetInputMemoryType(size_t index) const {
+    return index == BundleInput(spec_) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }

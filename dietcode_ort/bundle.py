@@ -19,6 +19,7 @@ from dietcode_ort.errors import DietcodeError
 __all__ = [
     "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
+    "NodeBundle", "node_bundles",
 ]
 
 MAGIC = b"DCBUNDLE"
@@ -628,3 +629,52 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
     bundle = Bundle(tuple(features), tuple(kernels), tree)
     bundle.validate()
     return bundle
+
+
+@dataclass(frozen=True)
+class NodeBundle:
+    """Where an ``ai.dietcode`` node's bundle lives: its last input, a uint8 initializer shared by every node
+    of the workload (docs/bundle.md, node contract)."""
+
+    node: str
+    op_type: str
+    initializer: str
+    payload: bytes
+
+
+def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
+    """The bundle of every ``ai.dietcode`` node of an ``onnx.ModelProto``, in graph order; equal bundles are
+    one ``bytes`` object. ``base_dir`` is where external data lives when the model was loaded without it.
+    DietcodeError naming the node when a bundle is missing, is not a 1-D uint8 initializer, or is still a
+    per-node attribute (the contract before ai.dietcode opset 2)."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    graph_inputs = {v.name for v in graph.input}
+    payloads: dict[str, bytes] = {}
+    out = []
+    for i, node in enumerate(graph.node):
+        if node.domain != "ai.dietcode":
+            continue
+        label = f"node {node.name or i!r} ({node.op_type})"
+        if any(a.name == "bundle" for a in node.attribute):
+            raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "
+                                "ai.dietcode opset 2; optimize the original model again")
+        want = 4 if "Bias" in node.op_type else 3
+        name = node.input[-1] if len(node.input) == want else ""
+        if not name:
+            raise DietcodeError(f"{label} has {len(node.input)} inputs, expected {want} with the kernel bundle last")
+        tensor = inits.get(name)
+        if tensor is None or name in graph_inputs:
+            raise DietcodeError(f"{label}: its bundle input {name!r} is not a constant initializer")
+        if tensor.data_type != TensorProto.UINT8 or len(tensor.dims) != 1 or tensor.dims[0] == 0:
+            raise DietcodeError(f"{label}: its bundle input {name!r} must be a non-empty 1-D uint8 tensor")
+        if name not in payloads:
+            try:
+                payloads[name] = np.asarray(numpy_helper.to_array(tensor, base_dir or ""), np.uint8).tobytes()
+            except Exception as exc:  # external data file missing or short
+                raise DietcodeError(f"{label}: cannot read its bundle input {name!r} ({exc})") from None
+        out.append(NodeBundle(node.name, node.op_type, name, payloads[name]))
+    return out

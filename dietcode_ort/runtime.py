@@ -98,6 +98,10 @@ class Core:
         lib.dc_bundle_parse.restype = vp
         lib.dc_bundle_parse.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.dc_bundle_free.argtypes = [vp]
+        lib.dc_bundle_acquire.restype = vp
+        lib.dc_bundle_acquire.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.dc_bundle_release.argtypes = [vp]
+        lib.dc_bundle_cache_stats.argtypes = [i64p, i64p]
         lib.dc_bundle_info.argtypes = [vp, ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(i32)]
         lib.dc_bundle_select.restype = i32
         lib.dc_bundle_select.argtypes = [vp, i64p, ctypes.c_size_t]
@@ -129,6 +133,13 @@ class Core:
         if not handle:
             raise DietcodeError(self.error())
         return CoreBundle(self, handle)
+
+    def cache_stats(self) -> tuple[int, int]:
+        """The shared bundle cache the custom ops use (``dc_bundle_acquire``): (distinct bundles alive now,
+        parses since the library loaded). A session whose nodes share a bundle adds one parse for it."""
+        live, parses = ctypes.c_int64(), ctypes.c_int64()
+        self.lib.dc_bundle_cache_stats(ctypes.byref(live), ctypes.byref(parses))
+        return live.value, parses.value
 
     def abi_view(self, op: str, a: Sequence[int], b: Sequence[int], c: Sequence[int] | None = None, *,
                  ints: Sequence[int] = (), floats: Sequence[float] = (), batched: bool = False

@@ -40,24 +40,27 @@ def bundle_bytes(bias: bool = False, feature_input: int = 0) -> bytes:
     return Bundle((Feature("M", ((feature_input, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
 
 
-def bundle_attribute(payload: bytes) -> onnx.AttributeProto:
-    return helper.make_attribute("bundle", numpy_helper.from_array(np.frombuffer(payload, np.uint8), "bundle"))
+def bundle_initializer(payload: bytes, name: str = "bundle") -> onnx.TensorProto:
+    """The node contract: the bundle is a 1-D uint8 initializer, the node's last input."""
+    return numpy_helper.from_array(np.frombuffer(payload, np.uint8), name)
 
 
-def _model(nodes, inputs, elem, opset=20) -> onnx.ModelProto:
+def _model(nodes, inputs, elem, opset=20, initializers=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, elem, None) for n in inputs],
-                              [helper.make_tensor_value_info("Y", elem, None)])
+                              [helper.make_tensor_value_info("Y", elem, None)], list(initializers))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
-                                                    helper.make_opsetid("ai.dietcode", 1)])
+                                                    helper.make_opsetid("ai.dietcode", 2)])
     model.ir_version = 10
     return model
 
 
-def custom_model(op_type: str, n_inputs: int, attrs: dict, elem: int, bundle: onnx.AttributeProto | None) -> onnx.ModelProto:
-    node = helper.make_node(op_type, ["A", "B", "bias"][:n_inputs], ["Y"], domain="ai.dietcode", name="n0", **attrs)
-    if bundle is not None:
-        node.attribute.append(bundle)
-    return _model([node], ["A", "B", "bias"][:n_inputs], elem)
+def custom_model(op_type: str, n_inputs: int, attrs: dict, elem: int, payload: bytes | None) -> onnx.ModelProto:
+    """One custom node on inputs A, B[, bias] (n_inputs of them), plus the bundle initializer when given."""
+    data = ["A", "B", "bias"][:n_inputs]
+    node = helper.make_node(op_type, data + (["bundle"] if payload is not None else []), ["Y"],
+                            domain="ai.dietcode", name="n0", **attrs)
+    inits = [bundle_initializer(payload)] if payload is not None else []
+    return _model([node], data, elem, initializers=inits)
 
 
 def reference_model(base: str, suffix: str, attrs: dict) -> onnx.ModelProto:
@@ -75,13 +78,13 @@ def reference_model(base: str, suffix: str, attrs: dict) -> onnx.ModelProto:
 
 
 @pytest.fixture(scope="module")
-def payload() -> onnx.AttributeProto:
-    return bundle_attribute(bundle_bytes())
+def payload() -> bytes:
+    return bundle_bytes()
 
 
 @pytest.fixture(scope="module")
-def bias_payload() -> onnx.AttributeProto:
-    return bundle_attribute(bundle_bytes(bias=True))
+def bias_payload() -> bytes:
+    return bundle_bytes(bias=True)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -108,29 +111,38 @@ def test_op_matches_unfused_onnxruntime(case, suffix, dtype, payload, bias_paylo
 
 
 def test_missing_bundle_fails_at_session_creation() -> None:
-    with pytest.raises(DietcodeError, match="node 'n0' .*attribute 'bundle' is missing"):
+    with pytest.raises(DietcodeError, match=r"node 'n0' .*has 2 inputs; MatMul takes 3 \(A, B, bundle\)"):
         dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, None), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"has 3 inputs; GemmBias takes 4 \(A, B, bias, bundle\)"):
+        dietcode_ort.InferenceSession(custom_model("GemmBias", 3, {}, TensorProto.FLOAT, None), providers=CPU)
 
 
-def test_string_bundle_attribute_is_refused() -> None:
-    attr = helper.make_attribute("bundle", bundle_bytes())
-    with pytest.raises(DietcodeError, match="attribute 'bundle'"):
-        dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, attr), providers=CPU)
+@pytest.mark.parametrize("as_string", [False, True])
+@pytest.mark.parametrize("op, n_inputs", [("MatMul", 2), ("MatMulBias", 3)])
+def test_per_node_bundle_attribute_names_the_old_contract(op, n_inputs, as_string) -> None:
+    """ai.dietcode opset 1 carried the bundle as a node attribute: refused with what to do about it."""
+    data = bundle_bytes(bias="Bias" in op)
+    model = custom_model(op, n_inputs, {}, TensorProto.FLOAT, None)
+    model.graph.node[0].attribute.append(helper.make_attribute("bundle", data if as_string else
+                                                               bundle_initializer(data)))
+    with pytest.raises(DietcodeError, match="node 'n0' .*bundle as an attribute.*optimize the original model again"):
+        dietcode_ort.InferenceSession(model, providers=CPU)
 
 
 @pytest.mark.parametrize("cut", [0, 10, 40, -1])
 def test_malformed_bundle_fails_at_session_creation(cut) -> None:
     data = bundle_bytes()[:cut] if cut else b"not a bundle at all, definitely"
     with pytest.raises(DietcodeError, match="invalid kernel bundle"):
-        dietcode_ort.InferenceSession(custom_model("Gemm", 2, {}, TensorProto.FLOAT, bundle_attribute(data)),
-                                      providers=CPU)
+        dietcode_ort.InferenceSession(custom_model("Gemm", 2, {}, TensorProto.FLOAT, data), providers=CPU)
 
 
 def test_bias_suffix_must_match_inputs(payload, bias_payload) -> None:
-    with pytest.raises(DietcodeError, match="Bias suffix but the node has no third"):
+    # ORT's schema check refuses both: (A, B, bundle) for MatMulBias puts uint8 where the bias goes ...
+    with pytest.raises(Exception, match=r"tensor\(uint8\).*\(bundle\).*MatMulBias.*node \(n0\)"):
         dietcode_ort.InferenceSession(custom_model("MatMulBias", 2, {}, TensorProto.FLOAT, bias_payload),
                                       providers=CPU)
-    with pytest.raises(DietcodeError, match="third input but the op type has no Bias"):
+    # ... and (A, B, bias, bundle) for MatMulRelu has one input too many
+    with pytest.raises(Exception, match=r"Node\(n0\).*input size 4 not in range \[min=2, max=3\]"):
         dietcode_ort.InferenceSession(custom_model("MatMulRelu", 3, {}, TensorProto.FLOAT, payload), providers=CPU)
 
 
@@ -139,8 +151,8 @@ def test_bundle_must_fit_the_node(payload, bias_payload) -> None:
         dietcode_ort.InferenceSession(custom_model("GemmBias", 3, {}, TensorProto.FLOAT, payload), providers=CPU)
     with pytest.raises(DietcodeError, match="takes a bias but the op type has none"):
         dietcode_ort.InferenceSession(custom_model("Conv", 2, {}, TensorProto.FLOAT, bias_payload), providers=CPU)
-    reads_bias = bundle_attribute(bundle_bytes(feature_input=2))
-    with pytest.raises(DietcodeError, match="features read input 2, the node has 2 inputs"):
+    reads_bias = bundle_bytes(feature_input=2)  # on MatMul, input 2 is the bundle itself: not a data input
+    with pytest.raises(DietcodeError, match="features read input 2, the node has 2 data inputs"):
         dietcode_ort.InferenceSession(custom_model("MatMul", 2, {}, TensorProto.FLOAT, reads_bias), providers=CPU)
 
 

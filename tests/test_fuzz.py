@@ -87,6 +87,9 @@ def run_fuzz(seconds: float, seed: int) -> dict[str, int]:
             assert str(exc).startswith("invalid kernel bundle"), str(exc)
             cb = None
         assert (py is None) == (cb is None), f"readers disagree on {data.hex()}: python={py is not None}"
+        shared = core.lib.dc_bundle_acquire(data, len(data))  # the path the custom ops take: same verdict
+        assert bool(shared) == (cb is not None), data.hex()
+        core.lib.dc_bundle_release(shared)
         if py is None or cb is None:
             continue
         stats["accepted"] += 1

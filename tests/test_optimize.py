@@ -143,14 +143,12 @@ def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
 
 
 def test_two_targets_give_a_cubin_each_and_portable_ptx(work, tmp_path):
-    from dietcode_ort.bundle import Bundle
+    from dietcode_ort.bundle import Bundle, node_bundles
 
     src, out = tmp_path / "mlp.onnx", tmp_path / "mlp.2.onnx"
     models.save_model(models.build("mlp", "tiny"), src)
     optimize(src, out, _options(work, "tokens=1:8", targets=("sm_80", "sm_90")), log=lambda _: None)
-    node = next(n for n in onnx.load(str(out)).graph.node if n.domain == "ai.dietcode")
-    attr = next(a for a in node.attribute if a.name == "bundle")
-    bundle = Bundle.from_bytes(bytes(onnx.numpy_helper.to_array(attr.t)))
+    bundle = Bundle.from_bytes(node_bundles(onnx.load(str(out)))[0].payload)
     for kernel in bundle.kernels:
         assert sorted(arch for arch, _ in kernel.images) == ["sm_80", "sm_90a"]
         assert ".target sm_80" in kernel.ptx  # JIT-able by GPUs newer than both cubins

@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 
-from dietcode_ort.bundle import Bundle
+from dietcode_ort.bundle import Bundle, node_bundles
 from dietcode_ort.errors import DietcodeError
 from tuner.rewrite import DOMAIN
 from tuner.scan import load_model
@@ -28,16 +27,20 @@ def _render(bundle: Bundle, labels: list[str] | None) -> str:
 
 def describe(model: onnx.ModelProto) -> list[dict]:
     nodes = []
-    for node in model.graph.node:
-        if node.domain != DOMAIN:
-            continue
+    custom = [n for n in model.graph.node if n.domain == DOMAIN]
+    parsed: dict[str, Bundle] = {}
+    for node, where in zip(custom, node_bundles(model)):
         attrs = {a.name: a for a in node.attribute}
-        if "bundle" not in attrs:
-            raise DietcodeError(f"custom node {node.name!r} has no 'bundle' attribute")
-        bundle = Bundle.from_bytes(bytes(np.asarray(onnx.numpy_helper.to_array(attrs["bundle"].t), np.uint8)))
+        if where.initializer not in parsed:
+            try:
+                parsed[where.initializer] = Bundle.from_bytes(where.payload)
+            except DietcodeError as exc:
+                raise DietcodeError(f"node {node.name!r}: {exc}") from None
+        bundle = parsed[where.initializer]
         info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
         nodes.append({
             "name": node.name, "op": node.op_type, "workload": info.get("workload"),
+            "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
             "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16),
@@ -68,7 +71,9 @@ def inspect_command(path: str, as_json: bool) -> int:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
-    table = Table(title=f"{len(nodes)} {DOMAIN} nodes")
+    bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes}
+    table = Table(title=f"{len(nodes)} {DOMAIN} nodes, {len(bundles)} distinct kernel bundles "
+                        f"({sum(bundles.values()) / 1e6:.2f} MB, stored once each)")
     for col in ("node", "op", "workload", "kernels", "tuned ranges", "dispatch"):
         table.add_column(col, overflow="fold")
     for n in nodes:

@@ -2,13 +2,15 @@
 
 Each scanned node (with the Add(bias) and Relu/Gelu it absorbs) becomes one custom node whose op type
 names the fused epilogue (``MatMulBiasGelu``, ``ConvBiasRelu``, ...; the node contract is in
-docs/bundle.md). The node keeps the output name of the last node it replaces and carries its kernel
-bundle as an attribute. For every op type used, the model also gets a model-local function whose body is
-the original computation, so stock onnxruntime without the custom-op library still runs the model; with
-the library registered, ORT runs the library's kernel instead.
+docs/bundle.md). The node keeps the output name of the last node it replaces; its last input is its kernel
+bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
+every op type used, the model also gets a model-local function whose body is the original computation
+(it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
+the model; with the library registered, ORT runs the library's kernel instead.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from tuner.workload import Workload
 __all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "save_model"]
 
 DOMAIN = "ai.dietcode"
-DOMAIN_VERSION = 1
+DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
 _TWO_GB = 2 * 1024 ** 3
 
 
@@ -50,20 +52,25 @@ _FORWARDED = {
 }
 
 
-def _bundle_attribute(payload: bytes) -> onnx.AttributeProto:
-    """The bundle as a uint8 TENSOR attribute: binary-safe, and read in full by ORT's KernelInfo API."""
-    tensor = numpy_helper.from_array(np.frombuffer(payload, dtype=np.uint8), name="bundle")
-    return helper.make_attribute("bundle", tensor)
+def _bundle_initializer(payload: bytes, taken: set[str]) -> onnx.TensorProto:
+    """The bundle as a 1-D uint8 initializer, named by its content so equal bundles get one tensor."""
+    base = "dietcode_bundle_" + hashlib.sha256(payload).hexdigest()[:16]
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return numpy_helper.from_array(np.frombuffer(payload, dtype=np.uint8), name=name)
 
 
 def _function(op: str, onnx_op: str, opset: int) -> onnx.FunctionProto:
     """The fallback body for one op type: the original op, then Add(bias) and the activation."""
     has_bias = "Bias" in op
     act = "relu" if op.endswith("Relu") else "gelu" if op.endswith("Gelu") else "none"
-    inputs = ["A", "B"] + (["bias"] if has_bias else [])
+    data_inputs = ["A", "B"] + (["bias"] if has_bias else [])
+    inputs = data_inputs + ["bundle"]  # the kernel bundle: read by the custom op, ignored here
     attrs = list(_FORWARDED[onnx_op])
     nodes = []
-    core_inputs = inputs if (has_bias and onnx_op in ("Gemm", "Conv")) else ["A", "B"]
+    core_inputs = data_inputs if (has_bias and onnx_op in ("Gemm", "Conv")) else ["A", "B"]
     ref_attrs = []
     for name, default in _FORWARDED[onnx_op].items():
         kind = onnx.AttributeProto.INTS if isinstance(default, list) else \
@@ -91,7 +98,7 @@ def _function(op: str, onnx_op: str, opset: int) -> onnx.FunctionProto:
     else:
         nodes.append(helper.make_node("Identity", [y], ["Y"]))
     return helper.make_function(DOMAIN, op, inputs, ["Y"], nodes, [helper.make_opsetid("", opset)],
-                                attributes=["bundle", "info"] + attrs)
+                                attributes=["info"] + attrs)
 
 
 def _node_attributes(node: onnx.NodeProto) -> dict:
@@ -124,6 +131,10 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     index = {id(n): i for i, n in enumerate(graph.node)}
     used_ops: dict[str, str] = {}
     rewritten = []
+    shared: dict[bytes, str] = {}  # payload -> its initializer's name
+    new_initializers: list[onnx.TensorProto] = []
+    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
+        {o for n in graph.node for o in n.output}
     for w in workloads:
         op = op_type(w)
         for node_name, fused in zip(w.nodes, w.fused_nodes or ((),) * len(w.nodes)):
@@ -142,9 +153,11 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
                 else:
                     inputs.append(node.input[2])
             output = fused_nodes[-1].output[0] if fused_nodes else node.output[0]
-            custom = helper.make_node(op, inputs, [output], name=node_name, domain=DOMAIN,
+            if payload not in shared:
+                new_initializers.append(_bundle_initializer(payload, taken))
+                shared[payload] = new_initializers[-1].name
+            custom = helper.make_node(op, inputs + [shared[payload]], [output], name=node_name, domain=DOMAIN,
                                       **_node_attributes(node))
-            custom.attribute.append(_bundle_attribute(payload))
             if info and node_name in info:
                 custom.attribute.append(helper.make_attribute("info", info[node_name]))
             replace[index[id(node)]] = custom
@@ -159,6 +172,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     if len(kept) != len(graph.initializer):
         del graph.initializer[:]
         graph.initializer.extend(kept)
+    graph.initializer.extend(new_initializers)
     if used_ops:
         existing = {(f.domain, f.name) for f in out.functions}
         out.functions.extend(_function(op, onnx_op, opset) for op, onnx_op in sorted(used_ops.items())

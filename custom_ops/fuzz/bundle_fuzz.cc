@@ -18,6 +18,12 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   dc_bundle* b = dc_bundle_parse(data, size);
+  // The shared path the custom ops take (dc_bundle_acquire) gives the same verdict, one handle per content.
+  dc_bundle* shared = dc_bundle_acquire(data, size);
+  dc_bundle* again = dc_bundle_acquire(data, size);
+  if ((shared == nullptr) != (b == nullptr) || shared != again) __builtin_trap();
+  dc_bundle_release(shared);
+  dc_bundle_release(again);
   if (b == nullptr) {
     if (std::strlen(dc_last_error()) == 0) __builtin_trap();  // a refusal must say why
     return 0;
