@@ -37,7 +37,8 @@ def describe(model: onnx.ModelProto) -> list[dict]:
         bundle = Bundle.from_bytes(bytes(np.asarray(onnx.numpy_helper.to_array(attrs["bundle"].t), np.uint8)))
         info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
         nodes.append({
-            "name": node.name or node.output[0], "op": node.op_type,  # exporters may leave names empty "workload": info.get("workload"),
+            # exporters may leave names empty: then the node is named by its output
+            "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
             "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16),

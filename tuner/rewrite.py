@@ -76,7 +76,8 @@ def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: l
     """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias], output Y."""
     inputs = ["A", "B"] + (["bias"] if "Bias" in op else [])
     return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
-                                attributes=["bundle", "info"] + list(_FORWARDED[onnx_op]), overload=overload or None)
+                                attributes=["bundle", "info"] + list(_FORWARDED[onnx_op]),
+                                overload=overload or None)
 
 
 def _node_attributes(node: onnx.NodeProto) -> dict:
@@ -142,8 +143,8 @@ class _Links:
             return node
         t = self.inits.get(name)
         if t is None or i is not None:
-            raise DietcodeError(f"cannot rewrite: {_label(reader)} reads {name!r}, which is neither made by the "
-                                f"fused nodes nor a constant")
+            raise DietcodeError(f"cannot rewrite: {_label(reader)} reads {name!r}, which is neither made by "
+                                f"the fused nodes nor a constant")
         if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
             raise DietcodeError(f"cannot rewrite: constant {name!r} of a fused node is external data that is "
                                 f"not loaded")
@@ -183,7 +184,8 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
             if value in links.outputs or outside:
                 where = "is a graph output" if value in links.outputs else \
                     f"is also read by {_label(links.graph.node[outside[0]])}"
-                raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} {where}")
+                raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
+                                    f"{where}")
     return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output,
                  _body(links, node, [f for _, f in absorbed], bias, output))
 
@@ -335,7 +337,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     graph.node.extend(new_nodes)
     _drop_unread(graph, before)
     if new_functions:
-        if out.ir_version < 4:  # initializers were constant graph inputs there; from IR 4 they are overridable
+        if out.ir_version < 4:  # initializers were constant inputs there; from IR 4 they are overridable
             _drop_inputs(graph, {t.name for t in graph.initializer})
         out.functions.extend(new_functions)
         # model-local functions need IR 8, overloads IR 10

@@ -250,7 +250,8 @@ def _bias_of(g: _Graph, add: onnx.NodeProto, x: str, n: int) -> str | None:
 
 
 def _consumer(g: _Graph, name: str, op: str) -> onnx.NodeProto | None:
-    return next((u for u in g.consumers.get(name, []) if u.op_type == op and u.domain in ("", "ai.onnx")), None)
+    readers = g.consumers.get(name, [])
+    return next((u for u in readers if u.op_type == op and u.domain in ("", "ai.onnx")), None)
 
 
 def _const_input(g: _Graph, node: onnx.NodeProto | None, x: str, target: float, ops: tuple[str, ...],
