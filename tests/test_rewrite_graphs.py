@@ -203,7 +203,10 @@ def identity_deduplicated_zero_bias() -> Case:
         nodes += mm
         inits += [i[0]]
     nodes.append(helper.make_node("Sub", ["b_y", "zero_id"], ["z"]))
-    return Case(_model(nodes, [_x()], [_out("a_y"), _out("z")], inits), [Epilogue(True, "none")] * 2)
+    nodes.append(helper.make_node("Gemm", ["x", "c_w", "zero_id"], ["c_y"]))  # Gemm's C behind it too
+    inits.append(_t("c_w", (K, N)))
+    return Case(_model(nodes, [_x()], [_out("a_y"), _out("z"), _out("c_y")], inits),
+                [Epilogue(True, "none")] * 3)
 
 
 def bias_first_relu() -> Case:
@@ -384,8 +387,10 @@ def test_identity_bias_stays_for_its_other_readers():
     _, _, workloads = _workload_epilogues(case.model)
     result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
     custom = [n for n in result.model.graph.node if n.domain == DOMAIN]
-    assert [list(n.input) for n in custom] == [["x", "a_w", "zero_id"], ["x", "b_w", "zero_id"]]
-    assert [n.op_type for n in result.model.graph.node] == ["Identity", "MatMulBias", "MatMulBias", "Sub"]
+    assert [list(n.input) for n in custom] == [["x", "a_w", "zero_id"], ["x", "b_w", "zero_id"],
+                                               ["x", "c_w", "zero_id"]]
+    assert [n.op_type for n in result.model.graph.node] == ["Identity", "MatMulBias", "MatMulBias", "Sub",
+                                                            "GemmBias"]
 
 
 # ---- optimize end to end (analytic tuning, real kernels) ---------------------------------------------------

@@ -292,8 +292,12 @@ def _drop_inputs(graph: onnx.GraphProto, names: set[str]) -> None:
 
 
 def _opsets(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:
-    """The model's opset imports, for the fallback functions (their bodies are the model's own nodes)."""
-    return [helper.make_opsetid(o.domain, o.version) for o in model.opset_import if o.domain != DOMAIN]
+    """The model's opset imports, for the fallback functions (their bodies are the model's own nodes,
+    and their core op is written in the default domain "")."""
+    opsets = {o.domain: o.version for o in model.opset_import if o.domain != DOMAIN}
+    if "" not in opsets and "ai.onnx" in opsets:
+        opsets[""] = opsets["ai.onnx"]
+    return [helper.make_opsetid(domain, version) for domain, version in opsets.items()]
 
 
 def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes],

@@ -397,9 +397,9 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     n = sb[0] if trans_b else sb[1]
     info = dict(op="gemm", m=_expr([sa[0]]), n=_expr([n]), k=_expr([sa[1]]), batch="1", trans_b=trans_b)
     if len(node.input) > 2 and node.input[2]:
-        c = node.input[2]
-        shape = g.shapes.get(c, ())
-        if c not in g.inits or not (len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])):
+        source = g.constant_source(node.input[2])  # through Identity, as exporters write shared constants
+        shape = g.shapes.get(source, ()) if source else ()
+        if source is None or not (len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])):
             raise _Refuse("Gemm's C input is not a constant bias of N elements")
         info["bias"] = True
     return info
