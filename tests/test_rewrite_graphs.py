@@ -183,7 +183,8 @@ def _opset_case(opset: int) -> Case:
     mm, inits = _mm_bias("x", "hb", "a")
     gelu, consts = _gelu("hb", "y1", "g")
     if opset >= 18:
-        gelu = [helper.make_node("Constant", [], [t.name], value=t) for t in consts] + gelu
+        gelu = [helper.make_node("Constant", [], [t.name], value=t) for t in consts[:2]] + [
+            helper.make_node("Constant", [], ["g_half"], value_float=0.5)] + gelu  # both Constant forms
         consts = []
     gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"], transB=1)
     relu = helper.make_node("Relu", ["gg"], ["y2"])

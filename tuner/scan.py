@@ -116,7 +116,24 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     del copy.graph.initializer[:]
     copy.graph.initializer.extend(keep)
     copy.graph.input.extend(as_inputs)
+    for node in copy.graph.node:
+        _constant_as_tensor(node)
     return copy
+
+
+_CONSTANT_FORMS = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+                   "value_ints": np.int64}
+
+
+def _constant_as_tensor(node: onnx.NodeProto) -> None:
+    """Rewrite a Constant's ``value_float(s)``/``value_int(s)`` as ``value`` (a tensor), the one form
+    SymbolicShapeInference reads (it fails on the others) and the fusion rules match."""
+    if node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name not in _CONSTANT_FORMS:
+        return
+    attr = node.attribute[0]
+    value = np.array(onnx.helper.get_attribute_value(attr), dtype=_CONSTANT_FORMS[attr.name])
+    del node.attribute[:]
+    node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
