@@ -128,9 +128,9 @@ _CONSTANT_FORMS = {"value_float": np.float32, "value_floats": np.float32, "value
 def _constant_as_tensor(node: onnx.NodeProto) -> None:
     """Rewrite a Constant's ``value_float(s)``/``value_int(s)`` as ``value`` (a tensor), the one form
     SymbolicShapeInference reads (it fails on the others) and the fusion rules match."""
-    if node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name not in _CONSTANT_FORMS:
+    attr = node.attribute[0] if node.op_type == "Constant" and len(node.attribute) == 1 else None
+    if attr is None or attr.name not in _CONSTANT_FORMS:
         return
-    attr = node.attribute[0]
     value = np.array(onnx.helper.get_attribute_value(attr), dtype=_CONSTANT_FORMS[attr.name])
     del node.attribute[:]
     node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
