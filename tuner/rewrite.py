@@ -24,6 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dietcode_ort.errors import DietcodeError
+from tuner.scan import node_reads
 from tuner.workload import Workload
 
 __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model"]
@@ -119,9 +120,8 @@ class _Links:
                     raise DietcodeError(f"invalid model: value {o!r} is made by two nodes")
                 if o:
                     self.producer[o] = i
-            for x in n.input:
-                if x:
-                    self.readers.setdefault(x, []).append(i)
+            for x in node_reads(n):
+                self.readers.setdefault(x, []).append(i)
         self.inits = {t.name: t for t in graph.initializer}
         self.outputs = {o.name for o in graph.output}
 
@@ -253,10 +253,7 @@ def _graph_reads(graph: onnx.GraphProto) -> set[str]:
     """Every value name read by the graph's nodes, subgraphs (If/Loop bodies) included, and its outputs."""
     names = {o.name for o in graph.output}
     for n in graph.node:
-        names.update(x for x in n.input if x)
-        for a in n.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                names |= _graph_reads(sub)
+        names |= node_reads(n)
     return names
 
 

@@ -23,7 +23,7 @@ from tuner.instances import instances_from_dims, instances_from_shape_log, parse
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
-           "scan_command"]
+           "scan_command", "node_reads"]
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -149,6 +149,18 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     return inferred
 
 
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads: its inputs and what its subgraphs (If/Loop/Scan bodies) read from outside."""
+    names = {x for x in node.input if x}
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            made = {i.name for i in sub.input} | {t.name for t in sub.initializer} | \
+                {o for n in sub.node for o in n.output}
+            names |= {x for n in sub.node for x in node_reads(n) if x not in made}
+            names |= {o.name for o in sub.output if o.name not in made}
+    return names
+
+
 class _Graph:
     """Index of an inferred graph: shapes, dtypes, producers, consumers, constants."""
 
@@ -177,9 +189,8 @@ class _Graph:
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         self.producers: dict[str, onnx.NodeProto] = {}
         for node in g.node:
-            for name in node.input:
-                if name:
-                    self.consumers[name].append(node)
+            for name in node_reads(node):
+                self.consumers[name].append(node)
             for name in node.output:
                 self.producers[name] = node
         self.graph_outputs = {o.name for o in g.output}
