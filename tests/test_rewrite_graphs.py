@@ -100,8 +100,8 @@ def gelu_intermediate_read_elsewhere() -> Case:
 def gelu_intermediate_read_in_a_subgraph() -> Case:
     mm, inits = _mm_bias("x", "hb", "a")
     gelu, consts = _gelu("hb", "y", "g")
-    branch = [helper.make_graph([helper.make_node("Identity", ["g_e1"], [f"{b}_out"])], b, [], [_out(f"{b}_out")])
-              for b in ("then", "else")]
+    branch = [helper.make_graph([helper.make_node("Identity", ["g_e1"], [f"{b}_out"])], b, [],
+                                [_out(f"{b}_out")]) for b in ("then", "else")]
     cond = numpy_helper.from_array(np.array(True), "cond")
     use = helper.make_node("If", ["cond"], ["z"], then_branch=branch[0], else_branch=branch[1])
     return Case(_model(mm + gelu + [use], [_x()], [_out("y"), _out("z")], inits + consts + [cond]),
@@ -237,7 +237,8 @@ def constant_not_along_last_axis() -> Case:
 
 
 CASES = {f.__name__: f for f in (
-    gelu_intermediate_read_elsewhere, gelu_intermediate_read_in_a_subgraph, gelu_intermediate_is_graph_output, gelu_input_is_graph_output,
+    gelu_intermediate_read_elsewhere, gelu_intermediate_read_in_a_subgraph, gelu_intermediate_is_graph_output,
+    gelu_input_is_graph_output,
     bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
     repeated_node_names, name_like_a_made_up_one, old_ir_initializers_as_inputs,
     overridable_initializer_inputs,
