@@ -39,7 +39,8 @@ def describe(model: onnx.ModelProto) -> list[dict]:
         bundle = parsed[where.initializer]
         info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
         nodes.append({
-            "name": node.name, "op": node.op_type, "workload": info.get("workload"),
+            # exporters may leave names empty: then the node is named by its output
+            "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
             "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,

@@ -121,7 +121,7 @@ def _geomean(values: Sequence[float], weights: Sequence[float]) -> float:
 def optimize(model_path: str | Path, output: str | Path, options: OptimizeOptions,
              log: Callable[[str], None] = print) -> OptimizeReport:
     """Run the whole pipeline; nothing is written unless every workload succeeds."""
-    from tuner.rewrite import rewrite_model, save_model
+    from tuner.rewrite import plan_rewrite, rewrite_model, save_model
 
     model_path, output = Path(model_path), Path(output)
     if output.resolve() == model_path.resolve():
@@ -135,6 +135,9 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
     for s in scanned.skipped:
         log(f"left as it is: {s.node} ({s.op}): {s.reason}")
+    for s in scanned.unfused:
+        log(f"not fused: {s.node} ({s.op}): {s.reason}")
+    plan_rewrite(model, list(scanned.workloads))  # a graph the rewrite cannot handle fails before tuning
     tuned = []
     for index, w in enumerate(scanned.workloads):
         problems = merge_problems(w)

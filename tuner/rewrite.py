@@ -6,7 +6,12 @@ docs/bundle.md). The node keeps the output name of the last node it replaces; it
 bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
 every op type used, the model also gets a model-local function whose body is the original computation
 (it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
-the model; with the library registered, ORT runs the library's kernel instead.
+the model; with the library registered, ORT runs the library's kernel instead. The body is the replaced
+nodes copied (in the model's opset), so the fallback computes exactly what the original did; nodes whose
+absorbed nodes differ (another Gelu form, other constants) get a function overload each.
+
+Nodes are linked by their first output's name (``Workload.nodes``), never by node name: exporters leave
+names empty or repeat them.
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dietcode_ort.errors import DietcodeError
+from tuner.scan import node_reads
 from tuner.workload import Workload
 
-__all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "save_model"]
+__all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model"]
 
 DOMAIN = "ai.dietcode"
 DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
@@ -40,7 +46,7 @@ def op_type(workload: Workload) -> str:
 @dataclass(frozen=True)
 class RewriteResult:
     model: onnx.ModelProto
-    rewritten: tuple[str, ...]  # original node names now run by custom ops
+    rewritten: tuple[str, ...]  # the first outputs of the original nodes now run by custom ops
     op_types: tuple[str, ...]
 
 
@@ -62,43 +68,24 @@ def _bundle_initializer(payload: bytes, taken: set[str]) -> onnx.TensorProto:
     return numpy_helper.from_array(np.frombuffer(payload, dtype=np.uint8), name=name)
 
 
-def _function(op: str, onnx_op: str, opset: int) -> onnx.FunctionProto:
-    """The fallback body for one op type: the original op, then Add(bias) and the activation."""
-    has_bias = "Bias" in op
-    act = "relu" if op.endswith("Relu") else "gelu" if op.endswith("Gelu") else "none"
-    data_inputs = ["A", "B"] + (["bias"] if has_bias else [])
-    inputs = data_inputs + ["bundle"]  # the kernel bundle: read by the custom op, ignored here
-    attrs = list(_FORWARDED[onnx_op])
-    nodes = []
-    core_inputs = data_inputs if (has_bias and onnx_op in ("Gemm", "Conv")) else ["A", "B"]
-    ref_attrs = []
+def _ref_attributes(onnx_op: str) -> list[onnx.AttributeProto]:
+    """The original op's attributes as references to the custom node's (the body takes the node's values)."""
+    refs = []
     for name, default in _FORWARDED[onnx_op].items():
         kind = onnx.AttributeProto.INTS if isinstance(default, list) else \
             onnx.AttributeProto.FLOAT if isinstance(default, float) else onnx.AttributeProto.INT
-        ref = onnx.AttributeProto(name=name, ref_attr_name=name, type=kind)
-        ref_attrs.append(ref)
-    core = helper.make_node(onnx_op, core_inputs, ["y0"])
-    core.attribute.extend(ref_attrs)
-    nodes.append(core)
-    y = "y0"
-    if has_bias and onnx_op == "MatMul":
-        nodes.append(helper.make_node("Add", [y, "bias"], ["y1"]))
-        y = "y1"
-    if act == "relu":
-        nodes.append(helper.make_node("Relu", [y], ["Y"]))
-    elif act == "gelu":  # exact Gelu in the Erf form, constants cast to the input's type
-        const = {"sqrt2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}
-        for name, value in const.items():
-            nodes.append(helper.make_node("Constant", [], [f"{name}_f"],
-                                          value=numpy_helper.from_array(np.array(value, np.float32))))
-            nodes.append(helper.make_node("CastLike", [f"{name}_f", y], [name]))
-        nodes += [helper.make_node("Div", [y, "sqrt2"], ["g0"]), helper.make_node("Erf", ["g0"], ["g1"]),
-                  helper.make_node("Add", ["g1", "one"], ["g2"]), helper.make_node("Mul", [y, "g2"], ["g3"]),
-                  helper.make_node("Mul", ["g3", "half"], ["Y"])]
-    else:
-        nodes.append(helper.make_node("Identity", [y], ["Y"]))
-    return helper.make_function(DOMAIN, op, inputs, ["Y"], nodes, [helper.make_opsetid("", opset)],
-                                attributes=["info"] + attrs)
+        refs.append(onnx.AttributeProto(name=name, ref_attr_name=name, type=kind))
+    return refs
+
+
+def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: list[onnx.OperatorSetIdProto],
+              overload: str) -> onnx.FunctionProto:
+    """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias], output Y;
+    the last input, the kernel bundle, is read by the custom op and ignored here."""
+    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + ["bundle"]
+    return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
+                                attributes=["info"] + list(_FORWARDED[onnx_op]),
+                                overload=overload or None)
 
 
 def _node_attributes(node: onnx.NodeProto) -> dict:
@@ -110,9 +97,216 @@ def _node_attributes(node: onnx.NodeProto) -> dict:
     return out
 
 
+def _label(node: onnx.NodeProto) -> str:
+    return repr(node.name) if node.name else f"{node.op_type} node making {node.output[0]!r}"
+
+
+@dataclass(frozen=True)
+class _Site:
+    """One custom node to be: the node it replaces and the nodes it absorbs (graph indices), its inputs,
+    its output, and its fallback body (the replaced nodes copied, values renamed)."""
+
+    op: str
+    index: int
+    absorbed: tuple[int, ...]
+    inputs: tuple[str, ...]
+    output: str
+    body: tuple[onnx.NodeProto, ...]
+
+
+class _Links:
+    """The graph indexed by value: who makes each value, who reads it, the constants."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.graph = graph
+        self.producer: dict[str, int] = {}
+        self.readers: dict[str, list[int]] = {}
+        for i, n in enumerate(graph.node):
+            for o in n.output:
+                if o and o in self.producer:
+                    raise DietcodeError(f"invalid model: value {o!r} is made by two nodes")
+                if o:
+                    self.producer[o] = i
+            for x in node_reads(n):
+                self.readers.setdefault(x, []).append(i)
+        self.inits = {t.name: t for t in graph.initializer}
+        self.outputs = {o.name for o in graph.output}
+
+    def node(self, output: str, what: str) -> tuple[int, onnx.NodeProto]:
+        i = self.producer.get(output)
+        if i is None:
+            raise DietcodeError(f"{what} making {output!r} is not in the model")
+        return i, self.graph.node[i]
+
+    def constant(self, name: str, body_name: str, reader: onnx.NodeProto) -> onnx.NodeProto:
+        """A Constant node (for a function body) with the value of ``name``: an initializer or Constant."""
+        i = self.producer.get(name)
+        if i is not None and self.graph.node[i].op_type == "Constant":
+            node = onnx.NodeProto()
+            node.CopyFrom(self.graph.node[i])
+            node.name = ""
+            del node.output[:]
+            node.output.append(body_name)
+            return node
+        t = self.inits.get(name)
+        if t is None or i is not None:
+            raise DietcodeError(f"cannot rewrite: {_label(reader)} reads {name!r}, which is neither made by "
+                                f"the fused nodes nor a constant")
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
+            raise DietcodeError(f"cannot rewrite: constant {name!r} of a fused node is external data that is "
+                                f"not loaded")
+        value = onnx.TensorProto()
+        value.CopyFrom(t)
+        value.name = ""
+        return helper.make_node("Constant", [], [body_name], value=value)
+
+
+def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site:
+    """Link one workload node and the nodes it absorbs (by their first outputs) and check that removing
+    them leaves every other reader intact; build its fallback body."""
+    index, node = links.node(key, f"workload node ({w.onnx_op})")
+    if node.op_type != w.onnx_op:
+        raise DietcodeError(f"workload node making {key!r} is a {node.op_type}, not a {w.onnx_op}")
+    absorbed = [links.node(f, "fused node") for f in fused]
+    inputs = list(node.input[:2])
+    bias = None
+    if w.epilogue.bias:
+        if node.op_type == "MatMul":
+            if not absorbed or absorbed[0][1].op_type != "Add" or len(absorbed[0][1].input) != 2:
+                raise DietcodeError(f"workload node making {key!r}: its bias Add is not the first fused node")
+            add = absorbed[0][1]  # the scanner's bias Add: (product, bias) in either order
+            bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+        else:
+            bias = node.input[2] if len(node.input) > 2 else ""
+        if not bias:
+            raise DietcodeError(f"workload node making {key!r} has no bias input")
+        inputs.append(bias)
+    members = {index} | {i for i, _ in absorbed}
+    output = absorbed[-1][1].output[0] if absorbed else node.output[0]
+    for n in [node] + [f for _, f in absorbed]:
+        for value in n.output:
+            if not value or value == output:
+                continue
+            outside = [i for i in links.readers.get(value, []) if i not in members]
+            if value in links.outputs or outside:
+                where = "is a graph output" if value in links.outputs else \
+                    f"is also read by {_label(links.graph.node[outside[0]])}"
+                raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
+                                    f"{where}")
+    return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output,
+                 _body(links, node, [f for _, f in absorbed], bias, output))
+
+
+def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], bias: str | None,
+          output: str) -> tuple[onnx.NodeProto, ...]:
+    """The fallback body: the original op (its attributes referring to the custom node's), then the
+    absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
+    equal computations give equal bodies."""
+    names: dict[str, str] = {output: "Y"}
+    consts: dict[str, str] = {}
+
+    def made(value: str) -> str:
+        return names.setdefault(value, f"t{len(names) - 1}")
+
+    c_input = ["bias"] if node.op_type in ("Gemm", "Conv") and bias else []
+    core = helper.make_node(node.op_type, ["A", "B"] + c_input, [made(node.output[0])])
+    core.attribute.extend(_ref_attributes(node.op_type))
+    body = [core]
+    for f in absorbed:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(f)
+        copy.name = ""
+        renamed = []
+        for x in f.input:
+            if not x or x in names:
+                renamed.append(names.get(x, ""))
+            elif x == bias and node.op_type == "MatMul":
+                renamed.append("bias")
+            else:
+                if x not in consts:
+                    consts[x] = f"c{len(consts)}"
+                    body.append(links.constant(x, consts[x], f))
+                renamed.append(consts[x])
+        del copy.input[:]
+        copy.input.extend(renamed)
+        outs = [made(o) if o else "" for o in f.output]
+        del copy.output[:]
+        copy.output.extend(outs)
+        body.append(copy)
+    return tuple(body)
+
+
+def plan_rewrite(model: onnx.ModelProto, workloads: list[Workload], keys: set[str] | None = None
+                 ) -> dict[str, _Site]:
+    """Link the workloads' nodes (``keys``: those to rewrite, default all) to the model and check each can
+    be rewritten: run before tuning, so a model the rewrite cannot handle fails before the tuning work."""
+    links = _Links(model.graph)
+    sites: dict[str, _Site] = {}
+    claimed: dict[int, str] = {}
+    for w in workloads:
+        for key, fused in zip(w.nodes, w.fused_nodes or ((),) * len(w.nodes)):
+            if keys is not None and key not in keys:
+                continue
+            site = _site(links, w, key, tuple(fused))
+            for i in (site.index, *site.absorbed):
+                if i in claimed:
+                    raise DietcodeError(f"the nodes rewritten for {claimed[i]!r} and {key!r} overlap")
+                claimed[i] = key
+            sites[key] = site
+    return sites
+
+
+def _graph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every value name read by the graph's nodes, subgraphs (If/Loop bodies) included, and its outputs."""
+    names = {o.name for o in graph.output}
+    for n in graph.node:
+        names |= node_reads(n)
+    return names
+
+
+def _drop_unread(graph: onnx.GraphProto, before: set[str]) -> None:
+    """Remove the initializers and Constant nodes the rewrite left unread (with the graph inputs that
+    name such an initializer, the layout of IR < 4 models), and the value_info of removed values."""
+    after = _graph_reads(graph)
+    gone = {t.name for t in graph.initializer if t.name in before and t.name not in after}
+    dead = [n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+            and n.output and n.output[0] in before and n.output[0] not in after]
+    gone |= {n.output[0] for n in dead}
+    if dead:
+        kept = [n for n in graph.node if not any(n is d for d in dead)]
+        del graph.node[:]
+        graph.node.extend(kept)
+    kept_inits = [t for t in graph.initializer if t.name not in gone]
+    if len(kept_inits) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
+    _drop_inputs(graph, gone)
+    made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | \
+        {t.name for t in graph.initializer}
+    stale = [v for v in graph.value_info if v.name not in made]
+    for v in stale:
+        graph.value_info.remove(v)
+
+
+def _drop_inputs(graph: onnx.GraphProto, names: set[str]) -> None:
+    kept = [i for i in graph.input if i.name not in names]
+    if len(kept) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(kept)
+
+
+def _opsets(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:
+    """The model's opset imports, for the fallback functions (their bodies are the model's own nodes,
+    and their core op is written in the default domain "")."""
+    opsets = {o.domain: o.version for o in model.opset_import if o.domain != DOMAIN}
+    if "" not in opsets and "ai.onnx" in opsets:
+        opsets[""] = opsets["ai.onnx"]
+    return [helper.make_opsetid(domain, version) for domain, version in opsets.items()]
+
+
 def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes],
                   info: Mapping[str, str] | None = None) -> RewriteResult:
-    """Replace the nodes of ``workloads`` that have a bundle (keyed by original node name).
+    """Replace the nodes of ``workloads`` that have a bundle (keyed as ``Workload.nodes``: by first output).
 
     ``info`` (per node, optional) is a JSON description of the workload and its tuning that
     ``dietcode-ort inspect`` shows; the runtime never reads it. Nodes without a bundle are left as they
@@ -121,65 +315,67 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < 15:
-        raise DietcodeError(f"the model's opset is {opset}; rewriting needs opset 15 or newer (CastLike)")
-    names = {(n.name or f"{n.op_type}_{i}"): n for i, n in enumerate(graph.node)}
-    by_name_all = {n.name: n for n in graph.node if n.name}
+    sites = plan_rewrite(out, workloads, set(bundles))
+    before = _graph_reads(graph)
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
-    index = {id(n): i for i, n in enumerate(graph.node)}
-    used_ops: dict[str, str] = {}
+    functions: dict[tuple[str, str], onnx.FunctionProto] = {(f.name, f.overload): f for f in out.functions
+                                                             if f.domain == DOMAIN}
+    opsets = _opsets(out)
+    new_functions = []
+    used_ops: set[str] = set()
     rewritten = []
     shared: dict[bytes, str] = {}  # payload -> its initializer's name
     new_initializers: list[onnx.TensorProto] = []
     taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
         {o for n in graph.node for o in n.output}
-    for w in workloads:
-        op = op_type(w)
-        for node_name, fused in zip(w.nodes, w.fused_nodes or ((),) * len(w.nodes)):
-            payload = bundles.get(node_name)
-            if payload is None:
-                continue
-            node = names.get(node_name)
-            if node is None:
-                raise DietcodeError(f"workload node {node_name!r} is not in the model")
-            fused_nodes = [by_name_all[f] for f in fused]
-            inputs = list(node.input[:2])
-            if w.epilogue.bias:
-                if node.op_type == "MatMul":
-                    add = fused_nodes[0]  # the scanner's bias Add: (product, bias) in either order
-                    inputs.append(add.input[1] if add.input[0] == node.output[0] else add.input[0])
-                else:
-                    inputs.append(node.input[2])
-            output = fused_nodes[-1].output[0] if fused_nodes else node.output[0]
-            if payload not in shared:
-                new_initializers.append(_bundle_initializer(payload, taken))
-                shared[payload] = new_initializers[-1].name
-            custom = helper.make_node(op, inputs + [shared[payload]], [output], name=node_name, domain=DOMAIN,
-                                      **_node_attributes(node))
-            if info and node_name in info:
-                custom.attribute.append(helper.make_attribute("info", info[node_name]))
-            replace[index[id(node)]] = custom
-            drop.update(index[id(f)] for f in fused_nodes)
-            used_ops[op] = node.op_type
-            rewritten.append(node_name)
+    for node_name, site in sites.items():
+        payload = bundles[node_name]
+        node = graph.node[site.index]
+        overload = _overload(functions, new_functions, site, node.op_type, opsets)
+        if payload not in shared:
+            new_initializers.append(_bundle_initializer(payload, taken))
+            shared[payload] = new_initializers[-1].name
+        custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [site.output], name=node.name,
+                                  domain=DOMAIN, **_node_attributes(node))
+        if overload:
+            custom.overload = overload
+        if info and node_name in info:
+            custom.attribute.append(helper.make_attribute("info", info[node_name]))
+        replace[site.index] = custom
+        drop.update(site.absorbed)
+        used_ops.add(site.op)
+        rewritten.append(node_name)
     new_nodes = [replace.get(i, n) for i, n in enumerate(graph.node) if i not in drop]
     del graph.node[:]
     graph.node.extend(new_nodes)
-    used = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
-    kept = [t for t in graph.initializer if t.name in used]  # e.g. the absorbed Gelu's constants
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+    _drop_unread(graph, before)
     graph.initializer.extend(new_initializers)
-    if used_ops:
-        existing = {(f.domain, f.name) for f in out.functions}
-        out.functions.extend(_function(op, onnx_op, opset) for op, onnx_op in sorted(used_ops.items())
-                             if (DOMAIN, op) not in existing)
+    if new_functions:
+        if out.ir_version < 4:  # initializers were constant inputs there; from IR 4 they are overridable
+            _drop_inputs(graph, {t.name for t in graph.initializer})
+        out.functions.extend(new_functions)
+        # model-local functions need IR 8, overloads IR 10
+        out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)
         if not any(o.domain == DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return RewriteResult(out, tuple(rewritten), tuple(sorted(used_ops)))
+
+
+def _overload(functions: dict[tuple[str, str], onnx.FunctionProto], new: list[onnx.FunctionProto],
+              site: _Site, onnx_op: str, opsets: list[onnx.OperatorSetIdProto]) -> str:
+    """The overload whose function body is ``site``'s (made when new): "" for the first body of an op
+    type, "1", "2", ... for other bodies of the same op type (e.g. Gelu exported in another form)."""
+    body = [n.SerializeToString(deterministic=True) for n in site.body]
+    taken = sorted(o for name, o in functions if name == site.op)
+    for o in taken:
+        if [n.SerializeToString(deterministic=True) for n in functions[(site.op, o)].node] == body:
+            return o
+    overload = next(str(i) if i else "" for i in range(len(taken) + 1) if (str(i) if i else "") not in taken)
+    fn = _function(site.op, onnx_op, site.body, opsets, overload)
+    functions[(site.op, overload)] = fn
+    new.append(fn)
+    return overload
 
 
 def save_model(model: onnx.ModelProto, path: str | Path) -> None:

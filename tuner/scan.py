@@ -24,7 +24,7 @@ from tuner.instances import instances_from_dims, instances_from_shape_log, parse
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
-           "scan_command"]
+           "scan_command", "node_reads"]
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -35,9 +35,9 @@ Dim = "int | str"  # a dim is an int or an expression text over the model's symb
 
 @dataclass(frozen=True)
 class Skipped:
-    """A MatMul/Gemm/Conv node that is left as it is, and why."""
+    """A node left as it is, and why: a MatMul/Gemm/Conv node, or an Add/activation left unfused."""
 
-    node: str
+    node: str  # the node's name, or its first output when it has none
     op: str
     reason: str
 
@@ -48,6 +48,7 @@ class ScanResult:
     workloads: tuple[Workload, ...]
     skipped: tuple[Skipped, ...]
     input_dims: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    unfused: tuple[Skipped, ...] = ()  # Add/activation nodes after a workload node that stay unfused, and why
 
 
 class _Refuse(Exception):
@@ -116,6 +117,8 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     del copy.graph.initializer[:]
     copy.graph.initializer.extend(keep)
     copy.graph.input.extend(as_inputs)
+    for node in copy.graph.node:
+        _constant_as_tensor(node)
     return copy
 
 
@@ -157,6 +160,21 @@ def _dim_text(text: str, aliases: dict[str, str]) -> str | _Unreadable:
         return _Unreadable(str(exc))
 
 
+_CONSTANT_FORMS = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+                   "value_ints": np.int64}
+
+
+def _constant_as_tensor(node: onnx.NodeProto) -> None:
+    """Rewrite a Constant's ``value_float(s)``/``value_int(s)`` as ``value`` (a tensor), the one form
+    SymbolicShapeInference reads (it fails on the others) and the fusion rules match."""
+    attr = node.attribute[0] if node.op_type == "Constant" and len(node.attribute) == 1 else None
+    if attr is None or attr.name not in _CONSTANT_FORMS:
+        return
+    value = np.array(onnx.helper.get_attribute_value(attr), dtype=_CONSTANT_FORMS[attr.name])
+    del node.attribute[:]
+    node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -168,6 +186,18 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     if inferred is None:
         raise DietcodeError("symbolic shape inference could not complete on this model")
     return inferred
+
+
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads: its inputs and what its subgraphs (If/Loop/Scan bodies) read from outside."""
+    names = {x for x in node.input if x}
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            made = {i.name for i in sub.input} | {t.name for t in sub.initializer} | \
+                {o for n in sub.node for o in n.output}
+            names |= {x for n in sub.node for x in node_reads(n) if x not in made}
+            names |= {o.name for o in sub.output if o.name not in made}
+    return names
 
 
 class _Graph:
@@ -198,10 +228,12 @@ class _Graph:
                 self.shapes[node.output[0]] = tuple(t.dims)
                 self.dtypes[node.output[0]] = t.data_type
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        self.producers: dict[str, onnx.NodeProto] = {}
         for node in g.node:
-            for name in node.input:
-                if name:
-                    self.consumers[name].append(node)
+            for name in node_reads(node):
+                self.consumers[name].append(node)
+            for name in node.output:
+                self.producers[name] = node
         self.graph_outputs = {o.name for o in g.output}
 
     def const(self, name: str) -> np.ndarray | None:
@@ -217,6 +249,18 @@ class _Graph:
         if len(users) != 1 or name in self.graph_outputs:
             return None
         return users[0]
+
+    def constant_source(self, name: str) -> str | None:
+        """The constant behind ``name``, looking through Identity nodes (exporters deduplicate equal
+        constants, such as zero biases, behind one Identity each), or None when it is not constant."""
+        for _ in range(16):
+            if name in self.inits:
+                return name
+            node = self.producers.get(name)
+            if node is None or node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+                return None
+            name = node.input[0]
+        return None
 
 
 def _shape(g: _Graph, name: str, what: str) -> tuple:
@@ -246,67 +290,140 @@ def _close(value: np.ndarray | None, target: float, rel: float = 1e-3) -> bool:
     return value is not None and value.size == 1 and math.isclose(float(value.reshape(())), target, rel_tol=rel)
 
 
-def _bias_of(g: _Graph, add: onnx.NodeProto, x: str, n: int) -> bool:
-    """Whether ``add`` adds a constant bias of N elements along the last axis to ``x``."""
-    if add.op_type != "Add" or len(add.input) != 2:
-        return False
-    other = add.input[1] if add.input[0] == x else add.input[0]
-    if other == x or other not in g.inits:
-        return False
-    shape = g.shapes.get(other, ())
-    return len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])
+def _label(node: onnx.NodeProto) -> str:
+    """How messages name a node: its name, else its first output (names may be empty or repeated)."""
+    return node.name or (node.output[0] if node.output else node.op_type)
 
 
-def _match_gelu(g: _Graph, x: str) -> list[onnx.NodeProto] | None:
-    """The Erf form of Gelu exporters emit: x*0.5*(1+Erf(x/sqrt2)) in its usual orderings."""
-    users = g.consumers.get(x, [])
-    if x in g.graph_outputs or len(users) != 2:
+def _other_input(node: onnx.NodeProto, x: str) -> str | None:
+    """The input of a two-input ``node`` that is not ``x`` (None unless ``x`` is exactly one of them)."""
+    if len(node.input) != 2 or list(node.input).count(x) != 1:
         return None
-    scale = next((u for u in users if (u.op_type == "Div" and _close(g.const(u.input[1]), math.sqrt(2)))
-                  or (u.op_type == "Mul" and _close(g.const(u.input[1] if u.input[0] == x else u.input[0]),
-                                                     1 / math.sqrt(2)))), None)
+    return node.input[1] if node.input[0] == x else node.input[0]
+
+
+def _bias_of(g: _Graph, add: onnx.NodeProto, x: str, n: int) -> str | None:
+    """The bias input when ``add`` adds a constant of N elements along the last axis to ``x``, else None.
+
+    The bias may be either input, and may reach the Add through Identity nodes."""
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return None
+    other = _other_input(add, x)
+    source = g.constant_source(other) if other else None
+    if source is None:
+        return None
+    shape = g.shapes.get(source, ())
+    return other if len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1]) else None
+
+
+def _consumer(g: _Graph, name: str, op: str) -> onnx.NodeProto | None:
+    readers = g.consumers.get(name, [])
+    return next((u for u in readers if u.op_type == op and u.domain in ("", "ai.onnx")), None)
+
+
+def _const_input(g: _Graph, node: onnx.NodeProto | None, x: str, target: float, ops: tuple[str, ...],
+                 commutes: bool = True) -> str | None:
+    """The constant input of ``node`` (an op of ``ops`` on ``x`` and a scalar close to ``target``)."""
+    if node is None or node.op_type not in ops:
+        return None
+    other = _other_input(node, x)
+    if other is None or (not commutes and node.input[0] != x):
+        return None
+    return other if _close(g.const(other), target) else None
+
+
+def _match_gelu(g: _Graph, x: str) -> tuple[list[onnx.NodeProto], list[str]] | None:
+    """The Erf form of Gelu exporters emit, x*0.5*(1+Erf(x/sqrt2)), as (nodes in order, constants).
+
+    Two orderings: Mul(x, 0.5) -> Mul(., 1+erf), and Mul(x, 1+erf) -> Mul(., 0.5); the scale is Div by
+    sqrt2 or Mul by 1/sqrt2. This matches the structure only; ``_absorbable`` decides whether it may fuse.
+    """
+    consts: list[str] = []
+    scale = None
+    for u in g.consumers.get(x, []):
+        c = (_const_input(g, u, x, math.sqrt(2), ("Div",), commutes=False)
+             or _const_input(g, u, x, 1 / math.sqrt(2), ("Mul",)))
+        if c is not None:
+            scale, consts = u, [c]
+            break
     if scale is None:
         return None
-    erf = g.exclusive_consumer(scale.output[0])
-    if erf is None or erf.op_type != "Erf":
+    erf = _consumer(g, scale.output[0], "Erf")
+    add = erf and _consumer(g, erf.output[0], "Add")
+    one = _const_input(g, add, erf.output[0], 1.0, ("Add",)) if erf else None
+    if add is None or one is None:
         return None
-    add = g.exclusive_consumer(erf.output[0])
-    if add is None or add.op_type != "Add" or not _close(
-            g.const(add.input[1] if add.input[0] == erf.output[0] else add.input[0]), 1.0):
-        return None
-    other = next(u for u in users if u is not scale)
-    if other.op_type != "Mul":
-        return None
-    # Either Mul(x, 0.5) -> Mul(., 1+erf), or Mul(x, 1+erf) -> Mul(., 0.5), or Mul(x, 1+erf) <- Mul(0.5 ...)
-    half_first = _close(g.const(other.input[1] if other.input[0] == x else other.input[0]), 0.5)
-    last = g.exclusive_consumer(other.output[0])
-    if last is None or last.op_type != "Mul":
-        return None
-    if half_first:
-        if add.output[0] not in last.input or g.exclusive_consumer(add.output[0]) is not last:
-            return None
-    else:
-        if add.output[0] not in other.input or not _close(
-                g.const(last.input[1] if last.input[0] == other.output[0] else last.input[0]), 0.5):
-            return None
-    return [scale, erf, add, other, last]
+    consts.append(one)
+    for other in g.consumers.get(x, []):
+        if other is scale or other.op_type != "Mul":
+            continue
+        half = _const_input(g, other, x, 0.5, ("Mul",))
+        if half is not None:  # Mul(x, 0.5) -> Mul(., 1+erf)
+            last = _consumer(g, other.output[0], "Mul")
+            if last is not None and _other_input(last, other.output[0]) == add.output[0]:
+                return [scale, erf, add, other, last], consts + [half]
+        elif _other_input(other, x) == add.output[0]:  # Mul(x, 1+erf) -> Mul(., 0.5)
+            last = _consumer(g, other.output[0], "Mul")
+            half = _const_input(g, last, other.output[0], 0.5, ("Mul",))
+            if half is not None:
+                return [scale, erf, add, other, last], consts + [half]
+    return None
+
+
+def _absorbable(g: _Graph, nodes: Sequence[onnx.NodeProto], x: str) -> str | None:
+    """Why a kernel cannot absorb ``nodes`` (a pattern reading ``x``), or None when it can: ``x`` and
+    every value the pattern makes, but the last node's output, must be read only inside the pattern and be
+    no graph output (the absorbed nodes are removed)."""
+    inside = {id(n) for n in nodes}
+    for name in [x] + [o for n in nodes[:-1] for o in n.output] + list(nodes[-1].output[1:]):
+        if name in g.graph_outputs:
+            return f"its intermediate {name!r} is a graph output"
+        outside = [u for u in g.consumers.get(name, []) if id(u) not in inside]
+        if outside:
+            return f"its intermediate {name!r} is also used by {_label(outside[0])!r}"
+    return None
+
+
+def _rank_grows(g: _Graph, x: str, consts: Sequence[str]) -> str | None:
+    """Why adding or multiplying ``consts`` would give a result of higher rank than ``x``, or None."""
+    rank = len(g.shapes[x]) if x in g.shapes else None
+    for c in consts:
+        source = g.constant_source(c) or c
+        crank = len(g.shapes.get(source, ()))
+        if crank > (rank if rank is not None else 1):
+            have = f"rank {rank}" if rank is not None else "unknown rank"
+            return (f"constant {c!r} has rank {crank}, more than the {have} of {x!r}: the fused output would "
+                    f"lose the broadcast dims")
+    return None
 
 
 def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool
-              ) -> tuple[Epilogue, tuple[str, ...]]:
-    """The exclusive Add(bias) and Relu/Gelu after ``node`` that a kernel can absorb."""
-    out, fused, bias = node.output[0], [], False
+              ) -> tuple[Epilogue, tuple[str, ...], list[Skipped]]:
+    """The Add(bias) and Relu/Gelu after ``node`` that a kernel can absorb, as (epilogue, the first
+    outputs of the absorbed nodes, the candidates refused with the reason)."""
+    out, chain, bias, refused = node.output[0], [], False, []
+    add = g.exclusive_consumer(out)
+    b = _bias_of(g, add, out, n) if allow_bias and add is not None else None
+    if b is not None and add is not None:
+        why = _rank_grows(g, out, [b])
+        if why:
+            refused.append(Skipped(_label(add), "Add", f"bias not fused: {why}"))
+        else:
+            bias, out, chain = True, add.output[0], [add]
+    activation, act_nodes = "none", []
     nxt = g.exclusive_consumer(out)
-    if allow_bias and nxt is not None and _bias_of(g, nxt, out, n):
-        bias, out = True, nxt.output[0]
-        fused.append(nxt.name)
-        nxt = g.exclusive_consumer(out)
-    if nxt is not None and nxt.op_type == "Relu":
-        return Epilogue(bias, "relu"), tuple(fused + [nxt.name])
-    gelu = _match_gelu(g, out)
-    if gelu is not None:
-        return Epilogue(bias, "gelu"), tuple(fused + [n.name for n in gelu])
-    return Epilogue(bias, "none"), tuple(fused)
+    if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
+        activation, act_nodes = "relu", [nxt]
+    else:
+        gelu = _match_gelu(g, out)
+        if gelu is not None:
+            nodes, consts = gelu
+            why = _absorbable(g, nodes, out) or _rank_grows(g, out, consts)
+            if why:
+                refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
+            else:
+                activation, act_nodes = "gelu", nodes
+    return Epilogue(bias, activation), tuple(f.output[0] for f in chain + act_nodes), refused
 
 
 def _dtype(g: _Graph, name: str) -> str:
@@ -347,9 +464,9 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     n = sb[0] if trans_b else sb[1]
     info = dict(op="gemm", m=_expr([sa[0]]), n=_expr([n]), k=_expr([sa[1]]), batch="1", trans_b=trans_b)
     if len(node.input) > 2 and node.input[2]:
-        c = node.input[2]
-        shape = g.shapes.get(c, ())
-        if c not in g.inits or not (len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])):
+        source = g.constant_source(node.input[2])  # through Identity, as exporters write shared constants
+        shape = g.shapes.get(source, ()) if source else ()
+        if source is None or not (len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])):
             raise _Refuse("Gemm's C input is not a constant bias of N elements")
         info["bias"] = True
     return info
@@ -401,11 +518,11 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     g = _Graph(_infer(copy), model.graph.initializer, aliases)
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
-    skipped = []
-    for i, node in enumerate(model.graph.node):
+    skipped, unfused = [], []
+    for node in model.graph.node:
         if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
             continue
-        name = node.name or f"{node.op_type}_{i}"
+        name = _label(node)
         try:
             info = _RULES[node.op_type](g, node)
             dtype = _dtype(g, node.input[0])
@@ -420,22 +537,24 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             continue
         n_const = int(info["n"]) if info["n"].isdigit() else -1
         if info.get("bias"):  # Gemm's C / Conv's bias: the op carries it; only an activation can follow
-            act_epi, fused = _epilogue(g, node, n_const, allow_bias=False)
+            act_epi, fused, refused = _epilogue(g, node, n_const, allow_bias=False)
             epilogue = Epilogue(True, act_epi.activation)
         else:
-            epilogue, fused = _epilogue(g, node, n_const, allow_bias=info["op"] != "conv" and n_const > 0)
+            epilogue, fused, refused = _epilogue(g, node, n_const,
+                                                 allow_bias=info["op"] != "conv" and n_const > 0)
+        unfused.extend(refused)
         const = tuple(j for j, inp in enumerate(node.input) if inp and inp in g.inits)
         wl = Workload(op=info["op"], onnx_op=node.op_type, nodes=(), m=info["m"], n=info["n"], k=info["k"],
                       dtype=dtype, symbols=tuple(sorted(_free_symbols(*exprs))), batch=info["batch"],
                       const_operands=const, trans_b=info.get("trans_b", False), epilogue=epilogue,
                       conv=info.get("conv"), conv_input=info.get("conv_input"))
         ranks = (len(g.shapes.get(node.input[0], ())), len(g.shapes.get(node.input[1], ())))
-        groups[_group_key(wl)].append((name, fused, ranks))
+        groups[_group_key(wl)].append((node.output[0], fused, ranks))
         protos.setdefault(_group_key(wl), wl)
     workloads = tuple(replace(protos[key], nodes=tuple(m[0] for m in members),
                               fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
-    return ScanResult(symbols, workloads, tuple(skipped), input_dims)
+    return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused))
 
 
 def _group_key(w: Workload) -> tuple:
@@ -490,7 +609,8 @@ def to_json(result: ScanResult) -> dict:
             "instances": [{"values": i.as_dict(), "weight": i.weight} for i in w.instances],
         }
     return {"symbols": list(result.symbols), "workloads": [workload(w) for w in result.workloads],
-            "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped]}
+            "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped],
+            "unfused": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.unfused]}
 
 
 def _print_table(result: ScanResult) -> None:
@@ -518,6 +638,13 @@ def _print_table(result: ScanResult) -> None:
         for s in result.skipped:
             skipped.add_row(Text(s.node), Text(s.op), Text(s.reason))
         console.print(skipped)
+    if result.unfused:
+        unfused = Table(title=f"{len(result.unfused)} epilogue nodes left unfused")
+        for col in ("node", "op", "reason"):
+            unfused.add_column(col, overflow="fold")
+        for s in result.unfused:
+            unfused.add_row(s.node, s.op, s.reason)
+        console.print(unfused)
 
 
 def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_json: bool) -> int:

@@ -79,7 +79,7 @@ class Workload:
 
     op: str  # one of OPS
     onnx_op: str  # "MatMul" | "Gemm" | "Conv"
-    nodes: tuple[str, ...]
+    nodes: tuple[str, ...]  # per node: its first output's name (unique in a graph, unlike node names)
     m: str
     n: str
     k: str
@@ -90,7 +90,7 @@ class Workload:
     trans_a: bool = False
     trans_b: bool = False
     epilogue: Epilogue = Epilogue()
-    fused_nodes: tuple[tuple[str, ...], ...] = ()  # per node: the Add/activation nodes it would absorb
+    fused_nodes: tuple[tuple[str, ...], ...] = ()  # per node: the first outputs of the nodes it absorbs
     conv: ConvParams | None = None
     conv_input: tuple[str, str, str] | None = None  # (N, H, W) expressions of the conv input
     ranks: tuple[tuple[int, int], ...] = ()  # per node: the ranks of its first two inputs

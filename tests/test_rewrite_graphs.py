@@ -1,0 +1,445 @@
+"""Scan, rewrite and optimize on graphs as other exporters write them: unnamed or repeated node names,
+shared Gelu intermediates, higher-rank constants, old IR layouts, old and new opsets, Identity-wrapped
+biases. Every rewritten model must load and compute what the original did, on the CPU EP, with and
+without the custom-op library."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import dietcode_ort
+from tuner.inspect_model import describe
+from tuner.optimize import OptimizeOptions, optimize
+from tuner.rewrite import DOMAIN, rewrite_model
+from tuner.scan import scan_model
+from tuner.workload import Epilogue
+
+PAYLOAD = b"\x00not-a-real-bundle\xff"  # stock ORT runs the function body and never reads it
+K, N = 16, 32
+RNG = np.random.default_rng(0)
+
+
+def _t(name: str, shape, value: float | None = None) -> onnx.TensorProto:
+    data = np.full(shape, value, np.float32) if value is not None else \
+        RNG.standard_normal(shape).astype(np.float32)
+    return numpy_helper.from_array(data, name)
+
+
+def _model(nodes, inputs, outputs, inits, opset: int = 17, ir: int = 10) -> onnx.ModelProto:
+    for node in nodes:  # named like many exporters do; ``unnamed_nodes`` clears them
+        node.name = node.name or f"{node.op_type}:{node.output[0]}"
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = ir
+    return m
+
+
+def _x(shape=("n", K)) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))
+
+
+def _out(name: str) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+
+
+def _gelu(x: str, y: str, p: str, form: str = "mul_last", scale: str = "div", shape=()
+          ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Erf-form Gelu from ``x`` to ``y`` (unnamed nodes, values prefixed ``p``), constants of ``shape``.
+
+    form "mul_last": Mul(x, 1+erf) -> Mul(., 0.5) (torch's exporter); "half_first": Mul(x, 0.5) ->
+    Mul(., 1+erf).
+    scale "div": Div(x, sqrt2); "mul": Mul(x, 1/sqrt2)."""
+    consts = [_t(f"{p}_s", shape, np.sqrt(2.0) if scale == "div" else 1 / np.sqrt(2.0)),
+              _t(f"{p}_one", shape, 1.0), _t(f"{p}_half", shape, 0.5)]
+    nodes = [helper.make_node("Div" if scale == "div" else "Mul", [x, f"{p}_s"], [f"{p}_d"]),
+             helper.make_node("Erf", [f"{p}_d"], [f"{p}_e"]),
+             helper.make_node("Add", [f"{p}_e", f"{p}_one"], [f"{p}_e1"])]
+    if form == "mul_last":
+        nodes += [helper.make_node("Mul", [x, f"{p}_e1"], [f"{p}_m"]),
+                  helper.make_node("Mul", [f"{p}_m", f"{p}_half"], [y])]
+    else:
+        nodes += [helper.make_node("Mul", [f"{p}_half", x], [f"{p}_m"]),
+                  helper.make_node("Mul", [f"{p}_m", f"{p}_e1"], [y])]
+    return nodes, consts
+
+
+def _mm_bias(x: str, y: str, p: str, bias_shape=(N,), bias_first: bool = False, k: int = K
+             ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    add_in = [f"{p}_b", f"{p}_h"] if bias_first else [f"{p}_h", f"{p}_b"]
+    return ([helper.make_node("MatMul", [x, f"{p}_w"], [f"{p}_h"]), helper.make_node("Add", add_in, [y])],
+            [_t(f"{p}_w", (k, N)), _t(f"{p}_b", bias_shape)])
+
+
+# ---- the graphs --------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    model: onnx.ModelProto
+    epilogues: list[Epilogue]  # per workload node, in graph order
+    unfused: list[str] = field(default_factory=list)  # substrings of the reasons of refused fusions
+    x_shape: Callable[[int], tuple[int, ...]] = lambda n: (n, K)
+    dims: tuple[str, ...] = ("n=1:8",)  # what optimize tunes for
+    ort_loads: bool = True  # False: ORT refuses the model as it is (repeated node names)
+
+
+def gelu_intermediate_read_elsewhere() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g")
+    extra = helper.make_node("Mul", ["g_e1", "g_e1"], ["z"])  # 1 + erf also feeds another node
+    return Case(_model(mm + gelu + [extra], [_x()], [_out("y"), _out("z")], inits + consts),
+                [Epilogue(True, "none")], ["'g_e1' is also used by"])
+
+
+def gelu_intermediate_read_in_a_subgraph() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g")
+    branch = [helper.make_graph([helper.make_node("Identity", ["g_e1"], [f"{b}_out"])], b, [],
+                                [_out(f"{b}_out")]) for b in ("then", "else")]
+    cond = numpy_helper.from_array(np.array(True), "cond")
+    use = helper.make_node("If", ["cond"], ["z"], then_branch=branch[0], else_branch=branch[1])
+    return Case(_model(mm + gelu + [use], [_x()], [_out("y"), _out("z")], inits + consts + [cond]),
+                [Epilogue(True, "none")], ["'g_e1' is also used by 'If:z'"])
+
+
+def gelu_intermediate_is_graph_output() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g", form="half_first")
+    return Case(_model(mm + gelu, [_x()], [_out("y"), _out("g_m")], inits + consts),
+                [Epilogue(True, "none")], ["'g_m' is a graph output"])
+
+
+def gelu_input_is_graph_output() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g")
+    return Case(_model(mm + gelu, [_x()], [_out("y"), _out("hb")], inits + consts),
+                [Epilogue(True, "none")], ["'hb' is a graph output"])
+
+
+def bias_of_higher_rank() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a", bias_shape=(1, 1, N))  # [n, N] + [1, 1, N] -> [1, n, N]
+    return Case(_model(mm + [helper.make_node("Relu", ["hb"], ["y"])], [_x()], [_out("y")], inits),
+                [Epilogue(False, "none")], ["bias not fused: constant 'a_b' has rank 3"])
+
+
+def gelu_constants_of_higher_rank() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g", shape=(1, 1, 1))  # [n, N] * [1, 1, 1] -> [1, n, N]
+    return Case(_model(mm + gelu, [_x()], [_out("y")], inits + consts),
+                [Epilogue(True, "none")], ["Gelu not fused: constant 'g_s' has rank 3"])
+
+
+def gelu_forms_and_rank3_constants() -> Case:
+    """Two Gelu forms (so two fallback bodies) with [1,1,1] constants on a 3-D product (same rank: fuses)."""
+    mm1, i1 = _mm_bias("x", "h1", "a")
+    g1, c1 = _gelu("h1", "y1", "g", shape=(1, 1, 1))
+    mm2, i2 = _mm_bias("x", "h2", "b", bias_first=True)
+    g2, c2 = _gelu("h2", "y2", "f", form="half_first", scale="mul", shape=(1,))
+    return Case(_model(mm1 + g1 + mm2 + g2, [_x(("b", "s", K))], [_out("y1"), _out("y2")], i1 + c1 + i2 + c2),
+                [Epilogue(True, "gelu")] * 2, x_shape=lambda n: (2, n, K), dims=("b=2", "s=1:8"))
+
+
+def unnamed_nodes() -> Case:
+    mm1, i1 = _mm_bias("x", "h1", "a")
+    g1, c1 = _gelu("h1", "y1", "g")
+    mm2, i2 = _mm_bias("x", "h2", "b")
+    nodes = mm1 + g1 + mm2 + [helper.make_node("Relu", ["h2"], ["y2"]),
+                              helper.make_node("MatMul", ["y2", "w3"], ["y3"])]
+    model = _model(nodes, [_x()], [_out("y1"), _out("y3")], i1 + c1 + i2 + [_t("w3", (N, N))])
+    for node in model.graph.node:
+        node.name = ""
+    return Case(model, [Epilogue(True, "gelu"), Epilogue(True, "relu"), Epilogue()])
+
+
+def repeated_node_names() -> Case:
+    """ONNX allows it; ORT refuses such a model, so the check renames the nodes of both models first."""
+    case = unnamed_nodes()
+    for node in case.model.graph.node:
+        node.name = "node"
+    case.ort_loads = False
+    return case
+
+
+def name_like_a_made_up_one() -> Case:
+    """Unnamed nodes, and a later node named as a label for the first one might be made up."""
+    case = unnamed_nodes()
+    case.model.graph.node[-1].name = "MatMul_0"
+    return case
+
+
+def old_ir_initializers_as_inputs() -> Case:
+    """IR 3 layout (the ONNX model zoo): every initializer is also a graph input."""
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y", "g")
+    init_inputs = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits + consts]
+    return Case(_model(mm + gelu, [_x()] + init_inputs, [_out("y")], inits + consts, opset=11, ir=3),
+                [Epilogue(True, "gelu")])
+
+
+def overridable_initializer_inputs() -> Case:
+    """IR 4+ with initializers listed as graph inputs (overridable): the Gelu constants become unread."""
+    case = old_ir_initializers_as_inputs()
+    case.model.ir_version = 7
+    return case
+
+
+def _opset_case(opset: int) -> Case:
+    """Opset 11 (IR 6), 13 (IR 8) and 18, the last with its Gelu constants as Constant nodes."""
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu("hb", "y1", "g")
+    if opset >= 18:
+        gelu = [helper.make_node("Constant", [], [t.name], value=t) for t in consts[:2]] + [
+            helper.make_node("Constant", [], ["g_half"], value_float=0.5)] + gelu  # both Constant forms
+        consts = []
+    gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"], transB=1)
+    relu = helper.make_node("Relu", ["gg"], ["y2"])
+    return Case(_model(mm + gelu + [gemm, relu], [_x()], [_out("y1"), _out("y2")],
+                       inits + consts + [_t("gw", (N, K)), _t("gc", (N,))], opset=opset,
+                       ir=6 if opset < 13 else 8),
+                [Epilogue(True, "gelu"), Epilogue(True, "relu")])
+
+
+def identity_deduplicated_zero_bias() -> Case:
+    """TorchScript's export: one zero bias behind an Identity, read by several Adds and another node."""
+    nodes = [helper.make_node("Identity", ["zero"], ["zero_id"])]
+    inits = [_t("zero", (N,), 0.0)]
+    for p in ("a", "b"):
+        mm, i = _mm_bias("x", f"{p}_y", p)
+        mm[1].input[1] = "zero_id"
+        nodes += mm
+        inits += [i[0]]
+    nodes.append(helper.make_node("Sub", ["b_y", "zero_id"], ["z"]))
+    nodes.append(helper.make_node("Gemm", ["x", "c_w", "zero_id"], ["c_y"]))  # Gemm's C behind it too
+    inits.append(_t("c_w", (K, N)))
+    return Case(_model(nodes, [_x()], [_out("a_y"), _out("z"), _out("c_y")], inits),
+                [Epilogue(True, "none")] * 3)
+
+
+def bias_first_relu() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a", bias_shape=(1, N), bias_first=True)
+    return Case(_model(mm + [helper.make_node("Relu", ["hb"], ["y"])], [_x()], [_out("y")], inits),
+                [Epilogue(True, "relu")])
+
+
+def constant_not_along_last_axis() -> Case:
+    """[b, 4, K] x [K, N] + [4, 1] (along the rows) and + [4, N] (not a bias): neither may fuse."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "rows"], ["y"]),
+             helper.make_node("MatMul", ["x", "w2"], ["h2"]), helper.make_node("Add", ["full", "h2"], ["y2"])]
+    return Case(_model(nodes, [_x(("b", 4, K))], [_out("y"), _out("y2")],
+                       [_t("w", (K, N)), _t("rows", (4, 1)), _t("w2", (K, N)), _t("full", (4, N))]),
+                [Epilogue(), Epilogue()], x_shape=lambda n: (n, 4, K), dims=("b=1:8",))
+
+
+CASES = {f.__name__: f for f in (
+    gelu_intermediate_read_elsewhere, gelu_intermediate_read_in_a_subgraph, gelu_intermediate_is_graph_output,
+    gelu_input_is_graph_output,
+    bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
+    repeated_node_names, name_like_a_made_up_one, old_ir_initializers_as_inputs,
+    overridable_initializer_inputs,
+    identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis)}
+CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
+
+
+# ---- checks ------------------------------------------------------------------------------------------------
+
+def _session(model: onnx.ModelProto | Path, library: bool = False, optimized: bool = True):
+    options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if library:
+        dietcode_ort.register(options)
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _feeds(case: Case, n: int, seed: int = 1) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal(case.x_shape(n)).astype(np.float32)}
+
+
+def _workload_epilogues(model: onnx.ModelProto) -> tuple[list[Epilogue], list[str], list]:
+    result = scan_model(model)
+    order = {n.output[0]: i for i, n in enumerate(model.graph.node)}
+    nodes = sorted(((order[key], w.epilogue) for w in result.workloads for key in w.nodes))
+    return [e for _, e in nodes], [s.reason for s in result.unfused], list(result.workloads)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_scan_fuses_only_what_keeps_the_graph(name):
+    case = CASES[name]()
+    epilogues, reasons, _ = _workload_epilogues(case.model)
+    assert epilogues == case.epilogues
+    assert len(reasons) == len(case.unfused)
+    for want, got in zip(case.unfused, reasons):
+        assert want in got
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fallback_is_the_original_computation(name):
+    case = CASES[name]()
+    model = case.model
+    _, _, workloads = _workload_epilogues(model)
+    result = rewrite_model(model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    rewritten = result.model
+    assert sum(n.domain == DOMAIN for n in rewritten.graph.node) == len(case.epilogues)
+    onnx.checker.check_model(onnx.shape_inference.infer_shapes(rewritten, strict_mode=True))
+    # graph inputs: exactly the original model's non-initializer inputs (x), nothing turned required
+    inits = {t.name for t in rewritten.graph.initializer}
+    assert [i.name for i in rewritten.graph.input if i.name not in inits] == ["x"]
+    opset = next(o.version for o in model.opset_import if o.domain == "")
+    for f in rewritten.functions:
+        assert {o.domain: o.version for o in f.opset_import} == {"": opset}
+        assert "CastLike" not in {n.op_type for n in f.node} or opset >= 15
+    if not case.ort_loads:
+        model, rewritten = _renamed(model), _renamed(rewritten)
+    for n in (1, 5):
+        feeds = _feeds(case, n)
+        want = _session(model, optimized=False).run(None, feeds)
+        got = _session(rewritten, optimized=False).run(None, feeds)
+        for a, b in zip(want, got):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(a, b)  # the same nodes in the same order: the same bits
+        for a, b in zip(_session(model).run(None, feeds), _session(rewritten).run(None, feeds)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _renamed(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for i, node in enumerate(copy.graph.node):
+        node.name = f"n{i}"
+    return copy
+
+
+def test_repeated_names_link_each_node():
+    case = repeated_node_names()
+    _, _, workloads = _workload_epilogues(case.model)
+    assert sorted(k for w in workloads for k in w.nodes) == ["a_h", "b_h", "y3"]
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    bundle = next(t.name for t in result.model.graph.initializer if t.name.startswith("dietcode_bundle_"))
+    assert [(n.op_type, list(n.input), list(n.output)) for n in result.model.graph.node] == [
+        ("MatMulBiasGelu", ["x", "a_w", "a_b", bundle], ["y1"]),
+        ("MatMulBiasRelu", ["x", "b_w", "b_b", bundle], ["y2"]), ("MatMul", ["y2", "w3", bundle], ["y3"])]
+
+
+def test_differing_gelu_forms_get_an_overload_each():
+    case = gelu_forms_and_rank3_constants()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    functions = sorted((f.name, f.overload) for f in result.model.functions)
+    assert functions == [("MatMulBiasGelu", ""), ("MatMulBiasGelu", "1")]
+    assert sorted(n.overload for n in result.model.graph.node if n.domain == DOMAIN) == ["", "1"]
+    one = next(f for f in result.model.functions if f.overload == "1")
+    body = [n.op_type for n in one.node if n.op_type != "Constant"]
+    assert body == ["MatMul", "Add", "Mul", "Erf", "Add", "Mul", "Mul"]  # Mul by 1/sqrt2 kept as it was
+    assert result.model.ir_version >= 10
+
+
+def test_identical_bodies_share_one_function():
+    case = unnamed_nodes()
+    mm, inits = _mm_bias("y1", "h9", "c", k=N)
+    gelu, consts = _gelu("h9", "y9", "q")
+    model = case.model
+    model.graph.node.extend(mm + gelu)
+    model.graph.initializer.extend(inits + consts)
+    model.graph.output.append(_out("y9"))
+    _, _, workloads = _workload_epilogues(model)
+    result = rewrite_model(model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    assert sum(n.op_type == "MatMulBiasGelu" for n in result.model.graph.node) == 2
+    assert sorted((f.name, f.overload) for f in result.model.functions) == [
+        ("MatMul", ""), ("MatMulBiasGelu", ""), ("MatMulBiasRelu", "")]
+
+
+def test_the_library_runs_overloaded_nodes():
+    """With the library registered, ORT runs the library's kernel for a node with an overload too (not its
+    function): a valid bundle on one node and an invalid one on the other fails on whichever is invalid."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+
+    valid = Bundle((Feature("M", ((0, 1),)),), (BundleKernel.vendor(),),
+                   DispatchTree((-1,), (0,), (-1,), (-1,), (0,))).to_bytes()
+    case = gelu_forms_and_rank3_constants()
+    _, _, workloads = _workload_epilogues(case.model)
+    keys = sorted(k for w in workloads for k in w.nodes)
+    for bad in keys:
+        result = rewrite_model(case.model, workloads, {k: PAYLOAD if k == bad else valid for k in keys})
+        overloads = {n.output[0]: n.overload for n in result.model.graph.node if n.domain == DOMAIN}
+        assert sorted(overloads.values()) == ["", "1"]
+        with pytest.raises(Exception, match="invalid kernel bundle"):
+            _session(result.model, library=True)
+    result = rewrite_model(case.model, workloads, {k: valid for k in keys})
+    feeds = _feeds(case, 3)
+    with_lib = _session(result.model, library=True)
+    for a, b in zip(_session(case.model).run(None, feeds), with_lib.run(None, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_constant_nodes_go_into_the_body_and_leave_the_graph():
+    case = CASES["opset_18"]()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    assert [n.op_type for n in result.model.graph.node] == ["MatMulBiasGelu", "GemmBiasRelu"]
+    gelu = next(f for f in result.model.functions if f.name == "MatMulBiasGelu")
+    assert sum(n.op_type == "Constant" for n in gelu.node) == 3
+
+
+def test_scan_reports_refused_fusions():
+    from tuner.scan import to_json
+
+    data = to_json(scan_model(gelu_intermediate_read_elsewhere().model))
+    assert data["unfused"] == [{"node": "Mul:y", "op": "Gelu",
+                                "reason": "Gelu not fused: its intermediate 'g_e1' is also used by 'Mul:z'"}]
+    assert data["workloads"][0]["fused_nodes"] == [["hb"]]
+
+
+def test_identity_bias_stays_for_its_other_readers():
+    case = identity_deduplicated_zero_bias()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    custom = [n for n in result.model.graph.node if n.domain == DOMAIN]
+    assert [list(n.input[:-1]) for n in custom] == [["x", "a_w", "zero_id"], ["x", "b_w", "zero_id"],
+                                                    ["x", "c_w", "zero_id"]]  # the last input is the bundle
+    assert [n.op_type for n in result.model.graph.node] == ["Identity", "MatMulBias", "MatMulBias", "Sub",
+                                                            "GemmBias"]
+
+
+# ---- optimize end to end (analytic tuning, real kernels) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("graphs")
+
+
+E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constants_of_higher_rank",
+       "gelu_forms_and_rank3_constants", "unnamed_nodes", "name_like_a_made_up_one",
+       "old_ir_initializers_as_inputs",
+       "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
+       "opset_13", "opset_18"]
+
+
+@pytest.mark.parametrize("name", E2E)
+def test_optimize_writes_a_model_that_matches(work, tmp_path, name):
+    case = CASES[name]()
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnx.save(case.model, str(src))
+    options = OptimizeOptions(dims=case.dims, budget=8, max_kernels=2, measure="analytic",
+                              db=work / "tuning.db",
+                              cache_dir=work / "kernels", progress=False)
+    report = optimize(src, out, options, log=lambda _: None)
+    assert len(report.rewritten) == len(case.epilogues)
+    described = describe(onnx.load(str(out)))
+    assert sorted(n["name"] for n in described) == sorted(
+        n.name or n.output[0] for n in onnx.load(str(out)).graph.node if n.domain == DOMAIN)
+    assert all(n["name"] and n["workload"]["dtype"] == "float32" for n in described)
+    stock, with_lib, fallback = _session(src), _session(out, library=True), _session(out)
+    for n in (1, 3, 8, 13):
+        feeds = _feeds(case, n, seed=n)
+        want = stock.run(None, feeds)
+        for got in (with_lib.run(None, feeds), fallback.run(None, feeds)):
+            for a, b in zip(want, got):
+                assert a.shape == b.shape
+                np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
