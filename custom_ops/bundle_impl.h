@@ -20,7 +20,15 @@ enum Param : uint8_t {
   kImgN, kImgH, kImgW, kOutH, kOutW, kParamCount
 };
 
+// The ABI parameter names in enum order (docs/abi.md); dietcode_ort/bundle.py PARAM_NAMES must match
+// (tests/test_abi_table.py checks it through dc_abi_param_name).
+inline constexpr const char* kParamNames[kParamCount] = {
+    "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
+    "img_n", "img_h", "img_w", "out_h", "out_w"};
+
 enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
+
+enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2 };
 
 struct Image {
   uint32_t cc = 0;        // compute capability as major*10+minor
@@ -59,6 +67,9 @@ struct LoadedKernel {
   void* module = nullptr;
   void* function = nullptr;
 };
+
+// The operand view of a kernel, from its ABI params (the one place this rule lives; see core.h).
+View KernelView(const Kernel& kernel);
 
 // Which image a kernel loads on a device: index into images, or -1 for PTX; returns false with a message.
 bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error);

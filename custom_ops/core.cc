@@ -163,6 +163,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     seen[p] = true;
   }
   if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
+  if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
   static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
@@ -444,9 +445,15 @@ int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
   return -1;  // unreachable for a validated tree
 }
 
+View KernelView(const Kernel& kernel) {
+  for (uint8_t p : kernel.params) {
+    if (p == kImgH) return kViewConv;
+    if (p == kStrideABatch) return kViewBmm;
+  }
+  return kViewGemm;
+}
+
 bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
-  static const char* const kNames[kParamCount] = {"a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch",
-                                                  "stride_b_batch", "img_n", "img_h", "img_w", "out_h", "out_w"};
   const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};
   const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
                                      args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w};
@@ -454,7 +461,7 @@ bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::str
     if (!(kernel.div16 >> p & 1u)) continue;
     const bool ok = p <= kC ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
     if (!ok) {
-      *why = "kernel '" + kernel.name + "' was compiled for " + kNames[p] +
+      *why = "kernel '" + kernel.name + "' was compiled for " + kParamNames[p] +
              (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not";
       return false;
     }
@@ -469,6 +476,10 @@ using dietcode::SetError;
 extern "C" {
 
 int dc_abi_version(void) { return DC_ABI_VERSION; }
+
+const char* dc_abi_param_name(int index) {
+  return index >= 0 && index < dietcode::kParamCount ? dietcode::kParamNames[index] : nullptr;
+}
 
 const char* dc_last_error(void) { return dietcode::g_error.c_str(); }
 
@@ -679,7 +690,9 @@ int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation
       return -1;
     }
     const bool conv_kernel = kernel.conv[0] != 0;
-    if (conv_kernel != (base == 2)) {
+    const dietcode::View view = dietcode::KernelView(kernel);
+    // MatMul (0) takes the gemm or bmm view, Gemm (1) the gemm view, Conv (2) the conv view
+    if (conv_kernel != (base == 2) || (base == 1 && view != dietcode::kViewGemm)) {
       SetError(which + " is not a kernel for this op type");
       return -1;
     }
@@ -715,16 +728,22 @@ int dc_bundle_max_feature_input(const dc_bundle* b) {
 }
 
 int dc_bundle_kernel_takes_param(const dc_bundle* b, int32_t k, const char* name) {
-  static const char* const kNames[] = {"a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch",
-                                       "stride_b_batch", "img_n", "img_h", "img_w", "out_h", "out_w"};
   if (b == nullptr || name == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
     SetError("kernel id " + std::to_string(k) + " out of range");
     return -1;
   }
   for (uint8_t p : b->kernels[k].params) {
-    if (std::strcmp(kNames[p], name) == 0) return 1;
+    if (std::strcmp(dietcode::kParamNames[p], name) == 0) return 1;
   }
   return 0;
+}
+
+int dc_bundle_kernel_view(const dc_bundle* b, int32_t k) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  return dietcode::KernelView(b->kernels[k]);
 }
 
 int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, char* desc, size_t desc_size) {

@@ -27,6 +27,9 @@ typedef struct dc_launch_args {
 } dc_launch_args;
 
 int dc_abi_version(void);
+
+// The name of ABI parameter `index` in the bundle's param enum ("a", "b", ..., "out_w"), NULL past the end.
+const char* dc_abi_param_name(int index);
 const char* dc_last_error(void);
 
 // Parse and validate a bundle; the bytes are copied. NULL on error (see dc_last_error).
@@ -76,6 +79,12 @@ int dc_bundle_max_feature_input(const dc_bundle* bundle);
 
 // 1 if kernel k takes the ABI parameter `name` (e.g. "batch": the bmm view), 0 if not, -1 on error.
 int dc_bundle_kernel_takes_param(const dc_bundle* bundle, int32_t k, const char* name);
+
+// The view a kernel takes of its node's operands (abi.md): 0 gemm (A flattened to [M, K]), 1 bmm (A [batch,
+// M, K] with batch strides, the batch on grid z), 2 conv (NCHW input gathered as [N*OH*OW, C*KH*KW]). It
+// follows from the kernel's ABI params: bmm kernels take stride_a_batch, conv kernels take img_h. Vendor
+// kernels report 0 (ORT's own kernel takes the node as it is). -1 for an out-of-range kernel id.
+int dc_bundle_kernel_view(const dc_bundle* bundle, int32_t k);
 
 // Which image kernel k would load on a device of compute capability major.minor: 0 = cubin, 1 = PTX,
 // -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".

@@ -450,9 +450,9 @@ class DietcodeKernel {
 
   bool KernelIsBatched(int32_t k) {
     std::call_once(batched_once_, [&] {
-      // A kernel takes the bmm view exactly when its ABI params include "batch"; probe by parameter list.
+      // The bmm view is the kernel's, from its ABI params (dc_bundle_kernel_view): the batch is grid z.
       batched_.assign(n_kernels_, false);
-      for (int32_t i = 0; i < n_kernels_; ++i) batched_[i] = dc_bundle_kernel_takes_param(bundle_.get(), i, "batch") == 1;
+      for (int32_t i = 0; i < n_kernels_; ++i) batched_[i] = dc_bundle_kernel_view(bundle_.get(), i) == 1;
     });
     return batched_[k];
   }

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from dietcode_ort.errors import DietcodeError
 
 __all__ = [
-    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
+    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles",
 ]
@@ -35,6 +35,8 @@ PARAM_NAMES: tuple[str, ...] = (
     "img_n", "img_h", "img_w", "out_h", "out_w",
 )
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
+# How a kernel reads its node's operands (docs/abi.md), in dc_bundle_kernel_view's order.
+VIEWS: tuple[str, ...] = ("gemm", "bmm", "conv")
 DTYPE_CODES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
 # A conv kernel's geometry (its constexprs), in the payload's order, with the allowed ranges.
@@ -110,6 +112,14 @@ class BundleKernel:
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
 
+    @property
+    def view(self) -> str:
+        """How the kernel reads its node's operands, from its ABI params as the C++ core decides it
+        (dc_bundle_kernel_view): bmm kernels take the batch strides, conv kernels the image size."""
+        if "img_h" in self.params:
+            return "conv"
+        return "bmm" if "stride_a_batch" in self.params else "gemm"
+
     @classmethod
     def vendor(cls) -> "BundleKernel":
         """The fallback kernel: ONNX Runtime's own MatMul/Gemm/Conv plus the epilogue."""
@@ -174,6 +184,8 @@ class BundleKernel:
             raise _fail(f"{where}: params repeat a name: {self.params}")
         if "c" not in self.params:
             raise _fail(f"{where}: params lack the output pointer 'c'")
+        if "img_h" in self.params and "stride_a_batch" in self.params:
+            raise _fail(f"{where}: params name both a conv and a bmm view")
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")

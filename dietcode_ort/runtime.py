@@ -94,6 +94,8 @@ class Core:
         lib = ctypes.CDLL(str(path))
         vp, i32, i64p = ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
         lib.dc_abi_version.restype = ctypes.c_int
+        lib.dc_abi_param_name.restype = ctypes.c_char_p
+        lib.dc_abi_param_name.argtypes = [ctypes.c_int]
         lib.dc_last_error.restype = ctypes.c_char_p
         lib.dc_bundle_parse.restype = vp
         lib.dc_bundle_parse.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
@@ -110,6 +112,7 @@ class Core:
         lib.dc_bundle_kernel_is_vendor.argtypes = [vp, i32]
         lib.dc_bundle_max_feature_input.argtypes = [vp]
         lib.dc_bundle_kernel_takes_param.argtypes = [vp, i32, ctypes.c_char_p]
+        lib.dc_bundle_kernel_view.argtypes = [vp, i32]
         lib.dc_bundle_pick_image.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]

@@ -6,7 +6,8 @@ import struct
 
 import pytest
 
-from dietcode_ort.bundle import (MAGIC, Bundle, BundleKernel, DispatchTree, Feature, parse_arch, select_image)
+from dietcode_ort.bundle import (MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
+                                 select_image)
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
 
@@ -93,6 +94,31 @@ def test_vendor_and_params_queries(core) -> None:
     assert core.lib.dc_bundle_kernel_takes_param(cb.handle, 1, b"batch") == 0
     with pytest.raises(DietcodeError, match="out of range"):
         cb.is_vendor(4)
+
+
+@pytest.mark.parametrize("op, view", [("gemm", "gemm"), ("bmm", "bmm"), ("conv", "conv")])
+def test_kernel_view_follows_the_template_params(core, op: str, view: str) -> None:
+    """The C++ core and Python agree on each template's view; attention (bmm) kernels take the bmm view."""
+    from tuner import templates
+
+    params = templates.ABI_PARAMS[op]
+    conv = (64, 3, 3, 1, 1, 1, 1, 1, 1) if op == "conv" else ()
+    kernel = _kernel("k", params=params, conv=conv)
+    assert kernel.view == view
+    cb = core.parse(Bundle((), (kernel, BundleKernel.vendor()), DispatchTree.single(0)).to_bytes())
+    assert core.lib.dc_bundle_kernel_view(cb.handle, 0) == VIEWS.index(view)
+    assert core.lib.dc_bundle_kernel_view(cb.handle, 1) == 0  # vendor: the node as it is
+    assert core.lib.dc_bundle_kernel_view(cb.handle, 2) == -1
+
+
+def test_kernel_with_two_views_is_refused(core) -> None:
+    kernel = _kernel("k", params=("a", "b", "c", "M", "N", "K", "stride_a_batch", "img_h"),
+                     conv=(64, 3, 3, 1, 1, 1, 1, 1, 1))
+    with pytest.raises(DietcodeError, match="both a conv and a bmm view"):
+        Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
+    payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes(validate=False)
+    with pytest.raises(DietcodeError, match="both a conv and a bmm view"):
+        core.parse(payload)
 
 
 @pytest.mark.parametrize("cc,expected", [((9, 0), ("cubin", "sm_90a")), ((8, 6), ("cubin", "sm_80")),

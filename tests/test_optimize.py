@@ -95,6 +95,18 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
     assert [n["name"] for n in describe(onnx.load(str(out)))] == [n["name"] for n in nodes]
 
 
+def test_attention_nodes_take_the_bmm_view(work):
+    """The attention MatMuls' kernels are bmm kernels, so the CUDA path launches them with the batch on grid z
+    (dc_bundle_kernel_view), and the dense layers' are gemm kernels."""
+    src, out = _optimized(work, "bert", CASES["bert"][0])
+    nodes = describe(onnx.load(str(out)))
+    batched = [n for n in nodes if n["workload"]["batch"] != "1"]
+    dense = [n for n in nodes if n["workload"]["batch"] == "1"]
+    assert len(batched) == 4 and {n["view"] for n in batched} == {"bmm"}
+    assert dense and {n["view"] for n in dense} == {"gemm"}
+    assert all(k["view"] == "bmm" for n in batched for k in n["kernels"] if k["kind"] == "triton")
+
+
 def test_features_match_between_problem_and_node_inputs():
     result = scan_model(models.build("bert", "tiny"))
     dense, qk = result.workloads[0], result.workloads[1]

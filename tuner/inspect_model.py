@@ -25,6 +25,12 @@ def _render(bundle: Bundle, labels: list[str] | None) -> str:
     return Dispatch(tuple(f.name for f in bundle.features), names, arrays, RegretReport((), 1.0, 1.0)).render()
 
 
+def _view(bundle: Bundle) -> str:
+    """How the node's compiled kernels read its operands (gemm, bmm, conv); "vendor" when it has none."""
+    views = sorted({k.view for k in bundle.kernels if k.kind == "triton"})
+    return "/".join(views) or "vendor"
+
+
 def describe(model: onnx.ModelProto) -> list[dict]:
     nodes = []
     custom = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -42,7 +48,9 @@ def describe(model: onnx.ModelProto) -> list[dict]:
             # exporters may leave names empty: then the node is named by its output
             "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
-            "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
+            "view": _view(bundle),
+            "kernels": [{"name": k.name, "kind": k.kind, "view": k.view if k.kind == "triton" else None,
+                         "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
