@@ -16,11 +16,12 @@ from typing import Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
+from tuner.executor import Executor, LocalExecutor
 from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
-           "merge_problems", "optimize"]
+           "merge_problems", "optimize", "make_executor"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class OptimizeOptions:
     cache_dir: Path | None = None  # compiled-kernel cache (tuner.aot default when None)
     compile_workers: int | None = None  # parallel compile processes (default: CPU count)
     progress: bool = True
+    ray: str | None = None  # run compiles and measurements on a Ray cluster: "auto", "local" or its address
+    ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
 
 
 @dataclass(frozen=True)
@@ -135,13 +138,15 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
     for s in scanned.skipped:
         log(f"left as it is: {s.node} ({s.op}): {s.reason}")
-    tuned = []
-    for index, w in enumerate(scanned.workloads):
-        problems = merge_problems(w)
-        chosen = _tune(w, problems, options, log)
-        tuned.append((w, problems, chosen))
-        log(_summary(index, chosen.report))
-    compiled = _compile_all([(w, c.kernels) for w, _, c in tuned], options, log)
+    with make_executor(options) as executor:
+        executor.expect(options.budget * len(scanned.workloads))
+        tuned = []
+        for index, w in enumerate(scanned.workloads):
+            problems = merge_problems(w)
+            chosen = _tune(w, problems, options, log, executor)
+            tuned.append((w, problems, chosen))
+            log(_summary(index, chosen.report))
+        compiled = _compile_all([(w, c.kernels) for w, _, c in tuned], options, log, executor)
     bundles, infos = {}, {}
     for w, problems, chosen in tuned:
         kernels = tuple(BundleKernel.vendor() if config == "vendor"
@@ -164,7 +169,7 @@ def _job_key(w: Workload, config, target: str) -> tuple:
 
 
 def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
-                 log: Callable[[str], None]) -> dict[tuple, object]:
+                 log: Callable[[str], None], executor: Executor | None = None) -> dict[tuple, object]:
     """Compile every chosen kernel for every target, in parallel processes (cache hits cost nothing).
 
     Workloads that share a kernel (same op, dtype, epilogue, geometry) share one compile."""
@@ -180,7 +185,8 @@ def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
                     _family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b, conv=w.conv,
                     div16=_div16(w), cache_dir=options.cache_dir))
     started = time.perf_counter()
-    results = aot.compile_many(list(jobs.values()), workers=options.compile_workers)
+    executor = executor or LocalExecutor(options.compile_workers)
+    results = executor.compile_many(list(jobs.values()))
     failed = [r for r in results if not r.ok]
     if failed:
         r = failed[0]
@@ -273,26 +279,41 @@ def _gpu_visible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def make_measurer(options: OptimizeOptions, w: Workload):
-    """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached."""
-    from tuner.hardware import get_profile
-    from tuner.measure import AnalyticMeasurer, GpuMeasurer, ReplayMeasurer
+def make_executor(options: OptimizeOptions) -> Executor:
+    """Where compiles and measurements run: this machine, or the Ray cluster ``options.ray`` names."""
+    if options.ray is None:
+        if options.ray_gpu is not None:
+            raise DietcodeError("--ray-gpu applies only with --ray")
+        return LocalExecutor(options.compile_workers)
+    from tuner.distributed import GPU_MODELS, RayExecutor, RayOptions
 
+    model = options.ray_gpu or GPU_MODELS.get(options.targets[0])
+    if model is None:
+        raise DietcodeError(f"no default GPU model for target {options.targets[0]}; pass --ray-gpu MODEL")
+    return RayExecutor(RayOptions(address=options.ray, gpu_model=model, progress=options.progress))
+
+
+def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | None = None):
+    """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached,
+    its batches run by ``executor`` (this process when None)."""
+    from tuner.measure import MeasurerSpec
+
+    executor = executor or LocalExecutor(options.compile_workers)
+    where = "visible to torch" if isinstance(executor, LocalExecutor) else "on the Ray cluster"
     kind = options.measure
     if kind == "auto":
-        kind = "gpu" if _gpu_visible() else "analytic"
+        kind = "gpu" if executor.gpu_available() else "analytic"
     if kind == "gpu":
-        if not _gpu_visible():
-            raise DietcodeError("--measure gpu needs a CUDA GPU visible to torch; none is (use analytic or "
-                                "replay:FILE)")
-        measurer, label = GpuMeasurer(conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b), "gpu"
+        if not executor.gpu_available():
+            raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
+        spec = MeasurerSpec("gpu", conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b)
     elif kind == "analytic":
-        measurer, label = AnalyticMeasurer(get_profile(options.targets[0]), w.dtype), "analytic (no GPU timing)"
+        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype)
     elif kind.startswith("replay:") and kind[len("replay:"):]:
-        path = kind[len("replay:"):]
-        measurer, label = ReplayMeasurer(path), f"replay of {path}"
+        spec = MeasurerSpec("replay", path=kind[len("replay:"):])
     else:
         raise DietcodeError(f"unknown --measure {options.measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    measurer, label = executor.measurer(spec), spec.label
     if options.db is not None:
         from tuner.database import CachingMeasurer, Database
 
@@ -301,7 +322,7 @@ def make_measurer(options: OptimizeOptions, w: Workload):
 
 
 def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeOptions,
-          log: Callable[[str], None]) -> _Chosen:
+          log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
     import numpy as np
 
     from dietcode_ort.bundle import DispatchTree
@@ -315,14 +336,15 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
-    measurer, label = make_measurer(options, w)
+    measurer, label = make_measurer(options, w, executor)
     # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow;
     # a bundle carries every kernel for every target: only configs valid on all of them
     others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
     space = [c for c in enumerate_space(family) if (c.split_k == 1 or w.epilogue.activation == "none")
              and all(c in other for other in others)]
     result = tune_joint(family, problems, space, measurer, profile,
-                        SearchOptions(max_trials=options.budget, seed=options.seed, progress=options.progress))
+                        SearchOptions(max_trials=options.budget, seed=options.seed,
+                                      progress=options.progress and not (executor and executor.shows_progress)))
     vendor = None
     try:
         answers = measurer.measure_vendor(family, list(result.problems))
