@@ -28,14 +28,16 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.aot import CompileJob, CompileResult
 from tuner.executor import Executor
 from tuner.measure import VENDOR_KEY, MeasureResult, Measurer, MeasurerSpec
 from tuner.space import Family
 from tuner.workload import Problem
+
+if TYPE_CHECKING:  # tuner.aot imports triton; measuring workers need not
+    from tuner.aot import CompileJob, CompileResult
 
 __all__ = ["RayOptions", "RayExecutor", "GPU_MODELS", "INSTALL_HINT"]
 
@@ -214,6 +216,8 @@ class RayExecutor(Executor):
         self.progress.expect(measurements)
 
     def compile_many(self, jobs: Sequence[CompileJob]) -> list[CompileResult]:
+        from tuner import aot
+
         jobs = list(jobs)
         results: list[CompileResult | None] = [None] * len(jobs)
 
@@ -225,12 +229,12 @@ class RayExecutor(Executor):
             results[part[0]] = values
 
         def fail(i: int, reason: str) -> None:
-            results[i] = CompileResult(jobs[i], None, reason)
+            results[i] = aot.CompileResult(jobs[i], None, reason)
 
         self.progress.expect(len(jobs))
         self._drive([(i,) for i in range(len(jobs))], submit, done, fail, self._cpus(),
                     self.options.compile_timeout_s, measurements=False)
-        return [r if r is not None else CompileResult(j, None, "not run") for r, j in zip(results, jobs)]
+        return [r if r is not None else aot.CompileResult(j, None, "not run") for r, j in zip(results, jobs)]
 
     def measure_pairs(self, spec: Any, family: Family, pairs: Sequence[Pair], vendor: bool,
                       store: Callable[[Sequence[Pair], list[MeasureResult]], None] | None) -> list[MeasureResult]:
