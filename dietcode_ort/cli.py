@@ -143,8 +143,11 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                                    "train a decision-tree dispatcher, compile the chosen kernels ahead of time "
                                    "and write a model whose nodes are ai.dietcode custom ops (with fallback "
                                    "functions, so stock onnxruntime still runs it).")
-    p.add_argument("model", help="ONNX model file")
-    p.add_argument("-o", "--output", required=True, help="where to write the optimized model")
+    p.add_argument("model", nargs="+",
+                   help="ONNX model file(s); workloads several models share are tuned once and written to each")
+    p.add_argument("-o", "--output", required=True,
+                   help="where to write the optimized model; with several models, a folder (each keeps its "
+                        "file name)")
     _add_instance_options(p)
     p.add_argument("--target", default="",
                    help="GPU arch(es) to compile for, comma-separated: sm_80, sm_89, sm_90; tuning uses the "

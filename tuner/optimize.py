@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -21,7 +21,7 @@ from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
-           "merge_problems", "optimize", "make_executor"]
+           "merge_problems", "optimize", "optimize_many", "output_paths", "make_executor"]
 
 
 @dataclass(frozen=True)
@@ -124,44 +124,95 @@ def _geomean(values: Sequence[float], weights: Sequence[float]) -> float:
 def optimize(model_path: str | Path, output: str | Path, options: OptimizeOptions,
              log: Callable[[str], None] = print) -> OptimizeReport:
     """Run the whole pipeline; nothing is written unless every workload succeeds."""
-    from tuner.rewrite import rewrite_model, save_model
+    return optimize_many([(model_path, output)], options, log)[0]
 
-    model_path, output = Path(model_path), Path(output)
+
+def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: bool):
+    """Load and scan one model and attach its instances (of several models, each takes the --dim
+    options that name its symbols)."""
     if output.resolve() == model_path.resolve():
         raise DietcodeError("the output path must differ from the input model")
     model = load_model(model_path)
-    scanned = attach_instances(scan_model(model, model_path.parent), options.dims, options.shapes_file)
+    scanned = scan_model(model, model_path.parent)
+    dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
+    scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
     if not scanned.workloads:
-        raise DietcodeError("no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
+        raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
-    for s in scanned.skipped:
-        log(f"left as it is: {s.node} ({s.op}): {s.reason}")
-    with make_executor(options) as executor:
-        executor.expect(options.budget * len(scanned.workloads))
-        tuned = []
-        for index, w in enumerate(scanned.workloads):
+    return model, scanned
+
+
+def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
+    """The --dim options naming one of a model's symbols (several models need not share their symbols)."""
+    return [d for d in dims if d.split("=", 1)[0].strip() in symbols]
+
+
+def _tuning_key(w: Workload, problems: list[tuple[Problem, float]]) -> tuple:
+    """Everything the tuning of a workload depends on: workloads of several models with equal keys are
+    tuned once and get the same kernels and dispatch tree."""
+    return (w.op, w.dtype, w.epilogue, w.trans_b, w.conv, _feature_names(w), _div16(w), tuple(problems))
+
+
+def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: OptimizeOptions,
+                  log: Callable[[str], None] = print) -> list[OptimizeReport]:
+    """Optimize several models (input, output) in one run: a workload several of them share is tuned
+    once and its results written to each. Nothing is written unless every model's workloads succeed."""
+    from tuner.rewrite import rewrite_model, save_model
+
+    pairs = [(Path(m), Path(o)) for m, o in jobs]
+    if not pairs:
+        raise DietcodeError("no model to optimize")
+    if len({o.resolve() for _, o in pairs}) < len(pairs):
+        raise DietcodeError("two models would be written to the same output path")
+    scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
+    if len(pairs) > 1:
+        unused = [d for d in options.dims if not any(_model_dims([d], s.symbols) for _, s in scans)]
+        if unused:
+            raise DietcodeError(f"--dim {unused[0]!r} names a symbol none of the models has")
+    prefix = (lambda path: f"{path.name}: ") if len(pairs) > 1 else (lambda path: "")
+    for (model_path, _), (_, scanned) in zip(pairs, scans):
+        for s in scanned.skipped:
+            log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
+    distinct: dict[tuple, tuple[Workload, list[tuple[Problem, float]]]] = {}
+    for _, scanned in scans:
+        for w in scanned.workloads:
             problems = merge_problems(w)
-            chosen = _tune(w, problems, options, log, executor)
-            tuned.append((w, problems, chosen))
-            log(_summary(index, chosen.report))
-        compiled = _compile_all([(w, c.kernels) for w, _, c in tuned], options, log, executor)
-    bundles, infos = {}, {}
-    for w, problems, chosen in tuned:
-        kernels = tuple(BundleKernel.vendor() if config == "vendor"
-                        else BundleKernel.from_compiled([compiled[_job_key(w, config, t)] for t in options.targets])
-                        for config in chosen.kernels)
-        for i, node in enumerate(w.nodes):
-            bundle = Bundle(features_for(w, i), kernels, chosen.tree)
-            bundle.validate()
-            bundles[node] = bundle.to_bytes()
-            infos[node] = _info(w, chosen.report, problems)
-    reports = [chosen.report for _, _, chosen in tuned]
-    result = rewrite_model(model, list(scanned.workloads), bundles, infos)
-    save_model(result.model, output)
-    return OptimizeReport(output, result.rewritten, tuple(reports),
-                          tuple((s.node, s.reason) for s in scanned.skipped))
+            distinct.setdefault(_tuning_key(w, problems), (w, problems))
+    total = sum(len(s.workloads) for _, s in scans)
+    if len(pairs) > 1:
+        log(f"{total} workloads in {len(pairs)} models, {len(distinct)} distinct: each is tuned once")
+    with make_executor(options) as executor:
+        executor.expect(options.budget * len(distinct))
+        chosen_by_key = {}
+        for index, (key, (w, problems)) in enumerate(distinct.items()):
+            chosen_by_key[key] = _tune(w, problems, options, log, executor)
+            log(_summary(index, chosen_by_key[key].report))
+        compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
+                                executor)
+    results = []
+    for (model_path, output), (model, scanned) in zip(pairs, scans):
+        bundles, infos, reports = {}, {}, []
+        for w in scanned.workloads:
+            problems = merge_problems(w)
+            chosen = chosen_by_key[_tuning_key(w, problems)]
+            report = replace(chosen.report, workload=w)
+            kernels = tuple(BundleKernel.vendor() if config == "vendor"
+                            else BundleKernel.from_compiled([compiled[_job_key(w, config, t)]
+                                                             for t in options.targets])
+                            for config in chosen.kernels)
+            for i, node in enumerate(w.nodes):
+                bundle = Bundle(features_for(w, i), kernels, chosen.tree)
+                bundle.validate()
+                bundles[node] = bundle.to_bytes()
+                infos[node] = _info(w, report, problems)
+            reports.append(report)
+        results.append((output, rewrite_model(model, list(scanned.workloads), bundles, infos), reports, scanned))
+    for output, result, _, _ in results:  # only now that every model is rewritten
+        save_model(result.model, output)
+    return [OptimizeReport(output, result.rewritten, tuple(reports), tuple((s.node, s.reason) for s in scanned.skipped))
+            for output, result, reports, scanned in results]
 
 
 def _job_key(w: Workload, config, target: str) -> tuple:
@@ -212,14 +263,31 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]])
     })
 
 
-def optimize_command(model: str, output: str, options: OptimizeOptions) -> int:
+def output_paths(models: Sequence[str | Path], output: str | Path) -> list[tuple[Path, Path]]:
+    """(input, output) per model: one model is written to ``output``; several go into the folder
+    ``output`` under their own file names."""
+    models, output = [Path(m) for m in models], Path(output)
+    if len(models) == 1:
+        return [(models[0], output)]
+    if output.exists() and not output.is_dir():
+        raise DietcodeError(f"with several models, -o names a folder; {output} is a file")
+    names = [m.name for m in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DietcodeError(f"two input models are both named {twice[0]}; their outputs in {output} would collide")
+    return [(m, output / m.name) for m in models]
+
+
+def optimize_command(models: Sequence[str] | str, output: str, options: OptimizeOptions) -> int:
     import sys
 
-    report = optimize(model, output, options, log=lambda line: print(line, file=sys.stderr))
-    kinds = {r.measurer for r in report.workloads}
-    print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
-          f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
-    if any(not r.measured for r in report.workloads):
+    jobs = output_paths([models] if isinstance(models, str) else models, output)
+    reports = optimize_many(jobs, options, log=lambda line: print(line, file=sys.stderr))
+    for report in reports:
+        kinds = {r.measurer for r in report.workloads}
+        print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
+              f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
+    if any(not r.measured for report in reports for r in report.workloads):
         print("note: no GPU timings were used; the kernel choice follows the analytic model only "
               "(run optimize on a GPU machine, or with --measure replay:FILE, for measured choices)")
     return 0
