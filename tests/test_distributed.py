@@ -251,3 +251,14 @@ def test_ray_option_without_ray_installed_names_the_extra(tmp_path):
     with pytest.raises(DietcodeError, match="--ray-gpu applies only with --ray"):
         optimize(src, tmp_path / "o.onnx", OptimizeOptions(dims=("tokens=1:4",), measure="analytic",
                                                             ray_gpu="A100", progress=False), log=lambda _: None)
+
+
+def test_compile_past_its_time_limit_is_a_failed_compile(ray_session, tmp_path):
+    from tuner.aot import CompileJob
+
+    jobs = [CompileJob(FAMILY, c, cache_dir=tmp_path) for c in SPACE[:2]]
+    with _executor(compile_timeout_s=0.3) as executor:  # far less than a worker takes to import Triton
+        results = executor.compile_many(jobs)
+    assert [r.job for r in results] == jobs
+    assert all(not r.ok and r.error == "timed out after 0.3s" for r in results)
+    assert not list(tmp_path.glob("*.json"))

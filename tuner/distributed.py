@@ -310,7 +310,9 @@ class RayExecutor(Executor):
                     part = pending.popleft()
                     running[submit(part)] = (part, time.monotonic())
                     bar.sent += 1
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
+                ready, rest = ray.wait(list(running), num_returns=1, timeout=0.5)
+                if ready and rest:  # and whatever else has finished meanwhile
+                    ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
                 for ref in ready:
                     part, _ = running.pop(ref)
                     try:
@@ -332,7 +334,7 @@ class RayExecutor(Executor):
                     if now - sent > limit:
                         ray.cancel(ref, force=True)
                         del running[ref]
-                        split(part, f"timed out after {limit:.0f}s")
+                        split(part, f"timed out after {limit:g}s")
                 if measurements:
                     bar.measure_seconds += time.perf_counter() - started
                     started = time.perf_counter()
