@@ -262,3 +262,30 @@ def test_compile_past_its_time_limit_is_a_failed_compile(ray_session, tmp_path):
     assert [r.job for r in results] == jobs
     assert all(not r.ok and r.error == "timed out after 0.3s" for r in results)
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_interrupt_stops_the_searches_running_at_once(ray_session, tmp_path, monkeypatch):
+    import tuner.optimize as optimize_module
+
+    src = tmp_path / "mlp.onnx"
+    models.save_model(models.build("mlp", "tiny"), src)
+    real, started = optimize_module._tune, []
+
+    def tune(w, problems, options, log, executor):
+        started.append(w.n)
+        assert executor.searches() == 2  # both workloads are tuned at once
+        if w.n == "64":  # Ctrl-C reaches the run while the other search is measuring
+            time.sleep(3.0)
+            raise KeyboardInterrupt
+        return real(w, problems, options, log, executor)
+
+    monkeypatch.setattr(optimize_module, "_tune", tune)
+    options = OptimizeOptions(dims=("tokens=1:64",), budget=20000, measure="analytic", db=tmp_path / "t.db",
+                              cache_dir=tmp_path / "kernels", progress=False, ray="auto")
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        optimize(src, tmp_path / "o.onnx", options, log=lambda _: None)
+    assert sorted(started) == ["176", "64"] and time.monotonic() - began < 60
+    stored = Database(tmp_path / "t.db").count()
+    assert 0 < stored < 20000  # the other search measured, was stopped, and kept what it had
+    assert not (tmp_path / "o.onnx").exists()

@@ -25,6 +25,7 @@ the tasks in flight; what finished is in the database and a rerun measures only 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -123,8 +124,7 @@ class _Progress:
                             console=Console(stderr=True), disable=not enabled, transient=True)
         self.task = self.bar.add_task("cluster", total=None, rate="-", done=0, sent=0, failed=0)
         self.total = self.items = self.measurements = self.sent = self.done = self.failed = 0
-        self.measure_started: float | None = None
-        self.measure_seconds = 0.0
+        self.measure_started: float | None = None  # the first measurement task's start
         if enabled:
             self.bar.start()
 
@@ -133,7 +133,8 @@ class _Progress:
         self.show()
 
     def show(self) -> None:
-        rate = "-" if not self.measure_seconds else f"{self.measurements / self.measure_seconds:.1f}"
+        seconds = 0.0 if self.measure_started is None else time.perf_counter() - self.measure_started
+        rate = "-" if not (seconds and self.measurements) else f"{self.measurements / seconds:.1f}"
         self.bar.update(self.task, total=max(self.total, self.items) or None, completed=self.items, rate=rate,
                         done=self.done, sent=self.sent, failed=self.failed)
 
@@ -167,6 +168,9 @@ class RayExecutor(Executor):
                     "with `ray start --head` (and `ray start --address=HEAD:6379` on each node), or pass "
                     "--ray local to start one on this machine") from None
         self.progress = _Progress(options.progress)
+        self._lock = threading.Lock()  # guards the in-flight counts and the bar (searches run in threads)
+        self._inflight: dict[str, int] = {}
+        self._stop = threading.Event()
         # GPU measurers get a fresh worker process (and CUDA context) per task; the others reuse theirs
         self._remote_measure = {True: ray.remote(max_calls=1)(_measure_part),
                                 False: ray.remote(max_calls=0)(_measure_part)}
@@ -287,34 +291,64 @@ class RayExecutor(Executor):
             raise DietcodeError(str(cause)) from None
 
     # the scheduler -----------------------------------------------------------------------------------
+    def searches(self) -> int:
+        """Searches to run at once: while one computes its next round, the others' batches keep the GPUs
+        busy; a round of 64 fills 8 tasks of 8, so more GPUs take more searches."""
+        return max(2, math.ceil(max(self.model_gpus(), 1) / 8) + 1)
+
+    def abort(self) -> None:
+        self._stop.set()
+
+    def _take(self, pool: str, slots: int) -> bool:
+        with self._lock:
+            if self._inflight.get(pool, 0) >= slots:
+                return False
+            self._inflight[pool] = self._inflight.get(pool, 0) + 1
+            return True
+
+    def _give(self, pool: str, count: int = 1) -> None:
+        with self._lock:
+            self._inflight[pool] -= count
+
     def _drive(self, parts: list[tuple[int, ...]], submit: Callable, done: Callable, fail: Callable, slots: int,
                limit_per_item: float, measurements: bool) -> None:
-        """Run ``parts`` with at most ``slots`` tasks in flight (so a task starts when it is sent and its
-        time limit, ``limit_per_item`` per item, counts its run); see the module docstring for faults."""
-        ray, bar = self.ray, self.progress
+        """Run ``parts`` with at most ``slots`` tasks in flight over all the searches running at once (so a
+        task starts when it is sent and its time limit, ``limit_per_item`` per item, counts its run); see
+        the module docstring for faults. Thread-safe: each search thread drives its own parts."""
+        ray, bar, lock = self.ray, self.progress, self._lock
+        pool = "measure" if measurements else "compile"
         pending = deque(parts)
         running: dict[Any, tuple[tuple[int, ...], float]] = {}
-        started = time.perf_counter()
+        if measurements and bar.measure_started is None:
+            bar.measure_started = time.perf_counter()
 
         def split(part: tuple[int, ...], reason: str) -> None:
             if len(part) > 1:
                 pending.extend((i,) for i in part)
                 return
-            bar.failed += 1
             fail(part[0], reason)
-            bar.items += 1
+            with lock:
+                bar.failed += 1
+                bar.items += 1
 
         try:
             while pending or running:
-                while pending and len(running) < slots:
+                if self._stop.is_set():
+                    raise DietcodeError("ray: the run was stopped")
+                while pending and self._take(pool, slots):
                     part = pending.popleft()
                     running[submit(part)] = (part, time.monotonic())
-                    bar.sent += 1
+                    with lock:
+                        bar.sent += 1
+                if not running:  # every slot is another search's: wait for one
+                    time.sleep(0.02)
+                    continue
                 ready, rest = ray.wait(list(running), num_returns=1, timeout=0.5)
                 if ready and rest:  # and whatever else has finished meanwhile
                     ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
                 for ref in ready:
                     part, _ = running.pop(ref)
+                    self._give(pool)
                     try:
                         values = ray.get(ref)
                     except ray.exceptions.RayTaskError as exc:
@@ -325,23 +359,25 @@ class RayExecutor(Executor):
                                     f"retries")
                         continue
                     done(part, values)
-                    bar.done += 1
-                    bar.items += len(part)
-                    bar.measurements += len(part) if measurements else 0
+                    with lock:
+                        bar.done += 1
+                        bar.items += len(part)
+                        bar.measurements += len(part) if measurements else 0
                 now = time.monotonic()
                 for ref, (part, sent) in list(running.items()):
                     limit = limit_per_item * len(part)
                     if now - sent > limit:
                         ray.cancel(ref, force=True)
                         del running[ref]
+                        self._give(pool)
                         split(part, f"timed out after {limit:g}s")
-                if measurements:
-                    bar.measure_seconds += time.perf_counter() - started
-                    started = time.perf_counter()
-                bar.show()
+                with lock:
+                    bar.show()
         finally:  # an error or an interrupt: stop what is in flight and collect it (Ray logs uncollected errors)
             for ref in running:
                 ray.cancel(ref, force=True)
+            if running:
+                self._give(pool, len(running))
             for ref in ray.wait(list(running), num_returns=len(running), timeout=2.0)[0] if running else ():
                 try:
                     ray.get(ref, timeout=0)
@@ -349,6 +385,7 @@ class RayExecutor(Executor):
                     pass
 
     def close(self) -> None:
+        self._stop.set()
         self.progress.close()
         if self._owned and self.ray.is_initialized():
             self.ray.shutdown()

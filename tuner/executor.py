@@ -40,6 +40,13 @@ class Executor(ABC):
     def expect(self, measurements: int) -> None:
         """A hint for the progress display: about this many measurements are coming."""
 
+    def searches(self) -> int:
+        """How many workloads' searches may run at once (in threads) on this executor."""
+        return 1
+
+    def abort(self) -> None:
+        """Stop the work of searches running in other threads (they raise); after an interrupt."""
+
     def close(self) -> None:
         """Release what the executor holds."""
 

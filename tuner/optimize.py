@@ -185,10 +185,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         log(f"{total} workloads in {len(pairs)} models, {len(distinct)} distinct: each is tuned once")
     with make_executor(options) as executor:
         executor.expect(options.budget * len(distinct))
-        chosen_by_key = {}
-        for index, (key, (w, problems)) in enumerate(distinct.items()):
-            chosen_by_key[key] = _tune(w, problems, options, log, executor)
-            log(_summary(index, chosen_by_key[key].report))
+        chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
     results = []
@@ -213,6 +210,33 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         save_model(result.model, output)
     return [OptimizeReport(output, result.rewritten, tuple(reports), tuple((s.node, s.reason) for s in scanned.skipped))
             for output, result, reports, scanned in results]
+
+
+def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
+              log: Callable[[str], None], executor: Executor) -> dict[tuple, "_Chosen"]:
+    """Tune each distinct workload: one after another, or as many at once as the executor runs (each
+    search is deterministic on its own, so the order they finish in changes nothing)."""
+    chosen: dict[tuple, _Chosen] = {}
+    parallel = min(executor.searches(), len(items))
+    if parallel <= 1:
+        for index, (key, (w, problems)) in enumerate(items):
+            chosen[key] = _tune(w, problems, options, log, executor)
+            log(_summary(index, chosen[key].report))
+        return chosen
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dietcode-search")
+    try:
+        futures = [pool.submit(_tune, w, problems, options, log, executor) for _, (w, problems) in items]
+        for index, ((key, _), future) in enumerate(zip(items, futures)):
+            chosen[key] = future.result()
+            log(_summary(index, chosen[key].report))
+    except BaseException:
+        executor.abort()  # the other searches stop at their next step; what they measured is stored
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return chosen
 
 
 def _job_key(w: Workload, config, target: str) -> tuple:
