@@ -2,6 +2,7 @@
 
     python benchmarks/ray_throughput.py [--compile-jobs 6] [--compile-workers 1,2]
                                         [--gpus 1,2,4,8] [--measure-ms 0,20] [--budget 512]
+                                        [--workloads 4]
 
 1. Compile: ``--compile-jobs`` distinct gemm kernels for sm_90, each into an empty kernel cache, with 1
    and 2 Ray workers (``ray.init(num_cpus=W)``, workers start cold), against ``aot.compile_many`` with as
@@ -12,6 +13,8 @@
    per kernel and shape with 3 warm-up and 20 timed launches). Reported as measurements per second, the
    same search in one process beside it, and whether the Ray run chose the same kernels. The N workers
    are started before the timing (a cold Python worker costs seconds on a small machine).
+3. Several workloads (``--workloads``) on the most GPUs and the slowest measurement: their searches one
+   after another, then as many at once as ``optimize --ray`` runs.
 
 Results go to stdout and to benchmarks/results/<this machine>/ray-throughput.txt (command at the top).
 """
@@ -151,6 +154,46 @@ def cluster_rows(ray, gpus: list[int], measure_ms: list[float], budget: int) -> 
     return rows
 
 
+def concurrent_rows(ray, gpus: int, workloads: int, measure_ms: float, budget: int) -> list[str]:
+    """``workloads`` distinct searches (N = 768, 1024, ...) on ``gpus`` simulated GPUs: one after another,
+    then as many at once as RayExecutor.searches() says (what optimize does with several workloads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tuner.distributed import RayExecutor, RayOptions
+
+    profile = get_profile("sm_90")
+    space = enumerate_space(FAMILY)[::3]
+    sets = [[(Problem(16 * t, 768 + 256 * i, 768), 1.0) for t in range(1, 33)] for i in range(workloads)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        table = write_synthetic_table(Path(tmp) / synthetic_table_name(profile, "float16", 12),
+                                      simulate_table(space, [p for ps in sets for p, _ in ps], profile, "float16",
+                                                     12), profile, 12)
+        spec = Slowed(MeasurerSpec("replay", path=str(table)), measure_ms / 1e3)
+        options = SearchOptions(max_trials=budget, seed=0, progress=False)
+        _init(ray, num_cpus=gpus, num_gpus=gpus, resources={"accelerator_type:H100": 1})
+        with RayExecutor(RayOptions(progress=False)) as executor:
+            executor.measurer(Slowed(spec.inner, 0.5)).measure(FAMILY, [(space[0], sets[0][0][0])] * gpus)
+            executor.measurer(spec).measure(FAMILY, [(space[0], sets[0][0][0])] * (8 * gpus))
+            for label, threads in (("one after another", 1), ("at once", executor.searches())):
+                def search(i: int, label=label):
+                    db = Database(Path(tmp) / f"{label}-{i}.db")
+                    return tune_joint(FAMILY, sets[i], space, CachingMeasurer(executor.measurer(spec), db), profile,
+                                      options)
+
+                started = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=threads) as pool:
+                    results = list(pool.map(search, range(workloads)))
+                seconds = time.perf_counter() - started
+                trials = sum(r.trials for r in results)
+                rows.append(f"searches ray, {gpus} sim. GPUs  measure={measure_ms:4.0f}ms  {workloads} workloads "
+                            f"{label} ({threads} at a time): {trials} measurements in {seconds:6.1f}s  "
+                            f"{trials / seconds:7.1f} meas/s")
+                print(rows[-1], flush=True)
+        ray.shutdown()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-jobs", type=int, default=6)
@@ -158,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="1,2,4,8", help="simulated GPU counts")
     parser.add_argument("--measure-ms", default="0,20", help="simulated milliseconds per measurement")
     parser.add_argument("--budget", type=int, default=512, help="measurements per search")
+    parser.add_argument("--workloads", type=int, default=4, help="distinct searches for the concurrency rows")
     parser.add_argument("--out", help="result file (default: benchmarks/results/<this machine>/ray-throughput.txt)")
     args = parser.parse_args(argv)
     try:
@@ -175,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = compile_rows(ray, args.compile_jobs, [int(w) for w in args.compile_workers.split(",")])
     rows += cluster_rows(ray, [int(n) for n in args.gpus.split(",")],
                          [float(m) for m in args.measure_ms.split(",")], args.budget)
+    rows += concurrent_rows(ray, max(int(n) for n in args.gpus.split(",")), args.workloads,
+                            max(float(m) for m in args.measure_ms.split(",")), args.budget)
     out = Path(args.out) if args.out else run_suite.results_dir(ROOT / "benchmarks" / "results", "cpu") / "ray-throughput.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(header + rows) + "\n")
