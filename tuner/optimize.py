@@ -364,11 +364,7 @@ def default_targets() -> tuple[str, ...]:
 
 
 def _gpu_visible() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+    return LocalExecutor().gpu_available()
 
 
 def make_executor(options: OptimizeOptions) -> Executor:
