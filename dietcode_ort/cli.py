@@ -132,7 +132,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     options = optimize.OptimizeOptions(
         targets=targets or optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
-        shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet)
+        shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
+        ray_gpu=args.ray_gpu)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -142,8 +143,11 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                                    "train a decision-tree dispatcher, compile the chosen kernels ahead of time "
                                    "and write a model whose nodes are ai.dietcode custom ops (with fallback "
                                    "functions, so stock onnxruntime still runs it).")
-    p.add_argument("model", help="ONNX model file")
-    p.add_argument("-o", "--output", required=True, help="where to write the optimized model")
+    p.add_argument("model", nargs="+",
+                   help="ONNX model file(s); workloads several models share are tuned once and written to each")
+    p.add_argument("-o", "--output", required=True,
+                   help="where to write the optimized model; with several models, a folder (each keeps its "
+                        "file name)")
     _add_instance_options(p)
     p.add_argument("--target", default="",
                    help="GPU arch(es) to compile for, comma-separated: sm_80, sm_89, sm_90; tuning uses the "
@@ -157,6 +161,13 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", help="tuning database (SQLite); default ~/.cache/dietcode-ort/tuning.db")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--ray", metavar="auto|local|ADDRESS",
+                   help="run compiles (CPU tasks) and measurements (one GPU each) on a Ray cluster: auto (the "
+                        "running cluster or $RAY_ADDRESS), local (start one here) or the head's address; "
+                        "this machine keeps the search and the database. Needs dietcode-ort[distributed]")
+    p.add_argument("--ray-gpu", metavar="MODEL",
+                   help="with --ray: the GPU model to time on, as Ray names it (H100, A100, L4...); default: "
+                        "the first --target's (sm_90: H100, sm_80: A100, sm_89: L4)")
     p.set_defaults(handler=_cmd_optimize)
 
 

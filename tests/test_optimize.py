@@ -13,6 +13,7 @@ import pytest
 
 import dietcode_ort
 import models
+from dietcode_ort.bundle import node_bundles
 from dietcode_ort.errors import DietcodeError
 from tuner.inspect_model import describe
 from tuner.optimize import OptimizeOptions, features_for, optimize, problem_features
@@ -164,3 +165,33 @@ def test_two_targets_give_a_cubin_each_and_portable_ptx(work, tmp_path):
     for kernel in bundle.kernels:
         assert sorted(arch for arch, _ in kernel.images) == ["sm_80", "sm_90a"]
         assert ".target sm_80" in kernel.ptx  # JIT-able by GPUs newer than both cubins
+
+
+def test_several_models_share_the_tuning_of_identical_workloads(work, tmp_path):
+    import onnx
+
+    from tuner.optimize import optimize_many, output_paths
+
+    for name, builder, seed in (("a.onnx", "mlp", 0), ("b.onnx", "mlp", 1), ("c.onnx", "bert", 0)):
+        models.save_model(models.build(builder, "tiny", seed=seed), tmp_path / name)
+    lines: list[str] = []
+    jobs = output_paths([tmp_path / n for n in ("a.onnx", "b.onnx", "c.onnx")], tmp_path / "out")
+    reports = optimize_many(jobs, _options(work, "tokens=1:8", "batch=1:2", "seq=8,16"), lines.append)
+    assert [r.output for r in reports] == [tmp_path / "out" / n for n in ("a.onnx", "b.onnx", "c.onnx")]
+    distinct = 2 + len(scan_model(models.build("bert", "tiny")).workloads)
+    total = 4 + distinct - 2
+    assert f"{total} workloads in 3 models, {distinct} distinct: each is tuned once" in lines
+    assert sum(line.startswith("workload ") for line in lines) == distinct  # one search per distinct workload
+
+    def bundles(path):
+        return [b.payload for b in node_bundles(onnx.load(str(path)))]
+
+    assert bundles(reports[0].output) == bundles(reports[1].output) and bundles(reports[0].output)
+    assert [w.workload.nodes for w in reports[1].workloads] == [w.nodes for w in scan_model(
+        onnx.load(str(tmp_path / "b.onnx"))).workloads]  # each model's report names its own nodes
+    with pytest.raises(DietcodeError, match="none of the models has"):
+        optimize_many(jobs, _options(work, "tokens=1:8", "batch=1:2", "seq=8,16", "height=1:2"), lines.append)
+    with pytest.raises(DietcodeError, match="both named a.onnx"):
+        output_paths([tmp_path / "a.onnx", tmp_path / "out" / "a.onnx"], tmp_path / "o2")
+    with pytest.raises(DietcodeError, match="names a folder"):
+        output_paths([tmp_path / "a.onnx", tmp_path / "b.onnx"], tmp_path / "c.onnx")

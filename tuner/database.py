@@ -155,17 +155,20 @@ class CachingMeasurer(Measurer):
         return self._device
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        return self._cached(family, configs_and_problems, lambda pairs: self.inner.measure(family, pairs))
+        return self._cached(family, configs_and_problems,
+                            lambda pairs, store: self.inner.measure_each(family, pairs, store))
 
     def _cached(self, family: Family, configs_and_problems: Sequence[tuple[MicroKernel | str, Problem]],
-                measure: Callable[[list], list[MeasureResult]]) -> list[MeasureResult]:
+                measure: Callable[[list, Callable], list[MeasureResult]]) -> list[MeasureResult]:
+        """``measure(pairs, store)`` measures the missing pairs and calls ``store`` with each finished part,
+        which is written at once (a distributed measurer finishes its batch in parts)."""
         known = self.db.get(self._device, family, configs_and_problems, self._context)
         keys = [_row_key(_config_key(c), p) for c, p in configs_and_problems]
         todo = [i for i, k in enumerate(keys) if k not in known]
         if todo:
             pairs = [configs_and_problems[i] for i in todo]
-            fresh = measure(pairs)
-            self.db.put(self._device, family, pairs, fresh, self._context)
+            fresh = measure(pairs, lambda done, results: self.db.put(self._device, family, done, results,
+                                                                     self._context))
             for i, r in zip(todo, fresh):
                 known[keys[i]] = r
         self.hits += len(keys) - len(todo)
@@ -178,4 +181,10 @@ class CachingMeasurer(Measurer):
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The vendor library's times, stored like kernels' under the config key VENDOR_KEY."""
         return self._cached(family, [(VENDOR_KEY, p) for p in problems],
-                            lambda pairs: self.inner.measure_vendor(family, [p for _, p in pairs]))
+                            lambda pairs, store: _stored(pairs, self.inner.measure_vendor(
+                                family, [p for _, p in pairs]), store))
+
+
+def _stored(pairs: list, results: list[MeasureResult], store: Callable) -> list[MeasureResult]:
+    store(pairs, results)
+    return results

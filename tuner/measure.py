@@ -9,6 +9,9 @@ tuning run.
   CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm / conv2d on the same problems.
 - ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
 - ``AnalyticMeasurer`` needs no hardware: a roofline estimate scaled by f_adapt.
+
+``MeasurerSpec`` names a measurer without building it (a small picklable value), so a measurer can be
+built where the batch runs: in this process, or on a cluster worker with the GPU (tuner.distributed).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner.space import DTYPE_BYTES, Family, MicroKernel
 from tuner.workload import ConvParams, Epilogue, Problem
 
-__all__ = ["MeasureResult", "Measurer", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
+__all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
            "problem_key", "VENDOR_KEY"]
 
 VENDOR_KEY = "vendor"
@@ -74,6 +77,44 @@ class Measurer(ABC):
         """The stock library's time per problem; measurers without one say so."""
         raise DietcodeError(f"{type(self).__name__} has no vendor timings; use GpuMeasurer or a replay table "
                             f"with '{VENDOR_KEY}' rows")
+
+    def measure_each(self, family: Family, configs_and_problems: Sequence[Pair],
+                     store: Callable[[Sequence[Pair], list[MeasureResult]], None]) -> list[MeasureResult]:
+        """``measure``, handing each finished part of the batch to ``store`` as soon as it is done (the
+        database writes it then). Here the batch is one part; a distributed measurer has many."""
+        results = self.measure(family, configs_and_problems)
+        store(configs_and_problems, results)
+        return results
+
+
+@dataclass(frozen=True)
+class MeasurerSpec:
+    """Which measurer to build, and for what kernel: ``kind`` is "gpu", "analytic" or "replay" (``path``
+    the table). Hashable and picklable; ``build()`` constructs it where it will run."""
+
+    kind: str
+    target: str = "sm_90"  # analytic: the profile it models
+    dtype: str = "float16"
+    path: str = ""  # replay: the table
+    conv: ConvParams | None = None
+    epilogue: Epilogue = Epilogue()
+    trans_b: bool = False
+
+    def build(self) -> "Measurer":
+        if self.kind == "gpu":
+            return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b)
+        if self.kind == "analytic":
+            from tuner.hardware import get_profile
+
+            return AnalyticMeasurer(get_profile(self.target), self.dtype)
+        if self.kind == "replay" and self.path:
+            return ReplayMeasurer(self.path)
+        raise DietcodeError(f"unknown measurer kind {self.kind!r}; allowed: gpu, analytic, replay (with a path)")
+
+    @property
+    def label(self) -> str:
+        """How reports name the timings' source."""
+        return {"gpu": "gpu", "analytic": "analytic (no GPU timing)"}.get(self.kind, f"replay of {self.path}")
 
 
 class ReplayMeasurer(Measurer):

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
+from tuner.executor import Executor, LocalExecutor
 from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
-           "merge_problems", "optimize"]
+           "merge_problems", "optimize", "optimize_many", "output_paths", "make_executor"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class OptimizeOptions:
     cache_dir: Path | None = None  # compiled-kernel cache (tuner.aot default when None)
     compile_workers: int | None = None  # parallel compile processes (default: CPU count)
     progress: bool = True
+    ray: str | None = None  # run compiles and measurements on a Ray cluster: "auto", "local" or its address
+    ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
 
 
 @dataclass(frozen=True)
@@ -121,45 +124,122 @@ def _geomean(values: Sequence[float], weights: Sequence[float]) -> float:
 def optimize(model_path: str | Path, output: str | Path, options: OptimizeOptions,
              log: Callable[[str], None] = print) -> OptimizeReport:
     """Run the whole pipeline; nothing is written unless every workload succeeds."""
-    from tuner.rewrite import plan_rewrite, rewrite_model, save_model
+    return optimize_many([(model_path, output)], options, log)[0]
 
-    model_path, output = Path(model_path), Path(output)
+
+def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: bool):
+    """Load and scan one model and attach its instances (of several models, each takes the --dim
+    options that name its symbols)."""
     if output.resolve() == model_path.resolve():
         raise DietcodeError("the output path must differ from the input model")
     model = load_model(model_path)
-    scanned = attach_instances(scan_model(model, model_path.parent), options.dims, options.shapes_file)
+    scanned = scan_model(model, model_path.parent)
+    dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
+    scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
     if not scanned.workloads:
-        raise DietcodeError("no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
+        raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
-    for s in scanned.skipped:
-        log(f"left as it is: {s.node} ({s.op}): {s.reason}")
-    for s in scanned.unfused:
-        log(f"not fused: {s.node} ({s.op}): {s.reason}")
-    plan_rewrite(model, list(scanned.workloads))  # a graph the rewrite cannot handle fails before tuning
-    tuned = []
-    for index, w in enumerate(scanned.workloads):
-        problems = merge_problems(w)
-        chosen = _tune(w, problems, options, log)
-        tuned.append((w, problems, chosen))
-        log(_summary(index, chosen.report))
-    compiled = _compile_all([(w, c.kernels) for w, _, c in tuned], options, log)
-    bundles, infos = {}, {}
-    for w, problems, chosen in tuned:
-        kernels = tuple(BundleKernel.vendor() if config == "vendor"
-                        else BundleKernel.from_compiled([compiled[_job_key(w, config, t)] for t in options.targets])
-                        for config in chosen.kernels)
-        for i, node in enumerate(w.nodes):
-            bundle = Bundle(features_for(w, i), kernels, chosen.tree)
-            bundle.validate()
-            bundles[node] = bundle.to_bytes()
-            infos[node] = _info(w, chosen.report, problems)
-    reports = [chosen.report for _, _, chosen in tuned]
-    result = rewrite_model(model, list(scanned.workloads), bundles, infos)
-    save_model(result.model, output)
-    return OptimizeReport(output, result.rewritten, tuple(reports),
-                          tuple((s.node, s.reason) for s in scanned.skipped))
+    return model, scanned
+
+
+def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
+    """The --dim options naming one of a model's symbols (several models need not share their symbols)."""
+    return [d for d in dims if d.split("=", 1)[0].strip() in symbols]
+
+
+def _tuning_key(w: Workload, problems: list[tuple[Problem, float]]) -> tuple:
+    """Everything the tuning of a workload depends on: workloads of several models with equal keys are
+    tuned once and get the same kernels and dispatch tree."""
+    return (w.op, w.dtype, w.epilogue, w.trans_b, w.conv, _feature_names(w), _div16(w), tuple(problems))
+
+
+def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: OptimizeOptions,
+                  log: Callable[[str], None] = print) -> list[OptimizeReport]:
+    """Optimize several models (input, output) in one run: a workload several of them share is tuned
+    once and its results written to each. Nothing is written unless every model's workloads succeed."""
+    from tuner.rewrite import plan_rewrite, rewrite_model, save_model
+
+    pairs = [(Path(m), Path(o)) for m, o in jobs]
+    if not pairs:
+        raise DietcodeError("no model to optimize")
+    if len({o.resolve() for _, o in pairs}) < len(pairs):
+        raise DietcodeError("two models would be written to the same output path")
+    scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
+    if len(pairs) > 1:
+        unused = [d for d in options.dims if not any(_model_dims([d], s.symbols) for _, s in scans)]
+        if unused:
+            raise DietcodeError(f"--dim {unused[0]!r} names a symbol none of the models has")
+    prefix = (lambda path: f"{path.name}: ") if len(pairs) > 1 else (lambda path: "")
+    for (model_path, _), (model, scanned) in zip(pairs, scans):
+        for s in scanned.skipped:
+            log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
+        for s in scanned.unfused:
+            log(f"{prefix(model_path)}not fused: {s.node} ({s.op}): {s.reason}")
+        plan_rewrite(model, list(scanned.workloads))  # a graph the rewrite cannot handle fails before tuning
+    distinct: dict[tuple, tuple[Workload, list[tuple[Problem, float]]]] = {}
+    for _, scanned in scans:
+        for w in scanned.workloads:
+            problems = merge_problems(w)
+            distinct.setdefault(_tuning_key(w, problems), (w, problems))
+    total = sum(len(s.workloads) for _, s in scans)
+    if len(pairs) > 1:
+        log(f"{total} workloads in {len(pairs)} models, {len(distinct)} distinct: each is tuned once")
+    with make_executor(options) as executor:
+        executor.expect(options.budget * len(distinct))
+        chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
+        compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
+                                executor)
+    results = []
+    for (model_path, output), (model, scanned) in zip(pairs, scans):
+        bundles, infos, reports = {}, {}, []
+        for w in scanned.workloads:
+            problems = merge_problems(w)
+            chosen = chosen_by_key[_tuning_key(w, problems)]
+            report = replace(chosen.report, workload=w)
+            kernels = tuple(BundleKernel.vendor() if config == "vendor"
+                            else BundleKernel.from_compiled([compiled[_job_key(w, config, t)]
+                                                             for t in options.targets])
+                            for config in chosen.kernels)
+            for i, node in enumerate(w.nodes):
+                bundle = Bundle(features_for(w, i), kernels, chosen.tree)
+                bundle.validate()
+                bundles[node] = bundle.to_bytes()
+                infos[node] = _info(w, report, problems)
+            reports.append(report)
+        results.append((output, rewrite_model(model, list(scanned.workloads), bundles, infos), reports, scanned))
+    for output, result, _, _ in results:  # only now that every model is rewritten
+        save_model(result.model, output)
+    return [OptimizeReport(output, result.rewritten, tuple(reports), tuple((s.node, s.reason) for s in scanned.skipped))
+            for output, result, reports, scanned in results]
+
+
+def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
+              log: Callable[[str], None], executor: Executor) -> dict[tuple, "_Chosen"]:
+    """Tune each distinct workload: one after another, or as many at once as the executor runs (each
+    search is deterministic on its own, so the order they finish in changes nothing)."""
+    chosen: dict[tuple, _Chosen] = {}
+    parallel = min(executor.searches(), len(items))
+    if parallel <= 1:
+        for index, (key, (w, problems)) in enumerate(items):
+            chosen[key] = _tune(w, problems, options, log, executor)
+            log(_summary(index, chosen[key].report))
+        return chosen
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dietcode-search")
+    try:
+        futures = [pool.submit(_tune, w, problems, options, log, executor) for _, (w, problems) in items]
+        for index, ((key, _), future) in enumerate(zip(items, futures)):
+            chosen[key] = future.result()
+            log(_summary(index, chosen[key].report))
+    except BaseException:
+        executor.abort()  # the other searches stop at their next step; what they measured is stored
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return chosen
 
 
 def _job_key(w: Workload, config, target: str) -> tuple:
@@ -167,7 +247,7 @@ def _job_key(w: Workload, config, target: str) -> tuple:
 
 
 def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
-                 log: Callable[[str], None]) -> dict[tuple, object]:
+                 log: Callable[[str], None], executor: Executor | None = None) -> dict[tuple, object]:
     """Compile every chosen kernel for every target, in parallel processes (cache hits cost nothing).
 
     Workloads that share a kernel (same op, dtype, epilogue, geometry) share one compile."""
@@ -183,7 +263,8 @@ def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
                     _family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b, conv=w.conv,
                     div16=_div16(w), cache_dir=options.cache_dir))
     started = time.perf_counter()
-    results = aot.compile_many(list(jobs.values()), workers=options.compile_workers)
+    executor = executor or LocalExecutor(options.compile_workers)
+    results = executor.compile_many(list(jobs.values()))
     failed = [r for r in results if not r.ok]
     if failed:
         r = failed[0]
@@ -209,14 +290,31 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]])
     })
 
 
-def optimize_command(model: str, output: str, options: OptimizeOptions) -> int:
+def output_paths(models: Sequence[str | Path], output: str | Path) -> list[tuple[Path, Path]]:
+    """(input, output) per model: one model is written to ``output``; several go into the folder
+    ``output`` under their own file names."""
+    models, output = [Path(m) for m in models], Path(output)
+    if len(models) == 1:
+        return [(models[0], output)]
+    if output.exists() and not output.is_dir():
+        raise DietcodeError(f"with several models, -o names a folder; {output} is a file")
+    names = [m.name for m in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DietcodeError(f"two input models are both named {twice[0]}; their outputs in {output} would collide")
+    return [(m, output / m.name) for m in models]
+
+
+def optimize_command(models: Sequence[str] | str, output: str, options: OptimizeOptions) -> int:
     import sys
 
-    report = optimize(model, output, options, log=lambda line: print(line, file=sys.stderr))
-    kinds = {r.measurer for r in report.workloads}
-    print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
-          f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
-    if any(not r.measured for r in report.workloads):
+    jobs = output_paths([models] if isinstance(models, str) else models, output)
+    reports = optimize_many(jobs, options, log=lambda line: print(line, file=sys.stderr))
+    for report in reports:
+        kinds = {r.measurer for r in report.workloads}
+        print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
+              f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
+    if any(not r.measured for report in reports for r in report.workloads):
         print("note: no GPU timings were used; the kernel choice follows the analytic model only "
               "(run optimize on a GPU machine, or with --measure replay:FILE, for measured choices)")
     return 0
@@ -269,33 +367,44 @@ def default_targets() -> tuple[str, ...]:
 
 
 def _gpu_visible() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+    return LocalExecutor().gpu_available()
 
 
-def make_measurer(options: OptimizeOptions, w: Workload):
-    """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached."""
-    from tuner.hardware import get_profile
-    from tuner.measure import AnalyticMeasurer, GpuMeasurer, ReplayMeasurer
+def make_executor(options: OptimizeOptions) -> Executor:
+    """Where compiles and measurements run: this machine, or the Ray cluster ``options.ray`` names."""
+    if options.ray is None:
+        if options.ray_gpu is not None:
+            raise DietcodeError("--ray-gpu applies only with --ray")
+        return LocalExecutor(options.compile_workers)
+    from tuner.distributed import GPU_MODELS, RayExecutor, RayOptions
 
+    model = options.ray_gpu or GPU_MODELS.get(options.targets[0])
+    if model is None:
+        raise DietcodeError(f"no default GPU model for target {options.targets[0]}; pass --ray-gpu MODEL")
+    return RayExecutor(RayOptions(address=options.ray, gpu_model=model, progress=options.progress))
+
+
+def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | None = None):
+    """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached,
+    its batches run by ``executor`` (this process when None)."""
+    from tuner.measure import MeasurerSpec
+
+    executor = executor or LocalExecutor(options.compile_workers)
+    where = "visible to torch" if isinstance(executor, LocalExecutor) else "on the Ray cluster"
     kind = options.measure
     if kind == "auto":
-        kind = "gpu" if _gpu_visible() else "analytic"
+        kind = "gpu" if executor.gpu_available() else "analytic"
     if kind == "gpu":
-        if not _gpu_visible():
-            raise DietcodeError("--measure gpu needs a CUDA GPU visible to torch; none is (use analytic or "
-                                "replay:FILE)")
-        measurer, label = GpuMeasurer(conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b), "gpu"
+        if not executor.gpu_available():
+            raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
+        spec = MeasurerSpec("gpu", conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b)
     elif kind == "analytic":
-        measurer, label = AnalyticMeasurer(get_profile(options.targets[0]), w.dtype), "analytic (no GPU timing)"
+        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype)
     elif kind.startswith("replay:") and kind[len("replay:"):]:
-        path = kind[len("replay:"):]
-        measurer, label = ReplayMeasurer(path), f"replay of {path}"
+        spec = MeasurerSpec("replay", path=kind[len("replay:"):])
     else:
         raise DietcodeError(f"unknown --measure {options.measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    measurer, label = executor.measurer(spec), spec.label
     if options.db is not None:
         from tuner.database import CachingMeasurer, Database
 
@@ -304,7 +413,7 @@ def make_measurer(options: OptimizeOptions, w: Workload):
 
 
 def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeOptions,
-          log: Callable[[str], None]) -> _Chosen:
+          log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
     import numpy as np
 
     from dietcode_ort.bundle import DispatchTree
@@ -318,14 +427,15 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
-    measurer, label = make_measurer(options, w)
+    measurer, label = make_measurer(options, w, executor)
     # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow;
     # a bundle carries every kernel for every target: only configs valid on all of them
     others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
     space = [c for c in enumerate_space(family) if (c.split_k == 1 or w.epilogue.activation == "none")
              and all(c in other for other in others)]
     result = tune_joint(family, problems, space, measurer, profile,
-                        SearchOptions(max_trials=options.budget, seed=options.seed, progress=options.progress))
+                        SearchOptions(max_trials=options.budget, seed=options.seed,
+                                      progress=options.progress and not (executor and executor.shows_progress)))
     vendor = None
     try:
         answers = measurer.measure_vendor(family, list(result.problems))
