@@ -24,8 +24,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["TorchModel", "Built", "Case", "CASES", "CASES_BY_NAME", "build_case", "feeds", "role_dims",
-           "MODEL_BUILDERS"]
+__all__ = ["TorchModel", "Built", "Case", "CASES", "CASES_BY_NAME", "MODEL_BUILDERS", "NODE_TESTS",
+           "build_case", "export_torchscript", "export_dynamo", "ort_optimized_bert", "onnx_node_case",
+           "make_dynamic", "role_dims", "feeds", "node_test_tuned", "gemm_view_nodes"]
 
 VOCAB = 100
 TINY_TEXT = dict(hidden=32, layers=2, heads=2, ffn=64, positions=64)
@@ -158,7 +159,7 @@ def vit(dtype: str = "float32") -> TorchModel:
     cfg = ViTConfig(hidden_size=t["hidden"], num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
                     intermediate_size=t["ffn"], image_size=32, patch_size=8, num_channels=3)
     model = ViTModel(cfg, add_pooling_layer=False)
-    return _image(model, dtype, (3, 32, 32), "pixel_values")
+    return _tensor_input(model, dtype, "pixel_values", (2, 3, 32, 32), {0: "batch"})
 
 
 def whisper_encoder(dtype: str = "float32") -> TorchModel:
@@ -169,27 +170,25 @@ def whisper_encoder(dtype: str = "float32") -> TorchModel:
     t = TINY_TEXT
     cfg = WhisperConfig(vocab_size=VOCAB, d_model=t["hidden"], encoder_layers=t["layers"],
                         decoder_layers=t["layers"], encoder_attention_heads=t["heads"],
-                        decoder_attention_heads=t["heads"], encoder_ffn_dim=t["ffn"], decoder_ffn_dim=t["ffn"],
+                        decoder_attention_heads=t["heads"], encoder_ffn_dim=t["ffn"],
+                        decoder_ffn_dim=t["ffn"],
                         num_mel_bins=16, max_source_positions=16, max_target_positions=16,
                         decoder_start_token_id=1, **_tokens())
-    return _image(WhisperEncoder(cfg), dtype, (16, 32), "input_features")
+    return _tensor_input(WhisperEncoder(cfg), dtype, "input_features", (2, 16, 32), {0: "batch"})
 
 
-def _image(model, dtype: str, item_shape: tuple[int, ...], name: str, key: str = "last_hidden_state",
-           axes: dict[int, str] | None = None, output_axes: dict[int, str] | None = None,
-           example_hw: tuple[int, int] | None = None) -> TorchModel:
+def _tensor_input(model, dtype: str, name: str, example_shape: tuple[int, ...], axes: dict[int, str],
+                  key: str = "last_hidden_state") -> TorchModel:
+    """A model of one float input (pixels, audio features); ``key``: the HF output, "" for a plain module."""
     import torch
 
     _randomize(model)
     if dtype == "float16":
         model = model.half()
-    shape = (2, *item_shape[:-2], *example_hw) if example_hw else (2, *item_shape)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(example_shape, generator=torch.Generator().manual_seed(1))
     x = x.half() if dtype == "float16" else x
-    module = _wrap(model.eval(), (name,), key)
-    roles = axes or {0: "batch"}
-    return TorchModel(module, (name,), (x,), {name: roles}, "output" if not key else key,
-                      output_axes or {0: "batch"}, {name: "float"})
+    return TorchModel(_wrap(model.eval(), (name,), key), (name,), (x,), {name: axes}, key or "output",
+                      {0: "batch"}, {name: "float"})
 
 
 # --- CNNs in plain torch.nn ---------------------------------------------------------------------------------
@@ -210,7 +209,8 @@ def _resnet18_module(width: int = 8, classes: int = 10):
             self.bn2 = nn.BatchNorm2d(cout)
             self.downsample = None
             if stride != 1 or cin != cout:
-                self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                                nn.BatchNorm2d(cout))
 
         def forward(self, x):
             identity = x if self.downsample is None else self.downsample(x)
@@ -252,7 +252,8 @@ def _mobilenet_v2_module(width_mult: float = 0.25, classes: int = 10):
     import torch.nn as nn
 
     def conv_bn(cin: int, cout: int, k: int, stride: int, groups: int = 1, act: bool = True):
-        layers = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+        layers = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                  nn.BatchNorm2d(cout)]
         return nn.Sequential(*layers, nn.ReLU6(inplace=True)) if act else nn.Sequential(*layers)
 
     class InvertedResidual(nn.Module):
@@ -261,7 +262,8 @@ def _mobilenet_v2_module(width_mult: float = 0.25, classes: int = 10):
             hidden = int(round(cin * expand))
             self.use_res = stride == 1 and cin == cout
             layers = [conv_bn(cin, hidden, 1, 1)] if expand != 1 else []
-            layers += [conv_bn(hidden, hidden, 3, stride, groups=hidden), conv_bn(hidden, cout, 1, 1, act=False)]
+            layers += [conv_bn(hidden, hidden, 3, stride, groups=hidden),  # depthwise
+                       conv_bn(hidden, cout, 1, 1, act=False)]
             self.conv = nn.Sequential(*layers)
 
         def forward(self, x):
@@ -295,13 +297,11 @@ _IMAGE_AXES = {0: "batch", 2: "height", 3: "width"}
 
 
 def resnet18(dtype: str = "float32") -> TorchModel:
-    return _image(_resnet18_module(), dtype, (3, 0, 0), "image", key="", axes=_IMAGE_AXES,
-                  output_axes={0: "batch"}, example_hw=(64, 48))
+    return _tensor_input(_resnet18_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
 
 
 def mobilenet_v2(dtype: str = "float32") -> TorchModel:
-    return _image(_mobilenet_v2_module(), dtype, (3, 0, 0), "image", key="", axes=_IMAGE_AXES,
-                  output_axes={0: "batch"}, example_hw=(64, 48))
+    return _tensor_input(_mobilenet_v2_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
 
 
 MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
@@ -322,8 +322,9 @@ def export_torchscript(model: TorchModel, path: Path, dim_names: dict[str, str] 
     axes = {n: {a: rename.get(r, r) for a, r in model.axes[n].items()} for n in model.inputs}
     axes[model.output] = {a: rename.get(r, r) for a, r in model.output_axes.items()}
     with torch.no_grad():
-        torch.onnx.export(model.module, model.example, str(path), dynamo=False, input_names=list(model.inputs),
-                          output_names=[model.output], dynamic_axes=axes, opset_version=opset)
+        torch.onnx.export(model.module, model.example, str(path), dynamo=False,
+                          input_names=list(model.inputs), output_names=[model.output], dynamic_axes=axes,
+                          opset_version=opset)
 
 
 def export_dynamo(model: TorchModel, path: Path) -> None:
@@ -341,8 +342,9 @@ def export_dynamo(model: TorchModel, path: Path) -> None:
 
 def ort_optimized_bert(path: Path) -> TorchModel:
     """BERT as optimum exports it (TorchScript, dims ``batch_size``/``sequence_length``), then onnxruntime's
-    transformer optimizer: EmbedLayerNormalization, Attention, BiasGelu, SkipLayerNormalization (com.microsoft)
-    leave only the dense MatMuls in the default domain. Eager attention is the pattern the optimizer fuses."""
+    transformer optimizer: EmbedLayerNormalization, Attention, BiasGelu, SkipLayerNormalization
+    (com.microsoft) leave only the dense MatMuls in the default domain. Eager attention is the pattern the
+    optimizer fuses into Attention."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     model = bert(attn="eager")
@@ -397,7 +399,8 @@ def _set_dims(vi: onnx.ValueInfoProto, dims: list) -> None:
             dim.dim_value = int(d)
 
 
-def make_dynamic(model: onnx.ModelProto, inputs: list[np.ndarray]) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+def make_dynamic(model: onnx.ModelProto, inputs: list[np.ndarray]
+                 ) -> tuple[onnx.ModelProto, list[np.ndarray]]:
     """Give a single-node test model symbolic dims, as an exporter writes a layer:
 
     MatMul: both operands stay inputs, every dim symbolic (``b0``.. batch, ``m``, ``k``, ``n``; broadcast 1s
@@ -410,7 +413,8 @@ def make_dynamic(model: onnx.ModelProto, inputs: list[np.ndarray]) -> tuple[onnx
     if node.op_type == "MatMul":
         a, b = inputs
         names_a: list = [1 if d == 1 else f"b{i}" for i, d in enumerate(a.shape[:-2])] + ["m", "k"]
-        names_b: list = [1 if d == 1 else f"b{i + a.ndim - b.ndim}" for i, d in enumerate(b.shape[:-2])] + ["k", "n"]
+        names_b: list = [1 if d == 1 else f"b{i + a.ndim - b.ndim}"
+                         for i, d in enumerate(b.shape[:-2])] + ["k", "n"]
         if a.ndim == 1:
             names_a = ["k"]
         if b.ndim == 1:
@@ -563,10 +567,11 @@ CONV1D = "only 2-D convolutions (NCHW) are supported, input has rank 3"
 GROUPED = "grouped conv"
 
 CASES: tuple[Case, ...] = tuple(
-    _exports("bert") + _exports("distilbert") + _exports("gpt2") + _exports("llama") + _exports("llama", "float16")
-    + _exports("t5-encoder", dy_unsupported="torch.export cannot trace T5's attention reshape with a dynamic "
-          "sequence: ValueError: Cannot view a tensor with shape [s, s, 2, 16] and strides (32*s, 16, 16*s, 1) "
-          "as a tensor with shape (s, s, 32)")
+    _exports("bert") + _exports("distilbert") + _exports("gpt2") + _exports("llama")
+    + _exports("llama", "float16")
+    + _exports("t5-encoder", dy_unsupported="torch.export cannot trace T5's attention reshape with a "
+               "dynamic sequence: ValueError: Cannot view a tensor with shape [s, s, 2, 16] and strides "
+               "(32*s, 16, 16*s, 1) as a tensor with shape (s, s, 32)")
     + _exports("vit", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("vit", "float16", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("whisper-encoder", tuned=BATCH_TUNED, probes=BATCH_PROBES, left_alone=(CONV1D,), text=False)

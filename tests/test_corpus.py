@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 def _param(case: Case, stage: str):
     marks = []
     if case.unsupported:
-        marks.append(pytest.mark.skip(reason=f"{case.exporter} cannot export {case.model}: {case.unsupported}"))
+        reason = f"{case.exporter} cannot export {case.model}: {case.unsupported}"
+        marks.append(pytest.mark.skip(reason=reason))
     elif case.xfail and case.xfail[0] in ("scan", stage):
         marks.append(pytest.mark.xfail(reason=case.xfail[1], strict=False))
     return pytest.param(case, marks=marks, id=case.name)
