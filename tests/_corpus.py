@@ -313,9 +313,10 @@ MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
 # --- exporters ------------------------------------------------------------------------------------------
 
 def export_torchscript(model: TorchModel, path: Path, dim_names: dict[str, str] | None = None,
-                       opset: int | None = None) -> None:
+                       opset: int | None = None, inits_as_inputs: bool = False) -> None:
     """``torch.onnx.export(..., dynamo=False, dynamic_axes=...)``; dims named by role (or ``dim_names``),
-    at torch's default opset unless ``opset`` is given."""
+    at torch's default opset unless ``opset`` is given; ``inits_as_inputs``: every initializer is also
+    listed as a graph input (``keep_initializers_as_inputs=True``, as older exports did)."""
     import torch
 
     rename = dim_names or {}
@@ -324,7 +325,7 @@ def export_torchscript(model: TorchModel, path: Path, dim_names: dict[str, str] 
     with torch.no_grad():
         torch.onnx.export(model.module, model.example, str(path), dynamo=False,
                           input_names=list(model.inputs), output_names=[model.output], dynamic_axes=axes,
-                          opset_version=opset)
+                          opset_version=opset, keep_initializers_as_inputs=inits_as_inputs)
 
 
 def export_dynamo(model: TorchModel, path: Path) -> None:
@@ -540,6 +541,7 @@ class Case:
     xfail: tuple[str, str] | None = None  # (stage "scan" | "optimize", the known defect that fails it)
     opset: int | None = None  # TorchScript: the opset asked for (None: torch's default, 20 at 2.13)
     dim_names: dict[str, str] = field(default_factory=dict)  # TorchScript: role -> dim name, if not the role
+    inits_as_inputs: bool = False  # TorchScript: keep_initializers_as_inputs=True
 
     @property
     def rtol(self) -> float:
@@ -581,7 +583,9 @@ CASES: tuple[Case, ...] = tuple(
                dynamo=False)
     # optimum's dim names at an opset below 20, where Gelu is exported in its Erf form (a fusion candidate)
     + [Case("bert-opset17-torchscript", "bert", "torchscript", tuned=TEXT_TUNED, probes=TEXT_PROBES, opset=17,
-            dim_names={"batch": "batch_size", "sequence": "sequence_length"})]
+            dim_names={"batch": "batch_size", "sequence": "sequence_length"}),
+       Case("bert-inits-as-inputs-torchscript", "bert", "torchscript", tuned=TEXT_TUNED, probes=TEXT_PROBES,
+            opset=17, dim_names={"batch": "batch_size", "sequence": "sequence_length"}, inits_as_inputs=True)]
     + [Case("bert-ort-optimizer", "bert-ort-optimizer", "onnxruntime.transformers.optimizer",
             tuned={"batch": "1,2", "sequence": "4:16:4"}, probes=TEXT_PROBES)]
     + [Case(name, name, "onnx node test", left_alone=(reason,) if reason else (),
@@ -609,7 +613,7 @@ def build_case(case: Case, folder: Path) -> Built:
         return Built(path, {r: (rename[r],) for r in ("batch", "sequence")}, dict(model.kinds))
     model = MODEL_BUILDERS[case.model](case.dtype)
     if case.exporter == "torchscript":
-        export_torchscript(model, path, case.dim_names, case.opset)
+        export_torchscript(model, path, case.dim_names, case.opset, case.inits_as_inputs)
     else:
         export_dynamo(model, path)
     return Built(path, role_dims(path, model.axes), dict(model.kinds))
