@@ -8,6 +8,7 @@ database and one kernel compile cache.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tuner.optimize import OptimizeOptions, optimize
 from tuner.scan import scan_model
 
 pytestmark = pytest.mark.slow
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs only: any hub access fails loudly
 
 
 def _param(case: Case, stage: str):
