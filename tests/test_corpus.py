@@ -1,0 +1,127 @@
+"""The corpus of real exports (tests/_corpus.py): for every model other projects' exporters wrote, scan
+covers every MatMul/Gemm/Conv node (rewritten, or left alone for an expected reason), optimize succeeds
+(analytic tuning, small budget, sm_90 kernels), and the optimized model gives the original's outputs on the
+CPU EP with and without the custom-op library, at shapes inside and outside the tuned ranges.
+
+Each model is exported once per test session; optimize runs once per case and all cases share one tuning
+database and one kernel compile cache.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import dietcode_ort
+from _corpus import CASES, Built, Case, build_case, feeds, gemm_view_nodes, node_test_tuned
+from dietcode_ort.errors import DietcodeError
+from tuner.optimize import OptimizeOptions, optimize
+from tuner.scan import scan_model
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs only: any hub access fails loudly
+
+
+def _param(case: Case, stage: str):
+    marks = []
+    if case.unsupported:
+        reason = f"{case.exporter} cannot export {case.model}: {case.unsupported}"
+        marks.append(pytest.mark.skip(reason=reason))
+    return pytest.param(case, marks=marks, id=case.name)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """Built models (each exported once), optimized models (each optimized once), and the shared folders."""
+    folder = tmp_path_factory.mktemp("corpus")
+    return {"folder": folder, "built": {}, "optimized": {}}
+
+
+def _built(corpus, case: Case) -> Built:
+    if case.name not in corpus["built"]:
+        corpus["built"][case.name] = build_case(case, corpus["folder"])
+    return corpus["built"][case.name]
+
+
+def _tuned(case: Case, built: Built):
+    if case.exporter == "onnx node test":
+        return node_test_tuned(built)
+    return case.tuned, case.probes
+
+
+def _dims(built: Built, tuned: dict[str, str]) -> tuple[str, ...]:
+    return tuple(f"{sym}={spec}" for role, spec in tuned.items() for sym in built.symbols[role])
+
+
+def _optimized(corpus, case: Case) -> tuple[Path, object]:
+    if case.name not in corpus["optimized"]:
+        built = _built(corpus, case)
+        tuned, _ = _tuned(case, built)
+        out = corpus["folder"] / f"{case.name}.dietcode.onnx"
+        options = OptimizeOptions(dims=_dims(built, tuned), measure="analytic", budget=16, max_kernels=2,
+                                  targets=("sm_90",), db=corpus["folder"] / "tuning.db",
+                                  cache_dir=corpus["folder"] / "kernels", progress=False)
+        corpus["optimized"][case.name] = (out, optimize(built.path, out, options, log=lambda _: None))
+    return corpus["optimized"][case.name]
+
+
+@pytest.mark.parametrize("case", [_param(c, "scan") for c in CASES])
+def test_scan_covers_every_node_and_leaves_alone_only_for_expected_reasons(corpus, case):
+    built = _built(corpus, case)
+    model = onnx.load(str(built.path))
+    result = scan_model(model)
+    covered = [n for w in result.workloads for n in w.nodes]
+    left = {s.node: s.reason for s in result.skipped}
+    assert sorted(covered + list(left)) == sorted(gemm_view_nodes(model))
+    assert not set(covered) & set(left)
+    for node, reason in left.items():
+        assert any(want in reason for want in case.left_alone), f"{node}: unexpected refusal: {reason}"
+    for want in case.left_alone:
+        assert any(want in reason for reason in left.values()), f"no node was left alone for {want!r}"
+    if not case.left_alone or case.exporter != "onnx node test":
+        assert covered, "no node to tune"
+
+
+@pytest.mark.parametrize("case", [_param(c, "optimize") for c in CASES])
+def test_optimized_model_gives_the_original_outputs(corpus, case):
+    built = _built(corpus, case)
+    if case.exporter == "onnx node test" and case.left_alone:  # its only node is refused: nothing to do
+        out = corpus["folder"] / f"{case.name}.dietcode.onnx"
+        with pytest.raises(DietcodeError, match=re.escape(case.left_alone[0])):
+            optimize(built.path, out, OptimizeOptions(dims=_dims(built, _tuned(case, built)[0]),
+                                                      measure="analytic", budget=4, progress=False,
+                                                      db=corpus["folder"] / "tuning.db",
+                                                      cache_dir=corpus["folder"] / "kernels"),
+                     log=lambda _: None)
+        assert not out.exists()
+        return
+    out, report = _optimized(corpus, case)
+    scanned = scan_model(onnx.load(str(built.path)))
+    assert sorted(report.rewritten) == sorted(n for w in scanned.workloads for n in w.nodes)
+    optimized = onnx.load(str(out))
+    assert sum(n.domain == "ai.dietcode" for n in optimized.graph.node) == len(report.rewritten)
+
+    stock = ort.InferenceSession(str(built.path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    with_lib = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
+    fallback = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    _, probes = _tuned(case, built)
+    for i, shape in enumerate(probes):
+        feed = feeds(built.path, built, shape, seed=i)
+        want = stock.run(None, feed)
+        for session in (with_lib, fallback):
+            for got, ref in zip(session.run(None, feed), want):
+                assert got.dtype == ref.dtype and got.shape == ref.shape
+                np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=case.rtol,
+                                           atol=case.atol, err_msg=f"{case.name} at {shape}")
+    if built.shipped is not None:  # the node test's own data: the optimized model reproduces its outputs
+        shipped_feeds, shipped_outputs = built.shipped
+        for session in (with_lib, fallback):
+            for got, ref in zip(session.run(None, shipped_feeds), shipped_outputs):
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
