@@ -37,7 +37,7 @@ from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "GRID_RULE", "compile_kernel", "compile_many",
-           "aligned_params", "default_cache_dir", "cache_key", "template_hash"]
+           "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -47,12 +47,24 @@ _FORMAT = 1  # bump when the record layout changes
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """The kernel cache folder: $DIETCODE_CACHE if set, else ~/.cache/dietcode-ort/kernels.
+    """The kernel cache folder: $DIETCODE_CACHE if set, else ``kernels`` in the user cache folder
+    ($XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort). Not created here: see ``ensure_cache_dir``.
 
     This is the one place that reads DIETCODE_CACHE; pass ``cache_dir`` explicitly to bypass it."""
+    from dietcode_ort.paths import user_cache_dir
+
     env = os.environ if env is None else env
     value = env.get("DIETCODE_CACHE")
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "dietcode-ort" / "kernels"
+    return Path(value).expanduser() if value else user_cache_dir(env) / "kernels"
+
+
+def ensure_cache_dir(cache_dir: Path | None = None) -> Path:
+    """The kernel cache folder (``cache_dir`` or the default), created and checked writable; a
+    DietcodeError names it and how to choose another one."""
+    from dietcode_ort.paths import writable_dir
+
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return writable_dir(folder, "kernel cache", "--cache-dir or DIETCODE_CACHE")
 
 
 def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:

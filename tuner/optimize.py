@@ -62,8 +62,11 @@ class OptimizeReport:
 
 
 def default_db() -> Path:
-    """The tuning database shared by all runs and models on this machine."""
-    return Path.home() / ".cache" / "dietcode-ort" / "tuning.db"
+    """The tuning database shared by all runs and models on this machine (created on first use):
+    ``$XDG_CACHE_HOME/dietcode-ort/tuning.db``, else ``~/.cache/dietcode-ort/tuning.db``."""
+    from dietcode_ort.paths import user_cache_dir
+
+    return user_cache_dir() / "tuning.db"
 
 
 # --- features: what the dispatch tree looks at, from the problem (tuning) and the node's inputs (runtime) --
@@ -124,8 +127,7 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
     from tuner.rewrite import rewrite_model, save_model
 
     model_path, output = Path(model_path), Path(output)
-    if output.resolve() == model_path.resolve():
-        raise DietcodeError("the output path must differ from the input model")
+    _preflight(model_path, output, options)
     model = load_model(model_path)
     scanned = attach_instances(scan_model(model, model_path.parent), options.dims, options.shapes_file)
     if not scanned.symbols:
@@ -157,6 +159,22 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
     save_model(result.model, output)
     return OptimizeReport(output, result.rewritten, tuple(reports),
                           tuple((s.node, s.reason) for s in scanned.skipped))
+
+
+def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None:
+    """Everything that would otherwise fail only after tuning: the input exists, the output can be written
+    without touching the input's files, the database opens, the kernel cache is writable."""
+    from tuner import aot
+    from tuner.rewrite import check_output
+
+    if not model_path.is_file():
+        raise DietcodeError(f"model file not found: {model_path}")
+    check_output(model_path, output)
+    if options.db is not None:
+        from tuner.database import Database
+
+        Database(options.db).close()
+    aot.ensure_cache_dir(options.cache_dir)
 
 
 def _job_key(w: Workload, config, target: str) -> tuple:

@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Workload
 
-__all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "save_model"]
+__all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "check_output", "save_model"]
 
 DOMAIN = "ai.dietcode"
 DOMAIN_VERSION = 1
@@ -168,23 +168,65 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     return RewriteResult(out, tuple(rewritten), tuple(sorted(used_ops)))
 
 
+def _external_files(model_path: Path) -> set[Path]:
+    """The external data files a model file refers to (resolved), read without loading them."""
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # unreadable input: the loader reports it with its own message
+        return set()
+    files = set()
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), None)
+            if location:
+                files.add((model_path.parent / location).resolve())
+    return files
+
+
+def check_output(model_path: str | Path, output: str | Path) -> None:
+    """Refuse an output that cannot be written or whose writing would destroy the input: the input file
+    itself, or one of the input's external data files (as the output or as its ``.data`` file)."""
+    from dietcode_ort.paths import writable_dir
+
+    model_path, output = Path(model_path), Path(output)
+    if output.is_dir():
+        raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
+    source = model_path.resolve()
+    written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
+    if source in written:
+        raise DietcodeError(f"output {output} would overwrite the input model {model_path}; choose another -o")
+    if any(p.exists() for p in written):
+        clash = written & _external_files(model_path)
+        if clash:
+            raise DietcodeError(f"output {output} would overwrite {sorted(clash)[0]}, which holds the input "
+                                f"model's weights; choose another -o")
+    writable_dir(output.parent, "output", "-o")
+
+
 def save_model(model: onnx.ModelProto, path: str | Path) -> None:
-    """Save atomically (write then rename); external data when the model is over 2 GB."""
+    """Save atomically (write then rename); external data (``NAME.data`` beside it) when the model is
+    over 2 GB. Everything is written into a fresh temporary folder beside ``path`` first, so an existing
+    ``NAME.data`` is replaced, never appended to, and a run killed half-way leaves the old files intact."""
+    import shutil
+    import tempfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     large = _byte_size(model) > _TWO_GB
+    tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     try:
+        tmp = tmp_dir / path.name
+        data = path.with_name(path.name + ".data")
         if large:
-            data = path.name + ".data"
             onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data, size_threshold=1024)
+                            location=data.name, size_threshold=1024)
+            os.replace(tmp_dir / data.name, data)
         else:
             onnx.save_model(model, str(tmp))
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _byte_size(model: onnx.ModelProto) -> int:
