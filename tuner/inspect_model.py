@@ -26,6 +26,29 @@ def _render(bundle: Bundle, labels: list[str] | None) -> str:
     return Dispatch(tuple(f.name for f in bundle.features), names, arrays, RegretReport((), 1.0, 1.0)).render()
 
 
+def _bundle_bytes(node: onnx.NodeProto, attr: onnx.AttributeProto) -> bytes:
+    if attr.type != onnx.AttributeProto.TENSOR or attr.t.data_type != onnx.TensorProto.UINT8:
+        kind = onnx.AttributeProto.AttributeType.Name(attr.type)
+        raise DietcodeError(f"custom node {node.name!r}: its 'bundle' attribute is a {kind}, not a uint8 tensor")
+    return bytes(np.asarray(onnx.numpy_helper.to_array(attr.t), np.uint8))
+
+
+def _info(node: onnx.NodeProto, attr: onnx.AttributeProto) -> dict:
+    """The node's JSON description; a malformed one is an error naming the node."""
+    try:
+        info = json.loads(attr.s.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DietcodeError(f"custom node {node.name!r}: its 'info' attribute is not JSON ({exc})") from None
+    ranges = info.get("ranges", {}) if isinstance(info, dict) else None
+    kernels = info.get("kernels", []) if isinstance(info, dict) else None
+    if not isinstance(info, dict) or not isinstance(info.get("workload", {}), dict) \
+            or not isinstance(ranges, dict) or not all(isinstance(r, list) and len(r) == 2 for r in ranges.values()) \
+            or not isinstance(kernels, list) or not all(isinstance(k, str) for k in kernels):
+        raise DietcodeError(f"custom node {node.name!r}: its 'info' attribute is not a description written by "
+                            "`dietcode-ort optimize` (expected an object with workload, kernels and ranges)")
+    return info
+
+
 def describe(model: onnx.ModelProto) -> list[dict]:
     nodes = []
     for node in model.graph.node:
@@ -34,8 +57,8 @@ def describe(model: onnx.ModelProto) -> list[dict]:
         attrs = {a.name: a for a in node.attribute}
         if "bundle" not in attrs:
             raise DietcodeError(f"custom node {node.name!r} has no 'bundle' attribute")
-        bundle = Bundle.from_bytes(bytes(np.asarray(onnx.numpy_helper.to_array(attrs["bundle"].t), np.uint8)))
-        info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
+        bundle = Bundle.from_bytes(_bundle_bytes(node, attrs["bundle"]))
+        info = _info(node, attrs["info"]) if "info" in attrs else {}
         nodes.append({
             "name": node.name, "op": node.op_type, "workload": info.get("workload"),
             "kernels": [{"name": k.name, "kind": k.kind, "archs": [a for a, _ in k.images],
