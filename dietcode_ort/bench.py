@@ -239,7 +239,9 @@ def load_model_info(path: Path) -> ModelInfo:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types on a bad file
-        raise DietcodeError(f"cannot read ONNX model {path}: {exc}") from exc
+        raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise DietcodeError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = []

@@ -1,0 +1,78 @@
+"""Tiny models and helpers shared by the bad-input tests: a one-MatMul model with a symbolic dim (one
+workload, one compiled kernel), its static and unsupported-dtype variants, and broken files."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def matmul_model(dtype: int = TensorProto.FLOAT, rows: str | int = "n", k: int = 16, n: int = 16,
+                 layers: int = 1) -> onnx.ModelProto:
+    """x[rows, k] @ W0 @ W1 ... : ``layers`` MatMuls of distinct widths (one workload each)."""
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(0)
+    nodes, inits, width, name = [], [], k, "x"
+    for i in range(layers):
+        out_width = n + 16 * i
+        w = (rng.standard_normal((width, out_width)) * 4).astype(np_dtype)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [name, f"w{i}"], [f"y{i}"], name=f"mm{i}"))
+        name, width = f"y{i}", out_width
+    x = helper.make_tensor_value_info("x", dtype, [rows, k])
+    y = helper.make_tensor_value_info(name, dtype, [rows, width])
+    graph = helper.make_graph(nodes, "tiny", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+def broken_files(folder: Path) -> dict[str, Path]:
+    """missing, empty, truncated (half of a valid model) and non-ONNX (text) files."""
+    good = matmul_model().SerializeToString()
+    files = {"missing": folder / "missing.onnx", "empty": folder / "empty.onnx",
+             "truncated": folder / "truncated.onnx", "text": folder / "text.onnx"}
+    files["empty"].write_bytes(b"")
+    files["truncated"].write_bytes(good[: len(good) // 2])
+    files["text"].write_text("this is not an ONNX model\n")
+    return files
+
+
+def _unwritable(path: Path) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(dir=path)
+    except OSError:
+        return True
+    os.close(fd)
+    os.unlink(probe)
+    return False
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """An existing folder nothing can be written to: a chmod 0555 folder, or, for root (whom permission
+    bits do not stop), /sys (a read-only filesystem for every user)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if _unwritable(folder):
+            yield folder
+        elif Path("/sys").is_dir() and _unwritable(Path("/sys")):
+            yield Path("/sys")
+        else:
+            pytest.skip("no read-only folder available to this user")
+    finally:
+        folder.chmod(0o755)
