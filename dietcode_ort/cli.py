@@ -7,6 +7,7 @@ that need them, so ``dietcode-ort doctor`` works on a deployment that has only t
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Callable, Sequence
@@ -224,8 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Notes(logging.Handler):
+    """Prints the project's warnings (e.g. instances bucketed past the cap) as ``note: ...`` lines on
+    the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"note: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_notes() -> None:
+    for name in ("tuner", "dietcode_ort"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _Notes) for h in logger.handlers):
+            logger.addHandler(_Notes(logging.WARNING))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_notes()
     try:
         return int(args.handler(args) or 0)
     except DietcodeError as exc:

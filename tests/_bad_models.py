@@ -76,3 +76,29 @@ def read_only_dir(tmp_path: Path):
             pytest.skip("no read-only folder available to this user")
     finally:
         folder.chmod(0o755)
+
+
+def varied_model(layers: int = 6) -> onnx.ModelProto:
+    """A chain of ``layers`` MatMuls whose kernels all differ (so optimize compiles ``layers`` kernels):
+    widths alternately 16-divisible or not, every second pair with a bias Add, every other with a Relu."""
+    rng = np.random.default_rng(0)
+    nodes, inits, width, name = [], [], 16, "x"
+    for i in range(layers):
+        out_width = 16 * (i + 1) + (3 if i % 2 else 0)
+        inits.append(numpy_helper.from_array(rng.standard_normal((width, out_width)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [name, f"w{i}"], [f"p{i}"], name=f"mm{i}"))
+        name = f"p{i}"
+        if (i // 2) % 2:
+            inits.append(numpy_helper.from_array(rng.standard_normal(out_width).astype(np.float32), f"b{i}"))
+            nodes.append(helper.make_node("Add", [name, f"b{i}"], [f"a{i}"], name=f"add{i}"))
+            name = f"a{i}"
+        if i % 3 == 1:
+            nodes.append(helper.make_node("Relu", [name], [f"r{i}"], name=f"relu{i}"))
+            name = f"r{i}"
+        width = out_width
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])
+    y = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", width])
+    model = helper.make_model(helper.make_graph(nodes, "varied", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
