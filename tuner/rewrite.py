@@ -195,7 +195,8 @@ def check_output(model_path: str | Path, output: str | Path) -> None:
     source = model_path.resolve()
     written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
     if source in written:
-        raise DietcodeError(f"output {output} would overwrite the input model {model_path}; choose another -o")
+        raise DietcodeError(f"output {output} would overwrite the input model {model_path}: the output path "
+                            "must differ from the input; choose another -o")
     if any(p.exists() for p in written):
         clash = written & _external_files(model_path)
         if clash:
