@@ -94,3 +94,19 @@ def test_library_cache_is_created_on_first_use(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "build_library", lambda config, dest, jobs=2: dest.write_bytes(built.read_bytes()))
     path = build.library_path(build=True)
     assert path.parent == target and path.is_file()
+
+
+def test_read_only_home_with_moved_caches_still_compiles(tmp_path, read_only_dir):
+    """With --db and DIETCODE_CACHE moved, nothing is written under a read-only HOME: not even Triton's
+    working files (which default to ~/.triton). A fresh process, since Triton resolves HOME once."""
+    env = _fresh_env(read_only_dir, None)
+    for name in ("TRITON_CACHE_DIR", "TRITON_HOME"):
+        env.pop(name, None)
+    env["DIETCODE_CACHE"] = str(tmp_path / "kernels")
+    model = save(matmul_model(), tmp_path / "tiny.onnx")
+    proc = subprocess.run([sys.executable, "-m", "dietcode_ort", "optimize", str(model), "-o", str(tmp_path / "o.onnx"),
+                           "--dim", "n=1:16", "--measure", "analytic", "--budget", "8", "--quiet",
+                           "--db", str(tmp_path / "t.db")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "kernels").glob("*.json"))

@@ -211,26 +211,30 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
 
 
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
-                    arch: int, num_warps: int, num_stages: int) -> tuple[Any, str]:
+                    arch: int, num_warps: int, num_stages: int, scratch: Path | None = None) -> tuple[Any, str]:
     """Compile and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
-    is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts."""
+    is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts.
+    Triton still writes its working files to a cache folder: ``scratch`` (inside this module's cache,
+    so a read-only ~/.triton does not matter) when given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     knobs = triton.knobs.nvidia
-    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile
+    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir
     log = io.StringIO()
     try:
         knobs.dump_ptxas_log = True
         triton.knobs.compilation.always_compile = True
+        if scratch is not None:
+            triton.knobs.cache.dir = str(scratch)
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": num_warps, "num_stages": num_stages,
                                                "enable_fp_fusion": True})
     finally:
-        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile = previous
+        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir = previous
     return compiled, log.getvalue()
 
 
@@ -258,7 +262,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
-                                    config.num_stages)
+                                    config.num_stages, scratch=folder / "triton")
     md = compiled.metadata
     if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
