@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 from pathlib import Path
 
 import onnx
@@ -260,19 +259,22 @@ def test_database_locked_by_another_process(work, capsys, tmp_path, monkeypatch)
         holder.close()
 
 
-def test_database_shared_by_two_runs(work, capsys, tmp_path):
-    """Two optimize runs on one database at the same time both finish with the same result."""
+def test_database_shared_by_two_runs(work, tmp_path):
+    """Two optimize processes on one database at the same time both finish with the same result."""
+    import os
+    import subprocess
+    import sys
+
+    from _bad_models import ROOT
+
     db = tmp_path / "shared.db"
     outs = [tmp_path / f"shared{i}.onnx" for i in range(2)]
-    codes: list[int] = []
-    threads = [threading.Thread(target=lambda o=o: codes.append(main(_with_db(work, db)[:3] + [str(o)] +
-                                                                      _with_db(work, db)[4:])))
-               for o in outs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert codes == [0, 0], capsys.readouterr().err
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "dietcode_ort", *_with_db(work, db)[:3], str(o),
+                               *_with_db(work, db)[4:]], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              text=True) for o in outs]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
     bundles = [[a.t.SerializeToString() for n in onnx.load(str(o)).graph.node for a in n.attribute
                 if a.name == "bundle"] for o in outs]
     assert bundles[0] == bundles[1] and bundles[0]
