@@ -7,6 +7,7 @@ code that drives kernels without a session.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,7 +43,6 @@ def _registered_library(sess_options: Any) -> Path | None:
     return Path(value) if value else None
 
 
-_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider")
 _USABLE: dict[str, bool] = {}
 _USABLE_LOCK = threading.Lock()
 
@@ -133,10 +133,15 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
             raise DietcodeError(f"cannot create the session: {exc}") from exc
         raise
     if registered and library_needed(providers) and not library_needed(sess.get_providers()) \
-            and sess_options is None and _has_fallback(model):
+            and _has_fallback(model):
         # the GPU provider was dropped after all: the fallback functions beat the library's CPU kernel
-        sess = ort.InferenceSession(model, sess_options=ort.SessionOptions(), providers=["CPUExecutionProvider"],
-                                    **kwargs)
+        if sess_options is None:
+            return ort.InferenceSession(model, sess_options=ort.SessionOptions(),
+                                        providers=["CPUExecutionProvider"], **kwargs)
+        logging.getLogger(__name__).warning(
+            "the session runs on %s only, not on the GPU provider asked for: the custom-op library's CPU "
+            "kernel runs the ai.dietcode nodes (pass options without the library to run the model's fallback "
+            "functions instead)", ", ".join(sess.get_providers()))
     return sess
 
 

@@ -95,3 +95,25 @@ def _identity() -> bytes:
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+
+
+def _has_library(sess) -> bool:
+    try:
+        return bool(sess.get_session_options().get_session_config_entry("dietcode_ort.library"))
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers()
+                    or runtime.provider_usable("CUDAExecutionProvider"),
+                    reason="needs onnxruntime listing a CUDA provider it cannot start")
+def test_decision_follows_the_providers_the_session_got(optimized, monkeypatch):
+    """Even when the probe is fooled, a session that fell back to the CPU is rebuilt without the library."""
+    src, out = optimized
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: True)
+    sess = dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"] and not _has_library(sess)
+    _check(sess, src)
+    so = ort.SessionOptions()
+    dietcode_ort.register(so)
+    assert _has_library(ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"]))
