@@ -360,6 +360,9 @@ def _run_job(job: CompileJob) -> CompileResult:
         return CompileResult(job, None, f"{type(exc).__name__}: {exc}".strip()[:2000])
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _worker_init(parent: int) -> None:
     """In each compile worker: die with the parent (Linux PR_SET_PDEATHSIG, so a killed optimize leaves
     no compiler running), and leave SIGINT to the parent, which stops the workers itself."""
@@ -373,9 +376,6 @@ def _worker_init(parent: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

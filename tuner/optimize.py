@@ -19,7 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
-__all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
+__all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features", "check_output",
            "merge_problems", "optimize"]
 
 
@@ -161,11 +161,49 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
                           tuple((s.node, s.reason) for s in scanned.skipped))
 
 
+def _external_files(model_path: Path) -> set[Path]:
+    """The external data files a model file refers to (resolved), read without loading them."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # unreadable input: the loader reports it with its own message
+        return set()
+    files = set()
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), None)
+            if location:
+                files.add((model_path.parent / location).resolve())
+    return files
+
+
+def check_output(model_path: str | Path, output: str | Path) -> None:
+    """Refuse an output that cannot be written or whose writing would destroy the input: the input file
+    itself, or one of the input's external data files (as the output or as its ``.data`` file)."""
+    from dietcode_ort.paths import writable_dir
+
+    model_path, output = Path(model_path), Path(output)
+    if output.is_dir():
+        raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
+    source = model_path.resolve()
+    written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
+    if source in written:
+        raise DietcodeError(f"output {output} would overwrite the input model {model_path}: the output path "
+                            "must differ from the input; choose another -o")
+    if any(p.exists() for p in written):
+        clash = written & _external_files(model_path)
+        if clash:
+            raise DietcodeError(f"output {output} would overwrite {sorted(clash)[0]}, which holds the input "
+                                f"model's weights; choose another -o")
+    writable_dir(output.parent, "output", "-o")
+
+
 def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None:
     """Everything that would otherwise fail only after tuning: the input exists, the output can be written
     without touching the input's files, the database opens, the kernel cache is writable."""
     from tuner import aot
-    from tuner.rewrite import check_output
 
     if not model_path.is_file():
         raise DietcodeError(f"model file not found: {model_path}")

@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Workload
 
-__all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "check_output", "save_model"]
+__all__ = ["DOMAIN", "op_type", "RewriteResult", "rewrite_model", "save_model"]
 
 DOMAIN = "ai.dietcode"
 DOMAIN_VERSION = 1
@@ -166,43 +166,6 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
         if not any(o.domain == DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return RewriteResult(out, tuple(rewritten), tuple(sorted(used_ops)))
-
-
-def _external_files(model_path: Path) -> set[Path]:
-    """The external data files a model file refers to (resolved), read without loading them."""
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:  # unreadable input: the loader reports it with its own message
-        return set()
-    files = set()
-    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
-    for t in tensors:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in t.external_data if e.key == "location"), None)
-            if location:
-                files.add((model_path.parent / location).resolve())
-    return files
-
-
-def check_output(model_path: str | Path, output: str | Path) -> None:
-    """Refuse an output that cannot be written or whose writing would destroy the input: the input file
-    itself, or one of the input's external data files (as the output or as its ``.data`` file)."""
-    from dietcode_ort.paths import writable_dir
-
-    model_path, output = Path(model_path), Path(output)
-    if output.is_dir():
-        raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
-    source = model_path.resolve()
-    written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
-    if source in written:
-        raise DietcodeError(f"output {output} would overwrite the input model {model_path}: the output path "
-                            "must differ from the input; choose another -o")
-    if any(p.exists() for p in written):
-        clash = written & _external_files(model_path)
-        if clash:
-            raise DietcodeError(f"output {output} would overwrite {sorted(clash)[0]}, which holds the input "
-                                f"model's weights; choose another -o")
-    writable_dir(output.parent, "output", "-o")
 
 
 def save_model(model: onnx.ModelProto, path: str | Path) -> None:
