@@ -141,8 +141,15 @@ def test_bad_target(work, capsys):
     assert not out.exists()
 
 
-def test_bad_bench_options(work, capsys):
+def test_bad_bench_options(work, capsys, read_only_dir, monkeypatch):
+    import dietcode_ort.bench as bench
+
     model = str(work / "tiny.onnx")
+    monkeypatch.setattr(bench, "run_bench", lambda options: pytest.fail("measured before checking the outputs"))
+    _refused(capsys, ["bench", model, "--optimized", model, "--json", str(work)], "--json", "is a folder")
+    _refused(capsys, ["bench", model, "--optimized", model, "--plot", str(read_only_dir / "p.png")], "--plot",
+             str(read_only_dir))
+    monkeypatch.undo()
     _refused(capsys, ["bench", model, "--optimized", model, "--provider", "tpu"], "tpu")
     _refused(capsys, ["bench", model, "--optimized", model, "--repeat", "0"], "--repeat")
     _refused(capsys, ["bench", model, "--optimized", str(work / "static.onnx"), "--repeat", "1"], "rejects shape")
