@@ -127,6 +127,11 @@ def test_bad_shape_logs(work, capsys, tmp_path):
         log = tmp_path / "shapes.json"
         log.write_text(text)
         _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], needle)
+    log.write_bytes(b"\xff\xfe[")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], "not valid JSON")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path)], "cannot be read")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path / "nope.json")], "not found")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
 
 
 # --- targets ------------------------------------------------------------------------------------------

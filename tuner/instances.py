@@ -202,7 +202,9 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DietcodeError(f"shape log not found: {path}") from None
-    except (OSError, ValueError, RecursionError) as exc:
+    except OSError as exc:
+        raise DietcodeError(f"shape log {path} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise DietcodeError(f"shape log {path} is not valid JSON: {exc}") from None
     records = data.get("shapes") if isinstance(data, dict) else data
     if not isinstance(records, list) or not records:
