@@ -134,6 +134,26 @@ def test_bad_shape_logs(work, capsys, tmp_path):
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
 
 
+@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--budget", "0"), "--budget"),
+                                             (("--max-kernels", "0"), "--max-kernels"),
+                                             (("--measure", "magic"), "magic")])
+def test_bad_numbers_and_measurers(work, capsys, option, needle):
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", work / "never.onnx", *option), needle)
+    assert not (work / "never.onnx").exists()
+
+
+def test_unexpected_errors_are_one_line_with_their_own_status(work, capsys, monkeypatch):
+    import tuner.optimize as opt
+
+    monkeypatch.setattr(opt, "optimize_command", lambda *a, **k: [][0])
+    assert main(_optimize_args(work, work / "tiny.onnx", work / "never.onnx")) == 70
+    err = capsys.readouterr().err
+    assert err.startswith("error: internal error (IndexError") and "Traceback" not in err
+    monkeypatch.setenv("DIETCODE_TRACEBACK", "1")
+    with pytest.raises(IndexError):
+        main(_optimize_args(work, work / "tiny.onnx", work / "never.onnx"))
+
+
 # --- targets ------------------------------------------------------------------------------------------
 
 def test_bad_target(work, capsys):

@@ -204,7 +204,18 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
     """Everything that would otherwise fail only after tuning: the input exists, the output can be written
     without touching the input's files, the database opens, the kernel cache is writable."""
     from tuner import aot
+    from tuner.hardware import get_profile
 
+    if options.budget <= 0:
+        raise DietcodeError(f"--budget must be positive, got {options.budget}")
+    if options.max_kernels < 1:
+        raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
+    if options.seed < 0:
+        raise DietcodeError(f"--seed must be >= 0, got {options.seed}")
+    if not options.targets:
+        raise DietcodeError("--target names no GPU arch")
+    for target in options.targets:
+        get_profile(target)
     if not model_path.is_file():
         raise DietcodeError(f"model file not found: {model_path}")
     check_output(model_path, output)
