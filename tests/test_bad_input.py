@@ -372,6 +372,8 @@ def test_doctor_with_an_unwritable_build_cache(capsys, monkeypatch, read_only_di
     (["mlp", "--preset", "huge", "-o", "x.onnx"], "huge"),
     (["mlp", "--preset", "tiny", "--dtype", "int8", "-o", "x.onnx"], "int8"),
     (["mlp", "--preset", "tiny"], "missing -o"),
+    (["mlp", "--preset", "tiny", "--seed", "-1", "-o", "x.onnx"], "--seed"),
+    (["mlp", "--preset", "tiny", "--seed", "x", "-o", "x.onnx"], "--seed"),
 ])
 def test_models_cli_bad_options(capsys, argv, needle):
     assert models_cli.main(argv) == BAD
