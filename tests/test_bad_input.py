@@ -104,7 +104,7 @@ def test_unsupported_dtypes_are_left_with_the_reason(work, capsys, dtype):
 # --- --dim specs --------------------------------------------------------------------------------------
 
 DIMS = {"n=0:4": "positive", "n=-3": "positive", "n=1000000000": "at most", "n=9:3": "inverted",
-        "seq=1:4": "its symbols are: n", "n=1@inf": "finite", "n=4@true": "not a number", "n=true": "not an integer"}
+        "seq=1:4": "its symbols are: n", "n=1@inf": "finite", "n=1@1e300": "at most", "n=4@true": "not a number", "n=true": "not an integer"}
 
 
 @pytest.mark.parametrize("spec", sorted(DIMS))
@@ -122,7 +122,7 @@ def test_bad_dim_specs(work, capsys, spec, command):
 def test_bad_shape_logs(work, capsys, tmp_path):
     cases = {'[{"x": [4, 16], "count": Infinity}]': "bad count", '[{"x": [true, 16]}]': "integers",
              '[{"x": [4, 16], "count": true}]': "bad count", '[{"x": [4, 16], "count": NaN}]': "bad count",
-             '[{"x": [1000000000, 16]}]': "integers", "[]": "non-empty", "[[[[": "not valid JSON"}
+             '[{"x": [1000000000, 16]}]': "integers", '[{"x": [4, 16], "count": 1e300}]': "bad count", "[]": "non-empty", "[[[[": "not valid JSON"}
     for text, needle in cases.items():
         log = tmp_path / "shapes.json"
         log.write_text(text)

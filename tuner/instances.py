@@ -21,7 +21,7 @@ from typing import Iterable, Mapping, Sequence
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
 
-__all__ = ["DimSpec", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "parse_dim_spec", "parse_dim_options",
+__all__ = ["DimSpec", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
            "instances_from_dims", "instances_from_shape_log"]
 
 _log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ _log = logging.getLogger(__name__)
 MAX_INSTANCES = 1024
 MAX_DIM = 1 << 24
 MAX_SHAPE_LOG_BYTES = 256 << 20
+MAX_WEIGHT = 1e12  # a weight or count past this is a typo, and products of such overflow to inf
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,9 @@ def parse_dim_spec(option: str) -> DimSpec:
                     weight = float(weight_text)
                 except ValueError:
                     raise DietcodeError(f"--dim {option!r}: weight {weight_text!r} is not a number") from None
-                if not weight > 0 or not math.isfinite(weight):
-                    raise DietcodeError(f"--dim {option!r}: weights must be positive and finite, got {weight_text}")
+                if not 0 < weight <= MAX_WEIGHT:
+                    raise DietcodeError(f"--dim {option!r}: weights must be positive and finite (at most "
+                                        f"{MAX_WEIGHT:g}), got {weight_text}")
             value = _check_value(_int(value_text, option), option)
             merged[value] = merged.get(value, 0.0) + weight
         ordered = sorted(merged)
@@ -214,7 +216,7 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
         if not isinstance(record, dict):
             raise DietcodeError(f"shape log {path}: record {i} is not an object")
         count = record.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 < count < math.inf:
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 < count <= MAX_WEIGHT:
             raise DietcodeError(f"shape log {path}: record {i} has a bad count {count!r}")
         values: dict[str, int] = {}
         for name, shape in record.items():
