@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 from dietcode_ort import __version__
@@ -240,11 +242,32 @@ def _show_notes() -> None:
             logger.addHandler(_Notes(logging.WARNING))
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised so that cleanup runs (temporary files removed, compile workers stopped)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _show_notes()
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    try:
+        return _run(args)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.handler(args) or 0)
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
