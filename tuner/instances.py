@@ -32,7 +32,7 @@ _log = logging.getLogger(__name__)
 # (kernels index with 32-bit ints: M*K of such a dim would overflow).
 MAX_INSTANCES = 1024
 MAX_DIM = 1 << 24
-MAX_SHAPE_LOG_BYTES = 256 << 20
+MAX_SHAPE_LOG_BYTES = 64 << 20  # parsed JSON takes about 10x its size in memory
 MAX_WEIGHT = 1e12  # a weight or count past this is a typo, and products of such overflow to inf
 
 
