@@ -73,13 +73,27 @@ def _kill_survivors(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _workers(pid: int) -> list[int]:
+    """Forked compile workers: children running the parent's own command line (not e.g. a ptxas)."""
+    own = _cmdline(pid)
+    return [c for c in _children(pid) if own and _cmdline(c) == own]
+
+
 def _wait_for_workers(proc: subprocess.Popen[str], timeout: float = 180) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        workers = _children(proc.pid)
-        if workers:
+        if _workers(proc.pid):
             time.sleep(0.5)  # let the pool start all of them
-            return _children(proc.pid)
+            workers = _workers(proc.pid)
+            if workers:
+                return workers
         if proc.poll() is not None:
             pytest.fail(f"optimize ended before compiling: {_stderr(proc)}")
         time.sleep(0.05)
