@@ -118,9 +118,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_optimize_leaves_no_worker(work, sig):
-    out = work / f"killed{sig}.onnx"
-    proc = _start(work, out, work / f"db{sig}.db", work / f"cache{sig}")
+def test_killed_optimize_leaves_no_worker(work, reference, sig):
+    out, db = work / f"killed{sig}.onnx", work / f"db{sig}.db"
+    proc = _start(work, out, db, work / f"cache{sig}")
     workers = _wait_for_workers(proc)
     assert workers
     os.kill(proc.pid, sig)
@@ -132,6 +132,11 @@ def test_killed_optimize_leaves_no_worker(work, sig):
     finally:
         _kill_survivors(workers)
     assert not out.exists() and not [p for p in work.iterdir() if p.name.startswith(f".{out.name}")]
+    if sig == signal.SIGKILL:  # even after SIGKILL the database is intact and the rerun resumes from it
+        measured = _rows(db)
+        proc = _start(work, out, db, work / f"cache{sig}")
+        assert proc.wait(timeout=300) == 0, _stderr(proc)
+        assert _rows(db) == measured > 0 and _bundles(out) == _bundles(reference)
 
 
 @pytest.fixture(scope="module")
