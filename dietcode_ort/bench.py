@@ -239,7 +239,9 @@ def load_model_info(path: Path) -> ModelInfo:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types on a bad file
-        raise DietcodeError(f"cannot read ONNX model {path}: {exc}") from exc
+        raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise DietcodeError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = []
@@ -516,8 +518,22 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
                        opt_info.custom_nodes)
 
 
+def check_output_paths(options: BenchOptions) -> None:
+    """``--json`` and ``--plot`` must name files in a folder that can be written (created if missing)."""
+    from dietcode_ort.paths import writable_dir
+
+    for option, path in (("--json", options.json_path), ("--plot", options.plot_path)):
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise DietcodeError(f"{option} {path} is a folder; give the path of the file to write")
+        writable_dir(Path(path).parent, f"{option} output", option)
+
+
 def bench_command(options: BenchOptions) -> int:
-    """The CLI's ``bench``: run, print the table, write the JSON and the plot when asked."""
+    """The CLI's ``bench``: run, print the table, write the JSON and the plot when asked (their paths are
+    checked first, so a bad one fails before the measurements, not after)."""
+    check_output_paths(options)
     report = run_bench(options)
     print_report(report)
     if options.json_path:

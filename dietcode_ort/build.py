@@ -67,11 +67,17 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Project-local ``.cache/dietcode_ort`` in a checkout, else the user cache (XDG_CACHE_HOME)."""
+    """Where built libraries are kept: ``$DIETCODE_ORT_BUILD_DIR`` if set, else project-local
+    ``.cache/dietcode_ort`` in a writable checkout, else ``library`` in the user cache folder
+    ($XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort). Created by ``library_path`` on first use."""
+    from dietcode_ort.paths import user_cache_dir
+
+    env = os.environ.get("DIETCODE_ORT_BUILD_DIR")
+    if env:
+        return Path(env).expanduser()
     if (_REPO / "pyproject.toml").is_file() and os.access(_REPO, os.W_OK):
         return _REPO / ".cache" / "dietcode_ort"
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dietcode_ort"
+    return user_cache_dir() / "library"
 
 
 def _find_ort_include() -> Path:
@@ -181,6 +187,10 @@ def library_path(build: bool = True) -> Path:
         return dest
     if not build:
         raise DietcodeError(f"the custom-op library is not built ({dest} missing): call library_path(build=True)")
+    from dietcode_ort.paths import writable_dir
+
+    writable_dir(dest.parent, "custom-op library cache", "DIETCODE_ORT_BUILD_DIR (or DIETCODE_ORT_LIBRARY for a "
+                 "prebuilt library)")
     with _lock(dest.with_suffix(".lock")):
         if not dest.is_file():  # another process may have built it while this one waited
             build_library(config, dest)

@@ -7,7 +7,11 @@ that need them, so ``dietcode-ort doctor`` works on a deployment that has only t
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 from dietcode_ort import __version__
@@ -16,6 +20,7 @@ from dietcode_ort.errors import DietcodeError
 __all__ = ["main", "build_parser"]
 
 Handler = Callable[[argparse.Namespace], int]
+_INTERNAL_ERROR = 70  # EX_SOFTWARE: distinct from bad input (2), so tests can tell a bug from a refusal
 
 
 def _dim_help() -> str:
@@ -96,6 +101,8 @@ def _cmd_space(args: argparse.Namespace) -> int:
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else aot.default_cache_dir()
     compile_ = args.compile or (args.json and not args.estimate)  # JSON reports compiled shared bytes
+    if compile_:
+        aot.ensure_cache_dir(cache_dir)
     return space.space_command(args.target, args.op, args.dtype, as_json=args.json, compile_=compile_,
                                workers=args.workers, cache_dir=cache_dir)
 
@@ -119,7 +126,8 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
                    help="with --json: report the estimated shared bytes instead of compiling")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     p.add_argument("--cache-dir", default=None,
-                   help="kernel cache folder (default: $DIETCODE_CACHE or ~/.cache/dietcode-ort/kernels)")
+                   help="kernel cache folder (default: $DIETCODE_CACHE, else kernels/ in "
+                        "$XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort)")
     p.set_defaults(handler=_cmd_space)
 
 
@@ -133,7 +141,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         targets=targets or optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
-        ray_gpu=args.ray_gpu)
+        ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -158,7 +166,11 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
     p.add_argument("--budget", type=int, default=256, help="measured trials per workload (default 256)")
     p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
-    p.add_argument("--db", help="tuning database (SQLite); default ~/.cache/dietcode-ort/tuning.db")
+    p.add_argument("--db", help="tuning database (SQLite); default tuning.db in $XDG_CACHE_HOME/dietcode-ort "
+                                "or ~/.cache/dietcode-ort (created on first use)")
+    p.add_argument("--cache-dir", default=None,
+                   help="compiled-kernel cache folder (default: $DIETCODE_CACHE, else kernels/ in "
+                        "$XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",
@@ -225,16 +237,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Notes(logging.Handler):
+    """Prints the project's warnings (e.g. instances bucketed past the cap) as ``note: ...`` lines on
+    the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"note: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_notes() -> None:
+    for name in ("tuner", "dietcode_ort"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _Notes) for h in logger.handlers):
+            logger.addHandler(_Notes(logging.WARNING))
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised so that cleanup runs (temporary files removed, compile workers stopped)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_notes()
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    try:
+        return _run(args)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.handler(args) or 0)
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("error: out of memory (fewer instances: narrower --dim ranges or a coarser step)", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback only on request
+        if os.environ.get("DIETCODE_TRACEBACK"):
+            raise
+        print(f"error: internal error ({type(exc).__name__}: {exc}); this is a bug in dietcode-ort: set "
+              "DIETCODE_TRACEBACK=1 to see the traceback", file=sys.stderr)
+        return _INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -36,6 +36,45 @@ def _guard(name: str, fn: Callable[[], Check], missing: str = "fail") -> Check:
         return Check(name, missing, f"{type(exc).__name__}: {exc}")
 
 
+def _cuda_library_error() -> str:
+    """Why onnxruntime's CUDA provider library does not load (the dynamic loader's message), or ""."""
+    import ctypes
+    from pathlib import Path
+
+    import onnxruntime as ort
+
+    capi = Path(ort.__file__).parent / "capi"
+    lib = capi / "libonnxruntime_providers_cuda.so"
+    if not lib.is_file():
+        return ""
+    try:
+        ctypes.CDLL(str(capi / "libonnxruntime_providers_shared.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(lib))
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def cuda_provider_check() -> Check:
+    """Whether onnxruntime's CUDA provider is listed and can really be created: onnxruntime-gpu lists it
+    even where the CUDA/cuDNN libraries are missing, and then runs every session on the CPU."""
+    import onnxruntime as ort
+
+    from dietcode_ort.runtime import provider_usable
+
+    name = "CUDA provider"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return Check(name, "warn", "not in this onnxruntime build (install onnxruntime-gpu for GPU kernels); "
+                                   "sessions run on the CPU")
+    if provider_usable("CUDAExecutionProvider"):
+        return Check(name, "ok", "CUDAExecutionProvider is listed and starts")
+    reason = _cuda_library_error()
+    return Check(name, "warn", "CUDAExecutionProvider is listed but cannot be used"
+                 + (f" ({reason})" if reason else " (no GPU, or the CUDA/cuDNN libraries it needs are missing)")
+                 + "; sessions fall back to the CPU and dietcode_ort.InferenceSession runs the model's "
+                   "fallback functions there")
+
+
 def run_checks(build: bool = True) -> list[Check]:
     """Run every check in order; building the library when ``build`` and it is not cached yet."""
     from dietcode_ort import build as b
@@ -60,7 +99,11 @@ def run_checks(build: bool = True) -> list[Check]:
     def cuda_h_check() -> Check:
         return Check("cuda.h", "ok", str(b._find_cuda_include() / "cuda.h"))
 
-    checks += [_guard("onnxruntime", onnxruntime_check), _guard("compiler", compiler_check),
+    def cuda_ep_check() -> Check:
+        return cuda_provider_check()
+
+    checks += [_guard("onnxruntime", onnxruntime_check), _guard("CUDA provider", cuda_ep_check, missing="warn"),
+               _guard("compiler", compiler_check),
                _guard("onnxruntime headers", headers_check), _guard("cuda.h", cuda_h_check)]
 
     core_holder: list[object] = []

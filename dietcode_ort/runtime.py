@@ -7,6 +7,7 @@ code that drives kernels without a session.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,14 +15,67 @@ from typing import Any, Sequence
 from dietcode_ort.build import library_path
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["register", "InferenceSession", "Core", "LaunchArgs", "load_core"]
+__all__ = ["register", "InferenceSession", "provider_usable", "Core", "LaunchArgs", "load_core"]
+
+
+_REGISTERED_KEY = "dietcode_ort.library"  # session config entry marking options that carry the library
 
 
 def register(sess_options: Any, build: bool = True) -> Path:
-    """Build/locate the library and register its ops (domain ai.dietcode) with ``sess_options``."""
+    """Build/locate the library and register its ops (domain ai.dietcode) with ``sess_options``.
+
+    Idempotent per SessionOptions: options that already carry the library (registered here before, for
+    reused options) are left as they are, since ORT refuses a second registration of the domain."""
+    registered = _registered_library(sess_options)
+    if registered is not None:
+        return registered
     path = library_path(build=build)
     sess_options.register_custom_ops_library(str(path))
+    sess_options.add_session_config_entry(_REGISTERED_KEY, str(path))
     return path
+
+
+def _registered_library(sess_options: Any) -> Path | None:
+    try:
+        value = sess_options.get_session_config_entry(_REGISTERED_KEY)
+    except Exception:  # ORT raises when the key was never set
+        return None
+    return Path(value) if value else None
+
+
+_USABLE: dict[str, bool] = {}
+_USABLE_LOCK = threading.Lock()
+
+
+def provider_usable(provider: Any) -> bool:
+    """Whether ONNX Runtime can really create ``provider`` (a name or (name, options)) on this machine:
+    ``get_available_providers`` lists every provider the build has, even when its libraries (CUDA,
+    cuDNN) are missing. Answered by a one-node session's ``get_providers()``, once per process."""
+    import onnxruntime as ort
+
+    name = provider[0] if isinstance(provider, (tuple, list)) else str(provider)
+    if name == "CPUExecutionProvider":
+        return True
+    if name not in ort.get_available_providers():
+        return False
+    key = repr(provider)
+    with _USABLE_LOCK:
+        if key not in _USABLE:
+            from onnx import TensorProto, helper
+
+            x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+            y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+            graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 4  # the failure is the answer, not something to print
+            try:
+                sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                            providers=[provider, "CPUExecutionProvider"])
+                _USABLE[key] = name in sess.get_providers()
+            except Exception:  # noqa: BLE001 - a provider that cannot start is unusable
+                _USABLE[key] = False
+        return _USABLE[key]
 
 
 def library_needed(providers: Sequence[Any]) -> bool:
@@ -52,8 +106,11 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     """An ``onnxruntime.InferenceSession`` for an optimized model.
 
     ``model`` is a path, serialized bytes or an ``onnx.ModelProto``; ``providers`` defaults to CUDA then CPU
-    when the CUDA provider is available, else CPU. The ai.dietcode ops are registered when a GPU provider
-    is used (see ``library_needed``); call ``register(sess_options)`` to register them in any case.
+    when the CUDA provider can really be created (not merely listed), else CPU. The ai.dietcode ops are
+    registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
+    cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
+    function; call ``register(sess_options)`` to register them in any case. Reused options that already
+    carry the library are fine.
     """
     import onnxruntime as ort
 
@@ -63,16 +120,29 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     elif isinstance(model, Path):
         model = str(model)
     if providers is None:
-        available = ort.get_available_providers()
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    if library_needed(providers) or not _has_fallback(model):
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    requested = list(providers)
+    providers = [p for p in requested if provider_usable(p)] or ["CPUExecutionProvider"]
+    registered = library_needed(providers) or not _has_fallback(model)
+    if registered:
         register(opts)
     try:
-        return ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
+        sess = ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
     except Exception as exc:  # ORT raises its own exception types; keep them but make the cause visible
         if "ai.dietcode" in str(exc):
             raise DietcodeError(f"cannot create the session: {exc}") from exc
         raise
+    if registered and library_needed(providers) and not library_needed(sess.get_providers()) \
+            and _has_fallback(model):
+        # the GPU provider was dropped after all: the fallback functions beat the library's CPU kernel
+        if sess_options is None:
+            return ort.InferenceSession(model, sess_options=ort.SessionOptions(),
+                                        providers=["CPUExecutionProvider"], **kwargs)
+        logging.getLogger(__name__).warning(
+            "the session runs on %s only, not on the GPU provider asked for: the custom-op library's CPU "
+            "kernel runs the ai.dietcode nodes (pass options without the library to run the model's fallback "
+            "functions instead)", ", ".join(sess.get_providers()))
+    return sess
 
 
 class LaunchArgs(ctypes.Structure):

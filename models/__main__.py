@@ -55,6 +55,8 @@ def _run(argv: Sequence[str] | None) -> int:
         raise DietcodeError(f"missing --preset for model {args.name!r}; allowed: {allowed}")
     builder.config(args.preset)  # bad preset or dtype is reported before a missing -o
     check_dtype(args.dtype)
+    if args.seed < 0:
+        raise DietcodeError(f"--seed must be >= 0, got {args.seed}")
     if args.output is None:
         raise DietcodeError("missing -o FILE (where to write the model)")
     model = builder(args.preset, args.dtype, args.seed)

@@ -9,7 +9,7 @@ from dietcode_ort.doctor import run_checks
 
 def test_checks_cover_runtime_pieces() -> None:
     checks = {c.name: c for c in run_checks(build=True)}
-    assert set(checks) == {"onnxruntime", "compiler", "onnxruntime headers", "cuda.h", "custom-op library",
+    assert set(checks) == {"onnxruntime", "CUDA provider", "compiler", "onnxruntime headers", "cuda.h", "custom-op library",
                            "GPU", "triton"}
     assert checks["custom-op library"].status == "ok", checks["custom-op library"].detail
     assert checks["onnxruntime"].status == "ok" and "CPUExecutionProvider" in checks["onnxruntime"].detail

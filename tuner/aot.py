@@ -37,22 +37,34 @@ from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "GRID_RULE", "compile_kernel", "compile_many",
-           "aligned_params", "default_cache_dir", "cache_key", "template_hash"]
+           "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
-_FORMAT = 1  # bump when the record layout changes
+_FORMAT = 2  # bump when the record layout changes (2: records carry a sha256 of their content)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """The kernel cache folder: $DIETCODE_CACHE if set, else ~/.cache/dietcode-ort/kernels.
+    """The kernel cache folder: $DIETCODE_CACHE if set, else ``kernels`` in the user cache folder
+    ($XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort). Not created here: see ``ensure_cache_dir``.
 
     This is the one place that reads DIETCODE_CACHE; pass ``cache_dir`` explicitly to bypass it."""
+    from dietcode_ort.paths import user_cache_dir
+
     env = os.environ if env is None else env
     value = env.get("DIETCODE_CACHE")
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "dietcode-ort" / "kernels"
+    return Path(value).expanduser() if value else user_cache_dir(env) / "kernels"
+
+
+def ensure_cache_dir(cache_dir: Path | None = None) -> Path:
+    """The kernel cache folder (``cache_dir`` or the default), created and checked writable; a
+    DietcodeError names it and how to choose another one."""
+    from dietcode_ort.paths import writable_dir
+
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return writable_dir(folder, "kernel cache", "--cache-dir or DIETCODE_CACHE")
 
 
 def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:
@@ -199,26 +211,30 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
 
 
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
-                    arch: int, num_warps: int, num_stages: int) -> tuple[Any, str]:
+                    arch: int, num_warps: int, num_stages: int, scratch: Path | None = None) -> tuple[Any, str]:
     """Compile and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
-    is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts."""
+    is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts.
+    Triton still writes its working files to a cache folder: ``scratch`` (inside this module's cache,
+    so a read-only ~/.triton does not matter) when given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     knobs = triton.knobs.nvidia
-    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile
+    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir
     log = io.StringIO()
     try:
         knobs.dump_ptxas_log = True
         triton.knobs.compilation.always_compile = True
+        if scratch is not None:
+            triton.knobs.cache.dir = str(scratch)
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": num_warps, "num_stages": num_stages,
                                                "enable_fp_fusion": True})
     finally:
-        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile = previous
+        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir = previous
     return compiled, log.getvalue()
 
 
@@ -239,16 +255,14 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
                     allow_tf32=allow_tf32)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = folder / f"{key}.json"
-    if path.exists():
-        try:
-            return CompiledKernel.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
-            path.unlink(missing_ok=True)  # a damaged entry is rebuilt
+    cached = _read_cached(path, family, config)
+    if cached is not None:
+        return cached
     fn = templates.kernel_for(family.op)
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
-                                    config.num_stages)
+                                    config.num_stages, scratch=folder / "triton")
     md = compiled.metadata
     if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
@@ -265,8 +279,36 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,
         constants=tuple(sorted((k, v) for k, v in constants.items() if k != "bias")))
-    _write_atomic(path, json.dumps(kernel.to_dict()))
+    record = kernel.to_dict()
+    _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))
     return kernel
+
+
+def _digest(record: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cached(path: Path, family: Family, config: MicroKernel) -> CompiledKernel | None:
+    """The cached kernel at ``path``, or None when there is none or the entry is damaged (truncated,
+    edited, checksum mismatch, or a record for another kernel): a damaged entry is removed and rebuilt."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # unreadable: compile again (the write replaces it)
+    try:
+        entry = json.loads(text)
+        record = entry["kernel"]
+        if not isinstance(record, dict) or entry.get("sha256") != _digest(record):
+            raise ValueError("checksum mismatch")
+        kernel = CompiledKernel.from_dict(record)
+        if kernel.family != family or kernel.config != config or not kernel.cubin or not kernel.ptx:
+            raise ValueError("record of another kernel")
+        return kernel
+    except (ValueError, KeyError, TypeError, AttributeError):
+        path.unlink(missing_ok=True)
+        return None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -318,11 +360,44 @@ def _run_job(job: CompileJob) -> CompileResult:
         return CompileResult(job, None, f"{type(exc).__name__}: {exc}".strip()[:2000])
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _worker_init(parent: int) -> None:
+    """In each compile worker: die with the parent (Linux PR_SET_PDEATHSIG, so a killed optimize leaves
+    no compiler running), and leave SIGINT to the parent, which stops the workers itself."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's workers now (pending compiles are abandoned) instead of waiting for them."""
+    import signal
+
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.kill(process.pid, signal.SIGKILL)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join(timeout=5)
+
+
 def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
     """Compile ``jobs`` in ``workers`` processes (default: CPU count); results in job order.
 
     Workers are forked (no ``if __name__ == "__main__"`` guard needed in callers; compiling touches no
-    GPU state). A worker that dies (e.g. a crashing ptxas) turns into an error result for its job."""
+    GPU state). A worker that dies (e.g. a crashing ptxas) turns into an error result for its job. The
+    workers die with this process (SIGKILL, SIGTERM) and are killed at once on KeyboardInterrupt."""
     jobs = list(jobs)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
     if workers == 1:
@@ -331,7 +406,9 @@ def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list
 
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
+                               initargs=(os.getpid(),))
+    try:
         futures = [pool.submit(_run_job, job) for job in jobs]
         results = []
         for job, future in zip(jobs, futures):
@@ -339,4 +416,8 @@ def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list
                 results.append(future.result())
             except Exception as exc:  # noqa: BLE001 - a lost worker is recorded, not raised
                 results.append(CompileResult(job, None, f"worker failed: {type(exc).__name__}: {exc}"))
-        return results
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+    return results

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.paths import writable_dir
 from tuner.measure import VENDOR_KEY, MeasureResult, Measurer
 from tuner.space import Family, MicroKernel
 from tuner.workload import Problem
@@ -61,6 +62,9 @@ class Database:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise DietcodeError(f"measurement database {self.path} is a folder; give --db a file path")
+        writable_dir(self.path.parent, "measurement database", "--db FILE")
         try:
             self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -78,7 +82,10 @@ class Database:
         if "not a database" in text or "malformed" in text or "corrupt" in text:
             return DietcodeError(f"measurement database {self.path} is corrupt ({text}); move it aside and "
                                  f"re-run (measurements will be taken again)")
-        return DietcodeError(f"measurement database {self.path}: {text}")
+        if "readonly" in text or "read-only" in text or "unable to open" in text:
+            return DietcodeError(f"measurement database {self.path} cannot be written ({text}); make it "
+                                 f"writable or use another --db file")
+        return DietcodeError(f"measurement database {self.path}: {text}; use another --db file")
 
     def close(self) -> None:
         self._conn.close()

@@ -31,6 +31,22 @@ def _view(bundle: Bundle) -> str:
     return "/".join(views) or "vendor"
 
 
+def _info(node: onnx.NodeProto, attr: onnx.AttributeProto) -> dict:
+    """The node's JSON description; a malformed one is an error naming the node."""
+    try:
+        info = json.loads(attr.s.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DietcodeError(f"custom node {node.name!r}: its 'info' attribute is not JSON ({exc})") from None
+    ranges = info.get("ranges", {}) if isinstance(info, dict) else None
+    kernels = info.get("kernels", []) if isinstance(info, dict) else None
+    if not isinstance(info, dict) or not isinstance(info.get("workload", {}), dict) \
+            or not isinstance(ranges, dict) or not all(isinstance(r, list) and len(r) == 2 for r in ranges.values()) \
+            or not isinstance(kernels, list) or not all(isinstance(k, str) for k in kernels):
+        raise DietcodeError(f"custom node {node.name!r}: its 'info' attribute is not a description written by "
+                            "`dietcode-ort optimize` (expected an object with workload, kernels and ranges)")
+    return info
+
+
 def describe(model: onnx.ModelProto) -> list[dict]:
     nodes = []
     custom = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -43,7 +59,7 @@ def describe(model: onnx.ModelProto) -> list[dict]:
             except DietcodeError as exc:
                 raise DietcodeError(f"node {node.name!r}: {exc}") from None
         bundle = parsed[where.initializer]
-        info = json.loads(attrs["info"].s.decode()) if "info" in attrs else {}
+        info = _info(node, attrs["info"]) if "info" in attrs else {}
         nodes.append({
             # exporters may leave names empty: then the node is named by its output
             "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),

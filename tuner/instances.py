@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -19,7 +21,19 @@ from typing import Iterable, Mapping, Sequence
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
 
-__all__ = ["DimSpec", "parse_dim_spec", "parse_dim_options", "instances_from_dims", "instances_from_shape_log"]
+__all__ = ["DimSpec", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
+           "instances_from_dims", "instances_from_shape_log"]
+
+_log = logging.getLogger(__name__)
+
+# Bounds that keep tuning time and memory finite whatever the options say. Past MAX_INSTANCES a symbol's
+# values (and the product over the symbols) are bucketed: evenly spaced representatives, ends included,
+# each weighted by the values nearest to it, so the total weight is kept. A value past MAX_DIM is refused
+# (kernels index with 32-bit ints: M*K of such a dim would overflow).
+MAX_INSTANCES = 1024
+MAX_DIM = 1 << 24
+MAX_SHAPE_LOG_BYTES = 64 << 20  # parsed JSON takes about 10x its size in memory
+MAX_WEIGHT = 1e12  # a weight or count past this is a typo, and products of such overflow to inf
 
 
 @dataclass(frozen=True)
@@ -37,13 +51,40 @@ def _int(text: str, option: str) -> int:
         raise DietcodeError(f"--dim {option}: {text!r} is not an integer") from None
 
 
+def _check_value(value: int, option: str) -> int:
+    if value <= 0:
+        raise DietcodeError(f"--dim {option!r}: dims must be positive, got {value}")
+    if value > MAX_DIM:
+        raise DietcodeError(f"--dim {option!r}: dims must be at most {MAX_DIM}, got {value}")
+    return value
+
+
+def _bucket(values: Sequence[int], weights: Sequence[float] | None, n: int) -> tuple[tuple[int, float], ...]:
+    """``n`` evenly spaced representatives of sorted ``values`` (first and last included), each weighted
+    by the summed weight of the values nearest to it (``weights`` None: weight 1 each). ``values`` may be
+    a ``range``: nothing is materialized, so a range of any length costs O(n)."""
+    count = len(values)
+    if count <= n:
+        return tuple(zip(values, weights if weights is not None else [1.0] * count))
+    picks = [round(i * (count - 1) / (n - 1)) for i in range(n)] if n > 1 else [count // 2]
+    prefix = list(itertools.accumulate(weights, initial=0.0)) if weights is not None else None
+    out, lower = [], 0
+    for i, idx in enumerate(picks):
+        upper = (idx + picks[i + 1]) // 2 if i + 1 < len(picks) else count - 1
+        weight = (prefix[upper + 1] - prefix[lower]) if prefix is not None else float(upper - lower + 1)
+        out.append((values[idx], weight))
+        lower = upper + 1
+    return tuple(out)
+
+
 def parse_dim_spec(option: str) -> DimSpec:
-    """Parse one ``NAME=SPEC`` option (see the module docstring)."""
+    """Parse one ``NAME=SPEC`` option (see the module docstring); more than MAX_INSTANCES values are
+    bucketed (and the output says so)."""
     name, sep, spec = option.partition("=")
     name, spec = name.strip(), spec.strip()
     if not sep or not name or not spec:
         raise DietcodeError(f"--dim {option!r}: expected NAME=SPEC, e.g. seq=1:128, seq=1:128:8 or batch=1,4,8")
-    values: list[tuple[int, float]]
+    values: tuple[tuple[int, float], ...]
     if ":" in spec:
         parts = spec.split(":")
         if len(parts) not in (2, 3):
@@ -54,9 +95,13 @@ def parse_dim_spec(option: str) -> DimSpec:
             raise DietcodeError(f"--dim {option!r}: the step must be positive, got {step}")
         if hi < lo:
             raise DietcodeError(f"--dim {option!r}: the range is inverted ({lo} > {hi})")
-        values = [(v, 1.0) for v in range(lo, hi + 1, step)]
+        _check_value(lo, option)
+        _check_value(hi, option)
+        span = range(lo, hi + 1, step)
+        values = _bucket(span, None, MAX_INSTANCES)
+        _note_bucketed(name, len(span), len(values))
     else:
-        values = []
+        merged: dict[int, float] = {}
         for item in spec.split(","):
             item = item.strip()
             if not item:
@@ -68,15 +113,44 @@ def parse_dim_spec(option: str) -> DimSpec:
                     weight = float(weight_text)
                 except ValueError:
                     raise DietcodeError(f"--dim {option!r}: weight {weight_text!r} is not a number") from None
-                if not weight > 0:
-                    raise DietcodeError(f"--dim {option!r}: weights must be positive, got {weight_text}")
-            values.append((_int(value_text, option), weight))
+                if not 0 < weight <= MAX_WEIGHT:
+                    raise DietcodeError(f"--dim {option!r}: weights must be positive and finite (at most "
+                                        f"{MAX_WEIGHT:g}), got {weight_text}")
+            value = _check_value(_int(value_text, option), option)
+            merged[value] = merged.get(value, 0.0) + weight
+        ordered = sorted(merged)
+        values = _bucket(ordered, [merged[v] for v in ordered], MAX_INSTANCES)
+        _note_bucketed(name, len(ordered), len(values))
     if not values:
         raise DietcodeError(f"--dim {option!r}: the range is empty")
-    bad = [v for v, _ in values if v <= 0]
-    if bad:
-        raise DietcodeError(f"--dim {option!r}: dims must be positive, got {bad[0]}")
-    return DimSpec(name, tuple(values))
+    return DimSpec(name, values)
+
+
+def _note_bucketed(name: str, given: int, kept: int) -> None:
+    if kept < given:
+        _log.warning("--dim %s: %d values; tuning for %d evenly spaced representatives, each weighted by the "
+                     "values nearest to it (at most %d instances are tuned)", name, given, kept, MAX_INSTANCES)
+
+
+def _cap_product(specs: dict[str, DimSpec]) -> dict[str, DimSpec]:
+    """Bucket the symbols with the most values until the product over all symbols is <= MAX_INSTANCES."""
+    counts = {n: len(s.values) for n, s in specs.items()}
+    if math.prod(counts.values()) <= MAX_INSTANCES:
+        return specs
+    product = math.prod(counts.values())
+    while math.prod(counts.values()) > MAX_INSTANCES:
+        widest = max(counts, key=lambda n: (counts[n], n))
+        counts[widest] = max(1, counts[widest] // 2)
+    out = {}
+    for n, spec in specs.items():
+        if counts[n] < len(spec.values):
+            values = [v for v, _ in spec.values]
+            spec = DimSpec(n, _bucket(values, [w for _, w in spec.values], counts[n]))
+        out[n] = spec
+    _log.warning("--dim: %d combinations of %s; tuning for %d (%s), each weighted by the values it stands for",
+                 product, ", ".join(specs), math.prod(counts.values()),
+                 ", ".join(f"{n}: {c} values" for n, c in counts.items()))
+    return out
 
 
 def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[str, DimSpec]:
@@ -91,7 +165,7 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[st
         if spec.name in specs:
             raise DietcodeError(f"--dim gives symbol {spec.name!r} twice")
         specs[spec.name] = spec
-    return specs
+    return _cap_product(specs)
 
 
 def instances_from_dims(specs: Mapping[str, DimSpec], symbols: Sequence[str]) -> tuple[Instance, ...]:
@@ -118,10 +192,21 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
     """
     path = Path(path)
     try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DietcodeError(f"shape log not found: {path}") from None
+    except OSError as exc:
+        raise DietcodeError(f"shape log {path} cannot be read: {exc.strerror or exc}") from None
+    if size > MAX_SHAPE_LOG_BYTES:
+        raise DietcodeError(f"shape log {path} is {size >> 20} MiB, over the {MAX_SHAPE_LOG_BYTES >> 20} MiB "
+                            "limit: aggregate repeated shapes into records with a \"count\"")
+    try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DietcodeError(f"shape log not found: {path}") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise DietcodeError(f"shape log {path} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise DietcodeError(f"shape log {path} is not valid JSON: {exc}") from None
     records = data.get("shapes") if isinstance(data, dict) else data
     if not isinstance(records, list) or not records:
@@ -131,7 +216,7 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
         if not isinstance(record, dict):
             raise DietcodeError(f"shape log {path}: record {i} is not an object")
         count = record.get("count", 1)
-        if not isinstance(count, (int, float)) or count <= 0:
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 < count <= MAX_WEIGHT:
             raise DietcodeError(f"shape log {path}: record {i} has a bad count {count!r}")
         values: dict[str, int] = {}
         for name, shape in record.items():
@@ -142,9 +227,9 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
                                     f"not have; its inputs are: {', '.join(input_dims)}")
             dims = input_dims[name]
             if not isinstance(shape, list) or len(shape) != len(dims) or \
-                    not all(isinstance(d, int) and d > 0 for d in shape):
+                    not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_DIM for d in shape):
                 raise DietcodeError(f"shape log {path}: record {i}: input {name!r} needs a list of "
-                                    f"{len(dims)} positive integers, got {shape!r}")
+                                    f"{len(dims)} integers in 1..{MAX_DIM}, got {shape!r}")
             for symbol, value in zip(dims, shape):
                 if symbol is None:
                     continue
@@ -153,4 +238,10 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
                                         f"({values[symbol]} and {value})")
         key = tuple(sorted(values.items()))
         counts[key] = counts.get(key, 0.0) + float(count)
+    if len(counts) > MAX_INSTANCES:
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_INSTANCES]
+        kept = sum(c for _, c in ranked) / sum(counts.values())
+        _log.warning("shape log %s: %d distinct shapes; tuning for the %d most frequent (%.1f%% of the "
+                     "recorded calls)", path, len(counts), MAX_INSTANCES, 100 * kept)
+        counts = dict(sorted(ranked))
     return counts

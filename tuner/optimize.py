@@ -20,8 +20,9 @@ from tuner.executor import Executor, LocalExecutor
 from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
 
-__all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport", "OptimizeReport", "features_for", "problem_features",
-           "merge_problems", "optimize", "optimize_many", "output_paths", "make_executor"]
+__all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport",
+           "OptimizeReport", "features_for", "problem_features", "check_output", "merge_problems", "optimize",
+           "optimize_many", "output_paths", "make_executor"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,11 @@ class OptimizeReport:
 
 
 def default_db() -> Path:
-    """The tuning database shared by all runs and models on this machine."""
-    return Path.home() / ".cache" / "dietcode-ort" / "tuning.db"
+    """The tuning database shared by all runs and models on this machine (created on first use):
+    ``$XDG_CACHE_HOME/dietcode-ort/tuning.db``, else ``~/.cache/dietcode-ort/tuning.db``."""
+    from dietcode_ort.paths import user_cache_dir
+
+    return user_cache_dir() / "tuning.db"
 
 
 # --- features: what the dispatch tree looks at, from the problem (tuning) and the node's inputs (runtime) --
@@ -128,10 +132,9 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
 
 
 def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: bool):
-    """Load and scan one model and attach its instances (of several models, each takes the --dim
-    options that name its symbols)."""
-    if output.resolve() == model_path.resolve():
-        raise DietcodeError("the output path must differ from the input model")
+    """Check the paths and options, load and scan one model and attach its instances (of several models,
+    each takes the --dim options that name its symbols)."""
+    _preflight(model_path, output, options)
     model = load_model(model_path)
     scanned = scan_model(model, model_path.parent)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
@@ -240,6 +243,71 @@ def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return chosen
+
+
+def _external_files(model_path: Path) -> set[Path]:
+    """The external data files a model file refers to (resolved), read without loading them."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # unreadable input: the loader reports it with its own message
+        return set()
+    files = set()
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), None)
+            if location:
+                files.add((model_path.parent / location).resolve())
+    return files
+
+
+def check_output(model_path: str | Path, output: str | Path) -> None:
+    """Refuse an output that cannot be written or whose writing would destroy the input: the input file
+    itself, or one of the input's external data files (as the output or as its ``.data`` file)."""
+    from dietcode_ort.paths import writable_dir
+
+    model_path, output = Path(model_path), Path(output)
+    if output.is_dir():
+        raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
+    source = model_path.resolve()
+    written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
+    if source in written:
+        raise DietcodeError(f"output {output} would overwrite the input model {model_path}: the output path "
+                            "must differ from the input; choose another -o")
+    if any(p.exists() for p in written):
+        clash = written & _external_files(model_path)
+        if clash:
+            raise DietcodeError(f"output {output} would overwrite {sorted(clash)[0]}, which holds the input "
+                                f"model's weights; choose another -o")
+    writable_dir(output.parent, "output", "-o")
+
+
+def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None:
+    """Everything that would otherwise fail only after tuning: the input exists, the output can be written
+    without touching the input's files, the database opens, the kernel cache is writable."""
+    from tuner import aot
+    from tuner.hardware import get_profile
+
+    if options.budget <= 0:
+        raise DietcodeError(f"--budget must be positive, got {options.budget}")
+    if options.max_kernels < 1:
+        raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
+    if options.seed < 0:
+        raise DietcodeError(f"--seed must be >= 0, got {options.seed}")
+    if not options.targets:
+        raise DietcodeError("--target names no GPU arch")
+    for target in options.targets:
+        get_profile(target)
+    if not model_path.is_file():
+        raise DietcodeError(f"model file not found: {model_path}")
+    check_output(model_path, output)
+    if options.db is not None:
+        from tuner.database import Database
+
+        Database(options.db).close()
+    aot.ensure_cache_dir(options.cache_dir)
 
 
 def _job_key(w: Workload, config, target: str) -> tuple:

@@ -379,22 +379,28 @@ def _overload(functions: dict[tuple[str, str], onnx.FunctionProto], new: list[on
 
 
 def save_model(model: onnx.ModelProto, path: str | Path) -> None:
-    """Save atomically (write then rename); external data when the model is over 2 GB."""
+    """Save atomically (write then rename); external data (``NAME.data`` beside it) when the model is
+    over 2 GB. Everything is written into a fresh temporary folder beside ``path`` first, so an existing
+    ``NAME.data`` is replaced, never appended to, and a run killed half-way leaves the old files intact."""
+    import shutil
+    import tempfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     large = _byte_size(model) > _TWO_GB
+    tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     try:
+        tmp = tmp_dir / path.name
+        data = path.with_name(path.name + ".data")
         if large:
-            data = path.name + ".data"
             onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data, size_threshold=1024)
+                            location=data.name, size_threshold=1024)
+            os.replace(tmp_dir / data.name, data)
         else:
             onnx.save_model(model, str(tmp))
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _byte_size(model: onnx.ModelProto) -> int:

@@ -1,0 +1,389 @@
+"""Bad input to every command gets one ``error: ...`` line naming the problem and exit status 2: never a
+traceback (the CLI's last-resort handler would exit 70 instead), a crash or a hang, and nothing written.
+
+Commands run in-process through ``cli.main`` (fast); tiny one-MatMul models, the analytic measurer and
+small budgets keep optimize cheap, and the kernel cache is shared by the module.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+import models.__main__ as models_cli
+from _bad_models import broken_files, matmul_model, save
+from dietcode_ort.bundle import node_bundles
+from dietcode_ort.cli import main
+
+BAD = 2
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("bad_input")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIETCODE_CACHE", str(folder / "kernels"))  # compiled kernels shared by the module
+        yield _make_models(folder)
+
+
+def _make_models(folder: Path) -> Path:
+    save(matmul_model(), folder / "tiny.onnx")
+    save(matmul_model(rows=4), folder / "static.onnx")
+    save(matmul_model(TensorProto.INT8), folder / "int8.onnx")
+    save(matmul_model(TensorProto.DOUBLE), folder / "float64.onnx")
+    broken_files(folder)
+    return folder
+
+
+def _optimize_args(work: Path, model: Path, out: Path, *extra: str) -> list[str]:
+    return ["optimize", str(model), "-o", str(out), "--dim", "n=1:32", "--measure", "analytic", "--budget", "8",
+            "--quiet", "--db", str(work / "tuning.db"), *extra]
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
+    """Run the CLI; it must exit 2 with one error line containing every needle."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == BAD, f"exit {code}, stderr:\n{err}"
+    assert "Traceback" not in err and "internal error" not in err, err
+    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line, err
+    for needle in needles:
+        assert needle in line[-1], line[-1]
+    return line[-1]
+
+
+# --- model files ----------------------------------------------------------------------------------------
+
+FILE_MESSAGES = {"missing": "not found", "empty": "", "truncated": "not a readable ONNX model",
+                 "text": "not a readable ONNX model"}
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_MESSAGES))
+@pytest.mark.parametrize("command", ["scan", "optimize", "inspect", "bench-model", "bench-optimized"])
+def test_broken_model_files(work, capsys, kind, command):
+    path = str(work / {"missing": "missing.onnx", "empty": "empty.onnx", "truncated": "truncated.onnx",
+                       "text": "text.onnx"}[kind])
+    argv = {"scan": ["scan", path, "--dim", "n=1:4"],
+            "optimize": _optimize_args(work, Path(path), work / "never.onnx"),
+            "inspect": ["inspect", path],
+            "bench-model": ["bench", path, "--optimized", str(work / "tiny.onnx"), "--repeat", "1"],
+            "bench-optimized": ["bench", str(work / "tiny.onnx"), "--optimized", path, "--repeat", "1"]}[command]
+    line = _refused(capsys, argv)
+    assert path in line
+    if kind == "missing":
+        assert "not found" in line
+    elif kind == "empty":
+        assert "no nodes" in line or "empty" in line or "not a readable" in line, line
+    assert not (work / "never.onnx").exists()
+
+
+def test_static_model_cannot_be_optimized(work, capsys):
+    out = work / "static.opt.onnx"
+    _refused(capsys, ["optimize", str(work / "static.onnx"), "-o", str(out), "--measure", "analytic", "--quiet",
+                      "--db", str(work / "tuning.db")], "no symbolic dims")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64"])
+def test_unsupported_dtypes_are_left_with_the_reason(work, capsys, dtype):
+    model = work / f"{dtype}.onnx"
+    assert main(["scan", str(model), "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert [s["node"] for s in skipped] == ["mm0"]
+    assert "unsupported dtype" in skipped[0]["reason"] and dtype.upper().replace("FLOAT64", "DOUBLE") in \
+        skipped[0]["reason"]
+    out = work / f"{dtype}.opt.onnx"
+    _refused(capsys, _optimize_args(work, model, out), "mm0", "unsupported dtype")
+    assert not out.exists()
+
+
+# --- --dim specs --------------------------------------------------------------------------------------
+
+DIMS = {"n=0:4": "positive", "n=-3": "positive", "n=1000000000": "at most", "n=9:3": "inverted",
+        "seq=1:4": "its symbols are: n", "n=1@inf": "finite", "n=1@1e300": "at most", "n=4@true": "not a number", "n=true": "not an integer"}
+
+
+@pytest.mark.parametrize("spec", sorted(DIMS))
+@pytest.mark.parametrize("command", ["scan", "optimize", "bench"])
+def test_bad_dim_specs(work, capsys, spec, command):
+    model = str(work / "tiny.onnx")
+    argv = {"scan": ["scan", model, "--dim", spec],
+            "optimize": _optimize_args(work, work / "tiny.onnx", work / "never.onnx")[:4] + [
+                "--dim", spec, "--measure", "analytic", "--quiet", "--db", str(work / "tuning.db")],
+            "bench": ["bench", model, "--optimized", model, "--dim", spec, "--repeat", "1"]}[command]
+    _refused(capsys, argv, DIMS[spec])
+    assert not (work / "never.onnx").exists()
+
+
+def test_bad_shape_logs(work, capsys, tmp_path):
+    cases = {'[{"x": [4, 16], "count": Infinity}]': "bad count", '[{"x": [true, 16]}]': "integers",
+             '[{"x": [4, 16], "count": true}]': "bad count", '[{"x": [4, 16], "count": NaN}]': "bad count",
+             '[{"x": [1000000000, 16]}]': "integers", '[{"x": [4, 16], "count": 1e300}]': "bad count", "[]": "non-empty", "[[[[": "not valid JSON"}
+    for text, needle in cases.items():
+        log = tmp_path / "shapes.json"
+        log.write_text(text)
+        _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], needle)
+    log.write_bytes(b"\xff\xfe[")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], "not valid JSON")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path)], "cannot be read")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path / "nope.json")], "not found")
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
+
+
+@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--budget", "0"), "--budget"),
+                                             (("--max-kernels", "0"), "--max-kernels"),
+                                             (("--measure", "magic"), "magic")])
+def test_bad_numbers_and_measurers(work, capsys, option, needle):
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", work / "never.onnx", *option), needle)
+    assert not (work / "never.onnx").exists()
+
+
+def test_unexpected_errors_are_one_line_with_their_own_status(work, capsys, monkeypatch):
+    import tuner.optimize as opt
+
+    monkeypatch.setattr(opt, "optimize_command", lambda *a, **k: [][0])
+    assert main(_optimize_args(work, work / "tiny.onnx", work / "never.onnx")) == 70
+    err = capsys.readouterr().err
+    assert err.startswith("error: internal error (IndexError") and "Traceback" not in err
+    monkeypatch.setenv("DIETCODE_TRACEBACK", "1")
+    with pytest.raises(IndexError):
+        main(_optimize_args(work, work / "tiny.onnx", work / "never.onnx"))
+
+
+# --- targets ------------------------------------------------------------------------------------------
+
+def test_bad_target(work, capsys):
+    out = work / "never.onnx"
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_75"), "sm_75")
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,bogus"), "bogus")
+    _refused(capsys, ["space", "--target", "sm_75", "--op", "gemm", "--estimate"], "sm_75")
+    _refused(capsys, ["space", "--target", "sm_90", "--op", "nope"], "nope")
+    _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--dtype", "int8"], "int8")
+    assert not out.exists()
+
+
+def test_bad_bench_options(work, capsys, read_only_dir, monkeypatch):
+    import dietcode_ort.bench as bench
+
+    model = str(work / "tiny.onnx")
+    monkeypatch.setattr(bench, "run_bench", lambda options: pytest.fail("measured before checking the outputs"))
+    _refused(capsys, ["bench", model, "--optimized", model, "--json", str(work)], "--json", "is a folder")
+    _refused(capsys, ["bench", model, "--optimized", model, "--plot", str(read_only_dir / "p.png")], "--plot",
+             str(read_only_dir))
+    monkeypatch.undo()
+    _refused(capsys, ["bench", model, "--optimized", model, "--provider", "tpu"], "tpu")
+    _refused(capsys, ["bench", model, "--optimized", model, "--repeat", "0"], "--repeat")
+    _refused(capsys, ["bench", model, "--optimized", str(work / "static.onnx"), "--repeat", "1"], "rejects shape")
+    _refused(capsys, ["bench", model, "--optimized", str(work / "float64.onnx"), "--repeat", "1"], "float64")
+
+
+# --- outputs ------------------------------------------------------------------------------------------
+
+def test_output_is_checked_before_tuning(work, capsys, read_only_dir, monkeypatch):
+    import tuner.optimize as opt
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("tuned before the output was checked")
+
+    monkeypatch.setattr(opt, "_tune", no_tuning)
+    model = work / "tiny.onnx"
+    _refused(capsys, _optimize_args(work, model, work), "is a folder")
+    _refused(capsys, _optimize_args(work, model, read_only_dir / "out.onnx"), str(read_only_dir), "-o")
+    _refused(capsys, _optimize_args(work, model, model), "overwrite the input model")
+    _refused(capsys, _optimize_args(work, model, work / "." / "tiny.onnx"), "overwrite the input model")
+
+
+def test_output_must_not_replace_the_inputs_external_data(work, capsys, monkeypatch):
+    import models as model_lib
+
+    src = work / "external.onnx"
+    model_lib.save_model(matmul_model(), src, external_threshold=0)  # weights in external.onnx.data
+    data = work / "external.onnx.data"
+    before = data.read_bytes()
+    assert before
+    _refused(capsys, _optimize_args(work, src, data), "holds the input model's weights")
+    other = work / "renamed.onnx"  # the output's own .data file would be the input's
+    (work / "renamed.onnx.data").write_bytes(b"")
+    m = onnx.load(str(src), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "renamed.onnx.data"
+    (work / "renamed.onnx.data").write_bytes(before)
+    onnx.save(m, str(work / "source2.onnx"))
+    _refused(capsys, _optimize_args(work, work / "source2.onnx", other), "holds the input model's weights")
+    assert data.read_bytes() == before and (work / "renamed.onnx.data").read_bytes() == before
+
+
+def test_missing_output_folder_is_created(work, capsys):
+    out = work / "new" / "folder" / "tiny.opt.onnx"
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0, capsys.readouterr().err
+    assert onnx.load(str(out)).graph.node[0].domain == "ai.dietcode"
+
+
+def test_rerun_onto_external_data_replaces_it(work, capsys, monkeypatch):
+    import tuner.rewrite as rewrite
+
+    monkeypatch.setattr(rewrite, "_TWO_GB", 0)  # every model counts as large: weights go to OUT.data
+    out = work / "ext.opt.onnx"
+    data = work / "ext.opt.onnx.data"
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0
+    first = data.stat().st_size
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0
+    capsys.readouterr()
+    assert data.stat().st_size == first  # replaced, not appended to
+    onnx.checker.check_model(str(out), full_check=False)
+    assert not [p for p in work.iterdir() if p.name.startswith(".ext.opt.onnx.tmp")]
+
+
+# --- databases ----------------------------------------------------------------------------------------
+
+def _with_db(work: Path, db: Path) -> list[str]:
+    argv = _optimize_args(work, work / "tiny.onnx", work / "never.onnx")
+    argv[argv.index("--db") + 1] = str(db)
+    return argv
+
+
+def test_database_that_is_a_folder(work, capsys, tmp_path):
+    _refused(capsys, _with_db(work, tmp_path), "is a folder", "--db")
+
+
+def test_corrupt_database(work, capsys, tmp_path):
+    db = tmp_path / "corrupt.db"
+    db.write_bytes(b"garbage, not SQLite" * 100)
+    _refused(capsys, _with_db(work, db), str(db), "corrupt")
+    assert not (work / "never.onnx").exists()
+
+
+def test_database_in_read_only_folder(work, capsys, read_only_dir):
+    _refused(capsys, _with_db(work, read_only_dir / "tuning.db"), str(read_only_dir), "--db")
+
+
+def test_read_only_database_file(work, capsys, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes read-only files")
+    db = tmp_path / "ro.db"
+    sqlite3.connect(db).close()
+    db.chmod(0o444)
+    _refused(capsys, _with_db(work, db), str(db), "cannot be written")
+
+
+def test_database_locked_by_another_process(work, capsys, tmp_path, monkeypatch):
+    from tuner import database
+
+    db = tmp_path / "locked.db"
+    database.Database(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    original = database.Database.__init__
+    monkeypatch.setattr(database.Database, "__init__",
+                        lambda self, path, timeout_s=5.0: original(self, path, timeout_s=0.2))
+    try:
+        _refused(capsys, _with_db(work, db), "locked by another process")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_database_shared_by_two_runs(work, tmp_path):
+    """Two optimize processes on one database at the same time both finish with the same result."""
+    import os
+    import subprocess
+    import sys
+
+    from _bad_models import ROOT
+
+    db = tmp_path / "shared.db"
+    outs = [tmp_path / f"shared{i}.onnx" for i in range(2)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "dietcode_ort", *_with_db(work, db)[:3], str(o),
+                               *_with_db(work, db)[4:]], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              text=True) for o in outs]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    bundles = [[b.payload for b in node_bundles(onnx.load(str(o)))] for o in outs]
+    assert bundles[0] == bundles[1] and bundles[0]
+
+
+# --- inspect ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def optimized(work: Path) -> Path:
+    out = work / "tiny.opt.onnx"
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0
+    return out
+
+
+def _edit_custom_node(src: Path, dst: Path, attr: str, value) -> Path:
+    from onnx import helper
+
+    model = onnx.load(str(src))
+    node = next(n for n in model.graph.node if n.domain == "ai.dietcode")
+    kept = [a for a in node.attribute if a.name != attr]
+    del node.attribute[:]
+    node.attribute.extend(kept + [helper.make_attribute(attr, value)])
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.parametrize("attr, value, needle", [
+    ("info", "{not json", "'info' attribute is not JSON"),
+    ("info", "[1, 2]", "'info' attribute is not a description"),
+    ("info", '{"ranges": {"M": 4}}', "'info' attribute is not a description"),
+    ("bundle", "not a tensor", "carries its kernel bundle as an attribute"),
+])
+def test_inspect_malformed_attributes(work, capsys, optimized, attr, value, needle):
+    bad = _edit_custom_node(optimized, work / "edited.onnx", attr, value)
+    _refused(capsys, ["inspect", str(bad)], "mm0", needle)
+    _refused(capsys, ["inspect", str(bad), "--json"], needle)
+
+
+# --- doctor and python -m models ----------------------------------------------------------------------
+
+def test_doctor_with_a_bad_prebuilt_library(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(tmp_path / "missing.so"))
+    assert main(["doctor", "--no-build"]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err + out.out
+    assert "[fail] custom-op library" in out.out and "missing.so" in out.out
+    (tmp_path / "text.so").write_text("not a library")
+    monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(tmp_path / "text.so"))
+    assert main(["doctor", "--no-build"]) == 1
+    assert "[fail] custom-op library" in capsys.readouterr().out
+
+
+def test_doctor_with_an_unwritable_build_cache(capsys, monkeypatch, read_only_dir):
+    monkeypatch.delenv("DIETCODE_ORT_LIBRARY", raising=False)
+    monkeypatch.setenv("DIETCODE_ORT_BUILD_DIR", str(read_only_dir / "library"))
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "[fail] custom-op library" in out and "DIETCODE_ORT_BUILD_DIR" in out and str(read_only_dir) in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["nope", "--preset", "tiny", "-o", "x.onnx"], "unknown model 'nope'"),
+    (["mlp", "--preset", "huge", "-o", "x.onnx"], "huge"),
+    (["mlp", "--preset", "tiny", "--dtype", "int8", "-o", "x.onnx"], "int8"),
+    (["mlp", "--preset", "tiny"], "missing -o"),
+    (["mlp", "--preset", "tiny", "--seed", "-1", "-o", "x.onnx"], "--seed"),
+    (["mlp", "--preset", "tiny", "--seed", "x", "-o", "x.onnx"], "--seed"),
+])
+def test_models_cli_bad_options(capsys, argv, needle):
+    assert models_cli.main(argv) == BAD
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and "Traceback" not in err
+
+
+def test_models_cli_bad_outputs(capsys, tmp_path, read_only_dir):
+    assert models_cli.main(["mlp", "--preset", "tiny", "-o", str(tmp_path)]) == BAD
+    assert str(tmp_path) in capsys.readouterr().err
+    assert models_cli.main(["mlp", "--preset", "tiny", "-o", str(read_only_dir / "m.onnx")]) == BAD
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write") and "Traceback" not in err

@@ -1,0 +1,79 @@
+"""Instance counts are bounded: a huge --dim range, a long weighted list, a product of ranges or a shape
+log with many distinct shapes is bucketed to at most MAX_INSTANCES instances (the output says so), with
+the total weight kept, in bounded time and memory."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import tracemalloc
+
+import pytest
+
+from dietcode_ort.cli import main
+from dietcode_ort.errors import DietcodeError
+from tuner import instances
+from tuner.instances import MAX_INSTANCES, instances_from_shape_log, parse_dim_options, parse_dim_spec
+
+
+def test_huge_range_is_bucketed_in_bounded_time_and_memory(caplog):
+    caplog.set_level(logging.WARNING)
+    tracemalloc.start()
+    started = time.perf_counter()
+    spec = parse_dim_spec("n=1:1000000")
+    took = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    values = [v for v, _ in spec.values]
+    assert len(values) == MAX_INSTANCES and values[0] == 1 and values[-1] == 1000000
+    assert values == sorted(set(values))
+    assert sum(w for _, w in spec.values) == pytest.approx(1000000)
+    assert took < 1.0 and peak < 8 << 20, (took, peak)
+    assert "1000000 values; tuning for 1024" in caplog.text
+
+
+def test_small_ranges_are_kept_exactly():
+    spec = parse_dim_spec("seq=16:512:16")
+    assert spec.values == tuple((v, 1.0) for v in range(16, 513, 16))
+
+
+def test_weighted_list_is_merged_and_bucketed():
+    assert parse_dim_spec("s=16@3,64,16").values == ((16, 4.0), (64, 1.0))
+    items = ",".join(f"{v}@{1 + v % 3}" for v in range(1, 5001))
+    spec = parse_dim_spec(f"s={items}")
+    assert len(spec.values) == MAX_INSTANCES
+    assert sum(w for _, w in spec.values) == pytest.approx(sum(1 + v % 3 for v in range(1, 5001)))
+
+
+def test_product_over_symbols_is_capped(caplog):
+    caplog.set_level(logging.WARNING)
+    specs = parse_dim_options(["batch=1:64", "seq=1:2048"], ["batch", "seq"])
+    counts = {n: len(s.values) for n, s in specs.items()}
+    assert counts["batch"] * counts["seq"] <= MAX_INSTANCES
+    assert sum(w for _, w in specs["seq"].values) == pytest.approx(2048)
+    assert "combinations of batch, seq" in caplog.text
+
+
+def test_shape_log_with_many_shapes_keeps_the_most_frequent(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING)
+    records = [{"x": [1, s], "count": 2 if s <= 10 else 1} for s in range(1, 3001)]
+    log = tmp_path / "shapes.json"
+    log.write_text(json.dumps(records))
+    counts = instances_from_shape_log(log, {"x": ("batch", "seq")})
+    assert len(counts) == MAX_INSTANCES
+    assert counts[(("batch", 1), ("seq", 5))] == 2.0  # frequent shapes are kept
+    assert "3000 distinct shapes" in caplog.text
+    monkeypatch.setattr(instances, "MAX_SHAPE_LOG_BYTES", 100)
+    with pytest.raises(DietcodeError, match="over the 0 MiB limit"):
+        instances_from_shape_log(log, {"x": ("batch", "seq")})
+
+
+def test_scan_says_so(tmp_path, capsys):
+    from _bad_models import matmul_model, save
+
+    model = save(matmul_model(), tmp_path / "tiny.onnx")
+    assert main(["scan", str(model), "--dim", "n=1:1000000", "--json"]) == 0
+    out = capsys.readouterr()
+    (workload,) = json.loads(out.out)["workloads"]
+    assert len(workload["instances"]) == MAX_INSTANCES
+    assert "tuning for 1024" in out.err

@@ -1,0 +1,119 @@
+"""dietcode_ort.InferenceSession: registration is idempotent per SessionOptions, and the library is
+registered only for a GPU provider ORT can really start (a listed but unloadable CUDA provider makes ORT
+fall back to the CPU, where the fallback functions beat the library's CPU kernel)."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import dietcode_ort
+from dietcode_ort import runtime
+from dietcode_ort.cli import main
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory: pytest.TempPathFactory):
+    from _bad_models import matmul_model, save
+    from tuner.optimize import OptimizeOptions, optimize
+
+    work = tmp_path_factory.mktemp("session")
+    src = save(matmul_model(), work / "tiny.onnx")
+    out = work / "tiny.opt.onnx"
+    optimize(src, out, OptimizeOptions(dims=("n=1:16",), measure="analytic", budget=8, db=work / "t.db",
+                                       cache_dir=work / "kernels", progress=False), log=lambda _: None)
+    return src, out
+
+
+def _check(sess, src) -> None:
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_registered_options_can_be_passed(optimized):
+    src, out = optimized
+    so = ort.SessionOptions()
+    dietcode_ort.register(so)
+    dietcode_ort.register(so)  # a second call is a no-op, not "Domain already set in registry"
+    _check(dietcode_ort.InferenceSession(out, so, providers=["CPUExecutionProvider"]), src)
+    _check(ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"]), src)
+
+
+def test_options_reused_for_a_second_session(optimized, monkeypatch):
+    src, out = optimized
+    monkeypatch.setattr(runtime, "library_needed", lambda providers: True)  # as on a GPU session
+    so = ort.SessionOptions()
+    first = dietcode_ort.InferenceSession(out, so, providers=["CPUExecutionProvider"])
+    second = dietcode_ort.InferenceSession(out, so, providers=["CPUExecutionProvider"])
+    _check(first, src)
+    _check(second, src)
+
+
+def test_unusable_gpu_provider_is_not_trusted(optimized, monkeypatch):
+    """CUDA listed, but the provider cannot start: no library, CPU provider, fallback functions."""
+    src, out = optimized
+    registered = []
+    monkeypatch.setattr(runtime, "register", lambda so, build=True: registered.append(so))
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: (p[0] if isinstance(p, tuple) else p)
+                        == "CPUExecutionProvider")
+    sess = dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"] and not registered
+    _check(sess, src)
+    sess = dietcode_ort.InferenceSession(out)
+    assert sess.get_providers() == ["CPUExecutionProvider"] and not registered
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="onnxruntime without the CUDA provider")
+def test_provider_usable_matches_a_real_session():
+    probe = ort.InferenceSession(_identity(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert runtime.provider_usable("CUDAExecutionProvider") == ("CUDAExecutionProvider" in probe.get_providers())
+    assert runtime.provider_usable("CPUExecutionProvider")
+    assert not runtime.provider_usable("NoSuchExecutionProvider")
+
+
+def test_doctor_tells_listed_from_usable(capsys, monkeypatch):
+    from dietcode_ort import doctor
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: False)
+    check = doctor.cuda_provider_check()
+    assert check.status == "warn" and "listed but cannot be used" in check.detail
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: True)
+    assert doctor.cuda_provider_check().status == "ok"
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert "not in this onnxruntime build" in doctor.cuda_provider_check().detail
+    assert main(["doctor", "--no-build"]) in (0, 1)
+    assert "CUDA provider" in capsys.readouterr().out
+
+
+def _identity() -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+
+
+def _has_library(sess) -> bool:
+    try:
+        return bool(sess.get_session_options().get_session_config_entry("dietcode_ort.library"))
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers()
+                    or runtime.provider_usable("CUDAExecutionProvider"),
+                    reason="needs onnxruntime listing a CUDA provider it cannot start")
+def test_decision_follows_the_providers_the_session_got(optimized, monkeypatch):
+    """Even when the probe is fooled, a session that fell back to the CPU is rebuilt without the library."""
+    src, out = optimized
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: True)
+    sess = dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"] and not _has_library(sess)
+    _check(sess, src)
+    so = ort.SessionOptions()
+    dietcode_ort.register(so)
+    assert _has_library(ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"]))
