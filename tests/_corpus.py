@@ -624,8 +624,9 @@ def node_test_tuned(built: Built) -> tuple[dict[str, str], tuple[dict[str, int],
     return tuned, probes
 
 
-def gemm_view_nodes(model: onnx.ModelProto) -> list[str]:
-    """The names scan gives every MatMul/Gemm/Conv node in the default domain."""
-    return [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)
-            if n.op_type in ("MatMul", "Gemm", "Conv") and n.domain in ("", "ai.onnx")]
+def gemm_view_nodes(model: onnx.ModelProto) -> dict[str, str]:
+    """Every MatMul/Gemm/Conv node in the default domain: how scan names it when it leaves the node alone
+    (its name, else its first output) -> its first output (how workloads name their nodes)."""
+    return {(n.name or n.output[0]): n.output[0] for n in model.graph.node
+            if n.op_type in ("MatMul", "Gemm", "Conv") and n.domain in ("", "ai.onnx")}
 

@@ -75,9 +75,10 @@ def test_scan_covers_every_node_and_leaves_alone_only_for_expected_reasons(corpu
     built = _built(corpus, case)
     model = onnx.load(str(built.path))
     result = scan_model(model)
+    nodes = gemm_view_nodes(model)
     covered = [n for w in result.workloads for n in w.nodes]
-    left = {s.node: s.reason for s in result.skipped}
-    assert sorted(covered + list(left)) == sorted(gemm_view_nodes(model))
+    left = {nodes[s.node]: s.reason for s in result.skipped}
+    assert sorted(covered + list(left)) == sorted(nodes.values())
     assert not set(covered) & set(left)
     for node, reason in left.items():
         assert any(want in reason for want in case.left_alone), f"{node}: unexpected refusal: {reason}"
