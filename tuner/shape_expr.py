@@ -22,9 +22,11 @@ scanner turns into a reason for leaving the node alone.
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import re
 from fractions import Fraction
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import sympy
 from sympy.printing.str import StrPrinter
@@ -195,45 +197,36 @@ def _tree(text: str) -> Node:
     return _Parser(text).parse()
 
 
-def _to_sympy(node: Node, aliases: Mapping[str, str]) -> sympy.Expr:
+# What each operator and function means, applied to either kind of value a tree is folded into: sympy
+# expressions (``parse``) or exact fractions (``evaluate``). Both types give // and % their floor meaning.
+_OPERATORS: dict[str, Callable[..., Any]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "//": operator.floordiv,
+    "%": operator.mod, "mod": operator.mod, "neg": operator.neg}
+_SYMPY_FUNCS: dict[str, Callable[..., Any]] = {
+    "floor": sympy.floor, "ceiling": sympy.ceiling, "min": sympy.Min, "max": sympy.Max}
+_EXACT_FUNCS: dict[str, Callable[..., Any]] = {
+    "floor": lambda v: Fraction(math.floor(v)), "ceiling": lambda v: Fraction(math.ceil(v)), "min": min, "max": max}
+
+
+def _fold(node: Node, number: Callable[[int], Any], name: Callable[[str], Any],
+          funcs: Mapping[str, Callable[..., Any]]) -> Any:
+    """The value of a tree: literals through ``number``, names through ``name``, the rest by meaning."""
     if isinstance(node, int):
-        return sympy.Integer(node)
+        return number(node)
     op, *args = node
     if op == "sym":
-        return symbol(aliases.get(args[0], args[0]))
-    vals = [a if isinstance(a, int) and op == "**" and i == 1 else _to_sympy(a, aliases)
-            for i, a in enumerate(args)]
-    if op == "+":
-        return vals[0] + vals[1]
-    if op == "-":
-        return vals[0] - vals[1]
-    if op == "*":
-        return vals[0] * vals[1]
-    if op == "/":
-        return vals[0] / vals[1]
-    if op == "//":
-        return sympy.floor(vals[0] / vals[1])
-    if op in ("%", "mod"):
-        return sympy.Mod(vals[0], vals[1])
-    if op == "neg":
-        return -vals[0]
+        return name(args[0])
     if op == "**":
-        return vals[0] ** vals[1]
-    if op == "floor":
-        return sympy.floor(vals[0])
-    if op == "ceiling":
-        return sympy.ceiling(vals[0])
-    if op == "min":
-        return sympy.Min(*vals)
-    if op == "max":
-        return sympy.Max(*vals)
-    raise AssertionError(op)
+        return _fold(args[0], number, name, funcs) ** args[1]
+    values = [_fold(a, number, name, funcs) for a in args]
+    return (_OPERATORS.get(op) or funcs[op])(*values)
 
 
 def parse(text: str, aliases: Mapping[str, str] | None = None) -> sympy.Expr:
     """The sympy expression of ``text``; ``aliases`` renames names (e.g. safe stand-ins back to dim names)."""
+    aliases = aliases or {}
     try:
-        return _to_sympy(_tree(text), aliases or {})
+        return _fold(_tree(text), sympy.Integer, lambda n: symbol(aliases.get(n, n)), _SYMPY_FUNCS)
     except ZeroDivisionError:
         raise ShapeExprError(f"division by zero in shape expression {_show(text)}") from None
 
@@ -292,46 +285,15 @@ def _names(node: Node) -> set[str]:
 
 def evaluate(text: str, values: Mapping[str, int]) -> int:
     """The integer value of an expression text at ``values`` (exact: integer and fraction arithmetic)."""
-    value = _eval(_tree(text), values, text)
-    if value.denominator != 1:
-        raise ShapeExprError(f"shape expression {_show(text)} is not an integer at {dict(values)} ({value})")
-    return int(value)
+    def value(name: str) -> Fraction:
+        if name not in values:
+            raise ShapeExprError(f"shape expression {_show(text)} needs a value for {name!r}")
+        return Fraction(int(values[name]))
 
-
-def _eval(node: Node, values: Mapping[str, int], text: str) -> Fraction:
-    if isinstance(node, int):
-        return Fraction(node)
-    op, *args = node
-    if op == "sym":
-        if args[0] not in values:
-            raise ShapeExprError(f"shape expression {_show(text)} needs a value for {args[0]!r}")
-        return Fraction(int(values[args[0]]))
-    if op == "**":
-        return _eval(args[0], values, text) ** args[1]
-    vals = [_eval(a, values, text) for a in args]
     try:
-        if op == "+":
-            return vals[0] + vals[1]
-        if op == "-":
-            return vals[0] - vals[1]
-        if op == "*":
-            return vals[0] * vals[1]
-        if op == "/":
-            return vals[0] / vals[1]
-        if op == "//":
-            return Fraction(vals[0] // vals[1])
-        if op in ("%", "mod"):
-            return vals[0] % vals[1]
+        result = _fold(_tree(text), Fraction, value, _EXACT_FUNCS)
     except ZeroDivisionError:
         raise ShapeExprError(f"division by zero in shape expression {_show(text)} at {dict(values)}") from None
-    if op == "neg":
-        return -vals[0]
-    if op == "floor":
-        return Fraction(vals[0].numerator // vals[0].denominator)
-    if op == "ceiling":
-        return Fraction(-(-vals[0].numerator // vals[0].denominator))
-    if op == "min":
-        return min(vals)
-    if op == "max":
-        return max(vals)
-    raise AssertionError(op)
+    if result.denominator != 1:
+        raise ShapeExprError(f"shape expression {_show(text)} is not an integer at {dict(values)} ({result})")
+    return int(result)
