@@ -20,6 +20,7 @@ Symbols not swept with ``--dim`` take a default from :data:`DEFAULT_DIMS` (first
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -449,7 +450,7 @@ def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]
         times: dict[str, float] = {}
         for w in order:
             try:
-                times[w] = _guarded(w, shape, lambda w=w: _timed(clock, calls[w]))
+                times[w] = _guarded(w, shape, functools.partial(_timed, clock, calls[w]))
             except DietcodeError:
                 if w == "optimized" and "stock" not in times:  # blame the original when it fails too
                     _guarded("stock", shape, calls["stock"].run)
@@ -463,7 +464,7 @@ def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]
         samples: dict[str, list[float]] = {"stock": [], "optimized": []}
         for i in range(warmup + repeat):  # ABBA: each pair of iterations runs both models in both orders
             for w in (("stock", "optimized") if i % 2 == 0 else ("optimized", "stock")):
-                t = _guarded(w, shape, lambda w=w: _timed(clock, calls[w]))
+                t = _guarded(w, shape, functools.partial(_timed, clock, calls[w]))
                 if i >= warmup:
                     samples[w].append(t)
         results.append(ShapeResult(tuple(shape.items()),

@@ -337,15 +337,25 @@ class DispatchTree:
         import math
 
         t = estimator.tree_
-        feats, thr, left, right, leaf = [], [], [], [], []
+        feats: list[int] = []
+        thr: list[int] = []
+        left: list[int] = []
+        right: list[int] = []
+        leaf: list[int] = []
         for i in range(t.node_count):
             if t.children_left[i] == -1:
                 cls_ = estimator.classes_[int(t.value[i][0].argmax())]
-                feats.append(-1), thr.append(0), left.append(-1), right.append(-1)
+                feats.append(-1)
+                thr.append(0)
+                left.append(-1)
+                right.append(-1)
                 leaf.append(int(kernel_of_class[cls_.item() if hasattr(cls_, "item") else cls_]))
             else:
-                feats.append(int(t.feature[i])), thr.append(int(math.floor(float(t.threshold[i]))))
-                left.append(int(t.children_left[i])), right.append(int(t.children_right[i])), leaf.append(-1)
+                feats.append(int(t.feature[i]))
+                thr.append(int(math.floor(float(t.threshold[i]))))
+                left.append(int(t.children_left[i]))
+                right.append(int(t.children_right[i]))
+                leaf.append(-1)
         return cls(tuple(feats), tuple(thr), tuple(left), tuple(right), tuple(leaf))
 
     def validate(self, n_features: int, n_kernels: int) -> None:

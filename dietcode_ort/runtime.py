@@ -184,7 +184,8 @@ class Core:
         lib.dc_bundle_kernel_takes_param.argtypes = [vp, i32, ctypes.c_char_p]
         lib.dc_bundle_kernel_view.argtypes = [vp, i32]
         lib.dc_bundle_pick_image.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-        lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t] + [ctypes.POINTER(ctypes.c_int)] * 3
+        lib.dc_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int),
+                                      ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
@@ -253,7 +254,7 @@ class CoreBundle:
     def __del__(self) -> None:
         if getattr(self, "handle", None):
             self.core.lib.dc_bundle_free(self.handle)
-            self.handle = None
+            self.handle = 0
 
     def select(self, features: Sequence[int]) -> int:
         arr = (ctypes.c_int64 * max(1, len(features)))(*features)

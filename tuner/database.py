@@ -96,7 +96,7 @@ class Database:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get(self, device: str, family: Family, pairs: Sequence[Pair], context: str = ""
+    def get(self, device: str, family: Family, pairs: Sequence[tuple[MicroKernel | str, Problem]], context: str = ""
             ) -> dict[RowKey, MeasureResult]:
         """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem.
 

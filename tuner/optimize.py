@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dietcode_ort.bundle import Bundle, BundleKernel, Feature
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.executor import Executor, LocalExecutor
 from tuner.scan import attach_instances, load_model, scan_model
@@ -98,6 +98,7 @@ def problem_features(w: Workload, p: Problem) -> tuple[int, ...]:
 def features_for(w: Workload, node_index: int) -> tuple[Feature, ...]:
     """The same features as products of the node's input dims, for the C++ runtime."""
     rank_a, rank_b = w.ranks[node_index] if w.ranks else (2, 2)
+    dims: dict[str, tuple[tuple[int, int], ...]]
     if w.op == "conv":
         dims = {"img_n": ((0, 0),), "img_h": ((0, 2),), "img_w": ((0, 3),)}
     elif w.op == "gemm":
@@ -361,16 +362,16 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]])
 def output_paths(models: Sequence[str | Path], output: str | Path) -> list[tuple[Path, Path]]:
     """(input, output) per model: one model is written to ``output``; several go into the folder
     ``output`` under their own file names."""
-    models, output = [Path(m) for m in models], Path(output)
-    if len(models) == 1:
-        return [(models[0], output)]
+    paths, output = [Path(m) for m in models], Path(output)
+    if len(paths) == 1:
+        return [(paths[0], output)]
     if output.exists() and not output.is_dir():
         raise DietcodeError(f"with several models, -o names a folder; {output} is a file")
-    names = [m.name for m in models]
+    names = [m.name for m in paths]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise DietcodeError(f"two input models are both named {twice[0]}; their outputs in {output} would collide")
-    return [(m, output / m.name) for m in models]
+    return [(m, output / m.name) for m in paths]
 
 
 def optimize_command(models: Sequence[str] | str, output: str, options: OptimizeOptions) -> int:
@@ -417,7 +418,7 @@ def _summary(index: int, r: WorkloadReport) -> str:
 @dataclass(frozen=True)
 class _Chosen:
     kernels: tuple  # MicroKernel | "vendor"
-    tree: object  # dietcode_ort.bundle.DispatchTree
+    tree: DispatchTree
     report: WorkloadReport
 
 
@@ -530,7 +531,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     if vendor is not None and all(math.isfinite(v) for v in vendor):
         vs_vendor = _geomean([v / d for v, d in zip(vendor, dispatched)], weights)
     report = WorkloadReport(workload=w, measurer=label, trials=result.trials, seconds=result.seconds,
-                            kernels=tuple(k if k == VENDOR else k.key() for k in dispatch.kernels),
+                            kernels=tuple(k if isinstance(k, str) else k.key() for k in dispatch.kernels),
                             instances=len(w.instances), geomean_vs_vendor=vs_vendor,
                             regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")))
     return _Chosen(dispatch.kernels, tree, report)

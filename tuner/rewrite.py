@@ -19,7 +19,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import onnx
@@ -51,7 +51,7 @@ class RewriteResult:
 
 
 # Attributes each op type forwards to its original op (and to its fallback body), with their defaults.
-_FORWARDED = {
+_FORWARDED: dict[str, dict[str, Any]] = {
     "MatMul": {},
     "Gemm": {"transA": 0, "transB": 0, "alpha": 1.0, "beta": 1.0},
     "Conv": {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1},
@@ -322,7 +322,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     functions: dict[tuple[str, str], onnx.FunctionProto] = {(f.name, f.overload): f for f in out.functions
                                                              if f.domain == DOMAIN}
     opsets = _opsets(out)
-    new_functions = []
+    new_functions: list[onnx.FunctionProto] = []
     used_ops: set[str] = set()
     rewritten = []
     shared: dict[bytes, str] = {}  # payload -> its initializer's name
