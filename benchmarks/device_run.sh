@@ -219,9 +219,13 @@ if has_stage 1; then
   step 1 "doctor" "$(( lim - (SECONDS - t1) < 180 ? lim - (SECONDS - t1) : 180 ))" "$s1/doctor.txt" -- \
     "$PY" -m dietcode_ort doctor
   step 1 "doctor --json" 60 "$s1/doctor.json" -- "$PY" -m dietcode_ort doctor --json --no-build
-  mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py)
-  step 1 "pytest -m gpu" "$(( lim - (SECONDS - t1) ))" "$s1/pytest-gpu.log" -- \
-    "$PY" -m pytest -m gpu -rs -p no:cacheprovider --junitxml "$s1/pytest-gpu.xml" "${gpu_tests[@]}"
+  # the kernel-level GPU tests first (quick), then the end-to-end ones (they tune): one cut off keeps the other
+  mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py | grep -v end_to_end)
+  mapfile -t e2e_tests < <(grep -l "mark.gpu" tests/test_*end_to_end*.py)
+  step 1 "pytest -m gpu (kernels)" "$(( (lim - (SECONDS - t1)) / 2 ))" "$s1/pytest-gpu.log" -- \
+    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider --junitxml "$s1/pytest-gpu.xml" "${gpu_tests[@]}"
+  step 1 "pytest -m gpu (end to end)" "$(( lim - (SECONDS - t1) ))" "$s1/pytest-gpu-e2e.log" -- \
+    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider --junitxml "$s1/pytest-gpu-e2e.xml" "${e2e_tests[@]}"
   clocks; pack
 fi
 

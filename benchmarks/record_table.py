@@ -178,8 +178,14 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
                      for s in sets], "done": []}
     meta_path, table = out / "table.json", out / "table.csv"
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     new = not table.exists()
+    if not new and meta_path.is_file():  # appending to an earlier run's table: keep what it recorded
+        earlier = json.loads(meta_path.read_text())
+        meta["sets"] = earlier.get("sets", []) + meta["sets"]
+        meta["done"] = earlier.get("done", [])
+        meta["earlier_runs"] = earlier.get("earlier_runs", []) + [
+            {k: earlier.get(k) for k in ("command", "date", "budget_s", "max_configs", "device", "driver")}]
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     with table.open("a", newline="") as fh, Progress() as bar:
         writer = csv.writer(fh)
         if new:

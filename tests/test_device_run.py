@@ -1,0 +1,113 @@
+"""benchmarks/device_run.sh, rehearsed with --dry-run (CPU, analytic measurer, tiny sizes): the files that
+come back from a device call, the archive's layout, the records of every step, and what a time limit does."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "benchmarks" / "device_run.sh"
+
+
+def _run(out: Path, *args: str, timeout: int = 120, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": python}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(RUNNER), "--dry-run", "--out", str(out), "--work", str(out.parent / "work"),
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _members(archive: Path) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(archive) as tar:
+        return {m.name: m for m in tar.getmembers()}
+
+
+def _read(archive: Path, name: str) -> str:
+    with tarfile.open(archive) as tar:
+        fh = tar.extractfile(name)
+        assert fh is not None, name
+        return fh.read().decode()
+
+
+def _check_returnable(out: Path) -> None:
+    """What the device tool brings back: at most 8 files, 16 MiB each, no more than 2 folders down."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8
+    assert all(p.stat().st_size <= 16 * 2**20 for p in files)
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files)
+
+
+def test_dry_run_packs_every_stage_into_one_archive(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "2,4", "--sets", "dense")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["device-run.tar.gz", "metadata.json", "progress.log"]
+    _check_returnable(out)
+
+    members = _members(out / "device-run.tar.gz")
+    runs = [n for n in members if n.endswith("/device-run/metadata.json")]
+    assert len(runs) == 1 and runs[0].startswith("benchmarks/results/"), sorted(members)
+    base = runs[0].removesuffix("metadata.json")
+    for name in ("progress.log", "stage2/table.csv", "stage2/table.json", "stage2/record.log", "stage2/report.txt",
+                 "stage2/report.json"):
+        assert base + name in members, name
+
+    meta = json.loads(_read(out / "device-run.tar.gz", runs[0]))
+    assert meta == json.loads((out / "metadata.json").read_text())
+    (call,) = meta["calls"]
+    assert call["dry_run"] == 1 and call["stages"] == "2,4" and "--dry-run" in call["command"]
+    assert call["environment"]["python_executable"] and "torch" in call["environment"]
+    steps = {s["step"]: s for s in meta["steps"]}
+    assert steps["record_table dense"]["rc"] == 0 and steps["report_table"]["rc"] == 0
+    assert "record_table.py" in steps["record_table dense"]["command"]
+    assert meta["timed_out"] == [] and meta["failed"] == []
+
+    rows = list(csv.DictReader(io.StringIO(_read(out / "device-run.tar.gz", base + "stage2/table.csv"))))
+    families = {r["family"] for r in rows}
+    assert families == {"dense-768x768", "dense-3072x768", "dense-768x3072"}
+    vendor = [r for r in rows if r["config"] == "vendor"]
+    assert len(vendor) == 3 * 4 and len(rows) == 3 * 4 * (1 + 3)  # t-max 4, vendor + 3 configs per set
+    table = json.loads(_read(out / "device-run.tar.gz", base + "stage2/table.json"))
+    assert table["measure"] == "analytic" and [d["configs"] for d in table["done"]] == [3, 3, 3]
+
+    # a second call on the same machine (same work folder) adds to the records and re-packs everything
+    proc = _run(out, "--stage", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [c["call"] for c in meta["calls"]] == [1, 2]
+    assert base + "stage2/table.csv" in _members(out / "device-run.tar.gz")
+    assert "no tuning database yet" in (out / "progress.log").read_text()
+
+
+def test_a_step_past_its_limit_is_recorded_and_the_archive_kept(tmp_path: Path) -> None:
+    slow = tmp_path / "python"  # the interpreter, except that the table recorder hangs
+    slow.write_text(f"#!/bin/bash\ncase \"$1\" in *record_table.py) sleep 60 ;; esac\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "2", "--sets", "dense", "--limit", "9", python=str(slow))
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a step timed out
+    meta = json.loads((out / "metadata.json").read_text())
+    record = next(s for s in meta["steps"] if s["step"] == "record_table dense")
+    assert record["timed_out"] is True and record["limit"] == 6 and record["rc"] == 124
+    assert meta["timed_out"] == ["stage 2: record_table dense"]
+    assert any(n.endswith("device-run/progress.log") for n in _members(out / "device-run.tar.gz"))
+    _check_returnable(out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "5"], "unknown stage '5'"),
+    ([], "nothing to do"),
+    (["--stage", "2", "--deadline", "soon"], "whole numbers"),
+    (["--ortgpu", "nowhere"], "holds no MANIFEST"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _run(tmp_path / "out", *args, timeout=30)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "out").exists()
