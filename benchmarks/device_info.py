@@ -64,22 +64,30 @@ def _version(module: str) -> str | None:
         return f"unavailable ({type(exc).__name__}: {str(exc)[:120]})"
 
 
-def _nvidia_smi() -> dict[str, str] | str:
-    fields = ["name", "driver_version", "pci.bus_id", "memory.total", "clocks.sm", "clocks.mem", "clocks.max.sm",
+SMI_FIELDS = ["name", "driver_version", "pci.bus_id", "memory.total", "clocks.sm", "clocks.mem", "clocks.max.sm",
               "clocks.max.mem", "clocks.applications.graphics", "power.draw", "power.limit", "temperature.gpu",
               "pstate", "compute_mode", "mig.mode.current", "persistence_mode"]
+SMI_BASIC = ["name", "driver_version", "memory.total", "clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw",
+             "temperature.gpu"]
+
+
+def _nvidia_smi() -> dict[str, str] | str:
+    """The first GPU's name, driver, clocks and power as nvidia-smi reads them (read only: nothing is set);
+    a driver that refuses a field gets the basic set instead."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return "nvidia-smi not found"
-    try:
-        proc = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"nvidia-smi failed: {exc}"
-    if proc.returncode != 0:
-        return f"nvidia-smi exit {proc.returncode}: {proc.stderr.strip()[:300]}"
-    values = [v.strip() for v in proc.stdout.splitlines()[0].split(",")] if proc.stdout.strip() else []
-    return dict(zip(fields, values))
+    errors = []
+    for fields in (SMI_FIELDS, SMI_BASIC):
+        try:
+            proc = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"nvidia-smi failed: {exc}"
+        if proc.returncode == 0 and proc.stdout.strip():
+            return dict(zip(fields, (v.strip() for v in proc.stdout.splitlines()[0].split(","))))
+        errors.append(f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:200]}")
+    return "nvidia-smi " + "; ".join(errors)
 
 
 def _torch() -> dict[str, Any]:

@@ -111,3 +111,22 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: li
     proc = _run(tmp_path / "out", *args, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: Path, monkeypatch) -> None:
+    """A driver that refuses one of the extra query fields still gives name, driver and clocks."""
+    import importlib.util
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/bash\ncase "$1" in *persistence_mode*) echo "Field \\"x\\" is not valid" >&2; exit 2 ;; esac\n'
+                    'echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 1980 MHz, 2619 MHz, 1980 MHz, 120.50 W, 35"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    spec = importlib.util.spec_from_file_location("device_info", ROOT / "benchmarks" / "device_info.py")
+    device_info = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_info)  # type: ignore[union-attr]
+    smi = device_info._nvidia_smi()
+    assert smi == dict(zip(device_info.SMI_BASIC, ["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "1980 MHz",
+                                                   "2619 MHz", "1980 MHz", "120.50 W", "35"]))
+    fake.write_text("#!/bin/bash\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert device_info._nvidia_smi().startswith("nvidia-smi exit 9: NVIDIA-SMI has failed")
