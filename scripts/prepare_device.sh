@@ -74,7 +74,7 @@ device_bytes=$(du -sbL .device | cut -f1)
 # --- 4. onnxruntime-gpu parts: as large as the room left in a call allows (1 MiB margin) ---
 room_mib=$(( (limit_mib * 1048576 - tree_bytes - device_bytes) / 1048576 - 1 ))
 part_mib=$(( room_mib < 60 ? room_mib : 60 ))
-[ "$part_mib" -ge 8 ] || { echo "prepare_device: the working tree leaves only ${room_mib} MiB per call" >&2; exit 1; }
+[ "$part_mib" -ge 1 ] || { echo "prepare_device: the working tree leaves no room for a part in a call" >&2; exit 1; }
 stock=$cache/ortgpu-$version
 if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
   if [ -z "$kit" ]; then

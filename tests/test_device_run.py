@@ -101,6 +101,49 @@ def test_a_step_past_its_limit_is_recorded_and_the_archive_kept(tmp_path: Path) 
     _check_returnable(out)
 
 
+KIT = next((d for d in (ROOT.parent / "shared" / "tools" / "ortgpu", Path("/work/shared/tools/ortgpu"))
+            if (d / "prepare_ort_gpu_parts.sh").is_file()), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KIT is None, reason="needs the ortgpu kit (../shared/tools/ortgpu) to make parts")
+def test_parts_are_stashed_across_calls_then_installed(tmp_path: Path) -> None:
+    """The onnxruntime-gpu chain with a stand-in wheel in two parts: call 1 stashes part 1, call 2 installs
+    from part 2 and later calls find it; a fresh machine (another work folder) refuses part 2 alone."""
+    import random
+    import zipfile
+
+    wheel = tmp_path / "onnxruntime_gpu-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("ortgpu_standin/blob.bin", random.Random(0).randbytes(1_500_000))
+        z.writestr("ortgpu_standin/__init__.py", "")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: onnxruntime-gpu\n"
+                                                               "Version: 9.9.9\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                            "Tag: py3-none-any\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/RECORD", "")
+    parts = tmp_path / "parts"
+    subprocess.run(["bash", str(KIT / "prepare_ort_gpu_parts.sh"), str(parts), "--wheel", str(wheel),
+                    "--part-mib", "1", "--threads", "0"], check=True, capture_output=True, timeout=120)
+    assert sorted(p.name for p in parts.iterdir() if p.is_dir()) == ["p1", "p2"]
+    out = tmp_path / "out"
+
+    fresh = _run(out, "--ortgpu", str(parts / "p2"), "--work", str(tmp_path / "fresh"))
+    assert fresh.returncode == 1 and "start again at part 1" in fresh.stdout
+
+    assert _run(out, "--ortgpu", str(parts / "p1")).returncode == 0
+    second = _run(out, "--ortgpu", str(parts / "p2"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    target = tmp_path / "work" / "ortgpu"
+    assert (target / "ortgpu_standin" / "blob.bin").stat().st_size == 1_500_000
+    assert (target / ".installed").is_file()
+    third = _run(out, "--stage", "4")  # a later call on the same machine sets up the installed package
+    assert third.returncode == 0 and f"onnxruntime-gpu from {target}" in third.stdout
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [s["step"] for s in meta["steps"]] == ["ortgpu stash part 1 of 2", "ortgpu install (part 2 of 2)"]
+    assert str(target) in meta["calls"][-1]["environment"]["env"]["PYTHONPATH"].split(":")[0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--stage", "5"], "unknown stage '5'"),
     ([], "nothing to do"),
