@@ -242,9 +242,10 @@ if has_stage 2; then
     table_args=(--repeats 10)
     report_budget=64
   fi
-  # record_table stops measuring by itself (--budget-s); the step's limit is the hard stop behind it
-  step 2 "record_table $sets" "$(( lim > 120 ? lim - 60 : lim * 2 / 3 ))" "$s2/record.log" -- \
-    "$PY" benchmarks/record_table.py --out "$s2" --sets "$sets" --budget-s $(( lim > 120 ? lim - 90 : lim / 2 )) \
+  # record_table stops measuring by itself (--budget-s, 80% of the stage less its start-up); the step's
+  # limit (90%) is the hard stop behind it; the report gets the rest
+  step 2 "record_table $sets" "$(( lim * 9 / 10 ))" "$s2/record.log" -- \
+    "$PY" benchmarks/record_table.py --out "$s2" --sets "$sets" --budget-s $(( lim * 8 / 10 > 20 ? lim * 8 / 10 - 10 : 10 )) \
     "${table_args[@]}"
   if [ -f "$s2/table.csv" ]; then
     plot=(); "$PY" -c "import matplotlib" 2>/dev/null && plot=(--plot "$s2/speed.png")

@@ -95,7 +95,7 @@ def test_a_step_past_its_limit_is_recorded_and_the_archive_kept(tmp_path: Path) 
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a step timed out
     meta = json.loads((out / "metadata.json").read_text())
     record = next(s for s in meta["steps"] if s["step"] == "record_table dense")
-    assert record["timed_out"] is True and record["limit"] == 6 and record["rc"] == 124
+    assert record["timed_out"] is True and record["limit"] == 8 and record["rc"] == 124
     assert meta["timed_out"] == ["stage 2: record_table dense"]
     assert any(n.endswith("device-run/progress.log") for n in _members(out / "device-run.tar.gz"))
     _check_returnable(out)
