@@ -173,3 +173,49 @@ def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: P
                                                    "2619 MHz", "1980 MHz", "120.50 W", "35"]))
     fake.write_text("#!/bin/bash\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     assert device_info._nvidia_smi().startswith("nvidia-smi exit 9: NVIDIA-SMI has failed")
+
+
+def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> None:
+    """--budget-s: a set whose share of the time is spent stops after one config (every set stays
+    reportable); a second run appends to the table and keeps the first run's sets in table.json."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_table", ROOT / "benchmarks" / "record_table.py")
+    record_table = importlib.util.module_from_spec(spec)
+    sys.modules["record_table"] = record_table  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
+    dense = record_table.dense_sets(2)
+    path = record_table.record(dense[:2], tmp_path, measure="analytic", budget_s=1e-6, command="first")
+    meta = json.loads((tmp_path / "table.json").read_text())
+    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == 350
+    record_table.record(record_table.attention_sets(2)[:1], tmp_path, measure="analytic", max_configs=2,
+                        command="second")
+    meta = json.loads((tmp_path / "table.json").read_text())
+    assert [s["tag"] for s in meta["sets"]] == ["dense-768x768", "dense-3072x768", "attention-qk"]
+    assert [(d["tag"], d["configs"]) for d in meta["done"]] == [("dense-768x768", 1), ("dense-3072x768", 1),
+                                                                ("attention-qk", 2)]
+    assert meta["command"] == "second" and meta["earlier_runs"][0]["command"] == "first"
+    rows = list(csv.DictReader(path.open()))
+    assert rows[0].keys() == set(record_table.COLUMNS) and len(rows) == 2 * (2 + 2) + 2 * (1 + 2)
+
+
+@pytest.mark.slow
+def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
+    """Stages 3 and 4 on the tiny MLP: the suite's results where run_suite puts them, the tuning DB and the
+    optimized model's bundles (no weights) in the archive."""
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "3,4", "--suites", "mlp", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    members = _members(out / "device-run.tar.gz")
+    (suite,) = [n for n in members if n.endswith("/mlp-tiny-fp16-cpu.json")]
+    base = suite.removesuffix("mlp-tiny-fp16-cpu.json")
+    report = json.loads(_read(out / "device-run.tar.gz", suite))
+    assert report["optimized_custom_nodes"] > 0 and report["shapes"]
+    for name in ("mlp-tiny-fp16-cpu.txt", "device-run/stage3/mlp.log", "device-run/stage4/tuning.db",
+                 "device-run/stage4/bundles/index.json",
+                 "device-run/stage4/bundles/mlp-tiny-fp16.cpu.dietcode/inspect.json"):
+        assert base + name in members, name
+    bundles = [n for n in members if n.endswith(".bundle")]
+    index = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage4/bundles/index.json"))
+    assert index["mlp-tiny-fp16.cpu.dietcode.onnx"]["bundles"] == len(bundles) > 0
+    assert all(members[n].size < 1_000_000 for n in bundles)
