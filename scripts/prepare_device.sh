@@ -88,11 +88,18 @@ if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
   mkdir -p "$cache"
   bash "$kit/prepare_ort_gpu_parts.sh" "$stock" --version "$version" --part-mib 60
 fi
-parts_ok() {  # the parts in .ortgpu are of this version and no larger than part_mib
+parts_ok() {  # the parts in .ortgpu are whole, of this version and no larger than part_mib
   [ -f .ortgpu/p1/MANIFEST ] || return 1
-  [ "$(. .ortgpu/p1/MANIFEST; echo "$WHEEL")" = "$(. "$stock/p1/MANIFEST"; echo "$WHEEL")" ] || return 1
-  local f
-  for f in .ortgpu/p*/part; do [ "$(stat -c %s "$f")" -le $((part_mib * 1048576)) ] || return 1; done
+  [ "$(. .ortgpu/p1/MANIFEST; echo "$TOTAL_SHA256")" = "$(. "$stock/p1/MANIFEST"; echo "$TOTAL_SHA256")" ] || return 1
+  local k n want
+  n=$(. .ortgpu/p1/MANIFEST; echo "$NPARTS")
+  for k in $(seq 1 "$n"); do
+    [ -f ".ortgpu/p$k/part" ] && [ -f ".ortgpu/p$k/ondevice.sh" ] || return 1
+    [ "$(stat -c %s ".ortgpu/p$k/part")" -le $((part_mib * 1048576)) ] || return 1
+    want=$(. ".ortgpu/p$k/MANIFEST"; echo "$PART_SHA256")
+    [ "$(sha256sum ".ortgpu/p$k/part" | cut -d' ' -f1)" = "$want" ] || return 1
+  done
+  [ ! -d ".ortgpu/p$((n + 1))" ]
 }
 if [ "$check_only" = 0 ] && ! parts_ok; then
   echo "prepare_device: splitting the onnxruntime-gpu stream into parts of at most $part_mib MiB in .ortgpu/"

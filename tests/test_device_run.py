@@ -110,21 +110,7 @@ KIT = next((d for d in (ROOT.parent / "shared" / "tools" / "ortgpu", Path("/work
 def test_parts_are_stashed_across_calls_then_installed(tmp_path: Path) -> None:
     """The onnxruntime-gpu chain with a stand-in wheel in two parts: call 1 stashes part 1, call 2 installs
     from part 2 and later calls find it; a fresh machine (another work folder) refuses part 2 alone."""
-    import random
-    import zipfile
-
-    wheel = tmp_path / "onnxruntime_gpu-9.9.9-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("ortgpu_standin/blob.bin", random.Random(0).randbytes(1_500_000))
-        z.writestr("ortgpu_standin/__init__.py", "")
-        z.writestr("onnxruntime_gpu-9.9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: onnxruntime-gpu\n"
-                                                               "Version: 9.9.9\n")
-        z.writestr("onnxruntime_gpu-9.9.9.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
-                                                            "Tag: py3-none-any\n")
-        z.writestr("onnxruntime_gpu-9.9.9.dist-info/RECORD", "")
-    parts = tmp_path / "parts"
-    subprocess.run(["bash", str(KIT / "prepare_ort_gpu_parts.sh"), str(parts), "--wheel", str(wheel),
-                    "--part-mib", "1", "--threads", "0"], check=True, capture_output=True, timeout=120)
+    parts = _standin_parts(tmp_path)
     assert sorted(p.name for p in parts.iterdir() if p.is_dir()) == ["p1", "p2"]
     out = tmp_path / "out"
 
@@ -142,6 +128,63 @@ def test_parts_are_stashed_across_calls_then_installed(tmp_path: Path) -> None:
     meta = json.loads((out / "metadata.json").read_text())
     assert [s["step"] for s in meta["steps"]] == ["ortgpu stash part 1 of 2", "ortgpu install (part 2 of 2)"]
     assert str(target) in meta["calls"][-1]["environment"]["env"]["PYTHONPATH"].split(":")[0]
+
+
+def _standin_parts(tmp_path: Path, size: int = 1_500_000) -> Path:
+    """A stand-in onnxruntime-gpu wheel of ``size`` random bytes, made into parts of 1 MiB by the kit."""
+    import random
+    import zipfile
+
+    wheel = tmp_path / "onnxruntime_gpu-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("ortgpu_standin/blob.bin", random.Random(0).randbytes(size))
+        z.writestr("ortgpu_standin/__init__.py", "")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: onnxruntime-gpu\n"
+                                                               "Version: 9.9.9\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                            "Tag: py3-none-any\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/RECORD", "")
+    parts = tmp_path / "cache" / "ortgpu-9.9.9"
+    subprocess.run(["bash", str(KIT / "prepare_ort_gpu_parts.sh"), str(parts), "--wheel", str(wheel),
+                    "--part-mib", "1", "--threads", "0"], check=True, capture_output=True, timeout=120)
+    return parts
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KIT is None, reason="needs the ortgpu kit (../shared/tools/ortgpu) to make parts")
+def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_path: Path) -> None:
+    """In a clone of this checkout: the headers are copied for real, the cached parts are re-split to what a
+    call can still carry, the folders are ignored, and the plan names every part once, in order."""
+    stock = _standin_parts(tmp_path, 3_000_000)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(clone)], check=True, timeout=60)
+    include = ROOT / ".deps" / "onnxruntime" / "include" / "onnxruntime"
+    if not (include / "onnxruntime_cxx_api.h").is_file():
+        pytest.skip("needs the ONNX Runtime headers in .deps")
+    env = {**os.environ, "DIETCODE_ORT_INCLUDE": str(include)}
+    proc = subprocess.run(["bash", "scripts/prepare_device.sh", "--version", "9.9.9", "--cache",
+                           str(stock.parent), "--limit-mib", "5"], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (clone / ".device" / "deps" / "onnxruntime" / "include" / "onnxruntime" /
+            "onnxruntime_cxx_api.h").is_file()
+    assert not (clone / ".device" / "deps").is_symlink()
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                          check=True).stdout == ""
+    parts = sorted(p.name for p in (clone / ".ortgpu").iterdir())
+    # the kit made 1 MiB parts (3); a call of 5 MiB carrying ~1.5 MiB of tree and .device takes 2 MiB parts
+    assert len(list(stock.glob("p*/part"))) == 3
+    assert parts == [f"p{k}" for k in range(1, len(parts) + 1)]
+    assert len(parts) < 3 and (clone / ".ortgpu" / "p1" / "part").stat().st_size > 2**20
+    plan = json.loads((clone / ".device" / "plan.json").read_text())
+    carried = [c for call in plan for c in call["carry"] if c.startswith(".ortgpu/")]
+    assert carried == [f".ortgpu/p{k}" for k in range(1, len(parts) + 1)]
+    assert all(call["carried_mib"] <= 5 and ".device" in call["carry"] for call in plan)
+    assert "--ortgpu .ortgpu/p1 --stage 2" in plan[0]["command"] and plan[-1]["command"].endswith("--deadline 360")
+    assert "run(command=" in proc.stdout
+    source = json.loads((clone / ".device" / "source.json").read_text())
+    assert source["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True,
+                                              text=True, check=True).stdout.strip()
 
 
 @pytest.mark.parametrize("args, message", [
