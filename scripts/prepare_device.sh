@@ -186,8 +186,9 @@ for c in calls:
               f"   carries {c['carried_mib']} MiB of {limit}", ""]
 lines += [f"The calls end by their deadlines: {total} s = {total / 60:.1f} min in all, plus about 2 min to start the "
           "machine and the transfers: inside a session's 30 minutes only if each call follows the last at once.",
-          "After each call: copy its files (device-run.tar.gz, metadata.json, progress.log) to /tmp/dietcode-device-runs/callN/ "
-          "before the next call; at the end unpack the last archive at the repository root (docs/device.md)."]
+          "Each call's archive holds the earlier calls' results too (while the machine stays warm): make the next call "
+          "at once, keep the last call's files (device-run.tar.gz, metadata.json, progress.log) outside the checkout, "
+          "and unpack the archive at the repository root at the end (docs/device.md)."]
 Path(".device/plan.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 if over:
