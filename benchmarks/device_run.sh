@@ -144,7 +144,7 @@ step() {
     return 0
   fi
   log "stage $stage: $name (limit ${lim}s): $(printf '%q ' "$@")"
-  echo "+ $(printf '%q ' "$@")" >> "$logf"
+  case $logf in *.json) ;; *) echo "+ $(printf '%q ' "$@")" >> "$logf" ;; esac  # a .json log stays JSON
   timeout --kill-after=10 "$lim" "$@" >> "$logf" 2>&1
   rc=$?
   case $rc in 124|137) timed_out=true ;; esac

@@ -262,3 +262,21 @@ def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
     index = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage4/bundles/index.json"))
     assert index["mlp-tiny-fp16.cpu.dietcode.onnx"]["bundles"] == len(bundles) > 0
     assert all(members[n].size < 1_000_000 for n in bundles)
+
+
+@pytest.mark.slow
+def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "1", timeout=600)
+    members = _members(out / "device-run.tar.gz")
+    (doctor,) = [n for n in members if n.endswith("/stage1/doctor.json")]
+    base = doctor.removesuffix("doctor.json")
+    checks = json.loads(_read(out / "device-run.tar.gz", doctor))
+    assert {c["name"] for c in checks} >= {"onnxruntime", "custom-op library", "GPU"}
+    for name in ("doctor.txt", "pytest-gpu.log", "pytest-gpu.xml", "pytest-gpu-e2e.log", "nvidia-smi.txt"):
+        assert base + name in members, name
+    assert "test_gpu_end_to_end.py" in _read(out / "device-run.tar.gz", base + "pytest-gpu-e2e.log")
+    steps = json.loads((out / "metadata.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["doctor", "doctor --json", "pytest -m gpu (kernels)",
+                                          "pytest -m gpu (end to end)"]
+    assert proc.returncode == (0 if all(s["rc"] == 0 for s in steps) else 1)
