@@ -1,6 +1,6 @@
 """Record a full micro-kernel measurement table on a GPU: every candidate of the space x every instance.
 
-    python benchmarks/record_table.py --out DIR [--sets dense,attention,conv] [--repeats 10]
+    python benchmarks/record_table.py --out DIR [--sets dense,attention,conv] [--repeats 10] [--budget-s S]
 
 The table lets any search strategy, cost model or dispatcher be evaluated later on a CPU by replay
 (``tuner.measure.ReplayMeasurer``, ``benchmarks/report_table.py``). Sets (the DietCode BERT shapes and
@@ -15,6 +15,13 @@ Rows are appended to DIR/table.csv after every config (a run cut off keeps what 
 columns ReplayMeasurer reads plus ``family`` (the set's tag, e.g. ``dense-768x768``); each problem also
 gets a ``vendor`` row (cuBLAS / cuDNN through torch). DIR/table.json holds the device, driver, library
 versions, the command and the date. Compress the CSV (gzip) to commit it.
+
+A documented sample when time is short: ``--budget-s S`` shares S seconds among the sets (each set gets
+the time left over the sets left, so what one set leaves unused flows to the next) and measures a set's
+configs in a seeded random order until its share is spent; ``--max-configs N`` caps each set at N configs;
+``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs of the space were measured
+(``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from the roofline model, the
+vendor rows with the roofline floor: never report its figures.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import json
 import random
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -69,14 +77,14 @@ def attention_sets(t_max: int = 128, batch: int = 192) -> list[TableSet]:
 CONV_IMAGES = ((1, 224, 224), (8, 224, 224), (32, 224, 224), (8, 160, 160), (8, 288, 288))
 
 
-def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES) -> list[TableSet]:
-    """The distinct conv layers of ResNet-50 (as the scanner sees the full model) at ``images``."""
+def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES, preset: str = "full") -> list[TableSet]:
+    """The distinct conv layers of ResNet-50 (as the scanner sees the model of ``preset``) at ``images``."""
     import models
     from tuner.scan import scan_model
     from tuner.workload import Instance
 
     out = []
-    for w in scan_model(models.build("resnet50", "full")).workloads:
+    for w in scan_model(models.build("resnet50", preset)).workloads:
         if w.op != "conv":
             continue
         c = w.conv
@@ -88,6 +96,46 @@ def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES) -> list[Tabl
 
 
 SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets}
+
+
+def _analytic_environment(command: str, target: str) -> dict:
+    import platform
+
+    from tuner.hardware import get_profile
+
+    return {"device": f"analytic:{get_profile(target).name}", "arch": target, "measure": "analytic",
+            "note": "roofline model, vendor rows are the roofline floor: a rehearsal, not a measurement",
+            "python": platform.python_version(), "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+class _AnalyticTable:
+    """``--measure analytic``: the roofline model for configs, the roofline floor for the vendor rows."""
+
+    def __init__(self, target: str, dtype: str) -> None:
+        from tuner.hardware import get_profile
+        from tuner.measure import AnalyticMeasurer
+
+        self.profile = get_profile(target)
+        self.inner = AnalyticMeasurer(self.profile, dtype)
+        self.dtype = dtype
+
+    def device_key(self) -> str:
+        return self.inner.device_key()
+
+    def measure(self, family, pairs):
+        return self.inner.measure(family, pairs)
+
+    def measure_vendor(self, family, problems):
+        from tuner.cost_model import peak_flops, useful_flops
+        from tuner.measure import MeasureResult
+        from tuner.space import DTYPE_BYTES
+
+        elem, peak = DTYPE_BYTES[self.dtype], peak_flops(self.profile, self.dtype)
+        bandwidth = self.profile.dram_bandwidth_gbs * 1e9
+        return [MeasureResult(max(useful_flops(p) / peak,
+                                  (p.m * p.k + p.k * p.n + p.m * p.n) * p.batch * elem / bandwidth) + 3e-6)
+                for p in problems]
 
 
 def _environment(command: str) -> dict:
@@ -102,52 +150,77 @@ def _environment(command: str) -> dict:
         driver = str(_cuda_getDriverVersion())
     except (ImportError, RuntimeError):
         driver = "unknown"
-    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}", "sms": props.multi_processor_count,
+    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}", "measure": "gpu",
+            "sms": props.multi_processor_count,
             "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_configs: int | None = None,
-           seed: int = 0, command: str = "") -> Path:
-    """Measure every config of each set's space on each of its problems; returns the CSV path."""
+           seed: int = 0, command: str = "", budget_s: float | None = None, measure: str = "gpu") -> Path:
+    """Measure the configs of each set's space (all, or the sample ``max_configs`` / ``budget_s`` allow;
+    see the module docstring) on each of its problems; returns the CSV path."""
     from rich.progress import Progress
 
     from tuner.measure import GpuMeasurer
     from tuner.space import Family, enumerate_space
 
     out.mkdir(parents=True, exist_ok=True)
-    env = _environment(command)
+    if measure == "analytic":
+        env = _analytic_environment(command, "sm_90")
+    else:
+        env = _environment(command)
     target = "sm_90" if env["arch"].startswith("sm_9") else "sm_89" if env["arch"] == "sm_89" else "sm_80"
-    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed,
+    started = time.monotonic()
+    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s,
+            "max_configs": max_configs,
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
                      for s in sets], "done": []}
     meta_path, table = out / "table.json", out / "table.csv"
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     new = not table.exists()
+    if not new and meta_path.is_file():  # appending to an earlier run's table: keep what it recorded
+        earlier = json.loads(meta_path.read_text())
+        meta["sets"] = earlier.get("sets", []) + meta["sets"]
+        meta["done"] = earlier.get("done", [])
+        meta["earlier_runs"] = earlier.get("earlier_runs", []) + [
+            {k: earlier.get(k) for k in ("command", "date", "budget_s", "max_configs", "device", "driver")}]
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     with table.open("a", newline="") as fh, Progress() as bar:
         writer = csv.writer(fh)
         if new:
             writer.writerow(COLUMNS)
-        for s in sets:
+        for index, s in enumerate(sets):
             family = Family(s.op, s.dtype, target)
-            space = [c for c in enumerate_space(family) if c.split_k == 1 or s.epilogue.activation == "none"]
+            full = [c for c in enumerate_space(family) if c.split_k == 1 or s.epilogue.activation == "none"]
+            space = list(full)
             random.Random(seed).shuffle(space)  # a run cut off still covers the space evenly
             space = space[:max_configs] if max_configs else space
-            measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue)
+            deadline = None
+            if budget_s is not None:  # this set's share of the time left
+                deadline = time.monotonic() + (budget_s - (time.monotonic() - started)) / (len(sets) - index)
+            if measure == "analytic":
+                measurer = _AnalyticTable(target, s.dtype)
+            else:
+                measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue)
             device = measurer.device_key()
             task = bar.add_task(s.tag, total=len(space) + 1)
             for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
                 writer.writerow(["vendor", p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
+            fh.flush()
             bar.advance(task)
+            measured = 0
             for config in space:
+                if deadline is not None and measured and time.monotonic() > deadline:
+                    break  # at least one config per set, so every set can be reported
                 results = measurer.measure(family, [(config, p) for p in s.problems])
                 for r, p in zip(results, s.problems):
                     writer.writerow([config.key(), p.m, p.n, p.k, p.batch, repr(r.seconds), device,
                                      r.error or "", s.tag])
                 fh.flush()
+                measured += 1
                 bar.advance(task)
-            meta["done"].append(s.tag)
+            meta["done"].append({"tag": s.tag, "configs": measured, "space": len(full)})
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return table
 
@@ -159,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median; default 10)")
     p.add_argument("--max-configs", type=int, help="measure only this many configs per set (a seeded sample)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, help="seconds for the whole table, shared among the sets")
+    p.add_argument("--t-max", type=int, default=128, help="T = 1..T_MAX for the dense and attention sets")
+    p.add_argument("--conv-preset", default="full", help="the ResNet-50 preset the conv layers come from")
+    p.add_argument("--measure", default="gpu", choices=["gpu", "analytic"],
+                   help="gpu (default) or analytic: the roofline model, to rehearse the recorder without a GPU")
     args = p.parse_args(argv)
     try:
         names = [n.strip() for n in args.sets.split(",") if n.strip()]
@@ -167,15 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise DietcodeError(f"unknown set(s) {unknown or args.sets!r}; allowed: {', '.join(SETS)}")
         if args.repeats < 1:
             raise DietcodeError(f"--repeats must be >= 1, got {args.repeats}")
-        try:
-            import torch
-        except ImportError:
-            raise DietcodeError("recording a table needs torch with CUDA") from None
-        if not torch.cuda.is_available():
-            raise DietcodeError("recording a table needs a CUDA GPU and none is visible")
-        sets = [s for n in names for s in SETS[n]()]
+        if args.t_max < 1 or (args.budget_s is not None and args.budget_s <= 0):
+            raise DietcodeError(f"--t-max must be >= 1 and --budget-s > 0 (got {args.t_max}, {args.budget_s})")
+        if args.measure == "gpu":
+            try:
+                import torch
+            except ImportError:
+                raise DietcodeError("recording a table needs torch with CUDA") from None
+            if not torch.cuda.is_available():
+                raise DietcodeError("recording a table needs a CUDA GPU and none is visible")
+        makers = {"dense": lambda: dense_sets(args.t_max), "attention": lambda: attention_sets(args.t_max),
+                  "conv": lambda: conv_sets(preset=args.conv_preset)}
+        sets = [s for n in names for s in makers[n]()]
         path = record(sets, args.out, repeats=args.repeats, max_configs=args.max_configs, seed=args.seed,
-                      command=shlex.join(sys.argv))
+                      command=shlex.join(sys.argv), budget_s=args.budget_s, measure=args.measure)
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,16 +1,19 @@
 """Run the standard benchmark suites: build each model, optimize it, benchmark it against stock ORT.
 
-    python benchmarks/run_suite.py --suite bert|resnet50|mlp|all --provider cpu|cuda
+    python benchmarks/run_suite.py --suite bert|resnet50|mlp|all --provider cpu|cuda [--dtype float16]
 
 Each suite is one row of ``SUITES``: the model builder and preset (``python -m models``), and the shapes
 swept per provider. The shapes the tuner sees (``dietcode-ort optimize --shapes``) are exactly the ones
 benchmarked, written as a shape log. Results go to ``benchmarks/results/<device>/<suite>-<preset>-<provider>``
-with ``.json`` (``dietcode-ort bench --json``), ``.png`` and ``.txt`` (the printed table). Models and
-optimized models are cached under ``--workdir`` and rebuilt only with ``--rebuild``.
+with ``.json`` (``dietcode-ort bench --json``), ``.png`` and ``.txt`` (the printed table, written as it is
+printed, so a run cut off keeps what it printed); ``--dtype float16`` adds ``-fp16`` to the name. The plot
+is left out (with a note) where matplotlib is missing. Models and optimized models are cached under
+``--workdir`` and rebuilt only with ``--rebuild``.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shlex
@@ -76,26 +79,39 @@ def shape_log(model: Path, suite: Suite, provider: str) -> dict:
 
 
 def _run(cmd: Sequence[str], what: str, log: Path | None = None) -> None:
+    """Run ``cmd`` from the repository root; with ``log``, copy its output there line by line as it comes."""
     print("+", shlex.join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE if log else None)
-    if log is not None:
-        print(proc.stdout, end="")
-        log.write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise DietcodeError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}")
+    if log is None:
+        returncode = subprocess.run(cmd, cwd=ROOT).returncode
+    else:
+        with log.open("w") as fh, subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                fh.write(line)
+                fh.flush()
+        returncode = proc.returncode
+    if returncode != 0:
+        raise DietcodeError(f"{what} failed (exit {returncode}): {shlex.join(cmd)}")
+
+
+DTYPE_SUFFIX = {"float32": "", "float16": "-fp16"}  # the precisions `python -m models` builds
 
 
 def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, preset: str | None = None,
               repeat: int | None = None, warmup: int = 5, rebuild: bool = False,
-              optimize_args: Sequence[str] = ()) -> Path:
+              optimize_args: Sequence[str] = (), dtype: str = "float32", plot: bool = True) -> Path:
     """Build, optimize and benchmark one suite; returns the JSON results file."""
+    if dtype not in DTYPE_SUFFIX:
+        raise DietcodeError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_SUFFIX)}")
     preset = preset or suite.preset
-    tag = f"{suite.name}-{preset}"
+    tag = f"{suite.name}-{preset}{DTYPE_SUFFIX[dtype]}"
     workdir.mkdir(parents=True, exist_ok=True)
     model, optimized = workdir / f"{tag}.onnx", workdir / f"{tag}.{provider}.dietcode.onnx"
     py = sys.executable
     if rebuild or not model.exists():
-        _run([py, "-m", "models", suite.model, "--preset", preset, "-o", str(model)], "building the model")
+        _run([py, "-m", "models", suite.model, "--preset", preset, "--dtype", dtype, "-o", str(model)],
+             "building the model")
     if rebuild or not optimized.exists() or optimized.stat().st_mtime < model.stat().st_mtime:
         shapes = workdir / f"{tag}.{provider}.shapes.json"
         shapes.write_text(json.dumps(shape_log(model, suite, provider), indent=1) + "\n")
@@ -106,7 +122,11 @@ def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, pres
     stem = out / f"{tag}-{provider}"
     cmd = [py, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized),
            "--provider", provider, "--repeat", str(repeat or (suite.repeat or {}).get(provider, 20)),
-           "--warmup", str(warmup), "--json", f"{stem}.json", "--plot", f"{stem}.png"]
+           "--warmup", str(warmup), "--json", f"{stem}.json"]
+    if plot and importlib.util.find_spec("matplotlib") is not None:
+        cmd += ["--plot", f"{stem}.png"]
+    elif plot:
+        print("note: matplotlib is not installed here: no plot", flush=True)
     cmd += [a for d in suite.dims[provider] for a in ("--dim", d)]
     cmd += [a for t in suite.ties for a in ("--tie", t)]
     _run(cmd, "dietcode-ort bench", log=Path(f"{stem}.txt"))
@@ -118,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--suite", required=True, choices=[*SUITES, "all"])
     p.add_argument("--provider", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--preset", help="model preset instead of the suite's (e.g. tiny for a quick check)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPE_SUFFIX),
+                   help="model precision (default float32); float16 adds -fp16 to the names")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the latency plot")
     p.add_argument("--repeat", type=int, help="timed repetitions per shape instead of the suite's")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions per shape (default 5)")
     p.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "benchmarks",
@@ -133,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             path = run_suite(SUITES[name], args.provider, args.workdir, args.results, preset=args.preset,
                              repeat=args.repeat, warmup=args.warmup, rebuild=args.rebuild,
-                             optimize_args=args.optimize_arg)
+                             optimize_args=args.optimize_arg, dtype=args.dtype, plot=not args.no_plot)
             print(f"wrote {path}")
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)

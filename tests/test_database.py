@@ -200,7 +200,9 @@ def test_run_killed_with_sigkill_resumes_with_same_choice(tmp_path):
     assert Database(killed_db).rows("", FAMILY) == {}
     ref_rows = Database(tmp_path / "ref.db").rows(ReplayMeasurerDevice(case.path), FAMILY)
     killed_rows = Database(killed_db).rows(ReplayMeasurerDevice(case.path), FAMILY)
-    assert killed_rows == ref_rows and len(ref_rows) == 96
+    measured = [int(line.split()[1]) for line in ref_out.splitlines() if line.startswith("MEASURED")]
+    # the search may stop before its 96 trials once no candidate is predicted to gain (patience)
+    assert killed_rows == ref_rows and measured == [len(ref_rows)] and rows_at_kill < len(ref_rows) <= 96
 
 
 def ReplayMeasurerDevice(path: Path) -> str:  # noqa: N802 (reads like the measurer it mirrors)

@@ -98,6 +98,53 @@ def test_gpu_measurer_refuses_without_cuda():
         GpuMeasurer()
 
 
+@pytest.mark.parametrize("vendor_tf32", [None, False])
+def test_vendor_baseline_uses_tf32_as_ort_cuda_ep_does(monkeypatch, vendor_tf32):
+    """ORT's CUDA EP runs fp32 MatMul/Conv with TF32 by default: torch's TF32 flags are on while the vendor
+    is timed (unless vendor_tf32=False) and restored after. Checked on the CPU: the timer records them."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1))  # the L2 flush buffer
+    flags = torch.backends
+    saved = (flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32)
+    flags.cuda.matmul.allow_tf32 = flags.cudnn.allow_tf32 = False  # plain attributes of torch's own modules
+    try:
+        _check_vendor_tf32(torch, monkeypatch, vendor_tf32)
+    finally:
+        flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32 = saved
+
+
+def _check_vendor_tf32(torch, monkeypatch, vendor_tf32):
+    from tuner import measure
+    from tuner.workload import ConvParams
+
+    conv = ConvParams(4, 8, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1))
+    kwargs = {} if vendor_tf32 is None else {"vendor_tf32": vendor_tf32}
+    m = GpuMeasurer(conv=conv, **kwargs)
+    want = measure.ORT_CUDA_USES_TF32 if vendor_tf32 is None else vendor_tf32
+    assert measure.ORT_CUDA_USES_TF32 is True and m.vendor_tf32 is want
+    seen = []
+
+    def operands(family, p):
+        make = lambda *shape: torch.randn(*shape, dtype=torch.float32)  # noqa: E731
+        if family.op == "conv":
+            return make(1, 4, 6, 6), make(8, 4, 3, 3), None
+        return make(p.m, p.k), make(p.k, p.n), None
+
+    def timer(fn):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        fn()
+        return 1e-3
+
+    monkeypatch.setattr(m, "_operands", operands)
+    monkeypatch.setattr(m, "_time", timer)
+    results = m.measure_vendor(Family("gemm", "float32", "sm_90"), [Problem(8, 16, 32)])
+    results += m.measure_vendor(Family("conv", "float32", "sm_90"), [Problem(36, 8, 36, 1, (1, 6, 6))])
+    assert [r.seconds for r in results] == [1e-3, 1e-3], results
+    assert seen == [(want, want), (want, want)]
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+
+
 @pytest.mark.gpu
 def test_gpu_measurer_times_kernels_and_vendor():
     torch = pytest.importorskip("torch")

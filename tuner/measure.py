@@ -6,7 +6,8 @@ failed or timed-out kernel is data (``seconds = inf`` plus an error), never an e
 tuning run.
 
 - ``GpuMeasurer`` times kernels on a CUDA device (Triton JIT launch, 256 MB L2 flush before each repeat,
-  CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm / conv2d on the same problems.
+  CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm / conv2d on the same problems,
+  with TF32 for float32 as ONNX Runtime's CUDA EP uses it (``ORT_CUDA_USES_TF32``).
 - ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
 - ``AnalyticMeasurer`` needs no hardware: a roofline estimate scaled by f_adapt.
 
@@ -33,6 +34,9 @@ __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMe
            "problem_key", "VENDOR_KEY"]
 
 VENDOR_KEY = "vendor"
+# ONNX Runtime's CUDA EP runs float32 MatMul/Gemm (cuBLAS) and Conv (cuDNN) with TF32 unless its provider
+# option use_tf32 is 0 (the default is 1): the vendor baseline a dietcode kernel must beat does the same.
+ORT_CUDA_USES_TF32 = True
 Pair = tuple[MicroKernel, Problem]
 
 
@@ -232,11 +236,14 @@ class GpuMeasurer(Measurer):
     module needs neither torch nor a GPU; constructing a GpuMeasurer does.
 
     ``conv`` / ``epilogue`` / ``trans_b`` describe the workload the family's template runs with.
+    ``vendor_tf32``: whether the vendor baseline runs float32 with TF32 (torch's
+    ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32`` while it is timed; default: as
+    ONNX Runtime's CUDA EP does).
     """
 
     def __init__(self, warmup: int = 3, repeats: int = 20, timeout_s: float = 10.0,
                  conv: ConvParams | None = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
-                 launch: Callable[..., Any] | None = None) -> None:
+                 launch: Callable[..., Any] | None = None, vendor_tf32: bool = ORT_CUDA_USES_TF32) -> None:
         try:
             import torch
         except ImportError as exc:
@@ -247,6 +254,7 @@ class GpuMeasurer(Measurer):
         self._torch = torch
         self.warmup, self.repeats, self.timeout_s = warmup, repeats, timeout_s
         self.conv, self.epilogue, self.trans_b = conv, epilogue, trans_b
+        self.vendor_tf32 = vendor_tf32
         if launch is None:
             from tuner.templates import run as launch
         self._launch = launch
@@ -321,7 +329,17 @@ class GpuMeasurer(Measurer):
         return out
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
-        """cuBLAS (torch.matmul / torch.bmm) or cuDNN (conv2d) on the same problems and epilogue."""
+        """cuBLAS (torch.matmul / torch.bmm) or cuDNN (conv2d) on the same problems and epilogue, float32
+        with TF32 when ``vendor_tf32`` (torch's global flags are set while timing and restored after)."""
+        flags = self._torch.backends
+        saved = (flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32)
+        flags.cuda.matmul.allow_tf32 = flags.cudnn.allow_tf32 = self.vendor_tf32
+        try:
+            return self._measure_vendor(family, problems)
+        finally:
+            flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32 = saved
+
+    def _measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         torch = self._torch
         fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
         act = fn_act[self.epilogue.activation]

@@ -14,8 +14,11 @@ cover in a handful of rounds):
   costs shared memory).
 - GROUP_M = 8 (tile-row swizzle for L2 reuse; with fewer tile rows than 8 it degenerates to row-major,
   so it never hurts and the value 1 is not worth doubling the space).
-- SPLIT_K in {1, 4}, only with BLOCK_M * BLOCK_N <= 64 * 64: split-K exists for small outputs with
-  long reductions (decode-style M), which large tiles do not serve anyway.
+- SPLIT_K in {1, 4}, only for float32 and only with BLOCK_M * BLOCK_N <= 64 * 64: split-K exists for
+  small outputs with long reductions (decode-style M), which large tiles do not serve anyway. Its partial
+  sums are added atomically into the output in the output's dtype, so in float16 / bfloat16 every partial
+  sum is rounded to 11 / 8 bits before the next is added (and the order of the atomics varies from run
+  to run): only float32 keeps the fp32 accumulation the other configs have.
 
 Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
@@ -30,7 +33,7 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread;
   conv adds num_stages * BLOCK_M*BLOCK_K/threads * 3 (a pipelined gather keeps a 64-bit address and a
   predicate per input element in flight; without this term most large conv tiles compile to spills).
-- ``split_k``: split-K only on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
+- ``split_k``: split-K only for float32, on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
@@ -39,15 +42,15 @@ Measured sizes of ``enumerate_space`` per family (of 1800 axis combinations; gem
 conv's gather costs registers; tests/test_space.py checks this table against the code):
 
     target  op    float32  float16  bfloat16
-    sm_80   gemm      591      549       549
-    sm_80   bmm       591      549       549
-    sm_80   conv      264      157       157
-    sm_89   gemm      460      448       448
-    sm_89   bmm       460      448       448
-    sm_89   conv      236      142       142
-    sm_90   gemm      624      568       568
-    sm_90   bmm       624      568       568
-    sm_90   conv      267      159       159
+    sm_80   gemm      591      335       335
+    sm_80   bmm       591      335       335
+    sm_80   conv      264       90        90
+    sm_89   gemm      460      269       269
+    sm_89   bmm       460      269       269
+    sm_89   conv      236       81        81
+    sm_90   gemm      624      350       350
+    sm_90   bmm       624      350       350
+    sm_90   conv      267       91        91
 """
 from __future__ import annotations
 
@@ -182,7 +185,7 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
         return "shared_memory"
     if estimate_registers(config, dtype, p.warp_size, op) > p.regs_per_thread:
         return "registers"
-    if config.split_k > 1 and config.block_m * config.block_n > _SPLIT_K_MAX_TILE:
+    if config.split_k > 1 and (dtype != "float32" or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
         return "split_k"
     return None
 

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Make everything a GPU (device) session needs, on this machine, into git-ignored folders of the checkout,
+# then print the exact `run` calls to make, in order (command, carry, timeout_s), sized against the 64 MiB
+# that one call may carry. docs/device.md says how a session uses them.
+#
+#   scripts/prepare_device.sh [--version 1.30.0] [--kit DIR] [--cache DIR] [--limit-mib 64] [--check-only]
+#
+# Makes, in the checkout this script sits in (or the one it is run from):
+#   .ortgpu/p1..pN   onnxruntime-gpu in parts (the ortgpu kit, ../shared/tools/ortgpu, about 7 minutes of xz
+#                    on 2 cores the first time; the parts are kept in --cache, default
+#                    ~/.cache/dietcode-ort/device, and re-split here when the working tree leaves less room)
+#   .device/deps     a real copy of the ONNX Runtime headers (a worktree's .deps is a symbolic link, which
+#                    travels only as a link); device_run.sh points DIETCODE_ORT_INCLUDE at it
+#   .device/source.json   the commit and state of the working tree the calls carry
+#   .device/plan.json, .device/plan.md   the calls, also printed
+# Both folders are ignored (.gitignore, else .git/info/exclude). --check-only makes nothing and checks sizes.
+set -euo pipefail
+
+version=1.30.0 kit="" cache=${XDG_CACHE_HOME:-$HOME/.cache}/dietcode-ort/device limit_mib=64 check_only=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --version) version=$2; shift 2 ;;
+    --kit) kit=$2; shift 2 ;;
+    --cache) cache=$2; shift 2 ;;
+    --limit-mib) limit_mib=$2; shift 2 ;;
+    --check-only) check_only=1; shift ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    *) echo "prepare_device: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel 2>/dev/null) || {
+  echo "prepare_device: not inside a git checkout" >&2; exit 2; }
+cd "$root"
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+
+# --- 1. the folders are ignored, so they travel only when carried ---
+for d in .ortgpu .device; do
+  if ! git check-ignore -q "$d/x"; then
+    echo "/$d/" >> "$(git rev-parse --git-path info/exclude)"
+    echo "prepare_device: added /$d/ to .git/info/exclude"
+  fi
+done
+
+# --- 2. what every call carries anyway: the working tree (tracked + untracked files git does not ignore) ---
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -L -c %s 2>/dev/null \
+             | awk '{ s += $1 } END { print s + 0 }')
+if [ -d shared ]; then tree_bytes=$((tree_bytes + $(du -sbL shared | cut -f1))); fi
+echo "prepare_device: the working tree carries $(mib "$tree_bytes") MiB in every call"
+
+# --- 3. .device: headers, source state ---
+hdr=onnxruntime/include/onnxruntime/onnxruntime_cxx_api.h
+if [ "$check_only" = 0 ]; then
+  mkdir -p .device
+  if [ ! -f ".device/deps/$hdr" ]; then
+    src=""
+    for c in .deps "${DIETCODE_ORT_INCLUDE:+$DIETCODE_ORT_INCLUDE/../../..}"; do
+      if [ -n "$c" ] && [ -f "$c/$hdr" ]; then src=$c; break; fi
+    done
+    [ -n "$src" ] || { echo "prepare_device: no ONNX Runtime headers in .deps: run ./dev.sh test or" \
+                            "scripts/fetch_ort_headers.sh .deps/onnxruntime first" >&2; exit 1; }
+    rm -rf .device/deps; mkdir -p .device/deps
+    cp -rL "$src/onnxruntime" .device/deps/
+  fi
+  dirty=$(git status --porcelain --untracked-files=no | wc -l)
+  cat > .device/source.json <<EOF
+{"commit": "$(git rev-parse HEAD)", "branch": "$(git rev-parse --abbrev-ref HEAD)", "modified_files": $dirty,
+ "prepared": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "onnxruntime_gpu": "$version"}
+EOF
+fi
+[ -f ".device/deps/$hdr" ] || { echo "prepare_device: .device/deps is missing (run without --check-only)" >&2; exit 1; }
+device_bytes=$(du -sbL .device | cut -f1)
+
+# --- 4. onnxruntime-gpu parts: as large as the room left in a call allows (1 MiB margin) ---
+room_mib=$(( (limit_mib * 1048576 - tree_bytes - device_bytes) / 1048576 - 1 ))
+part_mib=$(( room_mib < 60 ? room_mib : 60 ))
+[ "$part_mib" -ge 1 ] || { echo "prepare_device: the working tree leaves no room for a part in a call" >&2; exit 1; }
+stock=$cache/ortgpu-$version
+if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
+  if [ -z "$kit" ]; then
+    for c in "$root/../shared/tools/ortgpu" /work/shared/tools/ortgpu; do
+      if [ -x "$c/prepare_ort_gpu_parts.sh" ]; then kit=$c; break; fi
+    done
+  fi
+  [ -n "$kit" ] && [ -x "$kit/prepare_ort_gpu_parts.sh" ] || {
+    echo "prepare_device: the ortgpu kit (prepare_ort_gpu_parts.sh) is not found: pass --kit DIR" >&2; exit 1; }
+  echo "prepare_device: making onnxruntime-gpu $version parts with $kit (downloads the wheel; minutes of xz)"
+  mkdir -p "$cache"
+  bash "$kit/prepare_ort_gpu_parts.sh" "$stock" --version "$version" --part-mib 60
+fi
+parts_ok() {  # the parts in .ortgpu are whole, of this version and no larger than part_mib
+  [ -f .ortgpu/p1/MANIFEST ] || return 1
+  [ "$(. .ortgpu/p1/MANIFEST; echo "$TOTAL_SHA256")" = "$(. "$stock/p1/MANIFEST"; echo "$TOTAL_SHA256")" ] || return 1
+  local k n want
+  n=$(. .ortgpu/p1/MANIFEST; echo "$NPARTS")
+  for k in $(seq 1 "$n"); do
+    [ -f ".ortgpu/p$k/part" ] && [ -f ".ortgpu/p$k/ondevice.sh" ] || return 1
+    [ "$(stat -c %s ".ortgpu/p$k/part")" -le $((part_mib * 1048576)) ] || return 1
+    want=$(. ".ortgpu/p$k/MANIFEST"; echo "$PART_SHA256")
+    [ "$(sha256sum ".ortgpu/p$k/part" | cut -d' ' -f1)" = "$want" ] || return 1
+  done
+  [ ! -d ".ortgpu/p$((n + 1))" ]
+}
+if [ "$check_only" = 0 ] && ! parts_ok; then
+  echo "prepare_device: splitting the onnxruntime-gpu stream into parts of at most $part_mib MiB in .ortgpu/"
+  # shellcheck disable=SC1091
+  . "$stock/p1/MANIFEST"
+  stream=$(mktemp "${TMPDIR:-/tmp}/ortgpu_stream.XXXXXX")
+  trap 'rm -f "$stream" "$stream".part*' EXIT
+  for k in $(seq 1 "$NPARTS"); do cat "$stock/p$k/part"; done > "$stream"
+  [ "$(sha256sum "$stream" | cut -d' ' -f1)" = "$TOTAL_SHA256" ] || {
+    echo "prepare_device: the parts in $stock are damaged (sha256 of the stream): delete them and re-run" >&2; exit 1; }
+  rm -rf .ortgpu; mkdir -p .ortgpu
+  split -b "${part_mib}M" -d -a 2 "$stream" "$stream.part"
+  n=$(ls "$stream".part* | wc -l) k=0
+  for f in $(ls "$stream".part* | sort); do
+    k=$((k + 1)); mkdir -p ".ortgpu/p$k"
+    mv "$f" ".ortgpu/p$k/part"
+    cp "$stock/p1/ondevice.sh" ".ortgpu/p$k/ondevice.sh"
+    cat > ".ortgpu/p$k/MANIFEST" <<EOF
+WHEEL=$WHEEL
+WHEEL_SHA256=$WHEEL_SHA256
+CODEC=$CODEC
+NPARTS=$n
+TOTAL_SHA256=$TOTAL_SHA256
+INDEX=$k
+PART_SHA256=$(sha256sum ".ortgpu/p$k/part" | cut -d' ' -f1)
+EOF
+  done
+fi
+[ -f .ortgpu/p1/MANIFEST ] || { echo "prepare_device: no parts in .ortgpu (run without --check-only)" >&2; exit 1; }
+nparts=$(. .ortgpu/p1/MANIFEST; echo "$NPARTS")
+
+# --- 5. the calls: stage 2 rides on the parts calls (it needs no onnxruntime-gpu), stage 1 on the last ---
+case $nparts in
+  1) groups=() ;;
+  2) groups=("dense,attention,conv") ;;
+  3) groups=("dense" "attention,conv") ;;
+  *) groups=("dense" "attention" "conv"); while [ "${#groups[@]}" -lt $((nparts - 1)) ]; do groups+=("conv"); done ;;
+esac
+python3 - "$nparts" "$tree_bytes" "$limit_mib" "${groups[@]}" <<'PYEND'
+import json, os, sys
+from pathlib import Path
+
+nparts, tree, limit = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+groups = sys.argv[4:]
+run = "bash benchmarks/device_run.sh"
+
+
+def size(path):
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+calls = []
+for k in range(1, nparts):
+    sets = groups[k - 1]
+    calls.append({"why": f"onnxruntime-gpu part {k} of {nparts}; stage 2: table sets {sets}",
+                  "carry": [f".ortgpu/p{k}", ".device"], "deadline": 180,
+                  "command": f"{run} --ortgpu .ortgpu/p{k} --stage 2 --sets {sets} --deadline 180"})
+calls.append({"why": f"onnxruntime-gpu part {nparts} of {nparts}: install; stage 1: check, doctor, GPU tests",
+              "carry": [f".ortgpu/p{nparts}", ".device"], "deadline": 360,
+              "command": f"{run} --ortgpu .ortgpu/p{nparts} --stage 1 --deadline 360"})
+if nparts == 1:
+    calls.append({"why": "stage 2: the measurement table (all sets, sampled)", "carry": [".device"], "deadline": 300,
+                  "command": f"{run} --stage 2 --deadline 300"})
+calls.append({"why": "stage 3: LLaMA-7B MLP layer and BERT-base, fp16, tuned on the GPU, vs stock ORT CUDA EP",
+              "carry": [".device"], "deadline": 390,
+              "command": f"{run} --stage 3 --suites mlp,bert --budget 32 --deadline 390"})
+calls.append({"why": "stage 3 + 4: ResNet-50 fp16 (about 20 conv workloads: small budget), then the tuning DB "
+                     "and the bundles", "carry": [".device"], "deadline": 360,
+              "command": f"{run} --stage 3,4 --suites resnet50 --budget 8 --deadline 360"})
+over = []
+for i, c in enumerate(calls, 1):
+    c["call"] = i
+    c["timeout_s"] = c.pop("deadline") + 30
+    c["carried_mib"] = round((tree + sum(size(p) for p in c["carry"])) / 2**20, 1)
+    if c["carried_mib"] > limit:
+        over.append(i)
+Path(".device/plan.json").write_text(json.dumps(calls, indent=1) + "\n")
+total = sum(c["timeout_s"] - 30 for c in calls)  # each call ends by its --deadline
+lines = [f"# Device calls ({len(calls)}), in order, each within 30 s of the last (the machine stays warm 30 s)", ""]
+for c in calls:
+    lines += [f"## call {c['call']}: {c['why']}",
+              f"run(command={c['command']!r}, carry={json.dumps(c['carry'])}, timeout_s={c['timeout_s']})",
+              f"   carries {c['carried_mib']} MiB of {limit}", ""]
+lines += [f"The calls end by their deadlines: {total} s = {total / 60:.1f} min in all, plus about 2 min to start the "
+          "machine and the transfers: inside a session's 30 minutes only if each call follows the last at once.",
+          "Each call's archive holds the earlier calls' results too (while the machine stays warm): make the next call "
+          "at once, keep the last call's files (device-run.tar.gz, metadata.json, progress.log) outside the checkout, "
+          "and unpack the archive at the repository root at the end (docs/device.md)."]
+Path(".device/plan.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+if over:
+    print(f"prepare_device: call(s) {over} carry more than {limit} MiB", file=sys.stderr)
+    sys.exit(1)
+PYEND

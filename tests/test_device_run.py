@@ -1,0 +1,282 @@
+"""benchmarks/device_run.sh, rehearsed with --dry-run (CPU, analytic measurer, tiny sizes): the files that
+come back from a device call, the archive's layout, the records of every step, and what a time limit does."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "benchmarks" / "device_run.sh"
+
+
+def _run(out: Path, *args: str, timeout: int = 120, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": python}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(RUNNER), "--dry-run", "--out", str(out), "--work", str(out.parent / "work"),
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _members(archive: Path) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(archive) as tar:
+        return {m.name: m for m in tar.getmembers()}
+
+
+def _read(archive: Path, name: str) -> str:
+    with tarfile.open(archive) as tar:
+        fh = tar.extractfile(name)
+        assert fh is not None, name
+        return fh.read().decode()
+
+
+def _check_returnable(out: Path) -> None:
+    """What the device tool brings back: at most 8 files, 16 MiB each, no more than 2 folders down."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8
+    assert all(p.stat().st_size <= 16 * 2**20 for p in files)
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files)
+
+
+def test_dry_run_packs_every_stage_into_one_archive(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "2,4", "--sets", "dense")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["device-run.tar.gz", "metadata.json", "progress.log"]
+    _check_returnable(out)
+
+    members = _members(out / "device-run.tar.gz")
+    runs = [n for n in members if n.endswith("/device-run/metadata.json")]
+    assert len(runs) == 1 and runs[0].startswith("benchmarks/results/"), sorted(members)
+    base = runs[0].removesuffix("metadata.json")
+    for name in ("progress.log", "stage2/table.csv", "stage2/table.json", "stage2/record.log", "stage2/report.txt",
+                 "stage2/report.json"):
+        assert base + name in members, name
+
+    meta = json.loads(_read(out / "device-run.tar.gz", runs[0]))
+    assert meta == json.loads((out / "metadata.json").read_text())
+    (call,) = meta["calls"]
+    assert call["dry_run"] == 1 and call["stages"] == "2,4" and "--dry-run" in call["command"]
+    assert call["environment"]["python_executable"] and "torch" in call["environment"]
+    steps = {s["step"]: s for s in meta["steps"]}
+    assert steps["record_table dense"]["rc"] == 0 and steps["report_table"]["rc"] == 0
+    assert "record_table.py" in steps["record_table dense"]["command"]
+    assert meta["timed_out"] == [] and meta["failed"] == []
+
+    rows = list(csv.DictReader(io.StringIO(_read(out / "device-run.tar.gz", base + "stage2/table.csv"))))
+    families = {r["family"] for r in rows}
+    assert families == {"dense-768x768", "dense-3072x768", "dense-768x3072"}
+    vendor = [r for r in rows if r["config"] == "vendor"]
+    assert len(vendor) == 3 * 4 and len(rows) == 3 * 4 * (1 + 3)  # t-max 4, vendor + 3 configs per set
+    table = json.loads(_read(out / "device-run.tar.gz", base + "stage2/table.json"))
+    assert table["measure"] == "analytic" and [d["configs"] for d in table["done"]] == [3, 3, 3]
+
+    # a second call on the same machine (same work folder) adds to the records and re-packs everything
+    proc = _run(out, "--stage", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [c["call"] for c in meta["calls"]] == [1, 2]
+    assert base + "stage2/table.csv" in _members(out / "device-run.tar.gz")
+    assert "no tuning database yet" in (out / "progress.log").read_text()
+
+
+def test_a_step_past_its_limit_is_recorded_and_the_archive_kept(tmp_path: Path) -> None:
+    slow = tmp_path / "python"  # the interpreter, except that the table recorder hangs
+    slow.write_text(f"#!/bin/bash\ncase \"$1\" in *record_table.py) sleep 60 ;; esac\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "2", "--sets", "dense", "--limit", "9", python=str(slow))
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a step timed out
+    meta = json.loads((out / "metadata.json").read_text())
+    record = next(s for s in meta["steps"] if s["step"] == "record_table dense")
+    assert record["timed_out"] is True and record["limit"] == 8 and record["rc"] == 124
+    assert meta["timed_out"] == ["stage 2: record_table dense"]
+    assert any(n.endswith("device-run/progress.log") for n in _members(out / "device-run.tar.gz"))
+    _check_returnable(out)
+
+
+KIT = next((d for d in (ROOT.parent / "shared" / "tools" / "ortgpu", Path("/work/shared/tools/ortgpu"))
+            if (d / "prepare_ort_gpu_parts.sh").is_file()), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KIT is None, reason="needs the ortgpu kit (../shared/tools/ortgpu) to make parts")
+def test_parts_are_stashed_across_calls_then_installed(tmp_path: Path) -> None:
+    """The onnxruntime-gpu chain with a stand-in wheel in two parts: call 1 stashes part 1, call 2 installs
+    from part 2 and later calls find it; a fresh machine (another work folder) refuses part 2 alone."""
+    parts = _standin_parts(tmp_path)
+    assert sorted(p.name for p in parts.iterdir() if p.is_dir()) == ["p1", "p2"]
+    out = tmp_path / "out"
+
+    fresh = _run(out, "--ortgpu", str(parts / "p2"), "--work", str(tmp_path / "fresh"))
+    assert fresh.returncode == 1 and "start again at part 1" in fresh.stdout
+
+    assert _run(out, "--ortgpu", str(parts / "p1")).returncode == 0
+    second = _run(out, "--ortgpu", str(parts / "p2"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    target = tmp_path / "work" / "ortgpu"
+    assert (target / "ortgpu_standin" / "blob.bin").stat().st_size == 1_500_000
+    assert (target / ".installed").is_file()
+    third = _run(out, "--stage", "4")  # a later call on the same machine sets up the installed package
+    assert third.returncode == 0 and f"onnxruntime-gpu from {target}" in third.stdout
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [s["step"] for s in meta["steps"]] == ["ortgpu stash part 1 of 2", "ortgpu install (part 2 of 2)"]
+    assert str(target) in meta["calls"][-1]["environment"]["env"]["PYTHONPATH"].split(":")[0]
+
+
+def _standin_parts(tmp_path: Path, size: int = 1_500_000) -> Path:
+    """A stand-in onnxruntime-gpu wheel of ``size`` random bytes, made into parts of 1 MiB by the kit."""
+    import random
+    import zipfile
+
+    wheel = tmp_path / "onnxruntime_gpu-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("ortgpu_standin/blob.bin", random.Random(0).randbytes(size))
+        z.writestr("ortgpu_standin/__init__.py", "")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: onnxruntime-gpu\n"
+                                                               "Version: 9.9.9\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                            "Tag: py3-none-any\n")
+        z.writestr("onnxruntime_gpu-9.9.9.dist-info/RECORD", "")
+    parts = tmp_path / "cache" / "ortgpu-9.9.9"
+    subprocess.run(["bash", str(KIT / "prepare_ort_gpu_parts.sh"), str(parts), "--wheel", str(wheel),
+                    "--part-mib", "1", "--threads", "0"], check=True, capture_output=True, timeout=120)
+    return parts
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KIT is None, reason="needs the ortgpu kit (../shared/tools/ortgpu) to make parts")
+def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_path: Path) -> None:
+    """In a clone of this checkout: the headers are copied for real, the cached parts are re-split to what a
+    call can still carry, the folders are ignored, and the plan names every part once, in order."""
+    stock = _standin_parts(tmp_path, 3_000_000)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(clone)], check=True, timeout=60)
+    include = ROOT / ".deps" / "onnxruntime" / "include" / "onnxruntime"
+    if not (include / "onnxruntime_cxx_api.h").is_file():
+        pytest.skip("needs the ONNX Runtime headers in .deps")
+    env = {**os.environ, "DIETCODE_ORT_INCLUDE": str(include)}
+    proc = subprocess.run(["bash", "scripts/prepare_device.sh", "--version", "9.9.9", "--cache",
+                           str(stock.parent), "--limit-mib", "5"], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (clone / ".device" / "deps" / "onnxruntime" / "include" / "onnxruntime" /
+            "onnxruntime_cxx_api.h").is_file()
+    assert not (clone / ".device" / "deps").is_symlink()
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                          check=True).stdout == ""
+    parts = sorted(p.name for p in (clone / ".ortgpu").iterdir())
+    # the kit made 1 MiB parts (3); a call of 5 MiB carrying ~1.5 MiB of tree and .device takes 2 MiB parts
+    assert len(list(stock.glob("p*/part"))) == 3
+    assert parts == [f"p{k}" for k in range(1, len(parts) + 1)]
+    assert len(parts) < 3 and (clone / ".ortgpu" / "p1" / "part").stat().st_size > 2**20
+    plan = json.loads((clone / ".device" / "plan.json").read_text())
+    carried = [c for call in plan for c in call["carry"] if c.startswith(".ortgpu/")]
+    assert carried == [f".ortgpu/p{k}" for k in range(1, len(parts) + 1)]
+    assert all(call["carried_mib"] <= 5 and ".device" in call["carry"] for call in plan)
+    assert "--ortgpu .ortgpu/p1 --stage 2" in plan[0]["command"] and plan[-1]["command"].endswith("--deadline 360")
+    assert "run(command=" in proc.stdout
+    source = json.loads((clone / ".device" / "source.json").read_text())
+    assert source["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True,
+                                              text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "5"], "unknown stage '5'"),
+    ([], "nothing to do"),
+    (["--stage", "2", "--deadline", "soon"], "whole numbers"),
+    (["--ortgpu", "nowhere"], "holds no MANIFEST"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _run(tmp_path / "out", *args, timeout=30)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: Path, monkeypatch) -> None:
+    """A driver that refuses one of the extra query fields still gives name, driver and clocks."""
+    import importlib.util
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/bash\ncase "$1" in *persistence_mode*) echo "Field \\"x\\" is not valid" >&2; exit 2 ;; esac\n'
+                    'echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 1980 MHz, 2619 MHz, 1980 MHz, 120.50 W, 35"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    spec = importlib.util.spec_from_file_location("device_info", ROOT / "benchmarks" / "device_info.py")
+    device_info = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_info)  # type: ignore[union-attr]
+    smi = device_info._nvidia_smi()
+    assert smi == dict(zip(device_info.SMI_BASIC, ["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "1980 MHz",
+                                                   "2619 MHz", "1980 MHz", "120.50 W", "35"]))
+    fake.write_text("#!/bin/bash\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert device_info._nvidia_smi().startswith("nvidia-smi exit 9: NVIDIA-SMI has failed")
+
+
+def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> None:
+    """--budget-s: a set whose share of the time is spent stops after one config (every set stays
+    reportable); a second run appends to the table and keeps the first run's sets in table.json."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_table", ROOT / "benchmarks" / "record_table.py")
+    record_table = importlib.util.module_from_spec(spec)
+    sys.modules["record_table"] = record_table  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
+    dense = record_table.dense_sets(2)
+    path = record_table.record(dense[:2], tmp_path, measure="analytic", budget_s=1e-6, command="first")
+    meta = json.loads((tmp_path / "table.json").read_text())
+    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == 350
+    record_table.record(record_table.attention_sets(2)[:1], tmp_path, measure="analytic", max_configs=2,
+                        command="second")
+    meta = json.loads((tmp_path / "table.json").read_text())
+    assert [s["tag"] for s in meta["sets"]] == ["dense-768x768", "dense-3072x768", "attention-qk"]
+    assert [(d["tag"], d["configs"]) for d in meta["done"]] == [("dense-768x768", 1), ("dense-3072x768", 1),
+                                                                ("attention-qk", 2)]
+    assert meta["command"] == "second" and meta["earlier_runs"][0]["command"] == "first"
+    rows = list(csv.DictReader(path.open()))
+    assert rows[0].keys() == set(record_table.COLUMNS) and len(rows) == 2 * (2 + 2) + 2 * (1 + 2)
+
+
+@pytest.mark.slow
+def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
+    """Stages 3 and 4 on the tiny MLP: the suite's results where run_suite puts them, the tuning DB and the
+    optimized model's bundles (no weights) in the archive."""
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "3,4", "--suites", "mlp", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    members = _members(out / "device-run.tar.gz")
+    (suite,) = [n for n in members if n.endswith("/mlp-tiny-fp16-cpu.json")]
+    base = suite.removesuffix("mlp-tiny-fp16-cpu.json")
+    report = json.loads(_read(out / "device-run.tar.gz", suite))
+    assert report["optimized_custom_nodes"] > 0 and report["shapes"]
+    for name in ("mlp-tiny-fp16-cpu.txt", "device-run/stage3/mlp.log", "device-run/stage4/tuning.db",
+                 "device-run/stage4/bundles/index.json",
+                 "device-run/stage4/bundles/mlp-tiny-fp16.cpu.dietcode/inspect.json"):
+        assert base + name in members, name
+    bundles = [n for n in members if n.endswith(".bundle")]
+    index = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage4/bundles/index.json"))
+    assert index["mlp-tiny-fp16.cpu.dietcode.onnx"]["bundles"] == len(bundles) > 0
+    assert all(members[n].size < 1_000_000 for n in bundles)
+
+
+@pytest.mark.slow
+def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "1", timeout=600)
+    members = _members(out / "device-run.tar.gz")
+    (doctor,) = [n for n in members if n.endswith("/stage1/doctor.json")]
+    base = doctor.removesuffix("doctor.json")
+    checks = json.loads(_read(out / "device-run.tar.gz", doctor))
+    assert {c["name"] for c in checks} >= {"onnxruntime", "custom-op library", "GPU"}
+    for name in ("doctor.txt", "pytest-gpu.log", "pytest-gpu.xml", "pytest-gpu-e2e.log", "nvidia-smi.txt"):
+        assert base + name in members, name
+    assert "test_gpu_end_to_end.py" in _read(out / "device-run.tar.gz", base + "pytest-gpu-e2e.log")
+    steps = json.loads((out / "metadata.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["doctor", "doctor --json", "pytest -m gpu (kernels)",
+                                          "pytest -m gpu (end to end)"]
+    assert proc.returncode == (0 if all(s["rc"] == 0 for s in steps) else 1)
