@@ -3,6 +3,7 @@
 #   ./dev.sh demo    set everything up, then build the tiny BERT model, scan it, optimize it and benchmark
 #                    it against stock onnxruntime on the CPU (outputs checked to agree for every shape)
 #   ./dev.sh test    set everything up, then run the test suite
+#   ./dev.sh lint    set everything up, then run ruff and mypy as pyproject.toml configures them
 #   ./dev.sh setup   only set up: .venv (project-local virtual environment) and the ORT headers in .deps/
 # Every command is idempotent: a second run reuses the environment (it reinstalls only when
 # pyproject.toml changed).
@@ -50,11 +51,17 @@ run_tests() {
   "$VENV/bin/python" -m pytest -q "$@"
 }
 
+lint() {
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/mypy" dietcode_ort tuner models
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; demo ;;
   test) setup; run_tests "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | setup" >&2; exit 2 ;;
+  lint) setup; lint ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | lint | setup" >&2; exit 2 ;;
 esac

@@ -256,8 +256,9 @@ class GpuMeasurer(Measurer):
         self.conv, self.epilogue, self.trans_b = conv, epilogue, trans_b
         self.vendor_tf32 = vendor_tf32
         if launch is None:
-            from tuner.templates import run as launch
-        self._launch = launch
+            from tuner.templates import run as default_launch
+            launch = default_launch
+        self._launch: Callable[..., Any] = launch
         self._flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
 
     def device_key(self) -> str:

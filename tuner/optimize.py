@@ -486,7 +486,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     import numpy as np
 
     from dietcode_ort.bundle import DispatchTree
-    from tuner.dispatch import VENDOR, build_dispatch
+    from tuner.dispatch import build_dispatch
     from tuner.hardware import get_profile
     from tuner.search import SearchOptions, tune_joint
     from tuner.space import enumerate_space
