@@ -12,7 +12,7 @@ from tuner.hardware import get_profile
 from tuner.measure import AnalyticMeasurer, GpuMeasurer, MeasureResult, ReplayMeasurer
 from tuner.simulate import simulate_table, synthetic_table_name, write_synthetic_table
 from tuner.space import Family, MicroKernel, enumerate_space
-from tuner.workload import Problem
+from tuner.workload import Epilogue, Problem
 
 FAMILY = Family("gemm", "float16", "sm_90")
 H100 = get_profile("sm_90")
@@ -158,3 +158,21 @@ def test_gpu_measurer_times_kernels_and_vendor():
     assert not results[1].ok and results[1].seconds == math.inf and results[1].error
     assert all(r.ok for r in m.measure_vendor(FAMILY, PROBLEMS))
     assert "arch=sm_" in m.device_key()
+
+
+def test_gpu_timings_are_keyed_by_template_source_and_timing_settings(monkeypatch):
+    """The database context of a GPU timing changes with the templates' source and the timing settings, so
+    a timing of an edited template or of other settings is never reused (checked without a GPU)."""
+    from tuner import aot
+
+    def context(**kw) -> str:
+        m = GpuMeasurer.__new__(GpuMeasurer)  # the context needs no device
+        m.conv, m.epilogue, m.trans_b = None, Epilogue(bias=True), False
+        m.warmup, m.repeats, m.vendor_tf32 = kw.get("warmup", 10), kw.get("repeats", 50), kw.get("tf32", True)
+        return m.context()
+
+    base = context()
+    assert "bias=1" in base and aot.template_hash()[:16] in base
+    assert len({base, context(warmup=2), context(repeats=5), context(tf32=False)}) == 4
+    monkeypatch.setattr(aot, "template_hash", lambda: "0" * 64)
+    assert context() != base

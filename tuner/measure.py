@@ -274,11 +274,16 @@ class GpuMeasurer(Measurer):
         return make_device_key(props.name, f"sm_{props.major}{props.minor}", driver, triton.__version__)
 
     def context(self) -> str:
+        """The kernel's build facts, plus what else changes a timing here: the templates' source (a
+        timing of an edited template is another kernel's) and the timing settings."""
+        from tuner.aot import template_hash
+
         c = self.conv
         conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
                                      f"p{c.pads}d{c.dilations}")
         return (f"bias={int(self.epilogue.bias)};act={self.epilogue.activation};trans_b={int(self.trans_b)}"
-                + conv).replace(" ", "")
+                + conv + f";templates={template_hash()[:16]};timing=w{self.warmup}r{self.repeats}"
+                f";vendor_tf32={int(self.vendor_tf32)}").replace(" ", "")
 
     def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any]:
         torch = self._torch
