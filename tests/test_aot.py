@@ -169,3 +169,18 @@ def test_compile_filter_drops_by_metadata(sample: list[CompileResult], monkeypat
     assert [c for c, _ in result.kept] == [configs[3]]
     with pytest.raises(DietcodeError, match="outside the space"):
         space.compile_filter(family, [MicroKernel(48, 64, 32, 4, 2)])
+
+
+def test_launch_features_beyond_a_plain_launch_are_refused():
+    """Metadata asking for several CTAs, clusters, PDL or a cooperative grid is named (and compile_kernel
+    refuses the kernel); Triton's plain metadata asks for none."""
+    from types import SimpleNamespace
+
+    from tuner.aot import launch_features
+
+    plain = SimpleNamespace(num_ctas=1, cluster_dims=(1, 1, 1), launch_pdl=False, launch_cooperative_grid=False)
+    assert launch_features(plain) == []
+    assert launch_features(SimpleNamespace(num_ctas=2)) == ["num_ctas=2"]
+    assert launch_features(SimpleNamespace(cluster_dims=(2, 1, 1))) == ["cluster_dims=(2, 1, 1)"]
+    assert launch_features(SimpleNamespace(launch_pdl=True, launch_cooperative_grid=True)) == [
+        "programmatic dependent launch", "a cooperative grid"]

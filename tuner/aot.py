@@ -73,6 +73,23 @@ def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:
     return tuple(p for p in _POINTERS if bias or p != "bias") + _ALIGNED[op]
 
 
+def launch_features(metadata: Any) -> list[str]:
+    """What a compiled kernel's metadata asks of its launch beyond a plain cuLaunchKernel (grid, block,
+    dynamic shared memory, stream): several CTAs per program, thread-block clusters, programmatic
+    dependent launch or a cooperative grid. The runtime launches none of these; such kernels are refused."""
+    asks = []
+    if int(getattr(metadata, "num_ctas", 1) or 1) > 1:
+        asks.append(f"num_ctas={metadata.num_ctas}")
+    cluster = tuple(getattr(metadata, "cluster_dims", ()) or ())
+    if any(int(d) > 1 for d in cluster):
+        asks.append(f"cluster_dims={cluster}")
+    if getattr(metadata, "launch_pdl", False):
+        asks.append("programmatic dependent launch")
+    if getattr(metadata, "launch_cooperative_grid", False):
+        asks.append("a cooperative grid")
+    return asks
+
+
 @functools.lru_cache(maxsize=1)
 def template_hash() -> str:
     """sha256 of the templates' source file: any edit to a template invalidates cached artifacts.
@@ -268,6 +285,10 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
                             f"(global {md.global_scratch_size} B, profile {md.profile_scratch_size} B); "
                             "the runtime passes null scratch pointers, so such kernels are refused")
+    unsupported = launch_features(md)
+    if unsupported:
+        raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs {', '.join(unsupported)}, which "
+                            "the runtime's plain cuLaunchKernel does not set up, so such kernels are refused")
     n_regs, n_spills = _parse_ptxas(log)
     params = tuple(p for p in templates.ABI_PARAMS[family.op] if signature[p] != "constexpr")
     kernel = CompiledKernel(
