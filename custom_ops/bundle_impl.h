@@ -96,9 +96,19 @@ void SetError(const std::string& message);
 // Evaluate the tree; the bundle is validated so this cannot index out of range.
 int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
 
-// Whether the launch arguments meet the divisibility assumptions kernel k was compiled with; when not,
-// *why names the first one that fails. A kernel run against unmet assumptions reads or writes wrongly.
-bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why);
+// Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
+enum Fit : int {
+  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitCount
+};
+
+// Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch
+// within grid z, tiles within grid x, every operand's element offsets within int32 as the templates compute
+// them) and the divisibility assumptions it was compiled with. kFits, or the first reason it does not with
+// *why naming it. A kernel run against an unmet one reads or writes wrongly; the vendor kind fits any call.
+Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why);
+inline bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+  return CallFit(kernel, args, why) == kFits;
+}
 
 }  // namespace dietcode
 

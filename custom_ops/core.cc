@@ -453,7 +453,61 @@ View KernelView(const Kernel& kernel) {
   return kViewGemm;
 }
 
-bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+namespace {
+
+constexpr const char* kFitNames[kFitCount] = {
+    "fits", "empty output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets",
+    "div16 assumption", "negative size"};
+
+}  // namespace
+
+Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+  if (kernel.kind == kVendor) return kFits;
+  const std::string who = "kernel '" + kernel.name + "': ";
+  auto refuse = [&](Fit fit, const std::string& detail) {
+    *why = who + kFitNames[fit] + ": " + detail;
+    return fit;
+  };
+  const int64_t M = args.M, N = args.N, K = args.K, sa = args.stride_a_batch, sb = args.stride_b_batch;
+  if (M < 0 || N < 0 || K < 0 || args.batch < 0 || sa < 0 || sb < 0 || args.img_n < 0 || args.img_h < 0 ||
+      args.img_w < 0 || args.out_h < 0 || args.out_w < 0) {
+    return refuse(kFitNegative, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                    " batch=" + std::to_string(args.batch) + " (or a stride or image dim) below 0");
+  }
+  const int64_t batch = args.batch > 0 ? args.batch : 1;
+  if (M == 0 || N == 0) {
+    return refuse(kFitEmpty, "M=" + std::to_string(M) + " N=" + std::to_string(N) + ": nothing to launch");
+  }
+  if (K == 0) return refuse(kFitZeroK, "the output is the bias alone, which ORT's kernel writes");
+  if (batch > 65535) return refuse(kFitBatch, "batch " + std::to_string(batch) + " above 65535 (grid z)");
+  const int64_t tiles = ((M + kernel.block_m - 1) / kernel.block_m) * ((N + kernel.block_n - 1) / kernel.block_n);
+  if (tiles > 0x7fffffff) {
+    return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
+                                std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
+  }
+  // The templates (tuner/templates.py) compute element offsets in int32: each operand's extent must stay
+  // below 2^31. conv: the image part of X's and Y's offsets is int64, the rest per image is int32.
+  constexpr int64_t kLimit = int64_t{1} << 31;
+  struct Extent {
+    const char* what;
+    int64_t value;
+  };
+  Extent extents[3] = {{"A", M * K}, {"B", K * N}, {"C", M * N}};
+  const View view = KernelView(kernel);
+  if (view == kViewBmm) {
+    extents[0].value = (batch - 1) * sa + M * K;
+    extents[1].value = (batch - 1) * sb + K * N;
+    extents[2].value = batch * M * N;
+  } else if (view == kViewConv) {
+    extents[0] = {"X per image", int64_t{kernel.conv[0]} * args.img_h * args.img_w};
+    extents[2] = {"Y per image", N * args.out_h * args.out_w};
+  }
+  for (const Extent& e : extents) {
+    if (e.value >= kLimit) {
+      return refuse(kFitInt32, std::string(e.what) + " spans " + std::to_string(e.value) +
+                                   " elements, int32 offsets reach 2^31-1");
+    }
+  }
   const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};
   const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
                                      args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w};
@@ -461,12 +515,11 @@ bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::str
     if (!(kernel.div16 >> p & 1u)) continue;
     const bool ok = p <= kC ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
     if (!ok) {
-      *why = "kernel '" + kernel.name + "' was compiled for " + kParamNames[p] +
-             (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not";
-      return false;
+      return refuse(kFitDiv16, std::string("compiled for ") + kParamNames[p] +
+                                   (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not");
     }
   }
-  return true;
+  return kFits;
 }
 
 }  // namespace dietcode
@@ -648,6 +701,21 @@ int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args)
   if (dietcode::MeetsAssumptions(b->kernels[k], *args, &why)) return 1;
   SetError(why);
   return 0;
+}
+
+int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
+  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  std::string why;
+  const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
+  SetError(why);
+  return fit;
+}
+
+const char* dc_fit_name(int fit) {
+  return fit >= 0 && fit < dietcode::kFitCount ? dietcode::kFitNames[fit] : nullptr;
 }
 
 int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, int32_t* activation, int32_t* trans_b,

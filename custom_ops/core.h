@@ -90,10 +90,21 @@ int dc_bundle_kernel_view(const dc_bundle* bundle, int32_t k);
 // -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".
 int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int minor, char* desc, size_t desc_size);
 
-// Whether `args` meet the divisibility assumptions kernel k was compiled with (its div16 mask: pointers
-// 16-byte aligned, int params multiples of 16): 1 yes, 0 no (reason in dc_last_error), -1 on error. A
-// caller that gets 0 runs another kernel (ORT's own); dc_launch refuses such a launch.
+// Whether one call with `args` fits compiled kernel k (the one place this is decided; dc_launch refuses a
+// launch that does not): a non-empty output (M, N > 0; an empty one needs no launch), K > 0, batch <= 65535
+// (grid z), at most 2^31-1 tiles (grid x), each operand's element offsets below 2^31 (the templates compute
+// them in int32: gemm A = M*K, B = K*N, C = M*N; bmm adds (batch-1) * its batch stride, C = batch*M*N; conv
+// B = K*N, X per image = channels*img_h*img_w, Y per image = N*out_h*out_w), and the divisibility
+// assumptions it was compiled with (its div16 mask: pointers 16-byte aligned, int params multiples of 16).
+// The vendor kind fits every call. 1 yes, 0 no (reason in dc_last_error), -1 on error. A caller that gets 0
+// runs another kernel (ORT's own) for that call.
 int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
+
+// The same decision as a code: 0 fits, else the first reason it does not (message in dc_last_error):
+// 1 empty output, 2 K is 0, 3 batch above grid z, 4 tiles above grid x, 5 int32 offsets, 6 div16
+// assumption, 7 negative size. -1 on error. dc_fit_name names a code (NULL past the end).
+int dc_kernel_fit(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
+const char* dc_fit_name(int fit);
 
 // The ABI view of one node call: the M, N, K, batch, batch strides and conv dims the CUDA path passes a
 // compiled kernel for these input shapes (c: Gemm's C or NULL). op 0 = MatMul (batched != 0 selects the

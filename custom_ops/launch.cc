@@ -245,17 +245,11 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
     fn = static_cast<CUfunction>(it->second.function);
   }
 
-  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch).
-  if (args->M <= 0 || args->N <= 0 || args->K < 0) {
-    return Fail("launch of '" + kernel.name + "' with M=" + std::to_string(args->M) + " N=" + std::to_string(args->N) +
-                " K=" + std::to_string(args->K) + ": M and N must be positive");
-  }
+  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch); CallFit (above) has checked
+  // that it is within the grid limits and that the sizes are positive.
   const int64_t batch = args->batch > 0 ? args->batch : 1;
   const int64_t tiles = ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
                         ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
-  if (tiles > 0x7fffffff || batch > 65535 || kernel.split_k > 65535) {
-    return Fail("grid of '" + kernel.name + "' too large: " + std::to_string(tiles) + " tiles x batch " + std::to_string(batch));
-  }
 
   uint64_t ptrs[4] = {args->a, args->b, args->bias, args->c};
   int32_t ints[dietcode::kParamCount] = {};

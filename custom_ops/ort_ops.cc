@@ -9,6 +9,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <memory>
@@ -127,6 +128,7 @@ class DietcodeKernel {
       : spec_(spec), cuda_(cuda), dtype_(dtype) {
     Ort::ConstKernelInfo info(raw_info);
     where_ = "node '" + info.GetNodeName() + "' (" + kDomain + ":" + spec.name + ")";
+    logger_ = info.GetLogger();
     CheckInputs(info);
     has_bias_input_ = spec.bias;
     LoadBundle(info);
@@ -441,11 +443,26 @@ class DietcodeKernel {
     args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.c_bytes = static_cast<uint64_t>(total) * elem;
-    if (dc_kernel_accepts(bundle_.get(), k, &args) != 1) {  // e.g. a view at an unaligned offset
+    const int fit = dc_kernel_fit(bundle_.get(), k, &args);  // e.g. int32 offsets, a view at an unaligned offset
+    if (fit != 0) {
+      if (fit < 0) Throw(dc_last_error());
+      WarnOnce(fit, dc_last_error());
       VendorCuda(raw, in, n_in, out);
       return;
     }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
+  }
+
+  // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
+  void WarnOnce(int reason, const std::string& message) {
+    const uint32_t bit = 1u << (reason & 31);
+    if (warned_.fetch_or(bit) & bit) return;
+    const std::string text = where_ + ": runs ONNX Runtime's kernel instead of the compiled one: " + message +
+                             " (warned once per node and reason)";
+    try {
+      ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+    } catch (const Ort::Exception&) {
+    }
   }
 
   bool KernelIsBatched(int32_t k) {
@@ -490,6 +507,8 @@ class DietcodeKernel {
   std::string base_error_;
   std::once_flag batched_once_;
   std::vector<bool> batched_;
+  Ort::Logger logger_{nullptr};
+  std::atomic<uint32_t> warned_{0};
 };
 
 struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {

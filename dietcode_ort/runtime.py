@@ -188,6 +188,9 @@ class Core:
                                       ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_fit_name.restype = ctypes.c_char_p
+        lib.dc_fit_name.argtypes = [ctypes.c_int]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
                                              ctypes.c_int]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
@@ -307,6 +310,15 @@ class CoreBundle:
         if r < 0:
             raise DietcodeError(self.core.error())
         return bool(r), "" if r else self.core.error()
+
+    def fit(self, k: int, args: LaunchArgs) -> tuple[str, str]:
+        """Whether one call fits kernel k (``dc_kernel_fit``): ("fits", "") or the reason's name ("empty
+        output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets", "div16 assumption",
+        "negative size") and the message."""
+        r = self.core.lib.dc_kernel_fit(self.handle, k, ctypes.byref(args))
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return self.core.lib.dc_fit_name(r).decode(), "" if r == 0 else self.core.error()
 
     def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
         """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""

@@ -348,3 +348,59 @@ def _unchecked_bytes(bundle: Bundle) -> bytes:
         return bundle.to_bytes()
     finally:
         mod.Bundle.validate = original  # type: ignore[method-assign]
+
+
+def _fit_bundle(core, **kw: object):
+    """One compiled kernel without div16 assumptions (so only the size hazards decide), parsed in C++."""
+    kernel = _kernel("k", div16=(), **kw)
+    return core.parse(Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), kernel),
+                             DispatchTree.single(1)).to_bytes())
+
+
+_BMM = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")
+
+
+@pytest.mark.parametrize("kw, bad, good, reason", [
+    # an empty output needs no launch at all (ORT's kernel allocates it and returns); K = 0 is ORT's to fill
+    ({}, dict(M=0, N=8, K=8), dict(M=1, N=8, K=8), "empty output"),
+    ({}, dict(M=8, N=0, K=8), dict(M=8, N=1, K=8), "empty output"),
+    ({}, dict(M=8, N=8, K=0), dict(M=8, N=8, K=1), "K is 0"),
+    ({}, dict(M=-1, N=8, K=8), dict(M=1, N=8, K=8), "negative size"),
+    # grid z holds at most 65535 batches
+    (dict(params=_BMM), dict(M=4, N=4, K=4, batch=65536, stride_a_batch=16, stride_b_batch=16),
+     dict(M=4, N=4, K=4, batch=65535, stride_a_batch=16, stride_b_batch=16), "batch above grid z"),
+    # grid x holds at most 2^31-1 tiles (1x1 tiles: tiles = M*N; K = 1 keeps the operands small)
+    (dict(block_m=1, block_n=1), dict(M=2**31 - 1, N=2, K=1), dict(M=2**31 - 1, N=1, K=1), "tiles above grid x"),
+    # int32 offsets: a 65536 x 50257 LM head (C = M*N) writes past 2^31; the largest product below passes
+    ({}, dict(M=65536, N=50257, K=64), dict(M=42730, N=50257, K=64), "int32 offsets"),
+    ({}, dict(M=2**16, N=64, K=2**15), dict(M=2**16 - 1, N=64, K=2**15), "int32 offsets"),  # A = M*K
+    ({}, dict(M=64, N=2**16, K=2**15), dict(M=64, N=2**16 - 1, K=2**15), "int32 offsets"),  # B = K*N
+    # bmm: C spans batch*M*N, A spans (batch-1)*stride + M*K
+    (dict(params=_BMM), dict(M=1024, N=1024, K=16, batch=2048), dict(M=1024, N=1024, K=16, batch=2047),
+     "int32 offsets"),
+    (dict(params=_BMM), dict(M=16, N=16, K=16, batch=2, stride_a_batch=2**31 - 256),
+     dict(M=16, N=16, K=16, batch=2, stride_a_batch=2**31 - 257), "int32 offsets"),
+])
+def test_call_hazards_fall_back_with_their_reason(core, kw, bad, good, reason) -> None:
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core, **kw)
+    accepted, why = parsed.accepts(1, LaunchArgs(**bad))
+    assert not accepted and reason in why and "'k'" in why
+    assert parsed.fit(1, LaunchArgs(**bad))[0] == reason
+    assert parsed.accepts(1, LaunchArgs(**good)) == (True, "")
+    assert parsed.fit(1, LaunchArgs(**good)) == ("fits", "")
+    assert parsed.accepts(0, LaunchArgs(**bad)) == (True, "")  # ORT's own kernel takes any call
+
+
+def test_conv_hazards_count_per_image(core) -> None:
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core, params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+                         dtype="float16", activation="relu", conv=(64, 3, 3, 1, 1, 1, 1, 1, 1))
+    # X per image = 64 channels * img_h * img_w; A as [M, K] would span 2^37 (the image part of offsets is int64)
+    ok = dict(M=2**15 * 4096, N=64, K=576, img_n=2**15, img_h=64, img_w=64, out_h=64, out_w=64)
+    assert parsed.fit(1, LaunchArgs(**ok)) == ("fits", "")
+    big = dict(ok, M=4096 * 4096, N=1, img_n=1, img_h=8192, img_w=4096, out_h=4096, out_w=4096)
+    name, why = parsed.fit(1, LaunchArgs(**big))
+    assert name == "int32 offsets" and "X per image" in why
