@@ -96,6 +96,11 @@ void SetError(const std::string& message);
 // Evaluate the tree; the bundle is validated so this cannot index out of range.
 int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
 
+// Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
+// memory per block is smem_optin bytes: an image for the device (PickImage) whose shared memory fits.
+// The vendor kind fits every device. False with *why naming the kernel and the reason.
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why);
+
 // Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
 enum Fit : int {
   kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitCount

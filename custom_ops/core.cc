@@ -435,6 +435,19 @@ bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std
   return false;
 }
 
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why) {
+  if (kernel.kind == kVendor) return true;
+  int index = -1;
+  if (!PickImage(kernel, major, minor, &index, why)) return false;
+  const uint32_t shared = kernel.shared;
+  if (shared > smem_optin) {
+    *why = "kernel '" + kernel.name + "' needs " + std::to_string(shared) + " bytes of shared memory, sm_" +
+           std::to_string(major * 10 + minor) + " allows " + std::to_string(smem_optin) + " per block";
+    return false;
+  }
+  return true;
+}
+
 int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
   const Tree& t = b.tree;
   int32_t i = 0;
@@ -712,6 +725,40 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
   const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
   SetError(why);
   return fit;
+}
+
+int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  if (major < 1 || minor < 0 || minor > 9 || smem_optin <= 0) {
+    SetError("device sm_" + std::to_string(major) + std::to_string(minor) + " with " + std::to_string(smem_optin) +
+             " bytes of opt-in shared memory is not a device");
+    return -1;
+  }
+  std::string why;
+  if (dietcode::FitsDevice(b->kernels[k], major, minor, smem_optin, &why)) return 1;
+  SetError(why);
+  return 0;
+}
+
+int dc_bundle_fit_device(const dc_bundle* b, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n) {
+  if (b == nullptr || (out_mask == nullptr && n > 0) || n < b->kernels.size()) {
+    SetError("dc_bundle_fit_device: null bundle, or a mask of " + std::to_string(n) + " for " +
+             std::to_string(b ? b->kernels.size() : 0) + " kernels");
+    return -1;
+  }
+  int unfit = 0;
+  std::string first;
+  for (size_t k = 0; k < b->kernels.size(); ++k) {
+    const int r = dc_kernel_fit_device(b, static_cast<int32_t>(k), major, minor, smem_optin);
+    if (r < 0) return -1;
+    out_mask[k] = static_cast<uint8_t>(r);
+    if (r == 0 && unfit++ == 0) first = dc_last_error();
+  }
+  SetError(first);
+  return unfit;
 }
 
 const char* dc_fit_name(int fit) {

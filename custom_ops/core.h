@@ -115,6 +115,22 @@ int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb
                 const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats, int batched,
                 dc_launch_args* out);
 
+// Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
+// memory per block (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) is smem_optin bytes: it has an
+// image for the device (dc_bundle_pick_image: a matching cubin or PTX the driver can JIT) and that image's
+// shared memory fits. A pure function of the bundle and the device facts (dc_cuda_device_limits on a GPU).
+// The vendor kind fits. 1 yes, 0 no (reason in dc_last_error), -1 on error (bad id or device facts).
+int dc_kernel_fit_device(const dc_bundle* bundle, int32_t k, int major, int minor, int smem_optin);
+
+// The same for every kernel: out_mask[k] = 1 if kernel k fits the device, 0 if not (n >= kernel count).
+// Returns how many do not fit (the first one's reason in dc_last_error), -1 on error. A session marks the
+// kernels that do not fit as vendor at creation: their calls run ORT's kernel.
+int dc_bundle_fit_device(const dc_bundle* bundle, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n);
+
+// Device `device`'s compute capability and opt-in shared memory per block, for dc_bundle_fit_device.
+// 0 on success, -1 with a message (no driver, no such device). Never aborts.
+int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin);
+
 // Whether libcuda loads and device `device` answers: fills name, compute capability and driver version.
 // 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.
 int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);

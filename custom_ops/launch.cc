@@ -138,12 +138,8 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   d.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
   int index = -1;
+  if (!FitsDevice(k, major, minor, optin > 0 ? optin : kDefaultSharedLimit, error)) return false;
   if (!PickImage(k, major, minor, &index, error)) return false;
-  if (k.shared > static_cast<uint32_t>(optin) && optin > 0) {
-    *error = "kernel '" + k.name + "' needs " + std::to_string(k.shared) + " bytes of shared memory, the device allows " +
-             std::to_string(optin);
-    return false;
-  }
   const void* image = index >= 0 ? static_cast<const void*>(k.images[index].bytes.data())
                                  : static_cast<const void*>(k.ptx.c_str());
   CUmodule module = nullptr;
@@ -210,6 +206,23 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
   d.DeviceGetAttribute(&mn, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   if (major) *major = mj;
   if (minor) *minor = mn;
+  return 0;
+}
+
+int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin) {
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return dietcode::Fail(d.error);
+  CUdevice dev = 0;
+  CUresult rc = d.DeviceGet(&dev, device);
+  if (rc != CUDA_SUCCESS) return dietcode::Fail(dietcode::CuError(d, rc, "cuDeviceGet") + " for device " + std::to_string(device));
+  int mj = 0, mn = 0, optin = 0;
+  d.DeviceGetAttribute(&mj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.DeviceGetAttribute(&mn, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  rc = d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
+  if (rc != CUDA_SUCCESS || optin <= 0) optin = static_cast<int>(dietcode::kDefaultSharedLimit);
+  if (major) *major = mj;
+  if (minor) *minor = mn;
+  if (smem_optin) *smem_optin = optin;
   return 0;
 }
 

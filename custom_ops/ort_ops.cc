@@ -27,6 +27,8 @@ namespace {
 constexpr const char* kDomain = "ai.dietcode";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
+// Reasons a node runs ORT's kernel beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
+constexpr int kReasonDevice = 16;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
 struct BundleDeleter {
@@ -146,7 +148,10 @@ class DietcodeKernel {
       conv_.group = AttrOr<int64_t>(info, "group", 1);
       conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
     }
-    if (cuda_) CheckKernelsBuiltForNode();
+    if (cuda_) {
+      CheckKernelsBuiltForNode();
+      FitDevice(raw_info);
+    }
     CreateVendorOps(raw_info);
   }
 
@@ -261,6 +266,45 @@ class DietcodeKernel {
     for (int32_t k = 0; k < n_kernels_; ++k) {
       dc_bundle_kernel_built_for(bundle_.get(), k, nullptr, nullptr, nullptr, conv_geometry_[k].data());
     }
+  }
+
+  // The node's CUDA device (its default allocator's device id; 0 when ORT does not say).
+  static int NodeDevice(const OrtKernelInfo* info) {
+    const OrtApi& api = Ort::GetApi();
+    OrtAllocator* alloc = nullptr;
+    int device = 0;
+    if (OrtStatus* st = api.KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc)) {
+      api.ReleaseStatus(st);
+      return 0;
+    }
+    const OrtMemoryInfo* mem = nullptr;
+    if (OrtStatus* st = api.AllocatorGetInfo(alloc, &mem)) {
+      api.ReleaseStatus(st);
+    } else if (OrtStatus* st2 = api.MemoryInfoGetId(mem, &device)) {
+      api.ReleaseStatus(st2);
+      device = 0;
+    }
+    api.ReleaseAllocator(alloc);
+    return device;
+  }
+
+  // Per session: a compiled kernel with no image for this device's arch, or needing more shared memory than
+  // the device allows, is run as the vendor kind (ORT's kernel) for every call, with one warning here.
+  void FitDevice(const OrtKernelInfo* info) {
+    device_fits_.assign(n_kernels_, 1);
+    int major = 0, minor = 0, optin = 0;
+    if (dc_cuda_device_limits(NodeDevice(info), &major, &minor, &optin) != 0) return;  // dc_launch will say why
+    const int unfit = dc_bundle_fit_device(bundle_.get(), major, minor, optin, device_fits_.data(), device_fits_.size());
+    if (unfit < 0) Throw(dc_last_error());
+    if (unfit == 0) return;
+    has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
+    std::string which;
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (!device_fits_[k]) which += (which.empty() ? "" : ", ") + std::to_string(k);
+    }
+    const std::string first = dc_last_error();
+    WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
+                                std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
   }
 
   // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
@@ -415,7 +459,7 @@ class DietcodeKernel {
     if (k < 0) Throw(dc_last_error());
 
     dc_launch_args args{};
-    bool abi_ok = dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0;
+    bool abi_ok = dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 && device_fits_[k];
     if (abi_ok) {
       if (spec_.base == BaseOp::kMatMul) {
         abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
@@ -507,6 +551,7 @@ class DietcodeKernel {
   std::string base_error_;
   std::once_flag batched_once_;
   std::vector<bool> batched_;
+  std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
   Ort::Logger logger_{nullptr};
   std::atomic<uint32_t> warned_{0};
 };

@@ -190,6 +190,10 @@ class Core:
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_fit_name.restype = ctypes.c_char_p
+        lib.dc_kernel_fit_device.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.dc_bundle_fit_device.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                             ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+        lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_fit_name.argtypes = [ctypes.c_int]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
                                              ctypes.c_int]
@@ -319,6 +323,21 @@ class CoreBundle:
         if r < 0:
             raise DietcodeError(self.core.error())
         return self.core.lib.dc_fit_name(r).decode(), "" if r == 0 else self.core.error()
+
+    def fit_device(self, major: int, minor: int, smem_optin: int) -> tuple[list[bool], list[str]]:
+        """Which kernels can run on a device of compute capability major.minor with ``smem_optin`` bytes of
+        opt-in shared memory per block (``dc_bundle_fit_device``, what a CUDA session decides at creation),
+        and for each that cannot, why (``dc_kernel_fit_device``; "" for those that can)."""
+        mask = (ctypes.c_uint8 * max(1, self.n_kernels))()
+        if self.core.lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, mask, self.n_kernels) < 0:
+            raise DietcodeError(self.core.error())
+        why = []
+        for k in range(self.n_kernels):
+            r = self.core.lib.dc_kernel_fit_device(self.handle, k, major, minor, smem_optin)
+            if r < 0:
+                raise DietcodeError(self.core.error())
+            why.append("" if r else self.core.error())
+        return [bool(mask[k]) for k in range(self.n_kernels)], why
 
     def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
         """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""

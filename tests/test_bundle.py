@@ -404,3 +404,32 @@ def test_conv_hazards_count_per_image(core) -> None:
     big = dict(ok, M=4096 * 4096, N=1, img_n=1, img_h=8192, img_w=4096, out_h=4096, out_w=4096)
     name, why = parsed.fit(1, LaunchArgs(**big))
     assert name == "int32 offsets" and "X per image" in why
+
+
+# made-up devices: (major, minor, opt-in shared memory per block)
+SM80, SM86, SM90 = (8, 0, 163 * 1024), (8, 6, 99 * 1024), (9, 0, 227 * 1024)
+
+
+def test_kernels_that_cannot_run_on_the_device_are_vendor_for_the_session(core) -> None:
+    kernels = (BundleKernel.vendor(),
+               _kernel("small", shared=16384),  # sm_90a + sm_80 cubins, sm_80 PTX: runs everywhere here
+               _kernel("big", shared=120 * 1024),  # too much shared memory for sm_86
+               _kernel("huge", shared=200 * 1024),  # only sm_90 has room
+               _kernel("hopper_only", images=(("sm_90a", b"\x7fELF90"),), ptx=""))
+    parsed = core.parse(Bundle((Feature("M", ((0, 0),)),), kernels, DispatchTree.single(1)).to_bytes())
+    fits, why = parsed.fit_device(*SM80)
+    assert fits == [True, True, True, False, False]
+    assert "'huge' needs 204800 bytes of shared memory, sm_80 allows 166912" in why[3]
+    assert "'hopper_only' cannot run on sm_80" in why[4] and "no PTX" in why[4]
+    fits, why = parsed.fit_device(*SM86)
+    assert fits == [True, True, False, False, False]
+    assert "'big' needs 122880 bytes" in why[2] and "sm_86 allows 101376" in why[2]
+    fits, why = parsed.fit_device(*SM90)
+    assert fits == [True] * 5 and why == [""] * 5
+    # just at the limit fits
+    at_limit = core.parse(Bundle((Feature("M", ((0, 0),)),), (_kernel("k", shared=99 * 1024),),
+                                 DispatchTree.single(0)).to_bytes())
+    assert at_limit.fit_device(*SM86)[0] == [True]
+    assert at_limit.fit_device(8, 6, 99 * 1024 - 1)[0] == [False]
+    with pytest.raises(DietcodeError, match="not a device"):
+        at_limit.fit_device(8, 6, 0)
