@@ -33,13 +33,15 @@ enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2 };
 struct Image {
   uint32_t cc = 0;        // compute capability as major*10+minor
   bool specific = false;  // the 'a' suffix: runs on exactly this cc
+  uint32_t shared = 0;    // dynamic shared memory bytes a launch of this cubin asks for
   std::string bytes;
 };
 
 struct Kernel {
   KernelKind kind = kTriton;
   std::string name;
-  uint32_t num_warps = 4, shared = 0, block_m = 1, block_n = 1, split_k = 1;
+  uint32_t num_warps = 4, block_m = 1, block_n = 1, split_k = 1;
+  uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
   bool zero_output = false;
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
@@ -66,6 +68,7 @@ struct Tree {
 struct LoadedKernel {
   void* module = nullptr;
   void* function = nullptr;
+  uint32_t shared = 0;  // the loaded image's dynamic shared memory bytes
 };
 
 // The operand view of a kernel, from its ABI params (the one place this rule lives; see core.h).
@@ -73,6 +76,11 @@ View KernelView(const Kernel& kernel);
 
 // Which image a kernel loads on a device: index into images, or -1 for PTX; returns false with a message.
 bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error);
+
+// The dynamic shared memory bytes a launch of image `image_index` (-1: the PTX) asks for.
+inline uint32_t ImageShared(const Kernel& kernel, int image_index) {
+  return image_index >= 0 ? kernel.images[image_index].shared : kernel.shared;
+}
 
 }  // namespace dietcode
 

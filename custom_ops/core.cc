@@ -15,7 +15,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -235,10 +235,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       Image img;
       img.cc = sub.Get<uint32_t>("image arch");
       uint32_t aflags = sub.Get<uint32_t>("image flags");
+      img.shared = sub.Get<uint32_t>("image shared");
       uint64_t size = sub.Get<uint64_t>("image size");
       if (img.cc < 10 || img.cc > 9999 || (aflags & ~kArchSpecific)) {
         Fail("kernel " + std::to_string(index) + ": image arch " + std::to_string(img.cc) + " / flags " +
              std::to_string(aflags) + " invalid");
+      }
+      if (img.shared > kMaxShared) {
+        Fail("kernel " + std::to_string(index) + ": image shared " + std::to_string(img.shared) + " bytes too large");
       }
       if (size > kMaxImageBytes) Fail("kernel " + std::to_string(index) + ": image of " + std::to_string(size) + " bytes too large");
       img.specific = aflags & kArchSpecific;
@@ -330,7 +334,7 @@ void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   uint64_t total = h.Get<uint64_t>("total size");
   uint32_t count = h.Get<uint32_t>("section count");
   uint32_t reserved = h.Get<uint32_t>("reserved");
-  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows 2");
+  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows " + std::to_string(kVersion));
   if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
   if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
   if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");
@@ -439,7 +443,7 @@ bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, 
   if (kernel.kind == kVendor) return true;
   int index = -1;
   if (!PickImage(kernel, major, minor, &index, why)) return false;
-  const uint32_t shared = kernel.shared;
+  const uint32_t shared = ImageShared(kernel, index);
   if (shared > smem_optin) {
     *why = "kernel '" + kernel.name + "' needs " + std::to_string(shared) + " bytes of shared memory, sm_" +
            std::to_string(major * 10 + minor) + " allows " + std::to_string(smem_optin) + " per block";
@@ -725,6 +729,25 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
   const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
   SetError(why);
   return fit;
+}
+
+int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int minor) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) {
+    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
+    return -1;
+  }
+  int index = -1;
+  std::string error;
+  if (!dietcode::PickImage(kernel, major, minor, &index, &error)) {
+    SetError(error);
+    return -1;
+  }
+  return dietcode::ImageShared(kernel, index);
 }
 
 int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin) {

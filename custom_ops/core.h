@@ -90,6 +90,11 @@ int dc_bundle_kernel_view(const dc_bundle* bundle, int32_t k);
 // -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".
 int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int minor, char* desc, size_t desc_size);
 
+// The dynamic shared memory bytes a launch of kernel k asks for on a device of compute capability
+// major.minor: those of the image dc_bundle_pick_image picks (each cubin and the PTX record their own).
+// -1 when there is none (message in dc_last_error).
+int64_t dc_bundle_image_shared(const dc_bundle* bundle, int32_t k, int major, int minor);
+
 // Whether one call with `args` fits compiled kernel k (the one place this is decided; dc_launch refuses a
 // launch that does not): a non-empty output (M, N > 0; an empty one needs no launch), K > 0, batch <= 65535
 // (grid z), at most 2^31-1 tiles (grid x), each operand's element offsets below 2^31 (the templates compute

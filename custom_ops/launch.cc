@@ -150,9 +150,10 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
     return false;
   }
   CUfunction fn = nullptr;
+  const uint32_t shared = ImageShared(k, index);
   rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
-  if (rc == CUDA_SUCCESS && k.shared > kDefaultSharedLimit) {
-    rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(k.shared));
+  if (rc == CUDA_SUCCESS && shared > kDefaultSharedLimit) {
+    rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared));
   }
   if (rc != CUDA_SUCCESS) {
     *error = CuError(d, rc, "loading function") + " '" + k.name + "'";
@@ -161,6 +162,7 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   }
   out->module = module;
   out->function = fn;
+  out->shared = shared;
   return true;
 }
 
@@ -245,6 +247,7 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
   dietcode::ContextScope scope(d, ctx);
 
   CUfunction fn = nullptr;
+  uint32_t shared = 0;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
     auto key = std::make_pair(static_cast<void*>(ctx), k);
@@ -256,6 +259,7 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
       it = b->loaded.emplace(key, loaded).first;
     }
     fn = static_cast<CUfunction>(it->second.function);
+    shared = it->second.shared;
   }
 
   // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch); CallFit (above) has checked
@@ -291,7 +295,7 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
     if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
   }
   rc = d.LaunchKernel(fn, static_cast<unsigned>(tiles), kernel.split_k, static_cast<unsigned>(batch),
-                      kernel.num_warps * 32, 1, 1, kernel.shared, s, params, nullptr);
+                      kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");
   return 0;
 }

@@ -190,6 +190,8 @@ class Core:
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_fit_name.restype = ctypes.c_char_p
+        lib.dc_bundle_image_shared.restype = ctypes.c_int64
+        lib.dc_bundle_image_shared.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int]
         lib.dc_kernel_fit_device.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.dc_bundle_fit_device.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                              ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
@@ -323,6 +325,14 @@ class CoreBundle:
         if r < 0:
             raise DietcodeError(self.core.error())
         return self.core.lib.dc_fit_name(r).decode(), "" if r == 0 else self.core.error()
+
+    def image_shared(self, k: int, major: int, minor: int) -> int:
+        """The shared memory bytes kernel k launches with on a device of compute capability major.minor
+        (those of the image ``pick_image`` names)."""
+        r = self.core.lib.dc_bundle_image_shared(self.handle, k, major, minor)
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return int(r)
 
     def fit_device(self, major: int, minor: int, smem_optin: int) -> tuple[list[bool], list[str]]:
         """Which kernels can run on a device of compute capability major.minor with ``smem_optin`` bytes of

@@ -232,12 +232,14 @@ def test_from_compiled_merges_archs() -> None:
         def __init__(self, arch: str, cubin: bytes) -> None:
             self.name, self.arch, self.cubin, self.ptx = "mm", arch, cubin, PTX80 if arch == "sm_80" else ""
             self.params = ["a", "b", "c", "M", "N", "K", "global_scratch", "profile_scratch"]
-            self.num_warps, self.shared, self.zero_output = 4, 1024, False
+            self.num_warps, self.shared, self.zero_output = 4, 1024 if arch == "sm_80" else 4096, False
             self.block_m, self.block_n, self.split_k = 64, 64, 1
 
     k = BundleKernel.from_compiled([CK("sm_90a", b"h"), CK("sm_80", b"a")])
     assert k.params == ("a", "b", "c", "M", "N", "K")
     assert dict(k.images) == {"sm_90a": b"h", "sm_80": b"a"} and k.ptx == PTX80
+    # each cubin keeps its own shared size; the PTX launches with that of the arch it came from (sm_80)
+    assert k.image_shared == (4096, 1024) and k.shared == 1024
     # tuner/aot records the integer cc; Triton's cc >= 90 cubins are arch-specific; the portable PTX wins
     hopper, ampere = CK("sm_90a", b"h"), CK("sm_80", b"a")
     hopper.arch, hopper.ptx, ampere.arch = 90, ".target sm_90a\n", 80
@@ -433,3 +435,46 @@ def test_kernels_that_cannot_run_on_the_device_are_vendor_for_the_session(core) 
     assert at_limit.fit_device(8, 6, 99 * 1024 - 1)[0] == [False]
     with pytest.raises(DietcodeError, match="not a device"):
         at_limit.fit_device(8, 6, 0)
+
+
+def test_shared_memory_is_per_image(core) -> None:
+    """An sm_90a cubin may use far more shared memory than the sm_80 one: each image launches with its own,
+    so the sm_80 cubin (and the PTX) still fit an sm_86 device."""
+    kernel = _kernel("k", shared=20000, image_shared=(200 * 1024, 30000))  # images: sm_90a, sm_80
+    bundle = Bundle((Feature("M", ((0, 0),)),), (kernel,), DispatchTree.single(0))
+    back = Bundle.from_bytes(bundle.to_bytes())
+    assert back == bundle and back.kernels[0].image_shared == (200 * 1024, 30000)
+    parsed = core.parse(bundle.to_bytes())
+    assert parsed.image_shared(0, 9, 0) == 200 * 1024  # the sm_90a cubin
+    assert parsed.image_shared(0, 8, 6) == 30000  # the sm_80 cubin, binary compatible
+    assert parsed.image_shared(0, 12, 0) == 20000  # the sm_80 PTX, JIT-ed
+    for major, minor in ((9, 0), (8, 6), (12, 0)):
+        assert parsed.image_shared(0, major, minor) == kernel.shared_for(select_image(kernel, major, minor))
+    assert parsed.fit_device(*SM86)[0] == [True]
+    assert parsed.fit_device(*SM90)[0] == [True]
+    fits, why = parsed.fit_device(9, 0, 160 * 1024)
+    assert fits == [False] and "needs 204800 bytes" in why[0]
+    # defaults: no image_shared means every cubin takes `shared`
+    assert _kernel("d", shared=123).image_shared == (123, 123)
+
+
+def test_image_shared_is_checked_by_both_readers(core) -> None:
+    with pytest.raises(DietcodeError, match="image shared sizes for 2 cubins"):
+        _kernel("k", image_shared=(1,)).validate(0)
+    with pytest.raises(DietcodeError, match="shared 1048577 bytes outside"):
+        _kernel("k", image_shared=(1, (1 << 20) + 1)).validate(0)
+    data = Bundle((Feature("M", ((0, 0),)),), (_kernel("k", image_shared=(7777, 16384)),),
+                  DispatchTree.single(0)).to_bytes()
+    at = data.index(struct.pack("<III", 90, 1, 7777)) + 8  # sm_90a image: cc, flags, shared
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, at, (1 << 20) + 1)
+    _both_refuse(core, bytes(bad), "image shared")
+    struct.pack_into("<I", bad, at, 1 << 20)  # the limit itself is fine
+    assert Bundle.from_bytes(bytes(bad)).kernels[0].image_shared == (1 << 20, 16384)
+    assert core.parse(bytes(bad)).image_shared(0, 9, 0) == 1 << 20
+
+
+def test_older_bundle_versions_are_refused(core) -> None:
+    data = bytearray(sample_bundle().to_bytes())
+    struct.pack_into("<I", data, 8, 2)
+    _both_refuse(core, bytes(data), "version 2, this reader knows 3")
