@@ -622,9 +622,21 @@ Registry& GetRegistry() {
 extern "C" {
 
 // Entry point named by SessionOptions.register_custom_ops_library.
+// Fails with a status naming the C API version the library was built against and the runtime's version
+// when the runtime is older than that (version 1 of the API, which every runtime offers, reports it).
 OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  if (api_base == nullptr || api_base->GetApi == nullptr) return nullptr;  // not ORT calling: nothing to report to
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // cannot even report: this runtime is older than the headers
+  if (api == nullptr) {
+    const char* found = api_base->GetVersionString != nullptr ? api_base->GetVersionString() : nullptr;
+    const std::string message = "dietcode custom ops: this library needs ONNX Runtime C API version " +
+                                std::to_string(ORT_API_VERSION) + " (onnxruntime 1." + std::to_string(ORT_API_VERSION) +
+                                " or newer), and this onnxruntime (" + (found ? found : "version unknown") +
+                                ") does not offer it: upgrade onnxruntime or build the library against its headers";
+    const OrtApi* base = api_base->GetApi(1);
+    if (base == nullptr || base->CreateStatus == nullptr) return nullptr;
+    return base->CreateStatus(ORT_FAIL, message.c_str());
+  }
   Ort::InitApi(api);
   try {
     dietcode::Registry& reg = dietcode::GetRegistry();

@@ -184,3 +184,46 @@ def test_register_returns_built_library() -> None:
     opts = ort.SessionOptions()
     path = dietcode_ort.register(opts)
     assert path == dietcode_ort.library_path(build=False) and path.is_file()
+
+
+def test_registration_fails_clearly_on_an_older_runtime() -> None:
+    """RegisterCustomOps asked by a runtime without the C API version the library needs returns an error
+    status naming both versions (through API version 1's CreateStatus), instead of success with no ops."""
+    import ctypes
+
+    from dietcode_ort.build import library_path
+
+    lib = ctypes.CDLL(str(library_path()))
+    create_status_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # const char* (a c_char_p result would leak)
+
+    class ApiV1(ctypes.Structure):  # OrtApi starts with CreateStatus
+        _fields_ = [("CreateStatus", create_status_t)]
+
+    class ApiBase(ctypes.Structure):  # OrtApiBase
+        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
+
+    seen: list[tuple[int, str]] = []
+    asked: list[int] = []
+
+    def create_status(code: int, msg: bytes) -> int:
+        seen.append((code, msg.decode()))
+        return 0x1234
+
+    api_v1 = ApiV1(create_status_t(create_status))
+
+    def get_api(version: int) -> int | None:
+        asked.append(version)
+        return ctypes.addressof(api_v1) if version == 1 else None
+
+    version = ctypes.create_string_buffer(b"1.10.0")
+    callbacks = (get_api_t(get_api), version_t(lambda: ctypes.addressof(version)))
+    base = ApiBase(*callbacks)
+    lib.RegisterCustomOps.restype = ctypes.c_void_p
+    lib.RegisterCustomOps.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    status = lib.RegisterCustomOps(None, ctypes.addressof(base))
+    assert status == 0x1234 and asked[0] > 1 and asked[-1] == 1
+    (code, message), = seen
+    assert code == 1  # ORT_FAIL
+    assert f"C API version {asked[0]}" in message and "onnxruntime (1.10.0)" in message
