@@ -144,6 +144,21 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
 // loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
+// Per-node counters (custom_ops/stats.cc), process-wide and thread-safe: the counter of a node name
+// (created on first use, never freed; every node and session with that name shares it), counted per call.
+typedef struct dc_node_counter dc_node_counter;
+dc_node_counter* dc_node_counter_get(const char* node);
+void dc_node_count_launch(dc_node_counter* counter);
+void dc_node_count_fallback(dc_node_counter* counter, const char* reason);  // ORT's kernel ran; why
+
+// Reading: how many node names have counters, and counter `index` (0 <= index < count): its node name and
+// last fallback reason (truncated to the buffers), launches and fallbacks. Returns the name's full length,
+// -1 for an index out of range. dc_node_stats_reset zeroes every counter and reason.
+int64_t dc_node_stats_count(void);
+int dc_node_stats_get(int64_t index, char* node, size_t node_size, int64_t* launches, int64_t* fallbacks,
+                      char* reason, size_t reason_size);
+void dc_node_stats_reset(void);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -131,6 +131,7 @@ class DietcodeKernel {
     Ort::ConstKernelInfo info(raw_info);
     where_ = "node '" + info.GetNodeName() + "' (" + kDomain + ":" + spec.name + ")";
     logger_ = info.GetLogger();
+    counter_ = dc_node_counter_get(info.GetNodeName().c_str());
     CheckInputs(info);
     has_bias_input_ = spec.bias;
     LoadBundle(info);
@@ -298,11 +299,14 @@ class DietcodeKernel {
     if (unfit < 0) Throw(dc_last_error());
     if (unfit == 0) return;
     has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
-    std::string which;
-    for (int32_t k = 0; k < n_kernels_; ++k) {
-      if (!device_fits_[k]) which += (which.empty() ? "" : ", ") + std::to_string(k);
-    }
     const std::string first = dc_last_error();
+    std::string which;
+    device_reason_.assign(n_kernels_, {});
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (device_fits_[k]) continue;
+      which += (which.empty() ? "" : ", ") + std::to_string(k);
+      if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin) == 0) device_reason_[k] = dc_last_error();
+    }
     WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
                                 std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
   }
@@ -398,6 +402,7 @@ class DietcodeKernel {
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
+    dc_node_count_fallback(counter_, "the CPU execution provider runs ONNX Runtime's kernel");
     const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
     const size_t n_op_inputs = fused_c ? 3 : 2;
     const bool is_float = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -459,25 +464,34 @@ class DietcodeKernel {
     if (k < 0) Throw(dc_last_error());
 
     dc_launch_args args{};
-    bool abi_ok = dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 && device_fits_[k];
-    if (abi_ok) {
-      if (spec_.base == BaseOp::kMatMul) {
-        abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
-      } else if (spec_.base == BaseOp::kGemm) {
-        abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
-      } else {
-        const std::array<int32_t, 9>& g = conv_geometry_[k];
-        if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
-            shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
-          Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
-                " was compiled for");
-        }
-        abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
+    if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
+      dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
+    if (!device_fits_[k]) {
+      dc_node_count_fallback(counter_, device_reason_[k].c_str());
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
+    bool abi_ok = false;
+    if (spec_.base == BaseOp::kMatMul) {
+      abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
+    } else if (spec_.base == BaseOp::kGemm) {
+      abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
+    } else {
+      const std::array<int32_t, 9>& g = conv_geometry_[k];
+      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
+          shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
+        Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
+              " was compiled for");
       }
+      abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
     }
     // The kernel adds a bias of N elements; any other broadcastable bias shape goes to ORT's Add.
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
+      dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
       VendorCuda(raw, in, n_in, out);
       return;
     }
@@ -490,11 +504,14 @@ class DietcodeKernel {
     const int fit = dc_kernel_fit(bundle_.get(), k, &args);  // e.g. int32 offsets, a view at an unaligned offset
     if (fit != 0) {
       if (fit < 0) Throw(dc_last_error());
-      WarnOnce(fit, dc_last_error());
+      const std::string why = dc_last_error();
+      WarnOnce(fit, why);
+      dc_node_count_fallback(counter_, why.c_str());
       VendorCuda(raw, in, n_in, out);
       return;
     }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
+    dc_node_count_launch(counter_);
   }
 
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
@@ -552,6 +569,8 @@ class DietcodeKernel {
   std::once_flag batched_once_;
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
+  std::vector<std::string> device_reason_;  // why a kernel does not fit (empty when it does)
+  dc_node_counter* counter_ = nullptr;  // this node name's launches and fallbacks (dc_node_stats_get)
   Ort::Logger logger_{nullptr};
   std::atomic<uint32_t> warned_{0};
 };

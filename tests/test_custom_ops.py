@@ -227,3 +227,29 @@ def test_registration_fails_clearly_on_an_older_runtime() -> None:
     (code, message), = seen
     assert code == 1  # ORT_FAIL
     assert f"C API version {asked[0]}" in message and "onnxruntime (1.10.0)" in message
+
+
+def test_node_stats_count_the_cpu_kernel_calls(payload) -> None:
+    """The library counts per node name, process-wide; on the CPU EP every call runs ORT's kernel (a fallback)."""
+    model = custom_model("MatMulRelu", 2, {}, TensorProto.FLOAT, payload)
+    model.graph.node[0].name = "stats_node"
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=CPU)
+    dietcode_ort.reset_node_stats()
+    assert "stats_node" not in dietcode_ort.node_stats()
+    feeds = {"A": np.ones((3, 4), np.float32), "B": np.ones((4, 2), np.float32)}
+    for _ in range(3):
+        sess.run(None, feeds)
+    stats = dietcode_ort.node_stats()["stats_node"]
+    assert stats["launches"] == 0 and stats["fallbacks"] == 3 and "CPU execution provider" in stats["reason"]
+    # a second session with the same node name adds to the same counter, also from several threads
+    sess2 = ort.InferenceSession(model.SerializeToString(), options, providers=CPU)
+    threads = [threading.Thread(target=lambda: [sess2.run(None, feeds) for _ in range(5)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert dietcode_ort.node_stats()["stats_node"]["fallbacks"] == 23
+    dietcode_ort.reset_node_stats()
+    assert "stats_node" not in dietcode_ort.node_stats()
