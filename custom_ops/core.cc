@@ -485,8 +485,8 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     *why = who + kFitNames[fit] + ": " + detail;
     return fit;
   };
-  const int64_t M = args.M, N = args.N, K = args.K, sa = args.stride_a_batch, sb = args.stride_b_batch;
-  if (M < 0 || N < 0 || K < 0 || args.batch < 0 || sa < 0 || sb < 0 || args.img_n < 0 || args.img_h < 0 ||
+  const int64_t M = args.M, N = args.N, K = args.K;
+  if (M < 0 || N < 0 || K < 0 || args.batch < 0 || args.stride_a_batch < 0 || args.stride_b_batch < 0 || args.img_n < 0 || args.img_h < 0 ||
       args.img_w < 0 || args.out_h < 0 || args.out_w < 0) {
     return refuse(kFitNegative, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
                                     " batch=" + std::to_string(args.batch) + " (or a stride or image dim) below 0");
@@ -502,8 +502,9 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
                                 std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
   }
-  // The templates (tuner/templates.py) compute element offsets in int32: each operand's extent must stay
-  // below 2^31. conv: the image part of X's and Y's offsets is int64, the rest per image is int32.
+  // The templates (tuner/templates.py) compute element offsets within a matrix in int32: each operand's
+  // extent must stay below 2^31. bmm: the batch part of the offsets is int64 (program_id(2) widened), so
+  // the bound is per matrix; conv: the image part is int64, the rest per image is int32.
   constexpr int64_t kLimit = int64_t{1} << 31;
   struct Extent {
     const char* what;
@@ -511,11 +512,7 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
   };
   Extent extents[3] = {{"A", M * K}, {"B", K * N}, {"C", M * N}};
   const View view = KernelView(kernel);
-  if (view == kViewBmm) {
-    extents[0].value = (batch - 1) * sa + M * K;
-    extents[1].value = (batch - 1) * sb + K * N;
-    extents[2].value = batch * M * N;
-  } else if (view == kViewConv) {
+  if (view == kViewConv) {
     extents[0] = {"X per image", int64_t{kernel.conv[0]} * args.img_h * args.img_w};
     extents[2] = {"Y per image", N * args.out_h * args.out_w};
   }
