@@ -23,7 +23,8 @@ __all__ = [
 ]
 
 MAGIC = b"DCBUNDLE"
-VERSION = 3  # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared bytes per image
+# 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image
+VERSION = 3
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -89,8 +90,9 @@ class BundleKernel:
     ``images`` maps an arch name ("sm_80", "sm_90a", "sm_100") to cubin bytes; ``ptx`` is PTX text the
     driver can JIT on newer GPUs. ``shared`` is the dynamic shared memory the PTX launches with (that of the
     arch it was compiled for), ``image_shared`` that of each cubin, in ``images``' order (left empty, every
-    cubin takes ``shared``); a launch uses the picked image's. ``params`` lists the ABI parameter names in the kernel's order, without
-    the two trailing scratch pointers every Triton kernel takes (the runtime always appends them as null).
+    cubin takes ``shared``); a launch uses the picked image's. ``params`` lists the ABI parameter names in the
+    kernel's order, without the two trailing scratch pointers every Triton kernel takes (the runtime always
+    appends them as null).
     """
 
     name: str
@@ -162,7 +164,8 @@ class BundleKernel:
                    images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in with_cubin),
                    image_shared=tuple(int(c.shared) for c in with_cubin),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
-                   shared=int(ptx_from.shared) if ptx_from is not None else max(int(c.shared) for c in compiled),
+                   shared=(int(ptx_from.shared) if ptx_from is not None
+                           else max(int(c.shared) for c in compiled)),
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 from dietcode_ort.build import library_path
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "reset_node_stats", "Core", "LaunchArgs",
-           "load_core"]
+__all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "reset_node_stats", "Core",
+           "LaunchArgs", "load_core"]
 
 
 _REGISTERED_KEY = "dietcode_ort.library"  # session config entry marking options that carry the library
@@ -364,7 +364,8 @@ class CoreBundle:
         opt-in shared memory per block (``dc_bundle_fit_device``, what a CUDA session decides at creation),
         and for each that cannot, why (``dc_kernel_fit_device``; "" for those that can)."""
         mask = (ctypes.c_uint8 * max(1, self.n_kernels))()
-        if self.core.lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, mask, self.n_kernels) < 0:
+        lib = self.core.lib
+        if lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, mask, self.n_kernels) < 0:
             raise DietcodeError(self.core.error())
         why = []
         for k in range(self.n_kernels):
