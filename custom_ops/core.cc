@@ -502,24 +502,23 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
                                 std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
   }
-  // The templates (tuner/templates.py) compute element offsets within a matrix in int32: each operand's
-  // extent must stay below 2^31. bmm: the batch part of the offsets is int64 (program_id(2) widened), so
-  // the bound is per matrix; conv: the image part is int64, the rest per image is int32.
-  constexpr int64_t kLimit = int64_t{1} << 31;
-  struct Extent {
-    const char* what;
-    int64_t value;
-  };
-  Extent extents[3] = {{"A", M * K}, {"B", K * N}, {"C", M * N}};
-  const View view = KernelView(kernel);
-  if (view == kViewConv) {
-    extents[0] = {"X per image", int64_t{kernel.conv[0]} * args.img_h * args.img_w};
-    extents[2] = {"Y per image", N * args.out_h * args.out_w};
-  }
-  for (const Extent& e : extents) {
-    if (e.value >= kLimit) {
-      return refuse(kFitInt32, std::string(e.what) + " spans " + std::to_string(e.value) +
-                                   " elements, int32 offsets reach 2^31-1");
+  // Element offsets (tuner/templates.py): gemm and bmm compute them in int64 (row offsets per tile, the batch
+  // from program_id(2) widened), so any int32 M, N, K fits. conv computes the image part in int64 and the rest
+  // in int32: W's offsets (K*N), and per image X's (channels*img_h*img_w) and Y's (N*out_h*out_w) must stay
+  // below 2^31.
+  if (KernelView(kernel) == kViewConv) {
+    constexpr int64_t kLimit = int64_t{1} << 31;
+    const struct {
+      const char* what;
+      int64_t value;
+    } extents[3] = {{"W", K * N},
+                    {"X per image", int64_t{kernel.conv[0]} * args.img_h * args.img_w},
+                    {"Y per image", N * args.out_h * args.out_w}};
+    for (const auto& e : extents) {
+      if (e.value >= kLimit) {
+        return refuse(kFitInt32, std::string(e.what) + " spans " + std::to_string(e.value) +
+                                     " elements, the conv template's int32 offsets reach 2^31-1");
+      }
     }
   }
   const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};

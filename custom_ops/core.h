@@ -97,9 +97,9 @@ int64_t dc_bundle_image_shared(const dc_bundle* bundle, int32_t k, int major, in
 
 // Whether one call with `args` fits compiled kernel k (the one place this is decided; dc_launch refuses a
 // launch that does not): a non-empty output (M, N > 0; an empty one needs no launch), K > 0, batch <= 65535
-// (grid z), at most 2^31-1 tiles (grid x), each operand's element offsets within a matrix below 2^31 (the
-// templates compute them in int32: A = M*K, B = K*N, C = M*N, per batch for bmm, whose batch offsets are
-// int64; conv: B = K*N, X per image = channels*img_h*img_w, Y per image = N*out_h*out_w), and the divisibility
+// (grid z), at most 2^31-1 tiles (grid x), for conv kernels element offsets below 2^31 where the template
+// computes them in int32 (W = K*N, X per image = channels*img_h*img_w, Y per image = N*out_h*out_w; gemm and
+// bmm offsets are int64), and the divisibility
 // assumptions it was compiled with (its div16 mask: pointers 16-byte aligned, int params multiples of 16).
 // The vendor kind fits every call. 1 yes, 0 no (reason in dc_last_error), -1 on error. A caller that gets 0
 // runs another kernel (ORT's own) for that call.

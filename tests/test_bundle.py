@@ -373,13 +373,6 @@ _BMM = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch
      dict(M=4, N=4, K=4, batch=65535, stride_a_batch=16, stride_b_batch=16), "batch above grid z"),
     # grid x holds at most 2^31-1 tiles (1x1 tiles: tiles = M*N; K = 1 keeps the operands small)
     (dict(block_m=1, block_n=1), dict(M=2**31 - 1, N=2, K=1), dict(M=2**31 - 1, N=1, K=1), "tiles above grid x"),
-    # int32 offsets: a 65536 x 50257 LM head (C = M*N) writes past 2^31; the largest product below passes
-    ({}, dict(M=65536, N=50257, K=64), dict(M=42730, N=50257, K=64), "int32 offsets"),
-    ({}, dict(M=2**16, N=64, K=2**15), dict(M=2**16 - 1, N=64, K=2**15), "int32 offsets"),  # A = M*K
-    ({}, dict(M=64, N=2**16, K=2**15), dict(M=64, N=2**16 - 1, K=2**15), "int32 offsets"),  # B = K*N
-    # bmm: the batch offsets are int64 in the template, so the bound is per matrix (C = M*N here)
-    (dict(params=_BMM), dict(M=2**16, N=2**15, K=16, batch=4096, stride_a_batch=2**20),
-     dict(M=2**16 - 1, N=2**15, K=16, batch=4096, stride_a_batch=2**20), "int32 offsets"),
 ])
 def test_call_hazards_fall_back_with_their_reason(core, kw, bad, good, reason) -> None:
     from dietcode_ort.runtime import LaunchArgs
@@ -393,14 +386,17 @@ def test_call_hazards_fall_back_with_their_reason(core, kw, bad, good, reason) -
     assert parsed.accepts(0, LaunchArgs(**bad)) == (True, "")  # ORT's own kernel takes any call
 
 
-def test_bmm_batch_offsets_do_not_count_against_int32(core) -> None:
-    """bmm_kernel widens program_id(2) to int64: a batch of 2048 1024x1024 outputs (2^31 elements in all)
-    fits, so does a batch stride near 2^31."""
+def test_gemm_and_bmm_offsets_are_64_bit(core) -> None:
+    """The gemm and bmm templates compute offsets in int64: a 65536 x 50257 LM head (C spans 2^31 elements
+    and more), an A of 2^31 elements, a batch of 2048 1024x1024 outputs and a batch stride near 2^31 all fit."""
     from dietcode_ort.runtime import LaunchArgs
 
-    parsed = _fit_bundle(core, params=_BMM)
-    assert parsed.fit(1, LaunchArgs(M=1024, N=1024, K=16, batch=2048, stride_a_batch=16384)) == ("fits", "")
-    assert parsed.fit(1, LaunchArgs(M=16, N=16, K=16, batch=2, stride_a_batch=2**31 - 1)) == ("fits", "")
+    gemm = _fit_bundle(core)
+    assert gemm.fit(1, LaunchArgs(M=65536, N=50257, K=64)) == ("fits", "")
+    assert gemm.fit(1, LaunchArgs(M=2**16, N=64, K=2**15)) == ("fits", "")
+    bmm = _fit_bundle(core, params=_BMM)
+    assert bmm.fit(1, LaunchArgs(M=1024, N=1024, K=16, batch=2048, stride_a_batch=16384)) == ("fits", "")
+    assert bmm.fit(1, LaunchArgs(M=16, N=16, K=16, batch=2, stride_a_batch=2**31 - 1)) == ("fits", "")
 
 
 def test_conv_hazards_count_per_image(core) -> None:
@@ -414,6 +410,13 @@ def test_conv_hazards_count_per_image(core) -> None:
     big = dict(ok, M=4096 * 4096, N=1, img_n=1, img_h=8192, img_w=4096, out_h=4096, out_w=4096)
     name, why = parsed.fit(1, LaunchArgs(**big))
     assert name == "int32 offsets" and "X per image" in why
+    assert parsed.fit(1, LaunchArgs(**dict(big, img_h=8191)))[0] == "fits"  # 64*8191*4096 < 2^31
+    # Y per image = N * out_h * out_w; W = K * N
+    name, why = parsed.fit(1, LaunchArgs(**dict(ok, N=512, out_h=2048, out_w=2048, M=2048 * 2048)))
+    assert name == "int32 offsets" and "Y per image" in why
+    assert parsed.fit(1, LaunchArgs(**dict(ok, N=511, out_h=2048, out_w=2048, M=2048 * 2048)))[0] == "fits"
+    name, why = parsed.fit(1, LaunchArgs(**dict(ok, M=64, N=2**22, K=512)))
+    assert name == "int32 offsets" and "W spans" in why
 
 
 # made-up devices: (major, minor, opt-in shared memory per block)
