@@ -443,6 +443,12 @@ def test_kernels_that_cannot_run_on_the_device_are_vendor_for_the_session(core) 
     at_limit = core.parse(Bundle((Feature("M", ((0, 0),)),), (_kernel("k", shared=99 * 1024),),
                                  DispatchTree.single(0)).to_bytes())
     assert at_limit.fit_device(*SM86)[0] == [True]
+    # PTX the driver can JIT only for a newer device than the one at hand
+    ptx90 = core.parse(Bundle((Feature("M", ((0, 0),)),), (_kernel("p", images=(), ptx=".target sm_90\n"),),
+                              DispatchTree.single(0)).to_bytes())
+    fits, why = ptx90.fit_device(*SM86)
+    assert fits == [False] and "PTX for a different target" in why[0]
+    assert ptx90.fit_device(*SM90)[0] == [True] and ptx90.fit_device(12, 0, 99 * 1024)[0] == [True]
     assert at_limit.fit_device(8, 6, 99 * 1024 - 1)[0] == [False]
     with pytest.raises(DietcodeError, match="not a device"):
         at_limit.fit_device(8, 6, 0)
