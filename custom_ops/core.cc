@@ -502,6 +502,15 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
                                 std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
   }
+  // Row and column indices within a tile (pid * BLOCK + arange) are int32 in every template: M and N rounded
+  // up to whole tiles must stay below 2^31, or the last tile's indices wrap and pass the bounds mask.
+  const int64_t padded_m = (M + kernel.block_m - 1) / kernel.block_m * kernel.block_m;
+  const int64_t padded_n = (N + kernel.block_n - 1) / kernel.block_n * kernel.block_n;
+  if (padded_m > 0x7fffffff || padded_n > 0x7fffffff) {
+    return refuse(kFitInt32, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " rounded up to " +
+                                 std::to_string(kernel.block_m) + "x" + std::to_string(kernel.block_n) +
+                                 " tiles exceed the int32 row/column indices");
+  }
   // Element offsets (tuner/templates.py): gemm and bmm compute them in int64 (row offsets per tile, the batch
   // from program_id(2) widened), so any int32 M, N, K fits. conv computes the image part in int64 and the rest
   // in int32: W's offsets (K*N), and per image X's (channels*img_h*img_w) and Y's (N*out_h*out_w) must stay

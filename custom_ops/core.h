@@ -97,7 +97,8 @@ int64_t dc_bundle_image_shared(const dc_bundle* bundle, int32_t k, int major, in
 
 // Whether one call with `args` fits compiled kernel k (the one place this is decided; dc_launch refuses a
 // launch that does not): a non-empty output (M, N > 0; an empty one needs no launch), K > 0, batch <= 65535
-// (grid z), at most 2^31-1 tiles (grid x), for conv kernels element offsets below 2^31 where the template
+// (grid z), at most 2^31-1 tiles (grid x), M and N rounded up to whole tiles below 2^31 (the templates'
+// row and column indices are int32), for conv kernels element offsets below 2^31 where the template
 // computes them in int32 (W = K*N, X per image = channels*img_h*img_w, Y per image = N*out_h*out_w; gemm and
 // bmm offsets are int64), and the divisibility
 // assumptions it was compiled with (its div16 mask: pointers 16-byte aligned, int params multiples of 16).

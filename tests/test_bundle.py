@@ -386,6 +386,17 @@ def test_call_hazards_fall_back_with_their_reason(core, kw, bad, good, reason) -
     assert parsed.accepts(0, LaunchArgs(**bad)) == (True, "")  # ORT's own kernel takes any call
 
 
+def test_tile_indices_must_not_wrap(core) -> None:
+    """pid * BLOCK + arange is int32 in the templates: M (or N) rounded up to whole tiles must stay below 2^31."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core)  # 64 x 128 tiles
+    name, why = parsed.fit(1, LaunchArgs(M=2**31 - 63, N=1, K=1))
+    assert name == "int32 offsets" and "rounded up" in why
+    assert parsed.fit(1, LaunchArgs(M=2**31 - 64, N=1, K=1)) == ("fits", "")  # exactly 2^25 - 1 whole tiles
+    assert parsed.fit(1, LaunchArgs(M=1, N=2**31 - 127, K=1))[0] == "int32 offsets"
+
+
 def test_gemm_and_bmm_offsets_are_64_bit(core) -> None:
     """The gemm and bmm templates compute offsets in int64: a 65536 x 50257 LM head (C spans 2^31 elements
     and more), an A of 2^31 elements, a batch of 2048 1024x1024 outputs and a batch stride near 2^31 all fit."""
