@@ -33,13 +33,15 @@ enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2 };
 struct Image {
   uint32_t cc = 0;        // compute capability as major*10+minor
   bool specific = false;  // the 'a' suffix: runs on exactly this cc
+  uint32_t shared = 0;    // dynamic shared memory bytes a launch of this cubin asks for
   std::string bytes;
 };
 
 struct Kernel {
   KernelKind kind = kTriton;
   std::string name;
-  uint32_t num_warps = 4, shared = 0, block_m = 1, block_n = 1, split_k = 1;
+  uint32_t num_warps = 4, block_m = 1, block_n = 1, split_k = 1;
+  uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
   bool zero_output = false;
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
@@ -66,6 +68,7 @@ struct Tree {
 struct LoadedKernel {
   void* module = nullptr;
   void* function = nullptr;
+  uint32_t shared = 0;  // the loaded image's dynamic shared memory bytes
 };
 
 // The operand view of a kernel, from its ABI params (the one place this rule lives; see core.h).
@@ -73,6 +76,11 @@ View KernelView(const Kernel& kernel);
 
 // Which image a kernel loads on a device: index into images, or -1 for PTX; returns false with a message.
 bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error);
+
+// The dynamic shared memory bytes a launch of image `image_index` (-1: the PTX) asks for.
+inline uint32_t ImageShared(const Kernel& kernel, int image_index) {
+  return image_index >= 0 ? kernel.images[image_index].shared : kernel.shared;
+}
 
 }  // namespace dietcode
 
@@ -96,9 +104,24 @@ void SetError(const std::string& message);
 // Evaluate the tree; the bundle is validated so this cannot index out of range.
 int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
 
-// Whether the launch arguments meet the divisibility assumptions kernel k was compiled with; when not,
-// *why names the first one that fails. A kernel run against unmet assumptions reads or writes wrongly.
-bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why);
+// Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
+// memory per block is smem_optin bytes: an image for the device (PickImage) whose shared memory fits.
+// The vendor kind fits every device. False with *why naming the kernel and the reason.
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why);
+
+// Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
+enum Fit : int {
+  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitCount
+};
+
+// Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch
+// within grid z, tiles within grid x, every operand's element offsets within int32 as the templates compute
+// them) and the divisibility assumptions it was compiled with. kFits, or the first reason it does not with
+// *why naming it. A kernel run against an unmet one reads or writes wrongly; the vendor kind fits any call.
+Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why);
+inline bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+  return CallFit(kernel, args, why) == kFits;
+}
 
 }  // namespace dietcode
 

@@ -15,7 +15,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -235,10 +235,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       Image img;
       img.cc = sub.Get<uint32_t>("image arch");
       uint32_t aflags = sub.Get<uint32_t>("image flags");
+      img.shared = sub.Get<uint32_t>("image shared");
       uint64_t size = sub.Get<uint64_t>("image size");
       if (img.cc < 10 || img.cc > 9999 || (aflags & ~kArchSpecific)) {
         Fail("kernel " + std::to_string(index) + ": image arch " + std::to_string(img.cc) + " / flags " +
              std::to_string(aflags) + " invalid");
+      }
+      if (img.shared > kMaxShared) {
+        Fail("kernel " + std::to_string(index) + ": image shared " + std::to_string(img.shared) + " bytes too large");
       }
       if (size > kMaxImageBytes) Fail("kernel " + std::to_string(index) + ": image of " + std::to_string(size) + " bytes too large");
       img.specific = aflags & kArchSpecific;
@@ -330,7 +334,7 @@ void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   uint64_t total = h.Get<uint64_t>("total size");
   uint32_t count = h.Get<uint32_t>("section count");
   uint32_t reserved = h.Get<uint32_t>("reserved");
-  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows 2");
+  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows " + std::to_string(kVersion));
   if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
   if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
   if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");
@@ -435,6 +439,19 @@ bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std
   return false;
 }
 
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why) {
+  if (kernel.kind == kVendor) return true;
+  int index = -1;
+  if (!PickImage(kernel, major, minor, &index, why)) return false;
+  const uint32_t shared = ImageShared(kernel, index);
+  if (shared > smem_optin) {
+    *why = "kernel '" + kernel.name + "' needs " + std::to_string(shared) + " bytes of shared memory, sm_" +
+           std::to_string(major * 10 + minor) + " allows " + std::to_string(smem_optin) + " per block";
+    return false;
+  }
+  return true;
+}
+
 int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
   const Tree& t = b.tree;
   int32_t i = 0;
@@ -453,7 +470,66 @@ View KernelView(const Kernel& kernel) {
   return kViewGemm;
 }
 
-bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+namespace {
+
+constexpr const char* kFitNames[kFitCount] = {
+    "fits", "empty output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets",
+    "div16 assumption", "negative size"};
+
+}  // namespace
+
+Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
+  if (kernel.kind == kVendor) return kFits;
+  const std::string who = "kernel '" + kernel.name + "': ";
+  auto refuse = [&](Fit fit, const std::string& detail) {
+    *why = who + kFitNames[fit] + ": " + detail;
+    return fit;
+  };
+  const int64_t M = args.M, N = args.N, K = args.K;
+  if (M < 0 || N < 0 || K < 0 || args.batch < 0 || args.stride_a_batch < 0 || args.stride_b_batch < 0 || args.img_n < 0 || args.img_h < 0 ||
+      args.img_w < 0 || args.out_h < 0 || args.out_w < 0) {
+    return refuse(kFitNegative, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                    " batch=" + std::to_string(args.batch) + " (or a stride or image dim) below 0");
+  }
+  const int64_t batch = args.batch > 0 ? args.batch : 1;
+  if (M == 0 || N == 0) {
+    return refuse(kFitEmpty, "M=" + std::to_string(M) + " N=" + std::to_string(N) + ": nothing to launch");
+  }
+  if (K == 0) return refuse(kFitZeroK, "the output is the bias alone, which ORT's kernel writes");
+  if (batch > 65535) return refuse(kFitBatch, "batch " + std::to_string(batch) + " above 65535 (grid z)");
+  const int64_t tiles = ((M + kernel.block_m - 1) / kernel.block_m) * ((N + kernel.block_n - 1) / kernel.block_n);
+  if (tiles > 0x7fffffff) {
+    return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
+                                std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
+  }
+  // Row and column indices within a tile (pid * BLOCK + arange) are int32 in every template: M and N rounded
+  // up to whole tiles must stay below 2^31, or the last tile's indices wrap and pass the bounds mask.
+  const int64_t padded_m = (M + kernel.block_m - 1) / kernel.block_m * kernel.block_m;
+  const int64_t padded_n = (N + kernel.block_n - 1) / kernel.block_n * kernel.block_n;
+  if (padded_m > 0x7fffffff || padded_n > 0x7fffffff) {
+    return refuse(kFitInt32, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " rounded up to " +
+                                 std::to_string(kernel.block_m) + "x" + std::to_string(kernel.block_n) +
+                                 " tiles exceed the int32 row/column indices");
+  }
+  // Element offsets (tuner/templates.py): gemm and bmm compute them in int64 (row offsets per tile, the batch
+  // from program_id(2) widened), so any int32 M, N, K fits. conv computes the image part in int64 and the rest
+  // in int32: W's offsets (K*N), and per image X's (channels*img_h*img_w) and Y's (N*out_h*out_w) must stay
+  // below 2^31.
+  if (KernelView(kernel) == kViewConv) {
+    constexpr int64_t kLimit = int64_t{1} << 31;
+    const struct {
+      const char* what;
+      int64_t value;
+    } extents[3] = {{"W", K * N},
+                    {"X per image", int64_t{kernel.conv[0]} * args.img_h * args.img_w},
+                    {"Y per image", N * args.out_h * args.out_w}};
+    for (const auto& e : extents) {
+      if (e.value >= kLimit) {
+        return refuse(kFitInt32, std::string(e.what) + " spans " + std::to_string(e.value) +
+                                     " elements, the conv template's int32 offsets reach 2^31-1");
+      }
+    }
+  }
   const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};
   const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
                                      args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w};
@@ -461,12 +537,11 @@ bool MeetsAssumptions(const Kernel& kernel, const dc_launch_args& args, std::str
     if (!(kernel.div16 >> p & 1u)) continue;
     const bool ok = p <= kC ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
     if (!ok) {
-      *why = "kernel '" + kernel.name + "' was compiled for " + kParamNames[p] +
-             (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not";
-      return false;
+      return refuse(kFitDiv16, std::string("compiled for ") + kParamNames[p] +
+                                   (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not");
     }
   }
-  return true;
+  return kFits;
 }
 
 }  // namespace dietcode
@@ -648,6 +723,74 @@ int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args)
   if (dietcode::MeetsAssumptions(b->kernels[k], *args, &why)) return 1;
   SetError(why);
   return 0;
+}
+
+int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
+  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  std::string why;
+  const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
+  SetError(why);
+  return fit;
+}
+
+int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int minor) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) {
+    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
+    return -1;
+  }
+  int index = -1;
+  std::string error;
+  if (!dietcode::PickImage(kernel, major, minor, &index, &error)) {
+    SetError(error);
+    return -1;
+  }
+  return dietcode::ImageShared(kernel, index);
+}
+
+int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  if (major < 1 || minor < 0 || minor > 9 || smem_optin <= 0) {
+    SetError("device sm_" + std::to_string(major) + std::to_string(minor) + " with " + std::to_string(smem_optin) +
+             " bytes of opt-in shared memory is not a device");
+    return -1;
+  }
+  std::string why;
+  if (dietcode::FitsDevice(b->kernels[k], major, minor, smem_optin, &why)) return 1;
+  SetError(why);
+  return 0;
+}
+
+int dc_bundle_fit_device(const dc_bundle* b, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n) {
+  if (b == nullptr || (out_mask == nullptr && n > 0) || n < b->kernels.size()) {
+    SetError("dc_bundle_fit_device: null bundle, or a mask of " + std::to_string(n) + " for " +
+             std::to_string(b ? b->kernels.size() : 0) + " kernels");
+    return -1;
+  }
+  int unfit = 0;
+  std::string first;
+  for (size_t k = 0; k < b->kernels.size(); ++k) {
+    const int r = dc_kernel_fit_device(b, static_cast<int32_t>(k), major, minor, smem_optin);
+    if (r < 0) return -1;
+    out_mask[k] = static_cast<uint8_t>(r);
+    if (r == 0 && unfit++ == 0) first = dc_last_error();
+  }
+  SetError(first);
+  return unfit;
+}
+
+const char* dc_fit_name(int fit) {
+  return fit >= 0 && fit < dietcode::kFitCount ? dietcode::kFitNames[fit] : nullptr;
 }
 
 int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, int32_t* activation, int32_t* trans_b,

@@ -90,10 +90,27 @@ int dc_bundle_kernel_view(const dc_bundle* bundle, int32_t k);
 // -1 = none (message in dc_last_error). desc receives e.g. "cubin sm_90a" or "ptx sm_80".
 int dc_bundle_pick_image(const dc_bundle* bundle, int32_t k, int major, int minor, char* desc, size_t desc_size);
 
-// Whether `args` meet the divisibility assumptions kernel k was compiled with (its div16 mask: pointers
-// 16-byte aligned, int params multiples of 16): 1 yes, 0 no (reason in dc_last_error), -1 on error. A
-// caller that gets 0 runs another kernel (ORT's own); dc_launch refuses such a launch.
+// The dynamic shared memory bytes a launch of kernel k asks for on a device of compute capability
+// major.minor: those of the image dc_bundle_pick_image picks (each cubin and the PTX record their own).
+// -1 when there is none (message in dc_last_error).
+int64_t dc_bundle_image_shared(const dc_bundle* bundle, int32_t k, int major, int minor);
+
+// Whether one call with `args` fits compiled kernel k (the one place this is decided; dc_launch refuses a
+// launch that does not): a non-empty output (M, N > 0; an empty one needs no launch), K > 0, batch <= 65535
+// (grid z), at most 2^31-1 tiles (grid x), M and N rounded up to whole tiles below 2^31 (the templates'
+// row and column indices are int32), for conv kernels element offsets below 2^31 where the template
+// computes them in int32 (W = K*N, X per image = channels*img_h*img_w, Y per image = N*out_h*out_w; gemm and
+// bmm offsets are int64), and the divisibility
+// assumptions it was compiled with (its div16 mask: pointers 16-byte aligned, int params multiples of 16).
+// The vendor kind fits every call. 1 yes, 0 no (reason in dc_last_error), -1 on error. A caller that gets 0
+// runs another kernel (ORT's own) for that call.
 int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
+
+// The same decision as a code: 0 fits, else the first reason it does not (message in dc_last_error):
+// 1 empty output, 2 K is 0, 3 batch above grid z, 4 tiles above grid x, 5 int32 offsets, 6 div16
+// assumption, 7 negative size. -1 on error. dc_fit_name names a code (NULL past the end).
+int dc_kernel_fit(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
+const char* dc_fit_name(int fit);
 
 // The ABI view of one node call: the M, N, K, batch, batch strides and conv dims the CUDA path passes a
 // compiled kernel for these input shapes (c: Gemm's C or NULL). op 0 = MatMul (batched != 0 selects the
@@ -104,6 +121,22 @@ int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb
                 const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats, int batched,
                 dc_launch_args* out);
 
+// Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
+// memory per block (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) is smem_optin bytes: it has an
+// image for the device (dc_bundle_pick_image: a matching cubin or PTX the driver can JIT) and that image's
+// shared memory fits. A pure function of the bundle and the device facts (dc_cuda_device_limits on a GPU).
+// The vendor kind fits. 1 yes, 0 no (reason in dc_last_error), -1 on error (bad id or device facts).
+int dc_kernel_fit_device(const dc_bundle* bundle, int32_t k, int major, int minor, int smem_optin);
+
+// The same for every kernel: out_mask[k] = 1 if kernel k fits the device, 0 if not (n >= kernel count).
+// Returns how many do not fit (the first one's reason in dc_last_error), -1 on error. A session marks the
+// kernels that do not fit as vendor at creation: their calls run ORT's kernel.
+int dc_bundle_fit_device(const dc_bundle* bundle, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n);
+
+// Device `device`'s compute capability and opt-in shared memory per block, for dc_bundle_fit_device.
+// 0 on success, -1 with a message (no driver, no such device). Never aborts.
+int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin);
+
 // Whether libcuda loads and device `device` answers: fills name, compute capability and driver version.
 // 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.
 int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);
@@ -111,6 +144,21 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
 // Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context,
 // loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
+
+// Per-node counters (custom_ops/stats.cc), process-wide and thread-safe: the counter of a node name
+// (created on first use, never freed; every node and session with that name shares it), counted per call.
+typedef struct dc_node_counter dc_node_counter;
+dc_node_counter* dc_node_counter_get(const char* node);
+void dc_node_count_launch(dc_node_counter* counter);
+void dc_node_count_fallback(dc_node_counter* counter, const char* reason);  // ORT's kernel ran; why
+
+// Reading: how many node names have counters, and counter `index` (0 <= index < count): its node name and
+// last fallback reason (truncated to the buffers), launches and fallbacks. Returns the name's full length,
+// -1 for an index out of range. dc_node_stats_reset zeroes every counter and reason.
+int64_t dc_node_stats_count(void);
+int dc_node_stats_get(int64_t index, char* node, size_t node_size, int64_t* launches, int64_t* fallbacks,
+                      char* reason, size_t reason_size);
+void dc_node_stats_reset(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -138,12 +138,8 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   d.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
   int index = -1;
+  if (!FitsDevice(k, major, minor, optin > 0 ? optin : kDefaultSharedLimit, error)) return false;
   if (!PickImage(k, major, minor, &index, error)) return false;
-  if (k.shared > static_cast<uint32_t>(optin) && optin > 0) {
-    *error = "kernel '" + k.name + "' needs " + std::to_string(k.shared) + " bytes of shared memory, the device allows " +
-             std::to_string(optin);
-    return false;
-  }
   const void* image = index >= 0 ? static_cast<const void*>(k.images[index].bytes.data())
                                  : static_cast<const void*>(k.ptx.c_str());
   CUmodule module = nullptr;
@@ -154,9 +150,10 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
     return false;
   }
   CUfunction fn = nullptr;
+  const uint32_t shared = ImageShared(k, index);
   rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
-  if (rc == CUDA_SUCCESS && k.shared > kDefaultSharedLimit) {
-    rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(k.shared));
+  if (rc == CUDA_SUCCESS && shared > kDefaultSharedLimit) {
+    rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared));
   }
   if (rc != CUDA_SUCCESS) {
     *error = CuError(d, rc, "loading function") + " '" + k.name + "'";
@@ -165,6 +162,7 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   }
   out->module = module;
   out->function = fn;
+  out->shared = shared;
   return true;
 }
 
@@ -213,6 +211,23 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
   return 0;
 }
 
+int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin) {
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return dietcode::Fail(d.error);
+  CUdevice dev = 0;
+  CUresult rc = d.DeviceGet(&dev, device);
+  if (rc != CUDA_SUCCESS) return dietcode::Fail(dietcode::CuError(d, rc, "cuDeviceGet") + " for device " + std::to_string(device));
+  int mj = 0, mn = 0, optin = 0;
+  d.DeviceGetAttribute(&mj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.DeviceGetAttribute(&mn, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  rc = d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
+  if (rc != CUDA_SUCCESS || optin <= 0) optin = static_cast<int>(dietcode::kDefaultSharedLimit);
+  if (major) *major = mj;
+  if (minor) *minor = mn;
+  if (smem_optin) *smem_optin = optin;
+  return 0;
+}
+
 int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
   using dietcode::Fail;
   if (b == nullptr || args == nullptr) return Fail("null bundle or launch arguments");
@@ -232,6 +247,7 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
   dietcode::ContextScope scope(d, ctx);
 
   CUfunction fn = nullptr;
+  uint32_t shared = 0;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
     auto key = std::make_pair(static_cast<void*>(ctx), k);
@@ -243,19 +259,14 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
       it = b->loaded.emplace(key, loaded).first;
     }
     fn = static_cast<CUfunction>(it->second.function);
+    shared = it->second.shared;
   }
 
-  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch).
-  if (args->M <= 0 || args->N <= 0 || args->K < 0) {
-    return Fail("launch of '" + kernel.name + "' with M=" + std::to_string(args->M) + " N=" + std::to_string(args->N) +
-                " K=" + std::to_string(args->K) + ": M and N must be positive");
-  }
+  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch); CallFit (above) has checked
+  // that it is within the grid limits and that the sizes are positive.
   const int64_t batch = args->batch > 0 ? args->batch : 1;
   const int64_t tiles = ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
                         ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
-  if (tiles > 0x7fffffff || batch > 65535 || kernel.split_k > 65535) {
-    return Fail("grid of '" + kernel.name + "' too large: " + std::to_string(tiles) + " tiles x batch " + std::to_string(batch));
-  }
 
   uint64_t ptrs[4] = {args->a, args->b, args->bias, args->c};
   int32_t ints[dietcode::kParamCount] = {};
@@ -284,7 +295,7 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
     if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
   }
   rc = d.LaunchKernel(fn, static_cast<unsigned>(tiles), kernel.split_k, static_cast<unsigned>(batch),
-                      kernel.num_warps * 32, 1, 1, kernel.shared, s, params, nullptr);
+                      kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");
   return 0;
 }

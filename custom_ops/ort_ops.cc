@@ -9,6 +9,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <memory>
@@ -26,6 +27,8 @@ namespace {
 constexpr const char* kDomain = "ai.dietcode";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
+// Reasons a node runs ORT's kernel beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
+constexpr int kReasonDevice = 16;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
 struct BundleDeleter {
@@ -127,6 +130,8 @@ class DietcodeKernel {
       : spec_(spec), cuda_(cuda), dtype_(dtype) {
     Ort::ConstKernelInfo info(raw_info);
     where_ = "node '" + info.GetNodeName() + "' (" + kDomain + ":" + spec.name + ")";
+    logger_ = info.GetLogger();
+    counter_ = dc_node_counter_get(info.GetNodeName().c_str());
     CheckInputs(info);
     has_bias_input_ = spec.bias;
     LoadBundle(info);
@@ -144,7 +149,10 @@ class DietcodeKernel {
       conv_.group = AttrOr<int64_t>(info, "group", 1);
       conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
     }
-    if (cuda_) CheckKernelsBuiltForNode();
+    if (cuda_) {
+      CheckKernelsBuiltForNode();
+      FitDevice(raw_info);
+    }
     CreateVendorOps(raw_info);
   }
 
@@ -261,6 +269,48 @@ class DietcodeKernel {
     }
   }
 
+  // The node's CUDA device (its default allocator's device id; 0 when ORT does not say).
+  static int NodeDevice(const OrtKernelInfo* info) {
+    const OrtApi& api = Ort::GetApi();
+    OrtAllocator* alloc = nullptr;
+    int device = 0;
+    if (OrtStatus* st = api.KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc)) {
+      api.ReleaseStatus(st);
+      return 0;
+    }
+    const OrtMemoryInfo* mem = nullptr;
+    if (OrtStatus* st = api.AllocatorGetInfo(alloc, &mem)) {
+      api.ReleaseStatus(st);
+    } else if (OrtStatus* st2 = api.MemoryInfoGetId(mem, &device)) {
+      api.ReleaseStatus(st2);
+      device = 0;
+    }
+    api.ReleaseAllocator(alloc);
+    return device;
+  }
+
+  // Per session: a compiled kernel with no image for this device's arch, or needing more shared memory than
+  // the device allows, is run as the vendor kind (ORT's kernel) for every call, with one warning here.
+  void FitDevice(const OrtKernelInfo* info) {
+    device_fits_.assign(n_kernels_, 1);
+    int major = 0, minor = 0, optin = 0;
+    if (dc_cuda_device_limits(NodeDevice(info), &major, &minor, &optin) != 0) return;  // dc_launch will say why
+    const int unfit = dc_bundle_fit_device(bundle_.get(), major, minor, optin, device_fits_.data(), device_fits_.size());
+    if (unfit < 0) Throw(dc_last_error());
+    if (unfit == 0) return;
+    has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
+    const std::string first = dc_last_error();
+    std::string which;
+    device_reason_.assign(n_kernels_, {});
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (device_fits_[k]) continue;
+      which += (which.empty() ? "" : ", ") + std::to_string(k);
+      if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin) == 0) device_reason_[k] = dc_last_error();
+    }
+    WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
+                                std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
+  }
+
   // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
   void CreateVendorOps(const OrtKernelInfo* info) {
     const ONNXTensorElementDataType type = cuda_ ? dtype_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -352,6 +402,7 @@ class DietcodeKernel {
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
+    dc_node_count_fallback(counter_, "the CPU execution provider runs ONNX Runtime's kernel");
     const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
     const size_t n_op_inputs = fused_c ? 3 : 2;
     const bool is_float = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -413,25 +464,34 @@ class DietcodeKernel {
     if (k < 0) Throw(dc_last_error());
 
     dc_launch_args args{};
-    bool abi_ok = dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0;
-    if (abi_ok) {
-      if (spec_.base == BaseOp::kMatMul) {
-        abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
-      } else if (spec_.base == BaseOp::kGemm) {
-        abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
-      } else {
-        const std::array<int32_t, 9>& g = conv_geometry_[k];
-        if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
-            shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
-          Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
-                " was compiled for");
-        }
-        abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
+    if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
+      dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
+    if (!device_fits_[k]) {
+      dc_node_count_fallback(counter_, device_reason_[k].c_str());
+      VendorCuda(raw, in, n_in, out);
+      return;
+    }
+    bool abi_ok = false;
+    if (spec_.base == BaseOp::kMatMul) {
+      abi_ok = MatMulView(shapes[0], shapes[1], out_shape, KernelIsBatched(k), &args);
+    } else if (spec_.base == BaseOp::kGemm) {
+      abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
+    } else {
+      const std::array<int32_t, 9>& g = conv_geometry_[k];
+      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
+          shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
+        Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
+              " was compiled for");
       }
+      abi_ok = ConvView(shapes[0], shapes[1], out_shape, conv_, &args);
     }
     // The kernel adds a bias of N elements; any other broadcastable bias shape goes to ORT's Add.
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
+      dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
       VendorCuda(raw, in, n_in, out);
       return;
     }
@@ -441,11 +501,29 @@ class DietcodeKernel {
     args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.c_bytes = static_cast<uint64_t>(total) * elem;
-    if (dc_kernel_accepts(bundle_.get(), k, &args) != 1) {  // e.g. a view at an unaligned offset
+    const int fit = dc_kernel_fit(bundle_.get(), k, &args);  // e.g. int32 offsets, a view at an unaligned offset
+    if (fit != 0) {
+      if (fit < 0) Throw(dc_last_error());
+      const std::string why = dc_last_error();
+      WarnOnce(fit, why);
+      dc_node_count_fallback(counter_, why.c_str());
       VendorCuda(raw, in, n_in, out);
       return;
     }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
+    dc_node_count_launch(counter_);
+  }
+
+  // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
+  void WarnOnce(int reason, const std::string& message) {
+    const uint32_t bit = 1u << (reason & 31);
+    if (warned_.fetch_or(bit) & bit) return;
+    const std::string text = where_ + ": runs ONNX Runtime's kernel instead of the compiled one: " + message +
+                             " (warned once per node and reason)";
+    try {
+      ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+    } catch (const Ort::Exception&) {
+    }
   }
 
   bool KernelIsBatched(int32_t k) {
@@ -490,6 +568,11 @@ class DietcodeKernel {
   std::string base_error_;
   std::once_flag batched_once_;
   std::vector<bool> batched_;
+  std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
+  std::vector<std::string> device_reason_;  // why a kernel does not fit (empty when it does)
+  dc_node_counter* counter_ = nullptr;  // this node name's launches and fallbacks (dc_node_stats_get)
+  Ort::Logger logger_{nullptr};
+  std::atomic<uint32_t> warned_{0};
 };
 
 struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
@@ -558,9 +641,21 @@ Registry& GetRegistry() {
 extern "C" {
 
 // Entry point named by SessionOptions.register_custom_ops_library.
+// Fails with a status naming the C API version the library was built against and the runtime's version
+// when the runtime is older than that (version 1 of the API, which every runtime offers, reports it).
 OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  if (api_base == nullptr || api_base->GetApi == nullptr) return nullptr;  // not ORT calling: nothing to report to
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // cannot even report: this runtime is older than the headers
+  if (api == nullptr) {
+    const char* found = api_base->GetVersionString != nullptr ? api_base->GetVersionString() : nullptr;
+    const std::string message = "dietcode custom ops: this library needs ONNX Runtime C API version " +
+                                std::to_string(ORT_API_VERSION) + " (onnxruntime 1." + std::to_string(ORT_API_VERSION) +
+                                " or newer), and this onnxruntime (" + (found ? found : "version unknown") +
+                                ") does not offer it: upgrade onnxruntime or build the library against its headers";
+    const OrtApi* base = api_base->GetApi(1);
+    if (base == nullptr || base->CreateStatus == nullptr) return nullptr;
+    return base->CreateStatus(ORT_FAIL, message.c_str());
+  }
   Ort::InitApi(api);
   try {
     dietcode::Registry& reg = dietcode::GetRegistry();

@@ -7,8 +7,8 @@ library (built from custom_ops/ on first use, see ``library_path``).
 from __future__ import annotations
 
 from dietcode_ort.build import library_path
-from dietcode_ort.runtime import InferenceSession, register
+from dietcode_ort.runtime import InferenceSession, node_stats, register, reset_node_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "register", "InferenceSession", "library_path"]
+__all__ = ["__version__", "register", "InferenceSession", "library_path", "node_stats", "reset_node_stats"]

@@ -23,7 +23,8 @@ __all__ = [
 ]
 
 MAGIC = b"DCBUNDLE"
-VERSION = 2  # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0)
+# 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image
+VERSION = 3
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -87,8 +88,11 @@ class BundleKernel:
     """One kernel: a compiled Triton micro-kernel, or ``kind="vendor"`` (run ONNX Runtime's own kernel).
 
     ``images`` maps an arch name ("sm_80", "sm_90a", "sm_100") to cubin bytes; ``ptx`` is PTX text the
-    driver can JIT on newer GPUs. ``params`` lists the ABI parameter names in the kernel's order, without
-    the two trailing scratch pointers every Triton kernel takes (the runtime always appends them as null).
+    driver can JIT on newer GPUs. ``shared`` is the dynamic shared memory the PTX launches with (that of the
+    arch it was compiled for), ``image_shared`` that of each cubin, in ``images``' order (left empty, every
+    cubin takes ``shared``); a launch uses the picked image's. ``params`` lists the ABI parameter names in the
+    kernel's order, without the two trailing scratch pointers every Triton kernel takes (the runtime always
+    appends them as null).
     """
 
     name: str
@@ -98,6 +102,7 @@ class BundleKernel:
     params: tuple[str, ...] = ()
     num_warps: int = 4
     shared: int = 0
+    image_shared: tuple[int, ...] = ()
     block_m: int = 1
     block_n: int = 1
     split_k: int = 1
@@ -111,6 +116,16 @@ class BundleKernel:
     activation: str = "none"
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
+
+    def __post_init__(self) -> None:
+        if not self.image_shared and self.images:
+            object.__setattr__(self, "image_shared", (self.shared,) * len(self.images))
+
+    def shared_for(self, choice: "ImageChoice") -> int:
+        """The shared memory bytes a launch of the chosen image asks for."""
+        if choice.kind == "ptx":
+            return self.shared
+        return self.image_shared[[a for a, _ in self.images].index(choice.arch)]
 
     @property
     def view(self) -> str:
@@ -143,11 +158,15 @@ class BundleKernel:
                     raise DietcodeError(f"compiled kernels of {first.name!r} disagree on {attr}: "
                                         f"{getattr(first, attr, ())!r} vs {getattr(other, attr, ())!r}")
         params = tuple(p for p in first.params if p not in ("global_scratch", "profile_scratch"))
-        ptx = _portable_ptx(compiled)
+        ptx, ptx_from = _portable_ptx(compiled)
+        with_cubin = [c for c in compiled if getattr(c, "cubin", b"")]
         return cls(name=str(first.name), kind="triton",
-                   images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in compiled if getattr(c, "cubin", b"")),
+                   images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in with_cubin),
+                   image_shared=tuple(int(c.shared) for c in with_cubin),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
-                   shared=max(int(c.shared) for c in compiled), block_m=int(first.block_m),
+                   shared=(int(ptx_from.shared) if ptx_from is not None
+                           else max(int(c.shared) for c in compiled)),
+                   block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
@@ -160,7 +179,7 @@ class BundleKernel:
         if not 1 <= len(self.name.encode()) <= LIMITS["name"]:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
-            if (self.images or self.ptx or self.params or self.div16 or self.dtype != "float32"
+            if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
@@ -175,6 +194,11 @@ class BundleKernel:
             raise _fail(f"{where}: split_k > 1 accumulates with atomics and needs zero_output")
         if not 0 <= self.shared <= LIMITS["shared"]:
             raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
+        if len(self.image_shared) != len(self.images):
+            raise _fail(f"{where}: {len(self.image_shared)} image shared sizes for {len(self.images)} cubins")
+        for (arch, _), shared in zip(self.images, self.image_shared):
+            if not 0 <= shared <= LIMITS["shared"]:
+                raise _fail(f"{where}: cubin for {arch}: shared {shared} bytes outside 0..{LIMITS['shared']}")
         if len(self.params) > LIMITS["params"]:
             raise _fail(f"{where}: {len(self.params)} params, at most {LIMITS['params']}")
         for p in self.params:
@@ -244,19 +268,20 @@ def _compiled_arch(arch: Any) -> str:
     return str(arch)
 
 
-def _portable_ptx(compiled: Sequence[Any]) -> str:
-    """The PTX newer GPUs can JIT: the highest target without the 'a' suffix, else any PTX at all."""
-    best: tuple[int, str] | None = None
-    fallback = ""
+def _portable_ptx(compiled: Sequence[Any]) -> tuple[str, Any]:
+    """The PTX newer GPUs can JIT: the highest target without the 'a' suffix, else any PTX at all; with the
+    compiled object it came from (its shared size is the PTX's), or ("", None)."""
+    best: tuple[int, str, Any] | None = None
+    fallback: tuple[str, Any] = ("", None)
     for c in compiled:
         ptx = str(getattr(c, "ptx", "") or "")
         m = _PTX_TARGET_RE.search(ptx.encode())
         if not ptx:
             continue
-        fallback = fallback or ptx
+        fallback = fallback if fallback[1] is not None else (ptx, c)
         if m and not m.group(2) and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), ptx)
-    return best[1] if best else fallback
+            best = (int(m.group(1)), ptx, c)
+    return (best[1], best[2]) if best else fallback
 
 
 def parse_arch(arch: str) -> tuple[int, int]:
@@ -488,9 +513,9 @@ class Bundle:
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))
-            for arch, image in k.images:
+            for (arch, image), shared in zip(k.images, k.image_shared):
                 cc, flags = parse_arch(arch)
-                body += struct.pack("<IIQ", cc, flags, len(image)) + image
+                body += struct.pack("<IIIQ", cc, flags, shared, len(image)) + image
             body += struct.pack("<Q", len(ptx)) + ptx
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
@@ -604,11 +629,14 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
         if any(p >= len(PARAM_NAMES) for p in raw_params):
             raise _fail(f"kernel {k}: param enum out of range 0..{len(PARAM_NAMES) - 1}")
-        images = []
+        images, image_shared = [], []
         for _ in range(sub.count("image count", LIMITS["images"])):
-            cc, aflags, size = sub.unpack("IIQ", "image header")
+            cc, aflags, ishared, size = sub.unpack("IIIQ", "image header")
             if not 10 <= cc <= 9999 or aflags & ~ARCH_FLAG_SPECIFIC:
                 raise _fail(f"kernel {k}: image arch {cc} / flags {aflags} invalid")
+            if ishared > LIMITS["shared"]:
+                raise _fail(f"kernel {k}: image shared {ishared} bytes too large")
+            image_shared.append(ishared)
             if size > LIMITS["image_bytes"]:
                 raise _fail(f"kernel {k}: image of {size} bytes exceeds {LIMITS['image_bytes']}")
             images.append((_arch_name(cc, aflags), sub.take(size, "cubin")))
@@ -618,7 +646,8 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         ptx = _utf8(sub.take(ptx_size, "PTX"), "PTX")
         sub.done()
         r.pos = start + record
-        out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images), ptx=ptx,
+        out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images),
+                                image_shared=tuple(image_shared), ptx=ptx,
                                 params=tuple(PARAM_NAMES[p] for p in raw_params), num_warps=warps, shared=shared,
                                 block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT),
                                 div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1),

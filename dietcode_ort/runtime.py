@@ -15,7 +15,8 @@ from typing import Any, Sequence
 from dietcode_ort.build import library_path
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["register", "InferenceSession", "provider_usable", "Core", "LaunchArgs", "load_core"]
+__all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "reset_node_stats", "Core",
+           "LaunchArgs", "load_core"]
 
 
 _REGISTERED_KEY = "dietcode_ort.library"  # session config entry marking options that carry the library
@@ -188,6 +189,18 @@ class Core:
                                       ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.dc_launch.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), vp]
         lib.dc_kernel_accepts.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_node_stats_count.restype = ctypes.c_int64
+        lib.dc_node_stats_get.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t, i64p, i64p,
+                                          ctypes.c_char_p, ctypes.c_size_t]
+        lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_fit_name.restype = ctypes.c_char_p
+        lib.dc_bundle_image_shared.restype = ctypes.c_int64
+        lib.dc_bundle_image_shared.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int]
+        lib.dc_kernel_fit_device.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.dc_bundle_fit_device.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                             ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+        lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
+        lib.dc_fit_name.argtypes = [ctypes.c_int]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
                                              ctypes.c_int]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
@@ -231,6 +244,27 @@ class Core:
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None
+
+    def node_stats(self) -> dict[str, dict[str, Any]]:
+        """Per node name, process-wide: ``launches`` of compiled (Triton) kernels, ``fallbacks`` to ONNX
+        Runtime's kernel (every call of the library's CPU kernel is one) and the last fallback ``reason``.
+        Nodes with no call since the last reset are left out."""
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(self.lib.dc_node_stats_count()):
+            name, reason = ctypes.create_string_buffer(1024), ctypes.create_string_buffer(1024)
+            launches, fallbacks = ctypes.c_int64(), ctypes.c_int64()
+            size = self.lib.dc_node_stats_get(i, name, 1024, ctypes.byref(launches), ctypes.byref(fallbacks),
+                                              reason, 1024)
+            if size < 0:
+                continue
+            if size >= 1024:  # a longer name than the buffer: read it again in full
+                name = ctypes.create_string_buffer(size + 1)
+                self.lib.dc_node_stats_get(i, name, size + 1, None, None, None, 0)
+            if launches.value or fallbacks.value:
+                out[name.value.decode(errors="replace")] = {
+                    "launches": launches.value, "fallbacks": fallbacks.value,
+                    "reason": reason.value.decode(errors="replace")}
+        return out
 
     def cuda_probe(self, device: int = 0) -> dict[str, Any]:
         """libcuda + cuInit + device name and compute capability; DietcodeError when any is missing."""
@@ -308,10 +342,55 @@ class CoreBundle:
             raise DietcodeError(self.core.error())
         return bool(r), "" if r else self.core.error()
 
+    def fit(self, k: int, args: LaunchArgs) -> tuple[str, str]:
+        """Whether one call fits kernel k (``dc_kernel_fit``): ("fits", "") or the reason's name ("empty
+        output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets", "div16 assumption",
+        "negative size") and the message."""
+        r = self.core.lib.dc_kernel_fit(self.handle, k, ctypes.byref(args))
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return self.core.lib.dc_fit_name(r).decode(), "" if r == 0 else self.core.error()
+
+    def image_shared(self, k: int, major: int, minor: int) -> int:
+        """The shared memory bytes kernel k launches with on a device of compute capability major.minor
+        (those of the image ``pick_image`` names)."""
+        r = self.core.lib.dc_bundle_image_shared(self.handle, k, major, minor)
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return int(r)
+
+    def fit_device(self, major: int, minor: int, smem_optin: int) -> tuple[list[bool], list[str]]:
+        """Which kernels can run on a device of compute capability major.minor with ``smem_optin`` bytes of
+        opt-in shared memory per block (``dc_bundle_fit_device``, what a CUDA session decides at creation),
+        and for each that cannot, why (``dc_kernel_fit_device``; "" for those that can)."""
+        mask = (ctypes.c_uint8 * max(1, self.n_kernels))()
+        lib = self.core.lib
+        if lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, mask, self.n_kernels) < 0:
+            raise DietcodeError(self.core.error())
+        why = []
+        for k in range(self.n_kernels):
+            r = self.core.lib.dc_kernel_fit_device(self.handle, k, major, minor, smem_optin)
+            if r < 0:
+                raise DietcodeError(self.core.error())
+            why.append("" if r else self.core.error())
+        return [bool(mask[k]) for k in range(self.n_kernels)], why
+
     def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
         """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""
         if self.core.lib.dc_launch(self.handle, k, ctypes.byref(args), ctypes.c_void_p(stream)):
             raise DietcodeError(self.core.error())
+
+
+def node_stats() -> dict[str, dict[str, Any]]:
+    """Launches of compiled kernels and fallbacks to ONNX Runtime's kernel (with the last reason) per
+    ai.dietcode node name, counted by the library in this process across sessions: {node: {"launches": n,
+    "fallbacks": n, "reason": str}}. See ``Core.node_stats``."""
+    return load_core().node_stats()
+
+
+def reset_node_stats() -> None:
+    """Zero every node's counters (``node_stats``)."""
+    load_core().lib.dc_node_stats_reset()
 
 
 _CORE: Core | None = None

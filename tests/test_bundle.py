@@ -232,12 +232,14 @@ def test_from_compiled_merges_archs() -> None:
         def __init__(self, arch: str, cubin: bytes) -> None:
             self.name, self.arch, self.cubin, self.ptx = "mm", arch, cubin, PTX80 if arch == "sm_80" else ""
             self.params = ["a", "b", "c", "M", "N", "K", "global_scratch", "profile_scratch"]
-            self.num_warps, self.shared, self.zero_output = 4, 1024, False
+            self.num_warps, self.shared, self.zero_output = 4, 1024 if arch == "sm_80" else 4096, False
             self.block_m, self.block_n, self.split_k = 64, 64, 1
 
     k = BundleKernel.from_compiled([CK("sm_90a", b"h"), CK("sm_80", b"a")])
     assert k.params == ("a", "b", "c", "M", "N", "K")
     assert dict(k.images) == {"sm_90a": b"h", "sm_80": b"a"} and k.ptx == PTX80
+    # each cubin keeps its own shared size; the PTX launches with that of the arch it came from (sm_80)
+    assert k.image_shared == (4096, 1024) and k.shared == 1024
     # tuner/aot records the integer cc; Triton's cc >= 90 cubins are arch-specific; the portable PTX wins
     hopper, ampere = CK("sm_90a", b"h"), CK("sm_80", b"a")
     hopper.arch, hopper.ptx, ampere.arch = 90, ".target sm_90a\n", 80
@@ -348,3 +350,159 @@ def _unchecked_bytes(bundle: Bundle) -> bytes:
         return bundle.to_bytes()
     finally:
         mod.Bundle.validate = original  # type: ignore[method-assign]
+
+
+def _fit_bundle(core, **kw: object):
+    """One compiled kernel without div16 assumptions (so only the size hazards decide), parsed in C++."""
+    kernel = _kernel("k", div16=(), **kw)
+    return core.parse(Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), kernel),
+                             DispatchTree.single(1)).to_bytes())
+
+
+_BMM = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")
+
+
+@pytest.mark.parametrize("kw, bad, good, reason", [
+    # an empty output needs no launch at all (ORT's kernel allocates it and returns); K = 0 is ORT's to fill
+    ({}, dict(M=0, N=8, K=8), dict(M=1, N=8, K=8), "empty output"),
+    ({}, dict(M=8, N=0, K=8), dict(M=8, N=1, K=8), "empty output"),
+    ({}, dict(M=8, N=8, K=0), dict(M=8, N=8, K=1), "K is 0"),
+    ({}, dict(M=-1, N=8, K=8), dict(M=1, N=8, K=8), "negative size"),
+    # grid z holds at most 65535 batches
+    (dict(params=_BMM), dict(M=4, N=4, K=4, batch=65536, stride_a_batch=16, stride_b_batch=16),
+     dict(M=4, N=4, K=4, batch=65535, stride_a_batch=16, stride_b_batch=16), "batch above grid z"),
+    # grid x holds at most 2^31-1 tiles (1x1 tiles: tiles = M*N; K = 1 keeps the operands small)
+    (dict(block_m=1, block_n=1), dict(M=2**31 - 1, N=2, K=1), dict(M=2**31 - 1, N=1, K=1), "tiles above grid x"),
+])
+def test_call_hazards_fall_back_with_their_reason(core, kw, bad, good, reason) -> None:
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core, **kw)
+    accepted, why = parsed.accepts(1, LaunchArgs(**bad))
+    assert not accepted and reason in why and "'k'" in why
+    assert parsed.fit(1, LaunchArgs(**bad))[0] == reason
+    assert parsed.accepts(1, LaunchArgs(**good)) == (True, "")
+    assert parsed.fit(1, LaunchArgs(**good)) == ("fits", "")
+    assert parsed.accepts(0, LaunchArgs(**bad)) == (True, "")  # ORT's own kernel takes any call
+
+
+def test_tile_indices_must_not_wrap(core) -> None:
+    """pid * BLOCK + arange is int32 in the templates: M (or N) rounded up to whole tiles must stay below 2^31."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core)  # 64 x 128 tiles
+    name, why = parsed.fit(1, LaunchArgs(M=2**31 - 63, N=1, K=1))
+    assert name == "int32 offsets" and "rounded up" in why
+    assert parsed.fit(1, LaunchArgs(M=2**31 - 64, N=1, K=1)) == ("fits", "")  # exactly 2^25 - 1 whole tiles
+    assert parsed.fit(1, LaunchArgs(M=1, N=2**31 - 127, K=1))[0] == "int32 offsets"
+
+
+def test_gemm_and_bmm_offsets_are_64_bit(core) -> None:
+    """The gemm and bmm templates compute offsets in int64: a 65536 x 50257 LM head (C spans 2^31 elements
+    and more), an A of 2^31 elements, a batch of 2048 1024x1024 outputs and a batch stride near 2^31 all fit."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    gemm = _fit_bundle(core)
+    assert gemm.fit(1, LaunchArgs(M=65536, N=50257, K=64)) == ("fits", "")
+    assert gemm.fit(1, LaunchArgs(M=2**16, N=64, K=2**15)) == ("fits", "")
+    bmm = _fit_bundle(core, params=_BMM)
+    assert bmm.fit(1, LaunchArgs(M=1024, N=1024, K=16, batch=2048, stride_a_batch=16384)) == ("fits", "")
+    assert bmm.fit(1, LaunchArgs(M=16, N=16, K=16, batch=2, stride_a_batch=2**31 - 1)) == ("fits", "")
+
+
+def test_conv_hazards_count_per_image(core) -> None:
+    from dietcode_ort.runtime import LaunchArgs
+
+    parsed = _fit_bundle(core, params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+                         dtype="float16", activation="relu", conv=(64, 3, 3, 1, 1, 1, 1, 1, 1))
+    # X per image = 64 channels * img_h * img_w; A as [M, K] would span 2^37 (the image part of offsets is int64)
+    ok = dict(M=2**15 * 4096, N=64, K=576, img_n=2**15, img_h=64, img_w=64, out_h=64, out_w=64)
+    assert parsed.fit(1, LaunchArgs(**ok)) == ("fits", "")
+    big = dict(ok, M=4096 * 4096, N=1, img_n=1, img_h=8192, img_w=4096, out_h=4096, out_w=4096)
+    name, why = parsed.fit(1, LaunchArgs(**big))
+    assert name == "int32 offsets" and "X per image" in why
+    assert parsed.fit(1, LaunchArgs(**dict(big, img_h=8191)))[0] == "fits"  # 64*8191*4096 < 2^31
+    # Y per image = N * out_h * out_w; W = K * N
+    name, why = parsed.fit(1, LaunchArgs(**dict(ok, N=512, out_h=2048, out_w=2048, M=2048 * 2048)))
+    assert name == "int32 offsets" and "Y per image" in why
+    assert parsed.fit(1, LaunchArgs(**dict(ok, N=511, out_h=2048, out_w=2048, M=2048 * 2048)))[0] == "fits"
+    name, why = parsed.fit(1, LaunchArgs(**dict(ok, M=64, N=2**22, K=512)))
+    assert name == "int32 offsets" and "W spans" in why
+
+
+# made-up devices: (major, minor, opt-in shared memory per block)
+SM80, SM86, SM90 = (8, 0, 163 * 1024), (8, 6, 99 * 1024), (9, 0, 227 * 1024)
+
+
+def test_kernels_that_cannot_run_on_the_device_are_vendor_for_the_session(core) -> None:
+    kernels = (BundleKernel.vendor(),
+               _kernel("small", shared=16384),  # sm_90a + sm_80 cubins, sm_80 PTX: runs everywhere here
+               _kernel("big", shared=120 * 1024),  # too much shared memory for sm_86
+               _kernel("huge", shared=200 * 1024),  # only sm_90 has room
+               _kernel("hopper_only", images=(("sm_90a", b"\x7fELF90"),), ptx=""))
+    parsed = core.parse(Bundle((Feature("M", ((0, 0),)),), kernels, DispatchTree.single(1)).to_bytes())
+    fits, why = parsed.fit_device(*SM80)
+    assert fits == [True, True, True, False, False]
+    assert "'huge' needs 204800 bytes of shared memory, sm_80 allows 166912" in why[3]
+    assert "'hopper_only' cannot run on sm_80" in why[4] and "no PTX" in why[4]
+    fits, why = parsed.fit_device(*SM86)
+    assert fits == [True, True, False, False, False]
+    assert "'big' needs 122880 bytes" in why[2] and "sm_86 allows 101376" in why[2]
+    fits, why = parsed.fit_device(*SM90)
+    assert fits == [True] * 5 and why == [""] * 5
+    # just at the limit fits
+    at_limit = core.parse(Bundle((Feature("M", ((0, 0),)),), (_kernel("k", shared=99 * 1024),),
+                                 DispatchTree.single(0)).to_bytes())
+    assert at_limit.fit_device(*SM86)[0] == [True]
+    # PTX the driver can JIT only for a newer device than the one at hand
+    ptx90 = core.parse(Bundle((Feature("M", ((0, 0),)),), (_kernel("p", images=(), ptx=".target sm_90\n"),),
+                              DispatchTree.single(0)).to_bytes())
+    fits, why = ptx90.fit_device(*SM86)
+    assert fits == [False] and "PTX for a different target" in why[0]
+    assert ptx90.fit_device(*SM90)[0] == [True] and ptx90.fit_device(12, 0, 99 * 1024)[0] == [True]
+    assert at_limit.fit_device(8, 6, 99 * 1024 - 1)[0] == [False]
+    with pytest.raises(DietcodeError, match="not a device"):
+        at_limit.fit_device(8, 6, 0)
+
+
+def test_shared_memory_is_per_image(core) -> None:
+    """An sm_90a cubin may use far more shared memory than the sm_80 one: each image launches with its own,
+    so the sm_80 cubin (and the PTX) still fit an sm_86 device."""
+    kernel = _kernel("k", shared=20000, image_shared=(200 * 1024, 30000))  # images: sm_90a, sm_80
+    bundle = Bundle((Feature("M", ((0, 0),)),), (kernel,), DispatchTree.single(0))
+    back = Bundle.from_bytes(bundle.to_bytes())
+    assert back == bundle and back.kernels[0].image_shared == (200 * 1024, 30000)
+    parsed = core.parse(bundle.to_bytes())
+    assert parsed.image_shared(0, 9, 0) == 200 * 1024  # the sm_90a cubin
+    assert parsed.image_shared(0, 8, 6) == 30000  # the sm_80 cubin, binary compatible
+    assert parsed.image_shared(0, 12, 0) == 20000  # the sm_80 PTX, JIT-ed
+    for major, minor in ((9, 0), (8, 6), (12, 0)):
+        assert parsed.image_shared(0, major, minor) == kernel.shared_for(select_image(kernel, major, minor))
+    assert parsed.fit_device(*SM86)[0] == [True]
+    assert parsed.fit_device(*SM90)[0] == [True]
+    fits, why = parsed.fit_device(9, 0, 160 * 1024)
+    assert fits == [False] and "needs 204800 bytes" in why[0]
+    # defaults: no image_shared means every cubin takes `shared`
+    assert _kernel("d", shared=123).image_shared == (123, 123)
+
+
+def test_image_shared_is_checked_by_both_readers(core) -> None:
+    with pytest.raises(DietcodeError, match="image shared sizes for 2 cubins"):
+        _kernel("k", image_shared=(1,)).validate(0)
+    with pytest.raises(DietcodeError, match="shared 1048577 bytes outside"):
+        _kernel("k", image_shared=(1, (1 << 20) + 1)).validate(0)
+    data = Bundle((Feature("M", ((0, 0),)),), (_kernel("k", image_shared=(7777, 16384)),),
+                  DispatchTree.single(0)).to_bytes()
+    at = data.index(struct.pack("<III", 90, 1, 7777)) + 8  # sm_90a image: cc, flags, shared
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, at, (1 << 20) + 1)
+    _both_refuse(core, bytes(bad), "image shared")
+    struct.pack_into("<I", bad, at, 1 << 20)  # the limit itself is fine
+    assert Bundle.from_bytes(bytes(bad)).kernels[0].image_shared == (1 << 20, 16384)
+    assert core.parse(bytes(bad)).image_shared(0, 9, 0) == 1 << 20
+
+
+def test_older_bundle_versions_are_refused(core) -> None:
+    data = bytearray(sample_bundle().to_bytes())
+    struct.pack_into("<I", data, 8, 2)
+    _both_refuse(core, bytes(data), "version 2, this reader knows 3")

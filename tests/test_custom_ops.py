@@ -184,3 +184,72 @@ def test_register_returns_built_library() -> None:
     opts = ort.SessionOptions()
     path = dietcode_ort.register(opts)
     assert path == dietcode_ort.library_path(build=False) and path.is_file()
+
+
+def test_registration_fails_clearly_on_an_older_runtime() -> None:
+    """RegisterCustomOps asked by a runtime without the C API version the library needs returns an error
+    status naming both versions (through API version 1's CreateStatus), instead of success with no ops."""
+    import ctypes
+
+    from dietcode_ort.build import library_path
+
+    lib = ctypes.CDLL(str(library_path()))
+    create_status_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # const char* (a c_char_p result would leak)
+
+    class ApiV1(ctypes.Structure):  # OrtApi starts with CreateStatus
+        _fields_ = [("CreateStatus", create_status_t)]
+
+    class ApiBase(ctypes.Structure):  # OrtApiBase
+        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
+
+    seen: list[tuple[int, str]] = []
+    asked: list[int] = []
+
+    def create_status(code: int, msg: bytes) -> int:
+        seen.append((code, msg.decode()))
+        return 0x1234
+
+    api_v1 = ApiV1(create_status_t(create_status))
+
+    def get_api(version: int) -> int | None:
+        asked.append(version)
+        return ctypes.addressof(api_v1) if version == 1 else None
+
+    version = ctypes.create_string_buffer(b"1.10.0")
+    callbacks = (get_api_t(get_api), version_t(lambda: ctypes.addressof(version)))
+    base = ApiBase(*callbacks)
+    lib.RegisterCustomOps.restype = ctypes.c_void_p
+    lib.RegisterCustomOps.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    status = lib.RegisterCustomOps(None, ctypes.addressof(base))
+    assert status == 0x1234 and asked[0] > 1 and asked[-1] == 1
+    (code, message), = seen
+    assert code == 1  # ORT_FAIL
+    assert f"C API version {asked[0]}" in message and "onnxruntime (1.10.0)" in message
+
+
+def test_node_stats_count_the_cpu_kernel_calls(payload) -> None:
+    """The library counts per node name, process-wide; on the CPU EP every call runs ORT's kernel (a fallback)."""
+    model = custom_model("MatMulRelu", 2, {}, TensorProto.FLOAT, payload)
+    model.graph.node[0].name = "stats_node"
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=CPU)
+    dietcode_ort.reset_node_stats()
+    assert "stats_node" not in dietcode_ort.node_stats()
+    feeds = {"A": np.ones((3, 4), np.float32), "B": np.ones((4, 2), np.float32)}
+    for _ in range(3):
+        sess.run(None, feeds)
+    stats = dietcode_ort.node_stats()["stats_node"]
+    assert stats["launches"] == 0 and stats["fallbacks"] == 3 and "CPU execution provider" in stats["reason"]
+    # a second session with the same node name adds to the same counter, also from several threads
+    sess2 = ort.InferenceSession(model.SerializeToString(), options, providers=CPU)
+    threads = [threading.Thread(target=lambda: [sess2.run(None, feeds) for _ in range(5)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert dietcode_ort.node_stats()["stats_node"]["fallbacks"] == 23
+    dietcode_ort.reset_node_stats()
+    assert "stats_node" not in dietcode_ort.node_stats()

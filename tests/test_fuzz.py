@@ -31,7 +31,8 @@ def _seeds() -> list[bytes]:
     out.append(Bundle((Feature("T", ((0, 1),)),), (_kernel("a", images=(), ptx=".target sm_90a\n"), _kernel("b")),
                       DispatchTree((0, -1, -1), (16, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     out.append(Bundle((Feature("N", ((0, 0),)), Feature("H", ((0, 2),))),
-                      (_conv_kernel(), BundleKernel.vendor(), _kernel("g", dtype="bfloat16", trans_b=True)),
+                      (_conv_kernel(), BundleKernel.vendor(),
+                       _kernel("g", dtype="bfloat16", trans_b=True, shared=30000, image_shared=(200000, 40000))),
                       DispatchTree((1, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
@@ -112,11 +113,11 @@ def run_fuzz(seconds: float, seed: int) -> dict[str, int]:
             for major, minor in ((8, 0), (9, 0), (12, 0)):
                 try:
                     c = select_image(kern, major, minor)
-                    want_img = (c.kind, c.arch)
+                    want_img = (c.kind, c.arch, kern.shared_for(c))
                 except DietcodeError:
                     want_img = None
                 try:
-                    got_img = cb.pick_image(k, major, minor)
+                    got_img = (*cb.pick_image(k, major, minor), cb.image_shared(k, major, minor))
                 except DietcodeError:
                     got_img = None
                 assert got_img == want_img, data.hex()

@@ -68,7 +68,8 @@ def describe(model: onnx.ModelProto) -> list[dict]:
             "kernels": [{"name": k.name, "kind": k.kind, "view": k.view if k.kind == "triton" else None,
                          "archs": [a for a, _ in k.images],
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
-                         "shared": k.shared, "split_k": k.split_k, "div16": list(k.div16),
+                         "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
+                         "split_k": k.split_k, "div16": list(k.div16),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
                                        "conv": list(k.conv)}}
                         for k in bundle.kernels],

@@ -78,19 +78,20 @@ def _matmul_tile(a_base, b_base, bias, c_base, M, N, K,
                  TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views."""
+    """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views. Row offsets
+    are int64 (once per tile), so an operand may hold 2^31 elements or more (e.g. a 65536 x 50257 LM head)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ptrs = a_base + offs_m[:, None] * K + offs_k[None, :]
+    a_ptrs = a_base + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     if TRANS_B:
-        b_ptrs = b_base + offs_n[None, :] * K + offs_k[:, None]
+        b_ptrs = b_base + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
         b_step = BLOCK_K * SPLIT_K
     else:
-        b_ptrs = b_base + offs_k[:, None] * N + offs_n[None, :]
-        b_step = BLOCK_K * SPLIT_K * N
+        b_ptrs = b_base + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
+        b_step = tl.cast(N, tl.int64) * (BLOCK_K * SPLIT_K)  # tl.cast: N may be specialized as a constexpr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
         k_left = K - k0 * BLOCK_K * SPLIT_K
@@ -100,7 +101,7 @@ def _matmul_tile(a_base, b_base, bias, c_base, M, N, K,
         a_ptrs += BLOCK_K * SPLIT_K
         b_ptrs += b_step
     acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
-    c_ptrs = c_base + offs_m[:, None] * N + offs_n[None, :]
+    c_ptrs = c_base + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     _store(c_ptrs, acc, (offs_m[:, None] < M) & (offs_n[None, :] < N), SPLIT_K)
 
 
