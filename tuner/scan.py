@@ -515,7 +515,8 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
         return ScanResult((), (), (), input_dims)
     copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
     aliases = _alias_dims(copy)
-    g = _Graph(_infer(copy), model.graph.initializer, aliases)
+    loaded = {t.name: t for t in copy.graph.initializer}  # small external constants read (Gelu's 0.5, ...)
+    g = _Graph(_infer(copy), [loaded.get(t.name, t) for t in model.graph.initializer], aliases)
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped, unfused = [], []
