@@ -14,6 +14,7 @@ from benchmarks.optimize_memory import build_chain, peak_rss
 from dietcode_ort.errors import DietcodeError
 from tuner import rewrite
 from tuner.optimize import OptimizeOptions, optimize
+from tuner.scan import load_model
 
 MIB = 1024 ** 2
 # What an optimize run of a model without weights peaks at, with a margin: measured 450 MiB on the CPU
@@ -120,3 +121,15 @@ def test_inline_model_written_field_by_field_parses_to_the_same_model(tmp_path):
     rewrite.save_model(model, out)
     assert onnx.load(str(out)) == model
     assert not (tmp_path / "mlp.onnx.data").exists()
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert"])
+def test_model_read_field_by_field_equals_onnx_load(tmp_path, name):
+    path = tmp_path / f"{name}.onnx"
+    onnx.save_model(models.build(name, "tiny"), str(path))
+    assert load_model(path, load_external_data=False) == onnx.load(str(path), load_external_data=False)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(DietcodeError, match="not a readable ONNX model"):
+            load_model(path, load_external_data=False)

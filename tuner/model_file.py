@@ -5,11 +5,12 @@ input's data files. ``write_model`` writes it as its own: the bytes of every ext
 streamed (in chunks, never through numpy or protobuf) from the input's files into the output's
 ``NAME.data``, and the written tensors point there, so the output never depends on the input's files.
 The protobuf itself is written field by field (the graph's initializers one at a time), so writing holds
-no serialized copy of the weights; a model that would pass protobuf's 2 GB limit gets its inline
+no serialized copy of the weights (``read_model`` reads it the same way: no copy of the file in memory); a model that would pass protobuf's 2 GB limit gets its inline
 tensors appended to the data file too. The caller's model is not modified.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -19,7 +20,7 @@ from onnx import numpy_helper
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["is_external", "inline_tensor", "write_model", "TWO_GB"]
+__all__ = ["copy_without", "is_external", "inline_tensor", "read_model", "write_model", "TWO_GB"]
 
 TWO_GB = 2 * 1024 ** 3
 _CHUNK = 16 * 1024 ** 2
@@ -124,7 +125,7 @@ class _DataFile:
         assert self.file is not None
         self.file.write(data)
         self.size += len(data)
-        out = _shell(t, "raw_data", *_TYPED)
+        out = copy_without(t, "raw_data", *_TYPED)
         self._point(out, start, len(data))
         return out
 
@@ -146,7 +147,7 @@ def _repeated(desc) -> bool:
     return bool(is_repeated) if is_repeated is not None else desc.label == desc.LABEL_REPEATED
 
 
-def _shell(message, *skip: str):
+def copy_without(message, *skip: str):
     """A copy of ``message`` without the fields ``skip`` (those are never copied)."""
     out = type(message)()
     for desc, value in message.ListFields():
@@ -209,8 +210,8 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
     folder the model's external tensors are read from; ``limit``: the protobuf size from which inline
     tensors go to the data file too. Returns whether ``data_path`` was written."""
     assert model.graph.DESCRIPTOR.fields_by_name["initializer"].number == _INITIALIZER
-    head = _shell(model, "graph")
-    graph = _shell(model.graph, "initializer")
+    head = copy_without(model, "graph")
+    graph = copy_without(model.graph, "initializer")
     inline = sum(t.ByteSize() for t in model.graph.initializer if not is_external(t))
     large = inline + head.ByteSize() + graph.ByteSize() + (64 << 20) > limit  # a margin for the headers
     data = _DataFile(data_path, data_path.name, base_dir)
@@ -248,3 +249,71 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
             f.write(entry.SerializeToString())
     return data.file is not None
 
+
+
+def _read_varint(f: BinaryIO) -> tuple[int, bytes]:
+    """A varint from ``f``: its value and its bytes."""
+    raw = bytearray()
+    value = shift = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            raise ValueError("truncated protobuf (a varint runs past the end of the file)")
+        raw += b
+        value |= (b[0] & 0x7F) << shift
+        shift += 7
+        if not b[0] & 0x80:
+            return value, bytes(raw)
+        if shift > 63:
+            raise ValueError("malformed protobuf varint")
+
+
+def _read_field(f: BinaryIO, end: int) -> tuple[int, bytes, int]:
+    """The next field of a message that ends at ``end``: (number, its header bytes, its value's length
+    for a length-delimited field, else -1 with the value already in the header bytes)."""
+    tag, raw = _read_varint(f)
+    number, wire = tag >> 3, tag & 7
+    if wire == 0:
+        return number, raw + _read_varint(f)[1], -1
+    if wire in (1, 5):
+        value = f.read(8 if wire == 1 else 4)
+        if len(value) != (8 if wire == 1 else 4):
+            raise ValueError("truncated protobuf (a fixed-size field runs past the end of the file)")
+        return number, raw + value, -1
+    if wire != 2:
+        raise ValueError(f"unsupported protobuf wire type {wire}")
+    length, header = _read_varint(f)
+    if f.tell() + length > end:
+        raise ValueError("truncated protobuf (a field runs past the end of its message)")
+    return number, raw + header, length
+
+
+def _read_exact(f: BinaryIO, length: int) -> bytes:
+    data = f.read(length)
+    if len(data) != length:
+        raise ValueError("truncated protobuf")
+    return data
+
+
+def read_model(path: Path) -> onnx.ModelProto:
+    """Parse a binary ONNX model file without its external data, one field at a time (the graph's
+    fields, initializers included, one by one): memory holds the model and at most one field's bytes,
+    never a copy of the file. Parsing the fields in order equals parsing the whole message."""
+    model = onnx.ModelProto()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while f.tell() < size:
+            number, header, length = _read_field(f, size)
+            if length < 0:
+                model.MergeFromString(header)
+            elif number == _GRAPH:
+                end = f.tell() + length
+                while f.tell() < end:
+                    _, field_header, field_length = _read_field(f, end)
+                    piece = field_header if field_length < 0 else field_header + _read_exact(f, field_length)
+                    model.graph.MergeFromString(piece)
+                if f.tell() != end:
+                    raise ValueError("malformed protobuf (a graph field runs past the graph)")
+            else:
+                model.MergeFromString(header + _read_exact(f, length))
+    return model

@@ -252,9 +252,11 @@ def _external_files(model_path: Path) -> set[Path]:
     """The external data files a model file refers to (resolved), read without loading them."""
     import onnx
 
+    from tuner.scan import load_model
+
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:  # unreadable input: the loader reports it with its own message
+        model = load_model(model_path, load_external_data=False)  # field by field: no copy of the file
+    except DietcodeError:  # unreadable input: the loader reports it when optimize loads it
         return set()
     files = set()
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
