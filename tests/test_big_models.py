@@ -110,6 +110,10 @@ def test_save_streams_external_tensors_and_leaves_the_model_as_it_was(tmp_path):
     original = onnx.load(str(src))
     assert [onnx.numpy_helper.to_array(t).tobytes() for t in full.graph.initializer] == \
         [onnx.numpy_helper.to_array(t).tobytes() for t in original.graph.initializer]
+    data = tmp_path / "copy.onnx.data"
+    size = data.stat().st_size
+    rewrite.save_model(light, out, src.parent)  # again: the old data file is replaced, not appended to
+    assert data.stat().st_size == size and onnx.load(str(out)) == full
     with pytest.raises(DietcodeError, match="no folder to read it from"):
         rewrite.save_model(light, tmp_path / "never.onnx")
     assert not (tmp_path / "never.onnx").exists() and not (tmp_path / "never.onnx.data").exists()

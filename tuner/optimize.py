@@ -181,7 +181,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
         for s in scanned.unfused:
             log(f"{prefix(model_path)}not fused: {s.node} ({s.op}): {s.reason}")
-        plan_rewrite(model, list(scanned.workloads), base_dir=model_path.parent)  # a graph the rewrite cannot handle fails before tuning
+        # a graph the rewrite cannot handle fails before tuning
+        plan_rewrite(model, list(scanned.workloads), base_dir=model_path.parent)
     distinct: dict[tuple, tuple[Workload, list[tuple[Problem, float]]]] = {}
     for _, scanned in scans:
         for w in scanned.workloads:
