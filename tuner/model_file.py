@@ -30,7 +30,8 @@ _TYPED = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"
 
 
 def is_external(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+    """Whether ``t``'s value is in a file (HasField: reading ``raw_data`` would copy the bytes)."""
+    return t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
 
 
 def _refs(t: onnx.TensorProto) -> dict[str, str]:
@@ -200,8 +201,28 @@ def _field(number: int, size: int) -> bytes:
     return _varint(number << 3 | 2) + _varint(size)
 
 
-_GRAPH, _INITIALIZER = 7, 5  # ModelProto.graph, GraphProto.initializer
+_GRAPH, _INITIALIZER, _RAW_DATA = 7, 5, 9  # ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
 
+
+def _tensor_size(t: onnx.TensorProto) -> int:
+    """``t``'s serialized size, as ``_write_tensor`` writes it. (upb's ByteSize serializes the message to
+    size it: for a large tensor, twice its size on top of the model.)"""
+    if not t.HasField("raw_data"):
+        return t.ByteSize()
+    n = len(t.raw_data)
+    return copy_without(t, "raw_data").ByteSize() + len(_field(_RAW_DATA, n)) + n
+
+
+def _write_tensor(f: BinaryIO, t: onnx.TensorProto) -> None:
+    """``t`` serialized, its ``raw_data`` last and written as it is (serializing a large tensor whole
+    builds it in a growing buffer, then copies it out)."""
+    if not t.HasField("raw_data"):
+        f.write(t.SerializeToString())
+        return
+    f.write(copy_without(t, "raw_data").SerializeToString())
+    raw = t.raw_data
+    f.write(_field(_RAW_DATA, len(raw)))
+    f.write(raw)
 
 def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: Path | None,
                 limit: int = TWO_GB) -> bool:
@@ -210,10 +231,11 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
     folder the model's external tensors are read from; ``limit``: the protobuf size from which inline
     tensors go to the data file too. Returns whether ``data_path`` was written."""
     assert model.graph.DESCRIPTOR.fields_by_name["initializer"].number == _INITIALIZER
+    assert onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number == _RAW_DATA
     head = copy_without(model, "graph")
     graph = copy_without(model.graph, "initializer")
-    inline = sum(t.ByteSize() for t in model.graph.initializer if not is_external(t))
-    large = inline + head.ByteSize() + graph.ByteSize() + (64 << 20) > limit  # a margin for the headers
+    inline = {i: _tensor_size(t) for i, t in enumerate(model.graph.initializer) if not is_external(t)}
+    large = sum(inline.values()) + head.ByteSize() + graph.ByteSize() + (64 << 20) > limit  # margin: headers
     data = _DataFile(data_path, data_path.name, base_dir)
     try:
         for t in _graph_tensors(graph, initializers=False):
@@ -222,20 +244,21 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
         for t in _node_tensors([n for f in head.functions for n in f.node]):
             if is_external(t):
                 data.copy_external(t)
-        entries: list[onnx.TensorProto] = []
-        for t in model.graph.initializer:
-            if is_external(t):
+        entries: list[tuple[onnx.TensorProto, int]] = []
+        for i, t in enumerate(model.graph.initializer):
+            if i not in inline:
                 entry = onnx.TensorProto()
                 entry.CopyFrom(t)
                 data.copy_external(entry)
-            elif large and t.ByteSize() >= _SMALL and t.data_type != onnx.TensorProto.STRING:
+            elif large and inline[i] >= _SMALL and t.data_type != onnx.TensorProto.STRING:
                 entry = data.move_inline(t)
             else:
-                entry = t
-            entries.append(entry)
+                entries.append((t, inline[i]))
+                continue
+            entries.append((entry, entry.ByteSize()))  # a small tensor pointing at the data file
     finally:
         data.close()
-    sizes = [e.ByteSize() for e in entries]
+    sizes = [size for _, size in entries]
     graph_size = graph.ByteSize() + sum(len(_field(_INITIALIZER, s)) + s for s in sizes)
     if graph_size + head.ByteSize() >= TWO_GB:
         raise DietcodeError(f"cannot write {path}: its graph is {graph_size} bytes without the weights, past "
@@ -244,11 +267,10 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
         f.write(head.SerializeToString())
         f.write(_field(_GRAPH, graph_size))
         f.write(graph.SerializeToString())
-        for entry, size in zip(entries, sizes):
+        for entry, size in entries:
             f.write(_field(_INITIALIZER, size))
-            f.write(entry.SerializeToString())
+            _write_tensor(f, entry)
     return data.file is not None
-
 
 
 def _read_varint(f: BinaryIO) -> tuple[int, bytes]:
@@ -288,11 +310,13 @@ def _read_field(f: BinaryIO, end: int) -> tuple[int, bytes, int]:
     return number, raw + header, length
 
 
-def _read_exact(f: BinaryIO, length: int) -> bytes:
-    data = f.read(length)
-    if len(data) != length:
+def _read_field_bytes(f: BinaryIO, header: bytes, length: int) -> bytearray:
+    """``header`` followed by the next ``length`` bytes of ``f``, read in place (no second copy)."""
+    buf = bytearray(len(header) + length)
+    buf[:len(header)] = header
+    if f.readinto(memoryview(buf)[len(header):]) != length:
         raise ValueError("truncated protobuf")
-    return data
+    return buf
 
 
 def read_model(path: Path) -> onnx.ModelProto:
@@ -310,10 +334,10 @@ def read_model(path: Path) -> onnx.ModelProto:
                 end = f.tell() + length
                 while f.tell() < end:
                     _, field_header, field_length = _read_field(f, end)
-                    piece = field_header if field_length < 0 else field_header + _read_exact(f, field_length)
-                    model.graph.MergeFromString(piece)
+                    model.graph.MergeFromString(field_header if field_length < 0 else
+                                                _read_field_bytes(f, field_header, field_length))
                 if f.tell() != end:
                     raise ValueError("malformed protobuf (a graph field runs past the graph)")
             else:
-                model.MergeFromString(header + _read_exact(f, length))
+                model.MergeFromString(_read_field_bytes(f, header, length))
     return model

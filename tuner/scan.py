@@ -90,7 +90,7 @@ _SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape infere
 
 
 def _is_external(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+    return t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")  # no copy of the bytes
 
 
 def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
