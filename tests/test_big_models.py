@@ -137,3 +137,21 @@ def test_model_read_field_by_field_equals_onnx_load(tmp_path, name):
         path.write_bytes(data[:cut])
         with pytest.raises(DietcodeError, match="not a readable ONNX model"):
             load_model(path, load_external_data=False)
+
+
+def test_model_over_the_limit_gets_inline_tensors_appended_to_the_streamed_data(tmp_path, monkeypatch):
+    src = _external_model(tmp_path)
+    light = onnx.load(str(src), load_external_data=False)
+    bundle = onnx.numpy_helper.from_array(np.arange(5000, dtype=np.uint8), "inline_bundle")
+    light.graph.initializer.append(bundle)  # inline, as the rewrite adds a bundle
+    monkeypatch.setattr(rewrite, "_TWO_GB", 0)  # every model counts as over 2 GB
+    out = tmp_path / "big.onnx"
+    rewrite.save_model(light, out, src.parent)
+    written = onnx.load(str(out), load_external_data=False)
+    moved = next(t for t in written.graph.initializer if t.name == "inline_bundle")
+    assert moved.data_location == onnx.TensorProto.EXTERNAL
+    full, original = onnx.load(str(out)), onnx.load(str(src))
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in full.graph.initializer}
+    np.testing.assert_array_equal(values.pop("inline_bundle"), np.arange(5000, dtype=np.uint8))
+    assert {k: v.tobytes() for k, v in values.items()} == \
+        {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in original.graph.initializer}
