@@ -5,8 +5,9 @@ input's data files. ``write_model`` writes it as its own: the bytes of every ext
 streamed (in chunks, never through numpy or protobuf) from the input's files into the output's
 ``NAME.data``, and the written tensors point there, so the output never depends on the input's files.
 The protobuf itself is written field by field (the graph's initializers one at a time), so writing holds
-no serialized copy of the weights (``read_model`` reads it the same way: no copy of the file in memory); a model that would pass protobuf's 2 GB limit gets its inline
-tensors appended to the data file too. The caller's model is not modified.
+no serialized copy of the weights, and ``read_model`` reads a file the same way (no copy of the file in
+memory). A model that would pass protobuf's 2 GB limit gets its inline tensors appended to the data file
+too. The caller's model is not modified.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import onnx
-from onnx import numpy_helper
 
 from dietcode_ort.errors import DietcodeError
 
@@ -26,7 +26,6 @@ TWO_GB = 2 * 1024 ** 3
 _CHUNK = 16 * 1024 ** 2
 _SMALL = 1024  # inline tensors below this stay in the protobuf even when it is large
 _ALIGN_LARGE, _LARGE = 4096, 1024 ** 2  # tensors from 1 MiB start on a page (mmap-friendly), others on 64 B
-_TYPED = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
 
 
 def is_external(t: onnx.TensorProto) -> bool:
@@ -121,12 +120,12 @@ class _DataFile:
 
     def move_inline(self, t: onnx.TensorProto) -> onnx.TensorProto:
         """A copy of the inline tensor ``t`` whose value is appended here (``t`` keeps its value)."""
-        data = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+        data = t.raw_data
         start = self._start(len(data))
         assert self.file is not None
         self.file.write(data)
         self.size += len(data)
-        out = copy_without(t, "raw_data", *_TYPED)
+        out = copy_without(t, "raw_data")
         self._point(out, start, len(data))
         return out
 
@@ -250,7 +249,7 @@ def write_model(model: onnx.ModelProto, path: Path, data_path: Path, base_dir: P
                 entry = onnx.TensorProto()
                 entry.CopyFrom(t)
                 data.copy_external(entry)
-            elif large and inline[i] >= _SMALL and t.data_type != onnx.TensorProto.STRING:
+            elif large and inline[i] >= _SMALL and t.HasField("raw_data"):  # typed fields stay inline
                 entry = data.move_inline(t)
             else:
                 entries.append((t, inline[i]))
