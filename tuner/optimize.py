@@ -136,7 +136,7 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     """Check the paths and options, load and scan one model and attach its instances (of several models,
     each takes the --dim options that name its symbols)."""
     _preflight(model_path, output, options)
-    model = load_model(model_path)
+    model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
     scanned = scan_model(model, model_path.parent)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
     scanned = attach_instances(scanned, dims, options.shapes_file)
@@ -181,7 +181,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
         for s in scanned.unfused:
             log(f"{prefix(model_path)}not fused: {s.node} ({s.op}): {s.reason}")
-        plan_rewrite(model, list(scanned.workloads))  # a graph the rewrite cannot handle fails before tuning
+        # a graph the rewrite cannot handle fails before tuning
+        plan_rewrite(model, list(scanned.workloads), base_dir=model_path.parent)
     distinct: dict[tuple, tuple[Workload, list[tuple[Problem, float]]]] = {}
     for _, scanned in scans:
         for w in scanned.workloads:
@@ -212,11 +213,13 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                 bundles[node] = bundle.to_bytes()
                 infos[node] = _info(w, report, problems)
             reports.append(report)
-        results.append((output, rewrite_model(model, list(scanned.workloads), bundles, infos), reports, scanned))
-    for output, result, _, _ in results:  # only now that every model is rewritten
-        save_model(result.model, output)
+        result = rewrite_model(model, list(scanned.workloads), bundles, infos, base_dir=model_path.parent,
+                               copy=False)  # in place: the scanned model is not needed afterwards
+        results.append((output, result, reports, scanned, model_path.parent))
+    for output, result, _, _, base_dir in results:  # only now that every model is rewritten
+        save_model(result.model, output, base_dir)
     return [OptimizeReport(output, result.rewritten, tuple(reports), tuple((s.node, s.reason) for s in scanned.skipped))
-            for output, result, reports, scanned in results]
+            for output, result, reports, scanned, _ in results]
 
 
 def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
@@ -250,9 +253,11 @@ def _external_files(model_path: Path) -> set[Path]:
     """The external data files a model file refers to (resolved), read without loading them."""
     import onnx
 
+    from tuner.scan import load_model
+
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:  # unreadable input: the loader reports it with its own message
+        model = load_model(model_path, load_external_data=False)  # field by field: no copy of the file
+    except DietcodeError:  # unreadable input: the loader reports it when optimize loads it
         return set()
     files = set()
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]

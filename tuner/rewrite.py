@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dietcode_ort.errors import DietcodeError
+from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import node_reads
 from tuner.workload import Workload
 
@@ -33,7 +34,7 @@ __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model"
 
 DOMAIN = "ai.dietcode"
 DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
-_TWO_GB = 2 * 1024 ** 3
+_TWO_GB = TWO_GB  # the protobuf size from which save_model puts inline tensors in the data file
 
 
 def op_type(workload: Workload) -> str:
@@ -117,8 +118,9 @@ class _Site:
 class _Links:
     """The graph indexed by value: who makes each value, who reads it, the constants."""
 
-    def __init__(self, graph: onnx.GraphProto):
+    def __init__(self, graph: onnx.GraphProto, base_dir: Path | None = None):
         self.graph = graph
+        self.base_dir = base_dir  # where the model's external data is read from (its tensors not loaded)
         self.producer: dict[str, int] = {}
         self.readers: dict[str, list[int]] = {}
         for i, n in enumerate(graph.node):
@@ -147,18 +149,24 @@ class _Links:
             node.name = ""
             del node.output[:]
             node.output.append(body_name)
+            for a in node.attribute:  # a function body carries its values, never a reference to a file
+                if a.HasField("t") and is_external(a.t):
+                    a.t.CopyFrom(self._value(a.t, name))
             return node
         t = self.inits.get(name)
         if t is None or i is not None:
             raise DietcodeError(f"cannot rewrite: {_label(reader)} reads {name!r}, which is neither made by "
                                 f"the fused nodes nor a constant")
-        if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
-            raise DietcodeError(f"cannot rewrite: constant {name!r} of a fused node is external data that is "
-                                f"not loaded")
-        value = onnx.TensorProto()
-        value.CopyFrom(t)
+        value = self._value(t, name)
         value.name = ""
         return helper.make_node("Constant", [], [body_name], value=value)
+
+    def _value(self, t: onnx.TensorProto, name: str) -> onnx.TensorProto:
+        """A copy of the constant ``t`` holding its value (external data read from its file)."""
+        if is_external(t) and self.base_dir is None:
+            raise DietcodeError(f"cannot rewrite: constant {name!r} of a fused node is external data that is "
+                                f"not loaded")
+        return inline_tensor(t, self.base_dir)
 
 
 def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site:
@@ -236,11 +244,12 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
     return tuple(body)
 
 
-def plan_rewrite(model: onnx.ModelProto, workloads: list[Workload], keys: set[str] | None = None
-                 ) -> dict[str, _Site]:
+def plan_rewrite(model: onnx.ModelProto, workloads: list[Workload], keys: set[str] | None = None,
+                 base_dir: str | Path | None = None) -> dict[str, _Site]:
     """Link the workloads' nodes (``keys``: those to rewrite, default all) to the model and check each can
-    be rewritten: run before tuning, so a model the rewrite cannot handle fails before the tuning work."""
-    links = _Links(model.graph)
+    be rewritten: run before tuning, so a model the rewrite cannot handle fails before the tuning work.
+    ``base_dir``: the folder of the model's external data, for a model loaded without it."""
+    links = _Links(model.graph, None if base_dir is None else Path(base_dir))
     sites: dict[str, _Site] = {}
     claimed: dict[int, str] = {}
     for w in workloads:
@@ -305,17 +314,24 @@ def _opsets(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:
 
 
 def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes],
-                  info: Mapping[str, str] | None = None) -> RewriteResult:
+                  info: Mapping[str, str] | None = None, base_dir: str | Path | None = None,
+                  copy: bool = True) -> RewriteResult:
     """Replace the nodes of ``workloads`` that have a bundle (keyed as ``Workload.nodes``: by first output).
 
     ``info`` (per node, optional) is a JSON description of the workload and its tuning that
     ``dietcode-ort inspect`` shows; the runtime never reads it. Nodes without a bundle are left as they
-    are. The input model is not modified.
+    are. The input model is not modified, unless ``copy`` is False: then it is rewritten in place (and
+    returned as the result's model), which spares a copy of its weights. ``base_dir``: the folder of the
+    model's external data, for a model loaded without it (constants the fallback bodies copy are read
+    from there; the weights stay external, for ``save_model`` to write).
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    else:
+        out = model
     graph = out.graph
-    sites = plan_rewrite(out, workloads, set(bundles))
+    sites = plan_rewrite(out, workloads, set(bundles), base_dir)
     before = _graph_reads(graph)
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
@@ -378,34 +394,25 @@ def _overload(functions: dict[tuple[str, str], onnx.FunctionProto], new: list[on
     return overload
 
 
-def save_model(model: onnx.ModelProto, path: str | Path) -> None:
-    """Save atomically (write then rename); external data (``NAME.data`` beside it) when the model is
-    over 2 GB. Everything is written into a fresh temporary folder beside ``path`` first, so an existing
-    ``NAME.data`` is replaced, never appended to, and a run killed half-way leaves the old files intact."""
+def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | None = None) -> None:
+    """Save atomically (write then rename); tensor data goes to ``NAME.data`` beside it when the model
+    has external tensors or is over 2 GB. ``base_dir``: the folder the model's external tensors (a model
+    loaded without its external data) are read from; their bytes are streamed into the output's own data
+    file, so the output never depends on the input's files (tuner.model_file). Everything is written into
+    a fresh temporary folder beside ``path`` first, so an existing ``NAME.data`` is replaced, never
+    appended to, and a run killed half-way leaves the old files intact. The model is not modified."""
     import shutil
     import tempfile
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    large = _byte_size(model) > _TWO_GB
     tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     try:
         tmp = tmp_dir / path.name
         data = path.with_name(path.name + ".data")
-        if large:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data.name, size_threshold=1024)
+        source = None if base_dir is None else Path(base_dir)
+        if write_model(model, tmp, tmp_dir / data.name, source, _TWO_GB):
             os.replace(tmp_dir / data.name, data)
-        else:
-            onnx.save_model(model, str(tmp))
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _byte_size(model: onnx.ModelProto) -> int:
-    """Serialized size; protobuf refuses to size messages past its 2 GB limit, which counts as large."""
-    try:
-        return model.ByteSize()
-    except Exception:
-        return _TWO_GB + 1

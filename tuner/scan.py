@@ -61,7 +61,13 @@ def load_model(path: str | Path, load_external_data: bool = True) -> onnx.ModelP
     if not path.is_file():
         raise DietcodeError(f"model file not found: {path}")
     try:
-        model = onnx.load(str(path), load_external_data=load_external_data)
+        if load_external_data or onnx.serialization.registry.get_format_from_file_extension(path.suffix) \
+                not in (None, "protobuf"):
+            model = onnx.load(str(path), load_external_data=load_external_data)
+        else:  # field by field: no copy of the file in memory beside the model
+            from tuner.model_file import read_model
+
+            model = read_model(path)
     except Exception as exc:  # protobuf raises DecodeError, onnx raises several kinds
         raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
@@ -84,37 +90,42 @@ _SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape infere
 
 
 def _is_external(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+    return t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")  # no copy of the bytes
 
 
 def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
-    """A copy that shape inference can read: small external tensors loaded, large ones as graph inputs.
+    """A copy that shape inference can read: small tensors (external ones loaded) as initializers, large
+    ones (inline or external) as graph inputs.
 
     Weights are not needed to infer shapes, only their dims; keeping them out also keeps models over
-    2 GB under protobuf's limit.
+    2 GB under protobuf's limit, and the copy (and inference's own copies) small: the weights are never
+    copied.
     """
     from onnx.external_data_helper import load_external_data_for_tensor
 
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    from tuner.model_file import copy_without
+
+    copy = copy_without(model, "graph")
+    copy.graph.CopyFrom(copy_without(model.graph, "initializer"))
+    inputs = {i.name for i in copy.graph.input}
     keep, as_inputs = [], []
-    for t in copy.graph.initializer:
-        if not _is_external(t):
-            keep.append(t)
-            continue
+    for t in model.graph.initializer:
         size = int(np.prod(t.dims, dtype=np.int64)) * max(1, onnx.helper.tensor_dtype_to_np_dtype(
             t.data_type).itemsize)
-        if size <= _SMALL_TENSOR and base_dir is not None:
+        if size > _SMALL_TENSOR or (_is_external(t) and base_dir is None):
+            if t.name not in inputs:  # IR < 4 models list their initializers as inputs already
+                as_inputs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            continue
+        small = onnx.TensorProto()
+        small.CopyFrom(t)
+        if _is_external(small):
             try:
-                load_external_data_for_tensor(t, str(base_dir))
+                load_external_data_for_tensor(small, str(base_dir))
             except (OSError, ValueError) as exc:
                 raise DietcodeError(f"cannot read external data of tensor {t.name!r}: {exc}") from None
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
-            keep.append(t)
-        else:
-            as_inputs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    del copy.graph.initializer[:]
+            small.data_location = onnx.TensorProto.DEFAULT
+            del small.external_data[:]
+        keep.append(small)
     copy.graph.initializer.extend(keep)
     copy.graph.input.extend(as_inputs)
     for node in copy.graph.node:
@@ -515,7 +526,8 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
         return ScanResult((), (), (), input_dims)
     copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
     aliases = _alias_dims(copy)
-    g = _Graph(_infer(copy), model.graph.initializer, aliases)
+    loaded = {t.name: t for t in copy.graph.initializer}  # small external constants read (Gelu's 0.5, ...)
+    g = _Graph(_infer(copy), [loaded.get(t.name, t) for t in model.graph.initializer], aliases)
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped, unfused = [], []
