@@ -165,8 +165,8 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
     """Per optimized model: the distinct bundles of its ai.dietcode nodes (``<sha256[:16]>.bundle``), an
     index mapping nodes to them, and ``dietcode-ort inspect --json``; no weights."""
     import onnx
-    from onnx import numpy_helper
 
+    from dietcode_ort.bundle import node_bundles
     from tuner.inspect_model import describe
     from tuner.rewrite import DOMAIN
 
@@ -176,15 +176,12 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
         folder = out / path.name.removesuffix(".onnx")
         folder.mkdir(parents=True, exist_ok=True)
         nodes = {}
-        for node in model.graph.node:
-            if node.domain != DOMAIN:
-                continue
-            for attr in node.attribute:
-                if attr.name == "bundle":
-                    payload = numpy_helper.to_array(attr.t).tobytes()
-                    name = hashlib.sha256(payload).hexdigest()[:16] + ".bundle"
-                    (folder / name).write_bytes(payload)
-                    nodes[node.name] = name
+        custom = [n for n in model.graph.node if n.domain == DOMAIN]
+        for node, bundle in zip(custom, node_bundles(model, str(path.parent))):  # each bundle is a shared input
+            name = hashlib.sha256(bundle.payload).hexdigest()[:16] + ".bundle"
+            if not (folder / name).exists():
+                (folder / name).write_bytes(bundle.payload)
+            nodes[node.name or node.output[0]] = name
         (folder / "index.json").write_text(json.dumps({"model": path.name, "nodes": nodes}, indent=1) + "\n")
         try:
             (folder / "inspect.json").write_text(json.dumps({"nodes": describe(model)}, indent=1) + "\n")

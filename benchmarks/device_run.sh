@@ -144,8 +144,11 @@ step() {
     return 0
   fi
   log "stage $stage: $name (limit ${lim}s): $(printf '%q ' "$@")"
-  case $logf in *.json) ;; *) echo "+ $(printf '%q ' "$@")" >> "$logf" ;; esac  # a .json log stays JSON
-  timeout --kill-after=10 "$lim" "$@" >> "$logf" 2>&1
+  # a .json log stays JSON: no command line in it, and stderr (ORT's own log lines) goes to LOG.stderr
+  case $logf in
+    *.json) timeout --kill-after=10 "$lim" "$@" >> "$logf" 2>>"$logf.stderr" ;;
+    *) echo "+ $(printf '%q ' "$@")" >> "$logf"; timeout --kill-after=10 "$lim" "$@" >> "$logf" 2>&1 ;;
+  esac
   rc=$?
   case $rc in 124|137) timed_out=true ;; esac
   log "stage $stage: $name: exit $rc in $((SECONDS - t0))s$([ $timed_out = true ] && echo ' (TIMED OUT)')"

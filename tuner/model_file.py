@@ -313,7 +313,7 @@ def _read_field_bytes(f: BinaryIO, header: bytes, length: int) -> bytearray:
     """``header`` followed by the next ``length`` bytes of ``f``, read in place (no second copy)."""
     buf = bytearray(len(header) + length)
     buf[:len(header)] = header
-    if f.readinto(memoryview(buf)[len(header):]) != length:
+    if f.readinto(memoryview(buf)[len(header):]) != length:  # type: ignore[attr-defined]
         raise ValueError("truncated protobuf")
     return buf
 
