@@ -216,13 +216,15 @@ def test_cli_json_and_errors(tmp_path):
         assert "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
 
 
-def test_cli_static_model_says_nothing_to_do(tmp_path):
+def test_cli_static_model_is_refused_with_the_reason(tmp_path):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     path = tmp_path / "static.onnx"
     onnx.save(_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [x], [y], [_w("w", (4, 4))]), str(path))
-    out = _cli("scan", str(path))
-    assert out.returncode == 0 and "no symbolic dims: nothing to do" in out.stdout
+    for args in ((), ("--json",)):
+        out = _cli("scan", str(path), *args)
+        assert out.returncode == 2 and "has no symbolic dims: nothing to scan" in out.stderr, args
+        assert "Traceback" not in out.stderr and not out.stdout
 
 
 def test_scan_module_public_names():

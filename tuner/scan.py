@@ -664,11 +664,10 @@ def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_js
 
     result = scan(model, dims, shapes_file)
     if not result.symbols:
-        import sys
-
-        print(f"{model}: the model has no symbolic dims: nothing to do", file=sys.stderr if as_json else sys.stdout)
+        raise DietcodeError(f"{model} has no symbolic dims: nothing to scan (dietcode-ort tunes MatMul/Gemm/Conv "
+                            "nodes whose shapes depend on symbolic dims; export the model with dynamic axes)")
     if as_json:
         print(json.dumps(to_json(result), indent=2))
-    elif result.symbols:
+    else:
         _print_table(result)
     return 0
