@@ -83,6 +83,7 @@ def test_broken_model_files(work, capsys, kind, command):
 
 
 def test_static_model_cannot_be_optimized(work, capsys):
+    _refused(capsys, ["scan", str(work / "static.onnx")], "no symbolic dims")
     out = work / "static.opt.onnx"
     _refused(capsys, ["optimize", str(work / "static.onnx"), "-o", str(out), "--measure", "analytic", "--quiet",
                       "--db", str(work / "tuning.db")], "no symbolic dims")
