@@ -548,6 +548,30 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
 
 using dietcode::SetError;
 
+namespace {
+
+// Kernel k of a bundle and the image it loads on a device of compute capability major.minor (`index`:
+// into its images, -1 for PTX); nullptr, with the error set, for a bad id, a vendor kernel or no image.
+const dietcode::Kernel* KernelImage(const dc_bundle* b, int32_t k, int major, int minor, int* index) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return nullptr;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) {
+    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
+    return nullptr;
+  }
+  std::string error;
+  if (!dietcode::PickImage(kernel, major, minor, index, &error)) {
+    SetError(error);
+    return nullptr;
+  }
+  return &kernel;
+}
+
+}  // namespace
+
 extern "C" {
 
 int dc_abi_version(void) { return DC_ABI_VERSION; }
@@ -737,22 +761,9 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
 }
 
 int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int minor) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
-  if (kernel.kind == dietcode::kVendor) {
-    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
-    return -1;
-  }
   int index = -1;
-  std::string error;
-  if (!dietcode::PickImage(kernel, major, minor, &index, &error)) {
-    SetError(error);
-    return -1;
-  }
-  return dietcode::ImageShared(kernel, index);
+  const dietcode::Kernel* kernel = KernelImage(b, k, major, minor, &index);
+  return kernel == nullptr ? -1 : dietcode::ImageShared(*kernel, index);
 }
 
 int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin) {
@@ -890,21 +901,10 @@ int dc_bundle_kernel_view(const dc_bundle* b, int32_t k) {
 }
 
 int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, char* desc, size_t desc_size) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
-  if (kernel.kind == dietcode::kVendor) {
-    SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
-    return -1;
-  }
   int index = -1;
-  std::string error;
-  if (!dietcode::PickImage(kernel, major, minor, &index, &error)) {
-    SetError(error);
-    return -1;
-  }
+  const dietcode::Kernel* found = KernelImage(b, k, major, minor, &index);
+  if (found == nullptr) return -1;
+  const dietcode::Kernel& kernel = *found;
   std::string text;
   if (index >= 0) {
     const dietcode::Image& img = kernel.images[index];
