@@ -141,7 +141,7 @@ def _log_ratio(times: np.ndarray, best: np.ndarray) -> np.ndarray:
     return ratio
 
 
-def greedy_cover(times: np.ndarray, weights: Sequence[float], max_kernels: int,
+def greedy_cover(times: np.ndarray, weights: Sequence[float] | np.ndarray, max_kernels: int,
                  free: np.ndarray | None = None) -> list[int]:
     """Pick at most ``max_kernels`` columns of ``times`` [instances, kernels] minimizing the weighted
     regret sum_i w_i log(min over picked (and ``free``[i], e.g. the vendor time) / best_i)."""
@@ -169,7 +169,7 @@ def greedy_cover(times: np.ndarray, weights: Sequence[float], max_kernels: int,
     return picked
 
 
-def regret_report(values: Sequence[Sequence[int]], weights: Sequence[float], dispatched: Sequence[str],
+def regret_report(values: Sequence[Sequence[int]], weights: Sequence[float] | np.ndarray, dispatched: Sequence[str],
                   seconds: Sequence[float], best: Sequence[str], best_seconds: Sequence[float]) -> RegretReport:
     """Rows plus the weighted geometric mean (and the worst) of dispatched / best seconds."""
     rows = tuple(RegretRow(tuple(int(v) for v in vals), float(w), d, float(s), b, float(bs))
@@ -180,7 +180,7 @@ def regret_report(values: Sequence[Sequence[int]], weights: Sequence[float], dis
 
 
 def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candidates: Sequence[MicroKernel],
-                   times: np.ndarray, vendor: Sequence[float] | None = None, max_kernels: int = 8,
+                   times: np.ndarray, vendor: Sequence[float] | np.ndarray | None = None, max_kernels: int = 8,
                    seed: int = 0) -> Dispatch:
     """Choose kernels for ``instances`` from ``times`` [instance, candidate] (+ optional vendor times)."""
     from sklearn.tree import DecisionTreeClassifier

@@ -26,7 +26,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
            "scan_command", "node_reads"]
 
-_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+_DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
 _OPS = ("MatMul", "Gemm", "Conv")
 
@@ -371,12 +371,12 @@ def _match_gelu(g: _Graph, x: str) -> tuple[list[onnx.NodeProto], list[str]] | N
         half = _const_input(g, other, x, 0.5, ("Mul",))
         if half is not None:  # Mul(x, 0.5) -> Mul(., 1+erf)
             last = _consumer(g, other.output[0], "Mul")
-            if last is not None and _other_input(last, other.output[0]) == add.output[0]:
+            if last is not None and erf is not None and _other_input(last, other.output[0]) == add.output[0]:
                 return [scale, erf, add, other, last], consts + [half]
         elif _other_input(other, x) == add.output[0]:  # Mul(x, 1+erf) -> Mul(., 0.5)
             last = _consumer(g, other.output[0], "Mul")
-            half = _const_input(g, last, other.output[0], 0.5, ("Mul",))
-            if half is not None:
+            half = _const_input(g, last, other.output[0], 0.5, ("Mul",)) if last is not None else None
+            if last is not None and erf is not None and half is not None:
                 return [scale, erf, add, other, last], consts + [half]
     return None
 

@@ -331,8 +331,8 @@ def _result(method: str, family: Family, searches: Sequence[_Search], problems: 
     per_problem: list[tuple[np.ndarray, np.ndarray, np.ndarray, _Search, list[int]]] = []
     for s in searches:
         times, cand = s.known()
-        for i in np.flatnonzero(cand):
-            columns.setdefault(s.space[int(i)], None)
+        for col in np.flatnonzero(cand):
+            columns.setdefault(s.space[int(col)], None)
         per_problem.append((times, cand, np.isfinite(s.measured), s, []))
     candidates = tuple(sorted(columns))
     table = np.full((len(problems), len(candidates)), np.inf)
