@@ -288,3 +288,26 @@ def test_bert_base_dense_and_attention_workloads():
     assert dense == {("768", "768"), ("3072", "768"), ("768", "3072")}
     attention = sorted((w.m, w.n, w.k, w.batch) for w in result.workloads if w.op == "bmm")
     assert attention == [("seq", "64", "seq", "12*batch"), ("seq", "seq", "64", "12*batch")]
+
+
+def test_failed_shape_inference_leaves_no_file_behind(tmp_path, monkeypatch):
+    """onnxruntime's SymbolicShapeInference saves its partial model into the current folder when it cannot
+    finish; scan runs it elsewhere, so the user's folder stays as it was."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Unknown", ["x"], ["u"], domain="example.custom"),
+             helper.make_node("MatMul", ["u", "w"], ["y"])]
+    path = tmp_path / "model" / "m.onnx"
+    path.parent.mkdir()
+    model = _model(nodes, [x], [y], [_w("w", (4, 4))])
+    model.opset_import.append(helper.make_opsetid("example.custom", 1))
+    onnx.save(model, str(path))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    try:
+        scan(path)
+    except DietcodeError as exc:
+        assert "shape inference" in str(exc)
+    assert list(work.iterdir()) == [] and sorted(p.name for p in path.parent.iterdir()) == ["m.onnx"]
+    assert Path.cwd() == work

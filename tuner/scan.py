@@ -9,6 +9,9 @@ match-or-refuse rules do: a refusal is data that ``scan`` shows, not an exceptio
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -186,11 +189,22 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
     node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
+_INFER_LOCK = threading.Lock()
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """SymbolicShapeInference, run in a scratch folder: when it cannot finish it saves its partial model
+    (``sym_shape_infer_temp.onnx`` and a data file) into the current folder, which is the user's."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
+        with _INFER_LOCK, tempfile.TemporaryDirectory(prefix="dietcode-infer-") as scratch:
+            cwd = os.getcwd()
+            os.chdir(scratch)
+            try:
+                inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
+            finally:
+                os.chdir(cwd)
     except Exception as exc:
         raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc})") \
             from None
