@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from dietcode_ort.errors import DietcodeError
 from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
+from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
@@ -92,10 +93,6 @@ def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | None, ...]]:
 _SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape inference (shape constants)
 
 
-def _is_external(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")  # no copy of the bytes
-
-
 def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.ModelProto:
     """A copy that shape inference can read: small tensors (external ones loaded) as initializers, large
     ones (inline or external) as graph inputs.
@@ -104,10 +101,6 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     2 GB under protobuf's limit, and the copy (and inference's own copies) small: the weights are never
     copied.
     """
-    from onnx.external_data_helper import load_external_data_for_tensor
-
-    from tuner.model_file import copy_without
-
     copy = copy_without(model, "graph")
     copy.graph.CopyFrom(copy_without(model.graph, "initializer"))
     inputs = {i.name for i in copy.graph.input}
@@ -115,20 +108,11 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     for t in model.graph.initializer:
         size = int(np.prod(t.dims, dtype=np.int64)) * max(1, onnx.helper.tensor_dtype_to_np_dtype(
             t.data_type).itemsize)
-        if size > _SMALL_TENSOR or (_is_external(t) and base_dir is None):
+        if size > _SMALL_TENSOR or (is_external(t) and base_dir is None):
             if t.name not in inputs:  # IR < 4 models list their initializers as inputs already
                 as_inputs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
             continue
-        small = onnx.TensorProto()
-        small.CopyFrom(t)
-        if _is_external(small):
-            try:
-                load_external_data_for_tensor(small, str(base_dir))
-            except (OSError, ValueError) as exc:
-                raise DietcodeError(f"cannot read external data of tensor {t.name!r}: {exc}") from None
-            small.data_location = onnx.TensorProto.DEFAULT
-            del small.external_data[:]
-        keep.append(small)
+        keep.append(inline_tensor(t, base_dir))
     copy.graph.initializer.extend(keep)
     copy.graph.input.extend(as_inputs)
     for node in copy.graph.node:
@@ -265,7 +249,7 @@ class _Graph:
         t = self.inits.get(name)
         if t is None:
             return None
-        if _is_external(t):
+        if is_external(t):
             return None  # weights not loaded: shape known, value not needed for matching
         return numpy_helper.to_array(t)
 
