@@ -217,7 +217,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from dietcode_ort import doctor
     from dietcode_ort.toolchain import parse_driver
 
+    from pathlib import Path
+
     driver = parse_driver(args.driver) if args.driver is not None else None
+    if args.model is not None and not Path(args.model).is_file():
+        raise DietcodeError(f"model file not found: {args.model}")
+    if args.driver is not None and args.model is None:
+        raise DietcodeError("--driver compares a MODEL's kernels with a driver: name the model")
     return doctor.doctor_command(as_json=args.json, build=not args.no_build, model=args.model, driver=driver)
 
 

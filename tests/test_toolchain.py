@@ -190,6 +190,10 @@ def test_doctor_says_which_images_the_driver_does_not_load(tmp_path: Path, capsy
     assert "this driver is 13.0 (given)" in rows["model m.onnx"]["detail"]
     assert main(["doctor", str(path), "--driver", "580", "--no-build"]) == 2
     assert "not MAJOR.MINOR" in capsys.readouterr().err
+    assert main(["doctor", str(tmp_path / "absent.onnx"), "--no-build"]) == 2
+    assert "model file not found" in capsys.readouterr().err
+    assert main(["doctor", "--driver", "13.0", "--no-build"]) == 2
+    assert "name the model" in capsys.readouterr().err
 
 
 def test_inspect_shows_the_toolchain(tmp_path: Path, capsys) -> None:
