@@ -127,9 +127,13 @@ def _ptxas_for(arch: int, chain: CompileToolchain) -> str:
     sm_90, unless ``chain.ptxas`` names one)."""
     if chain.ptxas is not None:
         return chain.ptxas
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia import compiler as nvidia
 
-    return str(get_ptxas(arch).path)
+    try:
+        tool = nvidia.get_ptxas(arch)
+    except TypeError:  # Triton releases with one ptxas for every arch
+        tool = nvidia.get_ptxas()
+    return str(tool.path if hasattr(tool, "path") else tool[0])
 
 
 @dataclass(frozen=True)
