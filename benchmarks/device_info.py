@@ -167,7 +167,7 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
     import onnx
 
     from dietcode_ort.bundle import node_bundles
-    from tuner.inspect_model import describe
+    from dietcode_ort.inspect_model import describe
     from tuner.rewrite import DOMAIN
 
     index: dict[str, Any] = {}

@@ -15,10 +15,10 @@ from test_custom_ops import CPU, PTX80, bundle_bytes, bundle_initializer
 
 import dietcode_ort
 import tuner.rewrite as rewrite
-from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature, node_bundles
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
-from tuner.inspect_model import describe
+from dietcode_ort.inspect_model import describe
 from tuner.scan import scan_model
 
 WIDTH = 16
@@ -151,7 +151,7 @@ def test_external_data_bundles_run_and_read(tmp_path, monkeypatch) -> None:
     assert bundle_init.data_location == TensorProto.EXTERNAL
     read = node_bundles(light, base_dir=str(tmp_path))
     assert len(read) == 8 and len({id(r.payload) for r in read}) == 2
-    assert Bundle.from_bytes(read[0].payload).kernels[1].name == "k"
+    assert read_bundle(read[0].payload).kernels[1].name == "k"
     assert [n["bundle"]["initializer"] for n in describe(onnx.load(str(path)))] == [r.initializer for r in read]
     want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, _feeds())[0]
     np.testing.assert_allclose(_library_session(str(path)).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
