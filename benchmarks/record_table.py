@@ -14,17 +14,18 @@ ResNet-50's convolutions, fp16):
 The configs are timed as they would ship (``tuner.measure.GpuMeasurer``): each compiled ahead of time by
 ``tuner.aot`` with the divisibility assumptions ``optimize`` would give the set's workload (``shipped_div16``),
 its cubin launched by the custom-op library's C core in a child process, L2 flushed before each timed
-launch. Rows are appended to DIR/table.csv after every group of ``GROUP`` configs (compiled in parallel; a
-run cut off keeps what it measured) with the columns ReplayMeasurer reads plus ``family`` (the set's tag,
-e.g. ``dense-768x768``); each problem also gets a ``vendor`` row (cuBLAS / cuDNN through torch). DIR/table.json holds the device, driver, library
-versions, the command and the date. Compress the CSV (gzip) to commit it.
+launch. Rows are appended to DIR/table.csv after the first config and then after every group of ``GROUP``
+configs (compiled in parallel; a run cut off keeps what it measured) with the columns ReplayMeasurer reads
+plus ``family`` (the set's tag, e.g. ``dense-768x768``); each problem also gets a ``vendor`` row (cuBLAS /
+cuDNN through torch). DIR/table.json holds the device, driver, library versions, the command and the date.
+Compress the CSV (gzip) to commit it.
 
 A documented sample when time is short: ``--budget-s S`` shares S seconds among the sets (each set gets
 the time left over the sets left, so what one set leaves unused flows to the next) and measures a set's
-configs in a seeded random order until its share is spent; ``--max-configs N`` caps each set at N configs;
-``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs of the space were measured
-(``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from the roofline model, the
-vendor rows with the roofline floor: never report its figures.
+configs in a seeded random order until its share is spent (checked between groups); ``--max-configs N``
+caps each set at N configs; ``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs
+of the space were measured (``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from
+the roofline model, the vendor rows with the roofline floor: never report its figures.
 """
 from __future__ import annotations
 
@@ -233,8 +234,8 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
 
 
 def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, deadline: float | None) -> int:
-    """The vendor rows, then the configs of ``space`` in groups of GROUP until ``deadline``; how many configs
-    were measured (at least one group, so every set can be reported)."""
+    """The vendor rows, then the configs of ``space``: the first alone (so every set can be reported, whatever
+    the deadline), the others in groups of GROUP until ``deadline``; how many configs were measured."""
     device = measurer.device_key()
     task = bar.add_task(s.tag, total=len(space) + 1)
     for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
@@ -242,10 +243,9 @@ def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, dea
     fh.flush()
     bar.advance(task)
     measured = 0
-    for start in range(0, len(space), GROUP):
+    for group in [space[:1]] + [space[i:i + GROUP] for i in range(1, len(space), GROUP)]:
         if deadline is not None and measured and time.monotonic() > deadline:
             break
-        group = space[start:start + GROUP]
         results = measurer.measure(family, [(config, p) for config in group for p in s.problems])
         for i, config in enumerate(group):
             for r, p in zip(results[i * len(s.problems):(i + 1) * len(s.problems)], s.problems):

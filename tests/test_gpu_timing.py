@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from dietcode_ort.errors import DietcodeError
 from tuner.gpu_timing import ChildTimer, TimingItem, TimingSettings, node_call
-from tuner.measure import GpuMeasurer
+from tuner.measure import GpuMeasurer, MeasureResult
 from tuner.space import Family, MicroKernel
 from tuner.workload import ConvParams, Epilogue, Problem
 
@@ -202,3 +203,40 @@ def test_gpu_times_aot_cubins_and_the_chosen_config_launches(tmp_path):
     torch.cuda.synchronize()
     torch.testing.assert_close(c.float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)
 
+
+
+def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
+    """benchmarks/record_table.py on the GPU path measures through GpuMeasurer: the child gets each config's
+    AOT kernel compiled with the div16 optimize would give the set (attention-qk: N = T is symbolic, K = 64
+    is not), and the table gets the child's timings (rehearsed with the fake backend)."""
+    import csv
+    import importlib.util
+    import sys
+
+    from tuner import measure
+
+    spec = importlib.util.spec_from_file_location("record_table", Path(__file__).parents[1] / "benchmarks" / "record_table.py")
+    record_table = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "record_table", record_table)
+    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
+    log = tmp_path / "log.jsonl"
+    _plan(monkeypatch, log=str(log))
+
+    class Rehearsal(measure.GpuMeasurer):
+        def __init__(self, **kw):
+            super().__init__(backend=FAKE, cache_dir=tmp_path / "kernels", **kw)
+
+        def measure_vendor(self, family, problems):
+            return [MeasureResult(1.0) for _ in problems]
+
+    monkeypatch.setattr(measure, "GpuMeasurer", Rehearsal)
+    monkeypatch.setattr(record_table, "_environment", lambda command: {"device": "fake", "arch": "sm_90"})
+    qk = record_table.attention_sets(2)[:1]
+    assert record_table.shipped_div16(qk[0]) == ("a", "b", "c", "K")
+    table = record_table.record(qk, tmp_path / "out", max_configs=2)
+    rows = list(csv.DictReader(table.open()))
+    timed = [r for r in rows if r["config"] != "vendor"]
+    assert len(timed) == 4 and {float(r["seconds"]) for r in timed} == {1e-6, 2e-6}  # the fake's 1 us per M
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == 4 and all(sorted(s["div16"]) == ["K", "a", "b", "c"] for s in seen)
+    assert {tuple(s["view"]) for s in seen} == {(1, 1, 64, 192, 64, 64), (2, 2, 64, 192, 128, 128)}
