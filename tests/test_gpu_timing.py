@@ -19,6 +19,16 @@ FAKE = "_fake_timing:FakeBackend"
 FAST = TimingSettings(warmup=1, repeats=1, flush_bytes=0, timeout_s=20.0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_children():
+    """Each test's measurers start their own timing child (it reads the fake's plan when it starts)."""
+    from tuner import gpu_timing
+
+    yield
+    for timer in list(gpu_timing._SHARED.values()):
+        timer.close()
+
+
 def _items(actions: list[str]) -> list[TimingItem]:
     return [TimingItem(i, name, b"", "gemm", "float16", Problem(16 * (i + 1), 32, 32)) for i, name in enumerate(actions)]
 
@@ -240,3 +250,30 @@ def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(seen) == 4 and all(sorted(s["div16"]) == ["K", "a", "b", "c"] for s in seen)
     assert {tuple(s["view"]) for s in seen} == {(1, 1, 64, 192, 64, 64), (2, 2, 64, 192, 128, 128)}
+
+
+def test_measurers_of_a_process_share_one_timing_child(tmp_path, monkeypatch):
+    """One child (one CUDA context, one set of buffers) serves every GpuMeasurer with the same settings."""
+    _plan(monkeypatch)
+    family = Family("gemm", "float16", "sm_90")
+    pair = (MicroKernel(16, 16, 32, 2, 2), Problem(16, 32, 32))
+    first = GpuMeasurer(warmup=1, repeats=2, flush_bytes=0, backend=FAKE, cache_dir=tmp_path)
+    second = GpuMeasurer(warmup=1, repeats=2, flush_bytes=0, backend=FAKE, cache_dir=tmp_path,
+                         epilogue=Epilogue(bias=True))
+    try:
+        assert first.measure(family, [pair])[0].ok and second.measure(family, [pair])[0].ok
+        assert first._timer is second._timer and first._timer.started == 1
+    finally:
+        first.close()
+
+
+def test_the_cuda_backend_refuses_to_start_without_a_driver():
+    """The real backend's child reports why it cannot time (here: no libcuda), as a DietcodeError."""
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU driver is present")
+    from tuner.gpu_timing import CUDA_BACKEND
+
+    with pytest.raises(DietcodeError, match="could not start: DietcodeError: cannot load the CUDA driver"):
+        ChildTimer(CUDA_BACKEND, FAST).time(_items(["a"]))

@@ -13,7 +13,8 @@ kernel cache, same ``div16`` assumptions), wraps it in a one-kernel bundle, and 
   it; after ``max_restarts`` deaths in one batch the rest are recorded as failed for the last reason.
   Such failures are ``transient``: they may come from the context rather than the config, so the
   database never stores them (``tuner.database``), and a rerun measures them again. A child that cannot
-  even start (no driver, no GPU) is a DietcodeError. The child is reused across batches while it lives.
+  even start (no driver, no GPU) is a DietcodeError. The child is reused across batches while it lives; ``shared_timer`` gives every measurer of a process
+  the same one.
 - In the child, a backend times each item. ``CudaBackend`` (the default) loads the custom-op library,
   makes the device's primary context current (``dc_timing_open``), takes the launch arguments of the node
   call the problem stands for from ``dc_abi_view`` (what the CUDA path passes the kernel), checks the kernel
@@ -35,7 +36,9 @@ import math
 import os
 import signal
 import statistics
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -44,7 +47,7 @@ from tuner.measure import MeasureResult
 from tuner.workload import ConvParams, Problem
 
 __all__ = ["TimingSettings", "TimingItem", "TimingBackend", "CudaBackend", "ContextLost", "ChildTimer",
-           "CUDA_BACKEND", "node_call", "load_backend"]
+           "CUDA_BACKEND", "node_call", "load_backend", "shared_timer"]
 
 CUDA_BACKEND = "tuner.gpu_timing:CudaBackend"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -152,7 +155,7 @@ class CudaBackend(TimingBackend):
         self._core: Any = None
         self._stream = ctypes.c_void_p()
         self._buffers: dict[str, tuple[int, int]] = {}  # name -> (address, bytes)
-        self._bundles: dict[bytes, Any] = {}
+        self._bundles: OrderedDict[bytes, Any] = OrderedDict()  # the last few parsed (their modules stay loaded)
         self._device: tuple[int, int, int] = (0, 0, 0)
 
     def _lib(self) -> Any:
@@ -233,15 +236,15 @@ class CudaBackend(TimingBackend):
         bundle = self._bundles.get(item.bundle)
         if bundle is None:
             bundle = self._bundles[item.bundle] = core.parse(item.bundle)
+            if len(self._bundles) > 16:
+                self._bundles.popitem(last=False)  # freed: its CUDA module is unloaded
+        self._bundles.move_to_end(item.bundle)
         fits, why = bundle.fit_device(*self._device)
         if not fits[0]:
             return MeasureResult(math.inf, f"does not fit this GPU: {why[0]}")
         args = core.abi_view(**node_call(item))
         if args is None:
             return MeasureResult(math.inf, "the kernel ABI cannot express this problem's node call")
-        fit, message = bundle.fit(0, args)
-        if fit != "fits":
-            return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
         elem = _DTYPE_BYTES[item.dtype]
         call = node_call(item)
         sizes = [math.prod(call["a"]) * elem, math.prod(call["b"]) * elem, item.problem.n * elem if item.bias else 0]
@@ -253,6 +256,9 @@ class CudaBackend(TimingBackend):
         args.a, args.b = base + offsets[0], base + offsets[1]
         args.bias = base + offsets[2] if item.bias else 0
         args.c, args.c_bytes = self._buffer("output", out_bytes), out_bytes
+        fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
+        if fit != "fits":
+            return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
         s = self.settings
         times = (ctypes.c_float * s.repeats)()
         flush = self._buffers["flush"][0] if s.flush_bytes else 0
@@ -262,7 +268,7 @@ class CudaBackend(TimingBackend):
             raise ContextLost(core.error())
         if rc != 0:
             return MeasureResult(math.inf, core.error())
-        return MeasureResult(statistics.median(times) / 1e3)
+        return MeasureResult(statistics.median(list(times)) / 1e3)
 
 
 # --- the child process ---------------------------------------------------------------------------------------
@@ -311,6 +317,7 @@ class ChildTimer:
         self.max_restarts, self.start_timeout_s = max_restarts, start_timeout_s
         self._process: Any = None
         self._conn: Any = None
+        self._lock = threading.RLock()  # one batch at a time (threads of one process share a timer)
         self.started = 0  # children started so far
         self.pids: list[int] = []
 
@@ -334,7 +341,7 @@ class ChildTimer:
         except EOFError:
             message = ("failed", self._death())
         if message[0] != "ready":
-            self.close()
+            self._stop()
             raise DietcodeError(f"the GPU timing process could not start: {message[1]}")
         self.pids.append(int(message[1]))
 
@@ -351,7 +358,11 @@ class ChildTimer:
         return f"the timing process exited with status {code}"
 
     def close(self) -> None:
-        """Stop the child (if any)."""
+        """Stop the child (if any); the next batch starts another."""
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
         process, conn = self._process, self._conn
         self._process = self._conn = None
         if conn is not None:
@@ -364,6 +375,10 @@ class ChildTimer:
 
     def time(self, items: Sequence[TimingItem]) -> list[MeasureResult]:
         """One result per item, in order (see the module docstring for failures)."""
+        with self._lock:
+            return self._time(items)
+
+    def _time(self, items: Sequence[TimingItem]) -> list[MeasureResult]:
         results: dict[int, MeasureResult] = {}
         pending = list(items)
         deaths, reason = 0, ""
@@ -382,7 +397,7 @@ class ChildTimer:
                 deaths += 1
                 results[pending[0].index] = MeasureResult(math.inf, reason, transient=True)
                 pending.pop(0)
-                self.close()
+                self._stop()
         return [results[item.index] for item in items]
 
     def _collect(self, pending: list[TimingItem], results: dict[int, MeasureResult]) -> str:
@@ -409,3 +424,18 @@ class ChildTimer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SHARED: dict[tuple[str, TimingSettings], ChildTimer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_timer(backend: str, settings: TimingSettings) -> ChildTimer:
+    """The process's timer for ``backend`` and ``settings``: every measurer of the process (one per workload)
+    times through one child, so one CUDA context and one set of buffers serve them all, and batches from
+    concurrent searches run one after another instead of disturbing each other's timings."""
+    with _SHARED_LOCK:
+        timer = _SHARED.get((backend, settings))
+        if timer is None:
+            timer = _SHARED[(backend, settings)] = ChildTimer(backend, settings)
+        return timer

@@ -250,8 +250,9 @@ class GpuMeasurer(Measurer):
     kernel cache. ``vendor_tf32``: whether the vendor baseline (cuBLAS / cuDNN through torch, timed in this
     process) runs float32 with TF32 (torch's ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32``
     while it is timed; default: as ONNX Runtime's CUDA EP does). ``backend``: the timing backend of the child
-    (``tuner.gpu_timing``'s hook; the default times on CUDA). Call ``close`` (or use ``with``) to stop the
-    timing process early; it also ends with this process.
+    (``tuner.gpu_timing``'s hook; the default times on CUDA). The timing process is the one every
+    GpuMeasurer of this process with the same settings shares (``tuner.gpu_timing.shared_timer``); ``close``
+    (or ``with``) stops it (the next measurement starts another); it also ends with this process.
     """
 
     def __init__(self, warmup: int = 3, repeats: int = 20, timeout_s: float = 30.0,
@@ -259,7 +260,7 @@ class GpuMeasurer(Measurer):
                  div16: Sequence[str] = (), cache_dir: Path | None = None, flush_bytes: int = 256 * 1024 * 1024,
                  vendor_tf32: bool = ORT_CUDA_USES_TF32, backend: str | None = None,
                  compile_workers: int | None = None) -> None:
-        from tuner.gpu_timing import CUDA_BACKEND, ChildTimer, TimingSettings
+        from tuner.gpu_timing import CUDA_BACKEND, TimingSettings, shared_timer
 
         self.settings = TimingSettings(warmup=warmup, repeats=repeats, flush_bytes=flush_bytes, timeout_s=timeout_s)
         self.warmup, self.repeats, self.timeout_s = warmup, repeats, timeout_s
@@ -267,7 +268,7 @@ class GpuMeasurer(Measurer):
         self.div16 = tuple(sorted(set(div16)))
         self.cache_dir, self.compile_workers = cache_dir, compile_workers
         self.vendor_tf32 = vendor_tf32
-        self._timer = ChildTimer(backend or CUDA_BACKEND, self.settings)
+        self._timer = shared_timer(backend or CUDA_BACKEND, self.settings)
         self._device = self._timer.device_key()  # DietcodeError without a driver or GPU
         self._torch: Any = None
         self._flush: Any = None
