@@ -190,9 +190,15 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
         env = _environment(command)
     target = "sm_90" if env["arch"].startswith("sm_9") else "sm_89" if env["arch"] == "sm_89" else "sm_80"
     started = time.monotonic()
-    timing = ("analytic model" if measure == "analytic" else "AOT cubins as shipped, launched through the "
-              "custom-op library's C core (dc_time_kernel): 3 warm-up launches, median of the timed ones, "
-              "256 MiB L2 flush before each; vendor rows: torch")
+    timing: object = "analytic model"
+    if measure != "analytic":
+        from dataclasses import asdict
+
+        from tuner.gpu_timing import TimingSettings
+
+        timing = {"kernels": "AOT cubins as shipped, launched through the custom-op library's C core "
+                             "(dc_time_kernel); median of the timed launches", "vendor": "torch (cuBLAS / cuDNN)",
+                  **asdict(TimingSettings(repeats=repeats))}
     meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s, "timing": timing,
             "max_configs": max_configs,
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}

@@ -243,7 +243,9 @@ def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
     monkeypatch.setattr(record_table, "_environment", lambda command: {"device": "fake", "arch": "sm_90"})
     qk = record_table.attention_sets(2)[:1]
     assert record_table.shipped_div16(qk[0]) == ("a", "b", "c", "K")
-    table = record_table.record(qk, tmp_path / "out", max_configs=2)
+    table = record_table.record(qk, tmp_path / "out", max_configs=2, repeats=4)
+    timing = json.loads((tmp_path / "out" / "table.json").read_text())["timing"]
+    assert timing["repeats"] == 4 and timing["warmup"] >= 1 and "AOT cubins" in timing["kernels"]
     rows = list(csv.DictReader(table.open()))
     timed = [r for r in rows if r["config"] != "vendor"]
     assert len(timed) == 4 and {float(r["seconds"]) for r in timed} == {1e-6, 2e-6}  # the fake's 1 us per M
