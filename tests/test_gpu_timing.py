@@ -279,3 +279,28 @@ def test_the_cuda_backend_refuses_to_start_without_a_driver():
 
     with pytest.raises(DietcodeError, match="could not start: DietcodeError: cannot load the CUDA driver"):
         ChildTimer(CUDA_BACKEND, FAST).time(_items(["a"]))
+
+
+def test_timing_entry_points_are_exported_and_fail_cleanly_without_a_driver():
+    """custom_ops/timing.cc's C functions are in the library's exports; without libcuda each returns -1 with
+    the driver's message instead of crashing."""
+    import ctypes
+    import shutil
+
+    from dietcode_ort.runtime import LaunchArgs, load_core
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU driver is present")
+    core = load_core()
+    lib = core.lib
+    ptr, stream = ctypes.c_uint64(), ctypes.c_void_p()
+    lib.dc_time_kernel.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(LaunchArgs), ctypes.c_void_p,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                   ctypes.POINTER(ctypes.c_float)]
+    times = (ctypes.c_float * 1)()
+    calls = [lambda: lib.dc_timing_open(0, ctypes.byref(stream)),
+             lambda: lib.dc_mem_alloc(ctypes.c_uint64(16), ctypes.byref(ptr)),
+             lambda: lib.dc_mem_free(ctypes.c_uint64(0)),
+             lambda: lib.dc_time_kernel(None, 0, ctypes.byref(LaunchArgs()), None, 1, 1, 0, 0, times)]
+    for call in calls:
+        assert call() == -1 and "cannot load the CUDA driver" in core.error()

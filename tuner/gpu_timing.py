@@ -21,7 +21,9 @@ kernel cache, same ``div16`` assumptions), wraps it in a one-kernel bundle, and 
   against the device (``dc_kernel_fit_device``) and the call (``dc_kernel_fit``), and times it with
   ``dc_time_kernel`` (custom_ops/timing.cc): ``warmup`` launches, then ``repeats`` launches each after an
   L2 flush of ``flush_bytes`` and between CUDA events; the result is the median. Operands are random values
-  of the dtype in device memory from ``dc_mem_alloc`` (no torch).
+  of the dtype in device memory from ``dc_mem_alloc``: the child needs no torch (no multi-second import,
+  no second allocator or context beside the driver's) and reaches the GPU only through the driver calls
+  the runtime itself makes. Only the vendor baseline uses torch, in the parent (tuner.measure).
 
 The hook: ``backend`` is a ``"module:Name"`` reference to a ``TimingBackend`` subclass, imported in the child
 (and in the parent, for ``device_key``). The default is ``CUDA_BACKEND``; tests name a fake backend of
