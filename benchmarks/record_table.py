@@ -11,17 +11,21 @@ ResNet-50's convolutions, fp16):
 - ``conv``: every distinct ResNet-50 conv layer (from ``tuner.scan`` of the full model) at batch 1, 8, 32
   and 224x224, plus batch 8 at 160 and 288.
 
-Rows are appended to DIR/table.csv after every config (a run cut off keeps what it measured) with the
-columns ReplayMeasurer reads plus ``family`` (the set's tag, e.g. ``dense-768x768``); each problem also
-gets a ``vendor`` row (cuBLAS / cuDNN through torch). DIR/table.json holds the device, driver, library
-versions, the command and the date. Compress the CSV (gzip) to commit it.
+The configs are timed as they would ship (``tuner.measure.GpuMeasurer``): each compiled ahead of time by
+``tuner.aot`` with the divisibility assumptions ``optimize`` would give the set's workload (``shipped_div16``),
+its cubin launched by the custom-op library's C core in a child process, L2 flushed before each timed
+launch. Rows are appended to DIR/table.csv after the first config and then after every group of ``GROUP``
+configs (compiled in parallel; a run cut off keeps what it measured) with the columns ReplayMeasurer reads
+plus ``family`` (the set's tag, e.g. ``dense-768x768``); each problem also gets a ``vendor`` row (cuBLAS /
+cuDNN through torch). DIR/table.json holds the device, driver, library versions, the command and the date.
+Compress the CSV (gzip) to commit it.
 
 A documented sample when time is short: ``--budget-s S`` shares S seconds among the sets (each set gets
 the time left over the sets left, so what one set leaves unused flows to the next) and measures a set's
-configs in a seeded random order until its share is spent; ``--max-configs N`` caps each set at N configs;
-``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs of the space were measured
-(``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from the roofline model, the
-vendor rows with the roofline floor: never report its figures.
+configs in a seeded random order until its share is spent (checked between groups); ``--max-configs N``
+caps each set at N configs; ``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs
+of the space were measured (``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from
+the roofline model, the vendor rows with the roofline floor: never report its figures.
 """
 from __future__ import annotations
 
@@ -43,9 +47,11 @@ sys.path.insert(0, str(ROOT))
 from dietcode_ort.errors import DietcodeError  # noqa: E402
 from tuner.workload import ConvParams, Epilogue, Problem  # noqa: E402
 
-__all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "SETS", "COLUMNS", "record", "main"]
+__all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "SETS", "COLUMNS", "record", "main",
+           "shipped_div16", "GROUP"]
 
 COLUMNS = ["config", "m", "n", "k", "batch", "seconds", "device", "error", "family"]
+GROUP = 16  # configs per measurement call: compiled in parallel, then timed in one batch
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,17 @@ def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES, preset: str 
 
 
 SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets}
+
+
+def shipped_div16(s: TableSet) -> tuple[str, ...]:
+    """The divisibility assumptions ``optimize`` would compile the set's workload with: N and K count as
+    constant where every instance has the same value (conv: always; gemm: the dense (N, K); bmm: the 64)."""
+    from tuner.aot import shipped_div16 as div16
+
+    def constant(values: set[int]) -> int | None:
+        return next(iter(values)) if len(values) == 1 else None
+
+    return div16(s.op, s.epilogue.bias, constant({p.n for p in s.problems}), constant({p.k for p in s.problems}))
 
 
 def _analytic_environment(command: str, target: str) -> dict:
@@ -173,7 +190,16 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
         env = _environment(command)
     target = "sm_90" if env["arch"].startswith("sm_9") else "sm_89" if env["arch"] == "sm_89" else "sm_80"
     started = time.monotonic()
-    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s,
+    timing: object = "analytic model"
+    if measure != "analytic":
+        from dataclasses import asdict
+
+        from tuner.gpu_timing import TimingSettings
+
+        timing = {"kernels": "AOT cubins as shipped, launched through the custom-op library's C core "
+                             "(dc_time_kernel); median of the timed launches", "vendor": "torch (cuBLAS / cuDNN)",
+                  **asdict(TimingSettings(repeats=repeats))}
+    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s, "timing": timing,
             "max_configs": max_configs,
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
                      for s in sets], "done": []}
@@ -202,27 +228,38 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             if measure == "analytic":
                 measurer = _AnalyticTable(target, s.dtype)
             else:
-                measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue)
-            device = measurer.device_key()
-            task = bar.add_task(s.tag, total=len(space) + 1)
-            for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
-                writer.writerow(["vendor", p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
-            fh.flush()
-            bar.advance(task)
-            measured = 0
-            for config in space:
-                if deadline is not None and measured and time.monotonic() > deadline:
-                    break  # at least one config per set, so every set can be reported
-                results = measurer.measure(family, [(config, p) for p in s.problems])
-                for r, p in zip(results, s.problems):
-                    writer.writerow([config.key(), p.m, p.n, p.k, p.batch, repr(r.seconds), device,
-                                     r.error or "", s.tag])
-                fh.flush()
-                measured += 1
-                bar.advance(task)
+                measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue, div16=shipped_div16(s))
+            try:
+                measured = _record_set(s, family, space, measurer, writer, fh, bar, deadline)
+            finally:
+                if isinstance(measurer, GpuMeasurer):
+                    measurer.close()
             meta["done"].append({"tag": s.tag, "configs": measured, "space": len(full)})
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return table
+
+
+def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, deadline: float | None) -> int:
+    """The vendor rows, then the configs of ``space``: the first alone (so every set can be reported, whatever
+    the deadline), the others in groups of GROUP until ``deadline``; how many configs were measured."""
+    device = measurer.device_key()
+    task = bar.add_task(s.tag, total=len(space) + 1)
+    for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
+        writer.writerow(["vendor", p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
+    fh.flush()
+    bar.advance(task)
+    measured = 0
+    for group in [space[:1]] + [space[i:i + GROUP] for i in range(1, len(space), GROUP)]:
+        if deadline is not None and measured and time.monotonic() > deadline:
+            break
+        results = measurer.measure(family, [(config, p) for config in group for p in s.problems])
+        for i, config in enumerate(group):
+            for r, p in zip(results[i * len(s.problems):(i + 1) * len(s.problems)], s.problems):
+                writer.writerow([config.key(), p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
+        fh.flush()
+        measured += len(group)
+        bar.advance(task, len(group))
+    return measured
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@
 #include <cuda.h>
 
 #include "bundle_impl.h"
+#include "driver.h"
 
 #define DC_STR2(x) #x
 #define DC_STR(x) DC_STR2(x)
@@ -23,6 +24,7 @@ namespace {
 struct Driver {
   bool ok = false;
   std::string error;
+  void* lib = nullptr;  // the dlopen handle (DriverSymbol)
   decltype(&::cuInit) Init = nullptr;
   decltype(&::cuDriverGetVersion) DriverGetVersion = nullptr;
   decltype(&::cuGetErrorString) GetErrorString = nullptr;
@@ -59,6 +61,7 @@ Driver LoadDriver() {
               "): install the NVIDIA driver or run on a machine with a GPU";
     return d;
   }
+  d.lib = lib;
   std::string missing;
 #define DC_LOAD(field, api) Load(lib, DC_STR(api), &d.field, &missing)
   DC_LOAD(Init, cuInit);
@@ -173,6 +176,15 @@ int Fail(const std::string& message) {
 }
 
 }  // namespace
+
+void* DriverSymbol(const char* name, std::string* error) {
+  const Driver& d = GetDriver();
+  if (!d.ok) return *error = d.error, nullptr;
+  void* fn = dlsym(d.lib, name);
+  if (fn == nullptr) *error = std::string("the CUDA driver lacks ") + name + ": update the NVIDIA driver";
+  return fn;
+}
+
 }  // namespace dietcode
 
 dc_bundle::~dc_bundle() {

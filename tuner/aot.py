@@ -46,7 +46,8 @@ from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
-           "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash"]
+           "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash", "aot_hash",
+           "shipped_div16"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -546,3 +547,18 @@ def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list
         raise
     pool.shutdown(wait=True)
     return results
+
+
+@functools.lru_cache(maxsize=1)
+def aot_hash() -> str:
+    """sha256 of this module's source: how a config becomes the shipped kernel (signature, constexprs,
+    specialization). With ``template_hash`` it keys GPU timings, so an edited compile path is timed anew."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def shipped_div16(op: str, bias: bool, n: int | None, k: int | None) -> tuple[str, ...]:
+    """The ``div16`` set ``optimize`` compiles a workload's kernels with: every pointer (ORT's allocations
+    are aligned; the runtime checks each call) and N / K where they are constant for the workload (``None``:
+    symbolic) and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
+    fixed = {name: value for name, value in (("N", n), ("K", k)) if value is not None and value % 16 == 0}
+    return tuple(p for p in aligned_params(op, bias) if p in _POINTERS or p in fixed)

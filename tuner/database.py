@@ -3,7 +3,8 @@
 A row is keyed by (device key, family signature, config key, problem). Every query filters by the
 device key, so timings from another GPU, driver or Triton version never leak into a decision. Each
 ``put`` is one transaction: a run killed at any point loses at most the batch in flight, and the
-``CachingMeasurer`` wrapper makes a restarted run skip everything already stored.
+``CachingMeasurer`` wrapper makes a restarted run skip everything already stored. Transient failures are
+never stored (see ``put``).
 """
 from __future__ import annotations
 
@@ -117,13 +118,15 @@ class Database:
 
     def put(self, device: str, family: Family, pairs: Sequence[Pair], results: Sequence[MeasureResult],
             context: str = "") -> None:
-        """Store one batch in one transaction (all or nothing)."""
+        """Store one batch in one transaction (all or nothing). Transient failures (``MeasureResult.transient``:
+        a timing process that died or lost its CUDA context, a timeout) are not stored: they may come from
+        another kernel of the same context, and a later run measures them again."""
         if len(pairs) != len(results):
             raise DietcodeError(f"put: {len(pairs)} pairs but {len(results)} results")
         now = time.time()
         fam = family_signature(family, context)
         rows = [(device, fam, *_row_key(_config_key(c), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
-                for (c, p), r in zip(pairs, results)]
+                for (c, p), r in zip(pairs, results) if not r.transient]
         try:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")

@@ -5,9 +5,11 @@ One small interface, ``Measurer.measure(family, [(config, problem), ...]) -> [Me
 failed or timed-out kernel is data (``seconds = inf`` plus an error), never an exception that ends a
 tuning run.
 
-- ``GpuMeasurer`` times kernels on a CUDA device (Triton JIT launch, 256 MB L2 flush before each repeat,
-  CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm / conv2d on the same problems,
-  with TF32 for float32 as ONNX Runtime's CUDA EP uses it (``ORT_CUDA_USES_TF32``).
+- ``GpuMeasurer`` times the kernels that ship: each config compiled ahead of time as ``optimize`` ships it
+  (``tuner.aot``), launched by the custom-op library's C core in a child process (``tuner.gpu_timing``: L2
+  flush before each repeat, CUDA events, median); ``measure_vendor`` times torch.matmul / torch.bmm /
+  conv2d on the same problems, with TF32 for float32 as ONNX Runtime's CUDA EP uses it
+  (``ORT_CUDA_USES_TF32``).
 - ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
 - ``AnalyticMeasurer`` needs no hardware: a roofline estimate scaled by f_adapt.
 
@@ -24,11 +26,14 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
 from tuner.space import DTYPE_BYTES, Family, MicroKernel
 from tuner.workload import ConvParams, Epilogue, Problem
+
+if TYPE_CHECKING:
+    from tuner.aot import CompileToolchain
 
 __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
            "problem_key", "VENDOR_KEY"]
@@ -42,10 +47,15 @@ Pair = tuple[MicroKernel, Problem]
 
 @dataclass(frozen=True)
 class MeasureResult:
-    """Median seconds of one (config, problem); ``inf`` with an error message when it failed."""
+    """Median seconds of one (config, problem); ``inf`` with an error message when it failed.
+
+    ``transient``: the failure may not be the config's own (its timing process died or lost its CUDA
+    context, possibly through another kernel, or timed out): the database does not store it, so a rerun
+    measures it again. Failures that follow from the config (compile errors, resource limits) are not."""
 
     seconds: float
     error: str | None = None
+    transient: bool = False
 
     @property
     def ok(self) -> bool:
@@ -103,10 +113,14 @@ class MeasurerSpec:
     conv: ConvParams | None = None
     epilogue: Epilogue = Epilogue()
     trans_b: bool = False
+    div16: tuple[str, ...] = ()  # gpu: the divisibility the shipped kernels assume (tuner.aot)
+    cache_dir: Path | None = None  # gpu: the kernel cache (tuner.aot's default when None)
+    toolchain: "CompileToolchain | None" = None  # gpu: how the shipped kernels are compiled (tuner.aot)
 
     def build(self) -> "Measurer":
         if self.kind == "gpu":
-            return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b)
+            return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b, div16=self.div16,
+                               cache_dir=self.cache_dir, toolchain=self.toolchain)
         if self.kind == "analytic":
             from tuner.hardware import get_profile
 
@@ -227,63 +241,119 @@ _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
 
 
 class GpuMeasurer(Measurer):
-    """Times micro-kernels on the current CUDA device with Triton's JIT launcher and torch tensors.
+    """Times the kernels that ship on the CUDA device: per config, ``tuner.aot.compile_kernel`` with the
+    workload's epilogue, ``trans_b``, conv geometry and ``div16`` assumptions (the same call, cache and
+    Triton as ``optimize``'s bundles), then the cubin launched through the custom-op library's C core in a
+    child process (``tuner.gpu_timing``: ``warmup`` launches, ``repeats`` timed ones each after an L2 flush
+    of ``flush_bytes``, CUDA events, median). A config that does not compile, does not fit the GPU or is
+    refused by the runtime's launch checks is a failed result (inf); one whose timing process died or lost
+    its context, or that ran past ``timeout_s``, is a transient failure (never stored in the database).
+    Constructing one needs the CUDA driver and a GPU (the backend's ``device_key``), not torch.
 
-    Per (config, problem): ``warmup`` launches (the first compiles), then ``repeats`` timed launches,
-    each preceded by writing a 256 MB buffer (flushes L2 and hides the host launch latency behind it),
-    each timed with a CUDA event pair; the result is the median. A kernel that raises (compile error,
-    out of resources) or whose warm-up exceeds ``timeout_s`` is recorded as failed (inf). Importing this
-    module needs neither torch nor a GPU; constructing a GpuMeasurer does.
-
-    ``conv`` / ``epilogue`` / ``trans_b`` describe the workload the family's template runs with.
-    ``vendor_tf32``: whether the vendor baseline runs float32 with TF32 (torch's
-    ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32`` while it is timed; default: as
-    ONNX Runtime's CUDA EP does).
+    ``conv`` / ``epilogue`` / ``trans_b`` / ``div16`` describe the workload's kernels; ``cache_dir`` is the
+    kernel cache. ``vendor_tf32``: whether the vendor baseline (cuBLAS / cuDNN through torch, timed in this
+    process) runs float32 with TF32 (torch's ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32``
+    while it is timed; default: as ONNX Runtime's CUDA EP does). ``backend``: the timing backend of the child
+    (``tuner.gpu_timing``'s hook; the default times on CUDA). The timing process is the one every
+    GpuMeasurer of this process with the same settings shares (``tuner.gpu_timing.shared_timer``); ``close``
+    (or ``with``) stops it (the next measurement starts another); it also ends with this process.
     """
 
-    def __init__(self, warmup: int = 3, repeats: int = 20, timeout_s: float = 10.0,
+    def __init__(self, warmup: int = 3, repeats: int = 20, timeout_s: float = 30.0,
                  conv: ConvParams | None = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
-                 launch: Callable[..., Any] | None = None, vendor_tf32: bool = ORT_CUDA_USES_TF32) -> None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise DietcodeError(f"GpuMeasurer needs torch with CUDA: {exc}") from None
-        if not torch.cuda.is_available():
-            raise DietcodeError("GpuMeasurer needs a CUDA GPU and none is visible; use ReplayMeasurer "
-                                "(a recorded table) or AnalyticMeasurer")
-        self._torch = torch
+                 div16: Sequence[str] = (), cache_dir: Path | None = None, flush_bytes: int = 256 * 1024 * 1024,
+                 vendor_tf32: bool = ORT_CUDA_USES_TF32, backend: str | None = None,
+                 compile_workers: int | None = None, toolchain: "CompileToolchain | None" = None) -> None:
+        from tuner.aot import CompileToolchain
+        from tuner.gpu_timing import CUDA_BACKEND, TimingSettings, shared_timer
+
+        self.settings = TimingSettings(warmup=warmup, repeats=repeats, flush_bytes=flush_bytes, timeout_s=timeout_s)
         self.warmup, self.repeats, self.timeout_s = warmup, repeats, timeout_s
         self.conv, self.epilogue, self.trans_b = conv, epilogue, trans_b
+        self.div16 = tuple(sorted(set(div16)))
+        self.cache_dir, self.compile_workers = cache_dir, compile_workers
+        self.toolchain = toolchain if toolchain is not None else CompileToolchain()  # as optimize compiles
         self.vendor_tf32 = vendor_tf32
-        if launch is None:
-            from tuner.templates import run as default_launch
-            launch = default_launch
-        self._launch: Callable[..., Any] = launch
-        self._flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+        self._timer = shared_timer(backend or CUDA_BACKEND, self.settings)
+        self._device = self._timer.device_key()  # DietcodeError without a driver or GPU
+        self._torch: Any = None
+        self._flush: Any = None
 
     def device_key(self) -> str:
-        import triton
+        return self._device
 
-        torch = self._torch
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        try:
-            from torch._C import _cuda_getDriverVersion  # type: ignore[attr-defined]
-            driver = str(_cuda_getDriverVersion())
-        except (ImportError, RuntimeError):
-            driver = f"cuda{torch.version.cuda}"
-        return make_device_key(props.name, f"sm_{props.major}{props.minor}", driver, triton.__version__)
+    def close(self) -> None:
+        self._timer.close()
+
+    def __enter__(self) -> "GpuMeasurer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def context(self) -> str:
-        """The kernel's build facts, plus what else changes a timing here: the templates' source (a
-        timing of an edited template is another kernel's) and the timing settings."""
-        from tuner.aot import template_hash
+        """The kernel's build facts, plus what else changes a timing here: the templates' and the AOT
+        compiler's source (a timing of an edited template or compile path is another kernel's), the
+        divisibility the kernel assumes, and the timing settings."""
+        from tuner.aot import aot_hash, template_hash
 
         c = self.conv
         conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
                                      f"p{c.pads}d{c.dilations}")
         return (f"bias={int(self.epilogue.bias)};act={self.epilogue.activation};trans_b={int(self.trans_b)}"
-                + conv + f";templates={template_hash()[:16]};timing=w{self.warmup}r{self.repeats}"
-                f";vendor_tf32={int(self.vendor_tf32)}").replace(" ", "")
+                + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
+                f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)}"
+                f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}").replace(" ", "")
+
+    def _compile(self, family: Family, configs: Sequence[MicroKernel]) -> dict[MicroKernel, bytes | str]:
+        """Each config's one-kernel bundle as it ships, or its compile error."""
+        from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+        from tuner import aot
+
+        jobs = [aot.CompileJob(family, c, epilogue=self.epilogue, trans_b=self.trans_b, conv=self.conv,
+                               div16=self.div16, cache_dir=self.cache_dir, toolchain=self.toolchain)
+                for c in configs]
+        out: dict[MicroKernel, bytes | str] = {}
+        for job, r in zip(jobs, aot.compile_many(jobs, workers=self.compile_workers)):
+            if r.kernel is None:
+                out[job.config] = f"compile error: {r.error}"[:2000]
+                continue
+            bundle = Bundle((), (BundleKernel.from_compiled([r.kernel]),), DispatchTree.single(0))
+            out[job.config] = bundle.to_bytes()
+        return out
+
+    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
+        from tuner.gpu_timing import TimingItem
+
+        built = self._compile(family, list(dict.fromkeys(c for c, _ in configs_and_problems)))
+        out: list[MeasureResult | None] = [None] * len(configs_and_problems)
+        items = []
+        for i, (config, problem) in enumerate(configs_and_problems):
+            bundle = built[config]
+            if isinstance(bundle, str):
+                out[i] = MeasureResult(math.inf, bundle)
+                continue
+            items.append(TimingItem(i, config.key(), bundle, family.op, family.dtype, problem,
+                                    bias=self.epilogue.bias, trans_b=self.trans_b, conv=self.conv))
+        for item, result in zip(items, self._timer.time(items)):
+            out[item.index] = result
+        missing = [i for i, r in enumerate(out) if r is None]
+        if missing:  # cannot happen: the timer answers every item
+            raise DietcodeError(f"GpuMeasurer: {len(missing)} measurements came back without a result")
+        return [r for r in out if r is not None]
+
+    def _vendor_torch(self) -> Any:
+        """torch and the vendor timer's flush buffer, on first use (only the vendor baseline needs torch)."""
+        if self._torch is None:
+            try:
+                import torch
+            except ImportError as exc:
+                raise DietcodeError(f"the vendor baseline is timed through torch with CUDA: {exc}") from None
+            if not torch.cuda.is_available():
+                raise DietcodeError("the vendor baseline needs torch with CUDA, and torch sees no GPU")
+            self._torch = torch
+            self._flush = torch.empty(max(1, self.settings.flush_bytes), dtype=torch.int8, device="cuda")
+        return self._torch
 
     def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any]:
         torch = self._torch
@@ -320,24 +390,10 @@ class GpuMeasurer(Measurer):
             times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        out = []
-        for config, problem in configs_and_problems:
-            try:
-                a, b, bias = self._operands(family, problem)
-                fn = lambda: self._launch(family.op, config, a, b, bias=bias,  # noqa: E731
-                                          epilogue=self.epilogue, trans_b=self.trans_b, conv=self.conv)
-                out.append(MeasureResult(self._time(fn)))
-            except DietcodeError:
-                raise
-            except Exception as exc:  # compile errors, out of resources, timeouts: data, not a crash
-                out.append(MeasureResult(math.inf, f"{type(exc).__name__}: {str(exc)[:300]}"))
-        return out
-
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """cuBLAS (torch.matmul / torch.bmm) or cuDNN (conv2d) on the same problems and epilogue, float32
         with TF32 when ``vendor_tf32`` (torch's global flags are set while timing and restored after)."""
-        flags = self._torch.backends
+        flags = self._vendor_torch().backends
         saved = (flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32)
         flags.cuda.matmul.allow_tf32 = flags.cudnn.allow_tf32 = self.vendor_tf32
         try:

@@ -410,9 +410,8 @@ def _div16(w: Workload) -> tuple[str, ...]:
     the workload and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
     from tuner import aot
 
-    constant = {"N": w.n, "K": w.k}
-    return tuple(p for p in aot.aligned_params(w.op, w.epilogue.bias)
-                 if p in ("a", "b", "bias", "c") or (constant.get(p, "x").isdigit() and int(constant[p]) % 16 == 0))
+    return aot.shipped_div16(w.op, w.epilogue.bias, int(w.n) if w.n.isdigit() else None,
+                             int(w.k) if w.k.isdigit() else None)
 
 
 def _summary(index: int, r: WorkloadReport) -> str:
@@ -465,6 +464,7 @@ def make_executor(options: OptimizeOptions) -> Executor:
 def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | None = None):
     """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached,
     its batches run by ``executor`` (this process when None)."""
+    from tuner import aot
     from tuner.measure import MeasurerSpec
 
     executor = executor or LocalExecutor(options.compile_workers)
@@ -475,7 +475,9 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
     if kind == "gpu":
         if not executor.gpu_available():
             raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
-        spec = MeasurerSpec("gpu", conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b)
+        spec = MeasurerSpec("gpu", conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b, div16=_div16(w),
+                            cache_dir=options.cache_dir,
+                            toolchain=aot.CompileToolchain(options.min_driver, options.ptxas))
     elif kind == "analytic":
         spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype)
     elif kind.startswith("replay:") and kind[len("replay:"):]:

@@ -10,8 +10,8 @@ The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With
 sums are added into a zeroed C with atomics (activation must be "none"; split 0 adds the bias).
 
 ``run`` launches a template through Triton's ordinary JIT path: the tests use it under
-``TRITON_INTERPRET=1`` on torch CPU tensors, a GPU measurer uses it on CUDA tensors. ``tuner.aot`` compiles
-the same functions ahead of time.
+``TRITON_INTERPRET=1`` on torch CPU tensors and the GPU tests on CUDA tensors (the GPU measurer times the
+AOT cubins instead: ``tuner.gpu_timing``). ``tuner.aot`` compiles the same functions ahead of time.
 """
 from __future__ import annotations
 
