@@ -2,8 +2,10 @@
 //
 // One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
-// compute stream (no allocation, no synchronization), or run ORT's own kernel for "vendor" leaves and for
-// shapes the kernel ABI cannot express. CPU: ORT's own MatMul/Gemm/Conv (fp32) plus the epilogue in C++.
+// compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
+// takes, the vendor path of vendor.h: cuBLAS on ORT's own cuBLAS handle and stream plus a PTX epilogue (never
+// ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
+// MatMul/Gemm/Conv (fp32, through Ort::Op, which needs no stream there) plus the epilogue in C++.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -20,6 +22,7 @@
 
 #include "core.h"
 #include "shapes.h"
+#include "vendor.h"
 
 namespace dietcode {
 namespace {
@@ -29,6 +32,13 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs ORT's kernel beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
+// ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
+// CudaStream::GetResource accepts any version up to its own.
+constexpr int kCudaResourceVersion = 1;
+constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle_t
+// ORT's CUDA EP computes float32 GEMMs with TF32 unless its use_tf32 option is 0 (the tuner's vendor baseline
+// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default.
+constexpr int kOrtCudaUsesTf32 = 1;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
 struct BundleDeleter {
@@ -152,8 +162,10 @@ class DietcodeKernel {
     if (cuda_) {
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
+      CheckVendorPathCuda();
+    } else {
+      CreateVendorOps(raw_info);
     }
-    CreateVendorOps(raw_info);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -311,9 +323,23 @@ class DietcodeKernel {
                                 std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
   }
 
-  // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
+  // CUDA: the vendor path (vendor.h) exists for MatMul and Gemm. A Conv node has none yet (no cuDNN call),
+  // so a conv bundle whose tree has a vendor leaf, or a kernel this device cannot run, is refused here
+  // rather than failing per call; a MatMul/Gemm bundle that needs the path checks that cuBLAS is loaded.
+  void CheckVendorPathCuda() {
+    if (!has_vendor_kernel_) return;
+    if (spec_.base == BaseOp::kConv) {
+      Throw("the bundle routes some conv calls to the vendor kind (a vendor leaf of its dispatch tree, or a kernel "
+            "this GPU cannot run), and the CUDA path has no vendor conv: running ONNX Runtime's Conv from a "
+            "custom op has no compute stream; tune this conv without vendor leaves for this GPU, or leave it "
+            "unoptimized");
+    }
+    if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
+  }
+
+  // ORT's own kernels for the CPU EP, fp32 (inputs are converted).
   void CreateVendorOps(const OrtKernelInfo* info) {
-    const ONNXTensorElementDataType type = cuda_ ? dtype_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     const char* type_names[] = {"T"};
     const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;  // Gemm's C and Conv's B go in the op
     std::vector<Ort::OpAttr> attrs;
@@ -343,30 +369,7 @@ class DietcodeKernel {
       base_op_ = Ort::Op::Create(info, op, "", version, type_names, &type, 1, attrs.data(), attrs.size(),
                                  fused_c ? 3 : 2, 1);
     } catch (const Ort::Exception& e) {
-      if (!cuda_ || has_vendor_kernel_) Throw(std::string("cannot create ONNX Runtime's ") + op + " kernel: " + e.what());
-      base_error_ = e.what();
-    }
-    if (!cuda_) return;
-    // CUDA epilogue for the vendor path: Add (MatMul bias) and the activation as ORT kernels.
-    auto create = [&](const char* name, const char* domain, int ver, size_t n_in) {
-      try {
-        return Ort::Op::Create(info, name, domain, ver, type_names, &type, 1, nullptr, 0, n_in, 1);
-      } catch (const Ort::Exception&) {
-        return Ort::Op{nullptr};
-      }
-    };
-    if (spec_.bias && spec_.base == BaseOp::kMatMul) add_op_ = create("Add", "", 14, 2);
-    if (spec_.activation == Activation::kRelu) act_op_ = create("Relu", "", 14, 1);
-    if (spec_.activation == Activation::kGelu) {
-      act_op_ = create("Gelu", "", 20, 1);
-      if (!act_op_) act_op_ = create("Gelu", "com.microsoft", 1, 1);
-    }
-    const bool epilogue_ok = (!(spec_.bias && spec_.base == BaseOp::kMatMul) || add_op_) &&
-                             (spec_.activation == Activation::kNone || act_op_);
-    if (!epilogue_ok) {
-      if (has_vendor_kernel_) Throw("cannot create ONNX Runtime's Add/Relu/Gelu kernels for the vendor path");
-      base_error_ = "ONNX Runtime's Add/Relu/Gelu kernels are unavailable";
-      base_op_ = Ort::Op{nullptr};
+      Throw(std::string("cannot create ONNX Runtime's ") + op + " kernel: " + e.what());
     }
   }
 
@@ -466,12 +469,12 @@ class DietcodeKernel {
     dc_launch_args args{};
     if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
       dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, "the dispatch tree picks the vendor kernel");
       return;
     }
     if (!device_fits_[k]) {
       dc_node_count_fallback(counter_, device_reason_[k].c_str());
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, device_reason_[k]);
       return;
     }
     bool abi_ok = false;
@@ -492,7 +495,7 @@ class DietcodeKernel {
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
       dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, "the kernel ABI cannot express this call (its shapes or attributes)");
       return;
     }
     const size_t elem = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -507,7 +510,7 @@ class DietcodeKernel {
       const std::string why = dc_last_error();
       WarnOnce(fit, why);
       dc_node_count_fallback(counter_, why.c_str());
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, why);
       return;
     }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
@@ -535,21 +538,37 @@ class DietcodeKernel {
     return batched_[k];
   }
 
-  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out) {
-    if (!base_op_) Throw("this shape needs ONNX Runtime's own kernel, which could not be created: " + base_error_);
-    const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
-    const OrtValue* inputs[3] = {in[0], in[1], fused_c ? static_cast<const OrtValue*>(in[2]) : nullptr};
-    OrtValue* output = out;
-    base_op_.Invoke(raw, inputs, fused_c ? 3 : 2, &output, 1);
-    if (spec_.bias && spec_.base == BaseOp::kMatMul) {
-      const OrtValue* add_in[2] = {output, in[2]};
-      add_op_.Invoke(raw, add_in, 2, &output, 1);
+  // A call no compiled kernel takes: cuBLAS on ORT's cuBLAS handle for this stream, then the epilogue, both on
+  // ORT's compute stream (vendor.h). Conv has no vendor path: a per-call conv hazard is an error naming it.
+  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
+                  const std::string& why) {
+    if (spec_.base == BaseOp::kConv) {
+      Throw("no compiled kernel takes this conv call (" + why + ") and the CUDA path has no vendor conv");
     }
-    if (spec_.activation != Activation::kNone) {
-      const OrtValue* act_in[1] = {output};
-      act_op_.Invoke(raw, act_in, 1, &output, 1);
+    Shape shapes[3];
+    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
+    const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    const bool gemm = spec_.base == BaseOp::kGemm;
+    dc_gemm_plan plan{};
+    const int planned = dc_gemm_plan_make(gemm ? 1 : 0, shapes[0].data(), shapes[0].size(), shapes[1].data(),
+                                          shapes[1].size(), n_in > 2 ? shapes[2].data() : nullptr,
+                                          n_in > 2 ? shapes[2].size() : 0, static_cast<int>(gemm_.trans_a),
+                                          static_cast<int>(gemm_.trans_b), gemm_.alpha, gemm_.beta, dtype,
+                                          static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
+    if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+    void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
+    void* cublas = nullptr;
+    if (OrtStatus* st = Ort::GetApi().KernelContext_GetResource(raw, kCudaResourceVersion, kCudaResourceCublasHandle,
+                                                                 &cublas)) {
+      const std::string message = Ort::GetApi().GetErrorMessage(st);
+      Ort::GetApi().ReleaseStatus(st);
+      Throw("ONNX Runtime gives no cuBLAS handle for this node's stream: " + message);
     }
-    (void)n_in;
+    void* c = out.GetTensorMutableRawData();
+    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), c, cublas, stream) != 0 ||
+        dc_vendor_epilogue(&plan, c, n_in > 2 ? in[2].GetTensorRawData() : nullptr, stream) != 0) {
+      Throw(dc_last_error());
+    }
   }
 
   OpSpec spec_;
@@ -564,8 +583,7 @@ class DietcodeKernel {
   std::vector<int64_t> features_;
   GemmAttrs gemm_;
   ConvAttrs conv_;
-  Ort::Op base_op_{nullptr}, add_op_{nullptr}, act_op_{nullptr};
-  std::string base_error_;
+  Ort::Op base_op_{nullptr};  // CPU only
   std::once_flag batched_once_;
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)

@@ -154,6 +154,17 @@ class LaunchArgs(ctypes.Structure):
                                       "img_n", "img_h", "img_w", "out_h", "out_w")]
 
 
+class GemmPlan(ctypes.Structure):
+    """Mirror of ``dc_gemm_plan`` in custom_ops/vendor.h: a node call as one column-major cuBLAS call (first
+    operand x = the node's B, second y = its A) plus the epilogue's bias indexing."""
+
+    _fields_ = ([(n, ctypes.c_int32) for n in ("trans_x", "trans_y", "m", "n", "k", "ldx", "ldy", "ldc")]
+                + [(n, ctypes.c_int64) for n in ("stride_x", "stride_y", "stride_c")]
+                + [(n, ctypes.c_int32) for n in ("batch", "data_type", "compute_type")] + [("alpha", ctypes.c_float)]
+                + [(n, ctypes.c_int32) for n in ("has_bias", "activation")] + [("bias_scale", ctypes.c_float)]
+                + [(n, ctypes.c_int64) for n in ("rows", "cols", "bias_rows", "bias_rs", "bias_cs")])
+
+
 C_ABI_VERSION = 2  # DC_ABI_VERSION in custom_ops/core.h
 
 
@@ -206,6 +217,7 @@ class Core:
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
+        _bind_vendor(lib)
         self.lib = lib
         if lib.dc_abi_version() != C_ABI_VERSION:
             raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects "
@@ -245,6 +257,41 @@ class Core:
             raise DietcodeError(self.error())
         return out if r == 1 else None
 
+    def gemm_plan(self, op: str, a: Sequence[int], b: Sequence[int], c: Sequence[int] | None = None, *,
+                  trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 1.0,
+                  dtype: str = "float32", activation: str = "none", tf32: bool = True) -> GemmPlan | None:
+        """The vendor path's cuBLAS call for a MatMul/Gemm node call (``dc_gemm_plan_make``); None when the
+        call has no cuBLAS form there (the reason in ``error()``). DietcodeError for invalid shapes."""
+        ops, dtypes, acts = {"MatMul": 0, "Gemm": 1}, ("float32", "float16", "bfloat16"), ("none", "relu", "gelu")
+        if op not in ops or dtype not in dtypes or activation not in acts:
+            raise DietcodeError(f"gemm_plan: op {op!r} (MatMul, Gemm), dtype {dtype!r} ({', '.join(dtypes)}), "
+                                f"activation {activation!r} ({', '.join(acts)})")
+        arr = lambda v: (ctypes.c_int64 * max(1, len(v)))(*v)  # noqa: E731
+        out = GemmPlan()
+        r = self.lib.dc_gemm_plan_make(ops[op], arr(a), len(a), arr(b), len(b), arr(c) if c is not None else None,
+                                       len(c) if c is not None else 0, int(trans_a), int(trans_b), alpha, beta,
+                                       dtypes.index(dtype), acts.index(activation), int(tf32), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
+
+    def vendor_cublas_load(self, path: str | Path | None = None) -> None:
+        """Point the vendor path at a cuBLAS: None = the one this process loaded (ONNX Runtime's CUDA EP)."""
+        if self.lib.dc_vendor_cublas_load(None if path is None else str(path).encode()) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_gemm(self, plan: GemmPlan, a: int, b: int, c: int, handle: int, stream: int = 0) -> None:
+        """Run a plan's GEMM (``dc_vendor_gemm``) on raw pointers: inputs A, B, output, cuBLAS handle, stream."""
+        if self.lib.dc_vendor_gemm(ctypes.byref(plan), a, b, c, handle, stream) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_epilogue_ptx(self, dtype: str) -> str:
+        """The vendor epilogue kernel's PTX for float32, float16 or bfloat16."""
+        dtypes = ("float32", "float16", "bfloat16")
+        if dtype not in dtypes:
+            raise DietcodeError(f"vendor_epilogue_ptx: dtype {dtype!r}, allowed: {', '.join(dtypes)}")
+        return bytes(self.lib.dc_vendor_epilogue_ptx(dtypes.index(dtype))).decode()
+
     def node_stats(self) -> dict[str, dict[str, Any]]:
         """Per node name, process-wide: ``launches`` of compiled (Triton) kernels, ``fallbacks`` to ONNX
         Runtime's kernel (every call of the library's CPU kernel is one) and the last fallback ``reason``.
@@ -274,6 +321,17 @@ class Core:
             raise DietcodeError(self.error())
         return {"name": name.value.decode(errors="replace"), "major": major.value, "minor": minor.value,
                 "driver_version": drv.value}
+
+
+def _bind_vendor(lib: Any) -> None:
+    """Signatures of the vendor path's C functions (custom_ops/vendor.h)."""
+    vp, i64p, sz, ci = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_int
+    lib.dc_gemm_plan_make.argtypes = [ci, i64p, sz, i64p, sz, i64p, sz, ci, ci, ctypes.c_float, ctypes.c_float,
+                                      ci, ci, ci, ctypes.POINTER(GemmPlan)]
+    lib.dc_vendor_cublas_load.argtypes = [ctypes.c_char_p]
+    lib.dc_vendor_gemm.argtypes = [ctypes.POINTER(GemmPlan), vp, vp, vp, vp, vp]
+    lib.dc_vendor_epilogue_ptx.restype = ctypes.c_char_p
+    lib.dc_vendor_epilogue_ptx.argtypes = [ci]
 
 
 class CoreBundle:

@@ -1,0 +1,285 @@
+"""The vendor path on CUDA (custom_ops/vendor.h): a call no compiled kernel takes runs as cuBLAS on ONNX
+Runtime's cuBLAS handle and stream plus a PTX epilogue, never ORT's kernel through Ort::Op (whose standalone
+context has no compute stream).
+
+On the CPU: the call plan against numpy, the real dc_vendor_gemm driven through a host-memory stand-in for
+cuBLAS (tests/_fake_cublas.c, cuBLAS's signatures and column-major semantics), the epilogue's bias indexing
+against numpy broadcasting, its GELU constants against erf, and its PTX through ptxas. On a GPU: sessions whose
+bundle picks the vendor kind for every call against stock ONNX Runtime.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+import dietcode_ort
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+from dietcode_ort.errors import DietcodeError
+from dietcode_ort.runtime import load_core
+from tests.test_custom_ops import SUFFIXES, custom_model, reference_model
+
+HERE = Path(__file__).resolve().parent
+STREAM = 0x5EED  # any value: the stand-in records the stream it was bound to
+DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even) -> float32, as uint16 bits and values."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def fake_cublas(tmp_path_factory) -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("fake_cublas") / "libfakecublas.so"
+    lang = ["-x", "c"] if cc.endswith("g++") else []
+    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_cublas.c"), "-o", str(out), "-lm"],
+                   check=True, capture_output=True)
+    load_core().vendor_cublas_load(out)
+    return ctypes.CDLL(str(out))
+
+
+# (id, op, A shape, B shape, Gemm attrs); shapes are the node's inputs as given
+GEMM_CASES = [
+    ("matmul2d", "MatMul", (5, 7), (7, 3), {}),
+    ("matmul3d_folds_batch", "MatMul", (2, 5, 7), (7, 3), {}),
+    ("matmul_attention", "MatMul", (2, 3, 5, 4), (2, 3, 4, 6), {}),
+    ("matmul_shared_a", "MatMul", (5, 4), (3, 4, 6), {}),
+    ("matmul_broadcast_ones", "MatMul", (1, 2, 5, 4), (2, 4, 6), {}),
+    ("matmul_vector_a", "MatMul", (4,), (2, 4, 3), {}),
+    ("matmul_vector_b", "MatMul", (2, 5, 4), (4,), {}),
+    ("matmul_k1", "MatMul", (3, 1), (1, 4), {}),
+    ("gemm", "Gemm", (5, 7), (7, 3), {"alpha": 0.5}),
+    ("gemm_transA", "Gemm", (7, 5), (7, 3), {"trans_a": True}),
+    ("gemm_transB", "Gemm", (5, 7), (3, 7), {"trans_b": True, "alpha": 2.0}),
+    ("gemm_transAB", "Gemm", (7, 5), (3, 7), {"trans_a": True, "trans_b": True}),
+]
+
+
+def _reference(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarray:
+    if op == "MatMul":
+        return np.matmul(a.astype(np.float64), b.astype(np.float64))
+    a2 = a.T if attrs.get("trans_a") else a
+    b2 = b.T if attrs.get("trans_b") else b
+    return attrs.get("alpha", 1.0) * (a2.astype(np.float64) @ b2.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
+def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_cublas, case, dtype) -> None:
+    """dc_gemm_plan_make + dc_vendor_gemm with host pointers: the column-major cuBLAS call it makes (operands,
+    transposes, leading dims, batch strides, data and compute types, the stream) computes the node's product."""
+    _, op, sa, sb, attrs = case
+    core = load_core()
+    rng = np.random.default_rng(len(sa) * 10 + len(sb))
+    a32, b32 = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    if dtype == "bfloat16":
+        a, b = _bf16_round(a32), _bf16_round(b32)
+        a_val, b_val = _bf16_value(a), _bf16_value(b)
+    else:
+        a, b = a32.astype(DTYPES[dtype]), b32.astype(DTYPES[dtype])
+        a_val, b_val = a.astype(np.float32), b.astype(np.float32)
+    want = _reference(op, a_val, b_val, attrs)
+    plan = core.gemm_plan(op, sa, sb, dtype=dtype, **attrs)
+    assert plan is not None, core.error()
+    out_dtype = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
+    out = np.full(want.shape, 0x7FC0 if dtype == "bfloat16" else np.nan, dtype=out_dtype)  # beta = 0: never read
+    calls = ctypes.c_int.in_dll(fake_cublas, "fake_calls").value
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert ctypes.c_int.in_dll(fake_cublas, "fake_calls").value == calls + 1
+    assert ctypes.c_void_p.in_dll(fake_cublas, "fake_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake_cublas, "fake_last_compute").value == (77 if dtype == "float32" else 68)
+    got = _bf16_value(out) if dtype == "bfloat16" else out.astype(np.float32)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_plan_batches_with_strided_calls_and_folds_a_shared_b() -> None:
+    core = load_core()
+    fold = core.gemm_plan("MatMul", (4, 5, 7), (7, 3))  # B shared: A's batch folds into its rows
+    assert (fold.batch, fold.m, fold.n, fold.k) == (1, 3, 20, 7)
+    shared_a = core.gemm_plan("MatMul", (5, 7), (4, 7, 3))
+    assert (shared_a.batch, shared_a.stride_y, shared_a.stride_x, shared_a.stride_c) == (4, 0, 21, 15)
+    assert core.gemm_plan("MatMul", (5, 7), (7, 3), tf32=False).compute_type == 68
+
+
+def test_plan_refuses_what_one_cublas_call_cannot_express() -> None:
+    core = load_core()
+    assert core.gemm_plan("MatMul", (2, 1, 5, 4), (1, 3, 4, 6)) is None  # both batch shapes broadcast
+    assert "broadcasts both batch shapes" in core.error()
+    assert core.gemm_plan("MatMul", (1, 2**31), (2**31, 1)) is None
+    assert "int32" in core.error()
+    assert core.gemm_plan("MatMul", (2, 3, 4, 5), (5, 6), (2, 1, 1, 6)) is None  # bias along dims 0 and 3 only
+    assert "non-adjacent" in core.error()
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        core.gemm_plan("MatMul", (3, 4), (4, 5), (4,))
+    with pytest.raises(DietcodeError):
+        core.gemm_plan("Gemm", (3, 4), (5, 6))  # K mismatch
+
+
+# (op, A, B, bias shape, attrs): the epilogue indexes the bias as (r % bias_rows) * bias_rs + c * bias_cs
+BIAS_CASES = [
+    ("MatMul", (2, 3, 4), (4, 5), (5,), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (1, 1, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (2, 3, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (3, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (3, 1), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (1,), {}),
+    ("MatMul", (2, 3, 4), (4, 1), (2, 3, 1), {}),
+    ("Gemm", (3, 4), (4, 5), (5,), {"beta": 0.5}),
+    ("Gemm", (3, 4), (4, 5), (3, 1), {}),
+    ("Gemm", (3, 4), (4, 5), (3, 5), {"beta": 2.0}),
+    ("Gemm", (3, 4), (4, 5), (), {}),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[f"{c[0]}-{c[3]}" for c in BIAS_CASES])
+def test_epilogue_bias_indexing_equals_numpy_broadcasting(case) -> None:
+    op, sa, sb, sbias, attrs = case
+    plan = load_core().gemm_plan(op, sa, sb, sbias, **attrs)
+    assert plan is not None and plan.has_bias == 1
+    out_shape = np.matmul(np.zeros(sa), np.zeros(sb)).shape
+    bias = np.arange(1, int(np.prod(sbias)) + 1, dtype=np.float64).reshape(sbias)
+    want = attrs.get("beta", 1.0) * np.broadcast_to(bias, out_shape).reshape(-1)
+    i = np.arange(int(np.prod(out_shape)))
+    r, c = i // plan.cols, i % plan.cols
+    got = plan.bias_scale * bias.reshape(-1)[(r % plan.bias_rows) * plan.bias_rs + c * plan.bias_cs]
+    assert plan.rows * plan.cols == len(i)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gemm_beta_zero_adds_no_bias() -> None:
+    assert load_core().gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.0).has_bias == 0
+
+
+def _gelu_from_ptx(ptx: str, x: np.ndarray) -> np.ndarray:
+    """The epilogue's GELU evaluated in float32 with the constants its PTX carries, in the PTX's order."""
+    block = ptx[ptx.index("setp.eq.u32 %p4"):ptx.index("$Lstore:")]
+    k = [np.frombuffer(bytes.fromhex(h)[::-1], np.float32)[0] for h in re.findall(r"0f([0-9A-F]{8})", block)]
+    inv_sqrt2, p, one, a5, a4, a3, a2, a1, neg_log2e, one2, one3, half = k
+    z = x * inv_sqrt2
+    t = one / (np.abs(z) * p + one)
+    poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t
+    erf = np.copysign(one2 - poly * np.exp2(z * z * neg_log2e), z)
+    return (x * half) * (erf + one3)
+
+
+def test_epilogue_gelu_is_the_erf_form() -> None:
+    x = np.linspace(-8, 8, 4001, dtype=np.float32)
+    got = _gelu_from_ptx(load_core().vendor_epilogue_ptx("float32"), x).astype(np.float64)
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    assert np.max(np.abs(got - want)) < 1e-6  # the tanh approximation (cuBLASLt's GELU) is off by ~5e-4
+
+
+def _ptxas() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return path if path.is_file() else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs ptxas (the triton wheel ships one)")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_epilogue_ptx_assembles_for_ampere_and_hopper(tmp_path, dtype) -> None:
+    ptx = tmp_path / "epilogue.ptx"
+    ptx.write_text(load_core().vendor_epilogue_ptx(dtype))
+    for arch in ("sm_80", "sm_90"):
+        res = subprocess.run([str(_ptxas()), f"-arch={arch}", str(ptx), "-o", str(tmp_path / f"{arch}.cubin")],
+                             capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr
+
+
+def test_without_a_loaded_cublas_the_vendor_path_says_so() -> None:
+    """In a fresh process that has not loaded cuBLAS (no CUDA EP ran), the path names what is missing instead
+    of loading a second cuBLAS."""
+    code = ("import sys; from dietcode_ort.runtime import load_core\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "if 'libcublas.so' in maps: sys.exit(3)\n"
+            "c = load_core(); r = c.lib.dc_vendor_cublas_load(None)\n"
+            "print(r, c.error())\n"
+            "sys.exit(4 if 'libcublas.so' in open('/proc/self/maps').read() else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         cwd=HERE.parent, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin"})
+    if res.returncode == 3:
+        pytest.skip("this process image already maps a libcublas")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("-1 no cuBLAS in this process (libcublas.so.13")
+
+
+# --- on a GPU: every call through the vendor path against stock ONNX Runtime --------------------------------
+
+def _vendor_only_bundle() -> bytes:
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(),), DispatchTree.single(0)).to_bytes()
+
+
+def _cuda_ep_works() -> bool:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    try:
+        probe = load_core().cuda_probe(0)
+    except DietcodeError:
+        return False
+    return bool(probe)
+
+
+GPU_CASES = [
+    ("MatMul", [(2, 5, 8), (8, 6)], {}, 6),
+    ("MatMul", [(2, 3, 5, 8), (2, 3, 8, 5)], {}, 5),
+    ("Gemm", [(5, 8), (6, 8)], {"transB": 1, "alpha": 0.5, "beta": 2.0}, 6),
+    ("Gemm", [(8, 5), (8, 6)], {"transA": 1}, 6),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}{len(c[1][0])}d" if isinstance(c, tuple) else "")
+def test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> None:
+    base, shapes, attrs, n_bias = case
+    rng = np.random.default_rng(7)
+    feeds = {"A": rng.standard_normal(shapes[0]).astype(dtype), "B": rng.standard_normal(shapes[1]).astype(dtype)}
+    if "Bias" in suffix:
+        feeds["bias"] = rng.standard_normal(n_bias).astype(dtype)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = custom_model(base + suffix, len(feeds), attrs, elem, _vendor_only_bundle())
+    dietcode_ort.reset_node_stats()
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    for _ in range(3):  # repeated calls reuse ORT's stream and handle
+        (got,) = sess.run(None, feeds)
+    stats = dietcode_ort.node_stats()["n0"]
+    assert stats["fallbacks"] == 3 and stats["launches"] == 0
+    ref = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(),
+                               providers=["CUDAExecutionProvider"])
+    (want,) = ref.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
+    tol = 2e-2 if dtype == np.float16 else 5e-3  # TF32 on both sides for float32
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+def test_conv_vendor_leaf_on_cuda_fails_at_session_creation_naming_the_node() -> None:
+    model = custom_model("Conv", 2, {}, TensorProto.FLOAT, _vendor_only_bundle())
+    with pytest.raises(Exception, match=r"node 'n0'.*no vendor conv"):
+        dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
