@@ -164,12 +164,14 @@ using GemmStridedBatchedExFn = int (*)(void*, int, int, int, int, int, const voi
                                        const void*, int, int, long long, const void*, void*, int, int, long long, int,
                                        int, int);
 using SetStreamFn = int (*)(void*, void*);
+using GetStreamFn = int (*)(void*, void**);
 
 struct Cublas {
   std::string origin;
   GemmExFn gemm_ex = nullptr;
   GemmStridedBatchedExFn gemm_strided_batched_ex = nullptr;
   SetStreamFn set_stream = nullptr;
+  GetStreamFn get_stream = nullptr;
 };
 
 std::mutex g_cublas_mutex;
@@ -181,8 +183,10 @@ const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) 
   t->gemm_ex = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
   t->gemm_strided_batched_ex = reinterpret_cast<GemmStridedBatchedExFn>(dlsym(lib, "cublasGemmStridedBatchedEx"));
   t->set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
-  if (t->gemm_ex == nullptr || t->gemm_strided_batched_ex == nullptr || t->set_stream == nullptr) {
-    *error = origin + " lacks cublasGemmEx, cublasGemmStridedBatchedEx or cublasSetStream_v2";
+  t->get_stream = reinterpret_cast<GetStreamFn>(dlsym(lib, "cublasGetStream_v2"));
+  if (t->gemm_ex == nullptr || t->gemm_strided_batched_ex == nullptr || t->set_stream == nullptr ||
+      t->get_stream == nullptr) {
+    *error = origin + " lacks cublasGemmEx, cublasGemmStridedBatchedEx, cublasSetStream_v2 or cublasGetStream_v2";
     delete t;
     return nullptr;
   }
@@ -312,8 +316,12 @@ int dc_vendor_gemm(const dc_gemm_plan* p, const void* a, const void* b, void* c,
   std::string error;
   const dietcode::Cublas* cb = dietcode::LoadCublas(nullptr, &error);
   if (cb == nullptr) return Fail(error);
-  int st = cb->set_stream(handle, stream);
-  if (st != 0) return Fail("cublasSetStream failed with cuBLAS status " + std::to_string(st));
+  // ORT binds each stream's handle to that stream when it creates it (CudaStream's constructor); bind it only
+  // if it is not, since cublasSetStream also resets the handle's workspace to the default pool.
+  void* bound = nullptr;
+  int st = cb->get_stream(handle, &bound);
+  if (st == 0 && bound != stream) st = cb->set_stream(handle, stream);
+  if (st != 0) return Fail("binding ORT's cuBLAS handle to its stream failed with cuBLAS status " + std::to_string(st));
   const float alpha = p->alpha, beta = 0.0f;  // alpha/beta are float for every compute type used here
   if (p->batch <= 1) {
     st = cb->gemm_ex(handle, p->trans_x, p->trans_y, p->m, p->n, p->k, &alpha, b, p->data_type, p->ldx, a,

@@ -56,7 +56,7 @@ int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int64_t* b, siz
 // CUDA EP), path given = that file (loaded now). 0 on success, -1 with a message. Thread-safe.
 int dc_vendor_cublas_load(const char* path);
 
-// The GEMM part of a plan: cublasSetStream(handle, stream), then cublasGemmEx or cublasGemmStridedBatchedEx
+// The GEMM part of a plan: the handle bound to `stream` (cublasSetStream unless it already is), then cublasGemmEx or cublasGemmStridedBatchedEx
 // with y = node A, x = node B, c = the node's output (device pointers). Loads cuBLAS (path NULL) on first use.
 // 0 on success, -1 with a message naming the cuBLAS status.
 int dc_vendor_gemm(const dc_gemm_plan* plan, const void* a, const void* b, void* c, void* cublas_handle,

@@ -1,4 +1,4 @@
-/* A host-memory stand-in for the three cuBLAS entry points the vendor path calls (custom_ops/vendor.cc), with
+/* A host-memory stand-in for the four cuBLAS entry points the vendor path calls (custom_ops/vendor.cc), with
  * cuBLAS's real signatures and column-major semantics, so the tests drive dc_vendor_gemm with host pointers.
  * It checks the arguments cuBLAS checks (leading dimensions, sizes) and records the last call for the tests.
  * Data types: CUDA_R_32F (0), CUDA_R_16F (2), CUDA_R_16BF (14); accumulation in double. */
@@ -101,9 +101,18 @@ static int gemm(void* handle, int transa, int transb, int m, int n, int k, const
   return kOk;
 }
 
+int fake_set_stream_calls = 0;
+
 int cublasSetStream_v2(void* handle, void* stream) {
   if (handle == 0) return kNotInitialized;
   fake_bound_stream = stream;
+  fake_set_stream_calls++;
+  return kOk;
+}
+
+int cublasGetStream_v2(void* handle, void** stream) {
+  if (handle == 0) return kNotInitialized;
+  *stream = fake_bound_stream;
   return kOk;
 }
 

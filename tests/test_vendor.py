@@ -112,6 +112,20 @@ def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_cublas, case, dtype) ->
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+def test_vendor_gemm_binds_the_handle_to_the_stream_only_when_it_is_not(fake_cublas) -> None:
+    core = load_core()
+    plan = core.gemm_plan("MatMul", (2, 3), (3, 2))
+    a, b, out = np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), np.zeros((2, 2), np.float32)
+    ctypes.c_void_p.in_dll(fake_cublas, "fake_bound_stream").value = 0x1234  # bound elsewhere
+    sets = ctypes.c_int.in_dll(fake_cublas, "fake_set_stream_calls")
+    before = sets.value
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert sets.value == before + 1  # the second call finds it bound (cublasSetStream resets the workspace)
+    assert ctypes.c_void_p.in_dll(fake_cublas, "fake_last_stream").value == STREAM
+    np.testing.assert_array_equal(out, np.full((2, 2), 3.0))
+
+
 def test_plan_batches_with_strided_calls_and_folds_a_shared_b() -> None:
     core = load_core()
     fold = core.gemm_plan("MatMul", (4, 5, 7), (7, 3))  # B shared: A's batch folds into its rows
