@@ -297,3 +297,34 @@ def test_conv_vendor_leaf_on_cuda_fails_at_session_creation_naming_the_node() ->
     model = custom_model("Conv", 2, {}, TensorProto.FLOAT, _vendor_only_bundle())
     with pytest.raises(Exception, match=r"node 'n0'.*no vendor conv"):
         dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+
+
+# --- the tuner: conv trees get no vendor leaf (the CUDA path has no vendor conv) ----------------------------
+
+def test_optimize_gives_conv_trees_no_vendor_leaf_even_when_the_vendor_is_faster(monkeypatch) -> None:
+    import models
+    from tuner import optimize as opt
+    from tuner.measure import AnalyticMeasurer, MeasureResult
+    from tuner.scan import attach_instances, scan_model
+
+    class VendorAlwaysFaster(AnalyticMeasurer):
+        def measure_vendor(self, family, problems):
+            return [MeasureResult(1e-12) for _ in problems]
+
+    options = opt.OptimizeOptions(measure="analytic", budget=8, max_kernels=2, progress=False)
+    from tuner.hardware import get_profile
+
+    monkeypatch.setattr(opt, "make_measurer", lambda o, w, executor=None: (
+        VendorAlwaysFaster(get_profile(o.targets[0]), w.dtype), "analytic"))
+    scanned = attach_instances(scan_model(models.build("resnet50", "tiny")), ("batch=1,2", "height=32,64",
+                                                                             "width=32"))
+    by_op = {}
+    for w in scanned.workloads:
+        by_op.setdefault(w.op, w)
+    assert {"conv", "gemm"} <= set(by_op), set(by_op)
+    for op, w in by_op.items():
+        chosen = opt._tune(w, opt.merge_problems(w), options, lambda _: None)
+        if op == "conv":
+            assert "vendor" not in chosen.kernels and chosen.report.geomean_vs_vendor is not None
+        else:  # the control: a GEMM workload does dispatch to the faster vendor
+            assert chosen.kernels == ("vendor",)

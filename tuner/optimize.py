@@ -521,8 +521,10 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
                  for p, wt in zip(result.problems, result.weights)]
     if not names:
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
-    dispatch = build_dispatch(names, instances, result.candidates, result.times, vendor, options.max_kernels,
-                              options.seed)
+    # the CUDA path has no vendor conv (docs/abi.md, "The vendor path"): a conv tree gets compiled kernels only,
+    # and the vendor time stays a comparison
+    dispatch = build_dispatch(names, instances, result.candidates, result.times,
+                              None if w.op == "conv" else vendor, options.max_kernels, options.seed)
     t = dispatch.tree
     leaf = tuple(t.leaf[i] if t.feature[i] < 0 else -1 for i in range(len(t.feature)))
     tree = DispatchTree(tuple(max(f, -1) for f in t.feature),
