@@ -302,7 +302,7 @@ class DietcodeKernel {
   }
 
   // Per session: a compiled kernel with no image for this device's arch, or needing more shared memory than
-  // the device allows, is run as the vendor kind (ORT's kernel) for every call, with one warning here.
+  // the device allows, is run as the vendor kind (the vendor path) for every call, with one warning here.
   void FitDevice(const OrtKernelInfo* info) {
     device_fits_.assign(n_kernels_, 1);
     int major = 0, minor = 0, optin = 0;
@@ -310,7 +310,7 @@ class DietcodeKernel {
     const int unfit = dc_bundle_fit_device(bundle_.get(), major, minor, optin, device_fits_.data(), device_fits_.size());
     if (unfit < 0) Throw(dc_last_error());
     if (unfit == 0) return;
-    has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
+    has_vendor_kernel_ = true;  // the vendor path must exist for those calls (CheckVendorPathCuda)
     const std::string first = dc_last_error();
     std::string which;
     device_reason_.assign(n_kernels_, {});
@@ -329,10 +329,19 @@ class DietcodeKernel {
   void CheckVendorPathCuda() {
     if (!has_vendor_kernel_) return;
     if (spec_.base == BaseOp::kConv) {
-      Throw("the bundle routes some conv calls to the vendor kind (a vendor leaf of its dispatch tree, or a kernel "
-            "this GPU cannot run), and the CUDA path has no vendor conv: running ONNX Runtime's Conv from a "
-            "custom op has no compute stream; tune this conv without vendor leaves for this GPU, or leave it "
-            "unoptimized");
+      std::string vendor, unfit;
+      for (int32_t k = 0; k < n_kernels_; ++k) {
+        if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) vendor += (vendor.empty() ? "" : ", ") + std::to_string(k);
+        if (!device_fits_[k] && unfit.empty()) unfit = "kernel " + std::to_string(k) + ": " + device_reason_[k];
+      }
+      const std::string no_path = ", and the CUDA path has no vendor conv (ONNX Runtime's Conv run from a custom "
+                                  "op gets no compute stream; see docs/abi.md, \"The vendor path\"): ";
+      if (!vendor.empty()) {
+        Throw("the bundle's dispatch tree routes conv calls to the vendor kind (kernel " + vendor + ")" + no_path +
+              "optimize the original model again with this dietcode-ort, which gives conv trees no vendor leaf");
+      }
+      Throw("a compiled conv kernel cannot run on this GPU (" + unfit + ")" + no_path +
+            "optimize the original model again with a --target that covers this GPU");
     }
     if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
   }
