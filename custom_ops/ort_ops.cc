@@ -3,7 +3,7 @@
 // One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
-// takes, the vendor path of vendor.h: cuBLAS on ORT's own cuBLAS handle and stream plus a PTX epilogue (never
+// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue (never
 // ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
 // MatMul/Gemm/Conv (fp32, through Ort::Op, which needs no stream there) plus the epilogue in C++.
 #define ORT_API_MANUAL_INIT
@@ -30,11 +30,12 @@ namespace {
 constexpr const char* kDomain = "ai.dietcode";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
-// Reasons a node runs ORT's kernel beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
+// Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
 constexpr int kCudaResourceVersion = 1;
+constexpr int kCudaResourceCudnnHandle = 10001;  // CudaResource::cudnn_handle_t
 constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle_t
 // ORT's CUDA EP computes float32 GEMMs with TF32 unless its use_tf32 option is 0 (the tuner's vendor baseline
 // assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default.
@@ -323,27 +324,21 @@ class DietcodeKernel {
                                 std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
   }
 
-  // CUDA: the vendor path (vendor.h) exists for MatMul and Gemm. A Conv node has none yet (no cuDNN call),
-  // so a conv bundle whose tree has a vendor leaf, or a kernel this device cannot run, is refused here
-  // rather than failing per call; a MatMul/Gemm bundle that needs the path checks that cuBLAS is loaded.
+  // CUDA: a bundle that needs the vendor path for whole sessions (a vendor leaf, a kernel this device cannot
+  // run) checks here that ORT's cuBLAS (MatMul, Gemm) or cuDNN (Conv) is loaded, and for Conv that the node's
+  // explicit pads are symmetric (cuDNN's descriptor takes no other).
   void CheckVendorPathCuda() {
     if (!has_vendor_kernel_) return;
-    if (spec_.base == BaseOp::kConv) {
-      std::string vendor, unfit;
-      for (int32_t k = 0; k < n_kernels_; ++k) {
-        if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) vendor += (vendor.empty() ? "" : ", ") + std::to_string(k);
-        if (!device_fits_[k] && unfit.empty()) unfit = "kernel " + std::to_string(k) + ": " + device_reason_[k];
-      }
-      const std::string no_path = ", and the CUDA path has no vendor conv (ONNX Runtime's Conv run from a custom "
-                                  "op gets no compute stream; see docs/abi.md, \"The vendor path\"): ";
-      if (!vendor.empty()) {
-        Throw("the bundle's dispatch tree routes conv calls to the vendor kind (kernel " + vendor + ")" + no_path +
-              "optimize the original model again with this dietcode-ort, which gives conv trees no vendor leaf");
-      }
-      Throw("a compiled conv kernel cannot run on this GPU (" + unfit + ")" + no_path +
-            "optimize the original model again with a --target that covers this GPU");
+    if (spec_.base != BaseOp::kConv) {
+      if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
+      return;
     }
-    if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
+    if (dc_vendor_cudnn_load(nullptr) != 0) Throw(std::string("the vendor path needs cuDNN: ") + dc_last_error());
+    const std::vector<int64_t>& p = conv_.pads;
+    if ((conv_.auto_pad == "NOTSET" || conv_.auto_pad.empty()) && p.size() == 4 && (p[0] != p[2] || p[1] != p[3])) {
+      Throw("the bundle routes conv calls to the vendor kind, whose cuDNN convolution takes symmetric pads only, "
+            "and this node's pads are asymmetric");
+    }
   }
 
   // ORT's own kernels for the CPU EP, fp32 (inputs are converted).
@@ -530,7 +525,7 @@ class DietcodeKernel {
   void WarnOnce(int reason, const std::string& message) {
     const uint32_t bit = 1u << (reason & 31);
     if (warned_.fetch_or(bit) & bit) return;
-    const std::string text = where_ + ": runs ONNX Runtime's kernel instead of the compiled one: " + message +
+    const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " + message +
                              " (warned once per node and reason)";
     try {
       ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
@@ -547,16 +542,49 @@ class DietcodeKernel {
     return batched_[k];
   }
 
-  // A call no compiled kernel takes: cuBLAS on ORT's cuBLAS handle for this stream, then the epilogue, both on
-  // ORT's compute stream (vendor.h). Conv has no vendor path: a per-call conv hazard is an error naming it.
+  // ORT's handle of resource `id` (CudaResource) for this call's stream.
+  void* CudaResource(OrtKernelContext* raw, int id, const char* what) const {
+    void* resource = nullptr;
+    if (OrtStatus* st = Ort::GetApi().KernelContext_GetResource(raw, kCudaResourceVersion, id, &resource)) {
+      const std::string message = Ort::GetApi().GetErrorMessage(st);
+      Ort::GetApi().ReleaseStatus(st);
+      Throw(std::string("ONNX Runtime gives no ") + what + " handle for this node's stream: " + message);
+    }
+    if (resource == nullptr) Throw(std::string("ONNX Runtime gives no ") + what + " handle for this node's stream");
+    return resource;
+  }
+
+  // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream, then
+  // the epilogue, all on ORT's compute stream (vendor.h).
   void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
                   const std::string& why) {
-    if (spec_.base == BaseOp::kConv) {
-      Throw("no compiled kernel takes this conv call (" + why + ") and the CUDA path has no vendor conv");
-    }
     Shape shapes[3];
     for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
     const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
+    void* y = out.GetTensorMutableRawData();
+    const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;
+    if (spec_.base == BaseOp::kConv) {
+      auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
+      const int64_t strides[2] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1)};
+      const int64_t dilations[2] = {at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1)};
+      const int64_t pads[4] = {at(conv_.pads, 0, 0), at(conv_.pads, 1, 0), at(conv_.pads, 2, 0), at(conv_.pads, 3, 0)};
+      const int auto_pad = conv_.auto_pad == "SAME_UPPER" ? 1 : conv_.auto_pad == "SAME_LOWER" ? 2
+                           : conv_.auto_pad == "VALID"    ? 3 : 0;
+      dc_conv_plan plan{};
+      if (dc_conv_plan_make(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
+                            n_in > 2 ? shapes[2].data() : nullptr, n_in > 2 ? shapes[2].size() : 0, strides, pads,
+                            dilations, conv_.group, auto_pad, dtype, static_cast<int>(spec_.activation),
+                            kOrtCudaUsesTf32, &plan) != 1) {
+        Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+      }
+      void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
+      if (dc_vendor_conv(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
+          dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
+        Throw(dc_last_error());
+      }
+      return;
+    }
     const bool gemm = spec_.base == BaseOp::kGemm;
     dc_gemm_plan plan{};
     const int planned = dc_gemm_plan_make(gemm ? 1 : 0, shapes[0].data(), shapes[0].size(), shapes[1].data(),
@@ -565,17 +593,9 @@ class DietcodeKernel {
                                           static_cast<int>(gemm_.trans_b), gemm_.alpha, gemm_.beta, dtype,
                                           static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
     if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
-    void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
-    void* cublas = nullptr;
-    if (OrtStatus* st = Ort::GetApi().KernelContext_GetResource(raw, kCudaResourceVersion, kCudaResourceCublasHandle,
-                                                                 &cublas)) {
-      const std::string message = Ort::GetApi().GetErrorMessage(st);
-      Ort::GetApi().ReleaseStatus(st);
-      Throw("ONNX Runtime gives no cuBLAS handle for this node's stream: " + message);
-    }
-    void* c = out.GetTensorMutableRawData();
-    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), c, cublas, stream) != 0 ||
-        dc_vendor_epilogue(&plan, c, n_in > 2 ? in[2].GetTensorRawData() : nullptr, stream) != 0) {
+    void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
+    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0 ||
+        dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
       Throw(dc_last_error());
     }
   }

@@ -20,6 +20,9 @@ namespace {
 constexpr int32_t kCudaR32F = 0, kCudaR16F = 2, kCudaR16BF = 14;
 constexpr int32_t kCompute32F = 68, kCompute32FFastTf32 = 77;
 constexpr int kGemmDefault = -1;  // cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
+constexpr int32_t kCudnnFloat = 0, kCudnnHalf = 2, kCudnnBfloat16 = 9;  // cudnnDataType_t
+constexpr int32_t kCudnnDefaultMath = 0, kCudnnTensorOpMath = 1, kCudnnFmaMath = 3;  // cudnnMathType_t
+constexpr int kCudnnNchw = 0, kCudnnCrossCorrelation = 1, kCudnnFwdImplicitGemm = 0;
 
 int Refuse(const std::string& message) {
   SetError(message);
@@ -45,7 +48,7 @@ int64_t Product(const Shape& s, size_t begin, size_t end) {
 
 // The epilogue's bias indexing for a bias of shape `bias` broadcast onto `out` (viewed as [rows, cols]):
 // the bias may vary along the last dim and along a trailing run of the leading dims, nothing else.
-int PlanBias(const Shape& bias, const Shape& out, dc_gemm_plan* p) {
+int PlanBias(const Shape& bias, const Shape& out, dc_epilogue* p) {
   const size_t L = std::max<size_t>(out.size(), 1);
   if (bias.size() > L) return Invalid("bias " + ShapeText(bias) + " has a higher rank than the output " + ShapeText(out));
   Shape o = out.empty() ? Shape{1} : out, bd(L, 1);
@@ -140,14 +143,98 @@ extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int6
   p.data_type = dtype == 0 ? kCudaR32F : dtype == 1 ? kCudaR16F : kCudaR16BF;
   p.compute_type = dtype == 0 && tf32 ? kCompute32FFastTf32 : kCompute32F;
   p.alpha = op == 1 ? alpha : 1.0f;
-  p.activation = activation;
-  p.cols = shape.empty() ? 1 : shape.back();
-  p.rows = p.cols > 0 ? NumElements(shape) / p.cols : 0;
-  p.bias_rows = 1;
-  p.bias_scale = op == 1 ? beta : 1.0f;
+  dc_epilogue& e = p.epilogue;
+  e.dtype = dtype;
+  e.activation = activation;
+  e.cols = shape.empty() ? 1 : shape.back();
+  e.rows = e.cols > 0 ? NumElements(shape) / e.cols : 0;
+  e.bias_rows = 1;
+  e.bias_scale = op == 1 ? beta : 1.0f;
   if (c != nullptr && !(op == 1 && beta == 0.0f)) {
-    const int rc_ok = PlanBias(Shape(c, c + rc), shape, &p);
+    const int rc_ok = PlanBias(Shape(c, c + rc), shape, &e);
     if (rc_ok != 1) return rc_ok;
+  }
+  *out = p;
+  return 1;
+}
+
+extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b,
+                                 size_t rb, const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                 int64_t group, int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out) {
+  using namespace dietcode;
+  if (out == nullptr || x == nullptr || w == nullptr || (rb && b == nullptr) || strides == nullptr ||
+      pads == nullptr || dilations == nullptr) {
+    return Invalid("null argument");
+  }
+  if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
+  if (activation < 0 || activation > 2) return Invalid("activation " + std::to_string(activation) + " (0, 1, 2)");
+  if (auto_pad < 0 || auto_pad > 3) return Invalid("auto_pad " + std::to_string(auto_pad) + " (0..3)");
+  if (rx != 4 || rw != 4) {
+    return Refuse("Conv with X of rank " + std::to_string(rx) + ": the vendor path runs 2-D convolutions only");
+  }
+  const Shape sx(x, x + rx), sw(w, w + rw);
+  ConvAttrs attrs;
+  attrs.strides = {strides[0], strides[1]};
+  attrs.dilations = {dilations[0], dilations[1]};
+  attrs.pads = {pads[0], pads[1], pads[2], pads[3]};
+  attrs.group = group;
+  attrs.auto_pad = auto_pad == 0 ? "NOTSET" : auto_pad == 1 ? "SAME_UPPER" : auto_pad == 2 ? "SAME_LOWER" : "VALID";
+  Shape shape;
+  std::string error;
+  if (!ConvShape(sx, sw, attrs, &shape, &error)) return Invalid(error);
+  // The pads ONNX applies: explicit, or those auto_pad implies (ONNX: the extra one goes at the end for
+  // SAME_UPPER, at the beginning for SAME_LOWER).
+  int64_t begin[2], end[2];
+  for (int i = 0; i < 2; ++i) {
+    const int64_t in = sx[2 + i], k = sw[2 + i], s = strides[i], d = dilations[i];
+    if (auto_pad == 0) {
+      begin[i] = pads[i], end[i] = pads[2 + i];
+    } else if (auto_pad == 3) {
+      begin[i] = end[i] = 0;
+    } else {
+      const int64_t total = std::max<int64_t>(0, (shape[2 + i] - 1) * s + d * (k - 1) + 1 - in);
+      begin[i] = auto_pad == 1 ? total / 2 : total - total / 2;
+      end[i] = total - begin[i];
+    }
+  }
+  if (begin[0] != end[0] || begin[1] != end[1]) {
+    return Refuse("Conv pads (top " + std::to_string(begin[0]) + ", left " + std::to_string(begin[1]) + ", bottom " +
+                  std::to_string(end[0]) + ", right " + std::to_string(end[1]) + ") are asymmetric; cuDNN's "
+                  "convolution descriptor takes symmetric pads only");
+  }
+  for (int i = 0; i < 2; ++i) {  // cuDNN's output size must be ONNX's
+    const int64_t o = (sx[2 + i] + 2 * begin[i] - dilations[i] * (sw[2 + i] - 1) - 1) / strides[i] + 1;
+    if (o != shape[2 + i]) return Invalid("Conv output size mismatch on spatial dim " + std::to_string(i));
+  }
+  for (int64_t v : {sx[0], sx[1], sx[2], sx[3], sw[0], sw[1], sw[2], sw[3], shape[2], shape[3], begin[0], begin[1],
+                    int64_t{strides[0]}, int64_t{strides[1]}, int64_t{dilations[0]}, int64_t{dilations[1]}, group}) {
+    if (!FitsInt32(v)) return Refuse("Conv sizes past int32 (cuDNN's 4-D descriptors take int)");
+  }
+  dc_conv_plan p{};
+  p.n = static_cast<int32_t>(sx[0]), p.c = static_cast<int32_t>(sx[1]);
+  p.h = static_cast<int32_t>(sx[2]), p.w = static_cast<int32_t>(sx[3]);
+  p.k = static_cast<int32_t>(sw[0]), p.kc = static_cast<int32_t>(sw[1]);
+  p.kh = static_cast<int32_t>(sw[2]), p.kw = static_cast<int32_t>(sw[3]);
+  p.group = static_cast<int32_t>(group);
+  p.pad_h = static_cast<int32_t>(begin[0]), p.pad_w = static_cast<int32_t>(begin[1]);
+  p.stride_h = static_cast<int32_t>(strides[0]), p.stride_w = static_cast<int32_t>(strides[1]);
+  p.dil_h = static_cast<int32_t>(dilations[0]), p.dil_w = static_cast<int32_t>(dilations[1]);
+  p.out_h = static_cast<int32_t>(shape[2]), p.out_w = static_cast<int32_t>(shape[3]);
+  p.data_type = dtype == 0 ? kCudnnFloat : dtype == 1 ? kCudnnHalf : kCudnnBfloat16;
+  // ORT's CUDA EP: the default math type lets cuDNN use TF32 for float32; use_tf32=0 asks for FMA math.
+  p.math_type = dtype == 0 ? (tf32 ? kCudnnDefaultMath : kCudnnFmaMath) : kCudnnTensorOpMath;
+  dc_epilogue& e = p.epilogue;  // the output [N, K, OH, OW] as [N*K, OH*OW]: B is indexed by row % K
+  e.dtype = dtype;
+  e.activation = activation;
+  e.cols = shape[2] * shape[3];
+  e.rows = shape[0] * shape[1];
+  e.bias_rows = 1;
+  e.bias_scale = 1.0f;
+  if (b != nullptr) {
+    if (!(rb == 1 && b[0] == sw[0])) {
+      return Invalid("Conv's B must be 1-D with one value per output channel (" + std::to_string(sw[0]) + ")");
+    }
+    e.has_bias = 1, e.bias_rows = sw[0], e.bias_rs = 1, e.bias_cs = 0;
   }
   *out = p;
   return 1;
@@ -344,11 +431,12 @@ const char* dc_vendor_epilogue_ptx(int dtype) {
   return dtype >= 0 && dtype <= 2 ? dietcode::EpiloguePtxFor(dtype).c_str() : nullptr;
 }
 
-int dc_vendor_epilogue(const dc_gemm_plan* p, void* c, const void* bias, void* stream) {
+int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, void* stream) {
   using dietcode::Fail;
-  if (p == nullptr) return Fail("null plan");
+  if (p == nullptr) return Fail("null epilogue");
   if (!p->has_bias && p->activation == 0) return 0;
-  const int dtype = p->data_type == dietcode::kCudaR32F ? 0 : p->data_type == dietcode::kCudaR16F ? 1 : 2;
+  const int dtype = p->dtype;
+  if (dtype < 0 || dtype > 2) return Fail("epilogue dtype " + std::to_string(dtype));
   uint64_t total = static_cast<uint64_t>(p->rows) * static_cast<uint64_t>(p->cols);
   if (total == 0) return 0;
   if (p->has_bias && bias == nullptr) return Fail("the plan adds a bias but none was given");
@@ -365,6 +453,162 @@ int dc_vendor_epilogue(const dc_gemm_plan* p, void* c, const void* bias, void* s
   if (!dietcode::LaunchPtx(dc_vendor_epilogue_ptx(dtype), "dc_epilogue", static_cast<unsigned>(blocks), kBlock,
                            params, stream, &error)) {
     return Fail("vendor epilogue: " + error);
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+// --- cuDNN, resolved at run time ----------------------------------------------------------------------------
+
+namespace dietcode {
+namespace {
+
+struct Cudnn {
+  std::string origin;
+  int (*create_tensor)(void**) = nullptr;
+  int (*set_tensor_4d)(void*, int, int, int, int, int, int) = nullptr;
+  int (*destroy_tensor)(void*) = nullptr;
+  int (*create_filter)(void**) = nullptr;
+  int (*set_filter_4d)(void*, int, int, int, int, int, int) = nullptr;
+  int (*destroy_filter)(void*) = nullptr;
+  int (*create_conv)(void**) = nullptr;
+  int (*set_conv_2d)(void*, int, int, int, int, int, int, int, int) = nullptr;
+  int (*set_group_count)(void*, int) = nullptr;
+  int (*set_math_type)(void*, int) = nullptr;
+  int (*destroy_conv)(void*) = nullptr;
+  int (*forward)(void*, const void*, void*, const void*, void*, const void*, void*, int, void*, size_t, const void*,
+                 void*, void*) = nullptr;
+  int (*set_stream)(void*, void*) = nullptr;
+  int (*get_stream)(void*, void**) = nullptr;
+  const char* (*error_string)(int) = nullptr;
+};
+
+std::mutex g_cudnn_mutex;
+std::atomic<const Cudnn*> g_cudnn{nullptr};  // loaded tables are kept for the process (never freed)
+
+template <typename F>
+void Sym(void* lib, const char* name, F* fn, std::string* missing) {
+  *fn = reinterpret_cast<F>(dlsym(lib, name));
+  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+}
+
+const Cudnn* ResolveCudnn(void* lib, const std::string& origin, std::string* error) {
+  auto* t = new Cudnn;
+  t->origin = origin;
+  std::string missing;
+  Sym(lib, "cudnnCreateTensorDescriptor", &t->create_tensor, &missing);
+  Sym(lib, "cudnnSetTensor4dDescriptor", &t->set_tensor_4d, &missing);
+  Sym(lib, "cudnnDestroyTensorDescriptor", &t->destroy_tensor, &missing);
+  Sym(lib, "cudnnCreateFilterDescriptor", &t->create_filter, &missing);
+  Sym(lib, "cudnnSetFilter4dDescriptor", &t->set_filter_4d, &missing);
+  Sym(lib, "cudnnDestroyFilterDescriptor", &t->destroy_filter, &missing);
+  Sym(lib, "cudnnCreateConvolutionDescriptor", &t->create_conv, &missing);
+  Sym(lib, "cudnnSetConvolution2dDescriptor", &t->set_conv_2d, &missing);
+  Sym(lib, "cudnnSetConvolutionGroupCount", &t->set_group_count, &missing);
+  Sym(lib, "cudnnSetConvolutionMathType", &t->set_math_type, &missing);
+  Sym(lib, "cudnnDestroyConvolutionDescriptor", &t->destroy_conv, &missing);
+  Sym(lib, "cudnnConvolutionForward", &t->forward, &missing);
+  Sym(lib, "cudnnSetStream", &t->set_stream, &missing);
+  Sym(lib, "cudnnGetStream", &t->get_stream, &missing);
+  Sym(lib, "cudnnGetErrorString", &t->error_string, &missing);
+  if (!missing.empty()) {
+    *error = origin + " lacks " + missing;
+    delete t;
+    return nullptr;
+  }
+  return t;
+}
+
+const Cudnn* LoadCudnn(const char* path, std::string* error) {
+  std::lock_guard<std::mutex> lock(g_cudnn_mutex);
+  if (path == nullptr) {
+    if (const Cudnn* loaded = g_cudnn.load()) return loaded;
+    for (const char* name : {"libcudnn.so.9", "libcudnn.so.8"}) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      const Cudnn* t = ResolveCudnn(lib, name, error);
+      if (t != nullptr) g_cudnn.store(t);
+      return t;
+    }
+    *error = "no cuDNN in this process (libcudnn.so.9 or .8): the vendor path calls the cuDNN that ONNX "
+             "Runtime's CUDA execution provider loads, and it has not loaded one";
+    return nullptr;
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
+    return nullptr;
+  }
+  const Cudnn* t = ResolveCudnn(lib, path, error);
+  if (t != nullptr) g_cudnn.store(t);
+  return t;
+}
+
+// The three descriptors of one call, destroyed with the scope.
+struct ConvDescriptors {
+  const Cudnn& dnn;
+  void *x = nullptr, *y = nullptr, *w = nullptr, *conv = nullptr;
+  explicit ConvDescriptors(const Cudnn& d) : dnn(d) {}
+  ~ConvDescriptors() {
+    if (x) dnn.destroy_tensor(x);
+    if (y) dnn.destroy_tensor(y);
+    if (w) dnn.destroy_filter(w);
+    if (conv) dnn.destroy_conv(conv);
+  }
+};
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+int dc_vendor_cudnn_load(const char* path) {
+  std::string error;
+  return dietcode::LoadCudnn(path, &error) != nullptr ? 0 : dietcode::Fail(error);
+}
+
+int dc_vendor_conv(const dc_conv_plan* p, const void* x, const void* w, void* y, void* handle, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr) return Fail("null plan");
+  if (handle == nullptr) return Fail("no cuDNN handle (ONNX Runtime gave none for this stream)");
+  std::string error;
+  const dietcode::Cudnn* dnn = dietcode::LoadCudnn(nullptr, &error);
+  if (dnn == nullptr) return Fail(error);
+  auto check = [&](int st, const char* what) {
+    if (st == 0) return true;
+    const char* text = dnn->error_string(st);
+    error = std::string(what) + " (" + dnn->origin + ") failed: " + (text ? text : "") + " (cuDNN status " +
+            std::to_string(st) + ")";
+    return false;
+  };
+  // ORT binds each stream's handle to that stream when it creates it; rebind only if it is bound elsewhere.
+  void* bound = nullptr;
+  if (!check(dnn->get_stream(handle, &bound), "cudnnGetStream")) return Fail(error);
+  if (bound != stream && !check(dnn->set_stream(handle, stream), "cudnnSetStream")) return Fail(error);
+  dietcode::ConvDescriptors d(*dnn);
+  const int nchw = dietcode::kCudnnNchw;
+  const bool ok =
+      check(dnn->create_tensor(&d.x), "cudnnCreateTensorDescriptor") &&
+      check(dnn->set_tensor_4d(d.x, nchw, p->data_type, p->n, p->c, p->h, p->w), "cudnnSetTensor4dDescriptor (X)") &&
+      check(dnn->create_tensor(&d.y), "cudnnCreateTensorDescriptor") &&
+      check(dnn->set_tensor_4d(d.y, nchw, p->data_type, p->n, p->k, p->out_h, p->out_w),
+            "cudnnSetTensor4dDescriptor (Y)") &&
+      check(dnn->create_filter(&d.w), "cudnnCreateFilterDescriptor") &&
+      check(dnn->set_filter_4d(d.w, p->data_type, nchw, p->k, p->kc, p->kh, p->kw), "cudnnSetFilter4dDescriptor") &&
+      check(dnn->create_conv(&d.conv), "cudnnCreateConvolutionDescriptor") &&
+      check(dnn->set_conv_2d(d.conv, p->pad_h, p->pad_w, p->stride_h, p->stride_w, p->dil_h, p->dil_w,
+                             dietcode::kCudnnCrossCorrelation, dietcode::kCudnnFloat),
+            "cudnnSetConvolution2dDescriptor") &&
+      check(dnn->set_group_count(d.conv, p->group), "cudnnSetConvolutionGroupCount") &&
+      check(dnn->set_math_type(d.conv, p->math_type), "cudnnSetConvolutionMathType");
+  if (!ok) return Fail(error);
+  const float alpha = 1.0f, beta = 0.0f;  // float scaling for float, half and bfloat16 data
+  if (!check(dnn->forward(handle, &alpha, d.x, x, d.w, w, d.conv, dietcode::kCudnnFwdImplicitGemm, nullptr, 0, &beta,
+                          d.y, y),
+             "cudnnConvolutionForward")) {
+    return Fail(error);
   }
   return 0;
 }

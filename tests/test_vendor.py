@@ -1,11 +1,11 @@
-"""The vendor path on CUDA (custom_ops/vendor.h): a call no compiled kernel takes runs as cuBLAS on ONNX
-Runtime's cuBLAS handle and stream plus a PTX epilogue, never ORT's kernel through Ort::Op (whose standalone
+"""The vendor path on CUDA (custom_ops/vendor.h): a call no compiled kernel takes runs as cuBLAS or cuDNN on
+ONNX Runtime's own handles and stream plus a PTX epilogue, never ORT's kernel through Ort::Op (whose standalone
 context has no compute stream).
 
-On the CPU: the call plan against numpy, the real dc_vendor_gemm driven through a host-memory stand-in for
-cuBLAS (tests/_fake_cublas.c, cuBLAS's signatures and column-major semantics), the epilogue's bias indexing
-against numpy broadcasting, its GELU constants against erf, and its PTX through ptxas. On a GPU: sessions whose
-bundle picks the vendor kind for every call against stock ONNX Runtime.
+On the CPU: the call plans against numpy and ORT's CPU Conv, the real dc_vendor_gemm / dc_vendor_conv driven
+through a host-memory stand-in for cuBLAS and cuDNN (tests/_fake_vendor_libs.c: their signatures and
+semantics), the epilogue's bias indexing against numpy broadcasting, its GELU constants against erf, and its
+PTX through ptxas. On a GPU: sessions whose bundle picks the vendor kind for every call against stock ORT.
 """
 from __future__ import annotations
 
@@ -45,15 +45,17 @@ def _bf16_value(bits: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def fake_cublas(tmp_path_factory) -> ctypes.CDLL:
+def fake_libs(tmp_path_factory) -> ctypes.CDLL:
+    """The stand-in, built and made the vendor path's cuBLAS and cuDNN for this process."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
     if cc is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("fake_cublas") / "libfakecublas.so"
+    out = tmp_path_factory.mktemp("fake_vendor_libs") / "libfakevendor.so"
     lang = ["-x", "c"] if cc.endswith("g++") else []
-    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_cublas.c"), "-o", str(out), "-lm"],
+    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm"],
                    check=True, capture_output=True)
     load_core().vendor_cublas_load(out)
+    load_core().vendor_cudnn_load(out)
     return ctypes.CDLL(str(out))
 
 
@@ -84,7 +86,7 @@ def _reference(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarray
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
-def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_cublas, case, dtype) -> None:
+def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_libs, case, dtype) -> None:
     """dc_gemm_plan_make + dc_vendor_gemm with host pointers: the column-major cuBLAS call it makes (operands,
     transposes, leading dims, batch strides, data and compute types, the stream) computes the node's product."""
     _, op, sa, sb, attrs = case
@@ -102,27 +104,27 @@ def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_cublas, case, dtype) ->
     assert plan is not None, core.error()
     out_dtype = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
     out = np.full(want.shape, 0x7FC0 if dtype == "bfloat16" else np.nan, dtype=out_dtype)  # beta = 0: never read
-    calls = ctypes.c_int.in_dll(fake_cublas, "fake_calls").value
+    calls = ctypes.c_int.in_dll(fake_libs, "fake_calls").value
     core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
-    assert ctypes.c_int.in_dll(fake_cublas, "fake_calls").value == calls + 1
-    assert ctypes.c_void_p.in_dll(fake_cublas, "fake_last_stream").value == STREAM
-    assert ctypes.c_int.in_dll(fake_cublas, "fake_last_compute").value == (77 if dtype == "float32" else 68)
+    assert ctypes.c_int.in_dll(fake_libs, "fake_calls").value == calls + 1
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake_libs, "fake_last_compute").value == (77 if dtype == "float32" else 68)
     got = _bf16_value(out) if dtype == "bfloat16" else out.astype(np.float32)
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-def test_vendor_gemm_binds_the_handle_to_the_stream_only_when_it_is_not(fake_cublas) -> None:
+def test_vendor_gemm_binds_the_handle_to_the_stream_only_when_it_is_not(fake_libs) -> None:
     core = load_core()
     plan = core.gemm_plan("MatMul", (2, 3), (3, 2))
     a, b, out = np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), np.zeros((2, 2), np.float32)
-    ctypes.c_void_p.in_dll(fake_cublas, "fake_bound_stream").value = 0x1234  # bound elsewhere
-    sets = ctypes.c_int.in_dll(fake_cublas, "fake_set_stream_calls")
+    ctypes.c_void_p.in_dll(fake_libs, "fake_bound_stream").value = 0x1234  # bound elsewhere
+    sets = ctypes.c_int.in_dll(fake_libs, "fake_set_stream_calls")
     before = sets.value
     core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
     core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
     assert sets.value == before + 1  # the second call finds it bound (cublasSetStream resets the workspace)
-    assert ctypes.c_void_p.in_dll(fake_cublas, "fake_last_stream").value == STREAM
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_last_stream").value == STREAM
     np.testing.assert_array_equal(out, np.full((2, 2), 3.0))
 
 
@@ -168,8 +170,9 @@ BIAS_CASES = [
 @pytest.mark.parametrize("case", BIAS_CASES, ids=[f"{c[0]}-{c[3]}" for c in BIAS_CASES])
 def test_epilogue_bias_indexing_equals_numpy_broadcasting(case) -> None:
     op, sa, sb, sbias, attrs = case
-    plan = load_core().gemm_plan(op, sa, sb, sbias, **attrs)
-    assert plan is not None and plan.has_bias == 1
+    gemm = load_core().gemm_plan(op, sa, sb, sbias, **attrs)
+    assert gemm is not None and gemm.epilogue.has_bias == 1
+    plan = gemm.epilogue
     out_shape = np.matmul(np.zeros(sa), np.zeros(sb)).shape
     bias = np.arange(1, int(np.prod(sbias)) + 1, dtype=np.float64).reshape(sbias)
     want = attrs.get("beta", 1.0) * np.broadcast_to(bias, out_shape).reshape(-1)
@@ -181,7 +184,90 @@ def test_epilogue_bias_indexing_equals_numpy_broadcasting(case) -> None:
 
 
 def test_gemm_beta_zero_adds_no_bias() -> None:
-    assert load_core().gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.0).has_bias == 0
+    assert load_core().gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.0).epilogue.has_bias == 0
+
+
+# (id, X shape, W shape, attrs as ONNX takes them)
+CONV_CASES = [
+    ("plain", (2, 3, 7, 6), (4, 3, 3, 3), {}),
+    ("stride_pad_dilation", (1, 3, 9, 10), (4, 3, 3, 3), {"strides": [2, 1], "pads": [1, 2, 1, 2], "dilations": [1, 2]}),
+    ("groups", (2, 4, 6, 6), (6, 2, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),
+    ("depthwise", (1, 3, 5, 5), (3, 1, 3, 3), {"group": 3, "pads": [1, 1, 1, 1]}),
+    ("same_upper_symmetric", (1, 2, 7, 7), (3, 2, 3, 3), {"auto_pad": "SAME_UPPER"}),
+    ("valid_1x1", (2, 5, 4, 3), (7, 5, 1, 1), {"auto_pad": "VALID"}),
+]
+
+
+def _onnx_conv(x: np.ndarray, w: np.ndarray, attrs: dict) -> np.ndarray:
+    """ONNX Runtime's CPU Conv: the reference."""
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Conv", ["X", "W"], ["Y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("W", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"X": x, "W": w})[0]
+
+
+def _plan_kwargs(attrs: dict) -> dict:
+    return {"strides": attrs.get("strides", (1, 1)), "pads": attrs.get("pads", (0, 0, 0, 0)),
+            "dilations": attrs.get("dilations", (1, 1)), "group": attrs.get("group", 1),
+            "auto_pad": attrs.get("auto_pad", "NOTSET")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_vendor_conv_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype) -> None:
+    """dc_conv_plan_make + dc_vendor_conv with host pointers: the cuDNN descriptors and call it makes (NCHW,
+    cross-correlation, pads, strides, dilations, groups, IMPLICIT_GEMM without workspace, math type, stream)
+    compute ONNX's Conv."""
+    _, sx, sw, attrs = case
+    core = load_core()
+    rng = np.random.default_rng(sum(sx) + sum(sw))
+    x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
+    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
+    plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
+    assert plan is not None, core.error()
+    assert (plan.out_h, plan.out_w) == want.shape[2:]
+    out = np.full(want.shape, np.nan, dtype=DTYPES[dtype])
+    ctypes.c_void_p.in_dll(fake_libs, "fake_dnn_bound_stream").value = 0
+    core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_dnn_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_algo").value == 0
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_math").value == (0 if dtype == "float32" else 1)
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_live_descriptors").value == 0  # all destroyed
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+def test_conv_plan_math_type_follows_tf32() -> None:
+    core = load_core()
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1), tf32=False).math_type == 3  # FMA: no TF32
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1)).math_type == 0
+
+
+def test_conv_plan_refuses_pads_that_stay_asymmetric() -> None:
+    core = load_core()
+    assert core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), pads=(0, 1, 1, 1)) is None
+    assert "asymmetric" in core.error()
+    assert core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), strides=(2, 2), auto_pad="SAME_UPPER") is None  # pads 0/1
+    assert core.conv_plan((1, 2, 2, 3, 3), (3, 2, 1, 1, 1)) is None and "2-D" in core.error()
+    with pytest.raises(DietcodeError, match="channels"):
+        core.conv_plan((1, 2, 8, 8), (3, 4, 3, 3))
+    with pytest.raises(DietcodeError, match="one value per output channel"):
+        core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), (2,))
+
+
+def test_conv_epilogue_indexes_b_per_output_channel() -> None:
+    e = load_core().conv_plan((2, 3, 5, 4), (6, 3, 3, 3), (6,), pads=(1, 1, 1, 1), activation="relu").epilogue
+    out_shape, bias = (2, 6, 5, 4), np.arange(1.0, 7.0)
+    i = np.arange(int(np.prod(out_shape)))
+    got = bias[(i // e.cols % e.bias_rows) * e.bias_rs + (i % e.cols) * e.bias_cs]
+    np.testing.assert_array_equal(got, np.broadcast_to(bias[:, None, None], out_shape).reshape(-1))
+    assert (e.has_bias, e.activation, e.rows * e.cols) == (1, 1, len(i))
 
 
 def _gelu_from_ptx(ptx: str, x: np.ndarray) -> np.ndarray:
@@ -287,15 +373,30 @@ def test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> N
     ref = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(),
                                providers=["CUDAExecutionProvider"])
     (want,) = ref.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
-    tol = 2e-2 if dtype == np.float16 else 5e-3  # TF32 on both sides for float32
+    tol = 2e-2  # float16 rounding; for float32, TF32 on both sides (differently blocked sums)
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+GPU_CONV_CASES = [
+    ("Conv", [(2, 3, 9, 10), (4, 3, 3, 3)], {"strides": [2, 1], "pads": [1, 1, 1, 1], "dilations": [1, 2]}, 4),
+    ("Conv", [(1, 4, 7, 7), (6, 2, 3, 3)], {"group": 2, "auto_pad": "SAME_UPPER"}, 6),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
-def test_conv_vendor_leaf_on_cuda_fails_at_session_creation_naming_the_node() -> None:
-    model = custom_model("Conv", 2, {}, TensorProto.FLOAT, _vendor_only_bundle())
-    with pytest.raises(Exception, match=r"node 'n0'.*no vendor conv"):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("case", GPU_CONV_CASES, ids=["stride_dilation", "groups_same"])
+def test_conv_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> None:
+    test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+def test_conv_vendor_leaf_with_asymmetric_pads_fails_at_session_creation_naming_the_node() -> None:
+    model = custom_model("Conv", 2, {"pads": [0, 1, 1, 1]}, TensorProto.FLOAT, _vendor_only_bundle())
+    with pytest.raises(Exception, match=r"node 'n0'.*symmetric pads only"):
         dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
 
 

@@ -521,8 +521,9 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
                  for p, wt in zip(result.problems, result.weights)]
     if not names:
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
-    # the CUDA path has no vendor conv (docs/abi.md, "The vendor path"): a conv tree gets compiled kernels only,
-    # and the vendor time stays a comparison
+    # a conv tree gets compiled kernels only: the CUDA path's vendor conv (docs/abi.md, "The vendor path") is a
+    # correctness fallback (cuDNN's IMPLICIT_GEMM, no workspace, symmetric pads), not the algorithm timed here;
+    # the vendor time stays a comparison
     dispatch = build_dispatch(names, instances, result.candidates, result.times,
                               None if w.op == "conv" else vendor, options.max_kernels, options.seed)
     t = dispatch.tree
