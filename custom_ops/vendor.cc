@@ -99,8 +99,9 @@ extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int6
     K = sa[ra - 1];
     N = rb == 1 ? 1 : sb[rb - 1];
     const int64_t a_batch = ra > 2 ? Product(sa, 0, ra - 2) : 1, b_batch = rb > 2 ? Product(sb, 0, rb - 2) : 1;
-    const int64_t batch = NumElements(shape) / std::max<int64_t>(M * N, 1);
-    const int64_t total = batch;  // output batch entries (the broadcast of both batch shapes)
+    // output batch entries: the product of the broadcast batch dims (the output drops a 1-D operand's dim)
+    const size_t batch_dims = shape.size() - (ra > 1 ? 1 : 0) - (rb > 1 ? 1 : 0);
+    const int64_t total = Product(shape, 0, batch_dims);
     p.trans_x = p.trans_y = 0;
     p.ldx = static_cast<int32_t>(std::min<int64_t>(N, INT32_MAX));
     p.ldy = static_cast<int32_t>(std::min<int64_t>(K, INT32_MAX));
@@ -204,7 +205,10 @@ extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, 
   }
   for (int i = 0; i < 2; ++i) {  // cuDNN's output size must be ONNX's
     const int64_t o = (sx[2 + i] + 2 * begin[i] - dilations[i] * (sw[2 + i] - 1) - 1) / strides[i] + 1;
-    if (o != shape[2 + i]) return Invalid("Conv output size mismatch on spatial dim " + std::to_string(i));
+    if (o != shape[2 + i]) {
+      return Refuse("cuDNN's output size " + std::to_string(o) + " differs from ONNX's " + std::to_string(shape[2 + i]) +
+                    " on spatial dim " + std::to_string(i));
+    }
   }
   for (int64_t v : {sx[0], sx[1], sx[2], sx[3], sw[0], sw[1], sw[2], sw[3], shape[2], shape[3], begin[0], begin[1],
                     int64_t{strides[0]}, int64_t{strides[1]}, int64_t{dilations[0]}, int64_t{dilations[1]}, group}) {
@@ -281,6 +285,9 @@ const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) 
 }
 
 const Cublas* LoadCublas(const char* path, std::string* error) {
+  if (path == nullptr) {
+    if (const Cublas* loaded = g_cublas.load()) return loaded;  // the per-call path: no lock
+  }
   std::lock_guard<std::mutex> lock(g_cublas_mutex);
   if (path == nullptr) {
     if (const Cublas* loaded = g_cublas.load()) return loaded;
@@ -521,6 +528,9 @@ const Cudnn* ResolveCudnn(void* lib, const std::string& origin, std::string* err
 }
 
 const Cudnn* LoadCudnn(const char* path, std::string* error) {
+  if (path == nullptr) {
+    if (const Cudnn* loaded = g_cudnn.load()) return loaded;  // the per-call path: no lock
+  }
   std::lock_guard<std::mutex> lock(g_cudnn_mutex);
   if (path == nullptr) {
     if (const Cudnn* loaded = g_cudnn.load()) return loaded;
