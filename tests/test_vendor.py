@@ -4,15 +4,15 @@ context has no compute stream).
 
 On the CPU: the call plans against numpy and ORT's CPU Conv, the real dc_vendor_gemm / dc_vendor_conv driven
 through a host-memory stand-in for cuBLAS and cuDNN (tests/_fake_vendor_libs.c: their signatures and
-semantics), the epilogue's bias indexing against numpy broadcasting, its GELU constants against erf, and its
-PTX through ptxas. On a GPU: sessions whose bundle picks the vendor kind for every call against stock ORT.
+semantics), the epilogue's bias indexing against numpy broadcasting, the epilogue's PTX run by a host executor
+(tests/_ptx_run.py) against numpy and assembled by ptxas. On a GPU: sessions whose bundle picks the vendor
+kind for every call against stock ORT.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -271,23 +271,64 @@ def test_conv_epilogue_indexes_b_per_output_channel() -> None:
     assert (e.has_bias, e.activation, e.rows * e.cols) == (1, 1, len(i))
 
 
-def _gelu_from_ptx(ptx: str, x: np.ndarray) -> np.ndarray:
-    """The epilogue's GELU evaluated in float32 with the constants its PTX carries, in the PTX's order."""
-    block = ptx[ptx.index("setp.eq.u32 %p4"):ptx.index("$Lstore:")]
-    k = [np.frombuffer(bytes.fromhex(h)[::-1], np.float32)[0] for h in re.findall(r"0f([0-9A-F]{8})", block)]
-    inv_sqrt2, p, one, a5, a4, a3, a2, a1, neg_log2e, one2, one3, half = k
-    z = x * inv_sqrt2
-    t = one / (np.abs(z) * p + one)
-    poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t
-    erf = np.copysign(one2 - poly * np.exp2(z * z * neg_log2e), z)
-    return (x * half) * (erf + one3)
+def _to_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return _bf16_round(x)
+    return x.astype(DTYPES[dtype])
 
 
-def test_epilogue_gelu_is_the_erf_form() -> None:
-    x = np.linspace(-8, 8, 4001, dtype=np.float32)
-    got = _gelu_from_ptx(load_core().vendor_epilogue_ptx("float32"), x).astype(np.float64)
-    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
-    assert np.max(np.abs(got - want)) < 1e-6  # the tanh approximation (cuBLASLt's GELU) is off by ~5e-4
+def _from_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    return _bf16_value(x) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
+    ("matmul_bias_n", lambda c, act, dt: c.gemm_plan("MatMul", (2, 3, 4), (4, 5), (5,), activation=act, dtype=dt),
+     (2, 3, 5), (5,), 1.0),
+    ("gemm_c_column", lambda c, act, dt: c.gemm_plan("Gemm", (3, 4), (4, 5), (3, 1), beta=0.5, activation=act,
+                                                     dtype=dt), (3, 5), (3, 1), 0.5),
+    ("conv_b", lambda c, act, dt: c.conv_plan((2, 3, 4, 3), (4, 3, 1, 1), (4,), activation=act, dtype=dt),
+     (2, 4, 4, 3), (4, 1, 1), 1.0),
+    ("no_bias", lambda c, act, dt: c.gemm_plan("MatMul", (3, 4), (4, 6), activation=act, dtype=dt), (3, 6), None, 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
+def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype) -> None:
+    """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
+    the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation and the dtype's loads, stores
+    and rounding."""
+    from tests import _ptx_run
+
+    _, make, out_shape, bias_shape, scale = case
+    core = load_core()
+    e = make(core, activation, dtype).epilogue
+    rng = np.random.default_rng(3)
+    y32 = (rng.standard_normal(out_shape) * 2).astype(np.float32)
+    y = _to_dtype_bits(y32, dtype)
+    y_in = _from_dtype_bits(y, dtype).astype(np.float64)
+    ref = y_in.copy()
+    memory = _ptx_run.Memory()
+    bias_addr = 0
+    if bias_shape is not None:
+        bias = _to_dtype_bits(rng.standard_normal(bias_shape).astype(np.float32), dtype)
+        bias_addr = memory.place(bias)
+        ref = ref + scale * np.broadcast_to(_from_dtype_bits(bias, dtype).astype(np.float64), out_shape)
+    if activation == "relu":
+        ref = np.maximum(ref, 0.0)
+    elif activation == "gelu":
+        ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0)))
+    params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
+              "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
+              "p_act": e.activation}
+    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
+    got = _from_dtype_bits(y, dtype)
+    want = ref.astype(np.float32)
+    if dtype != "float32":  # one rounding to the dtype at the end
+        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
+    tol = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 def _ptxas() -> Path | None:
