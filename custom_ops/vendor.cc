@@ -273,8 +273,12 @@ const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) 
   t->origin = origin;
   t->gemm_ex = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
   t->gemm_strided_batched_ex = reinterpret_cast<GemmStridedBatchedExFn>(dlsym(lib, "cublasGemmStridedBatchedEx"));
+  // cublas_v2.h maps cublasSetStream/cublasGetStream to the _v2 symbols; take the plain names where a
+  // release exports only those
   t->set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
+  if (t->set_stream == nullptr) t->set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream"));
   t->get_stream = reinterpret_cast<GetStreamFn>(dlsym(lib, "cublasGetStream_v2"));
+  if (t->get_stream == nullptr) t->get_stream = reinterpret_cast<GetStreamFn>(dlsym(lib, "cublasGetStream"));
   if (t->gemm_ex == nullptr || t->gemm_strided_batched_ex == nullptr || t->set_stream == nullptr ||
       t->get_stream == nullptr) {
     *error = origin + " lacks cublasGemmEx, cublasGemmStridedBatchedEx, cublasSetStream_v2 or cublasGetStream_v2";

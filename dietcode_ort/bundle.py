@@ -137,7 +137,7 @@ class BundleKernel:
 
     @classmethod
     def vendor(cls) -> "BundleKernel":
-        """The fallback kernel: ONNX Runtime's own MatMul/Gemm/Conv plus the epilogue."""
+        """The fallback kernel: the vendor path (cuBLAS/cuDNN on ORT's stream on CUDA, ORT's own kernel on CPU)."""
         return cls(name="vendor", kind="vendor")
 
     @classmethod
