@@ -137,7 +137,7 @@ class BundleKernel:
 
     @classmethod
     def vendor(cls) -> "BundleKernel":
-        """The fallback kernel: the vendor path (cuBLAS/cuDNN on ORT's stream on CUDA, ORT's own kernel on CPU)."""
+        """The fallback kernel: the vendor path (CUDA: cuBLAS/cuDNN on ORT's stream; CPU: ORT's kernel)."""
         return cls(name="vendor", kind="vendor")
 
     @classmethod
