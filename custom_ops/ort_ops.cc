@@ -3,8 +3,8 @@
 // One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
-// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue (never
-// ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
+// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue
+// (never ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
 // MatMul/Gemm/Conv (fp32, through Ort::Op, which needs no stream there) plus the epilogue in C++.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -525,8 +525,8 @@ class DietcodeKernel {
   void WarnOnce(int reason, const std::string& message) {
     const uint32_t bit = 1u << (reason & 31);
     if (warned_.fetch_or(bit) & bit) return;
-    const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " + message +
-                             " (warned once per node and reason)";
+    const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " +
+                             message + " (warned once per node and reason)";
     try {
       ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
     } catch (const Ort::Exception&) {
@@ -554,8 +554,8 @@ class DietcodeKernel {
     return resource;
   }
 
-  // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream, then
-  // the epilogue, all on ORT's compute stream (vendor.h).
+  // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream,
+  // then the epilogue, all on ORT's compute stream (vendor.h).
   void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
                   const std::string& why) {
     Shape shapes[3];
