@@ -7,13 +7,16 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include <cuda.h>
 
 #include "bundle_impl.h"
 #include "driver.h"
+#include "vendor.h"
 
 #define DC_STR2(x) #x
 #define DC_STR(x) DC_STR2(x)
@@ -183,6 +186,42 @@ void* DriverSymbol(const char* name, std::string* error) {
   void* fn = dlsym(d.lib, name);
   if (fn == nullptr) *error = std::string("the CUDA driver lacks ") + name + ": update the NVIDIA driver";
   return fn;
+}
+
+// The vendor path's PTX modules (vendor.h), loaded once per (context, module text) and kept for the process.
+bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
+               std::string* error) {
+  const Driver& d = GetDriver();
+  if (!d.ok) return *error = d.error, false;
+  CUstream s = static_cast<CUstream>(stream);
+  CUcontext ctx = nullptr;
+  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "finding the stream's context"), false;
+  if (ctx == nullptr) return *error = "no CUDA context is current on this thread and no stream was given", false;
+  ContextScope scope(d, ctx);
+  static std::mutex mutex;
+  static std::map<std::pair<void*, const char*>, CUfunction> functions;
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto key = std::make_pair(static_cast<void*>(ctx), ptx);
+    auto it = functions.find(key);
+    if (it == functions.end()) {
+      CUmodule module = nullptr;
+      rc = d.ModuleLoadData(&module, ptx);
+      if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuModuleLoadData (PTX JIT)") + " for " + entry, false;
+      rc = d.ModuleGetFunction(&fn, module, entry);
+      if (rc != CUDA_SUCCESS) {
+        d.ModuleUnload(module);
+        return *error = CuError(d, rc, "cuModuleGetFunction") + " for " + entry, false;
+      }
+      it = functions.emplace(key, fn).first;
+    }
+    fn = it->second;
+  }
+  rc = d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, s, params, nullptr);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuLaunchKernel") + " for " + entry, false;
+  return true;
 }
 
 }  // namespace dietcode

@@ -2,8 +2,10 @@
 //
 // One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
-// compute stream (no allocation, no synchronization), or run ORT's own kernel for "vendor" leaves and for
-// shapes the kernel ABI cannot express. CPU: ORT's own MatMul/Gemm/Conv (fp32) plus the epilogue in C++.
+// compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
+// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue
+// (never ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
+// MatMul/Gemm/Conv (fp32, through Ort::Op, which needs no stream there) plus the epilogue in C++.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -20,6 +22,7 @@
 
 #include "core.h"
 #include "shapes.h"
+#include "vendor.h"
 
 namespace dietcode {
 namespace {
@@ -27,8 +30,16 @@ namespace {
 constexpr const char* kDomain = "ai.dietcode";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
-// Reasons a node runs ORT's kernel beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
+// Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
+// ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
+// CudaStream::GetResource accepts any version up to its own.
+constexpr int kCudaResourceVersion = 1;
+constexpr int kCudaResourceCudnnHandle = 10001;  // CudaResource::cudnn_handle_t
+constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle_t
+// ORT's CUDA EP computes float32 GEMMs with TF32 unless its use_tf32 option is 0 (the tuner's vendor baseline
+// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default.
+constexpr int kOrtCudaUsesTf32 = 1;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
 struct BundleDeleter {
@@ -152,8 +163,10 @@ class DietcodeKernel {
     if (cuda_) {
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
+      CheckVendorPathCuda();
+    } else {
+      CreateVendorOps(raw_info);
     }
-    CreateVendorOps(raw_info);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -291,7 +304,7 @@ class DietcodeKernel {
 
   // Per session: a compiled kernel with no image for this device's arch or this driver (an image's recorded
   // minimum driver above cuDriverGetVersion's), or needing more shared memory than the device allows, is run
-  // as the vendor kind (ORT's kernel) for every call, with one warning here.
+  // as the vendor kind (the vendor path) for every call, with one warning here.
   void FitDevice(const OrtKernelInfo* info) {
     device_fits_.assign(n_kernels_, 1);
     int major = 0, minor = 0, optin = 0, driver = 0;
@@ -301,7 +314,7 @@ class DietcodeKernel {
         dc_bundle_fit_device(bundle_.get(), major, minor, optin, driver, device_fits_.data(), device_fits_.size());
     if (unfit < 0) Throw(dc_last_error());
     if (unfit == 0) return;
-    has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
+    has_vendor_kernel_ = true;  // the vendor path must exist for those calls (CheckVendorPathCuda)
     const std::string first = dc_last_error();
     std::string which;
     device_reason_.assign(n_kernels_, {});
@@ -314,9 +327,26 @@ class DietcodeKernel {
                                 std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
   }
 
-  // ORT's own kernels: fp32 on CPU (inputs are converted), the node's dtype on CUDA.
+  // CUDA: a bundle that needs the vendor path for whole sessions (a vendor leaf, a kernel this device cannot
+  // run) checks here that ORT's cuBLAS (MatMul, Gemm) or cuDNN (Conv) is loaded, and for Conv that the node's
+  // explicit pads are symmetric (cuDNN's descriptor takes no other).
+  void CheckVendorPathCuda() {
+    if (!has_vendor_kernel_) return;
+    if (spec_.base != BaseOp::kConv) {
+      if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
+      return;
+    }
+    if (dc_vendor_cudnn_load(nullptr) != 0) Throw(std::string("the vendor path needs cuDNN: ") + dc_last_error());
+    const std::vector<int64_t>& p = conv_.pads;
+    if ((conv_.auto_pad == "NOTSET" || conv_.auto_pad.empty()) && p.size() == 4 && (p[0] != p[2] || p[1] != p[3])) {
+      Throw("the bundle routes conv calls to the vendor kind, whose cuDNN convolution takes symmetric pads only, "
+            "and this node's pads are asymmetric");
+    }
+  }
+
+  // ORT's own kernels for the CPU EP, fp32 (inputs are converted).
   void CreateVendorOps(const OrtKernelInfo* info) {
-    const ONNXTensorElementDataType type = cuda_ ? dtype_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     const char* type_names[] = {"T"};
     const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;  // Gemm's C and Conv's B go in the op
     std::vector<Ort::OpAttr> attrs;
@@ -346,30 +376,7 @@ class DietcodeKernel {
       base_op_ = Ort::Op::Create(info, op, "", version, type_names, &type, 1, attrs.data(), attrs.size(),
                                  fused_c ? 3 : 2, 1);
     } catch (const Ort::Exception& e) {
-      if (!cuda_ || has_vendor_kernel_) Throw(std::string("cannot create ONNX Runtime's ") + op + " kernel: " + e.what());
-      base_error_ = e.what();
-    }
-    if (!cuda_) return;
-    // CUDA epilogue for the vendor path: Add (MatMul bias) and the activation as ORT kernels.
-    auto create = [&](const char* name, const char* domain, int ver, size_t n_in) {
-      try {
-        return Ort::Op::Create(info, name, domain, ver, type_names, &type, 1, nullptr, 0, n_in, 1);
-      } catch (const Ort::Exception&) {
-        return Ort::Op{nullptr};
-      }
-    };
-    if (spec_.bias && spec_.base == BaseOp::kMatMul) add_op_ = create("Add", "", 14, 2);
-    if (spec_.activation == Activation::kRelu) act_op_ = create("Relu", "", 14, 1);
-    if (spec_.activation == Activation::kGelu) {
-      act_op_ = create("Gelu", "", 20, 1);
-      if (!act_op_) act_op_ = create("Gelu", "com.microsoft", 1, 1);
-    }
-    const bool epilogue_ok = (!(spec_.bias && spec_.base == BaseOp::kMatMul) || add_op_) &&
-                             (spec_.activation == Activation::kNone || act_op_);
-    if (!epilogue_ok) {
-      if (has_vendor_kernel_) Throw("cannot create ONNX Runtime's Add/Relu/Gelu kernels for the vendor path");
-      base_error_ = "ONNX Runtime's Add/Relu/Gelu kernels are unavailable";
-      base_op_ = Ort::Op{nullptr};
+      Throw(std::string("cannot create ONNX Runtime's ") + op + " kernel: " + e.what());
     }
   }
 
@@ -469,12 +476,12 @@ class DietcodeKernel {
     dc_launch_args args{};
     if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
       dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, "the dispatch tree picks the vendor kernel");
       return;
     }
     if (!device_fits_[k]) {
       dc_node_count_fallback(counter_, device_reason_[k].c_str());
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, device_reason_[k]);
       return;
     }
     bool abi_ok = false;
@@ -495,7 +502,7 @@ class DietcodeKernel {
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
       dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, "the kernel ABI cannot express this call (its shapes or attributes)");
       return;
     }
     const size_t elem = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -510,7 +517,7 @@ class DietcodeKernel {
       const std::string why = dc_last_error();
       WarnOnce(fit, why);
       dc_node_count_fallback(counter_, why.c_str());
-      VendorCuda(raw, in, n_in, out);
+      VendorCuda(raw, in, n_in, out, why);
       return;
     }
     if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
@@ -521,8 +528,8 @@ class DietcodeKernel {
   void WarnOnce(int reason, const std::string& message) {
     const uint32_t bit = 1u << (reason & 31);
     if (warned_.fetch_or(bit) & bit) return;
-    const std::string text = where_ + ": runs ONNX Runtime's kernel instead of the compiled one: " + message +
-                             " (warned once per node and reason)";
+    const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " +
+                             message + " (warned once per node and reason)";
     try {
       ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
     } catch (const Ort::Exception&) {
@@ -538,21 +545,62 @@ class DietcodeKernel {
     return batched_[k];
   }
 
-  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out) {
-    if (!base_op_) Throw("this shape needs ONNX Runtime's own kernel, which could not be created: " + base_error_);
-    const bool fused_c = spec_.bias && spec_.base != BaseOp::kMatMul;
-    const OrtValue* inputs[3] = {in[0], in[1], fused_c ? static_cast<const OrtValue*>(in[2]) : nullptr};
-    OrtValue* output = out;
-    base_op_.Invoke(raw, inputs, fused_c ? 3 : 2, &output, 1);
-    if (spec_.bias && spec_.base == BaseOp::kMatMul) {
-      const OrtValue* add_in[2] = {output, in[2]};
-      add_op_.Invoke(raw, add_in, 2, &output, 1);
+  // ORT's handle of resource `id` (CudaResource) for this call's stream.
+  void* CudaResource(OrtKernelContext* raw, int id, const char* what) const {
+    void* resource = nullptr;
+    if (OrtStatus* st = Ort::GetApi().KernelContext_GetResource(raw, kCudaResourceVersion, id, &resource)) {
+      const std::string message = Ort::GetApi().GetErrorMessage(st);
+      Ort::GetApi().ReleaseStatus(st);
+      Throw(std::string("ONNX Runtime gives no ") + what + " handle for this node's stream: " + message);
     }
-    if (spec_.activation != Activation::kNone) {
-      const OrtValue* act_in[1] = {output};
-      act_op_.Invoke(raw, act_in, 1, &output, 1);
+    if (resource == nullptr) Throw(std::string("ONNX Runtime gives no ") + what + " handle for this node's stream");
+    return resource;
+  }
+
+  // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream,
+  // then the epilogue, all on ORT's compute stream (vendor.h).
+  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
+                  const std::string& why) {
+    Shape shapes[3];
+    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
+    const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
+    void* y = out.GetTensorMutableRawData();
+    const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;
+    if (spec_.base == BaseOp::kConv) {
+      auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
+      const int64_t strides[2] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1)};
+      const int64_t dilations[2] = {at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1)};
+      const int64_t pads[4] = {at(conv_.pads, 0, 0), at(conv_.pads, 1, 0), at(conv_.pads, 2, 0), at(conv_.pads, 3, 0)};
+      const int auto_pad = conv_.auto_pad == "SAME_UPPER" ? 1 : conv_.auto_pad == "SAME_LOWER" ? 2
+                           : conv_.auto_pad == "VALID"    ? 3 : 0;
+      dc_conv_plan plan{};
+      if (dc_conv_plan_make(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
+                            n_in > 2 ? shapes[2].data() : nullptr, n_in > 2 ? shapes[2].size() : 0, strides, pads,
+                            dilations, conv_.group, auto_pad, dtype, static_cast<int>(spec_.activation),
+                            kOrtCudaUsesTf32, &plan) != 1) {
+        Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+      }
+      void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
+      if (dc_vendor_conv(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
+          dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
+        Throw(dc_last_error());
+      }
+      return;
     }
-    (void)n_in;
+    const bool gemm = spec_.base == BaseOp::kGemm;
+    dc_gemm_plan plan{};
+    const int planned = dc_gemm_plan_make(gemm ? 1 : 0, shapes[0].data(), shapes[0].size(), shapes[1].data(),
+                                          shapes[1].size(), n_in > 2 ? shapes[2].data() : nullptr,
+                                          n_in > 2 ? shapes[2].size() : 0, static_cast<int>(gemm_.trans_a),
+                                          static_cast<int>(gemm_.trans_b), gemm_.alpha, gemm_.beta, dtype,
+                                          static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
+    if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+    void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
+    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0 ||
+        dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
+      Throw(dc_last_error());
+    }
   }
 
   OpSpec spec_;
@@ -567,8 +615,7 @@ class DietcodeKernel {
   std::vector<int64_t> features_;
   GemmAttrs gemm_;
   ConvAttrs conv_;
-  Ort::Op base_op_{nullptr}, add_op_{nullptr}, act_op_{nullptr};
-  std::string base_error_;
+  Ort::Op base_op_{nullptr};  // CPU only
   std::once_flag batched_once_;
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)

@@ -189,7 +189,7 @@ class BundleKernel:
 
     @classmethod
     def vendor(cls) -> "BundleKernel":
-        """The fallback kernel: ONNX Runtime's own MatMul/Gemm/Conv plus the epilogue."""
+        """The fallback kernel: the vendor path (CUDA: cuBLAS/cuDNN on ORT's stream; CPU: ORT's kernel)."""
         return cls(name="vendor", kind="vendor")
 
     @classmethod

@@ -162,6 +162,33 @@ class KernelMeta(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_uint32) for n in ("num_warps", "block_m", "block_n", "split_k", "shared", "zero_output",
                                               "div16", "n_params", "n_images")] + [("params", ctypes.c_uint8 * 32)]
+  # DC_ABI_VERSION in custom_ops/core.h
+
+
+class Epilogue(ctypes.Structure):
+    """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias and activation over the
+    output as [rows, cols]."""
+
+    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation")] + [("bias_scale", ctypes.c_float)]
+                + [(n, ctypes.c_int64) for n in ("rows", "cols", "bias_rows", "bias_rs", "bias_cs")])
+
+
+class GemmPlan(ctypes.Structure):
+    """Mirror of ``dc_gemm_plan``: a node call as one column-major cuBLAS call (first operand x = the node's
+    B, second y = its A) plus its epilogue."""
+
+    _fields_ = ([(n, ctypes.c_int32) for n in ("trans_x", "trans_y", "m", "n", "k", "ldx", "ldy", "ldc")]
+                + [(n, ctypes.c_int64) for n in ("stride_x", "stride_y", "stride_c")]
+                + [(n, ctypes.c_int32) for n in ("batch", "data_type", "compute_type")] + [("alpha", ctypes.c_float)]
+                + [("epilogue", Epilogue)])
+
+
+class ConvPlan(ctypes.Structure):
+    """Mirror of ``dc_conv_plan``: a Conv call as one cuDNN convolution plus its epilogue."""
+
+    _fields_ = [(n, ctypes.c_int32) for n in (
+        "n", "c", "h", "w", "k", "kc", "kh", "kw", "group", "pad_h", "pad_w", "stride_h", "stride_w", "dil_h",
+        "dil_w", "out_h", "out_w", "data_type", "math_type")] + [("epilogue", Epilogue)]
 
 
 C_ABI_VERSION = 3  # DC_ABI_VERSION in custom_ops/core.h
@@ -221,6 +248,7 @@ class Core:
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
         _bind_reading(lib)
+        _bind_vendor(lib)
         self.lib = lib
         if lib.dc_abi_version() != C_ABI_VERSION:
             raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects "
@@ -259,6 +287,72 @@ class Core:
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None
+
+    def gemm_plan(self, op: str, a: Sequence[int], b: Sequence[int], c: Sequence[int] | None = None, *,
+                  trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 1.0,
+                  dtype: str = "float32", activation: str = "none", tf32: bool = True) -> GemmPlan | None:
+        """The vendor path's cuBLAS call for a MatMul/Gemm node call (``dc_gemm_plan_make``); None when the
+        call has no cuBLAS form there (the reason in ``error()``). DietcodeError for invalid shapes."""
+        ops, dtypes, acts = {"MatMul": 0, "Gemm": 1}, ("float32", "float16", "bfloat16"), ("none", "relu", "gelu")
+        if op not in ops or dtype not in dtypes or activation not in acts:
+            raise DietcodeError(f"gemm_plan: op {op!r} (MatMul, Gemm), dtype {dtype!r} ({', '.join(dtypes)}), "
+                                f"activation {activation!r} ({', '.join(acts)})")
+        arr = lambda v: (ctypes.c_int64 * max(1, len(v)))(*v)  # noqa: E731
+        out = GemmPlan()
+        r = self.lib.dc_gemm_plan_make(ops[op], arr(a), len(a), arr(b), len(b), arr(c) if c is not None else None,
+                                       len(c) if c is not None else 0, int(trans_a), int(trans_b), alpha, beta,
+                                       dtypes.index(dtype), acts.index(activation), int(tf32), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
+
+    def conv_plan(self, x: Sequence[int], w: Sequence[int], b: Sequence[int] | None = None, *,
+                  strides: Sequence[int] = (1, 1), pads: Sequence[int] = (0, 0, 0, 0),
+                  dilations: Sequence[int] = (1, 1), group: int = 1, auto_pad: str = "NOTSET",
+                  dtype: str = "float32", activation: str = "none", tf32: bool = True) -> ConvPlan | None:
+        """The vendor path's cuDNN call for a 2-D Conv node call (``dc_conv_plan_make``); None when the call
+        has no cuDNN form there (the reason in ``error()``). DietcodeError for invalid shapes."""
+        pads_modes, dtypes, acts = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"), ("float32", "float16",
+                                                                                    "bfloat16"), ("none", "relu", "gelu")
+        if auto_pad not in pads_modes or dtype not in dtypes or activation not in acts:
+            raise DietcodeError(f"conv_plan: auto_pad {auto_pad!r} ({', '.join(pads_modes)}), dtype {dtype!r}, "
+                                f"activation {activation!r}")
+        arr = lambda v: (ctypes.c_int64 * max(1, len(v)))(*v)  # noqa: E731
+        out = ConvPlan()
+        r = self.lib.dc_conv_plan_make(arr(x), len(x), arr(w), len(w), arr(b) if b is not None else None,
+                                       len(b) if b is not None else 0, arr(strides), arr(pads), arr(dilations), group,
+                                       pads_modes.index(auto_pad), dtypes.index(dtype), acts.index(activation),
+                                       int(tf32), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
+
+    def vendor_cudnn_load(self, path: str | Path | None = None) -> None:
+        """Point the vendor path at a cuDNN: None = the one this process loaded (ONNX Runtime's CUDA EP)."""
+        if self.lib.dc_vendor_cudnn_load(None if path is None else str(path).encode()) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_conv(self, plan: ConvPlan, x: int, w: int, y: int, handle: int, stream: int = 0) -> None:
+        """Run a plan's convolution (``dc_vendor_conv``) on raw pointers: X, W, output, cuDNN handle, stream."""
+        if self.lib.dc_vendor_conv(ctypes.byref(plan), x, w, y, handle, stream) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_cublas_load(self, path: str | Path | None = None) -> None:
+        """Point the vendor path at a cuBLAS: None = the one this process loaded (ONNX Runtime's CUDA EP)."""
+        if self.lib.dc_vendor_cublas_load(None if path is None else str(path).encode()) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_gemm(self, plan: GemmPlan, a: int, b: int, c: int, handle: int, stream: int = 0) -> None:
+        """Run a plan's GEMM (``dc_vendor_gemm``) on raw pointers: inputs A, B, output, cuBLAS handle, stream."""
+        if self.lib.dc_vendor_gemm(ctypes.byref(plan), a, b, c, handle, stream) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_epilogue_ptx(self, dtype: str) -> str:
+        """The vendor epilogue kernel's PTX for float32, float16 or bfloat16."""
+        dtypes = ("float32", "float16", "bfloat16")
+        if dtype not in dtypes:
+            raise DietcodeError(f"vendor_epilogue_ptx: dtype {dtype!r}, allowed: {', '.join(dtypes)}")
+        return bytes(self.lib.dc_vendor_epilogue_ptx(dtypes.index(dtype))).decode()
 
     def node_stats(self) -> dict[str, dict[str, Any]]:
         """Per node name, process-wide: ``launches`` of compiled (Triton) kernels, ``fallbacks`` to ONNX
@@ -314,6 +408,21 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_ptx.restype = ctypes.c_void_p
     lib.dc_bundle_kernel_ptx.argtypes = [vp, i32, ctypes.POINTER(sz)]
     lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
+
+
+def _bind_vendor(lib: Any) -> None:
+    """Signatures of the vendor path's C functions (custom_ops/vendor.h)."""
+    vp, i64p, sz, ci = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_int
+    lib.dc_gemm_plan_make.argtypes = [ci, i64p, sz, i64p, sz, i64p, sz, ci, ci, ctypes.c_float, ctypes.c_float,
+                                      ci, ci, ci, ctypes.POINTER(GemmPlan)]
+    lib.dc_vendor_cublas_load.argtypes = [ctypes.c_char_p]
+    lib.dc_vendor_gemm.argtypes = [ctypes.POINTER(GemmPlan), vp, vp, vp, vp, vp]
+    lib.dc_vendor_epilogue_ptx.restype = ctypes.c_char_p
+    lib.dc_vendor_epilogue_ptx.argtypes = [ci]
+    lib.dc_conv_plan_make.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, i64p, i64p, ctypes.c_int64, ci, ci, ci,
+                                      ci, ctypes.POINTER(ConvPlan)]
+    lib.dc_vendor_cudnn_load.argtypes = [ctypes.c_char_p]
+    lib.dc_vendor_conv.argtypes = [ctypes.POINTER(ConvPlan), vp, vp, vp, vp, vp]
 
 
 class CoreBundle:

@@ -526,8 +526,11 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
                  for p, wt in zip(result.problems, result.weights)]
     if not names:
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
-    dispatch = build_dispatch(names, instances, result.candidates, result.times, vendor, options.max_kernels,
-                              options.seed)
+    # a conv tree gets compiled kernels only: the CUDA path's vendor conv (docs/abi.md, "The vendor path") is a
+    # correctness fallback (cuDNN's IMPLICIT_GEMM, no workspace, symmetric pads), not the algorithm timed here;
+    # the vendor time stays a comparison
+    dispatch = build_dispatch(names, instances, result.candidates, result.times,
+                              None if w.op == "conv" else vendor, options.max_kernels, options.seed)
     rows = dispatch.report.rows
     dispatched = np.array([r.seconds for r in rows])
     weights = [r.weight for r in rows]

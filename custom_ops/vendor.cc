@@ -1,0 +1,630 @@
+// The vendor path on CUDA (vendor.h): planning a node call as one cuBLAS GEMM plus an epilogue, calling the
+// cuBLAS that ONNX Runtime already loaded, and the epilogue's PTX kernel.
+#include "vendor.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+#include "bundle_impl.h"
+#include "shapes.h"
+
+namespace dietcode {
+namespace {
+
+constexpr int32_t kCudaR32F = 0, kCudaR16F = 2, kCudaR16BF = 14;
+constexpr int32_t kCompute32F = 68, kCompute32FFastTf32 = 77;
+constexpr int kGemmDefault = -1;  // cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
+constexpr int32_t kCudnnFloat = 0, kCudnnHalf = 2, kCudnnBfloat16 = 9;  // cudnnDataType_t
+constexpr int32_t kCudnnDefaultMath = 0, kCudnnTensorOpMath = 1, kCudnnFmaMath = 3;  // cudnnMathType_t
+constexpr int kCudnnNchw = 0, kCudnnCrossCorrelation = 1, kCudnnFwdImplicitGemm = 0;
+
+int Refuse(const std::string& message) {
+  SetError(message);
+  return 0;
+}
+
+int Invalid(const std::string& message) {
+  SetError(message);
+  return -1;
+}
+
+std::string ShapeText(const Shape& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
+int64_t Product(const Shape& s, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= s[i];
+  return p;
+}
+
+// The epilogue's bias indexing for a bias of shape `bias` broadcast onto `out` (viewed as [rows, cols]):
+// the bias may vary along the last dim and along a trailing run of the leading dims, nothing else.
+int PlanBias(const Shape& bias, const Shape& out, dc_epilogue* p) {
+  const size_t L = std::max<size_t>(out.size(), 1);
+  if (bias.size() > L) return Invalid("bias " + ShapeText(bias) + " has a higher rank than the output " + ShapeText(out));
+  Shape o = out.empty() ? Shape{1} : out, bd(L, 1);
+  std::copy(bias.begin(), bias.end(), bd.begin() + (L - bias.size()));
+  for (size_t i = 0; i < L; ++i) {
+    if (bd[i] != 1 && bd[i] != o[i]) {
+      return Invalid("bias " + ShapeText(bias) + " does not broadcast to the output " + ShapeText(out));
+    }
+  }
+  p->bias_cs = bd[L - 1] == o[L - 1] && o[L - 1] > 1 ? 1 : 0;
+  size_t j = L - 1;  // leading dims [j, L-1) are the bias's own (bd == o); before them, bd must be 1
+  while (j > 0 && bd[j - 1] == o[j - 1]) --j;
+  for (size_t i = 0; i < j; ++i) {
+    if (bd[i] != 1) {
+      return Refuse("bias " + ShapeText(bias) + " varies along non-adjacent output dims of " + ShapeText(out) +
+                    "; the vendor epilogue indexes a bias along the last dim and trailing leading dims only");
+    }
+  }
+  p->bias_rows = Product(o, j, L - 1);
+  p->bias_rs = bd[L - 1];
+  p->has_bias = 1;
+  return 1;
+}
+
+bool FitsInt32(int64_t v) { return v >= 0 && v <= INT32_MAX; }
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c,
+                                 size_t rc, int trans_a, int trans_b, float alpha, float beta, int dtype, int activation,
+                                 int tf32, dc_gemm_plan* out) {
+  using namespace dietcode;
+  if (out == nullptr || (ra && a == nullptr) || (rb && b == nullptr) || (rc && c == nullptr)) {
+    return Invalid("null argument");
+  }
+  if (op != 0 && op != 1) return Invalid("op " + std::to_string(op) + " has no GEMM form (0 MatMul, 1 Gemm)");
+  if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
+  if (activation < 0 || activation > 2) return Invalid("activation " + std::to_string(activation) + " (0, 1, 2)");
+  const Shape sa(a, a + ra), sb(b, b + rb);
+  Shape shape;
+  std::string error;
+  dc_gemm_plan p{};
+  int64_t M = 0, N = 0, K = 0;
+  if (op == 0) {
+    if (!MatMulShape(sa, sb, &shape, &error)) return Invalid(error);
+    M = ra == 1 ? 1 : sa[ra - 2];
+    K = sa[ra - 1];
+    N = rb == 1 ? 1 : sb[rb - 1];
+    const int64_t a_batch = ra > 2 ? Product(sa, 0, ra - 2) : 1, b_batch = rb > 2 ? Product(sb, 0, rb - 2) : 1;
+    // output batch entries: the product of the broadcast batch dims (the output drops a 1-D operand's dim)
+    const size_t batch_dims = shape.size() - (ra > 1 ? 1 : 0) - (rb > 1 ? 1 : 0);
+    const int64_t total = Product(shape, 0, batch_dims);
+    p.trans_x = p.trans_y = 0;
+    p.ldx = static_cast<int32_t>(std::min<int64_t>(N, INT32_MAX));
+    p.ldy = static_cast<int32_t>(std::min<int64_t>(K, INT32_MAX));
+    if (b_batch == 1 && a_batch == total && FitsInt32(total * M)) {
+      M *= total;  // A's batch folds into its rows: one GEMM against the shared B
+      p.batch = 1;
+    } else if (b_batch == 1 && a_batch == total) {
+      p.batch = static_cast<int32_t>(std::min<int64_t>(total, INT32_MAX));
+      p.stride_x = 0, p.stride_y = M * K, p.stride_c = M * N;
+    } else if (a_batch == 1 && b_batch == total) {
+      p.batch = static_cast<int32_t>(std::min<int64_t>(total, INT32_MAX));
+      p.stride_x = K * N, p.stride_y = 0, p.stride_c = M * N;
+    } else if (a_batch == total && b_batch == total) {
+      p.batch = static_cast<int32_t>(std::min<int64_t>(total, INT32_MAX));
+      p.stride_x = K * N, p.stride_y = M * K, p.stride_c = M * N;
+    } else {
+      return Refuse("MatMul " + ShapeText(sa) + " x " + ShapeText(sb) + " broadcasts both batch shapes; the vendor "
+                    "path runs one strided-batched cuBLAS call and cannot express it");
+    }
+    if (!FitsInt32(total)) return Refuse("batch " + std::to_string(total) + " exceeds cuBLAS's int32 batch count");
+  } else {
+    GemmAttrs attrs;
+    attrs.trans_a = trans_a, attrs.trans_b = trans_b, attrs.alpha = alpha, attrs.beta = beta;
+    if (!GemmShape(sa, sb, attrs, &shape, &error)) return Invalid(error);
+    M = shape[0], N = shape[1];
+    K = trans_a ? sa[0] : sa[1];
+    p.trans_x = trans_b ? 1 : 0;  // B stored [N, K] is column-major [K, N]: transpose to x = [N, K]
+    p.ldx = static_cast<int32_t>(std::min<int64_t>(trans_b ? K : N, INT32_MAX));
+    p.trans_y = trans_a ? 1 : 0;  // A stored [K, M] is column-major [M, K]: transpose to y = [K, M]
+    p.ldy = static_cast<int32_t>(std::min<int64_t>(trans_a ? M : K, INT32_MAX));
+    p.batch = 1;
+  }
+  if (!FitsInt32(M) || !FitsInt32(N) || !FitsInt32(K)) {
+    return Refuse("M=" + std::to_string(M) + ", N=" + std::to_string(N) + ", K=" + std::to_string(K) +
+                  " exceed cuBLAS's int32 sizes");
+  }
+  // cuBLAS requires leading dimensions >= 1 even for empty operands.
+  p.m = static_cast<int32_t>(N), p.n = static_cast<int32_t>(M), p.k = static_cast<int32_t>(K);
+  p.ldx = std::max(p.ldx, 1), p.ldy = std::max(p.ldy, 1), p.ldc = static_cast<int32_t>(std::max<int64_t>(N, 1));
+  p.data_type = dtype == 0 ? kCudaR32F : dtype == 1 ? kCudaR16F : kCudaR16BF;
+  p.compute_type = dtype == 0 && tf32 ? kCompute32FFastTf32 : kCompute32F;
+  p.alpha = op == 1 ? alpha : 1.0f;
+  dc_epilogue& e = p.epilogue;
+  e.dtype = dtype;
+  e.activation = activation;
+  e.cols = shape.empty() ? 1 : shape.back();
+  e.rows = e.cols > 0 ? NumElements(shape) / e.cols : 0;
+  e.bias_rows = 1;
+  e.bias_scale = op == 1 ? beta : 1.0f;
+  if (c != nullptr && !(op == 1 && beta == 0.0f)) {
+    const int rc_ok = PlanBias(Shape(c, c + rc), shape, &e);
+    if (rc_ok != 1) return rc_ok;
+  }
+  *out = p;
+  return 1;
+}
+
+extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b,
+                                 size_t rb, const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                 int64_t group, int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out) {
+  using namespace dietcode;
+  if (out == nullptr || x == nullptr || w == nullptr || (rb && b == nullptr) || strides == nullptr ||
+      pads == nullptr || dilations == nullptr) {
+    return Invalid("null argument");
+  }
+  if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
+  if (activation < 0 || activation > 2) return Invalid("activation " + std::to_string(activation) + " (0, 1, 2)");
+  if (auto_pad < 0 || auto_pad > 3) return Invalid("auto_pad " + std::to_string(auto_pad) + " (0..3)");
+  if (rx != 4 || rw != 4) {
+    return Refuse("Conv with X of rank " + std::to_string(rx) + ": the vendor path runs 2-D convolutions only");
+  }
+  const Shape sx(x, x + rx), sw(w, w + rw);
+  ConvAttrs attrs;
+  attrs.strides = {strides[0], strides[1]};
+  attrs.dilations = {dilations[0], dilations[1]};
+  attrs.pads = {pads[0], pads[1], pads[2], pads[3]};
+  attrs.group = group;
+  attrs.auto_pad = auto_pad == 0 ? "NOTSET" : auto_pad == 1 ? "SAME_UPPER" : auto_pad == 2 ? "SAME_LOWER" : "VALID";
+  Shape shape;
+  std::string error;
+  if (!ConvShape(sx, sw, attrs, &shape, &error)) return Invalid(error);
+  // The pads ONNX applies: explicit, or those auto_pad implies (ONNX: the extra one goes at the end for
+  // SAME_UPPER, at the beginning for SAME_LOWER).
+  int64_t begin[2], end[2];
+  for (int i = 0; i < 2; ++i) {
+    const int64_t in = sx[2 + i], k = sw[2 + i], s = strides[i], d = dilations[i];
+    if (auto_pad == 0) {
+      begin[i] = pads[i], end[i] = pads[2 + i];
+    } else if (auto_pad == 3) {
+      begin[i] = end[i] = 0;
+    } else {
+      const int64_t total = std::max<int64_t>(0, (shape[2 + i] - 1) * s + d * (k - 1) + 1 - in);
+      begin[i] = auto_pad == 1 ? total / 2 : total - total / 2;
+      end[i] = total - begin[i];
+    }
+  }
+  if (begin[0] != end[0] || begin[1] != end[1]) {
+    return Refuse("Conv pads (top " + std::to_string(begin[0]) + ", left " + std::to_string(begin[1]) + ", bottom " +
+                  std::to_string(end[0]) + ", right " + std::to_string(end[1]) + ") are asymmetric; cuDNN's "
+                  "convolution descriptor takes symmetric pads only");
+  }
+  for (int i = 0; i < 2; ++i) {  // cuDNN's output size must be ONNX's
+    const int64_t o = (sx[2 + i] + 2 * begin[i] - dilations[i] * (sw[2 + i] - 1) - 1) / strides[i] + 1;
+    if (o != shape[2 + i]) {
+      return Refuse("cuDNN's output size " + std::to_string(o) + " differs from ONNX's " + std::to_string(shape[2 + i]) +
+                    " on spatial dim " + std::to_string(i));
+    }
+  }
+  for (int64_t v : {sx[0], sx[1], sx[2], sx[3], sw[0], sw[1], sw[2], sw[3], shape[2], shape[3], begin[0], begin[1],
+                    int64_t{strides[0]}, int64_t{strides[1]}, int64_t{dilations[0]}, int64_t{dilations[1]}, group}) {
+    if (!FitsInt32(v)) return Refuse("Conv sizes past int32 (cuDNN's 4-D descriptors take int)");
+  }
+  dc_conv_plan p{};
+  p.n = static_cast<int32_t>(sx[0]), p.c = static_cast<int32_t>(sx[1]);
+  p.h = static_cast<int32_t>(sx[2]), p.w = static_cast<int32_t>(sx[3]);
+  p.k = static_cast<int32_t>(sw[0]), p.kc = static_cast<int32_t>(sw[1]);
+  p.kh = static_cast<int32_t>(sw[2]), p.kw = static_cast<int32_t>(sw[3]);
+  p.group = static_cast<int32_t>(group);
+  p.pad_h = static_cast<int32_t>(begin[0]), p.pad_w = static_cast<int32_t>(begin[1]);
+  p.stride_h = static_cast<int32_t>(strides[0]), p.stride_w = static_cast<int32_t>(strides[1]);
+  p.dil_h = static_cast<int32_t>(dilations[0]), p.dil_w = static_cast<int32_t>(dilations[1]);
+  p.out_h = static_cast<int32_t>(shape[2]), p.out_w = static_cast<int32_t>(shape[3]);
+  p.data_type = dtype == 0 ? kCudnnFloat : dtype == 1 ? kCudnnHalf : kCudnnBfloat16;
+  // ORT's CUDA EP: the default math type lets cuDNN use TF32 for float32; use_tf32=0 asks for FMA math.
+  p.math_type = dtype == 0 ? (tf32 ? kCudnnDefaultMath : kCudnnFmaMath) : kCudnnTensorOpMath;
+  dc_epilogue& e = p.epilogue;  // the output [N, K, OH, OW] as [N*K, OH*OW]: B is indexed by row % K
+  e.dtype = dtype;
+  e.activation = activation;
+  e.cols = shape[2] * shape[3];
+  e.rows = shape[0] * shape[1];
+  e.bias_rows = 1;
+  e.bias_scale = 1.0f;
+  if (b != nullptr) {
+    if (!(rb == 1 && b[0] == sw[0])) {
+      return Invalid("Conv's B must be 1-D with one value per output channel (" + std::to_string(sw[0]) + ")");
+    }
+    e.has_bias = 1, e.bias_rows = sw[0], e.bias_rs = 1, e.bias_cs = 0;
+  }
+  *out = p;
+  return 1;
+}
+
+// --- cuBLAS, resolved at run time ---------------------------------------------------------------------------
+
+namespace dietcode {
+namespace {
+
+using GemmExFn = int (*)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                         const void*, void*, int, int, int, int);
+using GemmStridedBatchedExFn = int (*)(void*, int, int, int, int, int, const void*, const void*, int, int, long long,
+                                       const void*, int, int, long long, const void*, void*, int, int, long long, int,
+                                       int, int);
+using SetStreamFn = int (*)(void*, void*);
+using GetStreamFn = int (*)(void*, void**);
+
+struct Cublas {
+  std::string origin;
+  GemmExFn gemm_ex = nullptr;
+  GemmStridedBatchedExFn gemm_strided_batched_ex = nullptr;
+  SetStreamFn set_stream = nullptr;
+  GetStreamFn get_stream = nullptr;
+};
+
+std::mutex g_cublas_mutex;
+std::atomic<const Cublas*> g_cublas{nullptr};  // loaded tables are kept for the process (never freed)
+
+const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) {
+  auto* t = new Cublas;
+  t->origin = origin;
+  t->gemm_ex = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
+  t->gemm_strided_batched_ex = reinterpret_cast<GemmStridedBatchedExFn>(dlsym(lib, "cublasGemmStridedBatchedEx"));
+  // cublas_v2.h maps cublasSetStream/cublasGetStream to the _v2 symbols; take the plain names where a
+  // release exports only those
+  t->set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
+  if (t->set_stream == nullptr) t->set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream"));
+  t->get_stream = reinterpret_cast<GetStreamFn>(dlsym(lib, "cublasGetStream_v2"));
+  if (t->get_stream == nullptr) t->get_stream = reinterpret_cast<GetStreamFn>(dlsym(lib, "cublasGetStream"));
+  if (t->gemm_ex == nullptr || t->gemm_strided_batched_ex == nullptr || t->set_stream == nullptr ||
+      t->get_stream == nullptr) {
+    *error = origin + " lacks cublasGemmEx, cublasGemmStridedBatchedEx, cublasSetStream_v2 or cublasGetStream_v2";
+    delete t;
+    return nullptr;
+  }
+  return t;
+}
+
+const Cublas* LoadCublas(const char* path, std::string* error) {
+  if (path == nullptr) {
+    if (const Cublas* loaded = g_cublas.load()) return loaded;  // the per-call path: no lock
+  }
+  std::lock_guard<std::mutex> lock(g_cublas_mutex);
+  if (path == nullptr) {
+    if (const Cublas* loaded = g_cublas.load()) return loaded;
+    // The EP links cuBLAS, so when it runs one of these is in the process; RTLD_NOLOAD never loads a second.
+    for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11"}) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      const Cublas* t = Resolve(lib, name, error);
+      if (t != nullptr) g_cublas.store(t);
+      return t;
+    }
+    *error = "no cuBLAS in this process (libcublas.so.13, .12 or .11): the vendor path calls the cuBLAS that "
+             "ONNX Runtime's CUDA execution provider loads, and it has not loaded one";
+    return nullptr;
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
+    return nullptr;
+  }
+  const Cublas* t = Resolve(lib, path, error);
+  if (t != nullptr) g_cublas.store(t);
+  return t;
+}
+
+// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) in fp32.
+// GELU is the erf form ONNX specifies (approximate="none"): erf by Abramowitz & Stegun 7.1.26 (absolute
+// error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)).
+std::string EpiloguePtx(int dtype) {
+  const bool f32 = dtype == 0, bf16 = dtype == 2;
+  const char* shift = f32 ? "2" : "1";
+  std::string load = f32 ? "ld.global.f32 %fD, [%ADDR];\n"
+                     : bf16 ? "ld.global.b16 %h1, [%ADDR];\n  cvt.u32.u16 %r6, %h1;\n  shl.b32 %r6, %r6, 16;\n"
+                              "  mov.b32 %fD, %r6;\n"
+                            : "ld.global.b16 %h1, [%ADDR];\n  cvt.f32.f16 %fD, %h1;\n";
+  std::string store = f32 ? "st.global.f32 [%rd12], %f2;\n"
+                      : bf16 ? "cvt.rn.bf16.f32 %h1, %f2;\n  st.global.b16 [%rd12], %h1;\n"
+                             : "cvt.rn.f16.f32 %h1, %f2;\n  st.global.b16 [%rd12], %h1;\n";
+  auto sub = [](std::string s, const std::string& d, const std::string& addr) {
+    for (size_t at; (at = s.find("%fD")) != std::string::npos;) s.replace(at, 3, d);
+    for (size_t at; (at = s.find("%ADDR")) != std::string::npos;) s.replace(at, 5, addr);
+    return s;
+  };
+  std::string ptx;
+  ptx += ".version 7.0\n";
+  ptx += bf16 ? ".target sm_80\n" : ".target sm_70\n";  // cvt.rn.bf16.f32 needs sm_80
+  ptx += ".address_size 64\n\n";
+  ptx += ".visible .entry dc_epilogue(\n"
+         "  .param .u64 p_y, .param .u64 p_bias, .param .u64 p_total, .param .u64 p_cols, .param .u64 p_brows,\n"
+         "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act)\n{\n";
+  ptx += "  .reg .pred %p<8>;\n  .reg .b16 %h<4>;\n  .reg .b32 %r<8>;\n  .reg .f32 %f<24>;\n  .reg .b64 %rd<24>;\n\n";
+  ptx += "  ld.param.u64 %rd1, [p_y];\n  ld.param.u64 %rd2, [p_bias];\n  ld.param.u64 %rd3, [p_total];\n"
+         "  ld.param.u64 %rd4, [p_cols];\n  ld.param.u64 %rd5, [p_brows];\n  ld.param.u64 %rd6, [p_brs];\n"
+         "  ld.param.u64 %rd7, [p_bcs];\n  ld.param.f32 %f1, [p_scale];\n  ld.param.u32 %r1, [p_act];\n";
+  ptx += "  setp.ne.u64 %p2, %rd2, 0;\n  cvta.to.global.u64 %rd1, %rd1;\n  cvta.to.global.u64 %rd2, %rd2;\n";
+  ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mov.u32 %r5, %nctaid.x;\n"
+         "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd8, %rd8, %rd9;\n"
+         "  mul.wide.u32 %rd10, %r5, %r3;\n";
+  ptx += "$Lloop:\n  setp.ge.u64 %p1, %rd8, %rd3;\n  @%p1 bra $Ldone;\n";
+  ptx += std::string("  shl.b64 %rd11, %rd8, ") + shift + ";\n  add.u64 %rd12, %rd1, %rd11;\n";
+  ptx += "  " + sub(load, "%f2", "%rd12");
+  ptx += "  @!%p2 bra $Lact;\n";
+  ptx += "  div.u64 %rd13, %rd8, %rd4;\n  mul.lo.u64 %rd14, %rd13, %rd4;\n  sub.u64 %rd14, %rd8, %rd14;\n"
+         "  rem.u64 %rd15, %rd13, %rd5;\n  mul.lo.u64 %rd15, %rd15, %rd6;\n  mul.lo.u64 %rd16, %rd14, %rd7;\n"
+         "  add.u64 %rd15, %rd15, %rd16;\n";
+  ptx += std::string("  shl.b64 %rd15, %rd15, ") + shift + ";\n  add.u64 %rd15, %rd2, %rd15;\n";
+  ptx += "  " + sub(load, "%f3", "%rd15");
+  ptx += "  fma.rn.f32 %f2, %f3, %f1, %f2;\n";
+  ptx += "$Lact:\n  setp.eq.u32 %p3, %r1, 1;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
+         "  setp.eq.u32 %p4, %r1, 2;\n  @!%p4 bra $Lstore;\n";
+  // gelu(x) = 0.5 x (1 + erf(x / sqrt(2)))
+  ptx += "  mul.f32 %f4, %f2, 0f3F3504F3;\n"           // z = x / sqrt(2)
+         "  abs.f32 %f5, %f4;\n"
+         "  fma.rn.f32 %f6, %f5, 0f3EA7BA05, 0f3F800000;\n"  // 1 + p |z|, p = 0.3275911
+         "  rcp.rn.f32 %f7, %f6;\n"                          // t
+         "  fma.rn.f32 %f8, %f7, 0f3F87DC22, 0fBFBA00E3;\n"  // a5 t + a4
+         "  fma.rn.f32 %f8, %f8, %f7, 0f3FB5F0E3;\n"         // .. t + a3
+         "  fma.rn.f32 %f8, %f8, %f7, 0fBE91A98E;\n"         // .. t + a2
+         "  fma.rn.f32 %f8, %f8, %f7, 0f3E827906;\n"         // .. t + a1
+         "  mul.f32 %f8, %f8, %f7;\n"                        // poly(t)
+         "  mul.f32 %f9, %f5, %f5;\n"
+         "  mul.f32 %f9, %f9, 0fBFB8AA3B;\n"                 // -z^2 log2(e)
+         "  ex2.approx.f32 %f10, %f9;\n"                     // exp(-z^2)
+         "  mul.f32 %f11, %f8, %f10;\n"
+         "  sub.f32 %f12, 0f3F800000, %f11;\n"               // erf(|z|)
+         "  copysign.f32 %f12, %f4, %f12;\n"                 // erf(z)
+         "  add.f32 %f13, %f12, 0f3F800000;\n"
+         "  mul.f32 %f14, %f2, 0f3F000000;\n"
+         "  mul.f32 %f2, %f14, %f13;\n";
+  ptx += "$Lstore:\n  " + store;
+  ptx += "  add.u64 %rd8, %rd8, %rd10;\n  bra $Lloop;\n$Ldone:\n  ret;\n}\n";
+  return ptx;
+}
+
+const std::string& EpiloguePtxFor(int dtype) {
+  static const std::string texts[3] = {EpiloguePtx(0), EpiloguePtx(1), EpiloguePtx(2)};
+  return texts[dtype];
+}
+
+int Fail(const std::string& message) {
+  SetError(message);
+  return -1;
+}
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+int dc_vendor_cublas_load(const char* path) {
+  std::string error;
+  return dietcode::LoadCublas(path, &error) != nullptr ? 0 : dietcode::Fail(error);
+}
+
+int dc_vendor_gemm(const dc_gemm_plan* p, const void* a, const void* b, void* c, void* handle, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr) return Fail("null plan");
+  if (handle == nullptr) return Fail("no cuBLAS handle (ONNX Runtime gave none for this stream)");
+  std::string error;
+  const dietcode::Cublas* cb = dietcode::LoadCublas(nullptr, &error);
+  if (cb == nullptr) return Fail(error);
+  // ORT binds each stream's handle to that stream when it creates it (CudaStream's constructor); bind it only
+  // if it is not, since cublasSetStream also resets the handle's workspace to the default pool.
+  void* bound = nullptr;
+  int st = cb->get_stream(handle, &bound);
+  if (st == 0 && bound != stream) st = cb->set_stream(handle, stream);
+  if (st != 0) return Fail("binding ORT's cuBLAS handle to its stream failed with cuBLAS status " + std::to_string(st));
+  const float alpha = p->alpha, beta = 0.0f;  // alpha/beta are float for every compute type used here
+  if (p->batch <= 1) {
+    st = cb->gemm_ex(handle, p->trans_x, p->trans_y, p->m, p->n, p->k, &alpha, b, p->data_type, p->ldx, a,
+                     p->data_type, p->ldy, &beta, c, p->data_type, p->ldc, p->compute_type, dietcode::kGemmDefault);
+  } else {
+    st = cb->gemm_strided_batched_ex(handle, p->trans_x, p->trans_y, p->m, p->n, p->k, &alpha, b, p->data_type,
+                                     p->ldx, p->stride_x, a, p->data_type, p->ldy, p->stride_y, &beta, c,
+                                     p->data_type, p->ldc, p->stride_c, p->batch, p->compute_type,
+                                     dietcode::kGemmDefault);
+  }
+  if (st != 0) {
+    return Fail(std::string(p->batch <= 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx") + " (" + cb->origin +
+                ") failed with cuBLAS status " + std::to_string(st) + " for m=" + std::to_string(p->m) +
+                " n=" + std::to_string(p->n) + " k=" + std::to_string(p->k) + " batch=" + std::to_string(p->batch));
+  }
+  return 0;
+}
+
+const char* dc_vendor_epilogue_ptx(int dtype) {
+  return dtype >= 0 && dtype <= 2 ? dietcode::EpiloguePtxFor(dtype).c_str() : nullptr;
+}
+
+int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr) return Fail("null epilogue");
+  if (!p->has_bias && p->activation == 0) return 0;
+  const int dtype = p->dtype;
+  if (dtype < 0 || dtype > 2) return Fail("epilogue dtype " + std::to_string(dtype));
+  uint64_t total = static_cast<uint64_t>(p->rows) * static_cast<uint64_t>(p->cols);
+  if (total == 0) return 0;
+  if (p->has_bias && bias == nullptr) return Fail("the plan adds a bias but none was given");
+  uint64_t y = reinterpret_cast<uint64_t>(c), bias_ptr = p->has_bias ? reinterpret_cast<uint64_t>(bias) : 0;
+  uint64_t cols = static_cast<uint64_t>(std::max<int64_t>(p->cols, 1));
+  uint64_t brows = static_cast<uint64_t>(std::max<int64_t>(p->bias_rows, 1));
+  uint64_t brs = static_cast<uint64_t>(p->bias_rs), bcs = static_cast<uint64_t>(p->bias_cs);
+  float scale = p->bias_scale;
+  uint32_t act = static_cast<uint32_t>(p->activation);
+  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act};
+  constexpr unsigned kBlock = 256;
+  const uint64_t blocks = std::min<uint64_t>((total + kBlock - 1) / kBlock, 65536);  // the loop covers the rest
+  std::string error;
+  if (!dietcode::LaunchPtx(dc_vendor_epilogue_ptx(dtype), "dc_epilogue", static_cast<unsigned>(blocks), kBlock,
+                           params, stream, &error)) {
+    return Fail("vendor epilogue: " + error);
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+// --- cuDNN, resolved at run time ----------------------------------------------------------------------------
+
+namespace dietcode {
+namespace {
+
+struct Cudnn {
+  std::string origin;
+  int (*create_tensor)(void**) = nullptr;
+  int (*set_tensor_4d)(void*, int, int, int, int, int, int) = nullptr;
+  int (*destroy_tensor)(void*) = nullptr;
+  int (*create_filter)(void**) = nullptr;
+  int (*set_filter_4d)(void*, int, int, int, int, int, int) = nullptr;
+  int (*destroy_filter)(void*) = nullptr;
+  int (*create_conv)(void**) = nullptr;
+  int (*set_conv_2d)(void*, int, int, int, int, int, int, int, int) = nullptr;
+  int (*set_group_count)(void*, int) = nullptr;
+  int (*set_math_type)(void*, int) = nullptr;
+  int (*destroy_conv)(void*) = nullptr;
+  int (*forward)(void*, const void*, void*, const void*, void*, const void*, void*, int, void*, size_t, const void*,
+                 void*, void*) = nullptr;
+  int (*set_stream)(void*, void*) = nullptr;
+  int (*get_stream)(void*, void**) = nullptr;
+  const char* (*error_string)(int) = nullptr;
+};
+
+std::mutex g_cudnn_mutex;
+std::atomic<const Cudnn*> g_cudnn{nullptr};  // loaded tables are kept for the process (never freed)
+
+template <typename F>
+void Sym(void* lib, const char* name, F* fn, std::string* missing) {
+  *fn = reinterpret_cast<F>(dlsym(lib, name));
+  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+}
+
+const Cudnn* ResolveCudnn(void* lib, const std::string& origin, std::string* error) {
+  auto* t = new Cudnn;
+  t->origin = origin;
+  std::string missing;
+  Sym(lib, "cudnnCreateTensorDescriptor", &t->create_tensor, &missing);
+  Sym(lib, "cudnnSetTensor4dDescriptor", &t->set_tensor_4d, &missing);
+  Sym(lib, "cudnnDestroyTensorDescriptor", &t->destroy_tensor, &missing);
+  Sym(lib, "cudnnCreateFilterDescriptor", &t->create_filter, &missing);
+  Sym(lib, "cudnnSetFilter4dDescriptor", &t->set_filter_4d, &missing);
+  Sym(lib, "cudnnDestroyFilterDescriptor", &t->destroy_filter, &missing);
+  Sym(lib, "cudnnCreateConvolutionDescriptor", &t->create_conv, &missing);
+  Sym(lib, "cudnnSetConvolution2dDescriptor", &t->set_conv_2d, &missing);
+  Sym(lib, "cudnnSetConvolutionGroupCount", &t->set_group_count, &missing);
+  Sym(lib, "cudnnSetConvolutionMathType", &t->set_math_type, &missing);
+  Sym(lib, "cudnnDestroyConvolutionDescriptor", &t->destroy_conv, &missing);
+  Sym(lib, "cudnnConvolutionForward", &t->forward, &missing);
+  Sym(lib, "cudnnSetStream", &t->set_stream, &missing);
+  Sym(lib, "cudnnGetStream", &t->get_stream, &missing);
+  Sym(lib, "cudnnGetErrorString", &t->error_string, &missing);
+  if (!missing.empty()) {
+    *error = origin + " lacks " + missing;
+    delete t;
+    return nullptr;
+  }
+  return t;
+}
+
+const Cudnn* LoadCudnn(const char* path, std::string* error) {
+  if (path == nullptr) {
+    if (const Cudnn* loaded = g_cudnn.load()) return loaded;  // the per-call path: no lock
+  }
+  std::lock_guard<std::mutex> lock(g_cudnn_mutex);
+  if (path == nullptr) {
+    if (const Cudnn* loaded = g_cudnn.load()) return loaded;
+    for (const char* name : {"libcudnn.so.9", "libcudnn.so.8"}) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      const Cudnn* t = ResolveCudnn(lib, name, error);
+      if (t != nullptr) g_cudnn.store(t);
+      return t;
+    }
+    *error = "no cuDNN in this process (libcudnn.so.9 or .8): the vendor path calls the cuDNN that ONNX "
+             "Runtime's CUDA execution provider loads, and it has not loaded one";
+    return nullptr;
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
+    return nullptr;
+  }
+  const Cudnn* t = ResolveCudnn(lib, path, error);
+  if (t != nullptr) g_cudnn.store(t);
+  return t;
+}
+
+// The three descriptors of one call, destroyed with the scope.
+struct ConvDescriptors {
+  const Cudnn& dnn;
+  void *x = nullptr, *y = nullptr, *w = nullptr, *conv = nullptr;
+  explicit ConvDescriptors(const Cudnn& d) : dnn(d) {}
+  ~ConvDescriptors() {
+    if (x) dnn.destroy_tensor(x);
+    if (y) dnn.destroy_tensor(y);
+    if (w) dnn.destroy_filter(w);
+    if (conv) dnn.destroy_conv(conv);
+  }
+};
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+int dc_vendor_cudnn_load(const char* path) {
+  std::string error;
+  return dietcode::LoadCudnn(path, &error) != nullptr ? 0 : dietcode::Fail(error);
+}
+
+int dc_vendor_conv(const dc_conv_plan* p, const void* x, const void* w, void* y, void* handle, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr) return Fail("null plan");
+  if (handle == nullptr) return Fail("no cuDNN handle (ONNX Runtime gave none for this stream)");
+  std::string error;
+  const dietcode::Cudnn* dnn = dietcode::LoadCudnn(nullptr, &error);
+  if (dnn == nullptr) return Fail(error);
+  auto check = [&](int st, const char* what) {
+    if (st == 0) return true;
+    const char* text = dnn->error_string(st);
+    error = std::string(what) + " (" + dnn->origin + ") failed: " + (text ? text : "") + " (cuDNN status " +
+            std::to_string(st) + ")";
+    return false;
+  };
+  // ORT binds each stream's handle to that stream when it creates it; rebind only if it is bound elsewhere.
+  void* bound = nullptr;
+  if (!check(dnn->get_stream(handle, &bound), "cudnnGetStream")) return Fail(error);
+  if (bound != stream && !check(dnn->set_stream(handle, stream), "cudnnSetStream")) return Fail(error);
+  dietcode::ConvDescriptors d(*dnn);
+  const int nchw = dietcode::kCudnnNchw;
+  const bool ok =
+      check(dnn->create_tensor(&d.x), "cudnnCreateTensorDescriptor") &&
+      check(dnn->set_tensor_4d(d.x, nchw, p->data_type, p->n, p->c, p->h, p->w), "cudnnSetTensor4dDescriptor (X)") &&
+      check(dnn->create_tensor(&d.y), "cudnnCreateTensorDescriptor") &&
+      check(dnn->set_tensor_4d(d.y, nchw, p->data_type, p->n, p->k, p->out_h, p->out_w),
+            "cudnnSetTensor4dDescriptor (Y)") &&
+      check(dnn->create_filter(&d.w), "cudnnCreateFilterDescriptor") &&
+      check(dnn->set_filter_4d(d.w, p->data_type, nchw, p->k, p->kc, p->kh, p->kw), "cudnnSetFilter4dDescriptor") &&
+      check(dnn->create_conv(&d.conv), "cudnnCreateConvolutionDescriptor") &&
+      check(dnn->set_conv_2d(d.conv, p->pad_h, p->pad_w, p->stride_h, p->stride_w, p->dil_h, p->dil_w,
+                             dietcode::kCudnnCrossCorrelation, dietcode::kCudnnFloat),
+            "cudnnSetConvolution2dDescriptor") &&
+      check(dnn->set_group_count(d.conv, p->group), "cudnnSetConvolutionGroupCount") &&
+      check(dnn->set_math_type(d.conv, p->math_type), "cudnnSetConvolutionMathType");
+  if (!ok) return Fail(error);
+  const float alpha = 1.0f, beta = 0.0f;  // float scaling for float, half and bfloat16 data
+  if (!check(dnn->forward(handle, &alpha, d.x, x, d.w, w, d.conv, dietcode::kCudnnFwdImplicitGemm, nullptr, 0, &beta,
+                          d.y, y),
+             "cudnnConvolutionForward")) {
+    return Fail(error);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,121 @@
+// The vendor path on CUDA: a node call that no compiled kernel takes (a "vendor" leaf of the dispatch tree, a
+// kernel unfit for the device, a per-call hazard) runs as one cuBLAS GEMM (MatMul, Gemm) or one cuDNN
+// convolution (Conv) on ONNX Runtime's own handles and compute stream, then the fused epilogue (bias,
+// activation) as a small PTX kernel on the same stream.
+//
+// Why not ORT's own kernel (Ort::Op / InvokeOp): InvokeOp runs the kernel in a StandAloneKernelContext whose
+// GetComputeStream() returns nullptr (onnxruntime/core/session/standalone_op_invoker.cc), and the CUDA EP's
+// kernels take their cuBLAS/cuDNN handles from that stream (CudaKernel::GetCublasHandle(ctx) dereferences
+// static_cast<CudaStream*>(ctx->GetComputeStream())->cublas_handle_ in onnxruntime/core/providers/cuda/
+// cuda_kernel.h): a null dereference, or in releases that check for null, a null handle and work on the
+// legacy default stream, unordered with ORT's stream. The custom op's own context does have the stream, and
+// ORT hands its per-stream handles to custom ops through KernelContext_GetResource (CudaResource ids in
+// core/providers/cuda/cuda_resource.h: cuda_stream_t = 10000, cudnn_handle_t, cublas_handle_t; since 1.16).
+//
+// cuBLAS and cuDNN are never linked: dc_vendor_cublas_load / dc_vendor_cudnn_load find the libraries ORT's
+// CUDA EP already loaded (dlopen RTLD_NOLOAD of libcublas.so.13, .12, .11 and libcudnn.so.9, .8), or a given
+// file (a host-memory stand-in in the tests). The call planning (row-major node -> column-major cuBLAS call,
+// cuDNN descriptors, epilogue indexing) is pure functions, dc_gemm_plan_make and dc_conv_plan_make, so it is
+// tested without a GPU. See docs/abi.md ("The vendor path").
+#ifndef DIETCODE_VENDOR_H_
+#define DIETCODE_VENDOR_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The epilogue over the row-major output seen as [rows, cols] (element i: r = i / cols, c = i % cols):
+//   y = act(y + bias_scale * bias[(r % bias_rows) * bias_rs + c * bias_cs])   (the bias term when has_bias)
+typedef struct dc_epilogue {
+  int32_t dtype;                        // 0 float32, 1 float16, 2 bfloat16
+  int32_t has_bias, activation;         // activation: 0 none, 1 relu, 2 gelu (erf)
+  float bias_scale;                     // 1 for MatMul's bias and Conv's B, beta for Gemm's C
+  int64_t rows, cols, bias_rows, bias_rs, bias_cs;
+} dc_epilogue;
+
+// One node call as a cuBLAS call. cuBLAS is column-major: a row-major [r, c] matrix is its column-major
+// [c, r] transpose, so the row-major Y = op(A) op(B) is computed as the column-major Y^T = op(B)^T op(A)^T:
+// cuBLAS's first operand ("x") is the node's B, its second ("y") the node's A, m = N, n = M, k = K, ldc = N.
+typedef struct dc_gemm_plan {
+  int32_t trans_x, trans_y;             // cublasOperation_t of x (node B) and y (node A): 0 N, 1 T
+  int32_t m, n, k, ldx, ldy, ldc;       // cuBLAS sizes and leading dimensions (elements)
+  int64_t stride_x, stride_y, stride_c; // elements between batch entries; 0: that operand is broadcast
+  int32_t batch;                        // 1: cublasGemmEx; more: cublasGemmStridedBatchedEx
+  int32_t data_type;                    // cudaDataType of all three: 0 CUDA_R_32F, 2 CUDA_R_16F, 14 CUDA_R_16BF
+  int32_t compute_type;                 // cublasComputeType_t: 68 CUBLAS_COMPUTE_32F, 77 .._32F_FAST_TF32
+  float alpha;                          // host scalar (beta is 0: the output is overwritten)
+  dc_epilogue epilogue;
+} dc_gemm_plan;
+
+// Plan one call. op 0 = MatMul (c: the fused bias, NULL without), 1 = Gemm (trans_a, trans_b, alpha, beta;
+// c: Gemm's C, NULL without). dtype 0 float32, 1 float16, 2 bfloat16; activation 0/1/2; tf32 != 0 computes
+// float32 with TF32 tensor cores (ONNX Runtime's CUDA EP default, use_tf32=1). 1: planned; 0: the call has
+// no cuBLAS form here (mixed batch broadcasting, a bias broadcast the epilogue cannot index, sizes past
+// cuBLAS's int32; message in dc_last_error); -1: the shapes are invalid (message).
+int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c, size_t rc,
+                      int trans_a, int trans_b, float alpha, float beta, int dtype, int activation, int tf32,
+                      dc_gemm_plan* out);
+
+// One 2-D Conv call as cuDNN's legacy cudnnConvolutionForward (NCHW, cross-correlation, symmetric pads,
+// groups), with CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, which needs no workspace.
+typedef struct dc_conv_plan {
+  int32_t n, c, h, w;                   // X
+  int32_t k, kc, kh, kw;                // W: [k, kc = c / group, kh, kw]
+  int32_t group, pad_h, pad_w, stride_h, stride_w, dil_h, dil_w;
+  int32_t out_h, out_w;
+  int32_t data_type;                    // cudnnDataType_t: 0 FLOAT, 2 HALF, 9 BFLOAT16; compute type FLOAT
+  int32_t math_type;                    // cudnnMathType_t: 0 DEFAULT (TF32 allowed), 1 TENSOR_OP, 3 FMA (no TF32)
+  dc_epilogue epilogue;                 // Conv's B: one value per output channel
+} dc_conv_plan;
+
+// Plan one Conv call: x [N, C, H, W], w [K, C/group, KH, KW], b (Conv's B, [K]) or NULL; strides[2],
+// pads[4] (top, left, bottom, right), dilations[2], group; auto_pad 0 NOTSET, 1 SAME_UPPER, 2 SAME_LOWER,
+// 3 VALID. 1: planned; 0: no cuDNN form here (pads that stay asymmetric, not 2-D, sizes past int32; message);
+// -1: invalid shapes (message).
+int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b, size_t rb,
+                      const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t group,
+                      int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out);
+
+// Which cuBLAS the vendor path calls: path NULL = the libcublas this process already loaded (ONNX Runtime's
+// CUDA EP), path given = that file (loaded now). 0 on success, -1 with a message. Thread-safe.
+int dc_vendor_cublas_load(const char* path);
+
+// The GEMM part of a plan: the handle bound to `stream` (cublasSetStream unless it already is), then
+// cublasGemmEx or cublasGemmStridedBatchedEx with y = node A, x = node B, c = the node's output (device
+// pointers). Loads cuBLAS (path NULL) on first use. 0 on success, -1 with a message naming the cuBLAS status.
+int dc_vendor_gemm(const dc_gemm_plan* plan, const void* a, const void* b, void* c, void* cublas_handle,
+                   void* stream);
+
+// Which cuDNN the vendor path calls: as dc_vendor_cublas_load, for libcudnn.so.9 / .8.
+int dc_vendor_cudnn_load(const char* path);
+
+// The convolution part of a plan on `cudnn_handle` bound to `stream` (cudnnSetStream unless it already is):
+// descriptors, then cudnnConvolutionForward with alpha 1, beta 0. x, w, y: device pointers. Loads cuDNN
+// (path NULL) on first use. 0 on success, -1 with a message naming the cuDNN status.
+int dc_vendor_conv(const dc_conv_plan* plan, const void* x, const void* w, void* y, void* cudnn_handle,
+                   void* stream);
+
+// An epilogue on `stream` (the module loads once per CUDA context); nothing to do when it has neither a bias
+// nor an activation. 0 on success, -1 with a message.
+int dc_vendor_epilogue(const dc_epilogue* epilogue, void* c, const void* bias, void* stream);
+
+// The epilogue kernel's PTX for dtype 0/1/2 (entry "dc_epilogue"), NULL for another dtype.
+const char* dc_vendor_epilogue_ptx(int dtype);
+
+#ifdef __cplusplus
+}  // extern "C"
+
+#include <string>
+
+namespace dietcode {
+// Launch `entry` of the PTX module `ptx` (text that lives for the process) on `stream` with a 1-D grid,
+// loading the module once per CUDA context (launch.cc, which owns the driver). False with *error on failure.
+bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
+               std::string* error);
+}  // namespace dietcode
+#endif
+
+#endif  // DIETCODE_VENDOR_H_

@@ -1,0 +1,260 @@
+/* A host-memory stand-in for the cuBLAS and cuDNN entry points the vendor path calls (custom_ops/vendor.cc),
+ * with their real signatures and semantics (cuBLAS: column-major; cuDNN: NCHW cross-correlation with groups),
+ * so the tests drive dc_vendor_gemm and dc_vendor_conv with host pointers. It checks the arguments the real
+ * libraries check and records the last call for the tests. Data types: cuBLAS CUDA_R_32F (0), CUDA_R_16F (2),
+ * CUDA_R_16BF (14); cuDNN FLOAT (0), HALF (2), BFLOAT16 (9); accumulation in double. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { kOk = 0, kNotInitialized = 1, kInvalidValue = 7, kNotSupported = 15 };
+
+int fake_calls = 0;
+int fake_last_compute = -1;
+int fake_last_batch = -1;
+void* fake_last_stream = 0;
+void* fake_bound_stream = 0;
+
+static float half_to_float(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
+  float v = exp == 0 ? ldexpf((float)mant, -24) : exp == 31 ? (mant ? NAN : INFINITY) : ldexpf((float)(mant | 1024), exp - 25);
+  return sign ? -v : v;
+}
+
+static uint16_t float_to_half(float f) {
+  /* round to nearest even through the exact binary representation */
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  float a = fabsf(f);
+  if (isnan(f)) return (uint16_t)(sign | 0x7e00u);
+  if (a >= 65520.0f) return (uint16_t)(sign | 0x7c00u);
+  if (a < ldexpf(1.0f, -14)) { /* subnormal: units of 2^-24 */
+    float q = nearbyintf(ldexpf(a, 24));
+    return (uint16_t)(sign | (uint32_t)q);
+  }
+  int e;
+  float m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+  float q = nearbyintf(ldexpf(m, 11)); /* 11 significant bits */
+  if (q >= 2048.0f) { q /= 2.0f; e += 1; }
+  return (uint16_t)(sign | (uint32_t)((e + 14) << 10) | ((uint32_t)q & 1023u));
+}
+
+static float bf16_to_float(uint16_t h) {
+  uint32_t x = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &x, 4);
+  return f;
+}
+
+static uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if (isnan(f)) return (uint16_t)((x >> 16) | 0x40);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (uint16_t)(x >> 16);
+}
+
+static double load(const void* p, int type, int64_t i) {
+  if (type == 0) return ((const float*)p)[i];
+  if (type == 2) return half_to_float(((const uint16_t*)p)[i]);
+  return bf16_to_float(((const uint16_t*)p)[i]);
+}
+
+static void store(void* p, int type, int64_t i, double v) {
+  if (type == 0) ((float*)p)[i] = (float)v;
+  else if (type == 2) ((uint16_t*)p)[i] = float_to_half((float)v);
+  else ((uint16_t*)p)[i] = float_to_bf16((float)v);
+}
+
+static int gemm(void* handle, int transa, int transb, int m, int n, int k, const void* alpha, const void* A, int atype,
+                int lda, long long sa, const void* B, int btype, int ldb, long long sb, const void* beta, void* C,
+                int ctype, int ldc, long long sc, int batch, int compute, int algo) {
+  (void)algo;
+  if (handle == 0) return kNotInitialized;
+  if (m < 0 || n < 0 || k < 0 || batch < 0 || transa < 0 || transa > 1 || transb < 0 || transb > 1) return kInvalidValue;
+  if (lda < (transa == 0 ? (m > 1 ? m : 1) : (k > 1 ? k : 1))) return kInvalidValue;
+  if (ldb < (transb == 0 ? (k > 1 ? k : 1) : (n > 1 ? n : 1))) return kInvalidValue;
+  if (ldc < (m > 1 ? m : 1)) return kInvalidValue;
+  if (atype != btype || atype != ctype || (atype != 0 && atype != 2 && atype != 14)) return kNotSupported;
+  if (compute != 68 && compute != 77) return kNotSupported;
+  if (compute == 77 && atype != 0) return kNotSupported;
+  fake_calls++;
+  fake_last_compute = compute;
+  fake_last_batch = batch;
+  fake_last_stream = fake_bound_stream;
+  const float al = *(const float*)alpha, be = *(const float*)beta;
+  for (int bi = 0; bi < batch; ++bi) {
+    for (int j = 0; j < n; ++j) {
+      for (int i = 0; i < m; ++i) {
+        double acc = 0.0;
+        for (int l = 0; l < k; ++l) {
+          const int64_t ia = bi * sa + (transa == 0 ? i + (int64_t)l * lda : l + (int64_t)i * lda);
+          const int64_t ib = bi * sb + (transb == 0 ? l + (int64_t)j * ldb : j + (int64_t)l * ldb);
+          acc += load(A, atype, ia) * load(B, btype, ib);
+        }
+        const int64_t ic = bi * sc + i + (int64_t)j * ldc;
+        const double old = be == 0.0f ? 0.0 : load(C, ctype, ic); /* beta == 0: C is not read */
+        store(C, ctype, ic, al * acc + be * old);
+      }
+    }
+  }
+  return kOk;
+}
+
+int fake_set_stream_calls = 0;
+
+int cublasSetStream_v2(void* handle, void* stream) {
+  if (handle == 0) return kNotInitialized;
+  fake_bound_stream = stream;
+  fake_set_stream_calls++;
+  return kOk;
+}
+
+int cublasGetStream_v2(void* handle, void** stream) {
+  if (handle == 0) return kNotInitialized;
+  *stream = fake_bound_stream;
+  return kOk;
+}
+
+int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha, const void* A, int atype,
+                 int lda, const void* B, int btype, int ldb, const void* beta, void* C, int ctype, int ldc, int compute,
+                 int algo) {
+  return gemm(handle, transa, transb, m, n, k, alpha, A, atype, lda, 0, B, btype, ldb, 0, beta, C, ctype, ldc, 0, 1,
+              compute, algo);
+}
+
+int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
+                               const void* A, int atype, int lda, long long sa, const void* B, int btype, int ldb,
+                               long long sb, const void* beta, void* C, int ctype, int ldc, long long sc, int batch,
+                               int compute, int algo) {
+  return gemm(handle, transa, transb, m, n, k, alpha, A, atype, lda, sa, B, btype, ldb, sb, beta, C, ctype, ldc, sc,
+              batch, compute, algo);
+}
+
+/* ---- cuDNN ---------------------------------------------------------------------------------------------- */
+
+enum { kDnnOk = 0, kDnnNotInitialized = 1, kDnnBadParam = 3, kDnnNotSupported = 9 };
+
+typedef struct { int set, format, type, n, c, h, w; } Tensor4d;
+typedef struct { int set, type, format, k, c, h, w; } Filter4d;
+typedef struct { int set, pad_h, pad_w, u, v, dil_h, dil_w, mode, compute, groups, math; } Conv2d;
+
+int fake_dnn_calls = 0;
+int fake_dnn_last_math = -1;
+int fake_dnn_last_algo = -1;
+void* fake_dnn_bound_stream = 0;
+void* fake_dnn_last_stream = 0;
+int fake_dnn_set_stream_calls = 0;
+int fake_dnn_live_descriptors = 0;
+
+static int cublas_type(int dnn_type) { return dnn_type == 0 ? 0 : dnn_type == 2 ? 2 : dnn_type == 9 ? 14 : -1; }
+
+int cudnnCreateTensorDescriptor(void** d) { *d = calloc(1, sizeof(Tensor4d)); fake_dnn_live_descriptors++; return kDnnOk; }
+int cudnnDestroyTensorDescriptor(void* d) { free(d); fake_dnn_live_descriptors--; return kDnnOk; }
+int cudnnCreateFilterDescriptor(void** d) { *d = calloc(1, sizeof(Filter4d)); fake_dnn_live_descriptors++; return kDnnOk; }
+int cudnnDestroyFilterDescriptor(void* d) { free(d); fake_dnn_live_descriptors--; return kDnnOk; }
+int cudnnCreateConvolutionDescriptor(void** d) {
+  Conv2d* c = calloc(1, sizeof(Conv2d));
+  c->groups = 1;
+  *d = c;
+  fake_dnn_live_descriptors++;
+  return kDnnOk;
+}
+int cudnnDestroyConvolutionDescriptor(void* d) { free(d); fake_dnn_live_descriptors--; return kDnnOk; }
+
+int cudnnSetTensor4dDescriptor(void* d, int format, int type, int n, int c, int h, int w) {
+  if (format != 0 || cublas_type(type) < 0 || n <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
+  Tensor4d t = {1, format, type, n, c, h, w};
+  *(Tensor4d*)d = t;
+  return kDnnOk;
+}
+
+int cudnnSetFilter4dDescriptor(void* d, int type, int format, int k, int c, int h, int w) {
+  if (format != 0 || cublas_type(type) < 0 || k <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
+  Filter4d f = {1, type, format, k, c, h, w};
+  *(Filter4d*)d = f;
+  return kDnnOk;
+}
+
+int cudnnSetConvolution2dDescriptor(void* d, int pad_h, int pad_w, int u, int v, int dil_h, int dil_w, int mode,
+                                    int compute) {
+  if (pad_h < 0 || pad_w < 0 || u <= 0 || v <= 0 || dil_h <= 0 || dil_w <= 0 || (mode != 0 && mode != 1)) return kDnnBadParam;
+  Conv2d* c = d;
+  c->set = 1, c->pad_h = pad_h, c->pad_w = pad_w, c->u = u, c->v = v, c->dil_h = dil_h, c->dil_w = dil_w;
+  c->mode = mode, c->compute = compute;
+  return kDnnOk;
+}
+
+int cudnnSetConvolutionGroupCount(void* d, int groups) {
+  if (groups < 1) return kDnnBadParam;
+  ((Conv2d*)d)->groups = groups;
+  return kDnnOk;
+}
+
+int cudnnSetConvolutionMathType(void* d, int math) {
+  if (math < 0 || math > 3) return kDnnBadParam;
+  ((Conv2d*)d)->math = math;
+  return kDnnOk;
+}
+
+int cudnnSetStream(void* handle, void* stream) {
+  if (handle == 0) return kDnnNotInitialized;
+  fake_dnn_bound_stream = stream;
+  fake_dnn_set_stream_calls++;
+  return kDnnOk;
+}
+
+int cudnnGetStream(void* handle, void** stream) {
+  if (handle == 0) return kDnnNotInitialized;
+  *stream = fake_dnn_bound_stream;
+  return kDnnOk;
+}
+
+const char* cudnnGetErrorString(int status) { return status == kDnnBadParam ? "CUDNN_STATUS_BAD_PARAM" : "CUDNN_STATUS_OTHER"; }
+
+int cudnnConvolutionForward(void* handle, const void* alpha, void* xd, const void* x, void* wd, const void* w,
+                            void* cd, int algo, void* ws, size_t ws_size, const void* beta, void* yd, void* y) {
+  const Tensor4d* X = xd;
+  const Tensor4d* Y = yd;
+  const Filter4d* W = wd;
+  const Conv2d* C = cd;
+  (void)ws;
+  if (handle == 0) return kDnnNotInitialized;
+  if (!X->set || !Y->set || !W->set || !C->set) return kDnnBadParam;
+  if (algo != 0 && ws_size == 0) return kDnnNotSupported; /* only IMPLICIT_GEMM runs without a workspace */
+  if (X->type != W->type || X->type != Y->type || C->compute != 0) return kDnnBadParam;
+  const int g = C->groups;
+  if (X->c != W->c * g || W->k % g != 0 || Y->c != W->k || Y->n != X->n) return kDnnBadParam;
+  const int oh = (X->h + 2 * C->pad_h - C->dil_h * (W->h - 1) - 1) / C->u + 1;
+  const int ow = (X->w + 2 * C->pad_w - C->dil_w * (W->w - 1) - 1) / C->v + 1;
+  if (Y->h != oh || Y->w != ow) return kDnnBadParam;
+  fake_dnn_calls++;
+  fake_dnn_last_math = C->math;
+  fake_dnn_last_algo = algo;
+  fake_dnn_last_stream = fake_dnn_bound_stream;
+  const int t = cublas_type(X->type), kg = W->k / g;
+  const float al = *(const float*)alpha, be = *(const float*)beta;
+  for (int n = 0; n < X->n; ++n)
+    for (int k = 0; k < W->k; ++k)
+      for (int i = 0; i < oh; ++i)
+        for (int j = 0; j < ow; ++j) {
+          double acc = 0.0;
+          const int grp = k / kg;
+          for (int c = 0; c < W->c; ++c)
+            for (int r = 0; r < W->h; ++r)
+              for (int s = 0; s < W->w; ++s) {
+                const int hi = i * C->u - C->pad_h + r * C->dil_h, wi = j * C->v - C->pad_w + s * C->dil_w;
+                if (hi < 0 || hi >= X->h || wi < 0 || wi >= X->w) continue;
+                const int64_t xi = (((int64_t)n * X->c + grp * W->c + c) * X->h + hi) * X->w + wi;
+                const int64_t wi_ = (((int64_t)k * W->c + c) * W->h + r) * W->w + s;
+                const int64_t kidx = C->mode == 1 ? wi_ : (((int64_t)k * W->c + c) * W->h + (W->h - 1 - r)) * W->w + (W->w - 1 - s);
+                acc += load(x, t, xi) * load(w, t, kidx);
+              }
+          const int64_t yi = (((int64_t)n * Y->c + k) * oh + i) * ow + j;
+          const double old = be == 0.0f ? 0.0 : load(y, t, yi);
+          store(y, t, yi, al * acc + be * old);
+        }
+  return kDnnOk;
+}

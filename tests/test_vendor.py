@@ -1,0 +1,474 @@
+"""The vendor path on CUDA (custom_ops/vendor.h): a call no compiled kernel takes runs as cuBLAS or cuDNN on
+ONNX Runtime's own handles and stream plus a PTX epilogue, never ORT's kernel through Ort::Op (whose standalone
+context has no compute stream).
+
+On the CPU: the call plans against numpy and ORT's CPU Conv, the real dc_vendor_gemm / dc_vendor_conv driven
+through a host-memory stand-in for cuBLAS and cuDNN (tests/_fake_vendor_libs.c: their signatures and
+semantics), the epilogue's bias indexing against numpy broadcasting, the epilogue's PTX run by a host executor
+(tests/_ptx_run.py) against numpy and assembled by ptxas. On a GPU: sessions whose bundle picks the vendor
+kind for every call against stock ORT.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+import dietcode_ort
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+from dietcode_ort.errors import DietcodeError
+from dietcode_ort.runtime import load_core
+from tests.test_custom_ops import SUFFIXES, custom_model, reference_model
+
+HERE = Path(__file__).resolve().parent
+STREAM = 0x5EED  # any value: the stand-in records the stream it was bound to
+DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even) -> float32, as uint16 bits and values."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def fake_libs(tmp_path_factory) -> ctypes.CDLL:
+    """The stand-in, built and made the vendor path's cuBLAS and cuDNN for this process."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("fake_vendor_libs") / "libfakevendor.so"
+    lang = ["-x", "c"] if cc.endswith("g++") else []
+    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm"],
+                   check=True, capture_output=True)
+    load_core().vendor_cublas_load(out)
+    load_core().vendor_cudnn_load(out)
+    return ctypes.CDLL(str(out))
+
+
+# (id, op, A shape, B shape, Gemm attrs); shapes are the node's inputs as given
+GEMM_CASES = [
+    ("matmul2d", "MatMul", (5, 7), (7, 3), {}),
+    ("matmul3d_folds_batch", "MatMul", (2, 5, 7), (7, 3), {}),
+    ("matmul_attention", "MatMul", (2, 3, 5, 4), (2, 3, 4, 6), {}),
+    ("matmul_shared_a", "MatMul", (5, 4), (3, 4, 6), {}),
+    ("matmul_broadcast_ones", "MatMul", (1, 2, 5, 4), (2, 4, 6), {}),
+    ("matmul_vector_a", "MatMul", (4,), (2, 4, 3), {}),
+    ("matmul_vector_b", "MatMul", (2, 5, 4), (4,), {}),
+    ("matmul_k1", "MatMul", (3, 1), (1, 4), {}),
+    ("gemm", "Gemm", (5, 7), (7, 3), {"alpha": 0.5}),
+    ("gemm_transA", "Gemm", (7, 5), (7, 3), {"trans_a": True}),
+    ("gemm_transB", "Gemm", (5, 7), (3, 7), {"trans_b": True, "alpha": 2.0}),
+    ("gemm_transAB", "Gemm", (7, 5), (3, 7), {"trans_a": True, "trans_b": True}),
+]
+
+
+def _reference(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarray:
+    if op == "MatMul":
+        return np.matmul(a.astype(np.float64), b.astype(np.float64))
+    a2 = a.T if attrs.get("trans_a") else a
+    b2 = b.T if attrs.get("trans_b") else b
+    return attrs.get("alpha", 1.0) * (a2.astype(np.float64) @ b2.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
+def test_vendor_gemm_through_the_c_abi_equals_numpy(fake_libs, case, dtype) -> None:
+    """dc_gemm_plan_make + dc_vendor_gemm with host pointers: the column-major cuBLAS call it makes (operands,
+    transposes, leading dims, batch strides, data and compute types, the stream) computes the node's product."""
+    _, op, sa, sb, attrs = case
+    core = load_core()
+    rng = np.random.default_rng(len(sa) * 10 + len(sb))
+    a32, b32 = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    if dtype == "bfloat16":
+        a, b = _bf16_round(a32), _bf16_round(b32)
+        a_val, b_val = _bf16_value(a), _bf16_value(b)
+    else:
+        a, b = a32.astype(DTYPES[dtype]), b32.astype(DTYPES[dtype])
+        a_val, b_val = a.astype(np.float32), b.astype(np.float32)
+    want = _reference(op, a_val, b_val, attrs)
+    plan = core.gemm_plan(op, sa, sb, dtype=dtype, **attrs)
+    assert plan is not None, core.error()
+    out_dtype = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
+    out = np.full(want.shape, 0x7FC0 if dtype == "bfloat16" else np.nan, dtype=out_dtype)  # beta = 0: never read
+    calls = ctypes.c_int.in_dll(fake_libs, "fake_calls").value
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert ctypes.c_int.in_dll(fake_libs, "fake_calls").value == calls + 1
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake_libs, "fake_last_compute").value == (77 if dtype == "float32" else 68)
+    got = _bf16_value(out) if dtype == "bfloat16" else out.astype(np.float32)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_vendor_gemm_binds_the_handle_to_the_stream_only_when_it_is_not(fake_libs) -> None:
+    core = load_core()
+    plan = core.gemm_plan("MatMul", (2, 3), (3, 2))
+    a, b, out = np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), np.zeros((2, 2), np.float32)
+    ctypes.c_void_p.in_dll(fake_libs, "fake_bound_stream").value = 0x1234  # bound elsewhere
+    sets = ctypes.c_int.in_dll(fake_libs, "fake_set_stream_calls")
+    before = sets.value
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    core.vendor_gemm(plan, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert sets.value == before + 1  # the second call finds it bound (cublasSetStream resets the workspace)
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_last_stream").value == STREAM
+    np.testing.assert_array_equal(out, np.full((2, 2), 3.0))
+
+
+def test_plan_batches_with_strided_calls_and_folds_a_shared_b() -> None:
+    core = load_core()
+    fold = core.gemm_plan("MatMul", (4, 5, 7), (7, 3))  # B shared: A's batch folds into its rows
+    assert (fold.batch, fold.m, fold.n, fold.k) == (1, 3, 20, 7)
+    shared_a = core.gemm_plan("MatMul", (5, 7), (4, 7, 3))
+    assert (shared_a.batch, shared_a.stride_y, shared_a.stride_x, shared_a.stride_c) == (4, 0, 21, 15)
+    assert core.gemm_plan("MatMul", (5, 7), (7, 3), tf32=False).compute_type == 68
+
+
+def test_plan_refuses_what_one_cublas_call_cannot_express() -> None:
+    core = load_core()
+    assert core.gemm_plan("MatMul", (2, 1, 5, 4), (1, 3, 4, 6)) is None  # both batch shapes broadcast
+    assert "broadcasts both batch shapes" in core.error()
+    assert core.gemm_plan("MatMul", (1, 2**31), (2**31, 1)) is None
+    assert "int32" in core.error()
+    assert core.gemm_plan("MatMul", (2, 3, 4, 5), (5, 6), (2, 1, 1, 6)) is None  # bias along dims 0 and 3 only
+    assert "non-adjacent" in core.error()
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        core.gemm_plan("MatMul", (3, 4), (4, 5), (4,))
+    with pytest.raises(DietcodeError):
+        core.gemm_plan("Gemm", (3, 4), (5, 6))  # K mismatch
+
+
+# (op, A, B, bias shape, attrs): the epilogue indexes the bias as (r % bias_rows) * bias_rs + c * bias_cs
+BIAS_CASES = [
+    ("MatMul", (2, 3, 4), (4, 5), (5,), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (1, 1, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (2, 3, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (3, 5), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (3, 1), {}),
+    ("MatMul", (2, 3, 4), (4, 5), (1,), {}),
+    ("MatMul", (2, 3, 4), (4, 1), (2, 3, 1), {}),
+    ("Gemm", (3, 4), (4, 5), (5,), {"beta": 0.5}),
+    ("Gemm", (3, 4), (4, 5), (3, 1), {}),
+    ("Gemm", (3, 4), (4, 5), (3, 5), {"beta": 2.0}),
+    ("Gemm", (3, 4), (4, 5), (), {}),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[f"{c[0]}-{c[3]}" for c in BIAS_CASES])
+def test_epilogue_bias_indexing_equals_numpy_broadcasting(case) -> None:
+    op, sa, sb, sbias, attrs = case
+    gemm = load_core().gemm_plan(op, sa, sb, sbias, **attrs)
+    assert gemm is not None and gemm.epilogue.has_bias == 1
+    plan = gemm.epilogue
+    out_shape = np.matmul(np.zeros(sa), np.zeros(sb)).shape
+    bias = np.arange(1, int(np.prod(sbias)) + 1, dtype=np.float64).reshape(sbias)
+    want = attrs.get("beta", 1.0) * np.broadcast_to(bias, out_shape).reshape(-1)
+    i = np.arange(int(np.prod(out_shape)))
+    r, c = i // plan.cols, i % plan.cols
+    got = plan.bias_scale * bias.reshape(-1)[(r % plan.bias_rows) * plan.bias_rs + c * plan.bias_cs]
+    assert plan.rows * plan.cols == len(i)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gemm_beta_zero_adds_no_bias() -> None:
+    assert load_core().gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.0).epilogue.has_bias == 0
+
+
+# (id, X shape, W shape, attrs as ONNX takes them)
+CONV_CASES = [
+    ("plain", (2, 3, 7, 6), (4, 3, 3, 3), {}),
+    ("stride_pad_dilation", (1, 3, 9, 10), (4, 3, 3, 3), {"strides": [2, 1], "pads": [1, 2, 1, 2], "dilations": [1, 2]}),
+    ("groups", (2, 4, 6, 6), (6, 2, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),
+    ("depthwise", (1, 3, 5, 5), (3, 1, 3, 3), {"group": 3, "pads": [1, 1, 1, 1]}),
+    ("same_upper_symmetric", (1, 2, 7, 7), (3, 2, 3, 3), {"auto_pad": "SAME_UPPER"}),
+    ("valid_1x1", (2, 5, 4, 3), (7, 5, 1, 1), {"auto_pad": "VALID"}),
+]
+
+
+def _onnx_conv(x: np.ndarray, w: np.ndarray, attrs: dict) -> np.ndarray:
+    """ONNX Runtime's CPU Conv: the reference."""
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Conv", ["X", "W"], ["Y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("W", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"X": x, "W": w})[0]
+
+
+def _plan_kwargs(attrs: dict) -> dict:
+    return {"strides": attrs.get("strides", (1, 1)), "pads": attrs.get("pads", (0, 0, 0, 0)),
+            "dilations": attrs.get("dilations", (1, 1)), "group": attrs.get("group", 1),
+            "auto_pad": attrs.get("auto_pad", "NOTSET")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_vendor_conv_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype) -> None:
+    """dc_conv_plan_make + dc_vendor_conv with host pointers: the cuDNN descriptors and call it makes (NCHW,
+    cross-correlation, pads, strides, dilations, groups, IMPLICIT_GEMM without workspace, math type, stream)
+    compute ONNX's Conv."""
+    _, sx, sw, attrs = case
+    core = load_core()
+    rng = np.random.default_rng(sum(sx) + sum(sw))
+    x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
+    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
+    plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
+    assert plan is not None, core.error()
+    assert (plan.out_h, plan.out_w) == want.shape[2:]
+    out = np.full(want.shape, np.nan, dtype=DTYPES[dtype])
+    ctypes.c_void_p.in_dll(fake_libs, "fake_dnn_bound_stream").value = 0
+    core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert ctypes.c_void_p.in_dll(fake_libs, "fake_dnn_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_algo").value == 0
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_math").value == (0 if dtype == "float32" else 1)
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_live_descriptors").value == 0  # all destroyed
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+def test_conv_plan_math_type_follows_tf32() -> None:
+    core = load_core()
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1), tf32=False).math_type == 3  # FMA: no TF32
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1)).math_type == 0
+
+
+def test_conv_plan_refuses_pads_that_stay_asymmetric() -> None:
+    core = load_core()
+    assert core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), pads=(0, 1, 1, 1)) is None
+    assert "asymmetric" in core.error()
+    assert core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), strides=(2, 2), auto_pad="SAME_UPPER") is None  # pads 0/1
+    assert core.conv_plan((1, 2, 2, 3, 3), (3, 2, 1, 1, 1)) is None and "2-D" in core.error()
+    with pytest.raises(DietcodeError, match="channels"):
+        core.conv_plan((1, 2, 8, 8), (3, 4, 3, 3))
+    with pytest.raises(DietcodeError, match="one value per output channel"):
+        core.conv_plan((1, 2, 8, 8), (3, 2, 3, 3), (2,))
+
+
+def test_conv_epilogue_indexes_b_per_output_channel() -> None:
+    e = load_core().conv_plan((2, 3, 5, 4), (6, 3, 3, 3), (6,), pads=(1, 1, 1, 1), activation="relu").epilogue
+    out_shape, bias = (2, 6, 5, 4), np.arange(1.0, 7.0)
+    i = np.arange(int(np.prod(out_shape)))
+    got = bias[(i // e.cols % e.bias_rows) * e.bias_rs + (i % e.cols) * e.bias_cs]
+    np.testing.assert_array_equal(got, np.broadcast_to(bias[:, None, None], out_shape).reshape(-1))
+    assert (e.has_bias, e.activation, e.rows * e.cols) == (1, 1, len(i))
+
+
+def _to_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return _bf16_round(x)
+    return x.astype(DTYPES[dtype])
+
+
+def _from_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    return _bf16_value(x) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
+    ("matmul_bias_n", lambda c, act, dt: c.gemm_plan("MatMul", (2, 3, 4), (4, 5), (5,), activation=act, dtype=dt),
+     (2, 3, 5), (5,), 1.0),
+    ("gemm_c_column", lambda c, act, dt: c.gemm_plan("Gemm", (3, 4), (4, 5), (3, 1), beta=0.5, activation=act,
+                                                     dtype=dt), (3, 5), (3, 1), 0.5),
+    ("conv_b", lambda c, act, dt: c.conv_plan((2, 3, 4, 3), (4, 3, 1, 1), (4,), activation=act, dtype=dt),
+     (2, 4, 4, 3), (4, 1, 1), 1.0),
+    ("no_bias", lambda c, act, dt: c.gemm_plan("MatMul", (3, 4), (4, 6), activation=act, dtype=dt), (3, 6), None, 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
+def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype) -> None:
+    """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
+    the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation and the dtype's loads, stores
+    and rounding."""
+    from tests import _ptx_run
+
+    _, make, out_shape, bias_shape, scale = case
+    core = load_core()
+    e = make(core, activation, dtype).epilogue
+    rng = np.random.default_rng(3)
+    y32 = (rng.standard_normal(out_shape) * 2).astype(np.float32)
+    y = _to_dtype_bits(y32, dtype)
+    y_in = _from_dtype_bits(y, dtype).astype(np.float64)
+    ref = y_in.copy()
+    memory = _ptx_run.Memory()
+    bias_addr = 0
+    if bias_shape is not None:
+        bias = _to_dtype_bits(rng.standard_normal(bias_shape).astype(np.float32), dtype)
+        bias_addr = memory.place(bias)
+        ref = ref + scale * np.broadcast_to(_from_dtype_bits(bias, dtype).astype(np.float64), out_shape)
+    if activation == "relu":
+        ref = np.maximum(ref, 0.0)
+    elif activation == "gelu":
+        ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0)))
+    params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
+              "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
+              "p_act": e.activation}
+    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
+    got = _from_dtype_bits(y, dtype)
+    want = ref.astype(np.float32)
+    if dtype != "float32":  # one rounding to the dtype at the end
+        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
+    tol = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _ptxas() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return path if path.is_file() else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs ptxas (the triton wheel ships one)")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_epilogue_ptx_assembles_for_ampere_and_hopper(tmp_path, dtype) -> None:
+    ptx = tmp_path / "epilogue.ptx"
+    ptx.write_text(load_core().vendor_epilogue_ptx(dtype))
+    for arch in ("sm_80", "sm_90"):
+        res = subprocess.run([str(_ptxas()), f"-arch={arch}", str(ptx), "-o", str(tmp_path / f"{arch}.cubin")],
+                             capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr
+
+
+def test_without_a_loaded_cublas_the_vendor_path_says_so() -> None:
+    """In a fresh process that has not loaded cuBLAS (no CUDA EP ran), the path names what is missing instead
+    of loading a second cuBLAS."""
+    code = ("import sys; from dietcode_ort.runtime import load_core\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "if 'libcublas.so' in maps: sys.exit(3)\n"
+            "c = load_core(); r = c.lib.dc_vendor_cublas_load(None)\n"
+            "print(r, c.error())\n"
+            "sys.exit(4 if 'libcublas.so' in open('/proc/self/maps').read() else 0)")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         cwd=HERE.parent, env=env)
+    if res.returncode == 3:
+        pytest.skip("this process image already maps a libcublas")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("-1 no cuBLAS in this process (libcublas.so.13")
+
+
+# --- on a GPU: every call through the vendor path against stock ONNX Runtime --------------------------------
+
+def _vendor_only_bundle() -> bytes:
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(),), DispatchTree.single(0)).to_bytes()
+
+
+def _cuda_ep_works() -> bool:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    try:
+        probe = load_core().cuda_probe(0)
+    except DietcodeError:
+        return False
+    return bool(probe)
+
+
+GPU_CASES = [
+    ("MatMul", [(2, 5, 8), (8, 6)], {}, 6),
+    ("MatMul", [(2, 3, 5, 8), (2, 3, 8, 5)], {}, 5),
+    ("Gemm", [(5, 8), (6, 8)], {"transB": 1, "alpha": 0.5, "beta": 2.0}, 6),
+    ("Gemm", [(8, 5), (8, 6)], {"transA": 1}, 6),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}{len(c[1][0])}d" if isinstance(c, tuple) else "")
+def test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> None:
+    base, shapes, attrs, n_bias = case
+    rng = np.random.default_rng(7)
+    feeds = {"A": rng.standard_normal(shapes[0]).astype(dtype), "B": rng.standard_normal(shapes[1]).astype(dtype)}
+    if "Bias" in suffix:
+        feeds["bias"] = rng.standard_normal(n_bias).astype(dtype)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = custom_model(base + suffix, len(feeds), attrs, elem, _vendor_only_bundle())
+    dietcode_ort.reset_node_stats()
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    for _ in range(3):  # repeated calls reuse ORT's stream and handle
+        (got,) = sess.run(None, feeds)
+    stats = dietcode_ort.node_stats()["n0"]
+    assert stats["fallbacks"] == 3 and stats["launches"] == 0
+    ref = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(),
+                               providers=["CUDAExecutionProvider"])
+    (want,) = ref.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
+    tol = 2e-2  # float16 rounding; for float32, TF32 on both sides (differently blocked sums)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+GPU_CONV_CASES = [
+    ("Conv", [(2, 3, 9, 10), (4, 3, 3, 3)], {"strides": [2, 1], "pads": [1, 1, 1, 1], "dilations": [1, 2]}, 4),
+    ("Conv", [(1, 4, 7, 7), (6, 2, 3, 3)], {"group": 2, "auto_pad": "SAME_UPPER"}, 6),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("case", GPU_CONV_CASES, ids=["stride_dilation", "groups_same"])
+def test_conv_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> None:
+    test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+def test_conv_vendor_leaf_with_asymmetric_pads_fails_at_session_creation_naming_the_node() -> None:
+    model = custom_model("Conv", 2, {"pads": [0, 1, 1, 1]}, TensorProto.FLOAT, _vendor_only_bundle())
+    with pytest.raises(Exception, match=r"node 'n0'.*symmetric pads only"):
+        dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+
+
+# --- the tuner: conv trees get no vendor leaf (the CUDA path has no vendor conv) ----------------------------
+
+def test_optimize_gives_conv_trees_no_vendor_leaf_even_when_the_vendor_is_faster(monkeypatch) -> None:
+    import models
+    from tuner import optimize as opt
+    from tuner.measure import AnalyticMeasurer, MeasureResult
+    from tuner.scan import attach_instances, scan_model
+
+    class VendorAlwaysFaster(AnalyticMeasurer):
+        def measure_vendor(self, family, problems):
+            return [MeasureResult(1e-12) for _ in problems]
+
+    options = opt.OptimizeOptions(measure="analytic", budget=8, max_kernels=2, progress=False)
+    from tuner.hardware import get_profile
+
+    monkeypatch.setattr(opt, "make_measurer", lambda o, w, executor=None: (
+        VendorAlwaysFaster(get_profile(o.targets[0]), w.dtype), "analytic"))
+    scanned = attach_instances(scan_model(models.build("resnet50", "tiny")), ("batch=1,2", "height=32,64",
+                                                                             "width=32"))
+    by_op = {}
+    for w in scanned.workloads:
+        by_op.setdefault(w.op, w)
+    assert {"conv", "gemm"} <= set(by_op), set(by_op)
+    for op, w in by_op.items():
+        chosen = opt._tune(w, opt.merge_problems(w), options, lambda _: None)
+        if op == "conv":
+            assert "vendor" not in chosen.kernels and chosen.report.geomean_vs_vendor is not None
+        else:  # the control: a GEMM workload does dispatch to the faster vendor
+            assert chosen.kernels == ("vendor",)
