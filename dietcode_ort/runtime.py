@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from dietcode_ort.build import library_path
+from dietcode_ort.build import C_ABI_VERSION, library_path
 from dietcode_ort.errors import DietcodeError
 
 __all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "reset_node_stats", "Core",
@@ -152,9 +152,6 @@ class LaunchArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "c_bytes")] + [
         (n, ctypes.c_int32) for n in ("M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
                                       "img_n", "img_h", "img_w", "out_h", "out_w")]
-
-
-C_ABI_VERSION = 2  # DC_ABI_VERSION in custom_ops/core.h
 
 
 class Core:
