@@ -36,8 +36,8 @@ from typing import Any, Iterator
 from dietcode_ort.errors import DietcodeError
 
 __all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_dir", "build_library",
-           "C_ABI_VERSION", "PACKAGED_DIR", "PackagedBuild", "packaged_library", "packaged_build", "prebuilt_library",
-           "LibraryNeeds", "library_needs", "build_packaged"]
+           "C_ABI_VERSION", "PACKAGED_DIR", "PackagedBuild", "packaged_library", "packaged_build",
+           "prebuilt_library", "LibraryNeeds", "library_needs", "build_packaged"]
 
 C_ABI_VERSION = 2  # DC_ABI_VERSION in custom_ops/core.h
 _REPO = Path(__file__).resolve().parents[1]
@@ -139,10 +139,11 @@ def find_config() -> BuildConfig:
     src = source_dir()
     sources = tuple(sorted(src.glob("*.cc")))
     if not sources:
-        raise DietcodeError(f"no custom-op library: this installation has no prebuilt one ({PACKAGED_DIR / _PACKAGED_NAME} "
-                            f"is missing) and no sources to build one from ({src} is not a source checkout's "
-                            "custom_ops/): install the dietcode-ort platform wheel (README, Deploying), set "
-                            "DIETCODE_ORT_LIBRARY to a built libdietcode_ort.so, or run from a source checkout")
+        raise DietcodeError(f"no custom-op library: this installation has no prebuilt one "
+                            f"({PACKAGED_DIR / _PACKAGED_NAME} is missing) and no sources to build one from ({src} "
+                            "is not a source checkout's custom_ops/): install the dietcode-ort platform wheel "
+                            "(README, Deploying), set DIETCODE_ORT_LIBRARY to a built libdietcode_ort.so, or run "
+                            "from a source checkout")
     compiler, version = _find_compiler()
     return BuildConfig(compiler, version, _find_ort_include(), _find_cuda_include(), sources)
 
@@ -202,8 +203,8 @@ def prebuilt_library() -> Path | None:
 
 def library_path(build: bool = True) -> Path:
     """Path of the custom-op library: the prebuilt one (``prebuilt_library``) when there is one, else the one
-    built from the checkout's custom_ops/ for the current sources, building it first when ``build`` and missing.
-    """
+    built from the checkout's custom_ops/ for the current sources, building it first when ``build`` and
+    missing."""
     prebuilt = prebuilt_library()
     if prebuilt is not None:
         return prebuilt
@@ -231,9 +232,9 @@ _REINSTALL = ("reinstall the dietcode-ort wheel built for this platform (README,
 
 
 def packaged_library() -> Path | None:
-    """``dietcode_ort/_lib/libdietcode_ort.so`` of a platform wheel, checked to load and to have this package's C
-    ABI (``dc_abi_version``); None where there is none (a source checkout). DietcodeError when it is there but
-    unusable."""
+    """``dietcode_ort/_lib/libdietcode_ort.so`` of a platform wheel, checked to load and to have this
+    package's C ABI (``dc_abi_version``); None where there is none (a source checkout). DietcodeError when it
+    is there but unusable."""
     lib = PACKAGED_DIR / _PACKAGED_NAME
     if not lib.is_file():
         return None
@@ -260,16 +261,16 @@ def _check_abi(lib: Path) -> None:
 @dataclass(frozen=True)
 class LibraryNeeds:
     """What a built library asks of the machine that loads it, read from its ELF dynamic section and version
-    needs: the sonames it links (``needed``) and the symbol versions it uses (``GLIBC_2.34``, ``GCC_3.0``, ...)."""
+    needs: the sonames it links (``needed``) and the symbol versions it uses (``GLIBC_2.34``, ``GCC_3.0``)."""
 
     needed: tuple[str, ...]
     versions: tuple[str, ...]
 
     def glibc(self) -> tuple[int, int]:
         """The newest glibc version it needs, as (2, 34)."""
-        found = [tuple(int(x) for x in v.split("_", 1)[1].split(".")[:2]) for v in self.versions
-                 if re.fullmatch(r"GLIBC_\d+\.\d+(\.\d+)?", v)]
-        return max((f[0], f[1] if len(f) > 1 else 0) for f in found) if found else (2, 17)
+        found = [(int(m[1]), int(m[2])) for v in self.versions
+                 if (m := re.fullmatch(r"GLIBC_(\d+)\.(\d+)(?:\.\d+)?", v))]
+        return max(found, default=(2, 17))
 
 
 # Shared libraries a manylinux wheel may link (PEP 600 / PEP 599): the system's own C runtime and libgcc_s.
@@ -282,7 +283,8 @@ def library_needs(lib: Path) -> LibraryNeeds:
     def readelf(flag: str) -> str:
         exe = shutil.which("readelf")
         if exe is None:
-            raise DietcodeError("readelf not found: install binutils (Debian/Ubuntu: apt-get install binutils)")
+            raise DietcodeError("readelf not found: install binutils (Debian/Ubuntu: apt-get install "
+                                "binutils)")
         res = subprocess.run([exe, flag, "--wide", str(lib)], capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise DietcodeError(f"readelf {flag} {lib} failed: {res.stderr.strip()}")
@@ -314,7 +316,8 @@ def packaged_build() -> PackagedBuild | None:
     if not info.is_file():
         return None
     try:
-        data: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(info.read_text()).items()}
+        data: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                for k, v in json.loads(info.read_text()).items()}
         return PackagedBuild(**data)
     except (ValueError, TypeError, AttributeError) as exc:
         raise DietcodeError(f"{info} is unreadable ({exc}): {_REINSTALL}") from None
@@ -337,14 +340,15 @@ def build_packaged(dest_dir: Path, jobs: int = 2) -> PackagedBuild:
     foreign = [n for n in needs.needed if n not in _MANYLINUX_LIBS]
     cxx = [v for v in needs.versions if v.startswith(("GLIBCXX_", "CXXABI_"))]
     if foreign or cxx:
-        raise DietcodeError(f"{lib} is not portable: it links {', '.join(foreign) or 'nothing extra'} and needs "
-                            f"{', '.join(cxx) or 'no libstdc++ version'}; only {', '.join(sorted(_MANYLINUX_LIBS))} "
-                            "may be linked, libstdc++ statically")
-    api = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", (config.ort_include / "onnxruntime_c_api.h").read_text())
+        raise DietcodeError(f"{lib} is not portable: it links {', '.join(foreign) or 'nothing extra'} and "
+                            f"needs {', '.join(cxx) or 'no libstdc++ version'}; only "
+                            f"{', '.join(sorted(_MANYLINUX_LIBS))} may be linked, libstdc++ statically")
+    c_api = (config.ort_include / "onnxruntime_c_api.h").read_text()
+    api = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", c_api)
     major, minor = needs.glibc()
-    info = PackagedBuild(C_ABI_VERSION, config.key(), config.compiler_version, headers_version(config.ort_include),
-                         int(api.group(1)) if api else 0, needs.needed, needs.versions,
-                         f"manylinux_{major}_{minor}_{platform.machine()}")
+    info = PackagedBuild(C_ABI_VERSION, config.key(), config.compiler_version,
+                         headers_version(config.ort_include), int(api.group(1)) if api else 0, needs.needed,
+                         needs.versions, f"manylinux_{major}_{minor}_{platform.machine()}")
     (dest_dir / _PACKAGED_INFO).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
