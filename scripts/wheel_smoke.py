@@ -32,6 +32,14 @@ def ok(what: str) -> None:
     print(f"wheel smoke: ok    {what}", flush=True)
 
 
+def _where(exc: BaseException) -> str:
+    """The file and line of the innermost frame that raised ``exc``, the import statement for an ImportError."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"imported at {frames[-1].filename}:{frames[-1].lineno}" if frames else "import site unknown"
+
+
 def check_environment() -> None:
     found = {c: shutil.which(c) for c in COMPILERS if shutil.which(c)}
     if found:
@@ -43,8 +51,9 @@ def check_import() -> Any:
     try:
         import dietcode_ort
     except ModuleNotFoundError as exc:
-        raise SmokeFailure(f"`import dietcode_ort` needs {exc.name!r}, which a serving install does not have "
-                           f"(only onnxruntime-gpu, onnx and numpy): the runtime imports a tuner dependency") from exc
+        raise SmokeFailure(f"`import dietcode_ort` needs {exc.name!r} ({_where(exc)}), which a serving install "
+                           "does not have (only onnxruntime-gpu, onnx and numpy): the runtime imports a tuner "
+                           "dependency") from exc
     leaked = [m for m in TUNER_MODULES if m in sys.modules]
     if leaked:
         raise SmokeFailure(f"`import dietcode_ort` imported tuner modules: {', '.join(leaked)}")
@@ -155,11 +164,14 @@ def main() -> int:
         print(f"wheel smoke: FAIL  {exc}", flush=True)
         return 1
     except ModuleNotFoundError as exc:
+        print(f"wheel smoke: FAIL  the runtime imports {exc.name!r} ({_where(exc)}), a tuner dependency a serving "
+              "install does not have (only onnxruntime-gpu, onnx and numpy)", flush=True)
+        return 1
+    except Exception as exc:  # onnxruntime's own errors among them: say which check and why, then the trace
         import traceback
 
         traceback.print_exc()
-        print(f"wheel smoke: FAIL  the runtime imports {exc.name!r}, a tuner dependency a serving install does not "
-              f"have (only onnxruntime-gpu, onnx and numpy); the import is in the traceback above", flush=True)
+        print(f"wheel smoke: FAIL  {type(exc).__name__}: {exc}", flush=True)
         return 1
     return 0
 

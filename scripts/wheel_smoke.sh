@@ -40,9 +40,10 @@ else
   step "building and optimizing tiny BERT with the checkout's tuner"
   model=$work/bert-tiny.onnx
   optimized=$work/bert-tiny.dietcode.onnx
-  .venv/bin/python -m models bert --preset tiny -o "$model"
-  .venv/bin/dietcode-ort optimize "$model" -o "$optimized" --dim batch=1,4 --dim seq=16:128:16 \
-    --target sm_90 --budget 32 --quiet
+  # this checkout's code (PYTHONPATH), whichever checkout .venv was installed from
+  PYTHONPATH=$repo .venv/bin/python -m models bert --preset tiny -o "$model"
+  PYTHONPATH=$repo .venv/bin/python -m dietcode_ort optimize "$model" -o "$optimized" --dim batch=1,4 \
+    --dim seq=16:128:16 --target sm_90 --budget 32 --quiet
 fi
 
 step "building the wheel"
