@@ -30,10 +30,20 @@ enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
 
 enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2 };
 
+// What made an image (a cubin or the PTX) and the oldest CUDA driver that loads it (docs/bundle.md, format
+// 4): Triton and ptxas versions, the PTX ISA as major*10+minor, the driver as cuDriverGetVersion reports it
+// (13000 = CUDA 13.0). Empty / 0: not recorded, so not checked.
+struct Toolchain {
+  std::string triton, ptxas;
+  uint32_t ptx_isa = 0, min_driver = 0;
+  bool empty() const { return triton.empty() && ptxas.empty() && ptx_isa == 0 && min_driver == 0; }
+};
+
 struct Image {
   uint32_t cc = 0;        // compute capability as major*10+minor
   bool specific = false;  // the 'a' suffix: runs on exactly this cc
   uint32_t shared = 0;    // dynamic shared memory bytes a launch of this cubin asks for
+  Toolchain toolchain;
   std::string bytes;
 };
 
@@ -52,6 +62,7 @@ struct Kernel {
   std::vector<uint8_t> params;
   std::vector<Image> images;
   std::string ptx;
+  Toolchain ptx_toolchain;
 };
 
 struct Feature {
@@ -75,7 +86,10 @@ struct LoadedKernel {
 View KernelView(const Kernel& kernel);
 
 // Which image a kernel loads on a device: index into images, or -1 for PTX; returns false with a message.
-bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error);
+// With driver_version > 0 (cuDriverGetVersion's value), an image whose recorded minimum driver is newer is
+// passed over for the next candidate; when every candidate needs a newer driver the message says so.
+bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error,
+               int driver_version = 0);
 
 // The dynamic shared memory bytes a launch of image `image_index` (-1: the PTX) asks for.
 inline uint32_t ImageShared(const Kernel& kernel, int image_index) {
@@ -107,7 +121,9 @@ int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
 // Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
 // memory per block is smem_optin bytes: an image for the device (PickImage) whose shared memory fits.
 // The vendor kind fits every device. False with *why naming the kernel and the reason.
-bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why);
+// With driver_version > 0, also an image that driver loads (PickImage).
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why,
+                int driver_version = 0);
 
 // Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
 enum Fit : int {

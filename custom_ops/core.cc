@@ -15,7 +15,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;  // 4: toolchain records (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -27,6 +27,7 @@ constexpr uint32_t kMaxFeatures = 64, kMaxTerms = 8, kMaxInputs = 8, kMaxDim = 8
 constexpr uint32_t kMaxKernels = 1024, kMaxParams = 32, kMaxImages = 16, kMaxNodes = 1u << 16;
 constexpr uint64_t kMaxImageBytes = 64ull << 20, kMaxPtxBytes = 64ull << 20, kMaxTotal = 1ull << 30;
 constexpr uint32_t kMaxBlock = 4096, kMaxSplitK = 1024, kMaxShared = 1u << 20;
+constexpr uint32_t kMaxToolchainName = 64, kMaxPtxIsa = 999, kMaxDriver = 999999;
 
 const char* const kSectionNames[] = {"", "features", "kernels", "tree"};
 
@@ -137,13 +138,59 @@ void ReadFeatures(Reader r, dc_bundle* b) {
   r.Done();
 }
 
+std::string IsaText(uint32_t isa) { return std::to_string(isa / 10) + "." + std::to_string(isa % 10); }
+
+// The PTX ISA of a PTX text as major*10+minor: the first line whose first non-blank text is ".version", whose
+// operand must be 1-3 digits, '.', one digit (then only blanks); 0 when there is no such line or operand.
+// dietcode_ort/toolchain.py ptx_isa is the same rule.
+uint32_t PtxIsa(const std::string& ptx) {
+  size_t pos = 0;
+  while ((pos = ptx.find(".version", pos)) != std::string::npos) {
+    size_t line = ptx.rfind('\n', pos);
+    line = line == std::string::npos ? 0 : line + 1;
+    if (ptx.find_first_not_of(" \t", line) != pos) {
+      pos += 8;
+      continue;
+    }
+    size_t end = ptx.find('\n', pos);
+    const std::string operand = ptx.substr(pos + 8, end == std::string::npos ? std::string::npos : end - pos - 8);
+    size_t p = operand.find_first_not_of(" \t");
+    if (p == 0 || p == std::string::npos) return 0;
+    uint32_t major = 0;
+    size_t digits = 0;
+    while (p < operand.size() && operand[p] >= '0' && operand[p] <= '9' && digits < 4) {
+      major = major * 10 + static_cast<uint32_t>(operand[p++] - '0');
+      ++digits;
+    }
+    if (digits == 0 || digits > 3 || p + 1 >= operand.size() || operand[p] != '.') return 0;
+    const char minor = operand[p + 1];
+    if (minor < '0' || minor > '9') return 0;
+    if (operand.find_first_not_of(" \t\r", p + 2) != std::string::npos) return 0;
+    return major * 10 + static_cast<uint32_t>(minor - '0');
+  }
+  return 0;
+}
+
+Toolchain ReadToolchain(Reader& r, const char* what) {
+  Toolchain t;
+  t.ptx_isa = r.Get<uint32_t>(what);
+  t.min_driver = r.Get<uint32_t>(what);
+  t.triton = Utf8(r.String(r.Count("toolchain Triton version length", kMaxToolchainName), what), what);
+  t.ptxas = Utf8(r.String(r.Count("toolchain ptxas version length", kMaxToolchainName), what), what);
+  if (t.ptx_isa > kMaxPtxIsa || t.min_driver > kMaxDriver) {
+    Fail(std::string(what) + ": PTX ISA " + std::to_string(t.ptx_isa) + " / minimum driver " +
+         std::to_string(t.min_driver) + " out of range");
+  }
+  return t;
+}
+
 void ValidateKernel(const Kernel& k, uint32_t index) {
   std::string where = "kernel " + std::to_string(index) + " (" + k.name + ")";
   if (k.kind == kVendor) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv) {
+        k.trans_b || any_conv || !k.ptx_toolchain.empty()) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -185,6 +232,12 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     if (k.images[i].bytes.empty()) Fail(where + ": empty cubin for sm_" + std::to_string(k.images[i].cc));
   }
   if (k.images.empty() && k.ptx.empty()) Fail(where + ": has neither a cubin nor PTX");
+  if (k.ptx.empty() && !k.ptx_toolchain.empty()) Fail(where + ": a toolchain record for PTX it does not carry");
+  const uint32_t isa = PtxIsa(k.ptx);
+  if (k.ptx_toolchain.ptx_isa != 0 && k.ptx_toolchain.ptx_isa != isa) {
+    Fail(where + ": PTX toolchain says ISA " + IsaText(k.ptx_toolchain.ptx_isa) + ", the PTX's .version says " +
+         IsaText(isa));
+  }
 }
 
 void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
@@ -236,7 +289,6 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       img.cc = sub.Get<uint32_t>("image arch");
       uint32_t aflags = sub.Get<uint32_t>("image flags");
       img.shared = sub.Get<uint32_t>("image shared");
-      uint64_t size = sub.Get<uint64_t>("image size");
       if (img.cc < 10 || img.cc > 9999 || (aflags & ~kArchSpecific)) {
         Fail("kernel " + std::to_string(index) + ": image arch " + std::to_string(img.cc) + " / flags " +
              std::to_string(aflags) + " invalid");
@@ -244,6 +296,8 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       if (img.shared > kMaxShared) {
         Fail("kernel " + std::to_string(index) + ": image shared " + std::to_string(img.shared) + " bytes too large");
       }
+      img.toolchain = ReadToolchain(sub, "image toolchain");
+      uint64_t size = sub.Get<uint64_t>("image size");
       if (size > kMaxImageBytes) Fail("kernel " + std::to_string(index) + ": image of " + std::to_string(size) + " bytes too large");
       img.specific = aflags & kArchSpecific;
       img.bytes = sub.String(size, "cubin");
@@ -252,6 +306,7 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     uint64_t ptx_size = sub.Get<uint64_t>("PTX size");
     if (ptx_size > kMaxPtxBytes) Fail("kernel " + std::to_string(index) + ": PTX of " + std::to_string(ptx_size) + " bytes too large");
     k.ptx = Utf8(sub.String(ptx_size, "PTX"), "PTX");
+    k.ptx_toolchain = ReadToolchain(sub, "PTX toolchain");
     sub.Done();
     r.Seek(start + record);
     b->kernels.push_back(std::move(k));
@@ -404,31 +459,51 @@ bool PtxTarget(const std::string& ptx, uint32_t* cc, bool* specific) {
 
 void SetError(const std::string& message) { g_error = message; }
 
-bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error) {
+static std::string DriverText(uint32_t version) {
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
+}
+
+bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std::string* error, int driver_version) {
   const uint32_t cc = static_cast<uint32_t>(major * 10 + minor);
+  // Candidates in order of preference: cubins for exactly this cc, binary-compatible cubins (highest cc
+  // first), then PTX the driver can JIT for this cc.
+  std::vector<int> candidates;
   for (size_t i = 0; i < kernel.images.size(); ++i) {
-    if (kernel.images[i].cc == cc) {
-      *image_index = static_cast<int>(i);
-      return true;
-    }
+    if (kernel.images[i].cc == cc) candidates.push_back(static_cast<int>(i));
   }
-  int best = -1;
+  std::vector<int> compatible;
   for (size_t i = 0; i < kernel.images.size(); ++i) {
     const Image& img = kernel.images[i];
-    if (!img.specific && img.cc / 10 == static_cast<uint32_t>(major) && img.cc % 10 <= static_cast<uint32_t>(minor) &&
-        (best < 0 || img.cc > kernel.images[best].cc)) {
-      best = static_cast<int>(i);
+    if (!img.specific && img.cc != cc && img.cc / 10 == static_cast<uint32_t>(major) &&
+        img.cc % 10 <= static_cast<uint32_t>(minor)) {
+      compatible.push_back(static_cast<int>(i));
     }
   }
-  if (best >= 0) {
-    *image_index = best;
-    return true;
-  }
+  std::stable_sort(compatible.begin(), compatible.end(),
+                   [&](int a, int b) { return kernel.images[a].cc > kernel.images[b].cc; });
+  candidates.insert(candidates.end(), compatible.begin(), compatible.end());
   uint32_t tcc = 0;
   bool specific = false;
   if (!kernel.ptx.empty() && PtxTarget(kernel.ptx, &tcc, &specific) && (specific ? tcc == cc : tcc <= cc)) {
-    *image_index = -1;
-    return true;
+    candidates.push_back(-1);
+  }
+  auto toolchain = [&](int index) -> const Toolchain& {
+    return index >= 0 ? kernel.images[index].toolchain : kernel.ptx_toolchain;
+  };
+  for (int index : candidates) {
+    if (driver_version <= 0 || toolchain(index).min_driver <= static_cast<uint32_t>(driver_version)) {
+      *image_index = index;
+      return true;
+    }
+  }
+  if (!candidates.empty()) {
+    const int first = candidates.front();
+    const std::string what = first >= 0 ? "cubin sm_" + std::to_string(kernel.images[first].cc) +
+                                              (kernel.images[first].specific ? "a" : "")
+                                        : "ptx sm_" + std::to_string(tcc) + (specific ? "a" : "");
+    *error = "kernel '" + kernel.name + "': " + what + " needs driver >= " + DriverText(toolchain(first).min_driver) +
+             ", this driver is " + DriverText(static_cast<uint32_t>(driver_version));
+    return false;
   }
   std::string have;
   for (const Image& img : kernel.images) {
@@ -439,10 +514,10 @@ bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std
   return false;
 }
 
-bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why) {
+bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, std::string* why, int driver_version) {
   if (kernel.kind == kVendor) return true;
   int index = -1;
-  if (!PickImage(kernel, major, minor, &index, why)) return false;
+  if (!PickImage(kernel, major, minor, &index, why, driver_version)) return false;
   const uint32_t shared = ImageShared(kernel, index);
   if (shared > smem_optin) {
     *why = "kernel '" + kernel.name + "' needs " + std::to_string(shared) + " bytes of shared memory, sm_" +
@@ -766,7 +841,7 @@ int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int min
   return kernel == nullptr ? -1 : dietcode::ImageShared(*kernel, index);
 }
 
-int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin) {
+int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin, int driver_version) {
   if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
     SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
     return -1;
@@ -777,12 +852,13 @@ int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, in
     return -1;
   }
   std::string why;
-  if (dietcode::FitsDevice(b->kernels[k], major, minor, smem_optin, &why)) return 1;
+  if (dietcode::FitsDevice(b->kernels[k], major, minor, smem_optin, &why, driver_version)) return 1;
   SetError(why);
   return 0;
 }
 
-int dc_bundle_fit_device(const dc_bundle* b, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n) {
+int dc_bundle_fit_device(const dc_bundle* b, int major, int minor, int smem_optin, int driver_version,
+                         uint8_t* out_mask, size_t n) {
   if (b == nullptr || (out_mask == nullptr && n > 0) || n < b->kernels.size()) {
     SetError("dc_bundle_fit_device: null bundle, or a mask of " + std::to_string(n) + " for " +
              std::to_string(b ? b->kernels.size() : 0) + " kernels");
@@ -791,7 +867,7 @@ int dc_bundle_fit_device(const dc_bundle* b, int major, int minor, int smem_opti
   int unfit = 0;
   std::string first;
   for (size_t k = 0; k < b->kernels.size(); ++k) {
-    const int r = dc_kernel_fit_device(b, static_cast<int32_t>(k), major, minor, smem_optin);
+    const int r = dc_kernel_fit_device(b, static_cast<int32_t>(k), major, minor, smem_optin, driver_version);
     if (r < 0) return -1;
     out_mask[k] = static_cast<uint8_t>(r);
     if (r == 0 && unfit++ == 0) first = dc_last_error();
@@ -917,6 +993,35 @@ int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, ch
   }
   if (desc != nullptr && desc_size > 0) std::snprintf(desc, desc_size, "%s", text.c_str());
   return index >= 0 ? 0 : 1;
+}
+
+int dc_bundle_image_count(const dc_bundle* b, int32_t k) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  return static_cast<int>(b->kernels[k].images.size());
+}
+
+int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char* triton, size_t triton_size,
+                              char* ptxas, size_t ptxas_size, int32_t* ptx_isa, int32_t* min_driver) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
+      (image == -1 && kernel.ptx.empty())) {
+    SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image) + " (" +
+             std::to_string(kernel.images.size()) + " cubins, " + (kernel.ptx.empty() ? "no PTX" : "PTX as -1") + ")");
+    return -1;
+  }
+  const dietcode::Toolchain& t = image >= 0 ? kernel.images[image].toolchain : kernel.ptx_toolchain;
+  if (triton != nullptr && triton_size > 0) std::snprintf(triton, triton_size, "%s", t.triton.c_str());
+  if (ptxas != nullptr && ptxas_size > 0) std::snprintf(ptxas, ptxas_size, "%s", t.ptxas.c_str());
+  if (ptx_isa) *ptx_isa = static_cast<int32_t>(t.ptx_isa);
+  if (min_driver) *min_driver = static_cast<int32_t>(t.min_driver);
+  return 0;
 }
 
 }  // extern "C"

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 2
+#define DC_ABI_VERSION 3  // 3: the device fit takes the driver version
 
 typedef struct dc_bundle dc_bundle;
 
@@ -122,16 +122,34 @@ int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb
                 dc_launch_args* out);
 
 // Whether compiled kernel k can run on a device of compute capability major.minor whose opt-in shared
-// memory per block (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) is smem_optin bytes: it has an
-// image for the device (dc_bundle_pick_image: a matching cubin or PTX the driver can JIT) and that image's
-// shared memory fits. A pure function of the bundle and the device facts (dc_cuda_device_limits on a GPU).
-// The vendor kind fits. 1 yes, 0 no (reason in dc_last_error), -1 on error (bad id or device facts).
-int dc_kernel_fit_device(const dc_bundle* bundle, int32_t k, int major, int minor, int smem_optin);
+// memory per block (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) is smem_optin bytes, under a CUDA
+// driver of version driver_version (cuDriverGetVersion's value, e.g. 13000; 0 = not checked): it has an image
+// for the device (dc_bundle_pick_image: a matching cubin or PTX the driver can JIT) whose recorded minimum
+// driver is at most driver_version (else the next such image is taken), and that image's shared memory fits.
+// A pure function of the bundle and the device facts (dc_cuda_device_limits, dc_cuda_driver_version on a GPU).
+// The vendor kind fits. 1 yes, 0 no (reason in dc_last_error, e.g. "... needs driver >= 13.4, this driver
+// is 13.0"), -1 on error (bad id or device facts).
+int dc_kernel_fit_device(const dc_bundle* bundle, int32_t k, int major, int minor, int smem_optin, int driver_version);
 
 // The same for every kernel: out_mask[k] = 1 if kernel k fits the device, 0 if not (n >= kernel count).
 // Returns how many do not fit (the first one's reason in dc_last_error), -1 on error. A session marks the
 // kernels that do not fit as vendor at creation: their calls run ORT's kernel.
-int dc_bundle_fit_device(const dc_bundle* bundle, int major, int minor, int smem_optin, uint8_t* out_mask, size_t n);
+int dc_bundle_fit_device(const dc_bundle* bundle, int major, int minor, int smem_optin, int driver_version,
+                         uint8_t* out_mask, size_t n);
+
+// The number of cubins kernel k carries (its PTX, if any, is image -1 below); -1 for a bad id.
+int dc_bundle_image_count(const dc_bundle* bundle, int32_t k);
+
+// The toolchain record of kernel k's image `image` (0.. cubin count-1 in bundle order, -1 the PTX): Triton
+// and ptxas versions (NUL-terminated, truncated to the buffers; "" when not recorded), the PTX ISA as
+// major*10+minor (94 = 9.4) and the minimum driver in cuDriverGetVersion's encoding (0: not recorded). Any
+// pointer may be NULL. 0 on success, -1 for a bad id or an image the kernel does not have.
+int dc_bundle_image_toolchain(const dc_bundle* bundle, int32_t k, int32_t image, char* triton, size_t triton_size,
+                              char* ptxas, size_t ptxas_size, int32_t* ptx_isa, int32_t* min_driver);
+
+// The CUDA driver's version (cuDriverGetVersion: 13000 = CUDA 13.0) into *version. 0 on success, -1 with a
+// message when libcuda does not load. Never aborts.
+int dc_cuda_driver_version(int* version);
 
 // Device `device`'s compute capability and opt-in shared memory per block, for dc_bundle_fit_device.
 // 0 on success, -1 with a message (no driver, no such device). Never aborts.

@@ -137,9 +137,10 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
   d.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
-  int index = -1;
-  if (!FitsDevice(k, major, minor, optin > 0 ? optin : kDefaultSharedLimit, error)) return false;
-  if (!PickImage(k, major, minor, &index, error)) return false;
+  int index = -1, driver = 0;
+  if (d.DriverGetVersion(&driver) != CUDA_SUCCESS) driver = 0;
+  if (!FitsDevice(k, major, minor, optin > 0 ? optin : kDefaultSharedLimit, error, driver)) return false;
+  if (!PickImage(k, major, minor, &index, error, driver)) return false;
   const void* image = index >= 0 ? static_cast<const void*>(k.images[index].bytes.data())
                                  : static_cast<const void*>(k.ptx.c_str());
   CUmodule module = nullptr;
@@ -208,6 +209,16 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
   d.DeviceGetAttribute(&mn, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   if (major) *major = mj;
   if (minor) *minor = mn;
+  return 0;
+}
+
+int dc_cuda_driver_version(int* version) {
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return dietcode::Fail(d.error);
+  int v = 0;
+  CUresult rc = d.DriverGetVersion(&v);
+  if (rc != CUDA_SUCCESS) return dietcode::Fail(dietcode::CuError(d, rc, "cuDriverGetVersion"));
+  if (version) *version = v;
   return 0;
 }
 

@@ -289,13 +289,16 @@ class DietcodeKernel {
     return device;
   }
 
-  // Per session: a compiled kernel with no image for this device's arch, or needing more shared memory than
-  // the device allows, is run as the vendor kind (ORT's kernel) for every call, with one warning here.
+  // Per session: a compiled kernel with no image for this device's arch or this driver (an image's recorded
+  // minimum driver above cuDriverGetVersion's), or needing more shared memory than the device allows, is run
+  // as the vendor kind (ORT's kernel) for every call, with one warning here.
   void FitDevice(const OrtKernelInfo* info) {
     device_fits_.assign(n_kernels_, 1);
-    int major = 0, minor = 0, optin = 0;
+    int major = 0, minor = 0, optin = 0, driver = 0;
     if (dc_cuda_device_limits(NodeDevice(info), &major, &minor, &optin) != 0) return;  // dc_launch will say why
-    const int unfit = dc_bundle_fit_device(bundle_.get(), major, minor, optin, device_fits_.data(), device_fits_.size());
+    if (dc_cuda_driver_version(&driver) != 0) driver = 0;  // not checked; dc_launch will say why
+    const int unfit =
+        dc_bundle_fit_device(bundle_.get(), major, minor, optin, driver, device_fits_.data(), device_fits_.size());
     if (unfit < 0) Throw(dc_last_error());
     if (unfit == 0) return;
     has_vendor_kernel_ = true;  // ORT's kernel must exist for those calls
@@ -305,7 +308,7 @@ class DietcodeKernel {
     for (int32_t k = 0; k < n_kernels_; ++k) {
       if (device_fits_[k]) continue;
       which += (which.empty() ? "" : ", ") + std::to_string(k);
-      if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin) == 0) device_reason_[k] = dc_last_error();
+      if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin, driver) == 0) device_reason_[k] = dc_last_error();
     }
     WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
                                 std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);

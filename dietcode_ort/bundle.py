@@ -15,16 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
     "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
-    "Feature", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
+    "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles",
 ]
 
 MAGIC = b"DCBUNDLE"
-# 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image
-VERSION = 3
+# 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
+# 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX
+VERSION = 4
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -51,7 +53,8 @@ ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 
 LIMITS: dict[str, int] = {
     "features": 64, "terms": 8, "inputs": 8, "dim": 8, "name": 256, "kernels": 1024, "params": 32,
     "images": 16, "image_bytes": 64 << 20, "ptx_bytes": 64 << 20, "nodes": 1 << 16, "block": 4096,
-    "split_k": 1024, "shared": 1 << 20, "total_bytes": 1 << 30,
+    "split_k": 1024, "shared": 1 << 20, "total_bytes": 1 << 30, "toolchain_name": 64, "ptx_isa": 999,
+    "driver": 999999,
 }
 
 
@@ -84,6 +87,35 @@ class Feature:
 
 
 @dataclass(frozen=True)
+class Toolchain:
+    """What made one image of a kernel (a cubin, or its PTX) and the oldest CUDA driver that loads it.
+
+    ``triton`` and ``ptxas`` are versions ("3.9.0", "13.4.59": the ptxas that ran, which for PTX is the one
+    whose ISA Triton targeted); ``ptx_isa`` is the PTX's ``.version`` as major*10+minor (94 = 9.4; for a cubin,
+    that of the PTX it was assembled from); ``min_driver`` is in cuDriverGetVersion's encoding (13000 = CUDA
+    13.0), derived by dietcode_ort/toolchain.py. Empty / 0 means not recorded: no driver check is then made.
+    """
+
+    triton: str = ""
+    ptxas: str = ""
+    ptx_isa: int = 0
+    min_driver: int = 0
+
+    def validate(self, where: str) -> None:
+        for attr in ("triton", "ptxas"):
+            if len(getattr(self, attr).encode()) > LIMITS["toolchain_name"]:
+                raise _fail(f"{where}: {attr} version longer than {LIMITS['toolchain_name']} bytes")
+        if not 0 <= self.ptx_isa <= LIMITS["ptx_isa"] or not 0 <= self.min_driver <= LIMITS["driver"]:
+            raise _fail(f"{where}: PTX ISA {self.ptx_isa} / minimum driver {self.min_driver} out of range "
+                        f"(0..{LIMITS['ptx_isa']} / 0..{LIMITS['driver']})")
+
+    def encode(self) -> bytes:
+        triton, ptxas = self.triton.encode(), self.ptxas.encode()
+        return (struct.pack("<III", self.ptx_isa, self.min_driver, len(triton)) + triton
+                + struct.pack("<I", len(ptxas)) + ptxas)
+
+
+@dataclass(frozen=True)
 class BundleKernel:
     """One kernel: a compiled Triton micro-kernel, or ``kind="vendor"`` (run ONNX Runtime's own kernel).
 
@@ -92,7 +124,8 @@ class BundleKernel:
     arch it was compiled for), ``image_shared`` that of each cubin, in ``images``' order (left empty, every
     cubin takes ``shared``); a launch uses the picked image's. ``params`` lists the ABI parameter names in the
     kernel's order, without the two trailing scratch pointers every Triton kernel takes (the runtime always
-    appends them as null).
+    appends them as null). ``image_toolchains`` (one per cubin, in ``images``' order) and ``ptx_toolchain``
+    record what made each image and the oldest driver that loads it (left empty: not recorded).
     """
 
     name: str
@@ -116,10 +149,29 @@ class BundleKernel:
     activation: str = "none"
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
+    image_toolchains: tuple[Toolchain, ...] = ()
+    ptx_toolchain: Toolchain = Toolchain()
 
     def __post_init__(self) -> None:
         if not self.image_shared and self.images:
             object.__setattr__(self, "image_shared", (self.shared,) * len(self.images))
+        if not self.image_toolchains and self.images:
+            object.__setattr__(self, "image_toolchains", (Toolchain(),) * len(self.images))
+
+    def all_images(self) -> list[tuple["ImageChoice", Toolchain]]:
+        """Every image with its toolchain record: the cubins in order, then the PTX (its arch is its .target)."""
+        out = [(ImageChoice("cubin", arch), chain) for (arch, _), chain in zip(self.images, self.image_toolchains)]
+        if self.ptx:
+            m = _PTX_TARGET_RE.search(self.ptx.encode())
+            target = f"sm_{int(m.group(1))}{'a' if m.group(2) else ''}" if m else "unknown target"
+            out.append((ImageChoice("ptx", target), self.ptx_toolchain))
+        return out
+
+    def toolchain_for(self, choice: "ImageChoice") -> Toolchain:
+        """The toolchain record of the chosen image."""
+        if choice.kind == "ptx":
+            return self.ptx_toolchain
+        return self.image_toolchains[[a for a, _ in self.images].index(choice.arch)]
 
     def shared_for(self, choice: "ImageChoice") -> int:
         """The shared memory bytes a launch of the chosen image asks for."""
@@ -163,6 +215,8 @@ class BundleKernel:
         return cls(name=str(first.name), kind="triton",
                    images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in with_cubin),
                    image_shared=tuple(int(c.shared) for c in with_cubin),
+                   image_toolchains=tuple(_toolchain_of(c, "cubin") for c in with_cubin),
+                   ptx_toolchain=_toolchain_of(ptx_from, "ptx") if ptx_from is not None else Toolchain(),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
                    shared=(int(ptx_from.shared) if ptx_from is not None
                            else max(int(c.shared) for c in compiled)),
@@ -180,7 +234,8 @@ class BundleKernel:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
-                    or self.activation != "none" or self.trans_b or self.conv):
+                    or self.activation != "none" or self.trans_b or self.conv or self.image_toolchains
+                    or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
         if self.num_warps not in VALID_NUM_WARPS:
@@ -234,6 +289,16 @@ class BundleKernel:
                 raise _fail(f"{where}: cubin for {arch} has {len(image)} bytes")
         if len(self.ptx.encode()) > LIMITS["ptx_bytes"]:
             raise _fail(f"{where}: PTX larger than {LIMITS['ptx_bytes']} bytes")
+        if len(self.image_toolchains) != len(self.images):
+            raise _fail(f"{where}: {len(self.image_toolchains)} image toolchains for {len(self.images)} cubins")
+        for (arch, _), chain in zip(self.images, self.image_toolchains):
+            chain.validate(f"{where}: cubin for {arch}")
+        self.ptx_toolchain.validate(f"{where}: PTX")
+        if not self.ptx and self.ptx_toolchain != Toolchain():
+            raise _fail(f"{where}: a toolchain record for PTX it does not carry")
+        if self.ptx_toolchain.ptx_isa and self.ptx_toolchain.ptx_isa != ptx_isa(self.ptx):
+            raise _fail(f"{where}: PTX toolchain says ISA {format_isa(self.ptx_toolchain.ptx_isa)}, the PTX's "
+                        f".version says {format_isa(ptx_isa(self.ptx))}")
         if not self.images and not self.ptx:
             raise _fail(f"{where}: has neither a cubin nor PTX")
 
@@ -257,6 +322,14 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     if conv is not None:
         out["conv"] = (conv.in_channels, *conv.kernel, *conv.strides, conv.pads[0], conv.pads[1], *conv.dilations)
     return out
+
+
+def _toolchain_of(compiled: Any, image: str) -> Toolchain:
+    """The toolchain record of a tuner/aot CompiledKernel's cubin or PTX (absent fields: not recorded)."""
+    return Toolchain(triton=str(getattr(compiled, "triton_version", "") or ""),
+                     ptxas=str(getattr(compiled, "ptxas_version", "") or ""),
+                     ptx_isa=int(getattr(compiled, "ptx_isa", 0) or 0),
+                     min_driver=int(getattr(compiled, f"{image}_min_driver", 0) or 0))
 
 
 def _compiled_arch(arch: Any) -> str:
@@ -304,30 +377,40 @@ class ImageChoice:
     arch: str
 
 
-def select_image(kernel: BundleKernel, major: int, minor: int) -> ImageChoice:
+def select_image(kernel: BundleKernel, major: int, minor: int, driver: int = 0) -> ImageChoice:
     """Pick the image to load on a device of compute capability major.minor (same rule as C++).
 
     1. a cubin built for exactly this cc (sm_90a or sm_90 on a 9.0 device);
     2. a cubin without the 'a' suffix for the same major and a lower or equal minor (binary compatible);
     3. PTX whose .target is not above the device (an 'a' target only on that exact cc), JIT-ed by the
        driver: this is how a newer GPU runs kernels built before it existed;
-    otherwise a DietcodeError naming what the bundle has.
+    otherwise a DietcodeError naming what the bundle has. With ``driver`` (cuDriverGetVersion's encoding,
+    e.g. 13000; 0 = not checked), an image whose recorded minimum driver is newer is passed over for the next
+    one, and when every image the arch allows needs a newer driver the error says so.
     """
+    from dietcode_ort.toolchain import format_driver
+
     cc = major * 10 + minor
     parsed = [(parse_arch(a), a) for a, _ in kernel.images]
-    for (acc, _flags), name in parsed:
-        if acc == cc:
-            return ImageChoice("cubin", name)
-    compatible = [(acc, name) for (acc, flags), name in parsed
-                  if not flags & ARCH_FLAG_SPECIFIC and acc // 10 == major and acc % 10 <= minor]
-    if compatible:
-        return ImageChoice("cubin", max(compatible)[1])
+    candidates = [ImageChoice("cubin", name) for (acc, _flags), name in parsed if acc == cc]
+    compatible = sorted(((acc, name) for (acc, flags), name in parsed
+                         if not flags & ARCH_FLAG_SPECIFIC and acc // 10 == major and acc % 10 <= minor and acc != cc),
+                        reverse=True)
+    candidates += [ImageChoice("cubin", name) for _, name in compatible]
     if kernel.ptx:
         m = _PTX_TARGET_RE.search(kernel.ptx.encode())
         if m:
             tcc, specific = int(m.group(1)), bool(m.group(2))
             if (tcc == cc) if specific else (tcc <= cc):
-                return ImageChoice("ptx", f"sm_{tcc}{'a' if specific else ''}")
+                candidates.append(ImageChoice("ptx", f"sm_{tcc}{'a' if specific else ''}"))
+    for choice in candidates:
+        if driver <= 0 or kernel.toolchain_for(choice).min_driver <= driver:
+            return choice
+    if candidates:
+        first = candidates[0]
+        need = kernel.toolchain_for(first).min_driver
+        raise DietcodeError(f"kernel {kernel.name!r}: {first.kind} {first.arch} needs driver >= {format_driver(need)}, "
+                            f"this driver is {format_driver(driver)}")
     have = ", ".join(a for a, _ in kernel.images) or "no cubin"
     ptx = "no PTX" if not kernel.ptx else "PTX for a different target"
     raise DietcodeError(f"kernel {kernel.name!r} cannot run on sm_{cc}: the bundle has {have} and {ptx}")
@@ -513,10 +596,10 @@ class Bundle:
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))
-            for (arch, image), shared in zip(k.images, k.image_shared):
+            for (arch, image), shared, chain in zip(k.images, k.image_shared, k.image_toolchains):
                 cc, flags = parse_arch(arch)
-                body += struct.pack("<IIIQ", cc, flags, shared, len(image)) + image
-            body += struct.pack("<Q", len(ptx)) + ptx
+                body += struct.pack("<III", cc, flags, shared) + chain.encode() + struct.pack("<Q", len(image)) + image
+            body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode()
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 
@@ -629,14 +712,16 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
         if any(p >= len(PARAM_NAMES) for p in raw_params):
             raise _fail(f"kernel {k}: param enum out of range 0..{len(PARAM_NAMES) - 1}")
-        images, image_shared = [], []
+        images, image_shared, image_toolchains = [], [], []
         for _ in range(sub.count("image count", LIMITS["images"])):
-            cc, aflags, ishared, size = sub.unpack("IIIQ", "image header")
+            cc, aflags, ishared = sub.unpack("III", "image header")
             if not 10 <= cc <= 9999 or aflags & ~ARCH_FLAG_SPECIFIC:
                 raise _fail(f"kernel {k}: image arch {cc} / flags {aflags} invalid")
             if ishared > LIMITS["shared"]:
                 raise _fail(f"kernel {k}: image shared {ishared} bytes too large")
             image_shared.append(ishared)
+            image_toolchains.append(_read_toolchain(sub, "image toolchain"))
+            (size,) = sub.unpack("Q", "image size")
             if size > LIMITS["image_bytes"]:
                 raise _fail(f"kernel {k}: image of {size} bytes exceeds {LIMITS['image_bytes']}")
             images.append((_arch_name(cc, aflags), sub.take(size, "cubin")))
@@ -644,6 +729,7 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
         if ptx_size > LIMITS["ptx_bytes"]:
             raise _fail(f"kernel {k}: PTX of {ptx_size} bytes exceeds {LIMITS['ptx_bytes']}")
         ptx = _utf8(sub.take(ptx_size, "PTX"), "PTX")
+        ptx_toolchain = _read_toolchain(sub, "PTX toolchain")
         sub.done()
         r.pos = start + record
         out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images),
@@ -652,9 +738,19 @@ def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
                                 block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT),
                                 div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1),
                                 dtype=DTYPE_CODES[dtype], activation=ACTIVATION_CODES[act], trans_b=bool(trans_b),
-                                conv=tuple(conv) if any(conv) else ()))
+                                conv=tuple(conv) if any(conv) else (), image_toolchains=tuple(image_toolchains),
+                                ptx_toolchain=ptx_toolchain))
     r.done()
     return tuple(out)
+
+
+def _read_toolchain(sub: _Reader, what: str) -> Toolchain:
+    isa, driver = sub.unpack("II", what)
+    triton = _utf8(sub.take(sub.count(f"{what} Triton version length", LIMITS["toolchain_name"]), what), what)
+    ptxas = _utf8(sub.take(sub.count(f"{what} ptxas version length", LIMITS["toolchain_name"]), what), what)
+    if isa > LIMITS["ptx_isa"] or driver > LIMITS["driver"]:
+        raise _fail(f"{sub.what}: {what}: PTX ISA {isa} / minimum driver {driver} out of range")
+    return Toolchain(triton, ptxas, isa, driver)
 
 
 def _read_tree(r: _Reader) -> DispatchTree:

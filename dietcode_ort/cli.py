@@ -134,14 +134,20 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
 def _cmd_optimize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from dietcode_ort import toolchain
     from tuner import optimize
 
     targets = tuple(t.strip() for t in args.target.split(",") if t.strip())
+    min_driver = toolchain.parse_driver(args.min_driver)
+    toolchain.max_ptx_isa(min_driver)  # a driver the PTX table knows
+    if args.ptxas is not None:
+        toolchain.ptxas_version(args.ptxas)  # it runs and says its version, before any tuning
     options = optimize.OptimizeOptions(
         targets=targets or optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
-        ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+        ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        min_driver=min_driver, ptxas=args.ptxas)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -171,6 +177,14 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="compiled-kernel cache folder (default: $DIETCODE_CACHE, else kernels/ in "
                         "$XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort)")
+    p.add_argument("--min-driver", default="13.0", metavar="MAJOR.MINOR",
+                   help="the oldest CUDA driver (the CUDA version nvidia-smi shows) the kernels must load on: the "
+                        "PTX ISA is capped at what it JIT-compiles and cubins must come from a ptxas of its CUDA "
+                        "major (default 13.0, driver R580)")
+    p.add_argument("--ptxas", metavar="PATH",
+                   help="the ptxas to compile with for every arch, instead of Triton's bundled ones (CUDA 12.9 "
+                        "below sm_90, 13.4 from sm_90); $TRITON_PTXAS_PATH / $TRITON_PTXAS_BLACKWELL_PATH "
+                        "choose them per arch")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",
@@ -201,8 +215,16 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from dietcode_ort import doctor
+    from dietcode_ort.toolchain import parse_driver
 
-    return doctor.doctor_command(as_json=args.json, build=not args.no_build)
+    from pathlib import Path
+
+    driver = parse_driver(args.driver) if args.driver is not None else None
+    if args.model is not None and not Path(args.model).is_file():
+        raise DietcodeError(f"model file not found: {args.model}")
+    if args.driver is not None and args.model is None:
+        raise DietcodeError("--driver compares a MODEL's kernels with a driver: name the model")
+    return doctor.doctor_command(as_json=args.json, build=not args.no_build, model=args.model, driver=driver)
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
@@ -210,6 +232,12 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
                        description="Report what this machine has for running dietcode models: onnxruntime and "
                                    "its providers, the GPU and driver (through libcuda), the C++ compiler and "
                                    "headers, whether the custom-op library builds and loads, and triton.")
+    p.add_argument("model", nargs="?",
+                   help="an optimized model: also check that its kernel images load under the driver (each "
+                        "image's recorded minimum driver) and, on a GPU, which kernels would run as ORT's")
+    p.add_argument("--driver", metavar="MAJOR.MINOR",
+                   help="with MODEL: compare against this CUDA driver version (e.g. 13.0) instead of the one "
+                        "libcuda reports")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     p.add_argument("--no-build", action="store_true", help="do not build the library if it is not cached")
     p.set_defaults(handler=_cmd_doctor)

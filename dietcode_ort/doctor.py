@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from dietcode_ort.errors import DietcodeError
 
 __all__ = ["Check", "LibraryLoad", "cuda_library_sonames", "load_libraries", "cuda_libraries_check", "run_checks",
-           "doctor_command"]
+           "doctor_command", "model_check"]
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,71 @@ def cuda_libraries_check() -> Check:
                    "cuDNN wheels), or put a CUDA toolkit's and cuDNN's libraries on LD_LIBRARY_PATH")
 
 
-def run_checks(build: bool = True) -> list[Check]:
-    """Run every check in order; building the library when ``build`` and it is not cached yet."""
+def model_check(path: str, driver: int | None, device: tuple[int, int] | None = None,
+                driver_source: str = "") -> Check:
+    """Whether an optimized model's kernel images load under a CUDA driver of version ``driver``
+    (cuDriverGetVersion's encoding; None: no driver here) and, with ``device`` (compute capability), which
+    kernels would run as ORT's kernel on it: each image's recorded minimum driver against the driver, and the
+    image choice of docs/bundle.md. "warn" when some image needs a newer driver (those kernels run as ORT's
+    kernel where no other image of theirs loads) or there is no driver to compare with."""
+    from pathlib import Path
+
+    import onnx
+
+    from dietcode_ort.bundle import Bundle, node_bundles, select_image
+    from dietcode_ort.toolchain import format_driver, format_isa
+
+    name = f"model {Path(path).name}"
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as exc:  # a doctor reports, it does not raise
+        raise DietcodeError(f"cannot read {path} as an ONNX model ({exc})") from None
+    bundles: dict[str, Bundle] = {}
+    for where in node_bundles(model, str(Path(path).parent)):
+        if where.initializer not in bundles:
+            try:
+                bundles[where.initializer] = Bundle.from_bytes(where.payload)
+            except DietcodeError as exc:
+                raise DietcodeError(f"node {where.node!r}: {exc}") from None
+    if not bundles:
+        return Check(name, "warn", "no ai.dietcode nodes (not optimized by dietcode-ort)")
+    kernels = [k for b in bundles.values() for k in b.kernels if k.kind == "triton"]
+    groups: dict[str, int] = {}
+    refused: dict[str, int] = {}
+    for kernel in kernels:
+        for choice, chain in kernel.all_images():
+            label = (f"{choice.kind} {choice.arch} (triton {chain.triton or '?'}, ptxas {chain.ptxas or '?'}, "
+                     f"PTX ISA {format_isa(chain.ptx_isa) if chain.ptx_isa else '?'}) needs driver >= "
+                     + (format_driver(chain.min_driver) if chain.min_driver else "? (not recorded)"))
+            groups[label] = groups.get(label, 0) + 1
+            if driver is not None and chain.min_driver > driver:
+                refused[label] = refused.get(label, 0) + 1
+    summary = f"{len(kernels)} compiled kernels in {len(bundles)} bundles"
+    if driver is None:
+        return Check(name, "warn", f"{summary}; no driver on this machine, nothing to compare; the images: "
+                     + "; ".join(f"{label}: {n}" for label, n in sorted(groups.items())))
+    here = f"this driver is {format_driver(driver)}{driver_source}"
+    lines = [f"{label}, {here}: {n} image(s) would not load" for label, n in sorted(refused.items())]
+    if device is not None:
+        major, minor = device
+        vendor = []
+        for kernel in kernels:
+            try:
+                select_image(kernel, major, minor, driver)
+            except DietcodeError as exc:
+                vendor.append(str(exc))
+        if vendor:
+            lines.append(f"{len(vendor)} kernel(s) would run as ORT's kernel on sm_{major}{minor}; first: {vendor[0]}")
+    if lines:
+        return Check(name, "warn", f"{summary}; " + "; ".join(lines))
+    loads = f"every image loads under driver {format_driver(driver)}{driver_source}"
+    return Check(name, "ok", f"{summary}; {loads}" + (f" and every kernel has an image for sm_{device[0]}{device[1]}"
+                                                       if device is not None else ""))
+
+
+def run_checks(build: bool = True, model: str | None = None, driver: int | None = None) -> list[Check]:
+    """Run every check in order; building the library when ``build`` and it is not cached yet. With
+    ``model``, also whether its kernels load under ``driver`` (else the driver libcuda reports)."""
     from dietcode_ort import build as b
 
     checks: list[Check] = []
@@ -238,12 +301,36 @@ def run_checks(build: bool = True) -> list[Check]:
         return Check("triton", "ok", f"{importlib.metadata.version('triton')} (import not attempted)")
 
     checks.append(_guard("triton", triton_check, missing="warn"))
+    if model is not None:
+        checks.append(_guard(f"model {model}", lambda: _model_here(model, driver, core_holder)))
     return checks
 
 
-def doctor_command(as_json: bool = False, build: bool = True) -> int:
+def _model_here(model: str, driver: int | None, core_holder: list[object]) -> Check:
+    """model_check against the given driver, else this machine's (through the library's libcuda), with the
+    device's compute capability when a GPU answers."""
+    device = None
+    source = " (given)" if driver is not None else ""
+    if core_holder:
+        core = core_holder[0]
+        try:
+            info = core.cuda_probe(0)  # type: ignore[attr-defined]
+            device = (int(info["major"]), int(info["minor"]))
+        except DietcodeError:
+            device = None
+        if driver is None:
+            try:
+                driver = int(core.driver_version())  # type: ignore[attr-defined]
+                source = " (libcuda)"
+            except DietcodeError:
+                driver = None
+    return model_check(model, driver, device, source)
+
+
+def doctor_command(as_json: bool = False, build: bool = True, model: str | None = None,
+                   driver: int | None = None) -> int:
     """Print the checks; exit status 1 when any check failed, else 0."""
-    checks = run_checks(build=build)
+    checks = run_checks(build=build, model=model, driver=driver)
     if as_json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:

@@ -193,9 +193,13 @@ class Core:
         lib.dc_fit_name.restype = ctypes.c_char_p
         lib.dc_bundle_image_shared.restype = ctypes.c_int64
         lib.dc_bundle_image_shared.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int]
-        lib.dc_kernel_fit_device.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.dc_bundle_fit_device.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        lib.dc_kernel_fit_device.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.dc_bundle_fit_device.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                              ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+        lib.dc_bundle_image_count.argtypes = [vp, i32]
+        lib.dc_bundle_image_toolchain.argtypes = [vp, i32, i32, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                                                  ctypes.c_size_t, ctypes.POINTER(i32), ctypes.POINTER(i32)]
+        lib.dc_cuda_driver_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_fit_name.argtypes = [ctypes.c_int]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
@@ -271,6 +275,14 @@ class Core:
             raise DietcodeError(self.error())
         return {"name": name.value.decode(errors="replace"), "major": major.value, "minor": minor.value,
                 "driver_version": drv.value}
+
+    def driver_version(self) -> int:
+        """The CUDA driver's version (cuDriverGetVersion: 13000 = 13.0); DietcodeError when libcuda does not
+        load (a machine without the NVIDIA driver)."""
+        version = ctypes.c_int()
+        if self.lib.dc_cuda_driver_version(ctypes.byref(version)):
+            raise DietcodeError(self.error())
+        return version.value
 
 
 class CoreBundle:
@@ -356,21 +368,43 @@ class CoreBundle:
             raise DietcodeError(self.core.error())
         return int(r)
 
-    def fit_device(self, major: int, minor: int, smem_optin: int) -> tuple[list[bool], list[str]]:
+    def fit_device(self, major: int, minor: int, smem_optin: int, driver: int = 0) -> tuple[list[bool], list[str]]:
         """Which kernels can run on a device of compute capability major.minor with ``smem_optin`` bytes of
-        opt-in shared memory per block (``dc_bundle_fit_device``, what a CUDA session decides at creation),
-        and for each that cannot, why (``dc_kernel_fit_device``; "" for those that can)."""
+        opt-in shared memory per block under a CUDA driver of version ``driver`` (cuDriverGetVersion's
+        encoding, 13000 = 13.0; 0 = not checked) (``dc_bundle_fit_device``, what a CUDA session decides at
+        creation), and for each that cannot, why (``dc_kernel_fit_device``; "" for those that can)."""
         mask = (ctypes.c_uint8 * max(1, self.n_kernels))()
         lib = self.core.lib
-        if lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, mask, self.n_kernels) < 0:
+        if lib.dc_bundle_fit_device(self.handle, major, minor, smem_optin, driver, mask, self.n_kernels) < 0:
             raise DietcodeError(self.core.error())
         why = []
         for k in range(self.n_kernels):
-            r = self.core.lib.dc_kernel_fit_device(self.handle, k, major, minor, smem_optin)
+            r = self.core.lib.dc_kernel_fit_device(self.handle, k, major, minor, smem_optin, driver)
             if r < 0:
                 raise DietcodeError(self.core.error())
             why.append("" if r else self.core.error())
         return [bool(mask[k]) for k in range(self.n_kernels)], why
+
+    def image_toolchains(self, k: int) -> list[dict[str, Any]]:
+        """Kernel k's toolchain records as the C core reads them (``dc_bundle_image_toolchain``): one per
+        cubin in bundle order, then the PTX's when it has PTX; each {"image", "triton", "ptxas", "ptx_isa",
+        "min_driver"} ("image": the cubin's index or -1 for the PTX)."""
+        lib = self.core.lib
+        count = lib.dc_bundle_image_count(self.handle, k)
+        if count < 0:
+            raise DietcodeError(self.core.error())
+        out = []
+        for image in [*range(count), -1]:
+            triton, ptxas = ctypes.create_string_buffer(128), ctypes.create_string_buffer(128)
+            isa, driver = ctypes.c_int32(), ctypes.c_int32()
+            if lib.dc_bundle_image_toolchain(self.handle, k, image, triton, 128, ptxas, 128, ctypes.byref(isa),
+                                             ctypes.byref(driver)) < 0:
+                if image == -1:
+                    break  # no PTX
+                raise DietcodeError(self.core.error())
+            out.append({"image": image, "triton": triton.value.decode(), "ptxas": ptxas.value.decode(),
+                        "ptx_isa": isa.value, "min_driver": driver.value})
+        return out
 
     def launch(self, k: int, args: LaunchArgs, stream: int = 0) -> None:
         """Launch kernel k with raw device pointers on a CUstream handle (0 = legacy default stream)."""

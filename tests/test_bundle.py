@@ -505,4 +505,4 @@ def test_image_shared_is_checked_by_both_readers(core) -> None:
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
     struct.pack_into("<I", data, 8, 2)
-    _both_refuse(core, bytes(data), "version 2, this reader knows 3")
+    _both_refuse(core, bytes(data), "version 2, this reader knows 4")

@@ -34,6 +34,10 @@ def _seeds() -> list[bytes]:
                       (_conv_kernel(), BundleKernel.vendor(),
                        _kernel("g", dtype="bfloat16", trans_b=True, shared=30000, image_shared=(200000, 40000))),
                       DispatchTree((1, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    from test_toolchain import _bundle as toolchain_bundle
+    from test_toolchain import _kernel as toolchain_kernel
+
+    out.append(toolchain_bundle(toolchain_kernel("t"), BundleKernel.vendor()).to_bytes())
     return out
 
 
@@ -121,6 +125,14 @@ def run_fuzz(seconds: float, seed: int) -> dict[str, int]:
                 except DietcodeError:
                     got_img = None
                 assert got_img == want_img, data.hex()
+                for driver in (12090, 13000):  # the per-session fit against a driver (toolchain records)
+                    try:
+                        select_image(kern, major, minor, driver)
+                        want_fit = True
+                    except DietcodeError:
+                        want_fit = False
+                    got_fit = cb.fit_device(major, minor, 1 << 20, driver)[0][k]  # every image's shared fits
+                    assert got_fit == want_fit, data.hex()
     return stats
 
 

@@ -12,8 +12,16 @@ are known multiples of 16, so ``div16`` can name ABI parameters (pointers: addre
 value % 16 == 0) to compile with that assumption; the record lists them in ``div16`` and the runtime must
 check each before choosing the kernel. ``aligned_params(op)`` gives the set that enables pipelining.
 
+Toolchain: ``CompileToolchain`` says which CUDA driver the artifacts must load on (``min_driver``, default
+CUDA 13.0) and optionally which ptxas to use. The PTX ISA is capped at what that driver JIT-compiles
+(Triton's ``ptx_version`` option; Triton 3.9 would otherwise write its ptxas's ISA, 9.4 for CUDA 13.4, into
+``.version`` while its LLVM emits PTX 9.0 features at most, so the cap changes only that line), and a
+cubin is refused when its ptxas's CUDA major is newer than the driver's. Each record carries the ptxas
+version, the PTX ISA and the minimum driver of its cubin and PTX (dietcode_ort/toolchain.py).
+
 Cache: one JSON file per artifact under ``default_cache_dir()`` (or ``cache_dir``), keyed by the Triton
-version, the template source hash, family, config, epilogue, trans_b, conv params, div16 and TF32 flag.
+version, the template source hash, family, config, epilogue, trans_b, conv params, div16, TF32 flag and the
+toolchain (PTX ISA cap, ptxas path and version).
 """
 from __future__ import annotations
 
@@ -31,19 +39,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from dietcode_ort import toolchain as tc
 from dietcode_ort.errors import DietcodeError
 from tuner import templates
 from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
 
-__all__ = ["CompiledKernel", "CompileJob", "CompileResult", "GRID_RULE", "compile_kernel", "compile_many",
+__all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
            "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
-_FORMAT = 2  # bump when the record layout changes (2: records carry a sha256 of their content)
+_FORMAT = 3  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -98,6 +107,36 @@ def template_hash() -> str:
 
 
 @dataclass(frozen=True)
+class CompileToolchain:
+    """How kernels are compiled for a driver: ``min_driver`` (cuDriverGetVersion's encoding, 13000 = CUDA 13.0)
+    is the oldest driver every artifact must load on; ``ptxas`` a ptxas binary to use for every arch instead of
+    Triton's bundled ones (sets TRITON_PTXAS_PATH and TRITON_PTXAS_BLACKWELL_PATH for the compile)."""
+
+    min_driver: int = tc.DEFAULT_MIN_DRIVER
+    ptxas: str | None = None
+
+    def check(self) -> None:
+        """DietcodeError when the driver is older than the PTX table or the ptxas does not run."""
+        tc.max_ptx_isa(self.min_driver)
+        if self.ptxas is not None:
+            tc.ptxas_version(self.ptxas)
+
+
+def _ptxas_for(arch: int, chain: CompileToolchain) -> str:
+    """The ptxas Triton runs for ``arch`` under ``chain`` (its bundled ptxas below sm_90, ptxas-blackwell from
+    sm_90, unless ``chain.ptxas`` names one)."""
+    if chain.ptxas is not None:
+        return chain.ptxas
+    from triton.backends.nvidia import compiler as nvidia
+
+    try:
+        tool = nvidia.get_ptxas(arch)
+    except TypeError:  # Triton releases with one ptxas for every arch
+        tool = nvidia.get_ptxas()
+    return str(tool.path if hasattr(tool, "path") else tool[0])
+
+
+@dataclass(frozen=True)
 class CompiledKernel:
     """One compiled micro-kernel and the launch facts the runtime needs (see the kernel ABI)."""
 
@@ -127,6 +166,10 @@ class CompiledKernel:
     n_regs: int | None = None  # from the ptxas log, when it was captured
     n_spills: int | None = None  # spill stores + loads in bytes, from the ptxas log
     constants: tuple[tuple[str, Any], ...] = field(default=())  # constexprs it was built with
+    ptxas_version: str = ""  # the ptxas that made the cubin ("13.4.59")
+    ptx_isa: int = 0  # the PTX's .version as major*10+minor (90 = 9.0)
+    cubin_min_driver: int = 0  # the oldest driver that loads the cubin (13000 = CUDA 13.0)
+    ptx_min_driver: int = 0  # the oldest driver that JIT-compiles the PTX
 
     @property
     def threads(self) -> int:
@@ -158,7 +201,9 @@ class CompiledKernel:
                 strides=tuple(conv["strides"]), pads=tuple(conv["pads"]), dilations=tuple(conv["dilations"])),
             div16=tuple(data["div16"]), allow_tf32=bool(data["allow_tf32"]),
             triton_version=data["triton_version"], n_regs=data.get("n_regs"), n_spills=data.get("n_spills"),
-            constants=tuple((k, v) for k, v in data.get("constants", ())))
+            constants=tuple((k, v) for k, v in data.get("constants", ())),
+            ptxas_version=str(data.get("ptxas_version", "")), ptx_isa=int(data.get("ptx_isa", 0)),
+            cubin_min_driver=int(data.get("cubin_min_driver", 0)), ptx_min_driver=int(data.get("ptx_min_driver", 0)))
 
 
 def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b: bool,
@@ -179,14 +224,17 @@ def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans
 
 
 def cache_key(family: Family, config: MicroKernel, *, epilogue: Epilogue, trans_b: bool,
-              conv: ConvParams | None, div16: Sequence[str], allow_tf32: bool) -> str:
+              conv: ConvParams | None, div16: Sequence[str], allow_tf32: bool,
+              toolchain: CompileToolchain = CompileToolchain()) -> str:
     """sha256 over everything that changes the compiled artifact."""
     import triton
 
+    ptxas = _ptxas_for(check_family(family).arch, toolchain)
     payload = {"format": _FORMAT, "triton": triton.__version__, "templates": template_hash(),
                "family": asdict(family), "config": config.key(), "epilogue": asdict(epilogue),
                "trans_b": trans_b, "conv": None if conv is None else asdict(conv),
-               "div16": sorted(div16), "allow_tf32": allow_tf32}
+               "div16": sorted(div16), "allow_tf32": allow_tf32,
+               "ptx_cap": tc.max_ptx_isa(toolchain.min_driver), "ptxas": [ptxas, tc.ptxas_version(ptxas)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -227,40 +275,92 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
             int(spills.group(1)) + int(spills.group(2)) if spills else None)
 
 
+@contextlib.contextmanager
+def _ptxas_override(path: str | None) -> Any:
+    """Make Triton run ``path`` as its ptxas for every arch for the duration (its knobs read the
+    TRITON_PTXAS_PATH / TRITON_PTXAS_BLACKWELL_PATH environment variables); nothing when ``path`` is None."""
+    if path is None:
+        yield
+        return
+    keys = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+    previous = {key: os.environ.get(key) for key in keys}
+    try:
+        for key in keys:
+            os.environ[key] = path
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
-                    arch: int, num_warps: int, num_stages: int, scratch: Path | None = None) -> tuple[Any, str]:
+                    arch: int, num_warps: int, num_stages: int, scratch: Path | None = None,
+                    toolchain: CompileToolchain = CompileToolchain()) -> tuple[Any, str]:
     """Compile and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
     is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts.
     Triton still writes its working files to a cache folder: ``scratch`` (inside this module's cache,
-    so a read-only ~/.triton does not matter) when given."""
+    so a read-only ~/.triton does not matter) when given. The PTX ISA is the lower of the ptxas's own and
+    the newest ``toolchain.min_driver`` JIT-compiles (a ptxas refuses PTX newer than itself)."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import ptx_get_version
     from triton.compiler import ASTSource
 
     knobs = triton.knobs.nvidia
     previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir
     log = io.StringIO()
+    ptxas = _ptxas_for(arch, toolchain)
+    release = ".".join(tc.ptxas_version(ptxas).split(".")[:2])
+    ptx_version = min(ptx_get_version(release), tc.max_ptx_isa(toolchain.min_driver))
     try:
         knobs.dump_ptxas_log = True
         triton.knobs.compilation.always_compile = True
         if scratch is not None:
             triton.knobs.cache.dir = str(scratch)
-        with contextlib.redirect_stdout(log):
+        with contextlib.redirect_stdout(log), _ptxas_override(toolchain.ptxas):
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": num_warps, "num_stages": num_stages,
-                                               "enable_fp_fusion": True})
+                                               "enable_fp_fusion": True, "ptx_version": ptx_version})
     finally:
         knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir = previous
     return compiled, log.getvalue()
 
 
+def _toolchain_facts(arch: int, ptx: str, toolchain: CompileToolchain, what: str) -> dict[str, Any]:
+    """The ptxas version, PTX ISA and the minimum drivers of a compiled kernel's cubin and PTX; DietcodeError
+    when either needs a newer driver than ``toolchain.min_driver`` (a ptxas of a newer CUDA major than the
+    driver's makes cubins that driver does not load: choose an older ptxas)."""
+    ptxas = _ptxas_for(arch, toolchain)
+    version = tc.ptxas_version(ptxas)
+    isa = tc.ptx_isa(ptx)
+    cubin_driver, ptx_driver = tc.cubin_min_driver(version), tc.ptx_min_driver(isa)
+    want = tc.format_driver(toolchain.min_driver)
+    if cubin_driver > toolchain.min_driver:
+        raise DietcodeError(f"{what}: ptxas {version} ({ptxas}) makes cubins that need a CUDA "
+                            f"{tc.format_driver(cubin_driver)} driver or newer, and the kernels must "
+                            f"load on driver {want}: pass --ptxas with a ptxas of CUDA {want.split('.')[0]} or "
+                            "older (the Triton wheel's triton/backends/nvidia/bin/ptxas is CUDA 12.9), or a "
+                            "newer --min-driver")
+    if ptx_driver > toolchain.min_driver:
+        raise DietcodeError(f"{what}: its PTX has ISA {tc.format_isa(isa)}, which needs driver "
+                            f"{tc.format_driver(ptx_driver)}; driver {want} JIT-compiles PTX up to "
+                            f"{tc.format_isa(tc.max_ptx_isa(toolchain.min_driver))}")
+    return {"ptxas_version": version, "ptx_isa": isa, "cubin_min_driver": cubin_driver, "ptx_min_driver": ptx_driver}
+
+
 def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = Epilogue(),
                    trans_b: bool = False, conv: ConvParams | None = None, cache_dir: Path | None = None,
-                   div16: Sequence[str] = (), allow_tf32: bool = False) -> CompiledKernel:
-    """Compile ``family.op``'s template with ``config`` for ``family.target`` (cached on disk).
+                   div16: Sequence[str] = (), allow_tf32: bool = False,
+                   toolchain: CompileToolchain = CompileToolchain()) -> CompiledKernel:
+    """Compile ``family.op``'s template with ``config`` for ``family.target`` (cached on disk), so that its
+    cubin and PTX load on ``toolchain.min_driver``.
 
-    Raises DietcodeError for bad input and for kernels that need scratch memory."""
+    Raises DietcodeError for bad input, for kernels that need scratch memory, and when the ptxas cannot make
+    artifacts that driver loads."""
     import triton
 
     if not epilogue.bias:  # nothing to assume about a pointer the kernel does not take
@@ -268,8 +368,9 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
     profile = check_family(family)
     div16 = tuple(sorted(set(div16)))
+    toolchain.check()
     key = cache_key(family, config, epilogue=epilogue, trans_b=trans_b, conv=conv, div16=div16,
-                    allow_tf32=allow_tf32)
+                    allow_tf32=allow_tf32, toolchain=toolchain)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = folder / f"{key}.json"
     cached = _read_cached(path, family, config)
@@ -279,7 +380,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
-                                    config.num_stages, scratch=folder / "triton")
+                                    config.num_stages, scratch=folder / "triton", toolchain=toolchain)
     md = compiled.metadata
     if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
@@ -290,6 +391,8 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs {', '.join(unsupported)}, which "
                             "the runtime's plain cuLaunchKernel does not set up, so such kernels are refused")
     n_regs, n_spills = _parse_ptxas(log)
+    facts = _toolchain_facts(profile.arch, compiled.asm["ptx"], toolchain, f"{family.op} {config.key()} for "
+                             f"{family.target}")
     params = tuple(p for p in templates.ABI_PARAMS[family.op] if signature[p] != "constexpr")
     kernel = CompiledKernel(
         name=md.name, arch=profile.arch, cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"], params=params,
@@ -299,7 +402,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,
-        constants=tuple(sorted((k, v) for k, v in constants.items() if k != "bias")))
+        constants=tuple(sorted((k, v) for k, v in constants.items() if k != "bias")), **facts)
     record = kernel.to_dict()
     _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))
     return kernel
@@ -356,6 +459,7 @@ class CompileJob:
     div16: tuple[str, ...] = ()
     allow_tf32: bool = False
     cache_dir: Path | None = None
+    toolchain: CompileToolchain = CompileToolchain()
 
 
 @dataclass(frozen=True)
@@ -375,7 +479,7 @@ def _run_job(job: CompileJob) -> CompileResult:
     try:
         kernel = compile_kernel(job.family, job.config, epilogue=job.epilogue, trans_b=job.trans_b,
                                 conv=job.conv, cache_dir=job.cache_dir, div16=job.div16,
-                                allow_tf32=job.allow_tf32)
+                                allow_tf32=job.allow_tf32, toolchain=job.toolchain)
         return CompileResult(job, kernel)
     except Exception as exc:  # noqa: BLE001 - any compiler failure becomes a recorded result
         return CompileResult(job, None, f"{type(exc).__name__}: {exc}".strip()[:2000])

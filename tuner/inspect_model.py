@@ -6,8 +6,9 @@ from pathlib import Path
 
 import onnx
 
-from dietcode_ort.bundle import Bundle, node_bundles
+from dietcode_ort.bundle import Bundle, BundleKernel, node_bundles
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.toolchain import format_driver, format_isa
 from tuner.rewrite import DOMAIN
 from tuner.scan import load_model
 
@@ -47,6 +48,21 @@ def _info(node: onnx.NodeProto, attr: onnx.AttributeProto) -> dict:
     return info
 
 
+def _images(kernel: BundleKernel) -> list[dict]:
+    """Each image of a kernel with what made it and the oldest driver that loads it (docs/bundle.md)."""
+    return [{"kind": choice.kind, "arch": choice.arch, "triton": chain.triton or None, "ptxas": chain.ptxas or None,
+             "ptx_isa": format_isa(chain.ptx_isa) if chain.ptx_isa else None,
+             "min_driver": format_driver(chain.min_driver) if chain.min_driver else None}
+            for choice, chain in kernel.all_images()]
+
+
+def _toolchain_line(chain: dict) -> str:
+    parts = [f"triton {chain['triton']}" if chain["triton"] else "", f"ptxas {chain['ptxas']}" if chain["ptxas"] else "",
+             f"PTX ISA {chain['ptx_isa']}" if chain["ptx_isa"] else "",
+             f"driver >= {chain['min_driver']}" if chain["min_driver"] else "no driver requirement recorded"]
+    return f"{chain['kind']} {chain['arch']}: " + ", ".join(p for p in parts if p)
+
+
 def describe(model: onnx.ModelProto) -> list[dict]:
     nodes = []
     custom = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -66,7 +82,7 @@ def describe(model: onnx.ModelProto) -> list[dict]:
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
             "view": _view(bundle),
             "kernels": [{"name": k.name, "kind": k.kind, "view": k.view if k.kind == "triton" else None,
-                         "archs": [a for a, _ in k.images],
+                         "archs": [a for a, _ in k.images], "images": _images(k),
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
                          "split_k": k.split_k, "div16": list(k.div16),
@@ -110,4 +126,7 @@ def inspect_command(path: str, as_json: bool) -> int:
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         table.add_row(n["name"], n["op"], work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)
+    lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
+    if lines:
+        console.print("images (what made them, the oldest CUDA driver that loads them):\n  " + "\n  ".join(lines))
     return 0

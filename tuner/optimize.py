@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
 from tuner.scan import attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
@@ -42,6 +43,8 @@ class OptimizeOptions:
     progress: bool = True
     ray: str | None = None  # run compiles and measurements on a Ray cluster: "auto", "local" or its address
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
+    min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
+    ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
 
 
 @dataclass(frozen=True)
@@ -335,7 +338,8 @@ def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
             for target in options.targets:
                 jobs.setdefault(_job_key(w, config, target), aot.CompileJob(
                     _family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b, conv=w.conv,
-                    div16=_div16(w), cache_dir=options.cache_dir))
+                    div16=_div16(w), cache_dir=options.cache_dir,
+                    toolchain=aot.CompileToolchain(options.min_driver, options.ptxas)))
     started = time.perf_counter()
     executor = executor or LocalExecutor(options.compile_workers)
     results = executor.compile_many(list(jobs.values()))

@@ -42,7 +42,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   dc_bundle_features(b, dims, ranks, 2, features.data());
   char desc[64];
   for (int32_t k = 0; k < n_kernels; ++k) {
-    for (int cc : {80, 86, 90, 100, 120}) dc_bundle_pick_image(b, k, cc / 10, cc % 10, desc, sizeof(desc));
+    for (int cc : {80, 86, 90, 100, 120}) {
+      dc_bundle_pick_image(b, k, cc / 10, cc % 10, desc, sizeof(desc));
+      for (int driver : {0, 12080, 13000, 13040}) dc_kernel_fit_device(b, k, cc / 10, cc % 10, 99 * 1024, driver);
+    }
+    for (int32_t image = -1; image < 17; ++image) {
+      int32_t isa = 0, min_driver = 0;
+      dc_bundle_image_toolchain(b, k, image, desc, sizeof(desc), desc, sizeof(desc), &isa, &min_driver);
+    }
     dc_bundle_kernel_takes_param(b, k, "batch");
   }
   dc_bundle_free(b);
