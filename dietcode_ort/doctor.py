@@ -243,7 +243,10 @@ def run_checks(build: bool = True, model: str | None = None, driver: int | None 
         """A check of what the source build needs; "skip" beside a prebuilt library, which needs none of it."""
         def check() -> Check:
             if not prebuilt:
-                prebuilt.append(b.prebuilt_library())
+                try:
+                    prebuilt.append(b.prebuilt_library())
+                except DietcodeError:  # a bad prebuilt library: the library check below says what is wrong
+                    prebuilt.append(None)
             if prebuilt[0] is not None:
                 return Check(name, "skip", f"not needed: the library is prebuilt ({prebuilt[0]})")
             return Check(name, "ok", find())
