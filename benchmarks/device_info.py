@@ -166,9 +166,8 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
     index mapping nodes to them, and ``dietcode-ort inspect --json``; no weights."""
     import onnx
 
-    from dietcode_ort.bundle import node_bundles
-    from tuner.inspect_model import describe
-    from tuner.rewrite import DOMAIN
+    from dietcode_ort.bundle import DOMAIN, node_bundles
+    from dietcode_ort.inspect_model import describe
 
     index: dict[str, Any] = {}
     for path in models:
@@ -184,7 +183,7 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
             nodes[node.name or node.output[0]] = name
         (folder / "index.json").write_text(json.dumps({"model": path.name, "nodes": nodes}, indent=1) + "\n")
         try:
-            (folder / "inspect.json").write_text(json.dumps({"nodes": describe(model)}, indent=1) + "\n")
+            (folder / "inspect.json").write_text(json.dumps({"nodes": describe(model, path.parent)}, indent=1) + "\n")
         except Exception as exc:  # the bundles are kept even if a description fails
             (folder / "inspect.error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
         index[path.name] = {"custom_nodes": len(nodes), "bundles": len(set(nodes.values()))}

@@ -163,6 +163,30 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
 // loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
+// Reading a bundle back (custom_ops/bundle_read.cc): every field of a parsed bundle, so that Python reads
+// payloads through this parser instead of one of its own. Strings and bytes point into the bundle and live
+// as long as it does. Out-of-range ids give NULL / -1 with a message.
+typedef struct dc_kernel_meta {
+  uint32_t num_warps, block_m, block_n, split_k;  // as the payload holds them (a vendor kernel's are unchecked)
+  uint32_t shared;       // dynamic shared memory bytes of the PTX launch
+  uint32_t zero_output;  // 1: the output is zeroed before the launch (split-K)
+  uint32_t div16;        // bit p: ABI param p assumed 16-byte aligned (pointers) / a multiple of 16 (ints)
+  uint32_t n_params, n_images;
+  uint8_t params[32];   // the kernel's ABI params in its order (dc_abi_param_name indices), n_params of them
+} dc_kernel_meta;
+const char* dc_bundle_feature_name(const dc_bundle* bundle, int32_t j);  // NUL-terminated UTF-8
+// Feature j's terms as (inputs[t], dims[t]), at most `capacity` of them; returns the term count.
+int dc_bundle_feature_terms(const dc_bundle* bundle, int32_t j, int32_t* inputs, int32_t* dims, size_t capacity);
+// The tree's arrays (n must be the node count, dc_bundle_info's n_nodes). 0 on success.
+int dc_bundle_tree(const dc_bundle* bundle, int32_t* feature, int64_t* threshold, int32_t* left, int32_t* right,
+                   int32_t* leaf, size_t n);
+const char* dc_bundle_kernel_name(const dc_bundle* bundle, int32_t k);  // NUL-terminated UTF-8
+int dc_bundle_kernel_meta(const dc_bundle* bundle, int32_t k, dc_kernel_meta* out);  // 0 on success
+// Cubin i of kernel k (i < n_images): its compute capability, 'a' flag, shared memory bytes and size.
+const uint8_t* dc_bundle_kernel_image(const dc_bundle* bundle, int32_t k, int32_t i, uint32_t* cc, int32_t* specific,
+                                      uint32_t* shared, size_t* size);
+const char* dc_bundle_kernel_ptx(const dc_bundle* bundle, int32_t k, size_t* size);  // "" when none
+
 // Per-node counters (custom_ops/stats.cc), process-wide and thread-safe: the counter of a node name
 // (created on first use, never freed; every node and session with that name shares it), counted per call.
 typedef struct dc_node_counter dc_node_counter;

@@ -1,7 +1,8 @@
 """dietcode-ort: shape-generic (DietCode) kernels for dynamic-shape ONNX models in ONNX Runtime.
 
-This package is what a deployment imports. It must not import triton, torch or scikit-learn: those
-belong to the offline tuner (the ``tuner`` package). ``register``/``InferenceSession`` load the custom-op
+This package is what a deployment imports (``pip install dietcode-ort``). It must import nothing of the
+offline tuner (the ``tuner`` package, ``pip install 'dietcode-ort[tune]'``) nor its dependencies: triton,
+scikit-learn, sympy, torch (tests/test_lean_runtime.py checks it). ``register``/``InferenceSession`` load the custom-op
 library (built from custom_ops/ on first use, see ``library_path``).
 """
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A bundle holds everything the runtime needs to run one node for any shape: the compiled kernels (a cubin
 per GPU arch and PTX for newer GPUs, with their launch metadata), the dispatch tree over the node's
 symbolic features, and the definitions of those features in terms of the node's input dims, so the C++
-side can compute them from the actual input shapes. The layout is documented in docs/bundle.md; this
-reader validates exactly what the C++ reader (custom_ops/core.cc) validates, so a payload that passes here
-passes there.
+side can compute them from the actual input shapes. The layout is documented in docs/bundle.md. Python
+only writes bundles: ``Bundle.validate`` refuses what the C++ reader (custom_ops/core.cc) refuses, so a
+written payload parses there, and ``read_bundle`` decodes a payload through that reader (ctypes).
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles",
+    "NodeBundle", "node_bundles", "read_bundle",
 ]
 
+DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
 MAGIC = b"DCBUNDLE"
 # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
 # 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX
@@ -30,7 +31,6 @@ VERSION = 4
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
-_SECTION_NAMES = {SECTION_FEATURES: "features", SECTION_KERNELS: "kernels", SECTION_TREE: "tree"}
 
 # ABI parameter names (abi.md) in enum order: the index is what the payload stores.
 PARAM_NAMES: tuple[str, ...] = (
@@ -365,10 +365,6 @@ def parse_arch(arch: str) -> tuple[int, int]:
     return int(m.group(1)), ARCH_FLAG_SPECIFIC if m.group(2) else 0
 
 
-def _arch_name(cc: int, flags: int) -> str:
-    return f"sm_{cc}{'a' if flags & ARCH_FLAG_SPECIFIC else ''}"
-
-
 @dataclass(frozen=True)
 class ImageChoice:
     """What the runtime loads for a device: a cubin for ``arch`` or PTX (``arch`` is its .target)."""
@@ -511,6 +507,46 @@ class DispatchTree:
             i = self.left[i] if features[self.feature[i]] <= self.threshold[i] else self.right[i]
         raise _fail("tree walk did not reach a leaf")
 
+    def render(self, features: Sequence[str], kernels: Sequence[str]) -> str:
+        """The tree as an if-chain over the named ``features``, most specific condition first, ending in the
+        catch-all; each leaf shows ``kernels[leaf id]``."""
+        import math
+
+        leaves: list[tuple[dict[int, list[float]], int]] = []
+        stack: list[tuple[int, dict[int, list[float]]]] = [(0, {})]
+        while stack:  # depth first, left before right
+            node, bounds = stack.pop()
+            if self.leaf[node] >= 0:
+                leaves.append((bounds, self.leaf[node]))
+                continue
+            f, t = self.feature[node], self.threshold[node]
+            lo, hi = bounds.get(f, [-math.inf, math.inf])
+            stack.append((self.right[node], {**bounds, f: [max(lo, t), hi]}))
+            stack.append((self.left[node], {**bounds, f: [lo, min(hi, t)]}))
+
+        def specificity(item: tuple[dict[int, list[float]], int]) -> tuple[int, float]:
+            bounds = item[0]
+            finite = sum(math.isfinite(v) for lo_hi in bounds.values() for v in lo_hi)
+            width = sum(hi - lo for lo, hi in bounds.values() if math.isfinite(hi - lo))
+            return (-finite, width)
+
+        ordered = sorted(leaves, key=specificity)
+        lines: list[str] = []
+        for n, (bounds, index) in enumerate(ordered):
+            if n == len(ordered) - 1:
+                lines.append(("else" if lines else "always") + f" -> {kernels[index]}")
+                break
+            terms = []
+            for f, (lo, hi) in sorted(bounds.items()):
+                if math.isfinite(lo) and math.isfinite(hi):
+                    terms.append(f"{int(lo)} < {features[f]} <= {int(hi)}")
+                elif math.isfinite(hi):
+                    terms.append(f"{features[f]} <= {int(hi)}")
+                elif math.isfinite(lo):
+                    terms.append(f"{features[f]} > {int(lo)}")
+            lines.append(f"{'if' if n == 0 else 'elif'} {' and '.join(terms)} -> {kernels[index]}")
+        return "\n".join(lines)
+
 
 @dataclass(frozen=True)
 class Bundle:
@@ -608,167 +644,14 @@ class Bundle:
         return (struct.pack("<I", n) + struct.pack(f"<{n}i", *t.feature) + struct.pack(f"<{n}q", *t.threshold)
                 + struct.pack(f"<{n}i", *t.left) + struct.pack(f"<{n}i", *t.right) + struct.pack(f"<{n}i", *t.leaf))
 
-    # ---- decoding -------------------------------------------------------------------------------------
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "Bundle":
-        """Decode and validate; every size and offset is checked before use (DietcodeError on failure)."""
-        data = bytes(data)
-        if len(data) < HEADER_SIZE:
-            raise _fail(f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
-        if data[:8] != MAGIC:
-            raise _fail(f"bad magic {data[:8]!r}, expected {MAGIC!r}")
-        version, header_size, total, count, reserved = struct.unpack_from("<IIQII", data, 8)
-        if version != VERSION:
-            raise _fail(f"version {version}, this reader knows {VERSION}")
-        if header_size != HEADER_SIZE or reserved != 0:
-            raise _fail(f"header size {header_size} / reserved {reserved}, expected {HEADER_SIZE} / 0")
-        if total != len(data):
-            raise _fail(f"header says {total} bytes, payload has {len(data)}")
-        if total > LIMITS["total_bytes"]:
-            raise _fail(f"payload of {total} bytes exceeds {LIMITS['total_bytes']}")
-        if count != 3:
-            raise _fail(f"{count} sections, expected 3 (features, kernels, tree)")
-        table_end = HEADER_SIZE + SECTION_ENTRY_SIZE * count
-        if table_end > total:
-            raise _fail("section table runs past the end")
-        spans: dict[int, tuple[int, int]] = {}
-        for s in range(count):
-            kind, res, off, size = struct.unpack_from("<IIQQ", data, HEADER_SIZE + SECTION_ENTRY_SIZE * s)
-            if kind not in _SECTION_NAMES or kind in spans or res != 0:
-                raise _fail(f"section entry {s}: kind {kind} unknown or repeated (or reserved field set)")
-            if off < table_end or size > total or off > total - size:
-                raise _fail(f"section {_SECTION_NAMES[kind]}: offset {off} size {size} outside the payload")
-            spans[kind] = (off, size)
-        ordered = sorted(spans.values())
-        for (o1, s1), (o2, _s2) in zip(ordered, ordered[1:]):
-            if o1 + s1 > o2:
-                raise _fail("sections overlap")
-        features = _read_features(_Reader(data, *spans[SECTION_FEATURES], "features"))
-        kernels = _read_kernels(_Reader(data, *spans[SECTION_KERNELS], "kernels"))
-        tree = _read_tree(_Reader(data, *spans[SECTION_TREE], "tree"))
-        bundle = cls(features, kernels, tree, version)
-        bundle.validate()
-        return bundle
 
+def read_bundle(data: bytes) -> Bundle:
+    """Decode a payload with the C core's parser (custom_ops/core.cc), the one bundle reader: DietcodeError
+    with its message (``invalid kernel bundle: ...``) when it refuses the bytes. Loads the custom-op
+    library (built on first use)."""
+    from dietcode_ort.runtime import load_core
 
-class _Reader:
-    """Bounds-checked little-endian cursor over one section."""
-
-    def __init__(self, data: bytes, offset: int, size: int, what: str) -> None:
-        self.data, self.pos, self.end, self.what = data, offset, offset + size, what
-
-    def take(self, n: int, field_: str) -> bytes:
-        if n < 0 or n > self.end - self.pos:
-            raise _fail(f"{self.what}: {field_} needs {n} bytes, {self.end - self.pos} left")
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str, field_: str) -> tuple[int, ...]:
-        return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt), field_))
-
-    def u32(self, field_: str) -> int:
-        return self.unpack("I", field_)[0]
-
-    def count(self, field_: str, limit: int, lo: int = 0) -> int:
-        n = self.u32(field_)
-        if not lo <= n <= limit:
-            raise _fail(f"{self.what}: {field_} {n} outside {lo}..{limit}")
-        return n
-
-    def done(self) -> None:
-        if self.pos != self.end:
-            raise _fail(f"{self.what}: {self.end - self.pos} trailing bytes")
-
-
-def _read_features(r: _Reader) -> tuple[Feature, ...]:
-    out = []
-    for j in range(r.count("feature count", LIMITS["features"])):
-        name = r.take(r.count(f"feature {j} name length", LIMITS["name"]), "feature name")
-        terms = tuple((inp, dim) for inp, dim in (r.unpack("Ii", "feature term")
-                                                  for _ in range(r.count(f"feature {j} term count", LIMITS["terms"], 1))))
-        out.append(Feature(_utf8(name, "feature name"), terms))
-    r.done()
-    return tuple(out)
-
-
-def _read_kernels(r: _Reader) -> tuple[BundleKernel, ...]:
-    out = []
-    for k in range(r.count("kernel count", LIMITS["kernels"], 1)):
-        start = r.pos
-        record = r.u32(f"kernel {k} record size")
-        if record < 4 or record > r.end - start:
-            raise _fail(f"kernels: kernel {k} record size {record} outside the section")
-        sub = _Reader(r.data, start + 4, record - 4, f"kernel {k}")
-        kind, flags, mask, warps, shared, bm, bn, sk = sub.unpack("BBHIIIII", "launch metadata")
-        if kind >= len(KERNEL_KINDS) or flags & ~FLAG_ZERO_OUTPUT:
-            raise _fail(f"kernel {k}: kind {kind} / flags {flags} invalid")
-        if mask >> len(PARAM_NAMES):
-            raise _fail(f"kernel {k}: div16 mask names param {mask.bit_length() - 1}, which the kernel does not take")
-        dtype, act, trans_b, reserved, *conv = sub.unpack("BBBB9I", "build facts")
-        if reserved or dtype >= len(DTYPE_CODES) or act >= len(ACTIVATION_CODES) or trans_b > 1:
-            raise _fail(f"kernel {k}: dtype {dtype} / activation {act} / trans_b {trans_b} / reserved invalid")
-        name = _utf8(sub.take(sub.count("name length", LIMITS["name"], 1), "name"), "kernel name")
-        raw_params = sub.take(sub.count("param count", LIMITS["params"]), "params")
-        if any(p >= len(PARAM_NAMES) for p in raw_params):
-            raise _fail(f"kernel {k}: param enum out of range 0..{len(PARAM_NAMES) - 1}")
-        images, image_shared, image_toolchains = [], [], []
-        for _ in range(sub.count("image count", LIMITS["images"])):
-            cc, aflags, ishared = sub.unpack("III", "image header")
-            if not 10 <= cc <= 9999 or aflags & ~ARCH_FLAG_SPECIFIC:
-                raise _fail(f"kernel {k}: image arch {cc} / flags {aflags} invalid")
-            if ishared > LIMITS["shared"]:
-                raise _fail(f"kernel {k}: image shared {ishared} bytes too large")
-            image_shared.append(ishared)
-            image_toolchains.append(_read_toolchain(sub, "image toolchain"))
-            (size,) = sub.unpack("Q", "image size")
-            if size > LIMITS["image_bytes"]:
-                raise _fail(f"kernel {k}: image of {size} bytes exceeds {LIMITS['image_bytes']}")
-            images.append((_arch_name(cc, aflags), sub.take(size, "cubin")))
-        (ptx_size,) = sub.unpack("Q", "PTX size")
-        if ptx_size > LIMITS["ptx_bytes"]:
-            raise _fail(f"kernel {k}: PTX of {ptx_size} bytes exceeds {LIMITS['ptx_bytes']}")
-        ptx = _utf8(sub.take(ptx_size, "PTX"), "PTX")
-        ptx_toolchain = _read_toolchain(sub, "PTX toolchain")
-        sub.done()
-        r.pos = start + record
-        out.append(BundleKernel(name=name, kind=KERNEL_KINDS[kind], images=tuple(images),
-                                image_shared=tuple(image_shared), ptx=ptx,
-                                params=tuple(PARAM_NAMES[p] for p in raw_params), num_warps=warps, shared=shared,
-                                block_m=bm, block_n=bn, split_k=sk, zero_output=bool(flags & FLAG_ZERO_OUTPUT),
-                                div16=tuple(p for i, p in enumerate(PARAM_NAMES) if mask >> i & 1),
-                                dtype=DTYPE_CODES[dtype], activation=ACTIVATION_CODES[act], trans_b=bool(trans_b),
-                                conv=tuple(conv) if any(conv) else (), image_toolchains=tuple(image_toolchains),
-                                ptx_toolchain=ptx_toolchain))
-    r.done()
-    return tuple(out)
-
-
-def _read_toolchain(sub: _Reader, what: str) -> Toolchain:
-    isa, driver = sub.unpack("II", what)
-    triton = _utf8(sub.take(sub.count(f"{what} Triton version length", LIMITS["toolchain_name"]), what), what)
-    ptxas = _utf8(sub.take(sub.count(f"{what} ptxas version length", LIMITS["toolchain_name"]), what), what)
-    if isa > LIMITS["ptx_isa"] or driver > LIMITS["driver"]:
-        raise _fail(f"{sub.what}: {what}: PTX ISA {isa} / minimum driver {driver} out of range")
-    return Toolchain(triton, ptxas, isa, driver)
-
-
-def _read_tree(r: _Reader) -> DispatchTree:
-    n = r.count("node count", LIMITS["nodes"], 1)
-    arrays = [r.unpack(f"{n}{c}", name) for c, name in
-              (("i", "feature"), ("q", "threshold"), ("i", "left"), ("i", "right"), ("i", "leaf"))]
-    r.done()
-    return DispatchTree(*arrays)
-
-
-def _utf8(raw: bytes, what: str) -> str:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _fail(f"{what} is not UTF-8 ({exc.reason})") from None
-    if "\0" in text:
-        raise _fail(f"{what} contains a NUL byte")
-    return text
+    return load_core().parse(bytes(data)).decode()
 
 
 def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tree: DispatchTree) -> Bundle:
@@ -803,7 +686,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
     payloads: dict[str, bytes] = {}
     out = []
     for i, node in enumerate(graph.node):
-        if node.domain != "ai.dietcode":
+        if node.domain != DOMAIN:
             continue
         label = f"node {node.name or i!r} ({node.op_type})"
         if any(a.name == "bundle" for a in node.attribute):

@@ -2,11 +2,13 @@
 
 Settings are read here, at the edge, and handed down as typed values. Each command's work lives in the
 module that owns it; heavy modules (the tuner, triton, scikit-learn) are imported only by the commands
-that need them, so ``dietcode-ort doctor`` works on a deployment that has only the runtime.
+that need them, so ``doctor`` and ``inspect`` work on a deployment that has only the runtime, and a tuner
+command there says which extra to install.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -21,6 +23,28 @@ __all__ = ["main", "build_parser"]
 
 Handler = Callable[[argparse.Namespace], int]
 _INTERNAL_ERROR = 70  # EX_SOFTWARE: distinct from bad input (2), so tests can tell a bug from a refusal
+# The commands that run the tuner (the `tune` extra: pip install 'dietcode-ort[tune]') and its modules
+_TUNER_COMMANDS = ("scan", "space", "optimize", "bench")
+_TUNER_MODULES = ("triton", "sklearn", "sympy")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
+def _tuner_missing(command: str, missing: Sequence[str]) -> DietcodeError:
+    return DietcodeError(f"`dietcode-ort {command}` needs the tuner's dependencies, not installed here "
+                         f"({', '.join(missing)} missing): pip install 'dietcode-ort[tune]'")
+
+
+def _require_tuner(command: str) -> None:
+    """DietcodeError naming the command and the extra when one of the tuner's modules is missing."""
+    missing = [m for m in _TUNER_MODULES if not _installed(m)]
+    if missing:
+        raise _tuner_missing(command, missing)
 
 
 def _dim_help() -> str:
@@ -198,7 +222,7 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tuner import inspect_model
+    from dietcode_ort import inspect_model
 
     return inspect_model.inspect_command(args.model, args.json)
 
@@ -301,8 +325,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    tuner = args.command in _TUNER_COMMANDS
     try:
+        if tuner:
+            _require_tuner(args.command)
         return int(args.handler(args) or 0)
+    except ModuleNotFoundError as exc:
+        if not tuner or (exc.name or "").split(".")[0] not in _TUNER_MODULES:
+            return _internal(exc)
+        print(f"error: {_tuner_missing(args.command, [exc.name or '?'])}", file=sys.stderr)
+        return 2
     except _Terminated:
         print("terminated", file=sys.stderr)
         return 143
@@ -316,11 +348,15 @@ def _run(args: argparse.Namespace) -> int:
         print("error: out of memory (fewer instances: narrower --dim ranges or a coarser step)", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback only on request
-        if os.environ.get("DIETCODE_TRACEBACK"):
-            raise
-        print(f"error: internal error ({type(exc).__name__}: {exc}); this is a bug in dietcode-ort: set "
-              "DIETCODE_TRACEBACK=1 to see the traceback", file=sys.stderr)
-        return _INTERNAL_ERROR
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> int:
+    if os.environ.get("DIETCODE_TRACEBACK"):
+        raise exc
+    print(f"error: internal error ({type(exc).__name__}: {exc}); this is a bug in dietcode-ort: set "
+          "DIETCODE_TRACEBACK=1 to see the traceback", file=sys.stderr)
+    return _INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

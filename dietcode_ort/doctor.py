@@ -174,7 +174,7 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
 
     import onnx
 
-    from dietcode_ort.bundle import Bundle, node_bundles, select_image
+    from dietcode_ort.bundle import Bundle, node_bundles, read_bundle, select_image
     from dietcode_ort.toolchain import format_driver, format_isa
 
     name = f"model {Path(path).name}"
@@ -186,7 +186,7 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
     for where in node_bundles(model, str(Path(path).parent)):
         if where.initializer not in bundles:
             try:
-                bundles[where.initializer] = Bundle.from_bytes(where.payload)
+                bundles[where.initializer] = read_bundle(where.payload)
             except DietcodeError as exc:
                 raise DietcodeError(f"node {where.node!r}: {exc}") from None
     if not bundles:

@@ -10,13 +10,16 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dietcode_ort.build import C_ABI_VERSION, library_path
 from dietcode_ort.errors import DietcodeError
 
+if TYPE_CHECKING:
+    from dietcode_ort.bundle import Bundle, BundleKernel
+
 __all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "reset_node_stats", "Core",
-           "LaunchArgs", "load_core"]
+           "CoreBundle", "LaunchArgs", "KernelMeta", "load_core"]
 
 
 _REGISTERED_KEY = "dietcode_ort.library"  # session config entry marking options that carry the library
@@ -154,6 +157,13 @@ class LaunchArgs(ctypes.Structure):
                                       "img_n", "img_h", "img_w", "out_h", "out_w")]
 
 
+class KernelMeta(ctypes.Structure):
+    """Mirror of ``dc_kernel_meta`` in custom_ops/core.h."""
+
+    _fields_ = [(n, ctypes.c_uint32) for n in ("num_warps", "block_m", "block_n", "split_k", "shared", "zero_output",
+                                              "div16", "n_params", "n_images")] + [("params", ctypes.c_uint8 * 32)]
+
+
 class Core:
     """ctypes binding of the library's C core (custom_ops/core.h)."""
 
@@ -207,6 +217,7 @@ class Core:
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
+        _bind_reading(lib)
         self.lib = lib
         if lib.dc_abi_version() != C_ABI_VERSION:
             raise DietcodeError(f"{path} has C ABI version {lib.dc_abi_version()}, this package expects "
@@ -285,6 +296,23 @@ class Core:
         return version.value
 
 
+def _bind_reading(lib: ctypes.CDLL) -> None:
+    """Signatures of the reading accessors (custom_ops/bundle_read.cc)."""
+    vp, i32, i32p, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t
+    for name in ("dc_bundle_feature_name", "dc_bundle_kernel_name"):
+        getattr(lib, name).restype = ctypes.c_char_p
+        getattr(lib, name).argtypes = [vp, i32]
+    lib.dc_bundle_feature_terms.argtypes = [vp, i32, i32p, i32p, sz]
+    lib.dc_bundle_tree.argtypes = [vp, i32p, ctypes.POINTER(ctypes.c_int64), i32p, i32p, i32p, sz]
+    lib.dc_bundle_kernel_meta.argtypes = [vp, i32, ctypes.POINTER(KernelMeta)]
+    lib.dc_bundle_kernel_image.restype = ctypes.c_void_p
+    u32p = ctypes.POINTER(ctypes.c_uint32)
+    lib.dc_bundle_kernel_image.argtypes = [vp, i32, i32, u32p, i32p, u32p, ctypes.POINTER(sz)]
+    lib.dc_bundle_kernel_ptx.restype = ctypes.c_void_p
+    lib.dc_bundle_kernel_ptx.argtypes = [vp, i32, ctypes.POINTER(sz)]
+    lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
+
+
 class CoreBundle:
     """A bundle parsed by the C++ core (freed with the object)."""
 
@@ -315,6 +343,74 @@ class CoreBundle:
         if self.core.lib.dc_bundle_features(self.handle, ptrs, ranks, len(shapes), out):
             raise DietcodeError(self.core.error())
         return list(out[:self.n_features])
+
+    def decode(self) -> "Bundle":
+        """The whole bundle as ``dietcode_ort.bundle.Bundle``, read field by field from this parse (the
+        accessors of custom_ops/bundle_read.cc): Python writes bundles, the C core reads them."""
+        from dietcode_ort import bundle as fmt
+
+        lib, h = self.core.lib, self.handle
+        features = []
+        for j in range(self.n_features):
+            cap = fmt.LIMITS["terms"]
+            inputs, dims = (ctypes.c_int32 * cap)(), (ctypes.c_int32 * cap)()
+            n = lib.dc_bundle_feature_terms(h, j, inputs, dims, cap)
+            name = lib.dc_bundle_feature_name(h, j)
+            if n < 0 or name is None:
+                raise DietcodeError(self.core.error())
+            features.append(fmt.Feature(name.decode(), tuple((inputs[t], dims[t]) for t in range(n))))
+        kernels = [self._kernel(k) for k in range(self.n_kernels)]
+        n = self.n_nodes
+        feature, threshold, left, right, leaf = ((ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(),
+                                                 (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)())
+        if lib.dc_bundle_tree(h, feature, threshold, left, right, leaf, n):
+            raise DietcodeError(self.core.error())
+        tree = fmt.DispatchTree(tuple(feature), tuple(threshold), tuple(left), tuple(right), tuple(leaf))
+        return fmt.Bundle(tuple(features), tuple(kernels), tree)
+
+    def _kernel(self, k: int) -> "BundleKernel":
+        from dietcode_ort import bundle as fmt
+
+        lib, h = self.core.lib, self.handle
+        name, meta = lib.dc_bundle_kernel_name(h, k), KernelMeta()
+        if name is None or lib.dc_bundle_kernel_meta(h, k, ctypes.byref(meta)):
+            raise DietcodeError(self.core.error())
+        images, image_shared = [], []
+        for i in range(meta.n_images):
+            cc, specific, shared, size = ctypes.c_uint32(), ctypes.c_int32(), ctypes.c_uint32(), ctypes.c_size_t()
+            ptr = lib.dc_bundle_kernel_image(h, k, i, ctypes.byref(cc), ctypes.byref(specific), ctypes.byref(shared),
+                                             ctypes.byref(size))
+            if not ptr:
+                raise DietcodeError(self.core.error())
+            arch = f"sm_{cc.value}{'a' if specific.value else ''}"
+            images.append((arch, ctypes.string_at(ptr, size.value)))
+            image_shared.append(shared.value)
+        ptx_size = ctypes.c_size_t()
+        ptx = lib.dc_bundle_kernel_ptx(h, k, ctypes.byref(ptx_size))
+        dtype, act, trans_b, conv = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), (ctypes.c_int32 * 9)()
+        if not ptx or lib.dc_bundle_kernel_built_for(h, k, ctypes.byref(dtype), ctypes.byref(act),
+                                                     ctypes.byref(trans_b), conv):
+            raise DietcodeError(self.core.error())
+        return fmt.BundleKernel(
+            name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
+            ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
+                                                                             meta.params[:meta.n_params]),
+            num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
+            split_k=meta.split_k, zero_output=bool(meta.zero_output),
+            div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
+            dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
+            conv=tuple(conv) if any(conv) else (), **self._toolchains(k, len(images)))
+
+    def _toolchains(self, k: int, n_images: int) -> dict[str, Any]:
+        """``image_toolchains`` and ``ptx_toolchain`` of kernel k, for ``BundleKernel`` (vendor kernels: none)."""
+        from dietcode_ort import bundle as fmt
+
+        if self.is_vendor(k):
+            return {}
+        chains = {c["image"]: fmt.Toolchain(c["triton"], c["ptxas"], c["ptx_isa"], c["min_driver"])
+                  for c in self.image_toolchains(k)}
+        return {"image_toolchains": tuple(chains[i] for i in range(n_images)),
+                "ptx_toolchain": chains.get(-1, fmt.Toolchain())}
 
     def is_vendor(self, k: int) -> bool:
         r = self.core.lib.dc_bundle_kernel_is_vendor(self.handle, k)

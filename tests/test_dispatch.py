@@ -48,6 +48,26 @@ def test_exported_tree_reproduces_sklearn_on_every_instance():
     assert all(isinstance(t, int) for t in d.tree.threshold)
 
 
+def test_dispatch_tree_is_the_bundles_tree():
+    """build_dispatch returns the bundle's DispatchTree as it is written: valid for the payload, and the C
+    core's reader picks the same kernel as the dispatcher at every point (no conversion in between)."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+    from dietcode_ort.runtime import load_core
+
+    instances = [Instance.of({"batch": b, "seq": s}) for b in (1, 2, 4, 8) for s in range(1, 40, 3)]
+    d = build_dispatch(("batch", "seq"), instances, K, np.random.default_rng(1).uniform(1, 2, (len(instances), 4)),
+                       max_kernels=3)
+    assert type(d.tree) is DispatchTree and len(d.tree.leaf) > 1
+    d.tree.validate(2, len(d.kernels))
+    kernels = tuple(BundleKernel(name=f"k{i}", images=(("sm_90a", b"\x7fELF"),), params=("a", "b", "c"))
+                    for i in range(len(d.kernels)))
+    parsed = load_core().parse(Bundle((Feature("batch", ((0, 0),)), Feature("seq", ((0, 1),))), kernels,
+                                      d.tree).to_bytes())
+    for b in range(0, 10):
+        for s in range(0, 45, 2):
+            assert d.kernels[parsed.select([b, s])] == d.select({"batch": b, "seq": s})
+
+
 def test_threshold_conversion_is_floor_of_midpoint():
     instances = [Instance.of({"T": t}) for t in (16, 17)]
     times = np.array([[1.0, 2.0], [2.0, 1.0]])

@@ -66,7 +66,7 @@ def test_triton_kernels_launch_for_every_op_kind(tmp_path):
     dense and attention MatMuls (bert), Gemm and Conv (resnet50)."""
     import onnx
 
-    from dietcode_ort.bundle import Bundle, node_bundles
+    from dietcode_ort.bundle import node_bundles, read_bundle
 
     cases = [("bert", ("batch=1:2", "seq=8:64:8"), {"batch": 2, "seq": 32}),
              ("resnet50", ("batch=1:2", "height=32:64:32", "width=32:64:32"), {"batch": 2, "height": 32, "width": 32})]
@@ -77,7 +77,7 @@ def test_triton_kernels_launch_for_every_op_kind(tmp_path):
         optimize(src, out, OptimizeOptions(targets=default_targets(), measure="analytic", budget=8, dims=dims,
                                            db=tmp_path / "t.db", cache_dir=tmp_path / "k", progress=False),
                  log=lambda _: None)
-        kinds = {nb.node: _op_kind(nb.node, nb.op_type, Bundle.from_bytes(nb.payload).kernels)
+        kinds = {nb.node: _op_kind(nb.node, nb.op_type, read_bundle(nb.payload).kernels)
                  for nb in node_bundles(onnx.load(str(out)))}
         stock = ort.InferenceSession(str(src), providers=["CUDAExecutionProvider"])
         tuned = dietcode_ort.InferenceSession(str(out), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])

@@ -15,7 +15,7 @@ import dietcode_ort
 import models
 from dietcode_ort.bundle import node_bundles
 from dietcode_ort.errors import DietcodeError
-from tuner.inspect_model import describe
+from dietcode_ort.inspect_model import describe
 from tuner.optimize import OptimizeOptions, features_for, optimize, problem_features
 from tuner.scan import scan_model
 from tuner.workload import Instance
@@ -157,12 +157,12 @@ def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
 
 
 def test_two_targets_give_a_cubin_each_and_portable_ptx(work, tmp_path):
-    from dietcode_ort.bundle import Bundle, node_bundles
+    from dietcode_ort.bundle import node_bundles, read_bundle
 
     src, out = tmp_path / "mlp.onnx", tmp_path / "mlp.2.onnx"
     models.save_model(models.build("mlp", "tiny"), src)
     optimize(src, out, _options(work, "tokens=1:8", targets=("sm_80", "sm_90")), log=lambda _: None)
-    bundle = Bundle.from_bytes(node_bundles(onnx.load(str(out)))[0].payload)
+    bundle = read_bundle(node_bundles(onnx.load(str(out)))[0].payload)
     for kernel in bundle.kernels:
         assert sorted(arch for arch, _ in kernel.images) == ["sm_80", "sm_90a"]
         assert ".target sm_80" in kernel.ptx  # JIT-able by GPUs newer than both cubins

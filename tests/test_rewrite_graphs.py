@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import dietcode_ort
-from tuner.inspect_model import describe
+from dietcode_ort.inspect_model import describe
 from tuner.optimize import OptimizeOptions, optimize
 from tuner.rewrite import DOMAIN, rewrite_model
 from tuner.scan import scan_model

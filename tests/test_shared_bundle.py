@@ -1,10 +1,12 @@
 """Shared kernel bundles: one uint8 initializer per distinct bundle, the last input of every node that uses it.
 
 Covers the model size (bundle bytes counted once per workload), one parse per distinct bundle per process
-(``dc_bundle_acquire``), external data, the Python readers, and crafted bundle inputs with and without the
+(``dc_bundle_acquire``), external data, reading them back through the C core, and crafted bundle inputs with and without the
 library registered: each gives a clear error at session creation or runs the fallback function, never a crash.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
@@ -15,10 +17,11 @@ from test_custom_ops import CPU, PTX80, bundle_bytes, bundle_initializer
 
 import dietcode_ort
 import tuner.rewrite as rewrite
-from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature, node_bundles
+from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature, node_bundles, read_bundle
+from dietcode_ort.cli import main
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.inspect_model import describe
 from dietcode_ort.runtime import load_core
-from tuner.inspect_model import describe
 from tuner.scan import scan_model
 
 WIDTH = 16
@@ -140,7 +143,7 @@ def test_acquire_shares_by_content_and_refuses_bad_bytes() -> None:
             core.lib.dc_bundle_release(h)
 
 
-def test_external_data_bundles_run_and_read(tmp_path, monkeypatch) -> None:
+def test_external_data_bundles_run_and_read(tmp_path, monkeypatch, capsys) -> None:
     model, out = optimized_chain(8, 32 * 1024, bias_every=2)
     monkeypatch.setattr(rewrite, "_TWO_GB", 0)  # save as a model over 2 GB is saved: tensors external
     path = tmp_path / "m.onnx"
@@ -151,8 +154,15 @@ def test_external_data_bundles_run_and_read(tmp_path, monkeypatch) -> None:
     assert bundle_init.data_location == TensorProto.EXTERNAL
     read = node_bundles(light, base_dir=str(tmp_path))
     assert len(read) == 8 and len({id(r.payload) for r in read}) == 2
-    assert Bundle.from_bytes(read[0].payload).kernels[1].name == "k"
+    assert read_bundle(read[0].payload).kernels[1].name == "k"
     assert [n["bundle"]["initializer"] for n in describe(onnx.load(str(path)))] == [r.initializer for r in read]
+    # inspect loads the graph without its data and reads each bundle from m.onnx.data, from any folder
+    monkeypatch.chdir(tmp_path.parent)
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--json"]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert [n["bundle"]["initializer"] for n in nodes] == [r.initializer for r in read]
+    assert nodes[0]["kernels"][1]["name"] == "k"
     want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, _feeds())[0]
     np.testing.assert_allclose(_library_session(str(path)).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ort.InferenceSession(str(path), providers=CPU).run(None, _feeds())[0], want,

@@ -6,8 +6,8 @@
    timed, is a free extra choice: an instance where it is faster dispatches to "vendor", so a tuned
    model is never slower than stock ONNX Runtime on the instances it was tuned for.
 3. A scikit-learn DecisionTreeClassifier fitted on the instances' symbol values (features) -> chosen
-   kernel, exported to flat predicate arrays with integer thresholds: ``value <= threshold`` goes left.
-   sklearn splits integer features at midpoints (x <= 16.5); for integer x that is x <= floor(16.5) = 16.
+   kernel, exported as the bundle's ``DispatchTree`` (flat arrays, integer thresholds: ``value <= threshold``
+   goes left). sklearn splits integer features at midpoints (x <= 16.5); for integer x that is x <= 16.
 4. A regret report: per instance, the dispatched kernel's time against the best known, and the
    weighted geometric mean of the ratios.
 """
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 import numpy as np
 
+from dietcode_ort.bundle import DispatchTree
 from dietcode_ort.errors import DietcodeError
 from tuner.space import MicroKernel
 from tuner.workload import Instance, Problem, Workload
@@ -26,30 +27,11 @@ from tuner.workload import Instance, Problem, Workload
 if TYPE_CHECKING:
     from tuner.search import TuningResult
 
-__all__ = ["VENDOR", "TreeArrays", "RegretRow", "RegretReport", "Dispatch", "greedy_cover", "build_dispatch",
+__all__ = ["VENDOR", "RegretRow", "RegretReport", "Dispatch", "greedy_cover", "build_dispatch",
            "dispatch_from_tuning", "regret_report"]
 
 VENDOR = "vendor"
 Kernel = Union[MicroKernel, str]
-
-
-@dataclass(frozen=True)
-class TreeArrays:
-    """A decision tree as flat arrays (node 0 is the root). At node i: if ``feature[i] < 0`` it is a leaf
-    dispatching to ``kernels[leaf[i]]``; else go to ``left[i]`` when value(feature[i]) <= threshold[i],
-    to ``right[i]`` otherwise."""
-
-    feature: tuple[int, ...]
-    threshold: tuple[int, ...]  # int64 values
-    left: tuple[int, ...]
-    right: tuple[int, ...]
-    leaf: tuple[int, ...]
-
-    def select(self, values: Sequence[int]) -> int:
-        node = 0
-        while self.feature[node] >= 0:
-            node = self.left[node] if values[self.feature[node]] <= self.threshold[node] else self.right[node]
-        return self.leaf[node]
 
 
 @dataclass(frozen=True)
@@ -79,7 +61,7 @@ class Dispatch:
 
     symbols: tuple[str, ...]
     kernels: tuple[Kernel, ...]
-    tree: TreeArrays
+    tree: DispatchTree  # the bundle's tree type: optimize writes it as it is
     report: RegretReport
 
     def select(self, values: Mapping[str, int]) -> Kernel:
@@ -87,51 +69,12 @@ class Dispatch:
         missing = [s for s in self.symbols if s not in values]
         if missing:
             raise DietcodeError(f"dispatch needs values for {missing}; symbols: {list(self.symbols)}")
-        return self.kernels[self.tree.select([int(values[s]) for s in self.symbols])]
+        return self.kernels[self.tree.evaluate([int(values[s]) for s in self.symbols])]
 
     def render(self) -> str:
         """The tree as an if-chain, most specific condition first, ending in the catch-all."""
-        leaves: list[tuple[dict[int, list[float]], int]] = []
-
-        def walk(node: int, bounds: dict[int, list[float]]) -> None:
-            t = self.tree
-            if t.feature[node] < 0:
-                leaves.append((bounds, t.leaf[node]))
-                return
-            f = t.feature[node]
-            lo, hi = bounds.get(f, [-math.inf, math.inf])
-            walk(t.left[node], {**bounds, f: [lo, min(hi, t.threshold[node])]})
-            walk(t.right[node], {**bounds, f: [max(lo, t.threshold[node]), hi]})
-
-        walk(0, {})
-
-        def specificity(item: tuple[dict[int, list[float]], int]) -> tuple[int, float]:
-            bounds = item[0]
-            finite = sum(math.isfinite(v) for lo_hi in bounds.values() for v in lo_hi)
-            width = sum(hi - lo for lo, hi in bounds.values() if math.isfinite(hi - lo))
-            return (-finite, width)
-
-        def name(index: int) -> str:
-            k = self.kernels[index]
-            return k if isinstance(k, str) else f"k{index} {k.key()}"
-
-        ordered = sorted(leaves, key=specificity)
-        lines: list[str] = []
-        for n, (bounds, index) in enumerate(ordered):
-            if n == len(ordered) - 1:
-                lines.append(("else" if lines else "always") + f" -> {name(index)}")
-                break
-            terms = []
-            for f, (lo, hi) in sorted(bounds.items()):
-                sym = self.symbols[f]
-                if math.isfinite(lo) and math.isfinite(hi):
-                    terms.append(f"{int(lo)} < {sym} <= {int(hi)}")
-                elif math.isfinite(hi):
-                    terms.append(f"{sym} <= {int(hi)}")
-                elif math.isfinite(lo):
-                    terms.append(f"{sym} > {int(lo)}")
-            lines.append(f"{'if' if n == 0 else 'elif'} {' and '.join(terms)} -> {name(index)}")
-        return "\n".join(lines)
+        names = [k if isinstance(k, str) else f"k{i} {k.key()}" for i, k in enumerate(self.kernels)]
+        return self.tree.render(self.symbols, names)
 
 
 def _log_ratio(times: np.ndarray, best: np.ndarray) -> np.ndarray:
@@ -210,14 +153,8 @@ def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candid
     labels = np.array([remap[int(v)] for v in labels])
     options = options[:, used]
     clf = DecisionTreeClassifier(random_state=seed).fit(x, labels, sample_weight=w)
-    tree = clf.tree_
-    leaf = [int(clf.classes_[int(np.argmax(tree.value[i][0]))]) if tree.feature[i] < 0 else -1
-            for i in range(tree.node_count)]
-    arrays = TreeArrays(tuple(int(f) if f >= 0 else -1 for f in tree.feature),
-                        tuple(int(math.floor(t)) if f >= 0 else 0 for f, t in zip(tree.feature, tree.threshold)),
-                        tuple(int(v) for v in tree.children_left), tuple(int(v) for v in tree.children_right),
-                        tuple(leaf))
-    chosen = [arrays.select(list(row)) for row in x]
+    tree = DispatchTree.from_sklearn(clf, {int(c): int(c) for c in clf.classes_})
+    chosen = [tree.evaluate(list(row)) for row in x]
     names = [k if isinstance(k, str) else k.key() for k in kernels]
     all_names = [c.key() for c in candidates] + ([VENDOR] if vend is not None else [])
     all_times = times if vend is None else np.concatenate([times, vend[:, None]], axis=1)
@@ -225,7 +162,7 @@ def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candid
     report = regret_report(x.tolist(), w, [names[c] for c in chosen],
                            [options[i, c] for i, c in enumerate(chosen)],
                            [all_names[b] for b in best_idx], all_times[np.arange(len(x)), best_idx])
-    return Dispatch(tuple(symbols), tuple(kernels), arrays, report)
+    return Dispatch(tuple(symbols), tuple(kernels), tree, report)
 
 
 def dispatch_from_tuning(workload: Workload, result: "TuningResult", vendor: Sequence[float] | None = None,

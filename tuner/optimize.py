@@ -494,7 +494,6 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
           log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
     import numpy as np
 
-    from dietcode_ort.bundle import DispatchTree
     from tuner.dispatch import build_dispatch
     from tuner.hardware import get_profile
     from tuner.search import SearchOptions, tune_joint
@@ -527,12 +526,6 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
     dispatch = build_dispatch(names, instances, result.candidates, result.times, vendor, options.max_kernels,
                               options.seed)
-    t = dispatch.tree
-    leaf = tuple(t.leaf[i] if t.feature[i] < 0 else -1 for i in range(len(t.feature)))
-    tree = DispatchTree(tuple(max(f, -1) for f in t.feature),
-                        tuple(0 if f < 0 else th for f, th in zip(t.feature, t.threshold)),
-                        tuple(-1 if f < 0 else x for f, x in zip(t.feature, t.left)),
-                        tuple(-1 if f < 0 else x for f, x in zip(t.feature, t.right)), leaf)
     rows = dispatch.report.rows
     dispatched = np.array([r.seconds for r in rows])
     weights = [r.weight for r in rows]
@@ -543,4 +536,4 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
                             kernels=tuple(k if isinstance(k, str) else k.key() for k in dispatch.kernels),
                             instances=len(w.instances), geomean_vs_vendor=vs_vendor,
                             regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")))
-    return _Chosen(dispatch.kernels, tree, report)
+    return _Chosen(dispatch.kernels, dispatch.tree, report)

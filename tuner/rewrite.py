@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import node_reads
@@ -32,7 +33,7 @@ from tuner.workload import Workload
 
 __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model"]
 
-DOMAIN = "ai.dietcode"
+DOMAIN = bundle_format.DOMAIN
 DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
 _TWO_GB = TWO_GB  # the protobuf size from which save_model puts inline tensors in the data file
 

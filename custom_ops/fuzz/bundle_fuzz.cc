@@ -4,11 +4,11 @@
 // Build (clang with libFuzzer and sanitizers), from the repository root:
 //   INC="-Icustom_ops -I.venv/lib/python3.11/site-packages/triton/backends/nvidia/include"
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined $INC \
-//       custom_ops/fuzz/bundle_fuzz.cc custom_ops/core.cc custom_ops/launch.cc -ldl -o bundle_fuzz
+//       custom_ops/fuzz/bundle_fuzz.cc custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_fuzz
 //   ./bundle_fuzz -max_total_time=60 custom_ops/fuzz/corpus
 // Without clang, build with g++ and -DDC_FUZZ_STANDALONE to replay files given on the command line:
 //   g++ -std=c++17 -g -fsanitize=address,undefined -DDC_FUZZ_STANDALONE $INC custom_ops/fuzz/bundle_fuzz.cc \
-//       custom_ops/core.cc custom_ops/launch.cc -ldl -o bundle_replay && ./bundle_replay FILE...
+//       custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_replay && ./bundle_replay FILE...
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -51,7 +51,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       dc_bundle_image_toolchain(b, k, image, desc, sizeof(desc), desc, sizeof(desc), &isa, &min_driver);
     }
     dc_bundle_kernel_takes_param(b, k, "batch");
+    // reading back (bundle_read.cc): every field of every kernel, as Python's read_bundle does
+    dc_kernel_meta meta;
+    if (dc_bundle_kernel_meta(b, k, &meta) != 0 || dc_bundle_kernel_name(b, k) == nullptr) __builtin_trap();
+    for (uint32_t i = 0; i < meta.n_images; ++i) {
+      size_t bytes = 0;
+      if (dc_bundle_kernel_image(b, k, static_cast<int32_t>(i), nullptr, nullptr, nullptr, &bytes) == nullptr) __builtin_trap();
+    }
+    size_t ptx = 0;
+    if (dc_bundle_kernel_ptx(b, k, &ptx) == nullptr) __builtin_trap();
   }
+  for (int32_t j = 0; j < n_features; ++j) {
+    int32_t inputs[8], dims_out[8];
+    if (dc_bundle_feature_name(b, j) == nullptr || dc_bundle_feature_terms(b, j, inputs, dims_out, 8) < 1) __builtin_trap();
+  }
+  std::vector<int32_t> feature(n_nodes), left(n_nodes), right(n_nodes), leaf(n_nodes);
+  std::vector<int64_t> threshold(n_nodes);
+  if (dc_bundle_tree(b, feature.data(), threshold.data(), left.data(), right.data(), leaf.data(),
+                     static_cast<size_t>(n_nodes)) != 0) __builtin_trap();
   dc_bundle_free(b);
   return 0;
 }

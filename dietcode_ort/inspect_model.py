@@ -1,4 +1,7 @@
-"""Inspect: what an optimized model carries, node by node (workload, kernels, dispatch tree, tuned ranges)."""
+"""Inspect: what an optimized model carries, node by node (workload, kernels, dispatch tree, tuned ranges).
+
+Part of the runtime: it reads bundles through the C core (``read_bundle``) and needs nothing of the tuner.
+"""
 from __future__ import annotations
 
 import json
@@ -6,24 +9,18 @@ from pathlib import Path
 
 import onnx
 
-from dietcode_ort.bundle import Bundle, BundleKernel, node_bundles
+from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_driver, format_isa
-from tuner.rewrite import DOMAIN
-from tuner.scan import load_model
 
-__all__ = ["describe", "inspect_command"]
+__all__ = ["describe", "inspect_command", "load_optimized"]
 
 
 def _render(bundle: Bundle, labels: list[str] | None) -> str:
-    """The dispatch tree as the readable if-chain ``tuner.dispatch`` renders."""
-    from tuner.dispatch import Dispatch, RegretReport, TreeArrays
-
-    t = bundle.tree
-    arrays = TreeArrays(t.feature, t.threshold, t.left, t.right, t.leaf)
+    """The dispatch tree as a readable if-chain, each leaf named by the node's tuned config when known."""
     names = tuple(labels) if labels and len(labels) == len(bundle.kernels) else \
         tuple(k.name if k.kind == "triton" else "vendor" for k in bundle.kernels)
-    return Dispatch(tuple(f.name for f in bundle.features), names, arrays, RegretReport((), 1.0, 1.0)).render()
+    return bundle.tree.render([f.name for f in bundle.features], names)
 
 
 def _view(bundle: Bundle) -> str:
@@ -63,15 +60,17 @@ def _toolchain_line(chain: dict) -> str:
     return f"{chain['kind']} {chain['arch']}: " + ", ".join(p for p in parts if p)
 
 
-def describe(model: onnx.ModelProto) -> list[dict]:
+def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:
+    """Each ai.dietcode node's description; ``base_dir``: where the model's external data lives when it was
+    loaded without it."""
     nodes = []
     custom = [n for n in model.graph.node if n.domain == DOMAIN]
     parsed: dict[str, Bundle] = {}
-    for node, where in zip(custom, node_bundles(model)):
+    for node, where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
         attrs = {a.name: a for a in node.attribute}
         if where.initializer not in parsed:
             try:
-                parsed[where.initializer] = Bundle.from_bytes(where.payload)
+                parsed[where.initializer] = read_bundle(where.payload)
             except DietcodeError as exc:
                 raise DietcodeError(f"node {node.name!r}: {exc}") from None
         bundle = parsed[where.initializer]
@@ -100,9 +99,24 @@ def describe(model: onnx.ModelProto) -> list[dict]:
     return nodes
 
 
+def load_optimized(path: str | Path) -> onnx.ModelProto:
+    """The model's graph without its external data (bundles are read from it on demand); DietcodeError for
+    a missing or unreadable file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DietcodeError(f"model file not found: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError, onnx raises several kinds
+        raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise DietcodeError(f"{path} is not a readable ONNX model (its graph has no nodes)")
+    return model
+
+
 def inspect_command(path: str, as_json: bool) -> int:
-    model = load_model(Path(path))
-    nodes = describe(model)
+    model = load_optimized(path)
+    nodes = describe(model, Path(path).parent)
     if as_json:
         print(json.dumps({"nodes": nodes}, indent=2))
         return 0
