@@ -1,6 +1,6 @@
 """The deployment checks of scripts/wheel_smoke.sh, run by the Python of a new virtual environment that holds
-only the dietcode-ort wheel and the runtime's dependencies (onnxruntime-gpu, onnx, numpy), with no compiler
-on PATH and a custom-op library cache that cannot be created.
+only the dietcode-ort wheel and the runtime's dependencies (onnxruntime-gpu, onnx, numpy, rich), with no
+compiler on PATH and a custom-op library cache that cannot be created.
 
     python wheel_smoke.py --model M.onnx --optimized M.dietcode.onnx
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 # What only the offline tuner (or tests) may import: a serving install has none of these but `tuner`.
-TUNER_MODULES = ("tuner", "triton", "sklearn", "sympy", "torch", "rich", "matplotlib")
+TUNER_MODULES = ("tuner", "triton", "sklearn", "sympy", "torch", "matplotlib")
 COMPILERS = ("g++", "c++", "gcc", "cc", "clang++", "clang")
 # Symbolic dims per case: "batch"-like dims take the first value, every other dim the second.
 CASES = ((1, 16), (2, 37), (3, 100))
@@ -52,7 +52,7 @@ def check_import() -> Any:
         import dietcode_ort
     except ModuleNotFoundError as exc:
         raise SmokeFailure(f"`import dietcode_ort` needs {exc.name!r} ({_where(exc)}), which a serving install "
-                           "does not have (only onnxruntime-gpu, onnx and numpy): the runtime imports a tuner "
+                           "does not have (only onnxruntime-gpu, onnx, numpy and rich): the runtime imports a tuner "
                            "dependency") from exc
     leaked = [m for m in TUNER_MODULES if m in sys.modules]
     if leaked:
@@ -165,7 +165,7 @@ def main() -> int:
         return 1
     except ModuleNotFoundError as exc:
         print(f"wheel smoke: FAIL  the runtime imports {exc.name!r} ({_where(exc)}), a tuner dependency a serving "
-              "install does not have (only onnxruntime-gpu, onnx and numpy)", flush=True)
+              "install does not have (only onnxruntime-gpu, onnx, numpy and rich)", flush=True)
         return 1
     except Exception as exc:  # onnxruntime's own errors among them: say which check and why, then the trace
         import traceback

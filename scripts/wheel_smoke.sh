@@ -7,8 +7,9 @@
 #    the checkout's tuner (.venv);
 # 2. the wheel: `pip wheel` of a clean copy of the tree (git's tracked and untracked, not ignored, files), in
 #    pip's isolated build environment, with the ORT headers from .deps/ through DIETCODE_ORT_INCLUDE;
-# 3. a new virtual environment with the wheel (--no-deps) and only the runtime's dependencies, onnxruntime-gpu,
-#    onnx and numpy (the versions in .venv, so pip's cache serves them);
+# 3. a new virtual environment with the wheel and the dependencies it declares (the runtime's: onnxruntime-gpu,
+#    onnx, numpy, rich; the first three at .venv's versions, so pip's cache serves them), checked to hold none
+#    of the tuner's (triton, scikit-learn, sympy, torch);
 # 4. in it, with PATH holding nothing but that environment's bin/ (no compiler), CXX unset, HOME empty, a
 #    custom-op library cache that cannot be created (so any build attempt fails) and the working folder outside
 #    the checkout: scripts/wheel_smoke.py imports dietcode_ort (no tuner module may load), checks that the
@@ -62,23 +63,23 @@ case $(basename "$wheel") in
   *) echo "wheel smoke: FAIL  $(basename "$wheel") is not a py3-none-manylinux platform wheel" >&2; exit 1 ;;
 esac
 
-step "installing it into a new virtual environment with only the runtime's dependencies"
+step "installing it into a new virtual environment, as a serving machine does (no extra)"
 start=$SECONDS
+# the wheel pulls its own runtime dependencies; onnxruntime-gpu, onnx and numpy are pinned to .venv's versions
+# (those the model was optimized with, and in pip's cache)
 versions=$(.venv/bin/python -c 'import importlib.metadata as m
 print(" ".join(f"{p}=={m.version(p)}" for p in ("onnxruntime-gpu", "onnx", "numpy")))')
 "$PYTHON" -m venv "$work/venv"
 # shellcheck disable=SC2086  # the pins are separate words
-"$work/venv/bin/python" -m pip install -q $versions
-"$work/venv/bin/python" -m pip install -q --no-deps "$wheel"
-echo "wheel smoke: installed $versions and the wheel in $((SECONDS - start)) s" >&2
-others=$("$work/venv/bin/python" -c 'import importlib.metadata as m, re
-runtime = {"onnxruntime-gpu", "onnx", "numpy"}
-names = [re.split(r"[ <>=!~;\[(]", r, maxsplit=1)[0] for r in m.requires("dietcode-ort") or [] if "extra ==" not in r]
-print(", ".join(n for n in names if n.lower() not in runtime))')
-if [ -n "$others" ]; then
-  echo "wheel smoke: note  the wheel also declares $others as dependencies; left out here, as a serving" \
-       "install needs none of them" >&2
+"$work/venv/bin/python" -m pip install -q "$wheel" $versions
+echo "wheel smoke: installed the wheel with its dependencies ($versions) in $((SECONDS - start)) s" >&2
+tuner_deps=$("$work/venv/bin/python" -c 'import importlib.util as u
+print(" ".join(m for m in ("triton", "sklearn", "sympy", "torch") if u.find_spec(m)))')
+if [ -n "$tuner_deps" ]; then
+  echo "wheel smoke: FAIL  installing the wheel without the tune extra brought the tuner's $tuner_deps" >&2
+  exit 1
 fi
+echo "wheel smoke: ok    no tuner dependency installed (triton, scikit-learn, sympy, torch)" >&2
 
 step "running the deployment checks with no compiler on PATH"
 mkdir -p "$work/home" "$work/run"
