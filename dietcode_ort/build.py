@@ -1,35 +1,52 @@
-"""Build (once) and locate the custom-op library ``libdietcode_ort-<hash>.so``.
+"""Locate the custom-op library, and build it: ``libdietcode_ort-<hash>.so`` in a checkout, or the one a
+platform wheel ships (``dietcode_ort/_lib/libdietcode_ort.so``, built by setup.py through ``build_packaged``).
 
 The one build entry point: plain ``g++`` (or ``$CXX``) compiles custom_ops/*.cc against the ONNX Runtime C/C++
 headers and the ``cuda.h`` shipped in the triton wheel; no CUDA toolkit is needed because the library opens
 libcuda with dlopen at run time. The result is cached under a key hashing every source, the headers, the
 compiler's version and the flags, so an unchanged tree never rebuilds and a changed one never loads a stale
 library. A missing compiler or header is a DietcodeError that says what to install.
+
+libstdc++ is linked statically (its symbols stay hidden) and libgcc_s dynamically, so the library needs only
+glibc: built on Debian 12 (GCC 12, glibc 2.36) it needs GLIBC_2.34 at most and no GLIBCXX/CXXABI version.
+``-static-libgcc`` would add GLIBC_2.35 (GCC 12's unwinder calls _dl_find_object); ``--gc-sections`` drops the
+parts of libstdc++.a nothing calls, which would otherwise need GLIBC_2.36 (arc4random in random.o).
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import hashlib
 import importlib.util
+import json
 import os
+import platform
+import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_dir", "build_library"]
+__all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_dir", "build_library",
+           "C_ABI_VERSION", "PACKAGED_DIR", "PackagedBuild", "packaged_library", "packaged_build",
+           "prebuilt_library", "LibraryNeeds", "library_needs", "build_packaged"]
 
+C_ABI_VERSION = 3  # DC_ABI_VERSION in custom_ops/core.h
 _REPO = Path(__file__).resolve().parents[1]
+# Where a platform wheel carries the library (setup.py builds it there); absent in a source checkout.
+PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"
+_PACKAGED_NAME = "libdietcode_ort.so"
+_PACKAGED_INFO = "build_info.json"
 _CFLAGS = ("-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra")
-_LDFLAGS = ("-shared", "-ldl", "-pthread", "-Wl,--exclude-libs,ALL")
+_LDFLAGS = ("-shared", "-ldl", "-pthread", "-static-libstdc++", "-Wl,--gc-sections", "-Wl,--exclude-libs,ALL")
 # Symbols the library exports: ORT's entry point and the C core used through ctypes.
 _EXPORTS = ("RegisterCustomOps", "dc_*")
 _FETCH_HINT = "bash scripts/fetch_ort_headers.sh .deps/onnxruntime"
@@ -59,11 +76,9 @@ class BuildConfig:
 
 
 def source_dir() -> Path:
-    """custom_ops/ of a source checkout, else the copy a wheel installs under <prefix>/share/dietcode-ort."""
-    checkout = _REPO / "custom_ops"
-    if (checkout / "core.cc").is_file():
-        return checkout
-    return Path(sys.prefix) / "share" / "dietcode-ort" / "custom_ops"
+    """custom_ops/ of the source checkout (or unpacked sdist) this package runs from; an installed wheel has
+    none and uses the library it ships (``packaged_library``)."""
+    return _REPO / "custom_ops"
 
 
 def cache_dir() -> Path:
@@ -124,7 +139,11 @@ def find_config() -> BuildConfig:
     src = source_dir()
     sources = tuple(sorted(src.glob("*.cc")))
     if not sources:
-        raise DietcodeError(f"custom-op sources not found in {src}: the library builds from a source checkout")
+        raise DietcodeError(f"no custom-op library: this installation has no prebuilt one "
+                            f"({PACKAGED_DIR / _PACKAGED_NAME} is missing) and no sources to build one from ({src} "
+                            "is not a source checkout's custom_ops/): install the dietcode-ort platform wheel "
+                            "(README, Deploying), set DIETCODE_ORT_LIBRARY to a built libdietcode_ort.so, or run "
+                            "from a source checkout")
     compiler, version = _find_compiler()
     return BuildConfig(compiler, version, _find_ort_include(), _find_cuda_include(), sources)
 
@@ -171,16 +190,24 @@ def build_library(config: BuildConfig, dest: Path, jobs: int = 2) -> float:
     return time.perf_counter() - start
 
 
-def library_path(build: bool = True) -> Path:
-    """Path of the built library for the current sources, building it first when ``build`` and missing.
-
-    ``DIETCODE_ORT_LIBRARY`` names a prebuilt library to use instead (a deployment without a compiler).
-    """
+def prebuilt_library() -> Path | None:
+    """The library to use without building: ``DIETCODE_ORT_LIBRARY`` when set, else the one a platform wheel
+    ships (``packaged_library``); None in a source checkout, which builds its own."""
     prebuilt = os.environ.get("DIETCODE_ORT_LIBRARY")
     if prebuilt:
         if not Path(prebuilt).is_file():
             raise DietcodeError(f"DIETCODE_ORT_LIBRARY={prebuilt!r} does not exist")
         return Path(prebuilt)
+    return packaged_library()
+
+
+def library_path(build: bool = True) -> Path:
+    """Path of the custom-op library: the prebuilt one (``prebuilt_library``) when there is one, else the one
+    built from the checkout's custom_ops/ for the current sources, building it first when ``build`` and
+    missing."""
+    prebuilt = prebuilt_library()
+    if prebuilt is not None:
+        return prebuilt
     config = find_config()
     dest = cache_dir() / f"libdietcode_ort-{config.key()}.so"
     if dest.is_file():
@@ -196,6 +223,134 @@ def library_path(build: bool = True) -> Path:
             build_library(config, dest)
             _prune(dest)
     return dest
+
+
+# --- the library a platform wheel ships --------------------------------------------------------------------
+
+_REINSTALL = ("reinstall the dietcode-ort wheel built for this platform (README, Deploying), or set "
+              "DIETCODE_ORT_LIBRARY to a libdietcode_ort.so built from the same version")
+
+
+def packaged_library() -> Path | None:
+    """``dietcode_ort/_lib/libdietcode_ort.so`` of a platform wheel, checked to load and to have this
+    package's C ABI (``dc_abi_version``); None where there is none (a source checkout). DietcodeError when it
+    is there but unusable."""
+    lib = PACKAGED_DIR / _PACKAGED_NAME
+    if not lib.is_file():
+        return None
+    _check_abi(lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _check_abi(lib: Path) -> None:
+    try:
+        handle = ctypes.CDLL(str(lib))
+    except OSError as exc:
+        raise DietcodeError(f"the packaged custom-op library does not load ({exc}): {_REINSTALL}") from None
+    try:
+        version = handle.dc_abi_version()
+    except AttributeError:
+        raise DietcodeError(f"{lib} is not a dietcode-ort custom-op library (no dc_abi_version): "
+                            f"{_REINSTALL}") from None
+    if version != C_ABI_VERSION:
+        raise DietcodeError(f"the packaged custom-op library {lib} has C ABI version {version}, this package "
+                            f"expects {C_ABI_VERSION}: {_REINSTALL}")
+
+
+@dataclass(frozen=True)
+class LibraryNeeds:
+    """What a built library asks of the machine that loads it, read from its ELF dynamic section and version
+    needs: the sonames it links (``needed``) and the symbol versions it uses (``GLIBC_2.34``, ``GCC_3.0``)."""
+
+    needed: tuple[str, ...]
+    versions: tuple[str, ...]
+
+    def glibc(self) -> tuple[int, int]:
+        """The newest glibc version it needs, as (2, 34)."""
+        found = [(int(m[1]), int(m[2])) for v in self.versions
+                 if (m := re.fullmatch(r"GLIBC_(\d+)\.(\d+)(?:\.\d+)?", v))]
+        return max(found, default=(2, 17))
+
+
+# Shared libraries a manylinux wheel may link (PEP 600 / PEP 599): the system's own C runtime and libgcc_s.
+_MANYLINUX_LIBS = frozenset({"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                             "libgcc_s.so.1", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"})
+
+
+def library_needs(lib: Path) -> LibraryNeeds:
+    """``readelf -d`` and ``readelf -V`` of ``lib`` (binutils, there wherever g++ is)."""
+    def readelf(flag: str) -> str:
+        exe = shutil.which("readelf")
+        if exe is None:
+            raise DietcodeError("readelf not found: install binutils (Debian/Ubuntu: apt-get install "
+                                "binutils)")
+        res = subprocess.run([exe, flag, "--wide", str(lib)], capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise DietcodeError(f"readelf {flag} {lib} failed: {res.stderr.strip()}")
+        return res.stdout
+
+    needed = tuple(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", readelf("-d")))
+    versions = sorted(set(re.findall(r"Name: ([A-Z]+_[0-9][0-9.]*)", readelf("-V"))),
+                      key=lambda v: (v.split("_")[0], [int(x) for x in v.split("_", 1)[1].split(".") if x]))
+    return LibraryNeeds(needed, tuple(versions))
+
+
+@dataclass(frozen=True)
+class PackagedBuild:
+    """``dietcode_ort/_lib/build_info.json``: how the wheel's library was built and what it needs."""
+
+    c_abi_version: int
+    key: str  # BuildConfig.key() of the sources it was built from
+    compiler: str
+    onnxruntime_headers: str  # the headers' package version
+    ort_api_version: int  # ORT_API_VERSION it asks for: onnxruntime 1.<this> or newer
+    needed: tuple[str, ...]
+    symbol_versions: tuple[str, ...]
+    platform_tag: str  # manylinux_2_<glibc>_<machine>
+
+
+def packaged_build() -> PackagedBuild | None:
+    """The build record of the packaged library, or None where there is none."""
+    info = PACKAGED_DIR / _PACKAGED_INFO
+    if not info.is_file():
+        return None
+    try:
+        data: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                for k, v in json.loads(info.read_text()).items()}
+        return PackagedBuild(**data)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise DietcodeError(f"{info} is unreadable ({exc}): {_REINSTALL}") from None
+
+
+def headers_version(ort_include: Path) -> str:
+    """The ORT headers' package version (the VERSION file fetch_ort_headers.sh writes), else "unknown"."""
+    version_file = ort_include.parent.parent / "VERSION"
+    return version_file.read_text().strip() if version_file.is_file() else "unknown"
+
+
+def build_packaged(dest_dir: Path, jobs: int = 2) -> PackagedBuild:
+    """Build the library a platform wheel ships into ``dest_dir`` (``libdietcode_ort.so`` and
+    ``build_info.json``), with the flags of every build; refuse one that links anything beyond the system C
+    runtime (a manylinux wheel may not) or needs a libstdc++ symbol version (it is linked statically)."""
+    config = find_config()
+    lib = dest_dir / _PACKAGED_NAME
+    build_library(config, lib, jobs)
+    needs = library_needs(lib)
+    foreign = [n for n in needs.needed if n not in _MANYLINUX_LIBS]
+    cxx = [v for v in needs.versions if v.startswith(("GLIBCXX_", "CXXABI_"))]
+    if foreign or cxx:
+        raise DietcodeError(f"{lib} is not portable: it links {', '.join(foreign) or 'nothing extra'} and "
+                            f"needs {', '.join(cxx) or 'no libstdc++ version'}; only "
+                            f"{', '.join(sorted(_MANYLINUX_LIBS))} may be linked, libstdc++ statically")
+    c_api = (config.ort_include / "onnxruntime_c_api.h").read_text()
+    api = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", c_api)
+    major, minor = needs.glibc()
+    info = PackagedBuild(C_ABI_VERSION, config.key(), config.compiler_version,
+                         headers_version(config.ort_include), int(api.group(1)) if api else 0, needs.needed,
+                         needs.versions, f"manylinux_{major}_{minor}_{platform.machine()}")
+    (dest_dir / _PACKAGED_INFO).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    return info
 
 
 def _prune(keep: Path, min_age_s: float = 600.0) -> None:

@@ -2,20 +2,26 @@
 
 Each check is a record (name, status, detail) rather than an exception, so one missing piece (no GPU on a
 build machine, say) does not hide the others. Status "fail" means the runtime cannot work (no onnxruntime,
-library does not build or load); "warn" means a feature is unavailable (no GPU: the CPU kernels still run).
+library does not build or load); "warn" means a feature is unavailable (no GPU: the CPU kernels still run);
+"skip" means the check does not apply here (no compiler or headers are needed beside a prebuilt library).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.metadata
 import importlib.util
+import io
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["Check", "run_checks", "doctor_command", "model_check"]
+__all__ = ["Check", "LibraryLoad", "cuda_library_sonames", "load_libraries", "cuda_libraries_check", "run_checks",
+           "doctor_command", "model_check"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,88 @@ def cuda_provider_check() -> Check:
                  + (f" ({reason})" if reason else " (no GPU, or the CUDA/cuDNN libraries it needs are missing)")
                  + "; sessions fall back to the CPU and dietcode_ort.InferenceSession runs the model's "
                    "fallback functions there")
+
+
+@dataclass(frozen=True)
+class LibraryLoad:
+    """Whether the dynamic loader can load ``soname``: ``detail`` is the file it loaded (and how it was found),
+    or the loader's reason when it could not."""
+
+    soname: str
+    loaded: bool
+    detail: str
+
+
+_CUDNN_MAJOR = 9  # cuDNN 9: what onnxruntime-gpu builds against since 1.19
+
+
+def cuda_library_sonames() -> tuple[str, ...]:
+    """The CUDA libraries onnxruntime-gpu's CUDA provider loads, for the CUDA major version it was built with
+    (``onnxruntime.cuda_version``); none for an onnxruntime without CUDA."""
+    import onnxruntime as ort
+
+    major = str(getattr(ort, "cuda_version", "") or "").split(".")[0]
+    if not major.isdigit():
+        return ()
+    return (f"libcudart.so.{major}", f"libcublas.so.{major}", f"libcublasLt.so.{major}",
+            f"libcudnn.so.{_CUDNN_MAJOR}")
+
+
+def _loaded_file(soname: str) -> str:
+    """The file a loaded library came from (this process's memory map), else ""."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.split(maxsplit=5)[-1]
+            if Path(path).name.startswith(soname):
+                return path
+    return ""
+
+
+def load_libraries(sonames: Sequence[str], preload: Callable[[], object] | None = None) -> list[LibraryLoad]:
+    """Load each soname with ``ctypes.CDLL`` (the dynamic loader's own search: LD_LIBRARY_PATH, ldconfig's
+    cache, ...); when some fail and ``preload`` is given (``onnxruntime.preload_dlls``, which loads the nvidia-*
+    pip wheels' copies), run it with its printing silenced and try those again. A missing library's detail is
+    the loader's reason."""
+    def attempt(soname: str, how: str = "") -> LibraryLoad:
+        try:
+            ctypes.CDLL(soname)
+        except OSError as exc:
+            return LibraryLoad(soname, False, str(exc))
+        return LibraryLoad(soname, True, (_loaded_file(soname) or "loaded") + how)
+
+    loads = [attempt(s) for s in sonames]
+    if preload is not None and not all(r.loaded for r in loads):
+        failure = ""
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                preload()
+        except Exception as exc:  # a doctor reports what went wrong, whatever raised it
+            failure = f" (onnxruntime.preload_dlls() failed: {type(exc).__name__}: {exc})"
+        loads = [r if r.loaded else attempt(r.soname, " (found by onnxruntime.preload_dlls())") for r in loads]
+        loads = [r if r.loaded else LibraryLoad(r.soname, False, r.detail + failure) for r in loads]
+    return loads
+
+
+def cuda_libraries_check() -> Check:
+    """Which CUDA libraries ORT's CUDA provider needs and can load here (also after
+    ``onnxruntime.preload_dlls()``): warn naming each missing one with the loader's reason (the CPU EP still
+    runs every model)."""
+    import onnxruntime as ort
+
+    name = "CUDA libraries"
+    sonames = cuda_library_sonames()
+    if not sonames:
+        return Check(name, "skip", f"onnxruntime {ort.__version__} is not built with CUDA")
+    preload = getattr(ort, "preload_dlls", None)
+    loads = load_libraries(sonames, preload)
+    loaded = ", ".join(f"{r.soname} ({r.detail})" for r in loads if r.loaded)
+    missing = "; ".join(r.detail for r in loads if not r.loaded)
+    if not missing:
+        return Check(name, "ok", f"loaded: {loaded}")
+    return Check(name, "warn", (f"loaded: {loaded}; " if loaded else "") + f"missing: {missing}"
+                 + (" (also after onnxruntime.preload_dlls())" if preload else "")
+                 + ". The CUDA EP needs them: pip install 'dietcode-ort[cuda]' (onnxruntime-gpu's CUDA and "
+                   "cuDNN wheels), or put a CUDA toolkit's and cuDNN's libraries on LD_LIBRARY_PATH")
 
 
 def model_check(path: str, driver: int | None, device: tuple[int, int] | None = None,
@@ -149,25 +237,37 @@ def run_checks(build: bool = True, model: str | None = None, driver: int | None 
 
         return Check("onnxruntime", "ok", f"{ort.__version__}; providers: {', '.join(ort.get_available_providers())}")
 
-    def compiler_check() -> Check:
+    prebuilt: list[Path | None] = []
+
+    def build_tool(name: str, find: Callable[[], str]) -> Callable[[], Check]:
+        """A check of what the source build needs; "skip" beside a prebuilt library, which needs none of it."""
+        def check() -> Check:
+            if not prebuilt:
+                try:
+                    prebuilt.append(b.prebuilt_library())
+                except DietcodeError:  # a bad prebuilt library: the library check below says what is wrong
+                    prebuilt.append(None)
+            if prebuilt[0] is not None:
+                return Check(name, "skip", f"not needed: the library is prebuilt ({prebuilt[0]})")
+            return Check(name, "ok", find())
+        return check
+
+    def compiler() -> str:
         path, version = b._find_compiler()
-        return Check("compiler", "ok", f"{path} ({version})")
+        return f"{path} ({version})"
 
-    def headers_check() -> Check:
+    def headers() -> str:
         inc = b._find_ort_include()
-        version_file = inc.parent.parent / "VERSION"
-        version = version_file.read_text().strip() if version_file.is_file() else "version unknown"
-        return Check("onnxruntime headers", "ok", f"{inc} ({version})")
-
-    def cuda_h_check() -> Check:
-        return Check("cuda.h", "ok", str(b._find_cuda_include() / "cuda.h"))
+        return f"{inc} ({b.headers_version(inc)})"
 
     def cuda_ep_check() -> Check:
         return cuda_provider_check()
 
     checks += [_guard("onnxruntime", onnxruntime_check), _guard("CUDA provider", cuda_ep_check, missing="warn"),
-               _guard("compiler", compiler_check),
-               _guard("onnxruntime headers", headers_check), _guard("cuda.h", cuda_h_check)]
+               _guard("CUDA libraries", cuda_libraries_check, missing="warn"),
+               _guard("compiler", build_tool("compiler", compiler)),
+               _guard("onnxruntime headers", build_tool("onnxruntime headers", headers)),
+               _guard("cuda.h", build_tool("cuda.h", lambda: str(b._find_cuda_include() / "cuda.h")))]
 
     core_holder: list[object] = []
 
@@ -181,7 +281,10 @@ def run_checks(build: bool = True, model: str | None = None, driver: int | None 
         took = time.perf_counter() - start
         core_holder.append(Core(path))
         ort.SessionOptions().register_custom_ops_library(str(path))
-        return Check("custom-op library", "ok", f"{path} (ready in {took:.1f} s; loads into onnxruntime)")
+        packaged = b.packaged_build() if path.parent == b.PACKAGED_DIR else None
+        origin = (f"shipped in the wheel, built for onnxruntime >= 1.{packaged.ort_api_version}, "
+                  f"{packaged.platform_tag}" if packaged else f"ready in {took:.1f} s")
+        return Check("custom-op library", "ok", f"{path} ({origin}; loads into onnxruntime)")
 
     checks.append(_guard("custom-op library", library_check))
 

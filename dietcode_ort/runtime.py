@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from dietcode_ort.build import library_path
+from dietcode_ort.build import C_ABI_VERSION, library_path
 from dietcode_ort.errors import DietcodeError
 
 if TYPE_CHECKING:
@@ -189,9 +189,6 @@ class ConvPlan(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in (
         "n", "c", "h", "w", "k", "kc", "kh", "kw", "group", "pad_h", "pad_w", "stride_h", "stride_w", "dil_h",
         "dil_w", "out_h", "out_w", "data_type", "math_type")] + [("epilogue", Epilogue)]
-
-
-C_ABI_VERSION = 3  # DC_ABI_VERSION in custom_ops/core.h
 
 
 class Core:

@@ -354,6 +354,7 @@ def test_doctor_with_a_bad_prebuilt_library(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out
     assert "[fail] custom-op library" in out.out and "missing.so" in out.out
+    assert "[fail] compiler" not in out.out  # the build tools are checked as for a source build
     (tmp_path / "text.so").write_text("not a library")
     monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(tmp_path / "text.so"))
     assert main(["doctor", "--no-build"]) == 1

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import platform
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -52,3 +54,97 @@ def test_prebuilt_library_override(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(tmp_path / "missing.so"))
     with pytest.raises(DietcodeError, match="DIETCODE_ORT_LIBRARY"):
         build.library_path()
+
+
+# --- the library a platform wheel ships ---------------------------------------------------------------------
+
+def _tiny_library(tmp_path, name: str, source: str, *flags: str):
+    """A small shared library compiled from ``source`` (C++), for the packaged-library checks."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    src = tmp_path / f"{name}.cc"
+    src.write_text(source)
+    lib = tmp_path / f"{name}.so"
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(lib), *flags], check=True)
+    return lib
+
+
+def _packaged(monkeypatch, tmp_path, library=None):
+    """Point the package's _lib folder at tmp_path/_lib, holding ``library`` as libdietcode_ort.so."""
+    folder = tmp_path / "_lib"
+    folder.mkdir()
+    monkeypatch.setattr(build, "PACKAGED_DIR", folder)
+    monkeypatch.delenv("DIETCODE_ORT_LIBRARY", raising=False)
+    if library is not None:
+        shutil.copy(library, folder / "libdietcode_ort.so")
+    return folder / "libdietcode_ort.so"
+
+
+def test_packaged_library_is_used_without_building(monkeypatch, tmp_path) -> None:
+    built = build.library_path(build=True)
+    packaged = _packaged(monkeypatch, tmp_path, built)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # a build would fail: there is no compiler
+    monkeypatch.setenv("DIETCODE_ORT_BUILD_DIR", str(tmp_path / "never"))
+    assert build.library_path(build=True) == packaged
+    assert build.prebuilt_library() == packaged
+    assert not (tmp_path / "never").exists()
+
+
+def test_packaged_library_of_another_abi_is_refused(monkeypatch, tmp_path) -> None:
+    other = _tiny_library(tmp_path, "other", 'extern "C" int dc_abi_version(void) { return 99; }')
+    _packaged(monkeypatch, tmp_path, other)
+    expected = rf"C ABI version 99, this package expects {build.C_ABI_VERSION}: reinstall the dietcode-ort"
+    with pytest.raises(DietcodeError, match=expected):
+        build.library_path(build=True)
+
+
+def test_packaged_file_that_is_no_library_is_refused(monkeypatch, tmp_path) -> None:
+    packaged = _packaged(monkeypatch, tmp_path)
+    packaged.write_text("not a library")
+    with pytest.raises(DietcodeError, match="packaged custom-op library does not load.*reinstall"):
+        build.library_path()
+    foreign = _tiny_library(tmp_path, "foreign", 'extern "C" int something_else(void) { return 1; }')
+    shutil.copy(foreign, tmp_path / "_lib" / "libdietcode_ort.so")
+    build._check_abi.cache_clear()
+    with pytest.raises(DietcodeError, match="not a dietcode-ort custom-op library"):
+        build.library_path()
+
+
+def test_no_packaged_library_and_no_sources_says_what_to_do(monkeypatch, tmp_path) -> None:
+    _packaged(monkeypatch, tmp_path)
+    monkeypatch.setattr(build, "_REPO", tmp_path / "site-packages")
+    with pytest.raises(DietcodeError, match="no custom-op library.*platform wheel.*DIETCODE_ORT_LIBRARY"):
+        build.library_path(build=True)
+
+
+def test_build_packaged_records_a_portable_library(monkeypatch, tmp_path) -> None:
+    """The wheel's library (same flags as every build, so the cached one stands in for a fresh compile) needs
+    glibc only: no libstdc++ (linked statically) and nothing outside the manylinux set."""
+    built = build.library_path(build=True)
+    monkeypatch.setattr(build, "build_library", lambda config, dest, jobs=2: shutil.copy(built, dest))
+    info = build.build_packaged(tmp_path)
+    assert (tmp_path / "libdietcode_ort.so").is_file()
+    assert "libstdc++.so.6" not in info.needed and "libc.so.6" in info.needed
+    assert not [v for v in info.symbol_versions if v.startswith(("GLIBCXX_", "CXXABI_"))]
+    major, minor = build.LibraryNeeds(info.needed, info.symbol_versions).glibc()
+    assert f"GLIBC_{major}.{minor}" in info.symbol_versions
+    assert info.platform_tag == f"manylinux_{major}_{minor}_{platform.machine()}"
+    assert info.c_abi_version == build.C_ABI_VERSION and info.ort_api_version >= 11
+    monkeypatch.setattr(build, "PACKAGED_DIR", tmp_path)
+    assert build.packaged_build() == info
+
+
+def test_build_packaged_refuses_a_library_needing_libstdcxx(monkeypatch, tmp_path) -> None:
+    dynamic = _tiny_library(tmp_path, "dynamic", '#include <string>\nextern "C" int dc_abi_version(void) '
+                            '{ static std::string s("x"); return 2 + (int)s.size() - 1; }')
+    monkeypatch.setattr(build, "build_library", lambda config, dest, jobs=2: shutil.copy(dynamic, dest))
+    with pytest.raises(DietcodeError, match=r"not portable: it links libstdc\+\+\.so\.6"):
+        build.build_packaged(tmp_path)
+
+
+def test_unreadable_build_record_says_to_reinstall(monkeypatch, tmp_path) -> None:
+    _packaged(monkeypatch, tmp_path)
+    (tmp_path / "_lib" / "build_info.json").write_text('{"c_abi_version": 2}')
+    with pytest.raises(DietcodeError, match="build_info.json is unreadable.*reinstall"):
+        build.packaged_build()
