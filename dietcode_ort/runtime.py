@@ -162,7 +162,6 @@ class KernelMeta(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_uint32) for n in ("num_warps", "block_m", "block_n", "split_k", "shared", "zero_output",
                                               "div16", "n_params", "n_images")] + [("params", ctypes.c_uint8 * 32)]
-  # DC_ABI_VERSION in custom_ops/core.h
 
 
 class Epilogue(ctypes.Structure):
