@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -224,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"# host overhead{' (' + args.label + ')' if args.label else ''}: "
              f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {_cpu_name()}, provider {args.provider}",
-             f"$ PYTHONPATH=$PWD python -m benchmarks.host_overhead {' '.join(sys.argv[1:] if argv is None else argv)}",
+             f"$ PYTHONPATH=$PWD python -m benchmarks.host_overhead {shlex.join(sys.argv[1:] if argv is None else argv)}",
              f"# {_versions()}", f"# library {load_core().path.name}, source {_git_head()}"
              + (f"; baseline library {baseline}" if baseline is not None else ""),
              f"# model: {args.nodes} x MatMul [batch, {HIDDEN}] x [{HIDDEN}, {HIDDEN}] fp32; optimized with "
