@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU stages of a device session in order, each under its own time limit, writing as it goes.
 #
-#   bash benchmarks/device_run.sh [--stage 1,2,3,4|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
+#   bash benchmarks/device_run.sh [--stage 1,2,3,4,5|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
 #                                 [--suites mlp,bert,resnet50] [--budget N] [--deadline S] [--limit S]
 #                                 [--out DIR] [--work DIR] [--dry-run]
 #
@@ -16,6 +16,9 @@
 #   3  benchmarks/run_suite.py per suite: fp16 model, `optimize --measure gpu --budget N`, `bench --provider
 #      cuda` against stock ORT's CUDA EP; each suite gets an equal share of the time left.
 #   4  the tuning database (a consistent copy) and each optimized model's bundles + `inspect --json`.
+#   5  the custom op's per-call host overhead against stock ORT's per-node overhead
+#      (benchmarks/host_overhead.py --provider cuda: a chain of tiny MatMuls, stock vs optimized, I/O binding;
+#      and the decision path in C). Runs before stage 4, which keeps the tuning database last.
 #
 # Time: the whole call ends by --deadline seconds (default 570, for a `run` with timeout_s 600); each stage
 # gets what is left (capped by --limit) minus a reserve for stage 4 and the final packing; every step runs
@@ -50,14 +53,14 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,37p "$0"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [ -n "$out" ] || { echo "device_run: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
-case $stages in all) stages=1,2,3,4 ;; esac
+case $stages in all) stages=1,2,3,4,5 ;; esac
 for s in ${stages//,/ }; do
-  case $s in 1|2|3|4) ;; *) echo "device_run: unknown stage '$s' (1, 2, 3, 4 or all)" >&2; exit 2 ;; esac
+  case $s in 1|2|3|4|5) ;; *) echo "device_run: unknown stage '$s' (1, 2, 3, 4, 5 or all)" >&2; exit 2 ;; esac
 done
 [ -n "$stages" ] || [ -n "$ortgpu" ] || { echo "device_run: nothing to do: give --stage and/or --ortgpu" >&2; exit 2; }
 for n in "$budget" "$deadline" ${limit:+"$limit"}; do
@@ -282,6 +285,28 @@ if has_stage 3; then
         "$PY" benchmarks/run_suite.py --suite "${names[$i]}" "${suite_args[@]}" --workdir "$work/models" \
         --results "$results" --optimize-arg=--db="$work/tuning.db" --optimize-arg=--quiet
     done
+  fi
+  clocks; pack
+fi
+
+# --- stage 5: per-call host overhead of the custom op against stock ORT's per-node overhead ---
+if has_stage 5; then
+  lim=$(stage_limit 5 240)
+  s5=$D/stage5
+  mkdir -p "$s5"
+  if [ "$dry" = 1 ]; then
+    overhead_args=(--provider cpu --measure analytic --nodes 20 --warmup 2 --rounds 3 --runs 2 --iters 1000)
+  else
+    overhead_args=(--provider cuda --measure gpu --nodes 200 --warmup 50 --rounds 15 --runs 20)
+  fi
+  if [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
+    log "stage 5: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
+    json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
+      timed_out=false skipped=true reason="onnxruntime-gpu not installed"
+  else
+    step 5 "host overhead" "$lim" "$s5/host-overhead.log" -- \
+      "$PY" -m benchmarks.host_overhead --work "$work/host-overhead" --out "$s5/host-overhead.txt" \
+      --label "device_run call $call" "${overhead_args[@]}"
   fi
   clocks; pack
 fi

@@ -291,13 +291,23 @@ int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin) {
 }
 
 int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
+  return dc_launch_fit(b, k, args, stream) == 0 ? 0 : -1;  // a call that does not fit is an error here
+}
+
+int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
   using dietcode::Fail;
   if (b == nullptr || args == nullptr) return Fail("null bundle or launch arguments");
   if (k < 0 || static_cast<size_t>(k) >= b->kernels.size()) return Fail("kernel id " + std::to_string(k) + " out of range");
   const dietcode::Kernel& kernel = b->kernels[k];
   if (kernel.kind == dietcode::kVendor) return Fail("kernel '" + kernel.name + "' is the vendor kind: run ORT's kernel");
-  std::string why;
-  if (!dietcode::MeetsAssumptions(kernel, *args, &why)) return Fail(why);
+  {
+    std::string why;  // the call's one fit check (dc_kernel_fit's decision): nothing launches without it
+    const dietcode::Fit fit = dietcode::CallFit(kernel, *args, &why);
+    if (fit != dietcode::kFits) {
+      dietcode::SetError(why);
+      return fit;
+    }
+  }
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return Fail(d.error);
 

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -103,19 +104,26 @@ void FromFloat(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
 }
 
-// Input converted to fp32 (borrowed when it already is fp32).
+// Input converted to fp32 (borrowed when it already is fp32); `shape` is the caller's, read once per call.
 struct FloatTensor {
   std::vector<float> storage;
   const float* data = nullptr;
-  Shape shape;
+  const Shape* shape = nullptr;
 };
 
-FloatTensor AsFloat(const Ort::ConstValue& v) {
-  FloatTensor t;
+// The input's shape into `out`, reusing its capacity (the hot path keeps per-thread shape buffers).
+void ReadShape(const Ort::ConstValue& v, Shape* out) {
   auto info = v.GetTensorTypeAndShapeInfo();
-  t.shape = info.GetShape();
-  const int64_t n = NumElements(t.shape);
-  switch (info.GetElementType()) {
+  out->resize(info.GetDimensionsCount());
+  if (!out->empty()) info.GetDimensions(out->data(), out->size());
+}
+
+// `type` is the op's declared element type, which ORT has checked the input against.
+FloatTensor AsFloat(const Ort::ConstValue& v, const Shape& shape, ONNXTensorElementDataType type) {
+  FloatTensor t;
+  t.shape = &shape;
+  const int64_t n = NumElements(shape);
+  switch (type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
       t.data = v.GetTensorData<float>();
       break;
@@ -166,6 +174,7 @@ class DietcodeKernel {
       CheckVendorPathCuda();
     } else {
       CreateVendorOps(raw_info);
+      cpu_memory_ = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     }
   }
 
@@ -323,8 +332,8 @@ class DietcodeKernel {
       which += (which.empty() ? "" : ", ") + std::to_string(k);
       if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin, driver) == 0) device_reason_[k] = dc_last_error();
     }
-    WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
-                                std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
+    WarnOnce(kReasonDevice, (std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
+                             std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first).c_str());
   }
 
   // CUDA: a bundle that needs the vendor path for whole sessions (a vendor leaf, a kernel this device cannot
@@ -380,20 +389,18 @@ class DietcodeKernel {
     }
   }
 
-  Shape OutputShape(const Shape& a, const Shape& b) const {
-    Shape out;
+  void OutputShape(const Shape& a, const Shape& b, Shape* out) const {
     std::string error;
-    bool ok = spec_.base == BaseOp::kMatMul ? MatMulShape(a, b, &out, &error)
-              : spec_.base == BaseOp::kGemm ? GemmShape(a, b, gemm_, &out, &error)
-                                            : ConvShape(a, b, conv_, &out, &error);
+    bool ok = spec_.base == BaseOp::kMatMul ? MatMulShape(a, b, out, &error)
+              : spec_.base == BaseOp::kGemm ? GemmShape(a, b, gemm_, out, &error)
+                                            : ConvShape(a, b, conv_, out, &error);
     if (!ok) Throw(error);
-    return out;
   }
 
   // MatMul's bias is added here: [N] (broadcast along the last dim) or the full output shape.
   void AddBias(float* y, const Shape& out, const FloatTensor& bias) const {
-    const int64_t n = out.empty() ? 1 : out.back(), total = NumElements(out), nb = NumElements(bias.shape);
-    if (nb == n && (bias.shape.empty() || bias.shape.back() == n)) {
+    const int64_t n = out.empty() ? 1 : out.back(), total = NumElements(out), nb = NumElements(*bias.shape);
+    if (nb == n && (bias.shape->empty() || bias.shape->back() == n)) {
       for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i % n];
     } else if (nb == total) {
       for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i];
@@ -405,10 +412,10 @@ class DietcodeKernel {
   void ComputeCpu(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const size_t n_in = has_bias_input_ ? 3 : 2;
-    std::vector<Ort::ConstValue> in;
-    for (size_t i = 0; i < n_in; ++i) in.push_back(ctx.GetInput(i));
-    const Shape a = in[0].GetTensorTypeAndShapeInfo().GetShape(), b = in[1].GetTensorTypeAndShapeInfo().GetShape();
-    const Shape out_shape = OutputShape(a, b);
+    const Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
+    thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
+    for (size_t i = 0; i < n_in; ++i) ReadShape(in[i], &shapes[i]);
+    OutputShape(shapes[0], shapes[1], &out_shape);
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
@@ -417,21 +424,21 @@ class DietcodeKernel {
     const size_t n_op_inputs = fused_c ? 3 : 2;
     const bool is_float = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 
-    std::vector<FloatTensor> f;
-    for (size_t i = 0; i < n_in; ++i) f.push_back(AsFloat(in[i]));
+    FloatTensor f[3];
+    for (size_t i = 0; i < n_in; ++i) f[i] = AsFloat(in[i], shapes[i], dtype_);
     std::vector<float> y_storage;
     float* y = nullptr;
-    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-    std::vector<Ort::Value> owned;
-    std::vector<const OrtValue*> op_inputs;
+    const OrtMemoryInfo* mem = cpu_memory_;  // made once per kernel
+    Ort::Value owned[3] = {Ort::Value{nullptr}, Ort::Value{nullptr}, Ort::Value{nullptr}};
+    const OrtValue* op_inputs[3] = {};
     for (size_t i = 0; i < n_op_inputs; ++i) {
       if (is_float) {
-        op_inputs.push_back(in[i]);
+        op_inputs[i] = in[i];
       } else {
-        owned.push_back(Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[i].data),
-                                                        static_cast<size_t>(NumElements(f[i].shape)),
-                                                        f[i].shape.data(), f[i].shape.size()));
-        op_inputs.push_back(owned.back());
+        owned[i] = Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[i].data),
+                                                   static_cast<size_t>(NumElements(*f[i].shape)),
+                                                   f[i].shape->data(), f[i].shape->size());
+        op_inputs[i] = owned[i];
       }
     }
     Ort::Value y_value{nullptr};
@@ -444,7 +451,7 @@ class DietcodeKernel {
       y_value = Ort::Value::CreateTensor<float>(mem, y, static_cast<size_t>(total), out_shape.data(), out_shape.size());
       op_output = y_value;
     }
-    base_op_.Invoke(raw, op_inputs.data(), op_inputs.size(), &op_output, 1);
+    base_op_.Invoke(raw, op_inputs, n_op_inputs, &op_output, 1);
     if (spec_.bias && spec_.base == BaseOp::kMatMul) AddBias(y, out_shape, f[2]);
     ApplyActivation(y, total, spec_.activation);
     if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
@@ -458,9 +465,9 @@ class DietcodeKernel {
     Ort::KernelContext ctx(raw);
     const size_t n_in = has_bias_input_ ? 3 : 2;
     Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
-    Shape shapes[3];
-    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
-    const Shape out_shape = OutputShape(shapes[0], shapes[1]);
+    thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
+    for (size_t i = 0; i < n_in; ++i) ReadShape(in[i], &shapes[i]);
+    OutputShape(shapes[0], shapes[1], &out_shape);
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
@@ -476,12 +483,12 @@ class DietcodeKernel {
     dc_launch_args args{};
     if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
       dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
-      VendorCuda(raw, in, n_in, out, "the dispatch tree picks the vendor kernel");
+      VendorCuda(raw, in, shapes, n_in, out, "the dispatch tree picks the vendor kernel");
       return;
     }
     if (!device_fits_[k]) {
       dc_node_count_fallback(counter_, device_reason_[k].c_str());
-      VendorCuda(raw, in, n_in, out, device_reason_[k]);
+      VendorCuda(raw, in, shapes, n_in, out, device_reason_[k].c_str());
       return;
     }
     bool abi_ok = false;
@@ -502,7 +509,7 @@ class DietcodeKernel {
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
       dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
-      VendorCuda(raw, in, n_in, out, "the kernel ABI cannot express this call (its shapes or attributes)");
+      VendorCuda(raw, in, shapes, n_in, out, "the kernel ABI cannot express this call (its shapes or attributes)");
       return;
     }
     const size_t elem = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -511,21 +518,23 @@ class DietcodeKernel {
     args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.c_bytes = static_cast<uint64_t>(total) * elem;
-    const int fit = dc_kernel_fit(bundle_.get(), k, &args);  // e.g. int32 offsets, a view at an unaligned offset
-    if (fit != 0) {
-      if (fit < 0) Throw(dc_last_error());
-      const std::string why = dc_last_error();
-      WarnOnce(fit, why);
-      dc_node_count_fallback(counter_, why.c_str());
-      VendorCuda(raw, in, n_in, out, why);
+    // One fit check per call, in the launch (e.g. int32 offsets, a view at an unaligned offset): a call that
+    // does not fit launches nothing and runs the vendor path.
+    const int fit = dc_launch_fit(bundle_.get(), k, &args, ctx.GetGPUComputeStream());
+    if (fit == 0) {
+      dc_node_count_launch(counter_);
       return;
     }
-    if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
-    dc_node_count_launch(counter_);
+    if (fit < 0) Throw(dc_last_error());
+    char why[512];  // copied: the vendor path may set the core's message
+    std::snprintf(why, sizeof(why), "%s", dc_last_error());
+    WarnOnce(fit, why);
+    dc_node_count_fallback(counter_, why);
+    VendorCuda(raw, in, shapes, n_in, out, why);
   }
 
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
-  void WarnOnce(int reason, const std::string& message) {
+  void WarnOnce(int reason, const char* message) {
     const uint32_t bit = 1u << (reason & 31);
     if (warned_.fetch_or(bit) & bit) return;
     const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " +
@@ -559,10 +568,8 @@ class DietcodeKernel {
 
   // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream,
   // then the epilogue, all on ORT's compute stream (vendor.h).
-  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
-                  const std::string& why) {
-    Shape shapes[3];
-    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
+  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in,
+                  Ort::UnownedValue& out, const char* why) {
     const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
     void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
     void* y = out.GetTensorMutableRawData();
@@ -616,6 +623,7 @@ class DietcodeKernel {
   GemmAttrs gemm_;
   ConvAttrs conv_;
   Ort::Op base_op_{nullptr};  // CPU only
+  Ort::MemoryInfo cpu_memory_{nullptr};  // CPU only: for the fp32 copies of fp16/bf16 operands
   std::once_flag batched_once_;
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)

@@ -62,25 +62,28 @@ bool MatMulShape(const Shape& a_in, const Shape& b_in, Shape* out, std::string* 
     *error = "MatMul inputs must have rank >= 1, got " + ToString(a_in) + " x " + ToString(b_in);
     return false;
   }
-  Shape a = a_in, b = b_in;
-  if (a.size() == 1) a.insert(a.begin(), 1);
-  if (b.size() == 1) b.push_back(1);
-  if (a.back() != b[b.size() - 2]) {
+  // numpy.matmul's promotion, read in place (no copies: this runs per call): a 1-D A is [1, K], a 1-D B is
+  // [K, 1]; the promoted dims are dropped from the output again.
+  const size_t ra = std::max<size_t>(a_in.size(), 2), rb = std::max<size_t>(b_in.size(), 2);
+  auto a = [&](size_t i) -> int64_t { return a_in.size() == 1 ? (i == 0 ? 1 : a_in[0]) : a_in[i]; };
+  auto b = [&](size_t i) -> int64_t { return b_in.size() == 1 ? (i == 0 ? b_in[0] : 1) : b_in[i]; };
+  if (a(ra - 1) != b(rb - 2)) {
     *error = "MatMul inner dims differ: " + ToString(a_in) + " x " + ToString(b_in);
     return false;
   }
-  const size_t rank = std::max(a.size(), b.size()) - 2;
-  Shape pa = PadBatch(a, rank), pb = PadBatch(b, rank);
+  // Batch dims, each operand's left-padded with 1 to the output's batch rank.
+  const size_t rank = std::max(ra, rb) - 2, pad_a = rank - (ra - 2), pad_b = rank - (rb - 2);
   out->clear();
   for (size_t i = 0; i < rank; ++i) {
-    if (pa[i] != pb[i] && pa[i] != 1 && pb[i] != 1) {
+    const int64_t da = i < pad_a ? 1 : a(i - pad_a), db = i < pad_b ? 1 : b(i - pad_b);
+    if (da != db && da != 1 && db != 1) {
       *error = "MatMul batch dims do not broadcast: " + ToString(a_in) + " x " + ToString(b_in);
       return false;
     }
-    out->push_back(pa[i] == 1 ? pb[i] : pa[i]);
+    out->push_back(da == 1 ? db : da);
   }
-  if (a_in.size() > 1) out->push_back(a[a.size() - 2]);
-  if (b_in.size() > 1) out->push_back(b.back());
+  if (a_in.size() > 1) out->push_back(a(ra - 2));
+  if (b_in.size() > 1) out->push_back(b(rb - 1));
   return true;
 }
 

@@ -188,7 +188,7 @@ def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_pat
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--stage", "5"], "unknown stage '5'"),
+    (["--stage", "6"], "unknown stage '6'"),
     ([], "nothing to do"),
     (["--stage", "2", "--deadline", "soon"], "whole numbers"),
     (["--ortgpu", "nowhere"], "holds no MANIFEST"),
@@ -265,6 +265,19 @@ def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_dry_run_stage_5_records_the_host_overhead(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "5", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    members = _members(out / "device-run.tar.gz")
+    (raw,) = [n for n in members if n.endswith("/device-run/stage5/host-overhead.txt")]
+    text = _read(out / "device-run.tar.gz", raw)
+    assert "provider cpu" in text and "decision path in C (dc_bench_select" in text
+    assert "stock per-node cost" in text and "optimized+library per-node overhead" in text
+    steps = [json.loads(line) for line in (tmp_path / "work" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["stage"], s["step"], s["rc"]) for s in steps] == [(5, "host overhead", 0)]
+
+
 def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = _run(out, "--stage", "1", timeout=600)
