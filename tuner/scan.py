@@ -446,13 +446,14 @@ def _residual(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, str | None]:
         return None, None
     other = _other_input(add, x)
     assert other is not None
-    if g.constant_source(other) is not None and len(g.shapes.get(g.constant_source(other) or "", ())) <= 1:
-        return None, None  # a constant vector is a bias, no residual
+    sx, so, sy = g.shapes.get(x), g.shapes.get(other), g.shapes.get(add.output[0])
+    source = g.constant_source(other)
+    if source is not None and (sx is None or [str(d) for d in g.shapes.get(source, ())] != [str(d) for d in sx]):
+        return None, None  # a constant that broadcasts is a bias (fused or refused as one), no residual
     if len(users) > 1 or x in g.graph_outputs:
         where = "is a graph output" if x in g.graph_outputs else \
             f"is also read by {_label(next(u for u in users if u is not add))!r}"
         return add, f"the value before it, {x!r}, {where}"
-    sx, so, sy = g.shapes.get(x), g.shapes.get(other), g.shapes.get(add.output[0])
     if sx is None or so is None or any(d is None or isinstance(d, _Unreadable) for d in sx + so):
         return add, f"the shape of {x!r} or {other!r} is unknown after shape inference"
     if [str(d) for d in so] != [str(d) for d in sx] or (sy is not None and [str(d) for d in sy] != [str(d) for d in sx]):
