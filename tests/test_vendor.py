@@ -428,6 +428,33 @@ def test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> N
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
+    """MatMulBiasGeluResidual with scale 0.25 through the vendor path: cuBLAS's alpha is the scale, the PTX
+    epilogue adds bias, Gelu, then the residual; a residual of another shape fails naming both shapes."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    node = helper.make_node("MatMulBiasGeluResidual", ["A", "B", "bias", "R", "bundle"], ["Y"],
+                            domain="ai.dietcode", name="n0", scale=0.25)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["A", "B", "bias", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    feeds = {"A": a, "B": b, "bias": c, "R": r}
+    (got,) = sess.run(None, feeds)
+    h = 0.25 * (a.astype(np.float64) @ b.astype(np.float64)) + c
+    want = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))) + r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+    with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's"):
+        sess.run(None, feeds | {"R": r[0]})
+
+
 GPU_CONV_CASES = [
     ("Conv", [(2, 3, 9, 10), (4, 3, 3, 3)], {"strides": [2, 1], "pads": [1, 1, 1, 1], "dilations": [1, 2]}, 4),
     ("Conv", [(1, 4, 7, 7), (6, 2, 3, 3)], {"group": 2, "auto_pad": "SAME_UPPER"}, 6),
