@@ -17,14 +17,17 @@ namespace dietcode {
 
 enum Param : uint8_t {
   kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
-  kImgN, kImgH, kImgW, kOutH, kOutW, kParamCount
+  kImgN, kImgH, kImgW, kOutH, kOutW, kResidual, kParamCount
 };
+
+// Pointer params (the rest are int32): kResidual came last, so the indices older bundles store keep their meaning.
+inline constexpr bool IsPointerParam(uint32_t p) { return p <= kC || p == kResidual; }
 
 // The ABI parameter names in enum order (docs/abi.md); dietcode_ort/bundle.py PARAM_NAMES must match
 // (tests/test_abi_table.py checks it through dc_abi_param_name).
 inline constexpr const char* kParamNames[kParamCount] = {
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
-    "img_n", "img_h", "img_w", "out_h", "out_w"};
+    "img_n", "img_h", "img_w", "out_h", "out_w", "residual"};
 
 enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
 

@@ -211,6 +211,9 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
+  if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
+    Fail(where + ": params name a residual, which only gemm-view kernels take");
+  }
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
   static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
@@ -604,16 +607,18 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
       }
     }
   }
-  const uint64_t ptrs[4] = {args.a, args.b, args.bias, args.c};
+  const uint64_t ptrs[kParamCount] = {args.a, args.b, args.bias, args.c, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                      args.residual};
   const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
-                                     args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w};
+                                     args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w, 0};
   for (uint32_t bits = kernel.div16; bits != 0; bits &= bits - 1) {  // the set bits, lowest first
     const uint32_t p = static_cast<uint32_t>(__builtin_ctz(bits));
     if (p >= kParamCount) break;  // the parser accepts no bit past the params
-    const bool ok = p <= kC ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
+    const bool ok = IsPointerParam(p) ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
     if (!ok) {
       return refuse(kFitDiv16, std::string("compiled for ") + kParamNames[p] +
-                                   (p <= kC ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not");
+                                   (IsPointerParam(p) ? " 16-byte aligned" : " a multiple of 16") +
+                                   ", and this call's is not");
     }
   }
   return kFits;

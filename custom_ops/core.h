@@ -13,14 +13,15 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 3  // 3: the device fit takes the driver version
+#define DC_ABI_VERSION 4  // 3: the device fit takes the driver version; 4: the residual pointer
 
 typedef struct dc_bundle dc_bundle;
 
 // Arguments of one launch, following the kernel ABI: raw device pointers and int32 scalars. Fields the
 // kernel does not take are ignored. c_bytes is the output size, used to zero it for split-K kernels.
+// residual: a second tensor of the output's shape, added last (kernels of op types with a Residual suffix).
 typedef struct dc_launch_args {
-  uint64_t a, b, bias, c;
+  uint64_t a, b, bias, c, residual;
   uint64_t c_bytes;
   int32_t M, N, K, batch, stride_a_batch, stride_b_batch;
   int32_t img_n, img_h, img_w, out_h, out_w;

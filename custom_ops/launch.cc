@@ -340,7 +340,12 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   const int64_t tiles = ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
                         ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
 
-  uint64_t ptrs[4] = {args->a, args->b, args->bias, args->c};
+  uint64_t ptrs[dietcode::kParamCount] = {};
+  ptrs[dietcode::kA] = args->a;
+  ptrs[dietcode::kB] = args->b;
+  ptrs[dietcode::kBias] = args->bias;
+  ptrs[dietcode::kC] = args->c;
+  ptrs[dietcode::kResidual] = args->residual;
   int32_t ints[dietcode::kParamCount] = {};
   ints[dietcode::kM] = args->M;
   ints[dietcode::kN] = args->N;
@@ -357,7 +362,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   void* params[dietcode::kParamCount + 2];  // params are unique enums, so at most kParamCount + scratch
   size_t n_params = 0;
   for (uint8_t p : kernel.params) {
-    params[n_params++] = p <= dietcode::kC ? static_cast<void*>(&ptrs[p]) : static_cast<void*>(&ints[p]);
+    params[n_params++] = dietcode::IsPointerParam(p) ? static_cast<void*>(&ptrs[p]) : static_cast<void*>(&ints[p]);
   }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];

@@ -29,14 +29,18 @@ Shape PadBatch(const Shape& s, size_t rank) {
 bool ParseOpType(const std::string& op_type, OpSpec* spec) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
   static const char* const kSuffixes[] = {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"};
+  static const std::string kResidual = "Residual";  // MatMul only (the gemm template adds it)
   for (int b = 0; b < 3; ++b) {
     for (int s = 0; s < 6; ++s) {
-      if (op_type == std::string(kBases[b]) + kSuffixes[s]) {
-        spec->base = static_cast<BaseOp>(b);
-        spec->bias = s == 1 || s == 3 || s == 5;
-        spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
-        spec->name = op_type;
-        return true;
+      for (int r = 0; r < (b == 0 ? 2 : 1); ++r) {
+        if (op_type == std::string(kBases[b]) + kSuffixes[s] + (r ? kResidual : std::string())) {
+          spec->base = static_cast<BaseOp>(b);
+          spec->bias = s == 1 || s == 3 || s == 5;
+          spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
+          spec->residual = r == 1;
+          spec->name = op_type;
+          return true;
+        }
       }
     }
   }
@@ -47,6 +51,9 @@ std::vector<std::string> AllOpTypes() {
   std::vector<std::string> out;
   for (const char* base : {"MatMul", "Gemm", "Conv"}) {
     for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) out.push_back(std::string(base) + suffix);
+  }
+  for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) {
+    out.push_back(std::string("MatMul") + suffix + "Residual");
   }
   return out;
 }

@@ -152,7 +152,7 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
 class LaunchArgs(ctypes.Structure):
     """Mirror of ``dc_launch_args`` in custom_ops/core.h."""
 
-    _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "c_bytes")] + [
+    _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "residual", "c_bytes")] + [
         (n, ctypes.c_int32) for n in ("M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
                                       "img_n", "img_h", "img_w", "out_h", "out_w")]
 
@@ -165,10 +165,11 @@ class KernelMeta(ctypes.Structure):
 
 
 class Epilogue(ctypes.Structure):
-    """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias and activation over the
-    output as [rows, cols]."""
+    """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias, activation and residual over
+    the output as [rows, cols]."""
 
-    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation")] + [("bias_scale", ctypes.c_float)]
+    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation", "has_residual")]
+                + [("bias_scale", ctypes.c_float)]
                 + [(n, ctypes.c_int64) for n in ("rows", "cols", "bias_rows", "bias_rs", "bias_cs")])
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from dietcode_ort.bundle import PARAM_NAMES, VIEWS
+from dietcode_ort.bundle import PARAM_NAMES, POINTER_PARAMS, VIEWS
 from dietcode_ort.runtime import LaunchArgs, load_core
 
-POINTERS = ("a", "b", "bias", "c")
+POINTERS = ("a", "b", "bias", "c", "residual")
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,32 @@ def core_names() -> tuple[str, ...]:
 
 def test_bundle_param_enum_is_the_cores(core_names) -> None:
     assert PARAM_NAMES == core_names
+    # residual came last, so the indices bundles written before it store keep their meaning
+    assert core_names[:4] == ("a", "b", "bias", "c") and core_names[-1] == "residual"
+    assert POINTER_PARAMS == POINTERS
+
+
+def test_the_core_reads_the_residual_pointer_as_a_pointer() -> None:
+    """A kernel assuming ``residual`` 16-byte aligned is refused a call whose residual pointer is not: the core
+    checks it as a pointer (an int check would read LaunchArgs' zero int slot and pass)."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+
+    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=("a", "b", "c", "M", "N", "K",
+                          "residual"), div16=("residual",))
+    core = load_core()
+    bundle = core.parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    args = LaunchArgs(a=256, b=512, c=768, residual=1024, M=16, N=16, K=16, batch=1)
+    assert bundle.fit(0, args)[0] == "fits"
+    args.residual = 1032
+    fit, message = bundle.fit(0, args)
+    assert fit != "fits" and "residual" in message
 
 
 def test_launch_args_mirror_the_core_struct(core_names) -> None:
     fields = [name for name, _ in LaunchArgs._fields_]
     # dc_launch_args: the pointers, the output's byte size, then every int param in enum order
     assert fields == list(POINTERS) + ["c_bytes"] + [p for p in core_names if p not in POINTERS]
+    assert load_core().lib.dc_abi_version() == 4  # the struct grew a pointer: the ABI version says so
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:
