@@ -81,7 +81,8 @@ class _BertLayer(nn.Module):
                                              attn_mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
         ctx = ctx.transpose(1, 2).reshape(b, s, cfg.hidden)
         x = attn.output.LayerNorm(attn.output.dense(ctx) + x)
-        h: torch.Tensor = self.intermediate.dense(x)
+        inter: Any = self.intermediate
+        h: torch.Tensor = inter.dense(x)
         h = h * (torch.erf(h / math.sqrt(2.0)) + 1.0) * 0.5  # Gelu in its Erf form, as the graph has it
         out: Any = self.output
         return out.LayerNorm(out.dense(h) + x)

@@ -280,3 +280,36 @@ def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> No
     assert [s["step"] for s in steps] == ["doctor", "doctor --json", "pytest -m gpu (kernels)",
                                           "pytest -m gpu (end to end)"]
     assert proc.returncode == (0 if all(s["rc"] == 0 for s in steps) else 1)
+
+
+@pytest.mark.slow
+def test_dry_run_torch_compile_stage_joins_the_bench_file(tmp_path: Path) -> None:
+    """Stage 6 on the tiny MLP (fp16, CPU, eager and dynamic=True): the torch.compile JSON beside the suite's
+    bench file, and torch_report's join of the two (here against a hand-made bench file of the same sweep)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_info", ROOT / "benchmarks" / "device_info.py")
+    device_info = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_info)  # type: ignore[union-attr]
+    results = tmp_path / "work" / "tree" / "benchmarks" / "results" / device_info.slug("cpu")
+    results.mkdir(parents=True)
+    timing = {"times_ms": [1.0], "median_ms": 1.0, "p90_ms": 1.0, "first_call_ms": 2.0}
+    (results / "mlp-tiny-fp16-cpu.json").write_text(json.dumps({
+        "schema": "dietcode-ort-bench/1", "settings": {"model": "mlp-tiny-fp16.onnx"},
+        "environment": {"provider": "cpu", "device": "a CPU", "command": "bench"},
+        "shapes": [{"dims": {"tokens": t}, "stock": timing, "optimized": timing} for t in (7, 16)]}))
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "6", "--suites", "mlp", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    members = _members(out / "device-run.tar.gz")
+    (torch_json,) = [n for n in members if n.endswith("/torch-compile-mlp-tiny-fp16-cpu.json")]
+    base = torch_json.removesuffix("torch-compile-mlp-tiny-fp16-cpu.json")
+    record = json.loads(_read(out / "device-run.tar.gz", torch_json))
+    assert list(record["modes"]) == ["eager", "dynamic"] and record["settings"]["dtype"] == "float16"
+    assert [s["dims"] for s in record["shapes"]] == [{"tokens": 7}, {"tokens": 16}]
+    assert all(s["modes"]["dynamic"]["agrees"] for s in record["shapes"])
+    join = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage6/mlp-join.json"))
+    assert len(join["rows"]) == 2 and join["summary"]["dynamic"]["shapes"] == 2
+    assert "geomean" in _read(out / "device-run.tar.gz", base + "torch-compile-mlp-tiny-fp16-cpu.txt")
+    steps = [s["step"] for s in json.loads((out / "metadata.json").read_text())["steps"]]
+    assert steps == ["torch.compile mlp", "torch_report mlp"]
