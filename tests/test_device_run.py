@@ -180,7 +180,8 @@ def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_pat
     carried = [c for call in plan for c in call["carry"] if c.startswith(".ortgpu/")]
     assert carried == [f".ortgpu/p{k}" for k in range(1, len(parts) + 1)]
     assert all(call["carried_mib"] <= 5 and ".device" in call["carry"] for call in plan)
-    assert "--ortgpu .ortgpu/p1 --stage 2" in plan[0]["command"] and plan[-1]["command"].endswith("--deadline 360")
+    assert "--ortgpu .ortgpu/p1 --stage 2" in plan[0]["command"] and plan[-1]["command"].endswith("--stage 6 --deadline 240")
+    assert sum(call["timeout_s"] - 30 for call in plan) <= 27 * 60  # + machine start and transfers: inside 30 min
     assert "run(command=" in proc.stdout
     source = json.loads((clone / ".device" / "source.json").read_text())
     assert source["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True,
