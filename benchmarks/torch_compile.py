@@ -92,6 +92,7 @@ class ShapeRun:
     dims: dict[str, int]
     first_call: float | None = None
     frames_compiled: int = 0           # dynamo frames compiled during the first call (0: no recompile)
+    recompile_reasons: tuple[str, ...] = ()  # the guards that failed at the first call (dynamo's words)
     times: tuple[float, ...] = ()
     steady_frames: int = 0             # frames compiled during the steady state (should stay 0)
     max_abs_error: float | None = None
@@ -104,7 +105,8 @@ class ShapeRun:
         return {"times_ms": ms["times_ms"] if ms else [], "median_ms": ms["median_ms"] if ms else None,
                 "p90_ms": ms["p90_ms"] if ms else None,
                 "first_call_ms": None if self.first_call is None else self.first_call * 1e3,
-                "frames_compiled": self.frames_compiled, "steady_frames_compiled": self.steady_frames,
+                "frames_compiled": self.frames_compiled, "recompile_reasons": list(self.recompile_reasons),
+                "steady_frames_compiled": self.steady_frames,
                 "max_abs_error": self.max_abs_error, "agrees": self.agrees, "error": self.error,
                 "skipped": self.skipped}
 
@@ -193,6 +195,19 @@ def _frames(torch: Any) -> int:
     return int(counters["frames"]["ok"])
 
 
+def _guard_failures(torch: Any) -> dict[Any, int]:
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
+def _new_guard_failures(torch: Any, before: Mapping[Any, int]) -> tuple[str, ...]:
+    from torch._dynamo.utils import guard_failures
+
+    return tuple(r.splitlines()[0][:300] for code, reasons in guard_failures.items()
+                 for r in reasons[before.get(code, 0):])
+
+
 def _fresh_cache(torch: Any, compiled: bool) -> Any:
     import contextlib
 
@@ -243,13 +258,14 @@ def _timed_call(ctx: _Context, mode: _Mode, inputs: Mapping[str, Any]) -> tuple[
 
 def _first(ctx: _Context, mode: _Mode, dims: dict[str, int]) -> tuple[ShapeRun, np.ndarray | None]:
     run = ShapeRun(dims)
-    before = _frames(ctx.torch)
+    before, guards = _frames(ctx.torch), _guard_failures(ctx.torch)
     try:
         run.first_call, out = _timed_call(ctx, mode, mode.inputs(ctx.feeds(dims)))
         host = out.detach().cpu().numpy() if out is not None else None
     except Exception as exc:  # a compile or run failure is a result: record it, go on
         run.error, host = _first_line(exc), None
     run.frames_compiled = _frames(ctx.torch) - before
+    run.recompile_reasons = _new_guard_failures(ctx.torch, guards) if run.frames_compiled else ()
     return run, host
 
 
@@ -415,7 +431,10 @@ def run(options: TorchOptions, clock: Callable[[], float] = time.perf_counter) -
             budget = (options.budget_s - spent) / (len(compiled) - compiled.index(name))
         print(f"[torch_compile] mode {name} on {len(wanted)} shape(s)"
               f"{'' if budget is None else f', budget {budget:.0f} s'}", flush=True)
-        _run_mode(ctx, name, results[name], wanted, budget)
+        if budget is not None and budget <= 0:  # the modes before spent it all: not even the compile
+            results[name].shapes = [ShapeRun(dict(s), skipped="no time left in --budget-s") for s in shapes]
+        else:
+            _run_mode(ctx, name, results[name], wanted, budget)
         if name != "eager":
             spent += results[name].seconds
         if k == 0 and options.check_onnx:
@@ -482,6 +501,8 @@ def _print_mode(res: ModeRun) -> None:
         label = " ".join(f"{k}={v}" for k, v in r.dims.items())
         print(f"    {label:<28} first {_ms(r.first_call):>10}  median {_ms(r.median):>9}  "
               f"recompiled {r.frames_compiled}  {note}", flush=True)
+        for reason in r.recompile_reasons[:2]:
+            print(f"      guard failed: {reason[:150]}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

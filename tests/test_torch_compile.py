@@ -115,14 +115,15 @@ def test_onnx_file_of_another_dtype_is_refused(tmp_path: Path, capsys) -> None:
 @pytest.mark.slow
 def test_harness_measures_eager_and_dynamic_on_a_two_shape_sweep(tmp_path: Path) -> None:
     """torch.compile(dynamic=True) on the tiny MLP, CPU: compiled once on the warm-up shape, the JSON says
-    what was compiled where, and the report joins it with a bench file of the same sweep."""
+    what was compiled where (and why, for torch.compile's default mode), and the report joins it with a
+    bench file of the same sweep."""
     tc = _script("torch_compile")
     out = tmp_path / "torch.json"
-    options = tc.TorchOptions(model="mlp", preset="tiny", dims=("tokens=5,9",), modes=("dynamic",), repeat=3,
+    options = tc.TorchOptions(model="mlp", preset="tiny", dims=("tokens=5,9",), modes=("dynamic", "default"), repeat=3,
                               warmup=1, json_path=out, command="test")
     tc.run(options)
     record = json.loads(out.read_text())
-    assert record["schema"] == tc.SCHEMA and list(record["modes"]) == ["eager", "dynamic"]
+    assert record["schema"] == tc.SCHEMA and list(record["modes"]) == ["eager", "dynamic", "default"]
     env = record["environment"]
     assert env["provider"] == "cpu" and env["torch"]["version"] == torch.__version__ and env["command"] == "test"
     assert record["settings"]["warmup_shape"] == {"tokens": 4}  # bench's warm-up shape: min - 1
@@ -136,7 +137,11 @@ def test_harness_measures_eager_and_dynamic_on_a_two_shape_sweep(tmp_path: Path)
         assert len(eager["times_ms"]) == 3 and eager["median_ms"] > 0 and eager["frames_compiled"] == 0
         assert dyn["agrees"] is True and dyn["max_abs_error"] < 1e-3 and dyn["error"] is None
         assert dyn["frames_compiled"] == 0 and dyn["steady_frames_compiled"] == 0  # dynamic: no recompile
-        assert len(dyn["times_ms"]) == 3 and dyn["skipped"] is None
+        assert len(dyn["times_ms"]) == 3 and dyn["skipped"] is None and dyn["recompile_reasons"] == []
+    # torch.compile() as is: static on the warm-up shape, recompiled (dynamic) at the first new size, then reused
+    default = [s["modes"]["default"] for s in record["shapes"]]
+    assert [d["frames_compiled"] for d in default] == [1, 0] and all(d["agrees"] for d in default)
+    assert "hidden" in default[0]["recompile_reasons"][0] and record["modes"]["default"]["recompiles"] == 1
     assert record["summary"]["dynamic"]["shapes_measured"] == 2
 
     tr = _script("torch_report")
@@ -226,3 +231,29 @@ def test_join_refuses_files_that_do_not_compare(tmp_path: Path, capsys) -> None:
     path.write_text("{not json")
     assert tr.main([str(path), str(path)]) == 2
     assert "is not JSON" in capsys.readouterr().err
+
+
+def test_budget_is_shared_and_a_mode_left_without_time_is_not_compiled(tmp_path: Path, monkeypatch) -> None:
+    tc = _script("torch_compile")
+    calls = []
+
+    def fake_run_mode(ctx, name, result, wanted, budget):
+        calls.append((name, budget, wanted))
+        result.shapes = [tc.ShapeRun(dict(s)) for s in ctx.shapes]
+        result.seconds = 7.0 if name == "dynamic" else 0.5
+
+    monkeypatch.setattr(tc, "_run_mode", fake_run_mode)
+    out = tmp_path / "t.json"
+    record = tc.run(tc.TorchOptions(model="mlp", preset="tiny", dims=("tokens=2,3,4",), budget_s=12.0,
+                                    modes=("dynamic", "mark_dynamic", "max-autotune"), autotune_shapes=2,
+                                    check_onnx=False, json_path=out))
+    assert calls == [("eager", None, [0, 1, 2]), ("dynamic", 4.0, [0, 1, 2]), ("mark_dynamic", 2.5, [0, 1, 2]),
+                     ("max-autotune", 4.5, [0, 2])]
+    monkeypatch.setattr(tc, "_run_mode", fake_run_mode)
+    calls.clear()
+    record = tc.run(tc.TorchOptions(model="mlp", preset="tiny", dims=("tokens=2,3,4",), budget_s=6.0,
+                                    modes=("dynamic", "mark_dynamic"), check_onnx=False, json_path=out))
+    assert [c[0] for c in calls] == ["eager", "dynamic"]  # dynamic spent 7 s of 6: mark_dynamic never compiles
+    skipped = [s["modes"]["mark_dynamic"]["skipped"] for s in record["shapes"]]
+    assert skipped == ["no time left in --budget-s"] * 3
+    assert json.loads(out.read_text())["shapes"][0]["modes"]["mark_dynamic"]["skipped"] == skipped[0]
