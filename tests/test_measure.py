@@ -5,6 +5,7 @@ import csv
 import gzip
 import math
 
+import numpy as np
 import pytest
 
 from dietcode_ort.errors import DietcodeError
@@ -128,8 +129,8 @@ def _check_vendor_tf32(torch, monkeypatch, vendor_tf32):
     def operands(family, p):
         make = lambda *shape: torch.randn(*shape, dtype=torch.float32)  # noqa: E731
         if family.op == "conv":
-            return make(1, 4, 6, 6), make(8, 4, 3, 3), None
-        return make(p.m, p.k), make(p.k, p.n), None
+            return make(1, 4, 6, 6), make(8, 4, 3, 3), None, None
+        return make(p.m, p.k), make(p.k, p.n), None, None
 
     def timer(fn):
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
@@ -143,6 +144,30 @@ def _check_vendor_tf32(torch, monkeypatch, vendor_tf32):
     assert [r.seconds for r in results] == [1e-3, 1e-3], results
     assert seen == [(want, want), (want, want)]
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+
+
+@pytest.mark.parametrize("op, trans_b", [("gemm", False), ("gemm", True), ("bmm", False), ("bmm", True)])
+@pytest.mark.parametrize("bias, activation, alpha, residual", [(False, "none", 1.0, False), (True, "gelu", 0.125, True),
+                                                               (True, "relu", 2.0, False), (False, "none", 0.5, True)])
+def test_vendor_baseline_computes_the_fused_epilogue(op, trans_b, bias, activation, alpha, residual):
+    """The vendor baseline times what the fused node computes, act(alpha * A @ B + bias) + residual (checked
+    on CPU tensors against numpy), so a scale or residual the kernels fuse is not free for the vendor."""
+    torch = pytest.importorskip("torch")
+    m = GpuMeasurer(backend="_fake_timing:FakeBackend", trans_b=trans_b,
+                    epilogue=Epilogue(bias=bias, activation=activation, alpha=alpha, residual=residual))
+    rng = np.random.default_rng(0)
+    lead = (3,) if op == "bmm" else ()
+    a = rng.standard_normal(lead + (5, 7)).astype(np.float32)
+    b = rng.standard_normal(lead + ((6, 7) if trans_b else (7, 6))).astype(np.float32)
+    c = rng.standard_normal(6).astype(np.float32) if bias else None
+    r = rng.standard_normal(lead + (5, 6)).astype(np.float32) if residual else None
+    t = lambda x: None if x is None else torch.from_numpy(x)  # noqa: E731
+    got = m.vendor_call(Family(op, "float32", "sm_90"), t(a), t(b), t(c), t(r))().numpy()
+    want = alpha * (a @ (np.swapaxes(b, -1, -2) if trans_b else b)) + (0 if c is None else c)
+    want = {"none": want, "relu": np.maximum(want, 0),
+            "gelu": 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2)))}[activation]
+    want = want + (0 if r is None else r)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

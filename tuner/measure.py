@@ -304,7 +304,7 @@ class GpuMeasurer(Measurer):
         scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "")
         return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
-                f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)}"
+                f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor=addmm"
                 f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}").replace(" ", "")
 
     def _compile(self, family: Family, configs: Sequence[MicroKernel]) -> dict[MicroKernel, bytes | str]:
@@ -358,7 +358,8 @@ class GpuMeasurer(Measurer):
             self._flush = torch.empty(max(1, self.settings.flush_bytes), dtype=torch.int8, device="cuda")
         return self._torch
 
-    def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any]:
+    def _operands(self, family: Family, p: Problem) -> tuple[Any, Any, Any, Any]:
+        """A, B, the bias (or None) and the residual (or None) of ``p``, on the GPU."""
         torch = self._torch
         dtype = getattr(torch, _TORCH_DTYPES[family.dtype])
         make = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)  # noqa: E731
@@ -368,11 +369,42 @@ class GpuMeasurer(Measurer):
                 raise DietcodeError("GpuMeasurer: conv problems need ConvParams and Problem.image")
             n_img, h, w = p.image
             c = self.conv
-            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias
+            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias, None
         b_shape = (p.n, p.k) if self.trans_b else (p.k, p.n)
+        residual = make(p.batch, p.m, p.n) if family.op == "bmm" else make(p.m, p.n)
+        residual = residual if self.epilogue.residual else None
         if family.op == "bmm":
-            return make(p.batch, p.m, p.k), make(p.batch, *b_shape), bias
-        return make(p.m, p.k), make(*b_shape), bias
+            return make(p.batch, p.m, p.k), make(p.batch, *b_shape), bias, residual
+        return make(p.m, p.k), make(*b_shape), bias, residual
+
+    def vendor_call(self, family: Family, a: Any, b: Any, bias: Any, residual: Any) -> Callable[[], Any]:
+        """What the vendor baseline times: ``act(alpha * A @ B + bias) + residual`` as the CUDA vendor path
+        runs it (custom_ops/vendor.h: one cuBLAS call carrying alpha, then the epilogue), here as torch's
+        addmm/baddbmm (alpha and the bias in the cuBLAS call) then the activation and the residual Add;
+        conv: cuDNN's conv2d with the bias, then the activation."""
+        import torch
+
+        fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
+        act = fn_act[self.epilogue.activation]
+        if family.op == "conv":
+            c = self.conv
+            if c is None:
+                raise DietcodeError("GpuMeasurer: conv problems need ConvParams")
+            top, left, bottom, right = c.pads
+            if (top, left) == (bottom, right):
+                return lambda: act(torch.nn.functional.conv2d(a, b, bias, stride=c.strides, padding=(top, left),
+                                                              dilation=c.dilations))
+            # conv2d pads symmetrically: pad the input explicitly, as ORT does
+            return lambda: act(torch.nn.functional.conv2d(torch.nn.functional.pad(a, (left, right, top, bottom)), b,
+                                                          bias, stride=c.strides, dilation=c.dilations))
+        bb = b.transpose(-1, -2) if self.trans_b else b
+        alpha = self.epilogue.alpha
+        # beta=0 ignores the (broadcast) input: no bias costs no read
+        base, beta = (bias, 1) if bias is not None else (torch.zeros(1, dtype=a.dtype, device=a.device), 0)
+        mm = torch.baddbmm if family.op == "bmm" else torch.addmm
+        if residual is None:
+            return lambda: act(mm(base, a, bb, beta=beta, alpha=alpha))
+        return lambda: act(mm(base, a, bb, beta=beta, alpha=alpha)).add_(residual)
 
     def _time(self, fn: Callable[[], Any]) -> float:
         torch = self._torch
@@ -405,28 +437,10 @@ class GpuMeasurer(Measurer):
             flags.cuda.matmul.allow_tf32, flags.cudnn.allow_tf32 = saved
 
     def _measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
-        torch = self._torch
-        fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
-        act = fn_act[self.epilogue.activation]
         out = []
         for problem in problems:
             try:
-                a, b, bias = self._operands(family, problem)
-                if family.op == "conv":
-                    c = self.conv
-                    assert c is not None
-                    top, left, bottom, right = c.pads
-                    if (top, left) == (bottom, right):
-                        fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
-                            a, b, bias, stride=c.strides, padding=(top, left), dilation=c.dilations))
-                    else:  # conv2d pads symmetrically: pad the input explicitly, as ORT does
-                        fn = lambda: act(torch.nn.functional.conv2d(  # noqa: E731
-                            torch.nn.functional.pad(a, (left, right, top, bottom)), b, bias,
-                            stride=c.strides, dilation=c.dilations))
-                else:
-                    bb = b.transpose(-1, -2) if self.trans_b else b
-                    mm = torch.bmm if family.op == "bmm" else torch.matmul
-                    fn = lambda: act(mm(a, bb) + bias if bias is not None else mm(a, bb))  # noqa: E731
+                fn = self.vendor_call(family, *self._operands(family, problem))
                 out.append(MeasureResult(self._time(fn)))
             except Exception as exc:
                 out.append(MeasureResult(math.inf, f"{type(exc).__name__}: {str(exc)[:300]}"))
