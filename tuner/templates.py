@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is only needed by callers that launch
 
     from tuner.space import MicroKernel
 
-__all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "KERNELS", "ABI_PARAMS", "kernel_for", "conv_geometry",
+__all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "attention_kernel", "KERNELS", "ABI_PARAMS", "ATTENTION_PARAMS", "kernel_for", "conv_geometry",
            "conv_out_size", "run", "check_epilogue"]
 
 
@@ -169,6 +169,65 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
     _store(y_ptrs, acc, m_ok[:, None] & n_ok[None, :], SPLIT_K)
 
 
+@triton.jit
+def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
+                     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
+                     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
+    query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
+    operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
+    additive mask is read at (z // heads) * stride_mask_b + (z % heads) * stride_mask_h + row * stride_mask_q
+    + col * stride_mask_k (a stride of 0 broadcasts that axis). Online softmax with fp32 statistics and
+    accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q."""
+    pid_m = tl.program_id(0)
+    z = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_q
+    d_ok = offs_d < HEAD_DIM
+    q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = k + z * HEAD_DIM * seq_k
+    v_base = v + z * seq_k * HEAD_DIM
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    n_end = seq_k
+    if CAUSAL:
+        n_end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + seq_k - seq_q)
+    for n0 in range(0, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_k
+        kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION) * SCALE
+        if HAS_MASK:
+            mask_ptrs = (mask + (z // heads) * stride_mask_b + (z % heads) * stride_mask_h
+                         + offs_m[:, None].to(tl.int64) * stride_mask_q
+                         + offs_n[None, :].to(tl.int64) * stride_mask_k)
+            s += tl.load(mask_ptrs,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seq_k - seq_q))
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row whose keys are all masked so far keeps m = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
 KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel}
 
 # Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" only when it has one.
@@ -177,6 +236,11 @@ ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
 }
+
+# attention_kernel's runtime parameters. They are not in the ABI table yet (no bundle carries an attention
+# kernel and the C core cannot launch one): tuner.attention launches it through Triton's JIT only.
+ATTENTION_PARAMS: tuple[str, ...] = ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b",
+                                     "stride_mask_h", "stride_mask_q", "stride_mask_k")
 
 
 def kernel_for(op: str) -> Any:

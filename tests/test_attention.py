@@ -1,0 +1,77 @@
+"""The fused attention template (tuner/attention.py, templates.attention_kernel): interpreted against a
+float64 reference, its space and its mask broadcasting."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from _attention_cases import CASES
+from _interpreter import run_interpreted
+from dietcode_ort.errors import DietcodeError
+from tuner.attention import (AttentionConfig, attention_prune_report, attention_space, block_d,
+                             mask_strides)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    return run_interpreted("_attention_cases.py")
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_template_matches_reference(interpreted: dict[str, Any], name: str) -> None:
+    errors = interpreted[name]
+    case = next(c for c in CASES if c.name == name)
+    assert len(errors) == len(case.configs)
+    assert max(errors) <= 1.0, f"{name}: error {max(errors)} x tolerance"
+
+
+def test_cases_cover_the_brief() -> None:
+    assert {c.seq_q for c in CASES} >= {1, 5, 17}
+    assert {c.head_dim for c in CASES} >= {16, 32}
+    assert any(c.mask == (2, 1, 1, 17) for c in CASES)  # BERT's extended attention mask
+    assert any(c.mask is None for c in CASES) and any(c.causal for c in CASES)
+    assert {c.dtype for c in CASES} >= {"float32", "float16"}
+    # keys spanning several BLOCK_N steps, so the online rescaling runs
+    assert any(c.seq_k > min(cfg[1] for cfg in c.configs) for c in CASES)
+
+
+def test_mask_strides_follow_onnx_broadcasting() -> None:
+    assert mask_strides((2, 1, 1, 17), 2, 12, 17, 17) == (17, 0, 0, 1)
+    assert mask_strides((2, 12, 17, 17), 2, 12, 17, 17) == (12 * 17 * 17, 17 * 17, 17, 1)
+    assert mask_strides((17, 17), 2, 12, 17, 17) == (0, 0, 17, 1)
+    assert mask_strides((1, 1, 17, 1), 2, 12, 17, 17) == (0, 0, 1, 0)
+    assert mask_strides((1,), 1, 1, 1, 1) == (0, 0, 0, 0)
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        mask_strides((3, 1, 1, 17), 2, 12, 17, 17)
+    with pytest.raises(DietcodeError, match="more than 4"):
+        mask_strides((1, 1, 1, 1, 17), 2, 12, 17, 17)
+
+
+def test_space_is_pruned_by_the_gpu_limits() -> None:
+    for target in ("sm_80", "sm_90"):
+        report = attention_prune_report("float16", target, 64)
+        space = attention_space("float16", target, 64)
+        assert report["kept"] == len(space) > 0
+        assert report["total"] == sum(v for k, v in report.items() if k not in ("total", "kept")) + len(space)
+        assert report["warp_rows"] > 0
+        assert space == sorted(set(space))
+    # a wider head needs more shared memory and registers per config: never a larger space
+    assert len(attention_space("float32", "sm_80", 256)) < len(attention_space("float32", "sm_80", 32))
+    assert AttentionConfig(16, 16, 8, 1) not in attention_space("float16", "sm_90", 64)  # 16 rows, 8 warps
+
+
+def test_head_dim_padding_and_limits() -> None:
+    assert [block_d(d) for d in (1, 16, 24, 64, 80, 128)] == [16, 16, 32, 64, 128, 128]
+    with pytest.raises(DietcodeError, match="head dim"):
+        block_d(0)
+    with pytest.raises(DietcodeError, match="head dim"):
+        block_d(257)
+
+
+def test_template_arguments_are_the_attention_params() -> None:
+    from tuner import templates
+
+    fn = templates.attention_kernel
+    runtime_args = [a for a, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
+    assert runtime_args == list(templates.ATTENTION_PARAMS)
