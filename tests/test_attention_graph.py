@@ -1,0 +1,145 @@
+"""Attention chains found in graphs and fused into ai.dietcode::Attention (tuner/attention_graph.py): the
+project's BERT builder, hand-written variants, and the chains that must stay unfused."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from models.bert import PRESETS, build_graph
+from tuner.attention_graph import OP_TYPE, find_attention, fuse_attention
+from tuner.rewrite import DOMAIN
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def _bert_feeds(batch: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    mask = np.ones((batch, seq), np.int64)
+    mask[1:, seq // 2:] = 0
+    return {"input_ids": rng.integers(0, 100, size=(batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str) -> None:
+    model = build_graph(PRESETS["tiny"], dtype, 0)
+    found = find_attention(model)
+    layers = PRESETS["tiny"].layers
+    assert len(found.sites) == layers and found.skipped == ()
+    site = found.sites[0]
+    assert site.mask == "/mask/Mul_output_0" and site.rank == 4 and site.dtype == dtype
+    assert site.scale == pytest.approx(1 / PRESETS["tiny"].head_dim ** 0.5)
+    assert [n.rsplit("/", 1)[-1] for n in site.nodes] == ["MatMul_output_0", "Div_output_0", "Add_output_0",
+                                                          "Softmax_output_0", "MatMul_1_output_0"]
+    fused, outputs = fuse_attention(model)
+    onnx.checker.check_model(fused, full_check=True)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count(OP_TYPE) == layers and "Softmax" not in ops
+    assert len(ops) == len(model.graph.node) - 4 * layers
+    assert outputs == tuple(s.output for s in found.sites)
+    (fn,) = fused.functions
+    assert (fn.domain, fn.name, list(fn.input)) == (DOMAIN, OP_TYPE, ["Q", "Kt", "V", "mask"])
+    assert [n.op_type for n in fn.node] == ["MatMul", "Constant", "Div", "Add", "Softmax", "MatMul"]
+    node = next(n for n in fused.graph.node if n.op_type == OP_TYPE)
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["head_dim"] == 64
+    for batch, seq in ((1, 1), (3, 5), (2, 17)):
+        feeds = _bert_feeds(batch, seq)
+        np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))  # the same nodes run
+
+
+def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, extra_output: str | None = None,
+           d: int = 8) -> onnx.ModelProto:
+    """Q, Kt, V graph inputs ([z, T, d] and [z, d, T]), the chain written out, optional mask [z|1, 1, T]."""
+    nodes = [helper.make_node("MatMul", ["Q", "Kt"], ["s"])]
+    x = "s"
+    inits = []
+    if scale_op:
+        inits.append(numpy_helper.from_array(np.array(4.0 if scale_op == "Div" else 0.25, np.float32), "c"))
+        nodes.append(helper.make_node(scale_op, [x, "c"], ["s1"]))
+        x = "s1"
+    inputs = [helper.make_tensor_value_info("Q", TensorProto.FLOAT, ["z", "T", d]),
+              helper.make_tensor_value_info("Kt", TensorProto.FLOAT, ["z", d, "T"]),
+              helper.make_tensor_value_info("V", TensorProto.FLOAT, ["z", "T", d])]
+    if mask:
+        inputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["z", 1, "T"]))
+        nodes.append(helper.make_node("Add", ["mask", x], ["s2"]))
+        x = "s2"
+    nodes.append(helper.make_node("Softmax", [x], ["p"], axis=axis))
+    nodes.append(helper.make_node("MatMul", ["p", "V"], ["y"]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["z", "T", d])]
+    if extra_output:
+        outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, ["z", "T", "T"]))
+    graph = helper.make_graph(nodes, "chain", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _chain_feeds(mask: bool = True) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(2)
+    feeds = {"Q": rng.standard_normal((3, 5, 8), np.float32), "Kt": rng.standard_normal((3, 8, 5), np.float32),
+             "V": rng.standard_normal((3, 5, 8), np.float32)}
+    if mask:
+        feeds["mask"] = np.where(rng.random((3, 1, 5)) < 0.3, -10000.0, 0.0).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("scale_op, mask, scale", [("Div", True, 0.25), ("Mul", True, 0.25), (None, False, 1.0),
+                                                   ("Mul", False, 0.25)])
+def test_chain_variants_fuse(scale_op: str | None, mask: bool, scale: float) -> None:
+    model = _chain(scale_op=scale_op, mask=mask)
+    (site,) = find_attention(model).sites
+    assert site.scale == scale and (site.mask is not None) == mask and site.rank == 3
+    fused, _ = fuse_attention(model)
+    assert [n.op_type for n in fused.graph.node] == [OP_TYPE]
+    assert not fused.graph.initializer  # the scale constant lives in the function body only
+    feeds = _chain_feeds(mask)
+    np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))
+
+
+def test_distinct_bodies_get_overloads() -> None:
+    a = _chain(scale_op="Div")
+    b = _chain(scale_op="Mul", mask=False)
+    merged = onnx.compose.merge_models(a, b, io_map=[], prefix1="a_", prefix2="b_")
+    fused, outputs = fuse_attention(merged)
+    assert len(outputs) == 2
+    assert sorted(f.overload for f in fused.functions) == ["", "1"] and fused.ir_version >= 10
+    feeds = {f"a_{k}": v for k, v in _chain_feeds().items()} | {f"b_{k}": v for k, v in _chain_feeds(False).items()}
+    sess_a = ort.InferenceSession(merged.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess_b = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    for x, y in zip(sess_a.run(None, feeds), sess_b.run(None, feeds)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("model, reason", [
+    (_chain(extra_output="s1"), "graph output"),
+    (_chain(extra_output="p"), "graph output"),
+    (_chain(axis=1), "axis=-1"),
+    (_chain(d=0), "head dim"),
+])
+def test_chains_that_must_stay(model: onnx.ModelProto, reason: str) -> None:
+    found = find_attention(model)
+    assert found.sites == ()
+    ((_, why),) = found.skipped
+    assert reason in why
+    fused, outputs = fuse_attention(model)
+    assert outputs == () and [n.op_type for n in fused.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_scores_read_by_another_node_stay() -> None:
+    model = _chain(mask=False)
+    model.graph.node.append(helper.make_node("Relu", ["s"], ["r"]))
+    model.graph.output.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    found = find_attention(model)
+    assert found.sites == () and "read by 2 nodes" in found.skipped[0][1]
+
+
+def test_non_constant_scale_stays() -> None:
+    model = _chain(mask=False)
+    model.graph.initializer.pop()
+    model.graph.input.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, []))
+    found = find_attention(model)
+    assert found.sites == () and "one-element constant" in found.skipped[0][1]
