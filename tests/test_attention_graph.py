@@ -2,6 +2,9 @@
 project's BERT builder, hand-written variants, and the chains that must stay unfused."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -143,3 +146,68 @@ def test_non_constant_scale_stays() -> None:
     model.graph.input.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, []))
     found = find_attention(model)
     assert found.sites == () and "one-element constant" in found.skipped[0][1]
+
+
+# --- the library's CPU kernel (custom_ops/attention.cc) ----------------------------------------------------
+
+def _library_session(model: onnx.ModelProto, profile: Path | None = None) -> ort.InferenceSession:
+    from dietcode_ort.runtime import register
+
+    opts = ort.SessionOptions()
+    if profile is not None:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(profile / "attention")
+    register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _set_attribute(model: onnx.ModelProto, name: str, value: object) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.op_type == OP_TYPE:
+            kept = [a for a in node.attribute if a.name != name]
+            del node.attribute[:]
+            node.attribute.extend(kept + [helper.make_attribute(name, value)])
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-5), ("float16", 2e-2)])
+def test_library_cpu_kernel_matches_stock_ort_on_tiny_bert(dtype: str, tol: float, tmp_path: Path) -> None:
+    model = build_graph(PRESETS["tiny"], dtype, 0)
+    fused, _ = fuse_attention(model)
+    sess = _library_session(fused, profile=tmp_path)
+    for batch, seq in ((1, 1), (3, 5), (2, 17)):
+        feeds = _bert_feeds(batch, seq)
+        want = _run(model, feeds)
+        got = sess.run(None, feeds)[0]
+        assert got.dtype == want.dtype == np.dtype(dtype)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)
+    # the library's kernel ran (one Attention event per layer and call), not the inlined fallback function
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    ops = [e["args"]["op_name"] for e in kernels]
+    assert ops.count(OP_TYPE) == 3 * PRESETS["tiny"].layers and "Softmax" not in ops
+
+
+@pytest.mark.parametrize("scale_op, mask", [("Div", True), (None, False), ("Mul", False)])
+def test_library_cpu_kernel_matches_stock_ort_on_chains(scale_op: str | None, mask: bool) -> None:
+    model = _chain(scale_op=scale_op, mask=mask)
+    fused, _ = fuse_attention(model)
+    feeds = _chain_feeds(mask)
+    np.testing.assert_allclose(_library_session(fused).run(None, feeds)[0], _run(model, feeds), atol=2e-6, rtol=1e-5)
+    # the kernel, not the fallback function, ran: it reads the scale attribute, the function does not
+    changed = _library_session(_set_attribute(fused, "scale", 3.0)).run(None, feeds)[0]
+    assert not np.allclose(changed, _run(model, feeds), atol=1e-3)
+
+
+def test_library_cpu_kernel_refuses_bad_calls_clearly() -> None:
+    fused, _ = fuse_attention(_chain())
+    feeds = _chain_feeds()
+    bad_mask = dict(feeds, mask=np.zeros((2, 1, 5), np.float32))  # batch 2 against 3 heads
+    with pytest.raises(Exception, match=r"Attention.*mask does not broadcast"):
+        _library_session(fused).run(None, bad_mask)
+    with pytest.raises(Exception, match=r"head dim 8 differs from the node's head_dim attribute 4"):
+        _library_session(_set_attribute(fused, "head_dim", 4)).run(None, feeds)
+    with pytest.raises(Exception, match=r"scale.*not finite"):
+        _library_session(_set_attribute(fused, "scale", float("inf")))

@@ -1,0 +1,284 @@
+// ai.dietcode::Attention on the CPU EP (see attention.h): the chain MatMul -> scale -> Add mask -> Softmax ->
+// MatMul computed directly, one query row at a time, without materializing the scores of a whole head.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include "attention.h"
+
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dietcode {
+
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
+                       const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error) {
+  const std::string shapes = "Q " + ShapeText(q) + ", Kt " + ShapeText(kt) + ", V " + ShapeText(v) +
+                             (mask ? ", mask " + ShapeText(*mask) : "");
+  const size_t r = q.size();
+  if (r < 2 || kt.size() != r || v.size() != r) {
+    *error = "Q, Kt and V must have one rank of at least 2 (" + shapes + ")";
+    return false;
+  }
+  for (const auto* s : {&q, &kt, &v}) {
+    for (int64_t d : *s) {
+      if (d < 0) {
+        *error = "negative dim (" + shapes + ")";
+        return false;
+      }
+    }
+  }
+  AttentionPlan p;
+  p.lead.assign(q.begin(), q.end() - 2);
+  p.seq_q = q[r - 2];
+  p.head_dim = q[r - 1];
+  p.seq_k = kt[r - 1];
+  bool lead_equal = true;
+  for (size_t i = 0; i + 2 < r; ++i) lead_equal = lead_equal && kt[i] == q[i] && v[i] == q[i];
+  if (!lead_equal || kt[r - 2] != p.head_dim || v[r - 2] != p.seq_k || v[r - 1] != p.head_dim) {
+    *error = "expected Q [..., T_q, d], Kt [..., d, T_k], V [..., T_k, d] with equal leading dims (" + shapes + ")";
+    return false;
+  }
+  if (head_dim > 0 && p.head_dim != head_dim) {
+    *error = "the head dim " + std::to_string(p.head_dim) + " differs from the node's head_dim attribute " +
+             std::to_string(head_dim) + " (" + shapes + ")";
+    return false;
+  }
+  std::vector<int64_t> scores(p.lead);
+  scores.push_back(p.seq_q);
+  scores.push_back(p.seq_k);
+  p.mask_strides.assign(r, 0);
+  if (mask != nullptr) {
+    p.has_mask = true;
+    if (mask->size() > r) {
+      *error = "the mask has more dims than the scores " + ShapeText(scores) + " (" + shapes + ")";
+      return false;
+    }
+    int64_t step = 1;
+    for (size_t j = 0; j < mask->size(); ++j) {
+      const size_t mi = mask->size() - 1 - j, si = r - 1 - j;
+      const int64_t m = (*mask)[mi];
+      if (m == scores[si] && m != 1) {
+        p.mask_strides[si] = step;
+      } else if (m != 1) {
+        *error = "the mask does not broadcast to the scores " + ShapeText(scores) + " (" + shapes + ")";
+        return false;
+      }
+      step *= m;
+    }
+  }
+  *plan = std::move(p);
+  return true;
+}
+
+void AttentionCpu(const AttentionPlan& plan, float scale, const float* q, const float* kt, const float* v,
+                  const float* mask, float* out) {
+  const int64_t tq = plan.seq_q, tk = plan.seq_k, d = plan.head_dim;
+  int64_t z = 1;
+  for (int64_t x : plan.lead) z *= x;
+  const size_t r = plan.lead.size() + 2;
+  std::vector<float> s(static_cast<size_t>(tk));
+  std::vector<double> acc(static_cast<size_t>(d));
+  std::vector<int64_t> idx(plan.lead.size(), 0);  // the head's index over the leading dims
+  for (int64_t h = 0; h < z; ++h) {
+    int64_t mask_head = 0;
+    for (size_t a = 0; a < idx.size(); ++a) mask_head += idx[a] * plan.mask_strides[a];
+    const float* qh = q + h * tq * d;
+    const float* kh = kt + h * d * tk;
+    const float* vh = v + h * tk * d;
+    float* oh = out + h * tq * d;
+    for (int64_t i = 0; i < tq; ++i) {
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < tk; ++j) {
+        float dot = 0.0f;
+        for (int64_t c = 0; c < d; ++c) dot += qh[i * d + c] * kh[c * tk + j];
+        float x = dot * scale;
+        if (plan.has_mask) x += mask[mask_head + i * plan.mask_strides[r - 2] + j * plan.mask_strides[r - 1]];
+        s[j] = x;
+        max = std::fmax(max, x);
+      }
+      double sum = 0.0;
+      for (int64_t j = 0; j < tk; ++j) {
+        s[j] = std::exp(s[j] - max);  // max = -inf (every key masked with -inf): NaN, as ONNX Softmax
+        sum += s[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t j = 0; j < tk; ++j) {
+        const double p = s[j] / sum;
+        for (int64_t c = 0; c < d; ++c) acc[c] += p * vh[j * d + c];
+      }
+      for (int64_t c = 0; c < d; ++c) oh[i * d + c] = static_cast<float>(acc[c]);
+    }
+    for (size_t a = idx.size(); a-- > 0;) {  // next head index, last axis fastest
+      if (++idx[a] < plan.lead[a]) break;
+      idx[a] = 0;
+    }
+  }
+}
+
+namespace {
+
+constexpr const char* kCpuEp = "CPUExecutionProvider";
+
+struct FloatInput {
+  std::vector<float> storage;
+  const float* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+FloatInput ReadFloat(const Ort::ConstValue& value) {
+  FloatInput t;
+  auto info = value.GetTensorTypeAndShapeInfo();
+  t.shape = info.GetShape();
+  const size_t n = info.GetElementCount();
+  switch (info.GetElementType()) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      t.data = value.GetTensorData<float>();
+      return t;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: {
+      const auto* src = value.GetTensorData<Ort::Float16_t>();
+      t.storage.resize(n);
+      for (size_t i = 0; i < n; ++i) t.storage[i] = src[i].ToFloat();
+      break;
+    }
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: {
+      const auto* src = value.GetTensorData<Ort::BFloat16_t>();
+      t.storage.resize(n);
+      for (size_t i = 0; i < n; ++i) t.storage[i] = src[i].ToFloat();
+      break;
+    }
+    default:
+      throw std::runtime_error("unsupported element type; allowed: float, float16, bfloat16");
+  }
+  t.data = t.storage.data();
+  return t;
+}
+
+class AttentionKernel {
+ public:
+  explicit AttentionKernel(const OrtKernelInfo* raw) {
+    Ort::ConstKernelInfo info(raw);
+    where_ = "node '" + info.GetNodeName() + "' (ai.dietcode:Attention)";
+    try {
+      scale_ = info.GetAttribute<float>("scale");
+    } catch (const Ort::Exception&) {
+      throw std::runtime_error(where_ + ": the 'scale' attribute is missing (optimize the model again)");
+    }
+    if (!std::isfinite(scale_)) throw std::runtime_error(where_ + ": the scale " + std::to_string(scale_) + " is not finite");
+    try {
+      head_dim_ = info.GetAttribute<int64_t>("head_dim");
+    } catch (const Ort::Exception&) {
+      head_dim_ = 0;  // not checked
+    }
+    if (head_dim_ < 0) throw std::runtime_error(where_ + ": negative head_dim attribute");
+    const size_t n = info.GetInputCount();
+    if (n < 3 || n > 4) throw std::runtime_error(where_ + ": expects inputs (Q, Kt, V[, mask]), got " + std::to_string(n));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Compute(raw);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, (where_ + ": " + e.what()).c_str());
+    }
+  }
+
+ private:
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const size_t n_in = ctx.GetInputCount();
+    Ort::ConstValue mask_value = n_in > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
+    const bool has_mask = static_cast<const OrtValue*>(mask_value) != nullptr;
+    FloatInput q = ReadFloat(ctx.GetInput(0)), kt = ReadFloat(ctx.GetInput(1)), v = ReadFloat(ctx.GetInput(2));
+    FloatInput mask;
+    if (has_mask) mask = ReadFloat(mask_value);
+    AttentionPlan plan;
+    std::string error;
+    if (!AttentionPlanMake(q.shape, kt.shape, v.shape, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
+      throw std::runtime_error(error);
+    }
+    std::vector<int64_t> out_shape(plan.lead);
+    out_shape.push_back(plan.seq_q);
+    out_shape.push_back(plan.head_dim);
+    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    auto info = out.GetTensorTypeAndShapeInfo();
+    const size_t total = info.GetElementCount();
+    if (total == 0) return;
+    if (plan.seq_k == 0) throw std::runtime_error("softmax over 0 keys (Kt has T_k = 0)");
+    const auto type = info.GetElementType();
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      AttentionCpu(plan, scale_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr,
+                   out.GetTensorMutableData<float>());
+      return;
+    }
+    std::vector<float> y(total);
+    AttentionCpu(plan, scale_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr, y.data());
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+      auto* dst = out.GetTensorMutableData<Ort::Float16_t>();
+      for (size_t i = 0; i < total; ++i) dst[i] = Ort::Float16_t(y[i]);
+    } else {
+      auto* dst = out.GetTensorMutableData<Ort::BFloat16_t>();
+      for (size_t i = 0; i < total; ++i) dst[i] = Ort::BFloat16_t(y[i]);
+    }
+  }
+
+  std::string where_;
+  float scale_ = 1.0f;
+  int64_t head_dim_ = 0;
+};
+
+struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
+  explicit AttentionOp(ONNXTensorElementDataType dtype) : dtype_(dtype) {}
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new AttentionKernel(info);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+
+  const char* GetName() const { return "Attention"; }
+  const char* GetExecutionProviderType() const { return kCpuEp; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return dtype_; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }
+
+ private:
+  ONNXTensorElementDataType dtype_;
+};
+
+}  // namespace
+
+void AddAttentionOps(OrtCustomOpDomain* domain) {
+  // Created once, kept for the life of the process, as ORT requires of custom ops.
+  static const std::unique_ptr<AttentionOp> ops[] = {
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)};
+  for (const auto& op : ops) Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(domain, op.get()));
+}
+
+}  // namespace dietcode
