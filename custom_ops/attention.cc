@@ -86,8 +86,8 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
   return true;
 }
 
-void AttentionCpu(const AttentionPlan& plan, float scale, const float* q, const float* kt, const float* v,
-                  const float* mask, float* out) {
+void AttentionCpu(const AttentionPlan& plan, float scale, bool nan_to_zero, const float* q, const float* kt,
+                  const float* v, const float* mask, float* out) {
   const int64_t tq = plan.seq_q, tk = plan.seq_k, d = plan.head_dim;
   int64_t z = 1;
   for (int64_t x : plan.lead) z *= x;
@@ -119,7 +119,8 @@ void AttentionCpu(const AttentionPlan& plan, float scale, const float* q, const 
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t j = 0; j < tk; ++j) {
-        const double p = s[j] / sum;
+        double p = s[j] / sum;
+        if (nan_to_zero && std::isnan(p)) p = 0.0;
         for (int64_t c = 0; c < d; ++c) acc[c] += p * vh[j * d + c];
       }
       for (int64_t c = 0; c < d; ++c) oh[i * d + c] = static_cast<float>(acc[c]);
@@ -185,6 +186,11 @@ class AttentionKernel {
     } catch (const Ort::Exception&) {
       head_dim_ = 0;  // not checked
     }
+    try {
+      nan_to_zero_ = info.GetAttribute<int64_t>("nan_to_zero") != 0;
+    } catch (const Ort::Exception&) {
+      nan_to_zero_ = false;
+    }
     if (head_dim_ < 0) throw std::runtime_error(where_ + ": negative head_dim attribute");
     const size_t n = info.GetInputCount();
     if (n < 3 || n > 4) throw std::runtime_error(where_ + ": expects inputs (Q, Kt, V[, mask]), got " + std::to_string(n));
@@ -223,12 +229,12 @@ class AttentionKernel {
     if (plan.seq_k == 0) throw std::runtime_error("softmax over 0 keys (Kt has T_k = 0)");
     const auto type = info.GetElementType();
     if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-      AttentionCpu(plan, scale_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr,
+      AttentionCpu(plan, scale_, nan_to_zero_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr,
                    out.GetTensorMutableData<float>());
       return;
     }
     std::vector<float> y(total);
-    AttentionCpu(plan, scale_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr, y.data());
+    AttentionCpu(plan, scale_, nan_to_zero_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr, y.data());
     if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       auto* dst = out.GetTensorMutableData<Ort::Float16_t>();
       for (size_t i = 0; i < total; ++i) dst[i] = Ort::Float16_t(y[i]);
@@ -241,6 +247,7 @@ class AttentionKernel {
   std::string where_;
   float scale_ = 1.0f;
   int64_t head_dim_ = 0;
+  bool nan_to_zero_ = false;
 };
 
 struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {

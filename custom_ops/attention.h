@@ -27,9 +27,9 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
                        const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error);
 
 // out = softmax(Q @ Kt * scale + mask) @ V in float32 (float64 row sums), rows of all -inf giving NaN as
-// ONNX Softmax does.
-void AttentionCpu(const AttentionPlan& plan, float scale, const float* q, const float* kt, const float* v,
-                  const float* mask, float* out);
+// ONNX Softmax does, or, with nan_to_zero, NaN probabilities read as 0 (Where(IsNaN(P), 0, P)).
+void AttentionCpu(const AttentionPlan& plan, float scale, bool nan_to_zero, const float* q, const float* kt,
+                  const float* v, const float* mask, float* out);
 
 // Adds the CPU EP's Attention op (float, float16, bfloat16) to the domain. The CUDA EP has no Attention
 // kernel yet: there the node's fallback function runs (tuner/attention_graph.py).

@@ -23,6 +23,8 @@ class Case:
     scale: float = 1.0
     causal: bool = False
     masked_cols: int = 0  # the last keys of batch item 0 get -10000 (BERT's extended mask)
+    dead_rows: int = 0  # the first query rows of batch item 0 get -inf for every key
+    nan_to_zero: bool = False
 
 
 CASES: tuple[Case, ...] = (
@@ -39,6 +41,8 @@ CASES: tuple[Case, ...] = (
     Case("t1_decode_keys17", (1, 2), 1, 17, 16, ((16, 16, 2, 1),), mask=(1, 1, 1, 17), scale=0.5),
     Case("t17_causal", (1, 2), 17, 17, 16, ((16, 16, 2, 1), (32, 16, 2, 1)), causal=True),
     Case("t5_d24_padded_head", (1, 2), 5, 5, 24, ((16, 16, 2, 1),), scale=0.3),
+    Case("t17_dead_rows_nan_to_zero", (2, 2), 17, 17, 16, ((16, 16, 2, 1),), mask=(2, 1, 17, 17), dead_rows=3,
+         nan_to_zero=True),
 )
 
 # bfloat16 is left to the GPU tests: the interpreter computes through numpy, which has no bfloat16.
@@ -62,13 +66,18 @@ def main() -> None:
             mask = torch.randn(*case.mask)
             if case.masked_cols:
                 mask[0, ..., -case.masked_cols:] = -10000.0
+            if case.dead_rows:
+                mask[0, ..., :case.dead_rows, :] = float("-inf")
             mask = mask.to(dtype)
-        want = reference_attention(q, kt, v, mask=mask, scale=case.scale, causal=case.causal).double()
+        want = reference_attention(q, kt, v, mask=mask, scale=case.scale, causal=case.causal,
+                                   nan_to_zero=case.nan_to_zero).double()
         errors = []
         for fields in case.configs:
             got = run_attention(AttentionConfig(*fields), q, kt, v, mask=mask, scale=case.scale,
-                                causal=case.causal)
+                                causal=case.causal, nan_to_zero=case.nan_to_zero)
             assert got.shape == want.shape and got.dtype == q.dtype, (got.shape, got.dtype)
+            if case.nan_to_zero:
+                assert torch.equal(got[0, :, :case.dead_rows], torch.zeros_like(got[0, :, :case.dead_rows]))
             errors.append(float((got.double() - want).abs().max()) / _TOL[case.dtype])
         results[case.name] = errors
     print(json.dumps(results))

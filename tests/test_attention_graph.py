@@ -56,7 +56,7 @@ def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str
 
 
 def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, extra_output: str | None = None,
-           d: int = 8) -> onnx.ModelProto:
+           d: int = 8, nan_to_zero: bool = False) -> onnx.ModelProto:
     """Q, Kt, V graph inputs ([z, T, d] and [z, d, T]), the chain written out, optional mask [z|1, 1, T]."""
     nodes = [helper.make_node("MatMul", ["Q", "Kt"], ["s"])]
     x = "s"
@@ -73,7 +73,12 @@ def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, e
         nodes.append(helper.make_node("Add", ["mask", x], ["s2"]))
         x = "s2"
     nodes.append(helper.make_node("Softmax", [x], ["p"], axis=axis))
-    nodes.append(helper.make_node("MatMul", ["p", "V"], ["y"]))
+    if nan_to_zero:  # torch's scaled_dot_product_attention export
+        inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+        nodes += [helper.make_node("IsNaN", ["p"], ["nan"]), helper.make_node("Where", ["nan", "zero", "p"], ["p0"])]
+        nodes.append(helper.make_node("MatMul", ["p0", "V"], ["y"]))
+    else:
+        nodes.append(helper.make_node("MatMul", ["p", "V"], ["y"]))
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["z", "T", d])]
     if extra_output:
         outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, ["z", "T", "T"]))
@@ -211,3 +216,30 @@ def test_library_cpu_kernel_refuses_bad_calls_clearly() -> None:
         _library_session(_set_attribute(fused, "head_dim", 4)).run(None, feeds)
     with pytest.raises(Exception, match=r"scale.*not finite"):
         _library_session(_set_attribute(fused, "scale", float("inf")))
+
+
+def test_nan_to_zero_tail_fuses_and_matches_on_dead_rows() -> None:
+    model = _chain(nan_to_zero=True)
+    (site,) = find_attention(model).sites
+    assert site.nan_to_zero and [n for n in site.nodes] == ["s", "s1", "s2", "p", "nan", "p0", "y"]
+    fused, _ = fuse_attention(model)
+    assert [n.op_type for n in fused.graph.node] == [OP_TYPE]
+    assert [n.op_type for n in fused.functions[0].node][-4:] == ["IsNaN", "Constant", "Where", "MatMul"]
+    feeds = _chain_feeds()
+    feeds["mask"][0] = -np.inf  # head 0: every key masked, so its rows are NaN before the Where
+    want = _run(model, feeds)
+    assert (want[0] == 0).all() and np.isfinite(want).all()
+    np.testing.assert_array_equal(_run(fused, feeds), want)
+    np.testing.assert_allclose(_library_session(fused).run(None, feeds)[0], want, atol=2e-6, rtol=1e-5)
+    # without the tail the same rows are NaN, in the library's kernel as in ONNX Softmax
+    plain, _ = fuse_attention(_chain())
+    assert np.isnan(_library_session(plain).run(None, feeds)[0][0]).all()
+    assert np.isnan(_run(_chain(), feeds)[0]).all()
+
+
+def test_nan_tail_with_another_constant_stays_outside() -> None:
+    model = _chain(nan_to_zero=True)
+    next(t for t in model.graph.initializer if t.name == "zero").CopyFrom(
+        numpy_helper.from_array(np.array(1.0, np.float32), "zero"))
+    found = find_attention(model)
+    assert found.sites == () and "read by 2 nodes" in found.skipped[0][1]

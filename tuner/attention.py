@@ -114,12 +114,13 @@ def attention_prune_report(dtype: str, target: str, head_dim: int) -> dict[str, 
 
 
 def attention_constexprs(config: AttentionConfig, head_dim: int, *, scale: float, has_mask: bool,
-                         causal: bool = False, dot_precision: str = "ieee") -> dict[str, object]:
+                         causal: bool = False, nan_to_zero: bool = False,
+                         dot_precision: str = "ieee") -> dict[str, object]:
     """The constexprs of ``attention_kernel`` for one workload and config."""
     if not math.isfinite(scale):
         raise DietcodeError(f"attention: scale {scale} is not finite")
     return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SCALE": float(scale), "HAS_MASK": has_mask,
-            "CAUSAL": causal, "DOT_PRECISION": dot_precision, "BLOCK_M": config.block_m,
+            "CAUSAL": causal, "NAN_TO_ZERO": nan_to_zero, "DOT_PRECISION": dot_precision, "BLOCK_M": config.block_m,
             "BLOCK_N": config.block_n}
 
 
@@ -145,7 +146,7 @@ def mask_strides(mask_shape: tuple[int, ...], batch: int, heads: int, seq_q: int
 
 def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
                   mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
-                  allow_tf32: bool = False) -> "torch.Tensor":
+                  nan_to_zero: bool = False, allow_tf32: bool = False) -> "torch.Tensor":
     """Launch ``attention_kernel`` through Triton's JIT: q [..., T_q, d], kt [..., d, T_k], v [..., T_k, d]
     with equal leading dims (``[batch, heads]`` or one batch dim), ``mask`` broadcastable to
     ``[batch, heads, T_q, T_k]``. Returns ``[..., T_q, d]`` in q's dtype."""
@@ -177,7 +178,7 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
         strides = mask_strides(tuple(mask.shape), batch, heads, seq_q, seq_k)
     precision = "tf32" if (q.dtype == torch.float32 and allow_tf32) else "ieee"
     meta = attention_constexprs(config, head_dim, scale=scale, has_mask=mask is not None, causal=causal,
-                                dot_precision=precision)
+                                nan_to_zero=nan_to_zero, dot_precision=precision)
     grid = (triton.cdiv(seq_q, config.block_m), 1, z)
     attention_kernel[grid](q.contiguous(), kt.contiguous(), v.contiguous(), mask, out, seq_q, seq_k, heads,
                            *strides, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -185,8 +186,8 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
 
 
 def reference_attention(q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
-                        mask: "torch.Tensor | None" = None, scale: float = 1.0,
-                        causal: bool = False) -> "torch.Tensor":
+                        mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
+                        nan_to_zero: bool = False) -> "torch.Tensor":
     """The unfused computation in float64 (the tests' reference), returned in q's dtype."""
     import torch
 
@@ -198,4 +199,7 @@ def reference_attention(q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor"
         rows = torch.arange(seq_q)[:, None]
         cols = torch.arange(seq_k)[None, :]
         s = s.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.double()).to(q.dtype)
+    p = torch.softmax(s, dim=-1)
+    if nan_to_zero:
+        p = torch.where(torch.isnan(p), 0.0, p)
+    return torch.matmul(p, v.double()).to(q.dtype)

@@ -7,6 +7,7 @@ The chain, as the project's BERT builder and torch.onnx write it::
     S = Div(S, c) | Mul(S, c)        optional; c a one-element float constant (scale 1/c or c)
     S = Add(S, mask)                 optional; mask any value (BERT's [batch, 1, 1, T_k] extended mask)
     P = Softmax(S, axis=-1)
+    P = Where(IsNaN(P), 0, P)        optional (torch's scaled_dot_product_attention export)
     Y = MatMul(P, V)                 V [..., T_k, d]
 
 A chain is fused only when each intermediate value (S, the scaled and masked S, P) is read by the next node of
@@ -16,7 +17,8 @@ Anything else (a causal mask written as Where/Cast/Slice, Softmax over another a
 K before the MatMul) stays as it is, with the reason in ``AttentionScan.skipped``.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
-effective scale (``scale``: 1/c for Div, c for Mul, 1 without) and the head dim (``head_dim``) as attributes.
+effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
+probabilities become 0 (``nan_to_zero``) as attributes.
 Its model-local function (domain ``ai.dietcode``, one overload per distinct body) is the chain's nodes copied
 verbatim, constants included, so stock onnxruntime without the custom-op library computes exactly what the
 original graph did; the library's CPU kernel computes it directly (custom_ops/attention.cc).
@@ -46,7 +48,7 @@ _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.F
 class AttentionSite:
     """One fusable chain: its nodes (by first output, in chain order), its inputs and its output."""
 
-    nodes: tuple[str, ...]  # MatMul, [Div|Mul], [Add], Softmax, MatMul
+    nodes: tuple[str, ...]  # MatMul, [Div|Mul], [Add], Softmax, [IsNaN, Where], MatMul
     q: str
     kt: str
     v: str
@@ -56,6 +58,7 @@ class AttentionSite:
     head_dim: int
     dtype: str
     rank: int
+    nan_to_zero: bool = False  # Where(IsNaN(P), 0, P) after the Softmax
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,24 @@ def _scores(g: scan_mod._Graph, value: str) -> bool:
     return _is(node, "MatMul")
 
 
+def _nan_to_zero(g: scan_mod._Graph, probs: str) -> list[onnx.NodeProto]:
+    """``[IsNaN, Where]`` when ``probs`` is read by exactly ``Where(IsNaN(probs), 0, probs)`` (torch's
+    scaled_dot_product_attention export: rows whose keys are all masked give 0, not NaN), else []."""
+    readers = g.consumers.get(probs, [])
+    if len(readers) != 2 or probs in g.graph_outputs:
+        return []
+    isnan = next((n for n in readers if _is(n, "IsNaN")), None)
+    where = next((n for n in readers if _is(n, "Where")), None)
+    if isnan is None or where is None or g.exclusive_consumer(isnan.output[0]) is not where:
+        return []
+    if list(where.input)[0] != isnan.output[0] or where.input[2] != probs:
+        return []
+    zero = g.const(g.constant_source(where.input[1]) or "")
+    if zero is None or zero.size != 1 or float(zero.reshape(())) != 0.0:
+        return []
+    return [isnan, where]
+
+
 def _softmax_axis(node: onnx.NodeProto) -> int | None:
     for a in node.attribute:
         if a.name == "axis":
@@ -107,6 +128,10 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
         raise _Skip("Softmax is not over axis=-1")
     chain = [softmax]
     probs = softmax.output[0]
+    tail = _nan_to_zero(g, probs)
+    if tail:
+        chain += tail
+        probs = tail[-1].output[0]
     second = _only_reader(g, probs, "Softmax output")
     if not _is(second, "MatMul") or second.input[0] != probs:
         raise _Skip("the Softmax output is not the first operand of a MatMul")
@@ -169,7 +194,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     if dtype is None:
         raise _Skip("Q is not float32, float16 or bfloat16")
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
-                         len(sq))
+                         len(sq), bool(tail))
 
 
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
@@ -251,10 +276,12 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             bodies[key] = overload
             formal = ["Q", "Kt", "V"] + (["mask"] if site.mask is not None else [])
             out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
-                                                      attributes=["scale", "head_dim"], overload=overload or None))
+                                                      attributes=["scale", "head_dim", "nan_to_zero"],
+                                                      overload=overload or None))
         last = graph.node[members[-1]]
         node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
-                                scale=float(site.scale), head_dim=int(site.head_dim))
+                                scale=float(site.scale), head_dim=int(site.head_dim),
+                                nan_to_zero=int(site.nan_to_zero))
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = node

@@ -173,14 +173,16 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
 def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
-                     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, NAN_TO_ZERO: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
     query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
     operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
     additive mask is read at (z // heads) * stride_mask_b + (z % heads) * stride_mask_h + row * stride_mask_q
     + col * stride_mask_k (a stride of 0 broadcasts that axis). Online softmax with fp32 statistics and
-    accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q."""
+    accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q. A row
+    with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
+    (torch's export: Where(IsNaN(P), 0, P))."""
     pid_m = tl.program_id(0)
     z = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -224,6 +226,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
+    if NAN_TO_ZERO:
+        acc = tl.where((l_i > 0.0)[:, None], acc, 0.0)
     o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
