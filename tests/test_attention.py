@@ -75,3 +75,29 @@ def test_template_arguments_are_the_attention_params() -> None:
     fn = templates.attention_kernel
     runtime_args = [a for a, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
     assert runtime_args == list(templates.ATTENTION_PARAMS)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_aot_compiles_bert_configs_within_limits(target: str) -> None:
+    from tuner.attention import compile_attention
+    from tuner.hardware import get_profile
+
+    profile = get_profile(target)
+    for config in (AttentionConfig(64, 64, 4, 2), AttentionConfig(128, 64, 8, 2)):
+        kernel = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False)
+        assert kernel.arch == profile.arch and kernel.cubin and ".entry attention_kernel" in kernel.ptx
+        assert kernel.params == ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b",
+                                 "stride_mask_h", "stride_mask_q", "stride_mask_k")
+        assert 0 < kernel.shared <= profile.smem_per_block_optin and kernel.num_warps == config.num_warps
+        assert kernel.n_spills == 0, f"{config.key()} spills {kernel.n_spills} B on {target}"
+        assert ("wgmma" if target == "sm_90" else "mma.sync") in kernel.ptx
+        assert dict(kernel.constants)["SCALE"] == 0.125 and dict(kernel.constants)["MASK_ROWS"] is False
+    unmasked = compile_attention(AttentionConfig(32, 32, 4, 1), "float32", target, 32, scale=1.0, has_mask=False)
+    assert "mask" not in unmasked.params and unmasked.n_spills == 0
+
+
+def test_aot_refuses_configs_outside_the_space() -> None:
+    from tuner.attention import compile_attention
+
+    with pytest.raises(DietcodeError, match="not in the float16/sm_90/d=64 space"):
+        compile_attention(AttentionConfig(16, 16, 8, 1), "float16", "sm_90", 64, scale=1.0, has_mask=False)

@@ -29,9 +29,11 @@ from tuner.hardware import HardwareProfile, get_profile
 if TYPE_CHECKING:
     import torch
 
+    from tuner.aot import CompileToolchain
+
 __all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DTYPES", "block_d",
            "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
-           "reference_attention"]
+           "reference_attention", "CompiledAttention", "compile_attention"]
 
 ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_AXES: dict[str, tuple[int, ...]] = {
@@ -114,12 +116,14 @@ def attention_prune_report(dtype: str, target: str, head_dim: int) -> dict[str, 
 
 
 def attention_constexprs(config: AttentionConfig, head_dim: int, *, scale: float, has_mask: bool,
-                         causal: bool = False, nan_to_zero: bool = False,
+                         mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
                          dot_precision: str = "ieee") -> dict[str, object]:
-    """The constexprs of ``attention_kernel`` for one workload and config."""
+    """The constexprs of ``attention_kernel`` for one workload and config. ``mask_rows``: the mask varies
+    along the queries (False: one row for all, BERT's ``[batch, 1, 1, T_k]``, a cheaper vector load)."""
     if not math.isfinite(scale):
         raise DietcodeError(f"attention: scale {scale} is not finite")
     return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SCALE": float(scale), "HAS_MASK": has_mask,
+            "MASK_ROWS": has_mask and mask_rows,
             "CAUSAL": causal, "NAN_TO_ZERO": nan_to_zero, "DOT_PRECISION": dot_precision, "BLOCK_M": config.block_m,
             "BLOCK_N": config.block_n}
 
@@ -176,9 +180,12 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
     if mask is not None:
         mask = mask.contiguous()
         strides = mask_strides(tuple(mask.shape), batch, heads, seq_q, seq_k)
+        if seq_q * strides[2] + seq_k * strides[3] >= 2 ** 31:
+            raise DietcodeError(f"attention: a mask slice of {seq_q} x {seq_k} needs offsets past int32")
     precision = "tf32" if (q.dtype == torch.float32 and allow_tf32) else "ieee"
-    meta = attention_constexprs(config, head_dim, scale=scale, has_mask=mask is not None, causal=causal,
-                                nan_to_zero=nan_to_zero, dot_precision=precision)
+    meta = attention_constexprs(config, head_dim, scale=scale, has_mask=mask is not None,
+                                mask_rows=strides[2] != 0, causal=causal, nan_to_zero=nan_to_zero,
+                                dot_precision=precision)
     grid = (triton.cdiv(seq_q, config.block_m), 1, z)
     attention_kernel[grid](q.contiguous(), kt.contiguous(), v.contiguous(), mask, out, seq_q, seq_k, heads,
                            *strides, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -203,3 +210,61 @@ def reference_attention(q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor"
     if nan_to_zero:
         p = torch.where(torch.isnan(p), 0.0, p)
     return torch.matmul(p, v.double()).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class CompiledAttention:
+    """One attention micro-kernel compiled ahead of time: the artifacts and launch facts (grid
+    ``(cdiv(seq_q, BLOCK_M), 1, batch * heads)``, ``num_warps * 32`` threads, ``shared`` dynamic bytes)."""
+
+    name: str
+    arch: int
+    cubin: bytes
+    ptx: str
+    params: tuple[str, ...]  # runtime parameters in order (templates.ATTENTION_PARAMS less the constexpr mask)
+    num_warps: int
+    shared: int
+    n_regs: int | None
+    n_spills: int | None
+    config: AttentionConfig
+    constants: tuple[tuple[str, object], ...]
+
+
+def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
+                      has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
+                      toolchain: "CompileToolchain | None" = None) -> CompiledAttention:
+    """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
+    needed). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
+    plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
+    from tuner import aot, templates
+
+    profile = _check(dtype, target)
+    if config not in attention_space(dtype, target, head_dim):
+        raise DietcodeError(f"attention {config.key()} is not in the {dtype}/{target}/d={head_dim} space "
+                            f"(rules: {', '.join(ATTENTION_RULES)})")
+    chain = toolchain or aot.CompileToolchain()
+    chain.check()
+    constants: dict[str, object] = attention_constexprs(config, head_dim, scale=scale, has_mask=has_mask,
+                                                         mask_rows=mask_rows, causal=causal,
+                                                         nan_to_zero=nan_to_zero)
+    if not has_mask:
+        constants["mask"] = None
+    pointer = "*" + {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+    fn = templates.attention_kernel
+    signature = {name: "constexpr" if name in constants else pointer if name in ("q", "k", "v", "mask", "out")
+                 else "i32" for name in fn.arg_names}
+    compiled, log = aot._triton_compile(fn, signature, constants, {}, profile.arch, config.num_warps,
+                                        config.num_stages, toolchain=chain)
+    md = compiled.metadata
+    what = f"attention {config.key()} for {target}"
+    if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
+        raise DietcodeError(f"{what} needs scratch memory; the runtime passes null scratch pointers")
+    unsupported = aot.launch_features(md)
+    if unsupported:
+        raise DietcodeError(f"{what} needs {', '.join(unsupported)}, beyond a plain cuLaunchKernel")
+    aot._toolchain_facts(profile.arch, compiled.asm["ptx"], chain, what)
+    n_regs, n_spills = aot._parse_ptxas(log)
+    params = tuple(p for p in templates.ATTENTION_PARAMS if signature[p] != "constexpr")
+    return CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
+                             md.num_warps, md.shared, n_regs, n_spills, config,
+                             tuple(sorted((k, v) for k, v in constants.items() if k != "mask")))

@@ -173,13 +173,16 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
 def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
-                     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, NAN_TO_ZERO: tl.constexpr,
+                     HAS_MASK: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                     NAN_TO_ZERO: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
     query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
     operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
     additive mask is read at (z // heads) * stride_mask_b + (z % heads) * stride_mask_h + row * stride_mask_q
-    + col * stride_mask_k (a stride of 0 broadcasts that axis). Online softmax with fp32 statistics and
+    + col * stride_mask_k (a stride of 0 broadcasts that axis; the last two terms in int32, so the caller
+    keeps seq_q * stride_mask_q + seq_k * stride_mask_k below 2^31). Without MASK_ROWS the mask is one row
+    for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32 statistics and
     accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q. A row
     with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
     (torch's export: Where(IsNaN(P), 0, P))."""
@@ -206,11 +209,13 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION) * SCALE
         if HAS_MASK:
-            mask_ptrs = (mask + (z // heads) * stride_mask_b + (z % heads) * stride_mask_h
-                         + offs_m[:, None].to(tl.int64) * stride_mask_q
-                         + offs_n[None, :].to(tl.int64) * stride_mask_k)
-            s += tl.load(mask_ptrs,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            # int64 base per (batch, head), int32 offsets inside it (the caller keeps them below 2^31)
+            mask_base = mask + (z // heads) * stride_mask_b + (z % heads) * stride_mask_h
+            if MASK_ROWS:
+                s += tl.load(mask_base + (offs_m[:, None] * stride_mask_q + offs_n[None, :] * stride_mask_k),
+                             mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            else:  # one mask row for every query (BERT's [batch, 1, 1, T_k]): a vector over the keys
+                s += tl.load(mask_base + offs_n * stride_mask_k, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seq_k - seq_q))
