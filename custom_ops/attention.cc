@@ -7,6 +7,7 @@
 #include "attention.h"
 
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -226,8 +227,12 @@ class AttentionKernel {
     auto info = out.GetTensorTypeAndShapeInfo();
     const size_t total = info.GetElementCount();
     if (total == 0) return;
-    if (plan.seq_k == 0) throw std::runtime_error("softmax over 0 keys (Kt has T_k = 0)");
     const auto type = info.GetElementType();
+    if (plan.seq_k == 0) {  // Softmax over no keys is empty, and the product of empty matrices is 0
+      void* data = out.GetTensorMutableRawData();
+      std::memset(data, 0, total * (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? sizeof(float) : sizeof(uint16_t)));
+      return;
+    }
     if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
       AttentionCpu(plan, scale_, nan_to_zero_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr,
                    out.GetTensorMutableData<float>());

@@ -243,3 +243,13 @@ def test_nan_tail_with_another_constant_stays_outside() -> None:
         numpy_helper.from_array(np.array(1.0, np.float32), "zero"))
     found = find_attention(model)
     assert found.sites == () and "read by 2 nodes" in found.skipped[0][1]
+
+
+def test_library_cpu_kernel_with_no_keys_gives_zeros_like_onnx() -> None:
+    model = _chain()
+    fused, _ = fuse_attention(model)
+    feeds = {k: v[..., :0] if k in ("Kt", "mask") else v for k, v in _chain_feeds().items()}
+    feeds["V"] = feeds["V"][:, :0]
+    want = _run(model, feeds)
+    assert want.shape == (3, 5, 8) and (want == 0).all()
+    np.testing.assert_array_equal(_library_session(fused).run(None, feeds)[0], want)
