@@ -5,6 +5,8 @@
 #undef ORT_API_MANUAL_INIT
 
 #include "attention.h"
+#include "bundle_impl.h"
+#include "core.h"
 
 #include <cmath>
 #include <cstring>
@@ -294,3 +296,50 @@ void AddAttentionOps(OrtCustomOpDomain* domain) {
 }
 
 }  // namespace dietcode
+
+extern "C" {
+
+int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
+                      const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out) {
+  if (out == nullptr || (rq && !q) || (rk && !kt) || (rv && !v) || (rm && !mask) || rq > 8 || rk > 8 || rv > 8 ||
+      rm > 8) {
+    dietcode::SetError("dc_attention_view: null argument or rank above 8");
+    return -1;
+  }
+  const std::vector<int64_t> sq(q, q + rq), sk(kt, kt + rk), sv(v, v + rv), sm(mask, mask + rm);
+  dietcode::AttentionPlan plan;
+  std::string error;
+  if (!dietcode::AttentionPlanMake(sq, sk, sv, mask ? &sm : nullptr, head_dim, &plan, &error)) {
+    dietcode::SetError(error);
+    return -1;
+  }
+  if (rq > 4) {
+    dietcode::SetError("rank " + std::to_string(rq) + " above 4: the attention view has batch and heads only");
+    return 0;
+  }
+  int64_t z = 1;
+  for (int64_t d : plan.lead) z *= d;
+  const int64_t heads = rq == 4 ? plan.lead[1] : 1;
+  const std::vector<int64_t>& s = plan.mask_strides;  // per axis of [lead..., seq_q, seq_k]
+  const int64_t stride_b = plan.lead.empty() ? 0 : s[0];
+  const int64_t stride_h = rq == 4 ? s[1] : 0;
+  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[rq - 2], s[rq - 1]};
+  for (int64_t x : values) {
+    if (x > 0x7fffffff) {
+      dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
+      return 0;
+    }
+  }
+  *out = dc_launch_args{};
+  out->seq_q = static_cast<int32_t>(plan.seq_q);
+  out->seq_k = static_cast<int32_t>(plan.seq_k);
+  out->heads = static_cast<int32_t>(heads);
+  out->batch = static_cast<int32_t>(z);
+  out->stride_mask_b = static_cast<int32_t>(stride_b);
+  out->stride_mask_h = static_cast<int32_t>(stride_h);
+  out->stride_mask_q = static_cast<int32_t>(s[rq - 2]);
+  out->stride_mask_k = static_cast<int32_t>(s[rq - 1]);
+  return 1;
+}
+
+}  // extern "C"

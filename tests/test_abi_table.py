@@ -50,6 +50,6 @@ def test_views_follow_the_templates() -> None:
     from dietcode_ort.bundle import BundleKernel
     from tuner import templates
 
-    assert VIEWS == ("gemm", "bmm", "conv")
+    assert VIEWS == ("gemm", "bmm", "conv", "attention")
     for op, params in templates.ABI_PARAMS.items():
         assert BundleKernel(name="k", params=params).view == op

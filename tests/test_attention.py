@@ -2,6 +2,7 @@
 float64 reference, its space and its mask broadcasting."""
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import pytest
@@ -101,3 +102,52 @@ def test_aot_refuses_configs_outside_the_space() -> None:
 
     with pytest.raises(DietcodeError, match="not in the float16/sm_90/d=64 space"):
         compile_attention(AttentionConfig(16, 16, 8, 1), "float16", "sm_90", 64, scale=1.0, has_mask=False)
+
+
+def test_bundle_carries_an_attention_kernel_in_the_attention_view(tmp_path) -> None:
+    """An AOT attention kernel in a bundle: the C core parses it, names its view and checks calls."""
+    from dietcode_ort import bundle as fmt
+    from dietcode_ort.runtime import LaunchArgs, load_core
+    from tuner.attention import compile_attention
+
+    compiled = [compile_attention(AttentionConfig(64, 64, 4, 2), "float16", t, 64, scale=0.125, has_mask=True,
+                                  mask_rows=False) for t in ("sm_80", "sm_90")]
+    kernel = fmt.BundleKernel.from_compiled(compiled)
+    assert kernel.view == "attention" and kernel.dtype == "float16" and kernel.block_m == 64
+    payload = fmt.Bundle(features=(fmt.Feature("seq", ((0, -2),)),), kernels=(kernel,),
+                         tree=fmt.DispatchTree.single(0)).to_bytes()
+    core = load_core()
+    parsed = core.parse(payload)
+    assert core.lib.dc_bundle_kernel_view(parsed.handle, 0) == fmt.VIEWS.index("attention") == 3
+    args = core.attention_view([2, 12, 17, 64], [2, 12, 64, 17], [2, 12, 17, 64], [2, 1, 1, 17], head_dim=64)
+    assert args is not None
+    assert (args.seq_q, args.seq_k, args.heads, args.batch) == (17, 17, 12, 24)
+    assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == (17, 0, 0, 1)
+    fit = core.lib.dc_kernel_fit
+    assert fit(parsed.handle, 0, ctypes.byref(args)) == 0
+    for change, reason in (({"seq_q": 0}, "empty output"), ({"seq_k": 0}, "K is 0"), ({"batch": 12 * 5462}, "batch above grid z"),
+                           ({"heads": 5}, "negative size"), ({"stride_mask_k": -1}, "negative size")):
+        bad = LaunchArgs.from_buffer_copy(args)
+        for name, value in change.items():
+            setattr(bad, name, value)
+        code = fit(parsed.handle, 0, ctypes.byref(bad))
+        assert code > 0 and reason in core.lib.dc_fit_name(code).decode(), (change, code)
+    assert "mask" in kernel.params and fmt.read_bundle(payload).kernels[0].view == "attention"
+
+
+def test_attention_view_of_shapes() -> None:
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    three = core.attention_view([6, 5, 32], [6, 32, 9], [6, 9, 32], [6, 1, 9])
+    assert three is not None and (three.batch, three.heads, three.seq_q, three.seq_k) == (6, 1, 5, 9)
+    assert (three.stride_mask_b, three.stride_mask_h, three.stride_mask_q, three.stride_mask_k) == (9, 0, 0, 1)
+    no_mask = core.attention_view([1, 2, 1, 16], [1, 2, 16, 40], [1, 2, 40, 16])
+    assert no_mask is not None and (no_mask.batch, no_mask.heads, no_mask.seq_k) == (2, 2, 40)
+    assert core.attention_view([1, 1, 2, 3, 8], [1, 1, 2, 8, 3], [1, 1, 2, 3, 8]) is None  # rank 5
+    with pytest.raises(DietcodeError, match="equal leading dims"):
+        core.attention_view([2, 5, 8], [3, 8, 5], [2, 5, 8])
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        core.attention_view([2, 12, 5, 8], [2, 12, 8, 5], [2, 12, 5, 8], [3, 1, 1, 5])
+    with pytest.raises(DietcodeError, match="head_dim attribute 64"):
+        core.attention_view([2, 5, 8], [2, 8, 5], [2, 5, 8], head_dim=64)

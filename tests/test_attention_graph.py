@@ -253,3 +253,22 @@ def test_library_cpu_kernel_with_no_keys_gives_zeros_like_onnx() -> None:
     want = _run(model, feeds)
     assert want.shape == (3, 5, 8) and (want == 0).all()
     np.testing.assert_array_equal(_library_session(fused).run(None, feeds)[0], want)
+
+
+def test_inspect_shows_the_attention_view(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dietcode_ort.bundle import node_bundles
+    from dietcode_ort.inspect_model import describe, inspect_command
+
+    fused, _ = fuse_attention(build_graph(PRESETS["tiny"], "float32", 0))
+    path = tmp_path / "fused.onnx"
+    onnx.save(fused, str(path))
+    assert node_bundles(fused) == []  # Attention nodes carry no bundle, and are no malformed bundle nodes
+    nodes = describe(fused)
+    assert [(n["op"], n["view"], n["bundle"]) for n in nodes] == [(OP_TYPE, "attention", None)] * 2
+    assert nodes[0]["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
+                                     "nan_to_zero": False}
+    assert inspect_command(str(path), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "attention(Q, Kt, V, mask)" in out and "scale=0.125" in out and out.count("Attention") == 2
+    assert inspect_command(str(path), as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"][1]["view"] == "attention"

@@ -226,6 +226,23 @@ class CompiledAttention:
     n_spills: int | None
     config: AttentionConfig
     constants: tuple[tuple[str, object], ...]
+    dtype: str
+    triton_version: str = ""
+    ptxas_version: str = ""
+    ptx_isa: int = 0
+    cubin_min_driver: int = 0
+    ptx_min_driver: int = 0
+    split_k: int = 1  # the launch facts BundleKernel.from_compiled reads
+    zero_output: bool = False
+    div16: tuple[str, ...] = ()
+
+    @property
+    def block_m(self) -> int:
+        return self.config.block_m
+
+    @property
+    def block_n(self) -> int:
+        return self.config.block_n
 
 
 def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
@@ -234,6 +251,8 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
     needed). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
     plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
+    import triton
+
     from tuner import aot, templates
 
     profile = _check(dtype, target)
@@ -260,9 +279,10 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     unsupported = aot.launch_features(md)
     if unsupported:
         raise DietcodeError(f"{what} needs {', '.join(unsupported)}, beyond a plain cuLaunchKernel")
-    aot._toolchain_facts(profile.arch, compiled.asm["ptx"], chain, what)
+    facts = aot._toolchain_facts(profile.arch, compiled.asm["ptx"], chain, what)
     n_regs, n_spills = aot._parse_ptxas(log)
     params = tuple(p for p in templates.ATTENTION_PARAMS if signature[p] != "constexpr")
     return CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
                              md.num_warps, md.shared, n_regs, n_spills, config,
-                             tuple(sorted((k, v) for k, v in constants.items() if k != "mask")))
+                             tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
+                             triton_version=triton.__version__, **facts)

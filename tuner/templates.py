@@ -237,19 +237,18 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel}
+KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel,
+                          "attention": attention_kernel}
 
 # Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" only when it has one.
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "gemm": ("a", "b", "bias", "c", "M", "N", "K"),
     "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+    "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
+                  "stride_mask_q", "stride_mask_k"),
 }
-
-# attention_kernel's runtime parameters. They are not in the ABI table yet (no bundle carries an attention
-# kernel and the C core cannot launch one): tuner.attention launches it through Triton's JIT only.
-ATTENTION_PARAMS: tuple[str, ...] = ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b",
-                                     "stride_mask_h", "stride_mask_q", "stride_mask_k")
+ATTENTION_PARAMS: tuple[str, ...] = ABI_PARAMS["attention"]  # the attention view (tuner/attention.py)
 
 
 def kernel_for(op: str) -> Any:
