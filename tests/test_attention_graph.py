@@ -272,3 +272,40 @@ def test_inspect_shows_the_attention_view(tmp_path: Path, capsys: pytest.Capture
     assert "attention(Q, Kt, V, mask)" in out and "scale=0.125" in out and out.count("Attention") == 2
     assert inspect_command(str(path), as_json=True) == 0
     assert json.loads(capsys.readouterr().out)["nodes"][1]["view"] == "attention"
+
+
+def test_optimize_fuse_attention_leaves_the_chains_to_attention_nodes(tmp_path: Path) -> None:
+    """optimize with fuse_attention: the dense layers get tuned kernels, each attention chain one Attention
+    node; the model matches stock ORT with the library (CPU kernels) and without it (fallback functions)."""
+    import models
+    from dietcode_ort.inspect_model import describe
+    from tuner.optimize import OptimizeOptions, optimize
+
+    src, out = tmp_path / "bert.onnx", tmp_path / "bert.opt.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    logs: list[str] = []
+    options = OptimizeOptions(dims=("batch=1:2", "seq=1:32:8"), budget=8, max_kernels=2, measure="analytic",
+                              db=tmp_path / "t.db", cache_dir=tmp_path / "kernels", progress=False,
+                              fuse_attention=True)
+    report = optimize(src, out, options, log=logs.append)
+    model = onnx.load(str(out))
+    ops = [n.op_type for n in model.graph.node if n.domain == DOMAIN]
+    layers = PRESETS["tiny"].layers
+    assert ops.count(OP_TYPE) == layers and "Softmax" not in [n.op_type for n in model.graph.node]
+    assert any(op.startswith("MatMul") for op in ops)  # the dense layers' tuned kernels
+    assert all(w.workload.batch == "1" for w in report.workloads)  # no bmm workload: the chains are fused
+    assert f"{layers} attention chains fused into ai.dietcode::Attention" in logs
+    views = {n["view"] for n in describe(model)}
+    assert views == {"attention", "gemm"}
+    stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    from dietcode_ort.runtime import register
+
+    register(opts)
+    ours = ort.InferenceSession(str(out), opts, providers=["CPUExecutionProvider"])
+    fallback = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch, seq in ((1, 1), (2, 9), (3, 40)):
+        feeds = models.get("bert").example_inputs("tiny", {"batch": batch, "seq": seq}, seed=3)
+        want = stock.run(None, feeds)[0]
+        np.testing.assert_allclose(ours.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(fallback.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)

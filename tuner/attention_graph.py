@@ -26,7 +26,7 @@ original graph did; the library's CPU kernel computes it directly (custom_ops/at
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +36,9 @@ from onnx import helper
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
 from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _drop_unread, _graph_reads, _Links, _opsets
+from tuner.workload import Workload
 
-__all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention"]
+__all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
 
 OP_TYPE = "Attention"
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -296,3 +297,20 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return out, tuple(s.output for s in sites)
+
+
+def without_attention(workloads: tuple[Workload, ...], sites: tuple[AttentionSite, ...]) -> tuple[Workload, ...]:
+    """The workloads less the nodes the attention chains of ``sites`` fuse (their two MatMuls), so that the
+    GEMM rewrite leaves those MatMuls for ``fuse_attention``; a workload left without nodes is dropped."""
+    taken = {key for site in sites for key in site.nodes}
+    out = []
+    for w in workloads:
+        fused = w.fused_nodes or ((),) * len(w.nodes)
+        keep = [i for i, key in enumerate(w.nodes) if key not in taken]
+        if len(keep) == len(w.nodes):
+            out.append(w)
+        elif keep:
+            out.append(replace(w, nodes=tuple(w.nodes[i] for i in keep),
+                               fused_nodes=tuple(fused[i] for i in keep) if w.fused_nodes else (),
+                               ranks=tuple(w.ranks[i] for i in keep) if w.ranks else ()))
+    return tuple(out)
