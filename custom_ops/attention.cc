@@ -1,5 +1,6 @@
-// ai.dietcode::Attention on the CPU EP (see attention.h): the chain MatMul -> scale -> Add mask -> Softmax ->
-// MatMul computed directly, one query row at a time, without materializing the scores of a whole head.
+// ai.dietcode::Attention on the CPU EP (see attention.h): ONNX Runtime's own MatMul and Softmax (MLAS, float32,
+// through Ort::Op, which needs no stream on the CPU) with the scale and mask added here in between, in place
+// on the scores (on the CPU the fusion saves nodes, not memory).
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -89,44 +90,28 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
   return true;
 }
 
-void AttentionCpu(const AttentionPlan& plan, float scale, bool nan_to_zero, const float* q, const float* kt,
-                  const float* v, const float* mask, float* out) {
-  const int64_t tq = plan.seq_q, tk = plan.seq_k, d = plan.head_dim;
+void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores) {
+  const int64_t tq = plan.seq_q, tk = plan.seq_k;
   int64_t z = 1;
   for (int64_t x : plan.lead) z *= x;
   const size_t r = plan.lead.size() + 2;
-  std::vector<float> s(static_cast<size_t>(tk));
-  std::vector<double> acc(static_cast<size_t>(d));
+  const int64_t mq = plan.mask_strides[r - 2], mk = plan.mask_strides[r - 1];
   std::vector<int64_t> idx(plan.lead.size(), 0);  // the head's index over the leading dims
   for (int64_t h = 0; h < z; ++h) {
     int64_t mask_head = 0;
     for (size_t a = 0; a < idx.size(); ++a) mask_head += idx[a] * plan.mask_strides[a];
-    const float* qh = q + h * tq * d;
-    const float* kh = kt + h * d * tk;
-    const float* vh = v + h * tk * d;
-    float* oh = out + h * tq * d;
     for (int64_t i = 0; i < tq; ++i) {
-      float max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < tk; ++j) {
-        float dot = 0.0f;
-        for (int64_t c = 0; c < d; ++c) dot += qh[i * d + c] * kh[c * tk + j];
-        float x = dot * scale;
-        if (plan.has_mask) x += mask[mask_head + i * plan.mask_strides[r - 2] + j * plan.mask_strides[r - 1]];
-        s[j] = x;
-        max = std::fmax(max, x);
+      float* s = scores + (h * tq + i) * tk;
+      if (scale != 1.0f) {
+        for (int64_t j = 0; j < tk; ++j) s[j] *= scale;
       }
-      double sum = 0.0;
-      for (int64_t j = 0; j < tk; ++j) {
-        s[j] = std::exp(s[j] - max);  // max = -inf (every key masked with -inf): NaN, as ONNX Softmax
-        sum += s[j];
+      if (mask == nullptr) continue;
+      const float* mrow = mask + mask_head + i * mq;
+      if (mk == 1) {
+        for (int64_t j = 0; j < tk; ++j) s[j] += mrow[j];
+      } else {
+        for (int64_t j = 0; j < tk; ++j) s[j] += mrow[j * mk];
       }
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t j = 0; j < tk; ++j) {
-        double p = s[j] / sum;
-        if (nan_to_zero && std::isnan(p)) p = 0.0;
-        for (int64_t c = 0; c < d; ++c) acc[c] += p * vh[j * d + c];
-      }
-      for (int64_t c = 0; c < d; ++c) oh[i * d + c] = static_cast<float>(acc[c]);
     }
     for (size_t a = idx.size(); a-- > 0;) {  // next head index, last axis fastest
       if (++idx[a] < plan.lead[a]) break;
@@ -173,6 +158,44 @@ FloatInput ReadFloat(const Ort::ConstValue& value) {
   return t;
 }
 
+// Two float buffers of n elements each from the kernel context's CPU allocator (the session's arena), freed
+// with it; plain new[] when the context offers none.
+struct ScratchBuffers {
+  ScratchBuffers(Ort::KernelContext& ctx, const Ort::MemoryInfo& mem, size_t n) {
+    try {
+      allocator = ctx.GetAllocator(*mem);
+    } catch (const Ort::Exception&) {
+      allocator = nullptr;
+    }
+    if (allocator != nullptr) {
+      block = allocator->Alloc(allocator, 2 * n * sizeof(float));
+      if (block == nullptr) {
+        Ort::GetApi().ReleaseAllocator(allocator);
+        throw std::bad_alloc();
+      }
+      scores = static_cast<float*>(block);
+    } else {
+      owned.reset(new float[2 * n]);
+      scores = owned.get();
+    }
+    probs = scores + n;
+  }
+  ~ScratchBuffers() {
+    if (allocator != nullptr) {
+      allocator->Free(allocator, block);
+      Ort::GetApi().ReleaseAllocator(allocator);
+    }
+  }
+  ScratchBuffers(const ScratchBuffers&) = delete;
+  ScratchBuffers& operator=(const ScratchBuffers&) = delete;
+
+  OrtAllocator* allocator = nullptr;
+  void* block = nullptr;
+  std::unique_ptr<float[]> owned;
+  float* scores = nullptr;
+  float* probs = nullptr;
+};
+
 class AttentionKernel {
  public:
   explicit AttentionKernel(const OrtKernelInfo* raw) {
@@ -197,6 +220,17 @@ class AttentionKernel {
     if (head_dim_ < 0) throw std::runtime_error(where_ + ": negative head_dim attribute");
     const size_t n = info.GetInputCount();
     if (n < 3 || n > 4) throw std::runtime_error(where_ + ": expects inputs (Q, Kt, V[, mask]), got " + std::to_string(n));
+    // ORT's own MatMul (float32, MLAS) for the two products; the CPU EP's Ort::Op needs no stream
+    const ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const char* type_names[] = {"T"};
+    try {
+      matmul_ = Ort::Op::Create(raw, "MatMul", "", 13, type_names, &type, 1, nullptr, 0, 2, 1);
+      const int64_t axis = -1;
+      Ort::OpAttr axis_attr("axis", &axis, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
+      softmax_ = Ort::Op::Create(raw, "Softmax", "", 13, type_names, &type, 1, &axis_attr, 1, 1, 1);
+    } catch (const Ort::Exception& e) {
+      throw std::runtime_error(where_ + ": cannot create ONNX Runtime's MatMul or Softmax kernel: " + e.what());
+    }
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
@@ -235,17 +269,49 @@ class AttentionKernel {
       std::memset(data, 0, total * (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? sizeof(float) : sizeof(uint16_t)));
       return;
     }
-    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-      AttentionCpu(plan, scale_, nan_to_zero_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr,
-                   out.GetTensorMutableData<float>());
-      return;
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    auto wrap = [&](const float* data, const std::vector<int64_t>& shape, size_t count) {
+      return Ort::Value::CreateTensor<float>(mem, const_cast<float*>(data), count, shape.data(), shape.size());
+    };
+    const size_t heads_elems = total / static_cast<size_t>(plan.head_dim) * static_cast<size_t>(plan.seq_k);
+    std::vector<int64_t> s_shape(plan.lead);
+    s_shape.push_back(plan.seq_q);
+    s_shape.push_back(plan.seq_k);
+    // the scores and probabilities of every head (z * seq_q * seq_k each) from the session's CPU arena (a fresh
+    // allocation per call would page-fault its way through them), left uninitialized: MatMul and Softmax write
+    // every element
+    ScratchBuffers buffers(ctx, mem, heads_elems);
+    float* scores = buffers.scores;
+    float* probs = buffers.probs;
+    Ort::Value qv = wrap(q.data, q.shape, total), kv = wrap(kt.data, kt.shape, total / plan.seq_q * plan.seq_k);
+    Ort::Value vv = wrap(v.data, v.shape, total / plan.seq_q * plan.seq_k), sv = wrap(scores, s_shape, heads_elems);
+    const OrtValue* first[] = {qv, kv};
+    OrtValue* s_out = sv;
+    matmul_.Invoke(raw, first, 2, &s_out, 1);
+    AttentionScaleMask(plan, scale_, has_mask ? mask.data : nullptr, scores);
+    Ort::Value pv = wrap(probs, s_shape, heads_elems);  // not in place: Softmax does not promise to allow it
+    const OrtValue* s_in[] = {sv};
+    OrtValue* p_out = pv;
+    softmax_.Invoke(raw, s_in, 1, &p_out, 1);
+    if (nan_to_zero_) {
+      for (size_t i = 0; i < heads_elems; ++i) probs[i] = std::isnan(probs[i]) ? 0.0f : probs[i];
     }
-    std::vector<float> y(total);
-    AttentionCpu(plan, scale_, nan_to_zero_, q.data, kt.data, v.data, has_mask ? mask.data : nullptr, y.data());
+    std::vector<float> y_storage;
+    float* y = nullptr;
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      y = out.GetTensorMutableData<float>();
+    } else {
+      y_storage.resize(total);
+      y = y_storage.data();
+    }
+    Ort::Value yv = wrap(y, out_shape, total);
+    const OrtValue* second[] = {pv, vv};
+    OrtValue* y_out = yv;
+    matmul_.Invoke(raw, second, 2, &y_out, 1);
     if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       auto* dst = out.GetTensorMutableData<Ort::Float16_t>();
       for (size_t i = 0; i < total; ++i) dst[i] = Ort::Float16_t(y[i]);
-    } else {
+    } else if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
       auto* dst = out.GetTensorMutableData<Ort::BFloat16_t>();
       for (size_t i = 0; i < total; ++i) dst[i] = Ort::BFloat16_t(y[i]);
     }
@@ -255,6 +321,7 @@ class AttentionKernel {
   float scale_ = 1.0f;
   int64_t head_dim_ = 0;
   bool nan_to_zero_ = false;
+  Ort::Op matmul_{nullptr}, softmax_{nullptr};
 };
 
 struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {

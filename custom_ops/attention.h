@@ -26,10 +26,9 @@ struct AttentionPlan {
 bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
                        const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error);
 
-// out = softmax(Q @ Kt * scale + mask) @ V in float32 (float64 row sums), rows of all -inf giving NaN as
-// ONNX Softmax does, or, with nan_to_zero, NaN probabilities read as 0 (Where(IsNaN(P), 0, P)).
-void AttentionCpu(const AttentionPlan& plan, float scale, bool nan_to_zero, const float* q, const float* kt,
-                  const float* v, const float* mask, float* out);
+// In place on the scores [z, seq_q, seq_k] (Q @ Kt): scores = scores * scale + mask, the mask read at its
+// broadcast strides (mask: nullptr when absent).
+void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores);
 
 // Adds the CPU EP's Attention op (float, float16, bfloat16) to the domain. The CUDA EP has no Attention
 // kernel yet: there the node's fallback function runs (tuner/attention_graph.py).

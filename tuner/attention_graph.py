@@ -21,7 +21,8 @@ effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``
 probabilities become 0 (``nan_to_zero``) as attributes.
 Its model-local function (domain ``ai.dietcode``, one overload per distinct body) is the chain's nodes copied
 verbatim, constants included, so stock onnxruntime without the custom-op library computes exactly what the
-original graph did; the library's CPU kernel computes it directly (custom_ops/attention.cc).
+original graph did; the library's CPU kernel runs ORT's MatMul and Softmax with the scale and mask in between
+(custom_ops/attention.cc).
 """
 from __future__ import annotations
 
