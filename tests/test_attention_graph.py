@@ -309,3 +309,13 @@ def test_optimize_fuse_attention_leaves_the_chains_to_attention_nodes(tmp_path: 
         want = stock.run(None, feeds)[0]
         np.testing.assert_allclose(ours.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(fallback.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_behind_an_identity_stays() -> None:
+    model = _chain(mask=False)
+    model.graph.node.insert(0, helper.make_node("Identity", ["c"], ["c_id"]))
+    next(n for n in model.graph.node if n.op_type == "Div").input[1] = "c_id"
+    found = find_attention(model)
+    assert found.sites == () and "one-element constant" in found.skipped[0][1]
+    fused, outputs = fuse_attention(model)  # nothing to fuse, and no error
+    assert outputs == ()

@@ -85,15 +85,21 @@ def _is(node: onnx.NodeProto | None, *ops: str) -> bool:
     return node is not None and node.op_type in ops and node.domain in ("", "ai.onnx")
 
 
+def _const(g: scan_mod._Graph, name: str) -> np.ndarray | None:
+    """The value of an initializer or Constant output (not one behind an Identity: the fallback body copies
+    the constant the chain's node reads, so that node must read it directly)."""
+    return g.const(name) if name in g.inits else None
+
+
 def _scores(g: scan_mod._Graph, value: str) -> bool:
     """Whether ``value`` is made by a MatMul, directly or through a Div/Mul by a one-element constant."""
     node = g.producers.get(value)
     if _is(node, "Div", "Mul"):
         assert node is not None
-        dynamic = [v for v in node.input if g.constant_source(v) is None]
+        dynamic = [v for v in node.input if v not in g.inits]
         if len(dynamic) != 1 or len(node.input) != 2:
             return False
-        const = g.const(g.constant_source(node.input[1] if node.input[0] == dynamic[0] else node.input[0]) or "")
+        const = _const(g, node.input[1] if node.input[0] == dynamic[0] else node.input[0])
         if const is None or const.size != 1:
             return False
         node = g.producers.get(dynamic[0])
@@ -112,7 +118,7 @@ def _nan_to_zero(g: scan_mod._Graph, probs: str) -> list[onnx.NodeProto]:
         return []
     if list(where.input)[0] != isnan.output[0] or where.input[2] != probs:
         return []
-    zero = g.const(g.constant_source(where.input[1]) or "")
+    zero = _const(g, where.input[1])
     if zero is None or zero.size != 1 or float(zero.reshape(())) != 0.0:
         return []
     return [isnan, where]
@@ -155,8 +161,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     if _is(node, "Div", "Mul"):
         assert node is not None
         _only_reader(g, x, "scaled scores")
-        consts = [(i, g.const(g.constant_source(v) or "")) for i, v in enumerate(node.input)
-                  if g.constant_source(v) is not None]
+        consts = [(i, _const(g, v)) for i, v in enumerate(node.input) if v in g.inits]
         if len(consts) != 1 or consts[0][1] is None or consts[0][1].size != 1:
             raise _Skip(f"the {node.op_type} after the first MatMul is not by a one-element constant")
         index, value = consts[0]
