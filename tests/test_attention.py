@@ -151,3 +151,13 @@ def test_attention_view_of_shapes() -> None:
         core.attention_view([2, 12, 5, 8], [2, 12, 8, 5], [2, 12, 5, 8], [3, 1, 1, 5])
     with pytest.raises(DietcodeError, match="head_dim attribute 64"):
         core.attention_view([2, 5, 8], [2, 8, 5], [2, 5, 8], head_dim=64)
+
+
+def test_compile_filter_drops_spilling_configs() -> None:
+    from tuner.attention import compile_attention_space
+
+    small, large = AttentionConfig(64, 32, 4, 2), AttentionConfig(128, 128, 8, 2)
+    space = compile_attention_space("float16", "sm_90", 64, has_mask=True, mask_rows=False, configs=[small, large])
+    assert [k.config for k in space.kept] == [small]
+    ((config, why),) = space.dropped
+    assert config == large and why.startswith("spills ")

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DTYPES", "block_d",
            "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
-           "reference_attention", "CompiledAttention", "compile_attention"]
+           "reference_attention", "CompiledAttention", "compile_attention", "CompiledAttentionSpace",
+           "compile_attention_space"]
 
 ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_AXES: dict[str, tuple[int, ...]] = {
@@ -286,3 +287,37 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
                              md.num_warps, md.shared, n_regs, n_spills, config,
                              tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
                              triton_version=triton.__version__, **facts)
+
+
+@dataclass(frozen=True)
+class CompiledAttentionSpace:
+    """The attention configs that compiled within the target's limits, and those dropped with the reason."""
+
+    kept: tuple[CompiledAttention, ...]
+    dropped: tuple[tuple[AttentionConfig, str], ...]  # (config, "spills ..." | "shared ..." | "compile error ...")
+
+
+def compile_attention_space(dtype: str, target: str, head_dim: int, *, has_mask: bool = True,
+                            mask_rows: bool = False, configs: list[AttentionConfig] | None = None,
+                            toolchain: "CompileToolchain | None" = None) -> CompiledAttentionSpace:
+    """Compile ``configs`` (default: the whole pruned space) with the given mask form and keep those whose
+    real metadata fits the target: no register spills, shared memory within smem_per_block_optin (the
+    estimate-based rules above are only a first cut: the per-row mask tile, for one, costs registers they do
+    not count). The scale does not change the resources, so 1.0 stands for every scale."""
+    profile = _check(dtype, target)
+    kept: list[CompiledAttention] = []
+    dropped: list[tuple[AttentionConfig, str]] = []
+    for config in attention_space(dtype, target, head_dim) if configs is None else configs:
+        try:
+            kernel = compile_attention(config, dtype, target, head_dim, scale=1.0, has_mask=has_mask,
+                                       mask_rows=mask_rows, toolchain=toolchain)
+        except DietcodeError as exc:
+            dropped.append((config, f"compile error: {exc}"))
+            continue
+        if kernel.n_spills:
+            dropped.append((config, f"spills {kernel.n_spills} B ({kernel.n_regs} registers)"))
+        elif kernel.shared > profile.smem_per_block_optin:
+            dropped.append((config, f"shared {kernel.shared} B > {profile.smem_per_block_optin} B"))
+        else:
+            kept.append(kernel)
+    return CompiledAttentionSpace(tuple(kept), tuple(dropped))
