@@ -36,6 +36,8 @@ def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str
     assert len(found.sites) == layers and found.skipped == ()
     site = found.sites[0]
     assert site.mask == "/mask/Mul_output_0" and site.rank == 4 and site.dtype == dtype
+    heads = PRESETS["tiny"].heads
+    assert (site.seq_q, site.seq_k, site.batch) == ("seq", "seq", f"{heads}*batch")
     assert site.scale == pytest.approx(1 / PRESETS["tiny"].head_dim ** 0.5)
     assert [n.rsplit("/", 1)[-1] for n in site.nodes] == ["MatMul_output_0", "Div_output_0", "Add_output_0",
                                                           "Softmax_output_0", "MatMul_1_output_0"]

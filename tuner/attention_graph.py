@@ -61,6 +61,11 @@ class AttentionSite:
     dtype: str
     rank: int
     nan_to_zero: bool = False  # Where(IsNaN(P), 0, P) after the Softmax
+    # the attention view's sizes as expressions of the model's symbols (tuner.shape_expr's grammar): what a
+    # dispatch tree over the symbolic dims would split on
+    seq_q: str = ""
+    seq_k: str = ""
+    batch: str = ""  # z = the product of Q's leading dims (batch x heads)
 
 
 @dataclass(frozen=True)
@@ -200,8 +205,12 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     dtype = _DTYPES.get(g.dtypes.get(q, 0))
     if dtype is None:
         raise _Skip("Q is not float32, float16 or bfloat16")
+    try:
+        sizes = [scan_mod._expr([x]) for x in (sq[-2], sk[-1])] + [scan_mod._expr(list(sq[:-2]) or [1])]
+    except Exception as exc:  # a dim outside tuner.shape_expr's grammar
+        raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
-                         len(sq), bool(tail))
+                         len(sq), bool(tail), *sizes)
 
 
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
