@@ -240,7 +240,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             from tuner.attention_graph import fuse_attention
 
             _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False)
-            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention")
+            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention (the "
+                "library computes them on the CPU: in a CUDA session ORT copies their inputs to the host)")
         results.append((output, result, reports, scanned, model_path.parent))
     for output, result, _, _, base_dir in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)
