@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU stages of a device session in order, each under its own time limit, writing as it goes.
 #
-#   bash benchmarks/device_run.sh [--stage 1,2,3,4|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
+#   bash benchmarks/device_run.sh [--stage 1,2,3,4,5,6|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
 #                                 [--suites mlp,bert,resnet50] [--budget N] [--deadline S] [--limit S]
 #                                 [--out DIR] [--work DIR] [--dry-run]
 #
@@ -16,6 +16,12 @@
 #   3  benchmarks/run_suite.py per suite: fp16 model, `optimize --measure gpu --budget N`, `bench --provider
 #      cuda` against stock ORT's CUDA EP; each suite gets an equal share of the time left.
 #   4  the tuning database (a consistent copy) and each optimized model's bundles + `inspect --json`.
+#   5  the custom op's per-call host overhead against stock ORT's per-node overhead
+#      (benchmarks/host_overhead.py --provider cuda: a chain of tiny MatMuls, stock vs optimized, I/O binding;
+#      and the decision path in C). Runs before stage 4, which keeps the tuning database last.
+#   6  benchmarks/torch_compile.py per suite (default bert,resnet50): PyTorch eager, torch.compile dynamic=True,
+#      mark_dynamic and max-autotune (2 shapes) on a subset of the suite's sweep, then torch_report.py against
+#      stage 3's bench file where there is one. Runs before stage 4 when both are asked.
 #
 # Time: the whole call ends by --deadline seconds (default 570, for a `run` with timeout_s 600); each stage
 # gets what is left (capped by --limit) minus a reserve for stage 4 and the final packing; every step runs
@@ -50,14 +56,14 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,39p "$0"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [ -n "$out" ] || { echo "device_run: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
-case $stages in all) stages=1,2,3,4 ;; esac
+case $stages in all) stages=1,2,3,4,5,6 ;; esac
 for s in ${stages//,/ }; do
-  case $s in 1|2|3|4) ;; *) echo "device_run: unknown stage '$s' (1, 2, 3, 4 or all)" >&2; exit 2 ;; esac
+  case $s in 1|2|3|4|5|6) ;; *) echo "device_run: unknown stage '$s' (1, 2, 3, 4, 5, 6 or all)" >&2; exit 2 ;; esac
 done
 [ -n "$stages" ] || [ -n "$ortgpu" ] || { echo "device_run: nothing to do: give --stage and/or --ortgpu" >&2; exit 2; }
 for n in "$budget" "$deadline" ${limit:+"$limit"}; do
@@ -283,6 +289,60 @@ if has_stage 3; then
         --results "$results" --optimize-arg=--db="$work/tuning.db" --optimize-arg=--quiet
     done
   fi
+  clocks; pack
+fi
+
+# --- stage 5: per-call host overhead of the custom op against stock ORT's per-node overhead ---
+if has_stage 5; then
+  lim=$(stage_limit 5 240)
+  s5=$D/stage5
+  mkdir -p "$s5"
+  if [ "$dry" = 1 ]; then
+    overhead_args=(--provider cpu --measure analytic --nodes 20 --warmup 2 --rounds 3 --runs 2 --iters 1000)
+  else
+    overhead_args=(--provider cuda --measure gpu --nodes 200 --warmup 50 --rounds 15 --runs 20)
+  fi
+  if [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
+    log "stage 5: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
+    json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
+      timed_out=false skipped=true reason="onnxruntime-gpu not installed"
+  else
+    step 5 "host overhead" "$lim" "$s5/host-overhead.log" -- \
+      "$PY" -m benchmarks.host_overhead --work "$work/host-overhead" --out "$s5/host-overhead.txt" \
+      --label "device_run call $call" "${overhead_args[@]}"
+  fi
+  clocks; pack
+fi
+
+# --- stage 6: the same models under PyTorch eager and torch.compile (benchmarks/torch_compile.py) ---
+if has_stage 6; then
+  lim=$(stage_limit 6 240); t6=$SECONDS
+  s6=$D/stage6
+  mkdir -p "$s6"
+  read -r -a tnames <<< "$(echo "${suites:-bert,resnet50}" | tr , ' ')"
+  for i in "${!tnames[@]}"; do
+    name=${tnames[$i]} share=$(( (lim - (SECONDS - t6)) / (${#tnames[@]} - i) ))
+    if [ "$dry" = 1 ]; then
+      # tiny, fp16 on the CPU, a subset of stage 3's dry-run sweep (run_suite's cpu one)
+      preset=tiny dtype=float16 dev=cpu targs=(--modes eager,dynamic --repeat 2 --warmup 1)
+      case $name in bert) dims=(--dim batch=4 --dim seq=16,32) ;; resnet50) dims=(--dim batch=1 --dim height=160 --tie width=height) ;;
+                    *) dims=(--dim tokens=7,16) ;; esac
+    else  # a subset of run_suite's cuda sweep, so torch_report joins it with stage 3's bench file
+      dtype=float16 dev=cuda targs=(--autotune-shapes 2 --repeat 20 --warmup 3 --budget-s $(( share * 7 / 10 )))
+      case $name in bert) preset=base dims=(--dim batch=1,16 --dim seq=16,128,512) ;;
+                    resnet50) preset=full dims=(--dim batch=1,32 --dim height=160,224,288 --tie width=height) ;;
+                    *) preset=llama-7b-layer dims=(--dim tokens=1,16,128,1000,4096) ;; esac
+    fi
+    tag=$name-$preset$([ "$dtype" = float16 ] && echo -fp16)-$dev
+    onnx=(); [ -f "$work/models/${tag%-"$dev"}.onnx" ] && onnx=(--onnx "$work/models/${tag%-"$dev"}.onnx")
+    step 6 "torch.compile $name" "$share" "$s6/$name.log" -- \
+      "$PY" benchmarks/torch_compile.py "$name" --preset "$preset" --dtype "$dtype" --device "$dev" "${dims[@]}" \
+      "${targs[@]}" "${onnx[@]}" --json "$results/$slug/torch-compile-$tag.json"
+    if [ -f "$results/$slug/$tag.json" ] && [ -f "$results/$slug/torch-compile-$tag.json" ]; then
+      step 6 "torch_report $name" 30 "$results/$slug/torch-compile-$tag.txt" -- "$PY" benchmarks/torch_report.py \
+        "$results/$slug/$tag.json" "$results/$slug/torch-compile-$tag.json" --json "$s6/$name-join.json"
+    fi
+  done
   clocks; pack
 fi
 

@@ -17,7 +17,7 @@ namespace dietcode {
 
 enum Param : uint8_t {
   kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
-  kImgN, kImgH, kImgW, kOutH, kOutW,
+  kImgN, kImgH, kImgW, kOutH, kOutW, kResidual,
   kQ, kKt, kV, kMask, kOut, kSeqQ, kSeqK, kHeads, kStrideMaskB, kStrideMaskH, kStrideMaskQ, kStrideMaskK,
   kParamCount
 };
@@ -26,12 +26,13 @@ enum Param : uint8_t {
 // (tests/test_abi_table.py checks it through dc_abi_param_name).
 inline constexpr const char* kParamNames[kParamCount] = {
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
-    "img_n", "img_h", "img_w", "out_h", "out_w",
+    "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
     "stride_mask_k"};
 
-// Whether param p is a device pointer (the rest are int32 scalars).
-inline bool IsPointerParam(uint32_t p) { return p <= kC || (p >= kQ && p <= kOut); }
+// Whether param p is a device pointer (the rest are int32 scalars). kResidual (15) and the attention params
+// (16 on) came after out_w, so the indices older bundles store keep their meaning.
+inline constexpr bool IsPointerParam(uint32_t p) { return p <= kC || p == kResidual || (p >= kQ && p <= kOut); }
 
 // The value of pointer param p in a launch's arguments (0 for a scalar param).
 inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
@@ -40,6 +41,7 @@ inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
     case kB: return a.b;
     case kBias: return a.bias;
     case kC: return a.c;
+    case kResidual: return a.residual;
     case kQ: return a.q;
     case kKt: return a.k;
     case kV: return a.v;

@@ -222,6 +222,9 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     Fail(where + ": params lack the output pointer 'c'");
   }
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
+  if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
+    Fail(where + ": params name a residual, which only gemm-view kernels take");
+  }
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
   static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
@@ -566,8 +569,9 @@ constexpr const char* kFitNames[kFitCount] = {
 // The div16 assumptions (bit p: param p 16-byte aligned or a multiple of 16) against this call's arguments.
 template <typename Refuse>
 Fit Div16Fit(const Kernel& kernel, const dc_launch_args& args, Refuse refuse) {
-  for (uint32_t p = 0; p < kParamCount && p < 16; ++p) {
-    if (!(kernel.div16 >> p & 1u)) continue;
+  for (uint32_t bits = kernel.div16; bits != 0; bits &= bits - 1) {  // the set bits, lowest first
+    const uint32_t p = static_cast<uint32_t>(__builtin_ctz(bits));
+    if (p >= kParamCount) break;  // the parser accepts no bit past the params
     const bool pointer = IsPointerParam(p);
     const bool ok = pointer ? ArgPointer(args, p) % 16 == 0 : ArgInt(args, p) % 16 == 0;
     if (!ok) {
@@ -616,9 +620,8 @@ Fit AttentionFit(const Kernel& kernel, const dc_launch_args& a, std::string* why
 
 Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
   if (kernel.kind == kVendor) return kFits;
-  const std::string who = "kernel '" + kernel.name + "': ";
-  auto refuse = [&](Fit fit, const std::string& detail) {
-    *why = who + kFitNames[fit] + ": " + detail;
+  auto refuse = [&](Fit fit, const std::string& detail) {  // the message is built only for a refusal
+    *why = "kernel '" + kernel.name + "': " + kFitNames[fit] + ": " + detail;
     return fit;
   };
   if (KernelView(kernel) == kViewAttention) {
@@ -638,15 +641,15 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
   }
   if (K == 0) return refuse(kFitZeroK, "the output is the bias alone, which ORT's kernel writes");
   if (batch > 65535) return refuse(kFitBatch, "batch " + std::to_string(batch) + " above 65535 (grid z)");
-  const int64_t tiles = ((M + kernel.block_m - 1) / kernel.block_m) * ((N + kernel.block_n - 1) / kernel.block_n);
+  const int64_t tiles_m = (M + kernel.block_m - 1) / kernel.block_m, tiles_n = (N + kernel.block_n - 1) / kernel.block_n;
+  const int64_t tiles = tiles_m * tiles_n;
   if (tiles > 0x7fffffff) {
     return refuse(kFitGrid, std::to_string(tiles) + " tiles of " + std::to_string(kernel.block_m) + "x" +
                                 std::to_string(kernel.block_n) + " above 2^31-1 (grid x)");
   }
   // Row and column indices within a tile (pid * BLOCK + arange) are int32 in every template: M and N rounded
   // up to whole tiles must stay below 2^31, or the last tile's indices wrap and pass the bounds mask.
-  const int64_t padded_m = (M + kernel.block_m - 1) / kernel.block_m * kernel.block_m;
-  const int64_t padded_n = (N + kernel.block_n - 1) / kernel.block_n * kernel.block_n;
+  const int64_t padded_m = tiles_m * kernel.block_m, padded_n = tiles_n * kernel.block_n;
   if (padded_m > 0x7fffffff || padded_n > 0x7fffffff) {
     return refuse(kFitInt32, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " rounded up to " +
                                  std::to_string(kernel.block_m) + "x" + std::to_string(kernel.block_n) +
@@ -886,7 +889,7 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
   }
   std::string why;
   const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
-  SetError(why);
+  if (fit != dietcode::kFits) SetError(why);
   return fit;
 }
 

@@ -13,14 +13,15 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 4  // 3: the device fit takes the driver version; 4: attention params and view
+#define DC_ABI_VERSION 5  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view
 
 typedef struct dc_bundle dc_bundle;
 
 // Arguments of one launch, following the kernel ABI: raw device pointers and int32 scalars. Fields the
 // kernel does not take are ignored. c_bytes is the output size, used to zero it for split-K kernels.
+// residual: a second tensor of the output's shape, added last (kernels of op types with a Residual suffix).
 typedef struct dc_launch_args {
-  uint64_t a, b, bias, c;
+  uint64_t a, b, bias, c, residual;
   uint64_t c_bytes;
   int32_t M, N, K, batch, stride_a_batch, stride_b_batch;
   int32_t img_n, img_h, img_w, out_h, out_w;
@@ -174,6 +175,11 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
 // loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
+// dc_launch deciding the call's fit in the same step, so that a caller checks it once per call: 0 launched;
+// a positive dc_kernel_fit code when the call does not fit kernel k (nothing launched, the reason in
+// dc_last_error: the caller runs another kernel); -1 on error (bad arguments, the vendor kind, the driver).
+int dc_launch_fit(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
+
 // Reading a bundle back (custom_ops/bundle_read.cc): every field of a parsed bundle, so that Python reads
 // payloads through this parser instead of one of its own. Strings and bytes point into the bundle and live
 // as long as it does. Out-of-range ids give NULL / -1 with a message.
@@ -212,6 +218,16 @@ int64_t dc_node_stats_count(void);
 int dc_node_stats_get(int64_t index, char* node, size_t node_size, int64_t* launches, int64_t* fallbacks,
                       char* reason, size_t reason_size);
 void dc_node_stats_reset(void);
+
+// The host cost of one CUDA node call's decision (custom_ops/bench.cc; benchmarks/host_overhead.py): runs
+// what ComputeCuda runs before a launch (dc_bundle_features on the shapes as dc_bundle_features takes them,
+// at most 3 inputs; dc_bundle_select; dc_bundle_kernel_is_vendor; dc_kernel_fit with `args` for a compiled
+// kernel) n_iter times (> 0) in a C loop. Fills the kernel the tree picks, its fit code (0 for the vendor
+// kind) and the mean nanoseconds per decision. 0 on success, -1 with a message (bad arguments, or any error
+// those functions report).
+int dc_bench_select(const dc_bundle* bundle, const int64_t* const* dims, const size_t* ranks, size_t n_inputs,
+                    const dc_launch_args* args, int64_t n_iter, int32_t* kernel_out, int32_t* fit_out,
+                    double* ns_per_call);
 
 #ifdef __cplusplus
 }  // extern "C"

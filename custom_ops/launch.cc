@@ -291,13 +291,23 @@ int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin) {
 }
 
 int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
+  return dc_launch_fit(b, k, args, stream) == 0 ? 0 : -1;  // a call that does not fit is an error here
+}
+
+int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream) {
   using dietcode::Fail;
   if (b == nullptr || args == nullptr) return Fail("null bundle or launch arguments");
   if (k < 0 || static_cast<size_t>(k) >= b->kernels.size()) return Fail("kernel id " + std::to_string(k) + " out of range");
   const dietcode::Kernel& kernel = b->kernels[k];
   if (kernel.kind == dietcode::kVendor) return Fail("kernel '" + kernel.name + "' is the vendor kind: run ORT's kernel");
-  std::string why;
-  if (!dietcode::MeetsAssumptions(kernel, *args, &why)) return Fail(why);
+  {
+    std::string why;  // the call's one fit check (dc_kernel_fit's decision): nothing launches without it
+    const dietcode::Fit fit = dietcode::CallFit(kernel, *args, &why);
+    if (fit != dietcode::kFits) {
+      dietcode::SetError(why);
+      return fit;
+    }
+  }
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return Fail(d.error);
 
@@ -335,16 +345,17 @@ int dc_launch(dc_bundle* b, int32_t k, const dc_launch_args* args, void* stream)
 
   uint64_t ptrs[dietcode::kParamCount] = {};
   int32_t ints[dietcode::kParamCount] = {};
-  for (uint32_t p = 0; p < dietcode::kParamCount; ++p) {
-    ptrs[p] = dietcode::ArgPointer(*args, p);
-    ints[p] = dietcode::ArgInt(*args, p);
-  }
-  ints[dietcode::kBatch] = static_cast<int32_t>(batch);
   uint64_t scratch[2] = {0, 0};
   void* params[dietcode::kParamCount + 2];  // params are unique enums, so at most kParamCount + scratch
   size_t n_params = 0;
-  for (uint8_t p : kernel.params) {
-    params[n_params++] = dietcode::IsPointerParam(p) ? static_cast<void*>(&ptrs[p]) : static_cast<void*>(&ints[p]);
+  for (uint8_t p : kernel.params) {  // only the params this kernel takes
+    if (dietcode::IsPointerParam(p)) {
+      ptrs[p] = dietcode::ArgPointer(*args, p);
+      params[n_params++] = &ptrs[p];
+    } else {
+      ints[p] = p == dietcode::kBatch ? static_cast<int32_t>(batch) : dietcode::ArgInt(*args, p);
+      params[n_params++] = &ints[p];
+    }
   }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];

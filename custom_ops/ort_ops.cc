@@ -1,6 +1,8 @@
 // ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
 //
-// One kernel class serves all 18 op types (MatMul|Gemm|Conv x epilogue), configured from the op type name.
+// One kernel class serves all 24 op types (MatMul|Gemm|Conv x epilogue, MatMul x epilogue x Residual), configured
+// from the op type name; a MatMul's `scale` attribute (default 1) is the fused alpha: y = act(scale * A B + bias)
+// + residual. Compiled kernels have their scale baked in; the CPU and vendor paths read the attribute.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
 // takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue
@@ -13,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -57,8 +60,21 @@ T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
   }
 }
 
-// The bundle is the node's last input: index 2, or 3 for op types with a bias.
-size_t BundleInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
+// Inputs: A, B, [bias], [residual], bundle: the bundle is the last (index 2 to 4).
+size_t ResidualInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
+size_t BundleInput(const OpSpec& spec) { return ResidualInput(spec) + (spec.residual ? 1 : 0); }
+
+// The residual must have exactly the output's shape (the rewrite fuses no broadcast residual).
+std::string ResidualMismatch(const Shape& residual, const Shape& out) {
+  if (residual == out) return "";
+  auto text = [](const Shape& s) {
+    std::string t = "[";
+    for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+    return t + "]";
+  };
+  return "the residual input has shape " + text(residual) + ", not the output's " + text(out) +
+         " (the fused Add takes a residual of the output's shape only)";
+}
 
 // Whether the node still carries a per-node `bundle` attribute (the contract before ai.dietcode opset 2).
 bool HasBundleAttribute(const Ort::ConstKernelInfo& info) {
@@ -104,19 +120,26 @@ void FromFloat(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
 }
 
-// Input converted to fp32 (borrowed when it already is fp32).
+// Input converted to fp32 (borrowed when it already is fp32); `shape` is the caller's, read once per call.
 struct FloatTensor {
   std::vector<float> storage;
   const float* data = nullptr;
-  Shape shape;
+  const Shape* shape = nullptr;
 };
 
-FloatTensor AsFloat(const Ort::ConstValue& v) {
-  FloatTensor t;
+// The input's shape into `out`, reusing its capacity (the hot path keeps per-thread shape buffers).
+void ReadShape(const Ort::ConstValue& v, Shape* out) {
   auto info = v.GetTensorTypeAndShapeInfo();
-  t.shape = info.GetShape();
-  const int64_t n = NumElements(t.shape);
-  switch (info.GetElementType()) {
+  out->resize(info.GetDimensionsCount());
+  if (!out->empty()) info.GetDimensions(out->data(), out->size());
+}
+
+// `type` is the op's declared element type, which ORT has checked the input against.
+FloatTensor AsFloat(const Ort::ConstValue& v, const Shape& shape, ONNXTensorElementDataType type) {
+  FloatTensor t;
+  t.shape = &shape;
+  const int64_t n = NumElements(shape);
+  switch (type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
       t.data = v.GetTensorData<float>();
       break;
@@ -146,6 +169,9 @@ class DietcodeKernel {
     counter_ = dc_node_counter_get(info.GetNodeName().c_str());
     CheckInputs(info);
     has_bias_input_ = spec.bias;
+    scale_ = AttrOr<float>(info, "scale", 1.0f);
+    if (scale_ != 1.0f && spec.base != BaseOp::kMatMul) Throw("the scale attribute applies to MatMul op types only");
+    if (!std::isfinite(scale_)) Throw("the scale attribute is not finite");
     LoadBundle(info);
     CheckBundleFitsNode(BundleInput(spec));
     if (spec.base == BaseOp::kGemm) {
@@ -167,6 +193,7 @@ class DietcodeKernel {
       CheckVendorPathCuda();
     } else {
       CreateVendorOps(raw_info);
+      cpu_memory_ = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     }
   }
 
@@ -189,7 +216,8 @@ class DietcodeKernel {
   // Inputs: (A, B, bundle) or, with a Bias suffix, (A, B, bias, bundle); none may be left empty.
   void CheckInputs(const Ort::ConstKernelInfo& info) const {
     const size_t want = BundleInput(spec_) + 1, have = info.GetInputCount();
-    const std::string signature = spec_.bias ? "(A, B, bias, bundle)" : "(A, B, bundle)";
+    const std::string signature = std::string("(A, B, ") + (spec_.bias ? "bias, " : "") +
+                                  (spec_.residual ? "residual, " : "") + "bundle)";
     if (have != want && HasBundleAttribute(info)) {
       Throw("the node carries its kernel bundle as an attribute, the node contract before ai.dietcode opset 2; "
             "this library reads it from the node's last input " + signature +
@@ -197,7 +225,8 @@ class DietcodeKernel {
     }
     if (have != want) {
       Throw("the node has " + std::to_string(have) + " inputs; " + spec_.name + " takes " +
-            std::to_string(want) + " " + signature + (spec_.bias ? "" : " (an op type without Bias takes no bias)"));
+            std::to_string(want) + " " + signature + (spec_.bias ? "" : " (an op type without Bias takes no bias)") +
+            (spec_.residual ? "" : " (an op type without Residual takes no residual)"));
     }
     for (size_t i = 0; i < want; ++i) {
       if (info.GetInputName(i).empty()) {
@@ -251,13 +280,18 @@ class DietcodeKernel {
     const int max_input = dc_bundle_max_feature_input(bundle_.get());
     if (max_input >= static_cast<int>(n_inputs)) {
       Throw("the bundle's features read input " + std::to_string(max_input) + ", the node has " +
-            std::to_string(n_inputs) + " data inputs (A, B[, bias]; the bundle input is not one)");
+            std::to_string(n_inputs) + " data inputs (A, B[, bias][, residual]; the bundle input is not one)");
     }
     for (int32_t k = 0; k < n_kernels_; ++k) {
       if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
           (dc_bundle_kernel_takes_param(bundle_.get(), k, "bias") == 1) != spec_.bias) {
         Throw("bundle kernel " + std::to_string(k) + (spec_.bias ? " takes no bias but the op type has one"
                                                                   : " takes a bias but the op type has none"));
+      }
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          (dc_bundle_kernel_takes_param(bundle_.get(), k, "residual") == 1) != spec_.residual) {
+        Throw("bundle kernel " + std::to_string(k) + (spec_.residual ? " takes no residual but the op type has one"
+                                                                      : " takes a residual but the op type has none"));
       }
     }
   }
@@ -324,8 +358,8 @@ class DietcodeKernel {
       which += (which.empty() ? "" : ", ") + std::to_string(k);
       if (dc_kernel_fit_device(bundle_.get(), k, major, minor, optin, driver) == 0) device_reason_[k] = dc_last_error();
     }
-    WarnOnce(kReasonDevice, std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
-                                std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first);
+    WarnOnce(kReasonDevice, (std::to_string(unfit) + " bundle kernel(s) (" + which + ") cannot run on sm_" +
+                             std::to_string(major * 10 + minor) + " and run as the vendor kind; first: " + first).c_str());
   }
 
   // CUDA: a bundle that needs the vendor path for whole sessions (a vendor leaf, a kernel this device cannot
@@ -381,20 +415,18 @@ class DietcodeKernel {
     }
   }
 
-  Shape OutputShape(const Shape& a, const Shape& b) const {
-    Shape out;
+  void OutputShape(const Shape& a, const Shape& b, Shape* out) const {
     std::string error;
-    bool ok = spec_.base == BaseOp::kMatMul ? MatMulShape(a, b, &out, &error)
-              : spec_.base == BaseOp::kGemm ? GemmShape(a, b, gemm_, &out, &error)
-                                            : ConvShape(a, b, conv_, &out, &error);
+    bool ok = spec_.base == BaseOp::kMatMul ? MatMulShape(a, b, out, &error)
+              : spec_.base == BaseOp::kGemm ? GemmShape(a, b, gemm_, out, &error)
+                                            : ConvShape(a, b, conv_, out, &error);
     if (!ok) Throw(error);
-    return out;
   }
 
   // MatMul's bias is added here: [N] (broadcast along the last dim) or the full output shape.
   void AddBias(float* y, const Shape& out, const FloatTensor& bias) const {
-    const int64_t n = out.empty() ? 1 : out.back(), total = NumElements(out), nb = NumElements(bias.shape);
-    if (nb == n && (bias.shape.empty() || bias.shape.back() == n)) {
+    const int64_t n = out.empty() ? 1 : out.back(), total = NumElements(out), nb = NumElements(*bias.shape);
+    if (nb == n && (bias.shape->empty() || bias.shape->back() == n)) {
       for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i % n];
     } else if (nb == total) {
       for (int64_t i = 0; i < total; ++i) y[i] += bias.data[i];
@@ -406,10 +438,10 @@ class DietcodeKernel {
   void ComputeCpu(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const size_t n_in = has_bias_input_ ? 3 : 2;
-    std::vector<Ort::ConstValue> in;
-    for (size_t i = 0; i < n_in; ++i) in.push_back(ctx.GetInput(i));
-    const Shape a = in[0].GetTensorTypeAndShapeInfo().GetShape(), b = in[1].GetTensorTypeAndShapeInfo().GetShape();
-    const Shape out_shape = OutputShape(a, b);
+    const Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
+    thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
+    for (size_t i = 0; i < n_in; ++i) ReadShape(in[i], &shapes[i]);
+    OutputShape(shapes[0], shapes[1], &out_shape);
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
@@ -418,21 +450,21 @@ class DietcodeKernel {
     const size_t n_op_inputs = fused_c ? 3 : 2;
     const bool is_float = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 
-    std::vector<FloatTensor> f;
-    for (size_t i = 0; i < n_in; ++i) f.push_back(AsFloat(in[i]));
+    FloatTensor f[3];
+    for (size_t i = 0; i < n_in; ++i) f[i] = AsFloat(in[i], shapes[i], dtype_);
     std::vector<float> y_storage;
     float* y = nullptr;
-    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-    std::vector<Ort::Value> owned;
-    std::vector<const OrtValue*> op_inputs;
+    const OrtMemoryInfo* mem = cpu_memory_;  // made once per kernel
+    Ort::Value owned[3] = {Ort::Value{nullptr}, Ort::Value{nullptr}, Ort::Value{nullptr}};
+    const OrtValue* op_inputs[3] = {};
     for (size_t i = 0; i < n_op_inputs; ++i) {
       if (is_float) {
-        op_inputs.push_back(in[i]);
+        op_inputs[i] = in[i];
       } else {
-        owned.push_back(Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[i].data),
-                                                        static_cast<size_t>(NumElements(f[i].shape)),
-                                                        f[i].shape.data(), f[i].shape.size()));
-        op_inputs.push_back(owned.back());
+        owned[i] = Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[i].data),
+                                                   static_cast<size_t>(NumElements(*f[i].shape)),
+                                                   f[i].shape->data(), f[i].shape->size());
+        op_inputs[i] = owned[i];
       }
     }
     Ort::Value y_value{nullptr};
@@ -445,9 +477,21 @@ class DietcodeKernel {
       y_value = Ort::Value::CreateTensor<float>(mem, y, static_cast<size_t>(total), out_shape.data(), out_shape.size());
       op_output = y_value;
     }
-    base_op_.Invoke(raw, op_inputs.data(), op_inputs.size(), &op_output, 1);
+    base_op_.Invoke(raw, op_inputs, n_op_inputs, &op_output, 1);
+    if (scale_ != 1.0f) {
+      for (int64_t i = 0; i < total; ++i) y[i] *= scale_;
+    }
     if (spec_.bias && spec_.base == BaseOp::kMatMul) AddBias(y, out_shape, f[2]);
     ApplyActivation(y, total, spec_.activation);
+    if (spec_.residual) {
+      const Ort::ConstValue residual = ctx.GetInput(ResidualInput(spec_));
+      thread_local Shape residual_shape;
+      ReadShape(residual, &residual_shape);
+      const std::string mismatch = ResidualMismatch(residual_shape, out_shape);
+      if (!mismatch.empty()) Throw(mismatch);
+      const FloatTensor r = AsFloat(residual, residual_shape, dtype_);
+      for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
+    }
     if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       FromFloat(y, out.GetTensorMutableData<Ort::Float16_t>(), total);
     } else if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
@@ -459,12 +503,18 @@ class DietcodeKernel {
     Ort::KernelContext ctx(raw);
     const size_t n_in = has_bias_input_ ? 3 : 2;
     Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
-    Shape shapes[3];
-    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
-    const Shape out_shape = OutputShape(shapes[0], shapes[1]);
+    thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
+    for (size_t i = 0; i < n_in; ++i) ReadShape(in[i], &shapes[i]);
+    OutputShape(shapes[0], shapes[1], &out_shape);
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
+    Ort::ConstValue residual{nullptr};
+    if (spec_.residual) {  // no kernel and no vendor epilogue adds another shape: an error, never a wrong result
+      residual = ctx.GetInput(ResidualInput(spec_));
+      const std::string mismatch = ResidualMismatch(residual.GetTensorTypeAndShapeInfo().GetShape(), out_shape);
+      if (!mismatch.empty()) Throw(mismatch);
+    }
 
     const int64_t* dims[3] = {shapes[0].data(), shapes[1].data(), n_in > 2 ? shapes[2].data() : nullptr};
     const size_t ranks[3] = {shapes[0].size(), shapes[1].size(), n_in > 2 ? shapes[2].size() : 0};
@@ -477,12 +527,12 @@ class DietcodeKernel {
     dc_launch_args args{};
     if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 1) {
       dc_node_count_fallback(counter_, "the dispatch tree picks the vendor kernel");
-      VendorCuda(raw, in, n_in, out, "the dispatch tree picks the vendor kernel");
+      VendorCuda(raw, in, shapes, n_in, residual, out, "the dispatch tree picks the vendor kernel");
       return;
     }
     if (!device_fits_[k]) {
       dc_node_count_fallback(counter_, device_reason_[k].c_str());
-      VendorCuda(raw, in, n_in, out, device_reason_[k]);
+      VendorCuda(raw, in, shapes, n_in, residual, out, device_reason_[k].c_str());
       return;
     }
     bool abi_ok = false;
@@ -503,7 +553,7 @@ class DietcodeKernel {
     if (abi_ok && spec_.bias && spec_.base == BaseOp::kMatMul && NumElements(shapes[2]) != args.N) abi_ok = false;
     if (!abi_ok) {
       dc_node_count_fallback(counter_, "the kernel ABI cannot express this call (its shapes or attributes)");
-      VendorCuda(raw, in, n_in, out, "the kernel ABI cannot express this call (its shapes or attributes)");
+      VendorCuda(raw, in, shapes, n_in, residual, out, "the kernel ABI cannot express this call (its shapes or attributes)");
       return;
     }
     const size_t elem = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -511,22 +561,25 @@ class DietcodeKernel {
     args.b = reinterpret_cast<uint64_t>(in[1].GetTensorRawData());
     args.bias = n_in > 2 ? reinterpret_cast<uint64_t>(in[2].GetTensorRawData()) : 0;
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
+    args.residual = spec_.residual ? reinterpret_cast<uint64_t>(residual.GetTensorRawData()) : 0;
     args.c_bytes = static_cast<uint64_t>(total) * elem;
-    const int fit = dc_kernel_fit(bundle_.get(), k, &args);  // e.g. int32 offsets, a view at an unaligned offset
-    if (fit != 0) {
-      if (fit < 0) Throw(dc_last_error());
-      const std::string why = dc_last_error();
-      WarnOnce(fit, why);
-      dc_node_count_fallback(counter_, why.c_str());
-      VendorCuda(raw, in, n_in, out, why);
+    // One fit check per call, in the launch (e.g. int32 offsets, a view at an unaligned offset): a call that
+    // does not fit launches nothing and runs the vendor path.
+    const int fit = dc_launch_fit(bundle_.get(), k, &args, ctx.GetGPUComputeStream());
+    if (fit == 0) {
+      dc_node_count_launch(counter_);
       return;
     }
-    if (dc_launch(bundle_.get(), k, &args, ctx.GetGPUComputeStream()) != 0) Throw(dc_last_error());
-    dc_node_count_launch(counter_);
+    if (fit < 0) Throw(dc_last_error());
+    char why[512];  // copied: the vendor path may set the core's message
+    std::snprintf(why, sizeof(why), "%s", dc_last_error());
+    WarnOnce(fit, why);
+    dc_node_count_fallback(counter_, why);
+    VendorCuda(raw, in, shapes, n_in, residual, out, why);
   }
 
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
-  void WarnOnce(int reason, const std::string& message) {
+  void WarnOnce(int reason, const char* message) {
     const uint32_t bit = 1u << (reason & 31);
     if (warned_.fetch_or(bit) & bit) return;
     const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " +
@@ -560,10 +613,8 @@ class DietcodeKernel {
 
   // A call no compiled kernel takes: cuBLAS (MatMul, Gemm) or cuDNN (Conv) on ORT's handle for this stream,
   // then the epilogue, all on ORT's compute stream (vendor.h).
-  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, size_t n_in, Ort::UnownedValue& out,
-                  const std::string& why) {
-    Shape shapes[3];
-    for (size_t i = 0; i < n_in; ++i) shapes[i] = in[i].GetTensorTypeAndShapeInfo().GetShape();
+  void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in,
+                  const Ort::ConstValue& residual, Ort::UnownedValue& out, const char* why) {
     const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
     void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
     void* y = out.GetTensorMutableRawData();
@@ -584,7 +635,7 @@ class DietcodeKernel {
       }
       void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
       if (dc_vendor_conv(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
-          dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
+          dc_vendor_epilogue(&plan.epilogue, y, bias, nullptr, stream) != 0) {
         Throw(dc_last_error());
       }
       return;
@@ -594,12 +645,14 @@ class DietcodeKernel {
     const int planned = dc_gemm_plan_make(gemm ? 1 : 0, shapes[0].data(), shapes[0].size(), shapes[1].data(),
                                           shapes[1].size(), n_in > 2 ? shapes[2].data() : nullptr,
                                           n_in > 2 ? shapes[2].size() : 0, static_cast<int>(gemm_.trans_a),
-                                          static_cast<int>(gemm_.trans_b), gemm_.alpha, gemm_.beta, dtype,
+                                          static_cast<int>(gemm_.trans_b), gemm ? gemm_.alpha : scale_, gemm_.beta, dtype,
                                           static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
     if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+    plan.epilogue.has_residual = spec_.residual ? 1 : 0;
+    const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
     void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
     if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0 ||
-        dc_vendor_epilogue(&plan.epilogue, y, bias, stream) != 0) {
+        dc_vendor_epilogue(&plan.epilogue, y, bias, res, stream) != 0) {
       Throw(dc_last_error());
     }
   }
@@ -613,10 +666,12 @@ class DietcodeKernel {
   int32_t n_kernels_ = 0;
   bool has_vendor_kernel_ = false;
   bool has_bias_input_ = false;
+  float scale_ = 1.0f;  // MatMul: the fused scalar Mul/Div (compiled kernels have it baked in)
   std::vector<int64_t> features_;
   GemmAttrs gemm_;
   ConvAttrs conv_;
   Ort::Op base_op_{nullptr};  // CPU only
+  Ort::MemoryInfo cpu_memory_{nullptr};  // CPU only: for the fp32 copies of fp16/bf16 operands
   std::once_flag batched_once_;
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
@@ -642,7 +697,7 @@ struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
 
   const char* GetName() const { return spec_.name.c_str(); }
   const char* GetExecutionProviderType() const { return cuda_ ? kCudaEp : kCpuEp; }
-  // (A, B[, bias], bundle): the bundle is uint8 and stays in host memory on every EP. Inputs after B are
+  // (A, B[, bias][, residual], bundle): the bundle is uint8 and stays in host memory on every EP. Inputs after B are
   // declared optional so that the kernel, not the schema check, reports a node with a missing bundle.
   size_t GetInputTypeCount() const { return BundleInput(spec_) + 1; }
   ONNXTensorElementDataType GetInputType(size_t index) const {

@@ -29,14 +29,18 @@ Shape PadBatch(const Shape& s, size_t rank) {
 bool ParseOpType(const std::string& op_type, OpSpec* spec) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
   static const char* const kSuffixes[] = {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"};
+  static const std::string kResidual = "Residual";  // MatMul only (the gemm template adds it)
   for (int b = 0; b < 3; ++b) {
     for (int s = 0; s < 6; ++s) {
-      if (op_type == std::string(kBases[b]) + kSuffixes[s]) {
-        spec->base = static_cast<BaseOp>(b);
-        spec->bias = s == 1 || s == 3 || s == 5;
-        spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
-        spec->name = op_type;
-        return true;
+      for (int r = 0; r < (b == 0 ? 2 : 1); ++r) {
+        if (op_type == std::string(kBases[b]) + kSuffixes[s] + (r ? kResidual : std::string())) {
+          spec->base = static_cast<BaseOp>(b);
+          spec->bias = s == 1 || s == 3 || s == 5;
+          spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
+          spec->residual = r == 1;
+          spec->name = op_type;
+          return true;
+        }
       }
     }
   }
@@ -47,6 +51,9 @@ std::vector<std::string> AllOpTypes() {
   std::vector<std::string> out;
   for (const char* base : {"MatMul", "Gemm", "Conv"}) {
     for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) out.push_back(std::string(base) + suffix);
+  }
+  for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) {
+    out.push_back(std::string("MatMul") + suffix + "Residual");
   }
   return out;
 }
@@ -62,25 +69,28 @@ bool MatMulShape(const Shape& a_in, const Shape& b_in, Shape* out, std::string* 
     *error = "MatMul inputs must have rank >= 1, got " + ToString(a_in) + " x " + ToString(b_in);
     return false;
   }
-  Shape a = a_in, b = b_in;
-  if (a.size() == 1) a.insert(a.begin(), 1);
-  if (b.size() == 1) b.push_back(1);
-  if (a.back() != b[b.size() - 2]) {
+  // numpy.matmul's promotion, read in place (no copies: this runs per call): a 1-D A is [1, K], a 1-D B is
+  // [K, 1]; the promoted dims are dropped from the output again.
+  const size_t ra = std::max<size_t>(a_in.size(), 2), rb = std::max<size_t>(b_in.size(), 2);
+  auto a = [&](size_t i) -> int64_t { return a_in.size() == 1 ? (i == 0 ? 1 : a_in[0]) : a_in[i]; };
+  auto b = [&](size_t i) -> int64_t { return b_in.size() == 1 ? (i == 0 ? b_in[0] : 1) : b_in[i]; };
+  if (a(ra - 1) != b(rb - 2)) {
     *error = "MatMul inner dims differ: " + ToString(a_in) + " x " + ToString(b_in);
     return false;
   }
-  const size_t rank = std::max(a.size(), b.size()) - 2;
-  Shape pa = PadBatch(a, rank), pb = PadBatch(b, rank);
+  // Batch dims, each operand's left-padded with 1 to the output's batch rank.
+  const size_t rank = std::max(ra, rb) - 2, pad_a = rank - (ra - 2), pad_b = rank - (rb - 2);
   out->clear();
   for (size_t i = 0; i < rank; ++i) {
-    if (pa[i] != pb[i] && pa[i] != 1 && pb[i] != 1) {
+    const int64_t da = i < pad_a ? 1 : a(i - pad_a), db = i < pad_b ? 1 : b(i - pad_b);
+    if (da != db && da != 1 && db != 1) {
       *error = "MatMul batch dims do not broadcast: " + ToString(a_in) + " x " + ToString(b_in);
       return false;
     }
-    out->push_back(pa[i] == 1 ? pb[i] : pa[i]);
+    out->push_back(da == 1 ? db : da);
   }
-  if (a_in.size() > 1) out->push_back(a[a.size() - 2]);
-  if (b_in.size() > 1) out->push_back(b.back());
+  if (a_in.size() > 1) out->push_back(a(ra - 2));
+  if (b_in.size() > 1) out->push_back(b(rb - 1));
   return true;
 }
 

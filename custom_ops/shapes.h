@@ -19,18 +19,20 @@ using Shape = std::vector<int64_t>;
 enum class BaseOp { kMatMul, kGemm, kConv };
 enum class Activation { kNone, kRelu, kGelu };
 
-// What a node's op type says: the base op and the fused epilogue ("GemmBiasGelu" etc.).
+// What a node's op type says: the base op and the fused epilogue ("GemmBiasGelu", "MatMulBiasResidual"
+// etc.), applied as y = act(scale * product + bias) + residual (scale: the node's `scale` attribute).
 struct OpSpec {
   BaseOp base = BaseOp::kMatMul;
   bool bias = false;
   Activation activation = Activation::kNone;
+  bool residual = false;  // one more input: a tensor of the output's shape, added last
   std::string name;
 };
 
-// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]"; false for anything else.
+// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]" and "MatMul[Bias][Relu|Gelu]Residual"; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 18 op type names, in registration order.
+// The 24 op type names, in registration order.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {

@@ -143,7 +143,7 @@ extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int6
   p.ldx = std::max(p.ldx, 1), p.ldy = std::max(p.ldy, 1), p.ldc = static_cast<int32_t>(std::max<int64_t>(N, 1));
   p.data_type = dtype == 0 ? kCudaR32F : dtype == 1 ? kCudaR16F : kCudaR16BF;
   p.compute_type = dtype == 0 && tf32 ? kCompute32FFastTf32 : kCompute32F;
-  p.alpha = op == 1 ? alpha : 1.0f;
+  p.alpha = alpha;  // Gemm's alpha, or a MatMul's fused scale
   dc_epilogue& e = p.epilogue;
   e.dtype = dtype;
   e.activation = activation;
@@ -318,7 +318,7 @@ const Cublas* LoadCublas(const char* path, std::string* error) {
   return t;
 }
 
-// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) in fp32.
+// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32.
 // GELU is the erf form ONNX specifies (approximate="none"): erf by Abramowitz & Stegun 7.1.26 (absolute
 // error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)).
 std::string EpiloguePtx(int dtype) {
@@ -342,12 +342,13 @@ std::string EpiloguePtx(int dtype) {
   ptx += ".address_size 64\n\n";
   ptx += ".visible .entry dc_epilogue(\n"
          "  .param .u64 p_y, .param .u64 p_bias, .param .u64 p_total, .param .u64 p_cols, .param .u64 p_brows,\n"
-         "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act)\n{\n";
+         "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act, .param .u64 p_res)\n{\n";
   ptx += "  .reg .pred %p<8>;\n  .reg .b16 %h<4>;\n  .reg .b32 %r<8>;\n  .reg .f32 %f<24>;\n  .reg .b64 %rd<24>;\n\n";
   ptx += "  ld.param.u64 %rd1, [p_y];\n  ld.param.u64 %rd2, [p_bias];\n  ld.param.u64 %rd3, [p_total];\n"
          "  ld.param.u64 %rd4, [p_cols];\n  ld.param.u64 %rd5, [p_brows];\n  ld.param.u64 %rd6, [p_brs];\n"
          "  ld.param.u64 %rd7, [p_bcs];\n  ld.param.f32 %f1, [p_scale];\n  ld.param.u32 %r1, [p_act];\n";
   ptx += "  setp.ne.u64 %p2, %rd2, 0;\n  cvta.to.global.u64 %rd1, %rd1;\n  cvta.to.global.u64 %rd2, %rd2;\n";
+  ptx += "  ld.param.u64 %rd17, [p_res];\n  setp.ne.u64 %p5, %rd17, 0;\n  cvta.to.global.u64 %rd17, %rd17;\n";
   ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mov.u32 %r5, %nctaid.x;\n"
          "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd8, %rd8, %rd9;\n"
          "  mul.wide.u32 %rd10, %r5, %r3;\n";
@@ -382,7 +383,11 @@ std::string EpiloguePtx(int dtype) {
          "  add.f32 %f13, %f12, 0f3F800000;\n"
          "  mul.f32 %f14, %f2, 0f3F000000;\n"
          "  mul.f32 %f2, %f14, %f13;\n";
-  ptx += "$Lstore:\n  " + store;
+  // the residual, laid out as the output: the same byte offset %rd11
+  ptx += "$Lstore:\n  @!%p5 bra $Lput;\n  add.u64 %rd18, %rd17, %rd11;\n";
+  ptx += "  " + sub(load, "%f15", "%rd18");
+  ptx += "  add.f32 %f2, %f2, %f15;\n";
+  ptx += "$Lput:\n  " + store;
   ptx += "  add.u64 %rd8, %rd8, %rd10;\n  bra $Lloop;\n$Ldone:\n  ret;\n}\n";
   return ptx;
 }
@@ -442,22 +447,24 @@ const char* dc_vendor_epilogue_ptx(int dtype) {
   return dtype >= 0 && dtype <= 2 ? dietcode::EpiloguePtxFor(dtype).c_str() : nullptr;
 }
 
-int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, void* stream) {
+int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, const void* residual, void* stream) {
   using dietcode::Fail;
   if (p == nullptr) return Fail("null epilogue");
-  if (!p->has_bias && p->activation == 0) return 0;
+  if (!p->has_bias && p->activation == 0 && !p->has_residual) return 0;
   const int dtype = p->dtype;
   if (dtype < 0 || dtype > 2) return Fail("epilogue dtype " + std::to_string(dtype));
   uint64_t total = static_cast<uint64_t>(p->rows) * static_cast<uint64_t>(p->cols);
   if (total == 0) return 0;
   if (p->has_bias && bias == nullptr) return Fail("the plan adds a bias but none was given");
+  if (p->has_residual && residual == nullptr) return Fail("the plan adds a residual but none was given");
+  uint64_t res_ptr = p->has_residual ? reinterpret_cast<uint64_t>(residual) : 0;
   uint64_t y = reinterpret_cast<uint64_t>(c), bias_ptr = p->has_bias ? reinterpret_cast<uint64_t>(bias) : 0;
   uint64_t cols = static_cast<uint64_t>(std::max<int64_t>(p->cols, 1));
   uint64_t brows = static_cast<uint64_t>(std::max<int64_t>(p->bias_rows, 1));
   uint64_t brs = static_cast<uint64_t>(p->bias_rs), bcs = static_cast<uint64_t>(p->bias_cs);
   float scale = p->bias_scale;
   uint32_t act = static_cast<uint32_t>(p->activation);
-  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act};
+  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr};
   constexpr unsigned kBlock = 256;
   const uint64_t blocks = std::min<uint64_t>((total + kBlock - 1) / kBlock, 65536);  // the loop covers the rest
   std::string error;

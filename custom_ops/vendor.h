@@ -1,7 +1,7 @@
 // The vendor path on CUDA: a node call that no compiled kernel takes (a "vendor" leaf of the dispatch tree, a
 // kernel unfit for the device, a per-call hazard) runs as one cuBLAS GEMM (MatMul, Gemm) or one cuDNN
 // convolution (Conv) on ONNX Runtime's own handles and compute stream, then the fused epilogue (bias,
-// activation) as a small PTX kernel on the same stream.
+// activation, residual) as a small PTX kernel on the same stream.
 //
 // Why not ORT's own kernel (Ort::Op / InvokeOp): InvokeOp runs the kernel in a StandAloneKernelContext whose
 // GetComputeStream() returns nullptr (onnxruntime/core/session/standalone_op_invoker.cc), and the CUDA EP's
@@ -29,9 +29,12 @@ extern "C" {
 
 // The epilogue over the row-major output seen as [rows, cols] (element i: r = i / cols, c = i % cols):
 //   y = act(y + bias_scale * bias[(r % bias_rows) * bias_rs + c * bias_cs])   (the bias term when has_bias)
+//   y = y + residual[i]                                                       (when has_residual)
+// (a MatMul's scale is cuBLAS's alpha, so y already holds scale * product when the epilogue runs).
 typedef struct dc_epilogue {
   int32_t dtype;                        // 0 float32, 1 float16, 2 bfloat16
   int32_t has_bias, activation;         // activation: 0 none, 1 relu, 2 gelu (erf)
+  int32_t has_residual;                 // 1: add a tensor of the output's shape last (set by the caller)
   float bias_scale;                     // 1 for MatMul's bias and Conv's B, beta for Gemm's C
   int64_t rows, cols, bias_rows, bias_rs, bias_cs;
 } dc_epilogue;
@@ -46,12 +49,12 @@ typedef struct dc_gemm_plan {
   int32_t batch;                        // 1: cublasGemmEx; more: cublasGemmStridedBatchedEx
   int32_t data_type;                    // cudaDataType of all three: 0 CUDA_R_32F, 2 CUDA_R_16F, 14 CUDA_R_16BF
   int32_t compute_type;                 // cublasComputeType_t: 68 CUBLAS_COMPUTE_32F, 77 .._32F_FAST_TF32
-  float alpha;                          // host scalar (beta is 0: the output is overwritten)
+  float alpha;                          // host scalar: Gemm's alpha, a MatMul's scale (beta is 0: overwritten)
   dc_epilogue epilogue;
 } dc_gemm_plan;
 
-// Plan one call. op 0 = MatMul (c: the fused bias, NULL without), 1 = Gemm (trans_a, trans_b, alpha, beta;
-// c: Gemm's C, NULL without). dtype 0 float32, 1 float16, 2 bfloat16; activation 0/1/2; tf32 != 0 computes
+// Plan one call. op 0 = MatMul (c: the fused bias, NULL without; alpha: the node's scale, 1 for none), 1 = Gemm
+// (trans_a, trans_b, alpha, beta; c: Gemm's C, NULL without). dtype 0 float32, 1 float16, 2 bfloat16; activation 0/1/2; tf32 != 0 computes
 // float32 with TF32 tensor cores (ONNX Runtime's CUDA EP default, use_tf32=1). 1: planned; 0: the call has
 // no cuBLAS form here (mixed batch broadcasting, a bias broadcast the epilogue cannot index, sizes past
 // cuBLAS's int32; message in dc_last_error); -1: the shapes are invalid (message).
@@ -98,9 +101,10 @@ int dc_vendor_cudnn_load(const char* path);
 int dc_vendor_conv(const dc_conv_plan* plan, const void* x, const void* w, void* y, void* cudnn_handle,
                    void* stream);
 
-// An epilogue on `stream` (the module loads once per CUDA context); nothing to do when it has neither a bias
-// nor an activation. 0 on success, -1 with a message.
-int dc_vendor_epilogue(const dc_epilogue* epilogue, void* c, const void* bias, void* stream);
+// An epilogue on `stream` (the module loads once per CUDA context); nothing to do when it has no bias, no
+// activation and no residual. residual: a tensor of the output's shape (device pointer) when has_residual.
+// 0 on success, -1 with a message.
+int dc_vendor_epilogue(const dc_epilogue* epilogue, void* c, const void* bias, const void* residual, void* stream);
 
 // The epilogue kernel's PTX for dtype 0/1/2 (entry "dc_epilogue"), NULL for another dtype.
 const char* dc_vendor_epilogue_ptx(int dtype);

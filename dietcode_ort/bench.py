@@ -36,8 +36,8 @@ from dietcode_ort.errors import DietcodeError
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
            "ShapeResult", "BenchReport", "parse_dims", "sweep", "warmup_shape", "make_feeds",
-           "load_model_info", "check_compatible", "check_agreement", "OrtRunner", "measure", "run_bench",
-           "bench_command"]
+           "load_model_info", "model_info", "check_compatible", "check_agreement", "OrtRunner", "measure",
+           "run_bench", "bench_command"]
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # (regex on the symbol name, default value): batch-like dims 1, sequence-like 128, image sides 224.
@@ -233,7 +233,6 @@ def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int |
 def load_model_info(path: Path) -> ModelInfo:
     """Inputs, outputs, embedding sizes and custom-node count, read without external weights."""
     import onnx
-    from onnx.helper import tensor_dtype_to_np_dtype
 
     if not Path(path).is_file():
         raise DietcodeError(f"model file not found: {path}")
@@ -243,6 +242,13 @@ def load_model_info(path: Path) -> ModelInfo:
         raise DietcodeError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
         raise DietcodeError(f"{path} is not a readable ONNX model (its graph has no nodes)")
+    return model_info(model)
+
+
+def model_info(model: Any) -> ModelInfo:
+    """:func:`load_model_info` of a model already in memory (an ``onnx.ModelProto``)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = []

@@ -18,7 +18,7 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS",
 ]
@@ -35,10 +35,13 @@ SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
 # ABI parameter names (abi.md) in enum order: the index is what the payload stores.
 PARAM_NAMES: tuple[str, ...] = (
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
-    "img_n", "img_h", "img_w", "out_h", "out_w",
+    "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
     "stride_mask_k",
 )
+# residual (15) and the attention params (16 on) came after out_w, so the indices earlier bundles store keep
+# their meaning. The div16 mask is 16 bits: params from index 16 on (all of attention's) take no div16 bit.
+POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out")  # the rest int32
 # The params of the attention view (from "q" on): a kernel takes all of them or none.
 ATTENTION_PARAMS: tuple[str, ...] = PARAM_NAMES[PARAM_NAMES.index("q"):]
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
@@ -280,9 +283,14 @@ class BundleKernel:
             raise _fail(f"{where}: params lack the output pointer 'c'")
         if "img_h" in self.params and "stride_a_batch" in self.params:
             raise _fail(f"{where}: params name both a conv and a bmm view")
+        if "residual" in self.params and ("img_h" in self.params or "stride_a_batch" in self.params):
+            raise _fail(f"{where}: params name a residual, which only gemm-view kernels take")
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
+            if PARAM_NAMES.index(p) >= 16:
+                raise _fail(f"{where}: div16 names {p!r} (param {PARAM_NAMES.index(p)}), but the mask is 16 bits: "
+                            "params from index 16 on carry no divisibility assumption")
         if self.dtype not in DTYPE_CODES or self.activation not in ACTIVATION_CODES:
             raise _fail(f"{where}: dtype {self.dtype!r} / activation {self.activation!r}; allowed "
                         f"{DTYPE_CODES} / {ACTIVATION_CODES}")
@@ -715,7 +723,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
         if any(a.name == "bundle" for a in node.attribute):
             raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "
                                 "ai.dietcode opset 2; optimize the original model again")
-        want = 4 if "Bias" in node.op_type else 3
+        want = 3 + ("Bias" in node.op_type) + ("Residual" in node.op_type)
         name = node.input[-1] if len(node.input) == want else ""
         if not name:
             raise DietcodeError(f"{label} has {len(node.input)} inputs, expected {want} with the kernel bundle last")

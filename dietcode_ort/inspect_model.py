@@ -65,11 +65,31 @@ def _attention(node: onnx.NodeProto) -> dict:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     inputs = ["Q", "Kt", "V", "mask"][:len(node.input)]
     return {"name": node.name or node.output[0], "op": node.op_type, "view": "attention", "bundle": None,
+            "epilogue": epilogue_of(node),
             "attention": {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
                           "nan_to_zero": bool(attrs.get("nan_to_zero", 0))},
             "runs": "the library's CPU kernel (it has no CUDA kernel yet); without the library, its fallback "
                     "function (the original nodes)",
             "kernels": [], "configs": None, "workload": None, "ranges": {}, "tuning": None}
+
+
+def epilogue_of(node: onnx.NodeProto) -> dict:
+    """What the node fuses after its product, as the library reads it: the op type's suffixes and the
+    ``scale`` attribute, applied as act(alpha * product + bias) + residual."""
+    import re
+
+    m = re.fullmatch(r"(MatMul|Gemm|Conv)(Bias)?(Relu|Gelu)?(Residual)?", node.op_type)
+    scale = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 1.0)
+    if m is None:
+        return {"alpha": float(scale)}
+    return {"alpha": float(scale), "bias": bool(m.group(2)), "activation": (m.group(3) or "none").lower(),
+            "residual": bool(m.group(4))}
+
+
+def _epilogue_text(e: dict) -> str:
+    parts = [f"alpha={e['alpha']:.6g}" if e.get("alpha", 1.0) != 1.0 else "", "bias" if e.get("bias") else "",
+             e["activation"] if e.get("activation", "none") != "none" else "", "residual" if e.get("residual") else ""]
+    return "+".join(p for p in parts if p) or "-"
 
 
 def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:
@@ -90,6 +110,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
         nodes.append({
             # exporters may leave names empty: then the node is named by its output
             "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
+            "epilogue": epilogue_of(node),
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
             "view": _view(bundle),
             "kernels": [{"name": k.name, "kind": k.kind, "view": k.view if k.kind == "triton" else None,
@@ -142,12 +163,12 @@ def inspect_command(path: str, as_json: bool) -> int:
     bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes if n["bundle"]}
     table = Table(title=f"{len(nodes)} {DOMAIN} nodes, {len(bundles)} distinct kernel bundles "
                         f"({sum(bundles.values()) / 1e6:.2f} MB, stored once each)")
-    for col in ("node", "op", "workload", "kernels", "tuned ranges", "dispatch"):
+    for col in ("node", "op", "epilogue", "workload", "kernels", "tuned ranges", "dispatch"):
         table.add_column(col, overflow="fold")
     for n in nodes:
         if n["view"] == "attention":
             a = n["attention"]
-            table.add_row(n["name"], n["op"], f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} "
+            table.add_row(n["name"], n["op"], "-", f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} "
                           f"head_dim={a['head_dim']}" + (" nan_to_zero" if a["nan_to_zero"] else ""),
                           "-", "-", "no bundle: " + n["runs"])
             continue
@@ -156,7 +177,7 @@ def inspect_command(path: str, as_json: bool) -> int:
             f" batch={w['batch']}" if w.get("batch", "1") != "1" else "")
         kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
-        table.add_row(n["name"], n["op"], work, kernels, ranges, n["tree"]["if_chain"])
+        table.add_row(n["name"], n["op"], _epilogue_text(n["epilogue"]), work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:

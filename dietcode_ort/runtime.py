@@ -152,7 +152,7 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
 class LaunchArgs(ctypes.Structure):
     """Mirror of ``dc_launch_args`` in custom_ops/core.h."""
 
-    _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "c_bytes")] + [
+    _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "residual", "c_bytes")] + [
         (n, ctypes.c_int32) for n in ("M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
                                       "img_n", "img_h", "img_w", "out_h", "out_w")] + [
         (n, ctypes.c_uint64) for n in ("q", "k", "v", "mask", "out")] + [
@@ -168,10 +168,11 @@ class KernelMeta(ctypes.Structure):
 
 
 class Epilogue(ctypes.Structure):
-    """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias and activation over the
-    output as [rows, cols]."""
+    """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias, activation and residual over
+    the output as [rows, cols]."""
 
-    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation")] + [("bias_scale", ctypes.c_float)]
+    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation", "has_residual")]
+                + [("bias_scale", ctypes.c_float)]
                 + [(n, ctypes.c_int64) for n in ("rows", "cols", "bias_rows", "bias_rs", "bias_cs")])
 
 
@@ -241,6 +242,9 @@ class Core:
         lib.dc_cuda_driver_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_fit_name.argtypes = [ctypes.c_int]
+        lib.dc_bench_select.argtypes = [vp, ctypes.POINTER(i64p), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                        ctypes.POINTER(LaunchArgs), ctypes.c_int64, ctypes.POINTER(i32),
+                                        ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_double)]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
                                              ctypes.c_int]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
@@ -470,6 +474,19 @@ class CoreBundle:
         if self.core.lib.dc_bundle_features(self.handle, ptrs, ranks, len(shapes), out):
             raise DietcodeError(self.core.error())
         return list(out[:self.n_features])
+
+    def bench_select(self, shapes: Sequence[Sequence[int]], args: LaunchArgs, n_iter: int) -> tuple[int, int, float]:
+        """Time a CUDA node call's host decision (features, tree walk, vendor check, ``dc_kernel_fit``) in a C
+        loop of ``n_iter`` (``dc_bench_select``): (kernel id, fit code, ns per decision)."""
+        dims = [(ctypes.c_int64 * max(1, len(s)))(*s) for s in shapes]
+        ptrs = (ctypes.POINTER(ctypes.c_int64) * max(1, len(shapes)))(
+            *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
+        ranks = (ctypes.c_size_t * max(1, len(shapes)))(*[len(s) for s in shapes])
+        k, fit, ns = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_double()
+        if self.core.lib.dc_bench_select(self.handle, ptrs, ranks, len(shapes), ctypes.byref(args), n_iter,
+                                         ctypes.byref(k), ctypes.byref(fit), ctypes.byref(ns)):
+            raise DietcodeError(self.core.error())
+        return k.value, fit.value, ns.value
 
     def decode(self) -> "Bundle":
         """The whole bundle as ``dietcode_ort.bundle.Bundle``, read field by field from this parse (the

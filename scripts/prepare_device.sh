@@ -156,8 +156,8 @@ calls = []
 for k in range(1, nparts):
     sets = groups[k - 1]
     calls.append({"why": f"onnxruntime-gpu part {k} of {nparts}; stage 2: table sets {sets}",
-                  "carry": [f".ortgpu/p{k}", ".device"], "deadline": 180,
-                  "command": f"{run} --ortgpu .ortgpu/p{k} --stage 2 --sets {sets} --deadline 180"})
+                  "carry": [f".ortgpu/p{k}", ".device"], "deadline": 150,
+                  "command": f"{run} --ortgpu .ortgpu/p{k} --stage 2 --sets {sets} --deadline 150"})
 calls.append({"why": f"onnxruntime-gpu part {nparts} of {nparts}: install; stage 1: check, doctor, GPU tests",
               "carry": [f".ortgpu/p{nparts}", ".device"], "deadline": 360,
               "command": f"{run} --ortgpu .ortgpu/p{nparts} --stage 1 --deadline 360"})
@@ -165,11 +165,14 @@ if nparts == 1:
     calls.append({"why": "stage 2: the measurement table (all sets, sampled)", "carry": [".device"], "deadline": 300,
                   "command": f"{run} --stage 2 --deadline 300"})
 calls.append({"why": "stage 3: LLaMA-7B MLP layer and BERT-base, fp16, tuned on the GPU, vs stock ORT CUDA EP",
-              "carry": [".device"], "deadline": 390,
-              "command": f"{run} --stage 3 --suites mlp,bert --budget 32 --deadline 390"})
+              "carry": [".device"], "deadline": 360,
+              "command": f"{run} --stage 3 --suites mlp,bert --budget 32 --deadline 360"})
 calls.append({"why": "stage 3 + 4: ResNet-50 fp16 (about 20 conv workloads: small budget), then the tuning DB "
                      "and the bundles", "carry": [".device"], "deadline": 360,
               "command": f"{run} --stage 3,4 --suites resnet50 --budget 8 --deadline 360"})
+calls.append({"why": "stage 6: BERT-base and ResNet-50 fp16 under torch.compile (eager, dynamic, mark_dynamic, "
+                     "max-autotune), joined with the bench files of the calls before", "carry": [".device"],
+              "deadline": 240, "command": f"{run} --stage 6 --deadline 240"})
 over = []
 for i, c in enumerate(calls, 1):
     c["call"] = i

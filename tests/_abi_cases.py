@@ -31,6 +31,8 @@ class AbiCase:
     config: tuple[int, ...] = (16, 16, 16, 2, 2)  # MicroKernel fields
     dtype: str = "float32"
     expect_kernel: bool = True  # False: the ABI cannot express it and ORT's kernel runs
+    alpha: float = 1.0  # a MatMul's fused scale (the node's `scale`, the kernel's ALPHA constexpr)
+    residual: bool = False  # MatMul...Residual: a tensor of the output's shape, the pointer after the ints
 
 
 CASES: tuple[AbiCase, ...] = (
@@ -38,6 +40,11 @@ CASES: tuple[AbiCase, ...] = (
     AbiCase("matmul_m1_gelu", "MatMul", (1, 33), (33, 20), activation="gelu"),
     AbiCase("matmul_fp16", "MatMul", (2, 9, 32), (32, 48), bias=(48,), dtype="float16"),
     AbiCase("matmul_split_k", "MatMul", (5, 64), (64, 12), config=(16, 16, 16, 2, 2, 8, 2)),
+    AbiCase("matmul_3d_scale_bias_gelu_residual", "MatMul", (3, 17, 40), (40, 24), bias=(24,), activation="gelu",
+            alpha=0.125, residual=True),
+    AbiCase("matmul_split_k_residual_fp16", "MatMul", (2, 5, 64), (64, 12), config=(16, 16, 16, 2, 2, 8, 2),
+            residual=True, dtype="float16"),
+    AbiCase("attention_scores_scaled", "MatMul", (2, 3, 17, 8), (2, 3, 8, 19), alpha=0.35355339059327373),
     AbiCase("attention_4d", "MatMul", (2, 3, 17, 8), (2, 3, 8, 19)),
     AbiCase("attention_a_broadcast", "MatMul", (17, 8), (2, 3, 8, 19)),
     AbiCase("attention_partial_broadcast", "MatMul", (2, 3, 17, 8), (1, 3, 8, 19), expect_kernel=False),
@@ -61,11 +68,11 @@ def _view(core: Any, case: AbiCase, batched: bool) -> Any:
     return core.abi_view("Conv", case.a, case.b, case.bias, ints=ints)
 
 
-def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any) -> Any:
+def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any, residual: Any = None) -> Any:
     at = case.attrs
     a32, b32 = a.float(), b.float()
     if case.onnx_op == "MatMul":
-        y = torch.matmul(a32, b32)
+        y = case.alpha * torch.matmul(a32, b32)
     elif case.onnx_op == "Gemm":
         y = at.get("alpha", 1.0) * (a32 @ (b32.T if at.get("trans_b") else b32))
     else:
@@ -81,6 +88,8 @@ def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any) -> Any:
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
+    if residual is not None:
+        y = y + residual.float()
     return y
 
 
@@ -114,14 +123,18 @@ def run_case(case: AbiCase) -> dict[str, Any]:
         out_shape = (args.img_n, oc, args.out_h, args.out_w)
     else:
         meta["TRANS_B"] = bool(case.attrs.get("trans_b", 0))
+        meta["ALPHA"] = case.alpha
+        if op == "gemm":
+            meta["HAS_RESIDUAL"] = case.residual
         out_shape = tuple(torch.matmul(torch.empty(case.a, device="meta"), torch.empty(case.b, device="meta").mT
                                        if meta["TRANS_B"] else torch.empty(case.b, device="meta")).shape)
     c_out = torch.zeros(out_shape, dtype=dtype)  # the runtime zeroes C for split-K kernels
-    pointers = {"a": a.contiguous(), "b": b.contiguous(), "bias": bias, "c": c_out}
+    residual = torch.randn(out_shape, dtype=dtype) if case.residual else None  # the output's shape (ort_ops.cc)
+    pointers = {"a": a.contiguous(), "b": b.contiguous(), "bias": bias, "c": c_out, "residual": residual}
     values = [pointers[p] if p in pointers else getattr(args, p) for p in templates.ABI_PARAMS[op]]
     grid = (triton.cdiv(args.M, bm) * triton.cdiv(args.N, bn), split_k, max(1, args.batch))  # the ABI's grid rule
     templates.KERNELS[op][grid](*values, **meta)
-    want = _reference(torch, case, a, b, bias)
+    want = _reference(torch, case, a, b, bias, residual)
     return {"view": "kernel", "max_err": float((c_out.float() - want).abs().max()),
             "scale": float(want.abs().max())}
 

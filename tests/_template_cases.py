@@ -30,6 +30,8 @@ class Case:
     trans_b: bool = False
     allow_tf32: bool = False
     conv: dict[str, Any] = field(default_factory=dict)  # ConvParams fields besides the channel counts
+    alpha: float = 1.0  # the fused scale: act(alpha * acc + bias) + residual
+    residual: bool = False  # add a second tensor of the output's shape last (gemm)
 
 
 CASES: tuple[Case, ...] = (
@@ -48,6 +50,12 @@ CASES: tuple[Case, ...] = (
     Case("gemm_splitk_transb_fp16", "gemm", (3, 45), (17, 45), ((16, 16, 16, 2, 2, 8, 2),), dtype="float16",
          trans_b=True),
     Case("gemm_tf32", "gemm", (9, 30), (30, 11), ((16, 16, 16, 2, 2),), allow_tf32=True),
+    # the epilogue's scale and residual: act(alpha * acc + bias) + residual, also under split-K (split 0 adds).
+    Case("gemm_alpha_bias_residual", "gemm", (21, 30), (30, 19), ((16, 16, 16, 2, 2),), bias=True, alpha=0.125,
+         residual=True),
+    Case("gemm_alpha_bias_gelu_residual_fp16", "gemm", (9, 24), (24, 33), ((16, 32, 16, 2, 2),), dtype="float16",
+         bias=True, activation="gelu", alpha=-0.5, residual=True),
+    Case("gemm_splitk_residual", "gemm", (5, 48), (48, 17), ((16, 16, 16, 2, 2, 8, 3),), alpha=2.0, residual=True),
     # bmm: broadcast of either operand, partial broadcast, trans_b, epilogue, split-K.
     Case("bmm_broadcast_b", "bmm", (2, 3, 5, 12), (12, 7), ((16, 16, 16, 2, 2), (32, 32, 32, 4, 2, 1))),
     Case("bmm_broadcast_a_bias_relu_fp16", "bmm", (1, 9, 20), (4, 20, 6), ((16, 16, 16, 2, 2),),
@@ -56,6 +64,8 @@ CASES: tuple[Case, ...] = (
          activation="gelu", trans_b=True),
     Case("bmm_partial_broadcast", "bmm", (3, 1, 5, 8), (4, 8, 6), ((16, 16, 16, 2, 2),)),
     Case("bmm_splitk_fp16", "bmm", (2, 1, 40), (2, 40, 9), ((16, 16, 16, 2, 2, 8, 2),), dtype="float16"),
+    Case("bmm_transb_alpha_scores", "bmm", (2, 7, 8), (2, 7, 8), ((16, 16, 16, 2, 2),), trans_b=True,
+         alpha=0.35355339059327373),
     # conv: stride 2, padding (also asymmetric), dilation, 1x1, epilogues, split-K.
     Case("conv_stride2_pad_bias_relu", "conv", (2, 3, 9, 9), (5, 3, 3, 3), ((16, 16, 16, 2, 2), (32, 16, 32, 2, 2)),
          bias=True, activation="relu", conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
@@ -68,7 +78,7 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def _reference(case: Case, a: Any, b: Any, bias: Any) -> Any:
+def _reference(case: Case, a: Any, b: Any, bias: Any, residual: Any = None) -> Any:
     import torch
     import torch.nn.functional as F
 
@@ -79,13 +89,15 @@ def _reference(case: Case, a: Any, b: Any, bias: Any) -> Any:
         y = F.conv2d(F.pad(a64, (left, right, top, bottom)), b64, bias64, stride=case.conv.get("strides", (1, 1)),
                      dilation=case.conv.get("dilations", (1, 1)))
     else:
-        y = torch.matmul(a64, b64.transpose(-1, -2) if case.trans_b else b64)
+        y = case.alpha * torch.matmul(a64, b64.transpose(-1, -2) if case.trans_b else b64)
         if bias64 is not None:
             y = y + bias64
     if case.activation == "relu":
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = F.gelu(y)
+    if residual is not None:
+        y = y + residual.double()
     return y
 
 
@@ -105,15 +117,18 @@ def _run_case(case: Case) -> dict[str, Any]:
     conv = None
     if case.op == "conv":
         conv = ConvParams(in_channels=case.b[1], out_channels=case.b[0], kernel=(case.b[2], case.b[3]), **case.conv)
-    ref = _reference(case, a, b, bias)
+    m = case.a[-2]
+    residual = torch.randn(m, n_out, generator=gen).to(dtype) if case.residual else None
+    ref = _reference(case, a, b, bias, residual)
     rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2)}[case.dtype]
     if case.allow_tf32:
         rtol, atol = 1e-2, 1e-2
     results = []
     for fields_ in case.configs:
         config = MicroKernel(*fields_)
-        y = run(case.op, config, a, b, bias=bias, epilogue=Epilogue(case.bias, case.activation),
-                trans_b=case.trans_b, conv=conv, allow_tf32=case.allow_tf32)
+        y = run(case.op, config, a, b, bias=bias, residual=residual,
+                epilogue=Epilogue(case.bias, case.activation, case.alpha, case.residual), trans_b=case.trans_b,
+                conv=conv, allow_tf32=case.allow_tf32)
         excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()
         results.append({"config": config.key(), "shape_ok": tuple(y.shape) == tuple(ref.shape),
                         "dtype_ok": y.dtype == dtype, "excess": excess,

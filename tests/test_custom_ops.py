@@ -253,3 +253,49 @@ def test_node_stats_count_the_cpu_kernel_calls(payload) -> None:
     assert dietcode_ort.node_stats()["stats_node"]["fallbacks"] == 23
     dietcode_ort.reset_node_stats()
     assert "stats_node" not in dietcode_ort.node_stats()
+
+
+def _residual_payload(bias: bool) -> bytes:
+    """A vendor leaf and a compiled kernel taking the residual pointer, as the gemm template has it."""
+    params = ("a", "b") + (("bias",) if bias else ()) + ("c", "M", "N", "K", "residual")
+    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64, block_n=64)
+    tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("op_type", ["MatMulResidual", "MatMulBiasResidual", "MatMulBiasGeluResidual"])
+def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
+    """y = act(scale * A B + bias) + residual: the scale (the fused Div/Mul) before the bias, the residual after
+    the activation; a residual of another shape is an error naming both shapes."""
+    import math
+
+    bias = "Bias" in op_type
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    data = ["A", "B"] + (["bias"] if bias else []) + ["R"]
+    node = helper.make_node(op_type, data + ["bundle"], ["Y"], domain="ai.dietcode", name="n0", scale=0.25)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], data, elem, initializers=[bundle_initializer(_residual_payload(bias))])
+    sess = dietcode_ort.InferenceSession(model, providers=CPU)
+    feeds = {"A": a, "B": b, "R": r} | ({"bias": c} if bias else {})
+    (got,) = sess.run(None, feeds)
+    want = 0.25 * (a.astype(np.float64) @ b.astype(np.float64)) + (c.astype(np.float64) if bias else 0.0)
+    if "Gelu" in op_type:
+        want = 0.5 * want * (1.0 + np.vectorize(math.erf)(want / math.sqrt(2.0)))
+    want = want + r
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's \[2, 5, 6\]"):
+        sess.run(None, feeds | {"R": r[0]})
+
+
+def test_residual_suffix_and_scale_must_fit_the_node(payload) -> None:
+    node = helper.make_node("MatMulResidual", ["A", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
+    model = _model([node], ["A", "B", "R"], TensorProto.FLOAT, initializers=[bundle_initializer(payload)])
+    with pytest.raises(DietcodeError, match="takes no residual but the op type has one"):
+        dietcode_ort.InferenceSession(model, providers=CPU)
+    scaled = custom_model("Gemm", 2, {"scale": 0.5}, TensorProto.FLOAT, payload)
+    with pytest.raises(DietcodeError, match="the scale attribute applies to MatMul op types only"):
+        dietcode_ort.InferenceSession(scaled, providers=CPU)

@@ -196,3 +196,33 @@ def test_several_models_share_the_tuning_of_identical_workloads(work, tmp_path):
         output_paths([tmp_path / "a.onnx", tmp_path / "out" / "a.onnx"], tmp_path / "o2")
     with pytest.raises(DietcodeError, match="names a folder"):
         output_paths([tmp_path / "a.onnx", tmp_path / "b.onnx"], tmp_path / "c.onnx")
+
+
+def _ort_optimized_ops(path: Path, library: bool) -> list[str]:
+    """The op types of the graph ORT's CPU EP runs after its own graph optimizer (ORT_ENABLE_ALL)."""
+    options = ort.SessionOptions()
+    if library:
+        dietcode_ort.register(options)
+    options.optimized_model_filepath = str(path.with_suffix(f".ort{int(library)}.onnx"))
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+def test_bert_runs_fewer_nodes_than_stock_ort(work):
+    """Stock ORT fuses the scores' MatMul + Div into FusedMatMul and MatMul + Add + Gelu into BiasGelu but
+    keeps each output projection's residual Add; the optimized model absorbs the Div (alpha) and the
+    residual Adds too, so the graph ORT runs has fewer nodes, and the same outputs (checked above)."""
+    src, out = _optimized(work, "bert", CASES["bert"][0])
+    stock, ours = _ort_optimized_ops(src, False), _ort_optimized_ops(out, True)
+    model = onnx.load(str(out))
+    custom = [n for n in model.graph.node if n.domain == "ai.dietcode"]
+    assert sorted(n.op_type for n in custom).count("MatMulBiasResidual") == 4  # attention output + FFN, 2 layers
+    scores = [n for n in custom if any(a.name == "scale" for a in n.attribute)]
+    assert len(scores) == 2 and all(onnx.helper.get_attribute_value(a) == 0.125 for n in scores
+                                    for a in n.attribute if a.name == "scale")  # 1 / sqrt(64)
+    assert "Div" not in {n.op_type for n in model.graph.node}
+    assert stock.count("Add") - ours.count("Add") >= 4 and "FusedMatMul" not in ours
+    assert len(ours) < len(stock), (len(ours), len(stock))
+    described = {d["name"]: d["epilogue"] for d in describe(model)}
+    assert {"alpha": 0.125, "bias": False, "activation": "none", "residual": False} in described.values()
+    assert {"alpha": 1.0, "bias": True, "activation": "none", "residual": True} in described.values()

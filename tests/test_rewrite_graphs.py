@@ -236,7 +236,75 @@ def constant_not_along_last_axis() -> Case:
                 [Epilogue(), Epilogue()], x_shape=lambda n: (n, 4, K), dims=("b=1:8",))
 
 
+def _residual_of_x(name: str = "r") -> onnx.NodeProto:
+    """A second [n, N] tensor computed from x (N = 2K): what a residual Add adds."""
+    return helper.make_node("Concat", ["x", "x"], [name], axis=-1)
+
+
+def scale_bias_residual() -> Case:
+    """MatMul -> Div(4) -> Add(bias) -> Add(residual first) -> LayerNorm-like reader: all fuse, alpha 1/4."""
+    nodes = [_residual_of_x(), helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Div", ["h", "four"], ["hs"]), helper.make_node("Add", ["hs", "b"], ["hb"]),
+             helper.make_node("Add", ["r", "hb"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
+    return Case(_model(nodes, [_x()], [_out("z")], [_t("w", (K, N)), _t("four", (), 4.0), _t("b", (N,))]),
+                [Epilogue(True, "none", 0.25, True)])
+
+
+def scale_mul_gelu_residual() -> Case:
+    """MatMul -> Mul(0.5) -> Add(bias) -> Gelu -> Add(residual): act(alpha * acc + bias) + residual."""
+    gelu, consts = _gelu("hb", "hg", "g")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Mul", ["half", "h"], ["hs"]),
+             helper.make_node("Add", ["hs", "b"], ["hb"])] + gelu + [
+             _residual_of_x(), helper.make_node("Add", ["hg", "r"], ["y"])]
+    return Case(_model(nodes, [_x()], [_out("y")], [_t("w", (K, N)), _t("half", (1,), 0.5), _t("b", (N,))] + consts),
+                [Epilogue(True, "gelu", 0.5, True)])
+
+
+def residual_made_after_the_matmul() -> Case:
+    """The residual is computed after the MatMul in node order: the custom node takes the Add's place."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), _residual_of_x(),
+             helper.make_node("Add", ["h", "r"], ["y"])]
+    return Case(_model(nodes, [_x()], [_out("y")], [_t("w", (K, N))]), [Epilogue(False, "none", 1.0, True)])
+
+
+def residual_input_read_elsewhere() -> Case:
+    """The biased product is also read by another node: the residual Add stays (the bias still fuses)."""
+    mm, inits = _mm_bias("x", "hb", "a")
+    nodes = mm + [_residual_of_x(), helper.make_node("Add", ["hb", "r"], ["y"]),
+                  helper.make_node("Relu", ["hb"], ["z"])]
+    return Case(_model(nodes, [_x()], [_out("y"), _out("z")], inits), [Epilogue(True, "none")],
+                ["residual not fused: the value before it, 'hb', is also read by 'Relu:z'"])
+
+
+def broadcast_residual() -> Case:
+    """[n, N] + [1, N] computed (not a constant bias): a broadcast Add is no residual."""
+    mm, inits = _mm_bias("x", "hb", "a")
+    nodes = mm + [_residual_of_x(), helper.make_node("ReduceMean", ["r"], ["rm"], axes=[0], keepdims=1),
+                  helper.make_node("Add", ["hb", "rm"], ["y"])]
+    return Case(_model(nodes, [_x()], [_out("y")], inits), [Epilogue(True, "none")],
+                ["residual not fused: 'rm' has shape [1, 32], not the output's"])
+
+
+def scale_not_a_scalar() -> Case:
+    """MatMul -> Mul by a [N] constant: no scale to absorb; nothing after it fuses."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Mul", ["h", "c"], ["hs"]),
+             helper.make_node("Add", ["hs", "b"], ["y"])]
+    return Case(_model(nodes, [_x()], [_out("y")], [_t("w", (K, N)), _t("c", (N,)), _t("b", (N,))]),
+                [Epilogue()], ["scale not fused: constant 'c' has 32 elements, not one scalar"])
+
+
+def attention_scores_scaled() -> Case:
+    """Q K^T / sqrt(K) -> Softmax, Q = x, K^T = Transpose(x): the bmm absorbs alpha = 1/4."""
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["x", "xt"], ["s"]), helper.make_node("Div", ["s", "sqrt_k"], ["ss"]),
+             helper.make_node("Softmax", ["ss"], ["y"], axis=-1)]
+    return Case(_model(nodes, [_x(("b", "n", K))], [_out("y")], [_t("sqrt_k", (), 4.0)]),
+                [Epilogue(alpha=0.25)], x_shape=lambda n: (2, n, K), dims=("b=2", "n=1:8"))
+
+
 CASES = {f.__name__: f for f in (
+    scale_bias_residual, scale_mul_gelu_residual, residual_made_after_the_matmul, residual_input_read_elsewhere,
+    broadcast_residual, scale_not_a_scalar, attention_scores_scaled,
     gelu_intermediate_read_elsewhere, gelu_intermediate_read_in_a_subgraph, gelu_intermediate_is_graph_output,
     gelu_input_is_graph_output,
     bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
@@ -407,6 +475,26 @@ def test_identity_bias_stays_for_its_other_readers():
                                                             "GemmBias"]
 
 
+def test_fused_scale_and_residual_nodes():
+    """The custom node reads the residual as its input after the bias, carries the scale as an attribute,
+    sits where the residual Add was (its residual is made after the MatMul), and its fallback body is the
+    replaced nodes: the Div and both Adds."""
+    case = scale_bias_residual()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    custom = next(n for n in result.model.graph.node if n.domain == DOMAIN)
+    assert custom.op_type == "MatMulBiasResidual" and list(custom.input[:-1]) == ["x", "w", "b", "r"]
+    assert [(a.name, a.f) for a in custom.attribute if a.name == "scale"] == [("scale", 0.25)]
+    fn = next(f for f in result.model.functions if f.name == "MatMulBiasResidual")
+    assert list(fn.input) == ["A", "B", "bias", "residual", "bundle"] and "scale" in fn.attribute
+    assert [n.op_type for n in fn.node if n.op_type != "Constant"] == ["MatMul", "Div", "Add", "Add"]
+    assert [n.input[0] for n in fn.node if n.op_type == "Add"][-1] == "residual"  # the graph's order kept
+    late = residual_made_after_the_matmul()
+    _, _, workloads = _workload_epilogues(late.model)
+    result = rewrite_model(late.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    assert [n.op_type for n in result.model.graph.node] == ["Concat", "MatMulResidual"]
+
+
 # ---- optimize end to end (analytic tuning, real kernels) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -418,7 +506,8 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "gelu_forms_and_rank3_constants", "unnamed_nodes", "name_like_a_made_up_one",
        "old_ir_initializers_as_inputs",
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
-       "opset_13", "opset_18"]
+       "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
+       "attention_scores_scaled"]
 
 
 @pytest.mark.parametrize("name", E2E)

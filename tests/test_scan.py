@@ -242,14 +242,17 @@ def _scan_built(name: str, preset: str, dtype: str = "float32"):
 def test_bert_tiny_workloads():
     result = _scan_built("bert", "tiny")
     assert result.symbols == ("batch", "seq") and result.skipped == ()
-    views = {(w.op, w.m, w.n, w.k, w.batch, w.epilogue.activation): len(w.nodes) for w in result.workloads}
+    views = {(w.op, w.m, w.n, w.k, w.batch, w.epilogue.activation, w.epilogue.alpha, w.epilogue.residual):
+             len(w.nodes) for w in result.workloads}
     assert views == {
-        ("gemm", "batch*seq", "128", "128", "1", "none"): 8,  # Q, K, V, attention output x 2 layers
-        ("bmm", "seq", "seq", "64", "2*batch", "none"): 2,  # Q K^T
-        ("bmm", "seq", "64", "seq", "2*batch", "none"): 2,  # attention x V
-        ("gemm", "batch*seq", "512", "128", "1", "gelu"): 2,  # FFN up, with bias + Erf-Gelu fused
-        ("gemm", "batch*seq", "128", "512", "1", "none"): 2,  # FFN down
+        ("gemm", "batch*seq", "128", "128", "1", "none", 1.0, False): 6,  # Q, K, V x 2 layers
+        ("gemm", "batch*seq", "128", "128", "1", "none", 1.0, True): 2,  # attention output + residual Add
+        ("bmm", "seq", "seq", "64", "2*batch", "none", 0.125, False): 2,  # Q K^T / sqrt(64)
+        ("bmm", "seq", "64", "seq", "2*batch", "none", 1.0, False): 2,  # attention x V
+        ("gemm", "batch*seq", "512", "128", "1", "gelu", 1.0, False): 2,  # FFN up, with bias + Erf-Gelu fused
+        ("gemm", "batch*seq", "128", "512", "1", "none", 1.0, True): 2,  # FFN down + residual Add
     }
+    assert result.unfused == ()
     dense = [w for w in result.workloads if w.op == "gemm"]
     assert all(w.epilogue.bias and w.const_operands == (1,) for w in dense)
 

@@ -37,6 +37,9 @@ def test_cases_cover_the_brief() -> None:
     assert any(len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
     assert any(case.op == "gemm" and case.a[0] == 1 for case in CASES)
     assert any(case.op == "conv" and case.conv.get("dilations", (1, 1)) != (1, 1) for case in CASES)
+    assert any(case.residual and case.activation == "gelu" for case in CASES)  # act(alpha*acc+bias)+residual
+    assert any(case.residual and len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
+    assert any(case.op == "bmm" and case.alpha != 1.0 for case in CASES)
 
 
 def test_launcher_rejects_bad_epilogues() -> None:
@@ -53,6 +56,15 @@ def test_launcher_rejects_bad_epilogues() -> None:
         run("gemm", MicroKernel(16, 16, 16, 2, 2, 8, 2), a, b, epilogue=Epilogue(False, "relu"))
     with pytest.raises(DietcodeError, match="bias tensor missing"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(True, "none"))
+    with pytest.raises(DietcodeError, match="residual tensor missing"):
+        run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(residual=True))
+    with pytest.raises(DietcodeError, match="the output's shape"):
+        run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, residual=torch.zeros(1, 4), epilogue=Epilogue(residual=True))
+    with pytest.raises(DietcodeError, match="only the gemm template adds a residual"):
+        run("bmm", MicroKernel(16, 16, 16, 2, 2), a[None], b[None], residual=torch.zeros(1, 4, 4),
+            epilogue=Epilogue(residual=True))
+    with pytest.raises(DietcodeError, match="finite, non-zero float"):
+        run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(alpha=float("inf")))
     with pytest.raises(DietcodeError, match="allowed: gemm, bmm, conv"):
         run("attention", MicroKernel(16, 16, 16, 2, 2), a, b)
     with pytest.raises(DietcodeError, match="inner dims"):

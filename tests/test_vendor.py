@@ -70,6 +70,7 @@ GEMM_CASES = [
     ("matmul_vector_a", "MatMul", (4,), (2, 4, 3), {}),
     ("matmul_vector_b", "MatMul", (2, 5, 4), (4,), {}),
     ("matmul_k1", "MatMul", (3, 1), (1, 4), {}),
+    ("matmul_scaled_scores", "MatMul", (2, 3, 5, 4), (2, 3, 4, 6), {"alpha": 0.125}),  # a fused Div: cuBLAS alpha
     ("gemm", "Gemm", (5, 7), (7, 3), {"alpha": 0.5}),
     ("gemm_transA", "Gemm", (7, 5), (7, 3), {"trans_a": True}),
     ("gemm_transB", "Gemm", (5, 7), (3, 7), {"trans_b": True, "alpha": 2.0}),
@@ -78,8 +79,8 @@ GEMM_CASES = [
 
 
 def _reference(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarray:
-    if op == "MatMul":
-        return np.matmul(a.astype(np.float64), b.astype(np.float64))
+    if op == "MatMul":  # alpha: the node's fused scale
+        return attrs.get("alpha", 1.0) * np.matmul(a.astype(np.float64), b.astype(np.float64))
     a2 = a.T if attrs.get("trans_a") else a
     b2 = b.T if attrs.get("trans_b") else b
     return attrs.get("alpha", 1.0) * (a2.astype(np.float64) @ b2.astype(np.float64))
@@ -292,18 +293,20 @@ EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
 ]
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
-def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype) -> None:
+def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype, residual) -> None:
     """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
-    the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation and the dtype's loads, stores
-    and rounding."""
+    the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation, the residual added last
+    (act(y + bias) + residual) and the dtype's loads, stores and rounding."""
     from tests import _ptx_run
 
     _, make, out_shape, bias_shape, scale = case
     core = load_core()
     e = make(core, activation, dtype).epilogue
+    assert e.has_residual == 0  # the plan never adds one: the node's op type says (ort_ops.cc sets it)
     rng = np.random.default_rng(3)
     y32 = (rng.standard_normal(out_shape) * 2).astype(np.float32)
     y = _to_dtype_bits(y32, dtype)
@@ -319,9 +322,14 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype)
         ref = np.maximum(ref, 0.0)
     elif activation == "gelu":
         ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0)))
+    res_addr = 0
+    if residual:
+        res = _to_dtype_bits((rng.standard_normal(out_shape) * 3).astype(np.float32), dtype)
+        res_addr = memory.place(res)
+        ref = ref + _from_dtype_bits(res, dtype).astype(np.float64)
     params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
               "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
-              "p_act": e.activation}
+              "p_act": e.activation, "p_res": res_addr}
     _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
     got = _from_dtype_bits(y, dtype)
     want = ref.astype(np.float32)
@@ -418,6 +426,33 @@ def test_vendor_leaf_on_cuda_matches_stock_onnxruntime(case, suffix, dtype) -> N
     (want,) = ref.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
     tol = 2e-2  # float16 rounding; for float32, TF32 on both sides (differently blocked sums)
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
+    """MatMulBiasGeluResidual with scale 0.25 through the vendor path: cuBLAS's alpha is the scale, the PTX
+    epilogue adds bias, Gelu, then the residual; a residual of another shape fails naming both shapes."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    node = helper.make_node("MatMulBiasGeluResidual", ["A", "B", "bias", "R", "bundle"], ["Y"],
+                            domain="ai.dietcode", name="n0", scale=0.25)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["A", "B", "bias", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    feeds = {"A": a, "B": b, "bias": c, "R": r}
+    (got,) = sess.run(None, feeds)
+    h = 0.25 * (a.astype(np.float64) @ b.astype(np.float64)) + c
+    want = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))) + r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+    with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's"):
+        sess.run(None, feeds | {"R": r[0]})
 
 
 GPU_CONV_CASES = [

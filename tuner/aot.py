@@ -51,7 +51,7 @@ __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", 
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_POINTERS = ("a", "b", "bias", "c")
+_POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
 _FORMAT = 3  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain)
 
@@ -77,10 +77,12 @@ def ensure_cache_dir(cache_dir: Path | None = None) -> Path:
     return writable_dir(folder, "kernel cache", "--cache-dir or DIETCODE_CACHE")
 
 
-def aligned_params(op: str, bias: bool = True) -> tuple[str, ...]:
+def aligned_params(op: str, bias: bool = True, residual: bool = False) -> tuple[str, ...]:
     """The ``div16`` set that lets Triton vectorize and pipeline ``op``'s operand loads."""
     templates.kernel_for(op)
-    return tuple(p for p in _POINTERS if bias or p != "bias") + _ALIGNED[op]
+    if op not in _ALIGNED:  # attention: its params sit at index 16 on, past the bundle's 16-bit div16 mask
+        raise DietcodeError(f"{op}: no div16 assumptions (its params are past the 16-bit div16 mask)")
+    return tuple(p for p in _POINTERS if (bias or p != "bias") and (residual or p != "residual")) + _ALIGNED[op]
 
 
 def launch_features(metadata: Any) -> list[str]:
@@ -215,7 +217,8 @@ def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans
         raise DietcodeError(f"{family.op}: ConvParams are {'required' if family.op == 'conv' else 'only for conv'}")
     if family.op == "conv" and trans_b:
         raise DietcodeError("conv: trans_b does not apply (the weight is always [OC, C*KH*KW])")
-    allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"})
+    allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"}) - \
+        (set() if epilogue.residual else {"residual"})
     unknown = sorted(set(div16) - allowed)
     if unknown:
         raise DietcodeError(f"div16 names {unknown} are not parameters of {family.op}; allowed: "
@@ -252,8 +255,13 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
         constants.update(templates.conv_geometry(conv))
     else:
         constants["TRANS_B"] = trans_b
+        constants["ALPHA"] = float(epilogue.alpha)  # a model constant, baked in: the ABI is unchanged
+    if family.op == "gemm":
+        constants["HAS_RESIDUAL"] = epilogue.residual
     if not epilogue.bias:
         constants["bias"] = None
+    if "residual" in fn.arg_names and not epilogue.residual:
+        constants["residual"] = None
     signature: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constants:
@@ -366,6 +374,8 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
 
     if not epilogue.bias:  # nothing to assume about a pointer the kernel does not take
         div16 = tuple(p for p in div16 if p != "bias")
+    if not epilogue.residual:
+        div16 = tuple(p for p in div16 if p != "residual")
     _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
     profile = check_family(family)
     div16 = tuple(sorted(set(div16)))
@@ -403,7 +413,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,
-        constants=tuple(sorted((k, v) for k, v in constants.items() if k != "bias")), **facts)
+        constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual"))), **facts)
     record = kernel.to_dict()
     _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))
     return kernel
@@ -556,9 +566,9 @@ def aot_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def shipped_div16(op: str, bias: bool, n: int | None, k: int | None) -> tuple[str, ...]:
+def shipped_div16(op: str, bias: bool, n: int | None, k: int | None, residual: bool = False) -> tuple[str, ...]:
     """The ``div16`` set ``optimize`` compiles a workload's kernels with: every pointer (ORT's allocations
     are aligned; the runtime checks each call) and N / K where they are constant for the workload (``None``:
     symbolic) and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
     fixed = {name: value for name, value in (("N", n), ("K", k)) if value is not None and value % 16 == 0}
-    return tuple(p for p in aligned_params(op, bias) if p in _POINTERS or p in fixed)
+    return tuple(p for p in aligned_params(op, bias, residual) if p in _POINTERS or p in fixed)

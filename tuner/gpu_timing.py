@@ -86,6 +86,7 @@ class TimingItem:
     bias: bool = False
     trans_b: bool = False
     conv: ConvParams | None = None
+    residual: bool = False  # the kernel adds a second [M, N] tensor (gemm only)
 
 
 def node_call(item: TimingItem) -> dict[str, Any]:
@@ -249,14 +250,16 @@ class CudaBackend(TimingBackend):
             return MeasureResult(math.inf, "the kernel ABI cannot express this problem's node call")
         elem = _DTYPE_BYTES[item.dtype]
         call = node_call(item)
-        sizes = [math.prod(call["a"]) * elem, math.prod(call["b"]) * elem, item.problem.n * elem if item.bias else 0]
+        out_bytes = item.problem.m * item.problem.n * item.problem.batch * elem
+        sizes = [math.prod(call["a"]) * elem, math.prod(call["b"]) * elem, out_bytes if item.residual else 0,
+                 item.problem.n * elem if item.bias else 0]
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + -(-size // 256) * 256)  # operands apart, 256-byte aligned
         base = self._buffer(f"operands-{item.dtype}", offsets[-1] + max(sizes[-1], 256), fill_dtype=item.dtype)
-        out_bytes = item.problem.m * item.problem.n * item.problem.batch * elem
         args.a, args.b = base + offsets[0], base + offsets[1]
-        args.bias = base + offsets[2] if item.bias else 0
+        args.residual = base + offsets[2] if item.residual else 0
+        args.bias = base + offsets[3] if item.bias else 0
         args.c, args.c_bytes = self._buffer("output", out_bytes), out_bytes
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":

@@ -300,7 +300,9 @@ class GpuMeasurer(Measurer):
         c = self.conv
         conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
                                      f"p{c.pads}d{c.dilations}")
-        return (f"bias={int(self.epilogue.bias)};act={self.epilogue.activation};trans_b={int(self.trans_b)}"
+        e = self.epilogue
+        scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "")
+        return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
                 f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)}"
                 f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}").replace(" ", "")
@@ -334,7 +336,8 @@ class GpuMeasurer(Measurer):
                 out[i] = MeasureResult(math.inf, bundle)
                 continue
             items.append(TimingItem(i, config.key(), bundle, family.op, family.dtype, problem,
-                                    bias=self.epilogue.bias, trans_b=self.trans_b, conv=self.conv))
+                                    bias=self.epilogue.bias, trans_b=self.trans_b, conv=self.conv,
+                                    residual=self.epilogue.residual))
         for item, result in zip(items, self._timer.time(items)):
             out[item.index] = result
         missing = [i for i, r in enumerate(out) if r is None]

@@ -385,7 +385,8 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]])
               for i, name in enumerate(_feature_names(w))}
     return json.dumps({
         "workload": {"op": w.op, "m": w.m, "n": w.n, "k": w.k, "batch": w.batch, "dtype": w.dtype,
-                     "epilogue": [w.epilogue.bias, w.epilogue.activation]},
+                     "epilogue": [w.epilogue.bias, w.epilogue.activation],
+                     "alpha": w.epilogue.alpha, "residual": w.epilogue.residual},
         "kernels": list(r.kernels), "ranges": ranges,
         "tuning": {"measurer": r.measurer, "trials": r.trials, "seconds": round(r.seconds, 3),
                    "regret": r.regret, "geomean_vs_vendor": r.geomean_vs_vendor, "instances": r.instances},
@@ -435,7 +436,7 @@ def _div16(w: Workload) -> tuple[str, ...]:
     from tuner import aot
 
     return aot.shipped_div16(w.op, w.epilogue.bias, int(w.n) if w.n.isdigit() else None,
-                             int(w.k) if w.k.isdigit() else None)
+                             int(w.k) if w.k.isdigit() else None, w.epilogue.residual)
 
 
 def _summary(index: int, r: WorkloadReport) -> str:

@@ -1,8 +1,10 @@
 """Rewrite: workloads + bundles -> a model whose nodes are ``ai.dietcode`` custom ops.
 
-Each scanned node (with the Add(bias) and Relu/Gelu it absorbs) becomes one custom node whose op type
-names the fused epilogue (``MatMulBiasGelu``, ``ConvBiasRelu``, ...; the node contract is in
-docs/bundle.md). The node keeps the output name of the last node it replaces; its last input is its kernel
+Each scanned node (with the scalar Mul/Div, Add(bias), Relu/Gelu and residual Add it absorbs) becomes one
+custom node whose op type names the fused epilogue (``MatMulBiasGelu``, ``ConvBiasRelu``,
+``MatMulBiasResidual``, ...; the node contract is in docs/bundle.md); a MatMul's absorbed scale is its
+``scale`` attribute (the compiled kernels have it baked in). The custom node takes the place of the last node
+it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the last node it replaces; its last input is its kernel
 bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
 every op type used, the model also gets a model-local function whose body is the original computation
 (it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
@@ -42,7 +44,8 @@ def op_type(workload: Workload) -> str:
     """The custom op type for a workload: the ONNX op plus its fused epilogue."""
     bias = "Bias" if workload.epilogue.bias else ""
     act = {"none": "", "relu": "Relu", "gelu": "Gelu"}[workload.epilogue.activation]
-    return f"{workload.onnx_op}{bias}{act}"
+    residual = "Residual" if workload.epilogue.residual else ""
+    return f"{workload.onnx_op}{bias}{act}{residual}"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class RewriteResult:
 
 # Attributes each op type forwards to its original op (and to its fallback body), with their defaults.
 _FORWARDED: dict[str, dict[str, Any]] = {
-    "MatMul": {},
+    "MatMul": {"scale": 1.0},  # the absorbed Mul/Div's alpha: read by the library, not by the fallback body
     "Gemm": {"transA": 0, "transB": 0, "alpha": 1.0, "beta": 1.0},
     "Conv": {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1},
 }
@@ -74,6 +77,8 @@ def _ref_attributes(onnx_op: str) -> list[onnx.AttributeProto]:
     """The original op's attributes as references to the custom node's (the body takes the node's values)."""
     refs = []
     for name, default in _FORWARDED[onnx_op].items():
+        if name == "scale":  # the body computes the scale with the copied Mul/Div
+            continue
         kind = onnx.AttributeProto.INTS if isinstance(default, list) else \
             onnx.AttributeProto.FLOAT if isinstance(default, float) else onnx.AttributeProto.INT
         refs.append(onnx.AttributeProto(name=name, ref_attr_name=name, type=kind))
@@ -82,9 +87,10 @@ def _ref_attributes(onnx_op: str) -> list[onnx.AttributeProto]:
 
 def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: list[onnx.OperatorSetIdProto],
               overload: str) -> onnx.FunctionProto:
-    """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias], output Y;
-    the last input, the kernel bundle, is read by the custom op and ignored here."""
-    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + ["bundle"]
+    """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias][, residual],
+    output Y; the last input, the kernel bundle, is read by the custom op and ignored here."""
+    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if op.endswith("Residual") else []) \
+        + ["bundle"]
     return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
                                 attributes=["info"] + list(_FORWARDED[onnx_op]),
                                 overload=overload or None)
@@ -92,8 +98,10 @@ def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: l
 
 def _node_attributes(node: onnx.NodeProto) -> dict:
     given = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    out = {}
+    out: dict[str, Any] = {}
     for name, default in _FORWARDED[node.op_type].items():
+        if name == "scale":  # set from the workload's epilogue, when it has one
+            continue
         value = given.get(name, default)
         out[name] = list(value) if isinstance(default, list) else type(default)(value)
     return out
@@ -114,6 +122,12 @@ class _Site:
     inputs: tuple[str, ...]
     output: str
     body: tuple[onnx.NodeProto, ...]
+    scale: float = 1.0  # the absorbed Mul/Div's alpha (MatMul)
+
+    @property
+    def place(self) -> int:
+        """Where the custom node goes: the last replaced node, after everything it reads is made."""
+        return max((self.index, *self.absorbed))
 
 
 class _Links:
@@ -179,17 +193,31 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
     absorbed = [links.node(f, "fused node") for f in fused]
     inputs = list(node.input[:2])
     bias = None
+    scaled = w.epilogue.alpha != 1.0
+    if scaled and (not absorbed or absorbed[0][1].op_type not in ("Mul", "Div")):
+        raise DietcodeError(f"workload node making {key!r}: its scale Mul/Div is not the first fused node")
     if w.epilogue.bias:
         if node.op_type == "MatMul":
-            if not absorbed or absorbed[0][1].op_type != "Add" or len(absorbed[0][1].input) != 2:
-                raise DietcodeError(f"workload node making {key!r}: its bias Add is not the first fused node")
-            add = absorbed[0][1]  # the scanner's bias Add: (product, bias) in either order
-            bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+            first = absorbed[1 if scaled else 0][1] if len(absorbed) > int(scaled) else None
+            if first is None or first.op_type != "Add" or len(first.input) != 2:
+                raise DietcodeError(f"workload node making {key!r}: its bias Add is not the first fused node "
+                                    f"after the scale")
+            add = first  # the scanner's bias Add: (value, bias) in either order
+            before = absorbed[0][1].output[0] if scaled else node.output[0]
+            bias = add.input[1] if add.input[0] == before else add.input[0]
         else:
             bias = node.input[2] if len(node.input) > 2 else ""
         if not bias:
             raise DietcodeError(f"workload node making {key!r} has no bias input")
         inputs.append(bias)
+    residual = None
+    if w.epilogue.residual:
+        last = absorbed[-1][1] if absorbed else None
+        before = absorbed[-2][1].output[0] if len(absorbed) > 1 else node.output[0]
+        if last is None or last.op_type != "Add" or len(last.input) != 2 or before not in last.input:
+            raise DietcodeError(f"workload node making {key!r}: its residual Add is not the last fused node")
+        residual = last.input[1] if last.input[0] == before else last.input[0]
+        inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
     for n in [node] + [f for _, f in absorbed]:
@@ -203,11 +231,11 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
                 raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
                                     f"{where}")
     return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output,
-                 _body(links, node, [f for _, f in absorbed], bias, output))
+                 _body(links, node, [f for _, f in absorbed], bias, output, residual), w.epilogue.alpha)
 
 
 def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], bias: str | None,
-          output: str) -> tuple[onnx.NodeProto, ...]:
+          output: str, residual: str | None = None) -> tuple[onnx.NodeProto, ...]:
     """The fallback body: the original op (its attributes referring to the custom node's), then the
     absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
     equal computations give equal bodies."""
@@ -221,7 +249,7 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
     core = helper.make_node(node.op_type, ["A", "B"] + c_input, [made(node.output[0])])
     core.attribute.extend(_ref_attributes(node.op_type))
     body = [core]
-    for f in absorbed:
+    for j, f in enumerate(absorbed):
         copy = onnx.NodeProto()
         copy.CopyFrom(f)
         copy.name = ""
@@ -229,6 +257,8 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         for x in f.input:
             if not x or x in names:
                 renamed.append(names.get(x, ""))
+            elif residual is not None and x == residual and j == len(absorbed) - 1:
+                renamed.append("residual")
             elif x == bias and node.op_type == "MatMul":
                 renamed.append("bias")
             else:
@@ -355,12 +385,14 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
             shared[payload] = new_initializers[-1].name
         custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [site.output], name=node.name,
                                   domain=DOMAIN, **_node_attributes(node))
+        if site.scale != 1.0:
+            custom.attribute.append(helper.make_attribute("scale", site.scale))
         if overload:
             custom.overload = overload
         if info and node_name in info:
             custom.attribute.append(helper.make_attribute("info", info[node_name]))
-        replace[site.index] = custom
-        drop.update(site.absorbed)
+        replace[site.place] = custom
+        drop.update(i for i in (site.index, *site.absorbed) if i != site.place)
         used_ops.add(site.op)
         rewritten.append(node_name)
     new_nodes = [replace.get(i, n) for i, n in enumerate(graph.node) if i not in drop]

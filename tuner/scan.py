@@ -406,11 +406,78 @@ def _rank_grows(g: _Graph, x: str, consts: Sequence[str]) -> str | None:
     return None
 
 
-def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool
-              ) -> tuple[Epilogue, tuple[str, ...], list[Skipped]]:
-    """The Add(bias) and Relu/Gelu after ``node`` that a kernel can absorb, as (epilogue, the first
-    outputs of the absorbed nodes, the candidates refused with the reason)."""
+def _default_domain(node: onnx.NodeProto | None, *ops: str) -> bool:
+    return node is not None and node.op_type in ops and node.domain in ("", "ai.onnx")
+
+
+def _scale(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, float, str | None]:
+    """A Mul or Div of ``x`` by a constant scalar, read only by it (attention's scores / sqrt(head_dim)), as
+    (node, alpha, None); (node, 1.0, why) for such a node a kernel cannot absorb; (None, 1.0, None) when
+    ``x`` is not scaled by a constant (a Mul by another tensor is no candidate)."""
+    node = g.exclusive_consumer(x)  # a product read elsewhere too (Gelu's x / sqrt2) is no candidate
+    if node is None or not _default_domain(node, "Mul", "Div"):
+        return None, 1.0, None
+    other = _other_input(node, x)
+    source = g.constant_source(other) if other else None
+    if other is None or source is None or (node.op_type == "Div" and node.input[0] != x):
+        return None, 1.0, None
+    value = g.const(source)
+    if value is None:
+        return node, 1.0, f"the value of constant {other!r} is not loaded"
+    if value.size != 1:
+        return node, 1.0, f"constant {other!r} has {value.size} elements, not one scalar"
+    why = _rank_grows(g, x, [other])
+    if why:
+        return node, 1.0, why
+    c = float(value.reshape(()))
+    alpha = c if node.op_type == "Mul" else (1.0 / c if c != 0.0 else math.nan)
+    if not math.isfinite(alpha) or alpha == 0.0:
+        return node, 1.0, f"the scale {c!r} would make the fused alpha {alpha!r}"
+    return node, alpha, None
+
+
+def _residual(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, str | None]:
+    """An Add of ``x`` and a second tensor of exactly ``x``'s shape and dtype (the skip connection before a
+    LayerNorm), as (node, None); (node, why) when a kernel cannot absorb it; (None, None) when no Add of a
+    tensor follows."""
+    users = g.consumers.get(x, [])
+    add = next((u for u in users if _default_domain(u, "Add") and _other_input(u, x)), None)
+    if add is None:
+        return None, None
+    other = _other_input(add, x)
+    assert other is not None
+    sx, so, sy = g.shapes.get(x), g.shapes.get(other), g.shapes.get(add.output[0])
+    source = g.constant_source(other)
+    if source is not None and (sx is None or [str(d) for d in g.shapes.get(source, ())] != [str(d) for d in sx]):
+        return None, None  # a constant that broadcasts is a bias (fused or refused as one), no residual
+    if len(users) > 1 or x in g.graph_outputs:
+        where = "is a graph output" if x in g.graph_outputs else \
+            f"is also read by {_label(next(u for u in users if u is not add))!r}"
+        return add, f"the value before it, {x!r}, {where}"
+    if sx is None or so is None or any(d is None or isinstance(d, _Unreadable) for d in sx + so):
+        return add, f"the shape of {x!r} or {other!r} is unknown after shape inference"
+    if [str(d) for d in so] != [str(d) for d in sx] or (sy is not None and [str(d) for d in sy] != [str(d) for d in sx]):
+        return add, f"{other!r} has shape {list(so)}, not the output's {list(sx)} (a broadcast Add is no residual)"
+    if g.dtypes.get(other) != g.dtypes.get(x):
+        return add, f"{other!r} has another dtype than the product"
+    return add, None
+
+
+def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_scale: bool = False,
+              allow_residual: bool = False) -> tuple[Epilogue, tuple[str, ...], list[Skipped]]:
+    """The scalar Mul/Div (``allow_scale``), Add(bias), Relu/Gelu and residual Add (``allow_residual``) after
+    ``node`` that a kernel can absorb, in the kernel's order act(alpha * acc + bias) + residual, as
+    (epilogue, the first outputs of the absorbed nodes in graph order, the candidates refused with the
+    reason). A node the order does not fit (a bias Add after the Relu, a Mul after the bias) is left as it
+    is."""
     out, chain, bias, refused = node.output[0], [], False, []
+    alpha = 1.0
+    if allow_scale:
+        scale, value, why = _scale(g, out)
+        if scale is not None and why:
+            refused.append(Skipped(_label(scale), scale.op_type, f"scale not fused: {why}"))
+        elif scale is not None:
+            alpha, out, chain = value, scale.output[0], [scale]
     add = g.exclusive_consumer(out)
     b = _bias_of(g, add, out, n) if allow_bias and add is not None else None
     if b is not None and add is not None:
@@ -418,7 +485,7 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool
         if why:
             refused.append(Skipped(_label(add), "Add", f"bias not fused: {why}"))
         else:
-            bias, out, chain = True, add.output[0], [add]
+            bias, out, chain = True, add.output[0], chain + [add]
     activation, act_nodes = "none", []
     nxt = g.exclusive_consumer(out)
     if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
@@ -432,7 +499,16 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool
                 refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
             else:
                 activation, act_nodes = "gelu", nodes
-    return Epilogue(bias, activation), tuple(f.output[0] for f in chain + act_nodes), refused
+    chain = chain + act_nodes
+    residual = False
+    if allow_residual:
+        last = chain[-1].output[0] if chain else out
+        add, why = _residual(g, last)
+        if add is not None and why:
+            refused.append(Skipped(_label(add), "Add", f"residual not fused: {why}"))
+        elif add is not None:
+            residual, chain = True, chain + [add]
+    return Epilogue(bias, activation, alpha, residual), tuple(f.output[0] for f in chain), refused
 
 
 def _dtype(g: _Graph, name: str) -> str:
@@ -550,8 +626,10 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             act_epi, fused, refused = _epilogue(g, node, n_const, allow_bias=False)
             epilogue = Epilogue(True, act_epi.activation)
         else:
+            matmul = node.op_type == "MatMul"
             epilogue, fused, refused = _epilogue(g, node, n_const,
-                                                 allow_bias=info["op"] != "conv" and n_const > 0)
+                                                 allow_bias=info["op"] != "conv" and n_const > 0,
+                                                 allow_scale=matmul, allow_residual=matmul and info["op"] == "gemm")
         unfused.extend(refused)
         const = tuple(j for j, inp in enumerate(node.input) if inp and inp in g.inits)
         wl = Workload(op=info["op"], onnx_op=node.op_type, nodes=(), m=info["m"], n=info["n"], k=info["k"],
@@ -610,7 +688,8 @@ def to_json(result: ScanResult) -> dict:
             "op": w.op, "onnx_op": w.onnx_op, "nodes": list(w.nodes), "m": w.m, "n": w.n, "k": w.k,
             "batch": w.batch, "dtype": w.dtype, "symbols": list(w.symbols),
             "const_operands": list(w.const_operands), "trans_b": w.trans_b,
-            "epilogue": {"bias": w.epilogue.bias, "activation": w.epilogue.activation},
+            "epilogue": {"bias": w.epilogue.bias, "activation": w.epilogue.activation,
+                         "alpha": w.epilogue.alpha, "residual": w.epilogue.residual},
             "fused_nodes": [list(f) for f in w.fused_nodes],
             "conv": None if w.conv is None else {
                 "in_channels": w.conv.in_channels, "out_channels": w.conv.out_channels,
@@ -633,8 +712,10 @@ def _print_table(result: ScanResult) -> None:
     for col in ("#", "op", "M", "N", "K", "batch", "dtype", "epilogue", "nodes", "instances"):
         table.add_column(col, overflow="fold")
     for i, w in enumerate(result.workloads):
-        epi = "+".join(p for p in ("bias" if w.epilogue.bias else "", w.epilogue.activation
-                                   if w.epilogue.activation != "none" else "") if p) or "-"
+        e = w.epilogue
+        epi = "+".join(p for p in (f"alpha={e.alpha:.6g}" if e.alpha != 1.0 else "", "bias" if e.bias else "",
+                                   e.activation if e.activation != "none" else "",
+                                   "residual" if e.residual else "") if p) or "-"
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,

@@ -5,9 +5,12 @@ shape: this is DietCode's micro-kernel. Every load past a tensor edge is masked 
 store is masked, so no shape needs padding. Accumulation is fp32; the output has the input dtype.
 
 Kernel parameters follow the shared kernel ABI (see ``ABI_PARAMS``): pointers ``a, b, [bias], c`` then int32
-scalars; everything else (transposition, activation, tile sizes, conv geometry) is a ``tl.constexpr``.
+scalars (the gemm template then takes the ``residual`` pointer, last because it was added to the ABI last);
+everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
+``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``.
 The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 the partial
-sums are added into a zeroed C with atomics (activation must be "none"; split 0 adds the bias).
+sums are added into a zeroed C with atomics (activation must be "none"; split 0 adds the bias and the
+residual; ALPHA scales every partial sum, which is linear).
 
 ``run`` launches a template through Triton's ordinary JIT path: the tests use it under
 ``TRITON_INTERPRET=1`` on torch CPU tensors and the GPU tests on CUDA tensors (the GPU measurer times the
@@ -49,9 +52,11 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _epilogue(acc, bias, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+def _epilogue(acc, bias, offs_n, N, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
               SPLIT_K: tl.constexpr):
-    """Add the bias (broadcast along N; split 0 only under split-K) and apply the activation."""
+    """Scale by ALPHA, add the bias (broadcast along N; split 0 only under split-K) and apply the activation."""
+    if ALPHA != 1.0:
+        acc = acc * ALPHA
     if HAS_BIAS:
         bias_v = tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
@@ -74,8 +79,9 @@ def _store(c_ptrs, acc, mask, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _matmul_tile(a_base, b_base, bias, c_base, M, N, K,
-                 TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+def _matmul_tile(a_base, b_base, bias, c_base, residual, M, N, K,
+                 TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views. Row offsets
@@ -100,30 +106,39 @@ def _matmul_tile(a_base, b_base, bias, c_base, M, N, K,
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * SPLIT_K
         b_ptrs += b_step
-    acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
-    c_ptrs = c_base + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    _store(c_ptrs, acc, (offs_m[:, None] < M) & (offs_n[None, :] < N), SPLIT_K)
+    acc = _epilogue(acc, bias, offs_n, N, ALPHA, HAS_BIAS, ACTIVATION, SPLIT_K)
+    offs_c = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_RESIDUAL:  # a full [M, N] tensor laid out as C, added after the activation (split 0 only)
+        res = tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            res = res * (pid_k == 0).to(tl.float32)
+        acc = acc + res
+    _store(c_base + offs_c, acc, c_mask, SPLIT_K)
 
 
 @triton.jit
-def gemm_kernel(a, b, bias, c, M, N, K,
-                TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+def gemm_kernel(a, b, bias, c, M, N, K, residual,
+                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """C[M, N] = act(A[M, K] @ B + bias)."""
-    _matmul_tile(a, b, bias, c, M, N, K, TRANS_B, HAS_BIAS, ACTIVATION, DOT_PRECISION,
-                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+    """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]."""
+    _matmul_tile(a, b, bias, c, residual, M, N, K, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
+                 DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
 
 
 @triton.jit
 def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch,
-               TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+               TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """C[z] = act(A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an operand."""
+    """C[z] = act(ALPHA * A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an
+    operand (attention's scores: ALPHA = 1/sqrt(head_dim))."""
     z = tl.program_id(2).to(tl.int64)
-    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, M, N, K,
-                 TRANS_B, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, c, M, N, K,
+                 TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                 SPLIT_K)
 
 
 @triton.jit
@@ -164,7 +179,7 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
         x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    acc = _epilogue(acc, bias, offs_n, N, HAS_BIAS, ACTIVATION, SPLIT_K)
+    acc = _epilogue(acc, bias, offs_n, N, 1.0, HAS_BIAS, ACTIVATION, SPLIT_K)
     y_ptrs = c + (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     _store(y_ptrs, acc, m_ok[:, None] & n_ok[None, :], SPLIT_K)
 
@@ -240,9 +255,10 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
 KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel,
                           "attention": attention_kernel}
 
-# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" only when it has one.
+# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" and "residual" only when it
+# has one (a kernel without is compiled with the pointer as a None constexpr).
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
-    "gemm": ("a", "b", "bias", "c", "M", "N", "K"),
+    "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual"),
     "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
@@ -260,9 +276,16 @@ def kernel_for(op: str) -> Any:
 
 
 def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
-    """Reject epilogues the templates cannot fuse (unknown activation, activation under split-K)."""
+    """Reject epilogues the templates cannot fuse (unknown activation, activation under split-K, a residual
+    outside the gemm template, a scale on conv or one that is not a finite float)."""
     if epilogue.activation not in ACTIVATIONS:
         raise DietcodeError(f"unknown activation {epilogue.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+    if epilogue.residual and op != "gemm":
+        raise DietcodeError(f"{op}: only the gemm template adds a residual (got residual=True for {op})")
+    if not isinstance(epilogue.alpha, float) or not math.isfinite(epilogue.alpha) or epilogue.alpha == 0.0:
+        raise DietcodeError(f"{op}: the scale alpha must be a finite, non-zero float, got {epilogue.alpha!r}")
+    if epilogue.alpha != 1.0 and op == "conv":
+        raise DietcodeError("conv: the conv template takes no scale (alpha must be 1.0)")
     if split_k > 1 and epilogue.activation != "none":
         raise DietcodeError(f"{op}: split_k={split_k} sums partial products with atomics, so the activation "
                             f"must be 'none' (got {epilogue.activation!r}); use split_k=1")
@@ -304,21 +327,28 @@ def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Te
 
 
 def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
-        bias: "torch.Tensor | None" = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
-        conv: ConvParams | None = None, allow_tf32: bool = False) -> "torch.Tensor":
+        bias: "torch.Tensor | None" = None, residual: "torch.Tensor | None" = None,
+        epilogue: Epilogue = Epilogue(), trans_b: bool = False, conv: ConvParams | None = None,
+        allow_tf32: bool = False) -> "torch.Tensor":
     """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
-    b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``.
+    b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
+    (gemm: the output's shape [M, N]) iff ``epilogue.residual``.
     """
     import torch
 
     kernel = kernel_for(op)
+    if op not in ("gemm", "bmm", "conv"):  # attention has its own launcher (tuner/attention.py)
+        raise DietcodeError(f"run launches the matrix templates, not {op!r}; allowed: gemm, bmm, conv")
     check_epilogue(op, epilogue, config.split_k)
     if epilogue.bias != (bias is not None):
         raise DietcodeError(f"{op}: epilogue.bias={epilogue.bias} but bias tensor "
                             f"{'given' if bias is not None else 'missing'}")
+    if epilogue.residual != (residual is not None):
+        raise DietcodeError(f"{op}: epilogue.residual={epilogue.residual} but residual tensor "
+                            f"{'given' if residual is not None else 'missing'}")
     a, b = a.contiguous(), b.contiguous()
     bias = bias.contiguous() if bias is not None else None
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=epilogue.activation,
@@ -351,8 +381,13 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         if a.dim() != 2 or b.dim() != 2:
             raise DietcodeError(f"gemm: expects 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
         out = alloc((m, n), dtype=a.dtype, device=a.device)
+        if residual is not None and tuple(residual.shape) != (m, n):
+            raise DietcodeError(f"gemm: the residual must have the output's shape {(m, n)}, got "
+                                f"{tuple(residual.shape)}")
+        residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, TRANS_B=trans_b, **meta)
+        kernel[grid](a, b, bias, out, m, n, k, residual, TRANS_B=trans_b, ALPHA=epilogue.alpha,
+                     HAS_RESIDUAL=residual is not None, **meta)
         return out
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     a, sa = _batch_operand(a, batch)
@@ -360,5 +395,5 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     out = alloc((*batch, m, n), dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k,
             max(1, math.prod(batch)))
-    kernel[grid](a, b, bias, out, m, n, k, sa, sb, TRANS_B=trans_b, **meta)
+    kernel[grid](a, b, bias, out, m, n, k, sa, sb, TRANS_B=trans_b, ALPHA=epilogue.alpha, **meta)
     return out

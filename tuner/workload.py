@@ -34,10 +34,17 @@ class ConvParams:
 
 @dataclass(frozen=True)
 class Epilogue:
-    """What the kernel fuses after the product: a bias Add and an activation."""
+    """What the kernel fuses after the product, applied in this order:
+    ``out = act(alpha * acc + bias) + residual``.
+
+    ``alpha`` is a model constant (a scalar Mul/Div right after the MatMul, e.g. attention scores /
+    sqrt(head_dim)), baked into the compiled kernel; ``residual`` adds a second tensor of the output's shape
+    (the skip connection before a LayerNorm), after the activation."""
 
     bias: bool = False
     activation: str = "none"
+    alpha: float = 1.0
+    residual: bool = False
 
 
 @dataclass(frozen=True, order=True)
