@@ -17,21 +17,68 @@ namespace dietcode {
 
 enum Param : uint8_t {
   kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
-  kImgN, kImgH, kImgW, kOutH, kOutW, kResidual, kParamCount
+  kImgN, kImgH, kImgW, kOutH, kOutW, kResidual,
+  kQ, kKt, kV, kMask, kOut, kSeqQ, kSeqK, kHeads, kStrideMaskB, kStrideMaskH, kStrideMaskQ, kStrideMaskK,
+  kParamCount
 };
-
-// Pointer params (the rest are int32): kResidual came last, so the indices older bundles store keep their meaning.
-inline constexpr bool IsPointerParam(uint32_t p) { return p <= kC || p == kResidual; }
 
 // The ABI parameter names in enum order (docs/abi.md); dietcode_ort/bundle.py PARAM_NAMES must match
 // (tests/test_abi_table.py checks it through dc_abi_param_name).
 inline constexpr const char* kParamNames[kParamCount] = {
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
-    "img_n", "img_h", "img_w", "out_h", "out_w", "residual"};
+    "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
+    "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
+    "stride_mask_k"};
+
+// Whether param p is a device pointer (the rest are int32 scalars). kResidual (15) and the attention params
+// (16 on) came after out_w, so the indices older bundles store keep their meaning.
+inline constexpr bool IsPointerParam(uint32_t p) { return p <= kC || p == kResidual || (p >= kQ && p <= kOut); }
+
+// The value of pointer param p in a launch's arguments (0 for a scalar param).
+inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
+  switch (p) {
+    case kA: return a.a;
+    case kB: return a.b;
+    case kBias: return a.bias;
+    case kC: return a.c;
+    case kResidual: return a.residual;
+    case kQ: return a.q;
+    case kKt: return a.k;
+    case kV: return a.v;
+    case kMask: return a.mask;
+    case kOut: return a.out;
+    default: return 0;
+  }
+}
+
+// The value of int32 param p in a launch's arguments (0 for a pointer param).
+inline int32_t ArgInt(const dc_launch_args& a, uint32_t p) {
+  switch (p) {
+    case kM: return a.M;
+    case kN: return a.N;
+    case kK: return a.K;
+    case kBatch: return a.batch;
+    case kStrideABatch: return a.stride_a_batch;
+    case kStrideBBatch: return a.stride_b_batch;
+    case kImgN: return a.img_n;
+    case kImgH: return a.img_h;
+    case kImgW: return a.img_w;
+    case kOutH: return a.out_h;
+    case kOutW: return a.out_w;
+    case kSeqQ: return a.seq_q;
+    case kSeqK: return a.seq_k;
+    case kHeads: return a.heads;
+    case kStrideMaskB: return a.stride_mask_b;
+    case kStrideMaskH: return a.stride_mask_h;
+    case kStrideMaskQ: return a.stride_mask_q;
+    case kStrideMaskK: return a.stride_mask_k;
+    default: return 0;
+  }
+}
 
 enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
 
-enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2 };
+enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2, kViewAttention = 3 };
 
 // What made an image (a cubin or the PTX) and the oldest CUDA driver that loads it (docs/bundle.md, format
 // 4): Triton and ptxas versions, the PTX ISA as major*10+minor, the driver as cuDriverGetVersion reports it

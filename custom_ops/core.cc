@@ -209,7 +209,18 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     if (seen[p]) Fail(where + ": params repeat a name");
     seen[p] = true;
   }
-  if (!seen[kC]) Fail(where + ": params lack the output pointer 'c'");
+  // attention kernels (they take seq_q) take q, k, v and out and nothing of the other views; others no
+  // attention param
+  bool other_params = false, attention_params = false;
+  for (uint32_t p = 0; p < kParamCount; ++p) (p >= kQ ? attention_params : other_params) |= seen[p];
+  if (seen[kSeqQ]) {
+    if (!seen[kQ] || !seen[kKt] || !seen[kV] || !seen[kOut]) Fail(where + ": an attention kernel's params lack q, k, v or out");
+    if (other_params) Fail(where + ": params name both an attention and another view");
+  } else if (attention_params) {
+    Fail(where + ": params name attention params without seq_q");
+  } else if (!seen[kC]) {
+    Fail(where + ": params lack the output pointer 'c'");
+  }
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -542,6 +553,7 @@ int32_t Evaluate(const dc_bundle& b, const int64_t* features) {
 
 View KernelView(const Kernel& kernel) {
   for (uint8_t p : kernel.params) {
+    if (p == kSeqQ) return kViewAttention;
     if (p == kImgH) return kViewConv;
     if (p == kStrideABatch) return kViewBmm;
   }
@@ -554,6 +566,56 @@ constexpr const char* kFitNames[kFitCount] = {
     "fits", "empty output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets",
     "div16 assumption", "negative size"};
 
+// The div16 assumptions (bit p: param p 16-byte aligned or a multiple of 16) against this call's arguments.
+template <typename Refuse>
+Fit Div16Fit(const Kernel& kernel, const dc_launch_args& args, Refuse refuse) {
+  for (uint32_t bits = kernel.div16; bits != 0; bits &= bits - 1) {  // the set bits, lowest first
+    const uint32_t p = static_cast<uint32_t>(__builtin_ctz(bits));
+    if (p >= kParamCount) break;  // the parser accepts no bit past the params
+    const bool pointer = IsPointerParam(p);
+    const bool ok = pointer ? ArgPointer(args, p) % 16 == 0 : ArgInt(args, p) % 16 == 0;
+    if (!ok) {
+      return refuse(kFitDiv16, std::string("compiled for ") + kParamNames[p] +
+                                   (pointer ? " 16-byte aligned" : " a multiple of 16") + ", and this call's is not");
+    }
+  }
+  return kFits;
+}
+
+// An attention launch (grid (cdiv(seq_q, BLOCK_M), 1, batch) with batch = z heads): sizes positive, z within
+// grid z and a multiple of heads, query indices and the mask's in-slice offsets within int32 (templates.py).
+Fit AttentionFit(const Kernel& kernel, const dc_launch_args& a, std::string* why) {
+  const int64_t seq_q = a.seq_q, seq_k = a.seq_k, z = a.batch, heads = a.heads;
+  if (seq_q < 0 || seq_k < 0 || z < 0 || heads < 1 || a.stride_mask_b < 0 || a.stride_mask_h < 0 ||
+      a.stride_mask_q < 0 || a.stride_mask_k < 0 || z % heads != 0) {
+    *why = "seq_q=" + std::to_string(seq_q) + " seq_k=" + std::to_string(seq_k) + " batch=" + std::to_string(z) +
+           " heads=" + std::to_string(heads) + " (or a mask stride) invalid: sizes are at least 0, heads at least 1 "
+           "and dividing batch";
+    return kFitNegative;
+  }
+  if (seq_q == 0 || z == 0) {
+    *why = "seq_q=" + std::to_string(seq_q) + " batch=" + std::to_string(z) + ": nothing to launch";
+    return kFitEmpty;
+  }
+  if (seq_k == 0) {
+    *why = "no keys: the output is zeros";
+    return kFitZeroK;
+  }
+  if (z > 65535) {
+    *why = "batch x heads " + std::to_string(z) + " above 65535 (grid z)";
+    return kFitBatch;
+  }
+  const int64_t padded = (seq_q + kernel.block_m - 1) / kernel.block_m * kernel.block_m;
+  const int64_t keys = (seq_k + kernel.block_n - 1) / kernel.block_n * kernel.block_n;
+  const int64_t mask_span = seq_q * a.stride_mask_q + seq_k * a.stride_mask_k;
+  if (padded > 0x7fffffff || keys > 0x7fffffff || mask_span > 0x7fffffff) {
+    *why = "seq_q=" + std::to_string(seq_q) + " seq_k=" + std::to_string(seq_k) +
+           " rounded up to whole tiles, or the mask's offsets inside one head, exceed int32";
+    return kFitInt32;
+  }
+  return kFits;
+}
+
 }  // namespace
 
 Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) {
@@ -562,6 +624,11 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     *why = "kernel '" + kernel.name + "': " + kFitNames[fit] + ": " + detail;
     return fit;
   };
+  if (KernelView(kernel) == kViewAttention) {
+    const Fit fit = AttentionFit(kernel, args, why);
+    if (fit != kFits) return refuse(fit, *why);
+    return Div16Fit(kernel, args, refuse);
+  }
   const int64_t M = args.M, N = args.N, K = args.K;
   if (M < 0 || N < 0 || K < 0 || args.batch < 0 || args.stride_a_batch < 0 || args.stride_b_batch < 0 || args.img_n < 0 || args.img_h < 0 ||
       args.img_w < 0 || args.out_h < 0 || args.out_w < 0) {
@@ -607,21 +674,7 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
       }
     }
   }
-  const uint64_t ptrs[kParamCount] = {args.a, args.b, args.bias, args.c, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                      args.residual};
-  const int32_t ints[kParamCount] = {0, 0, 0, 0, args.M, args.N, args.K, args.batch, args.stride_a_batch,
-                                     args.stride_b_batch, args.img_n, args.img_h, args.img_w, args.out_h, args.out_w, 0};
-  for (uint32_t bits = kernel.div16; bits != 0; bits &= bits - 1) {  // the set bits, lowest first
-    const uint32_t p = static_cast<uint32_t>(__builtin_ctz(bits));
-    if (p >= kParamCount) break;  // the parser accepts no bit past the params
-    const bool ok = IsPointerParam(p) ? ptrs[p] % 16 == 0 : ints[p] % 16 == 0;
-    if (!ok) {
-      return refuse(kFitDiv16, std::string("compiled for ") + kParamNames[p] +
-                                   (IsPointerParam(p) ? " 16-byte aligned" : " a multiple of 16") +
-                                   ", and this call's is not");
-    }
-  }
-  return kFits;
+  return Div16Fit(kernel, args, refuse);
 }
 
 }  // namespace dietcode

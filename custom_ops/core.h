@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 4  // 3: the device fit takes the driver version; 4: the residual pointer
+#define DC_ABI_VERSION 5  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view
 
 typedef struct dc_bundle dc_bundle;
 
@@ -25,6 +25,9 @@ typedef struct dc_launch_args {
   uint64_t c_bytes;
   int32_t M, N, K, batch, stride_a_batch, stride_b_batch;
   int32_t img_n, img_h, img_w, out_h, out_w;
+  // attention (docs/abi.md): Q, Kt, V, the additive mask and the output; z = batch heads of seq_q x seq_k
+  uint64_t q, k, v, mask, out;
+  int32_t seq_q, seq_k, heads, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k;
 } dc_launch_args;
 
 int dc_abi_version(void);
@@ -118,6 +121,14 @@ const char* dc_fit_name(int fit);
 // bmm view), 1 = Gemm (ints: trans_a, trans_b; floats: alpha, beta), 2 = Conv (ints: strides[2], pads[4],
 // dilations[2], group). 1: `out` holds the view; 0: the ABI cannot express the call (ORT's kernel runs);
 // -1: the shapes are invalid (message in dc_last_error). Pointers in `out` are left 0.
+// The attention view (abi.md) of an ai.dietcode::Attention call: seq_q, seq_k, heads, batch (= z, the batch
+// times the heads) and the mask's strides for Q [..., T_q, d], Kt [..., d, T_k], V [..., T_k, d] of rank 2 to
+// 4 (heads: the dim before T_q at rank 4, else 1) and the mask (NULL, rank 0: none). 1: `out` holds the view;
+// 0: the ABI cannot express the call (a rank above 4, a size past int32); -1: the shapes are invalid (message
+// in dc_last_error). Pointers in `out` are left 0.
+int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
+                      const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out);
+
 int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c, size_t rc,
                 const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats, int batched,
                 dc_launch_args* out);

@@ -334,35 +334,28 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     shared = it->second.shared;
   }
 
-  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch); CallFit (above) has checked
-  // that it is within the grid limits and that the sizes are positive.
+  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention kernels
+  // (ceil(seq_q/BLOCK_M), 1, batch heads); CallFit (above) has checked that it is within the grid limits and
+  // that the sizes are positive.
   const int64_t batch = args->batch > 0 ? args->batch : 1;
-  const int64_t tiles = ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
-                        ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
+  const bool attention = dietcode::KernelView(kernel) == dietcode::kViewAttention;
+  const int64_t tiles = attention ? (int64_t{args->seq_q} + kernel.block_m - 1) / kernel.block_m
+                                  : ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
+                                        ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
 
   uint64_t ptrs[dietcode::kParamCount] = {};
-  ptrs[dietcode::kA] = args->a;
-  ptrs[dietcode::kB] = args->b;
-  ptrs[dietcode::kBias] = args->bias;
-  ptrs[dietcode::kC] = args->c;
-  ptrs[dietcode::kResidual] = args->residual;
   int32_t ints[dietcode::kParamCount] = {};
-  ints[dietcode::kM] = args->M;
-  ints[dietcode::kN] = args->N;
-  ints[dietcode::kK] = args->K;
-  ints[dietcode::kBatch] = static_cast<int32_t>(batch);
-  ints[dietcode::kStrideABatch] = args->stride_a_batch;
-  ints[dietcode::kStrideBBatch] = args->stride_b_batch;
-  ints[dietcode::kImgN] = args->img_n;
-  ints[dietcode::kImgH] = args->img_h;
-  ints[dietcode::kImgW] = args->img_w;
-  ints[dietcode::kOutH] = args->out_h;
-  ints[dietcode::kOutW] = args->out_w;
   uint64_t scratch[2] = {0, 0};
   void* params[dietcode::kParamCount + 2];  // params are unique enums, so at most kParamCount + scratch
   size_t n_params = 0;
-  for (uint8_t p : kernel.params) {
-    params[n_params++] = dietcode::IsPointerParam(p) ? static_cast<void*>(&ptrs[p]) : static_cast<void*>(&ints[p]);
+  for (uint8_t p : kernel.params) {  // only the params this kernel takes
+    if (dietcode::IsPointerParam(p)) {
+      ptrs[p] = dietcode::ArgPointer(*args, p);
+      params[n_params++] = &ptrs[p];
+    } else {
+      ints[p] = p == dietcode::kBatch ? static_cast<int32_t>(batch) : dietcode::ArgInt(*args, p);
+      params[n_params++] = &ints[p];
+    }
   }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];

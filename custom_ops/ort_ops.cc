@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "core.h"
 #include "shapes.h"
 #include "vendor.h"
@@ -766,6 +767,7 @@ OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtA
     dietcode::Registry& reg = dietcode::GetRegistry();
     Ort::CustomOpDomain domain(dietcode::kDomain);
     for (auto& op : reg.ops) domain.Add(op.get());
+    dietcode::AddAttentionOps(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(reg.mutex);
     reg.domains.push_back(std::move(domain));  // must outlive every session that uses it

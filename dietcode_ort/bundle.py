@@ -18,9 +18,9 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "read_bundle",
+    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -36,11 +36,17 @@ SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
 PARAM_NAMES: tuple[str, ...] = (
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
     "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
+    "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
+    "stride_mask_k",
 )
-POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual")  # the rest are int32
+# residual (15) and the attention params (16 on) came after out_w, so the indices earlier bundles store keep
+# their meaning. The div16 mask is 16 bits: params from index 16 on (all of attention's) take no div16 bit.
+POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out")  # the rest int32
+# The params of the attention view (from "q" on): a kernel takes all of them or none.
+ATTENTION_PARAMS: tuple[str, ...] = PARAM_NAMES[PARAM_NAMES.index("q"):]
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
 # How a kernel reads its node's operands (docs/abi.md), in dc_bundle_kernel_view's order.
-VIEWS: tuple[str, ...] = ("gemm", "bmm", "conv")
+VIEWS: tuple[str, ...] = ("gemm", "bmm", "conv", "attention")
 DTYPE_CODES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
 # A conv kernel's geometry (its constexprs), in the payload's order, with the allowed ranges.
@@ -183,7 +189,10 @@ class BundleKernel:
     @property
     def view(self) -> str:
         """How the kernel reads its node's operands, from its ABI params as the C++ core decides it
-        (dc_bundle_kernel_view): bmm kernels take the batch strides, conv kernels the image size."""
+        (dc_bundle_kernel_view): bmm kernels take the batch strides, conv kernels the image size, attention
+        kernels seq_q."""
+        if "seq_q" in self.params:
+            return "attention"
         if "img_h" in self.params:
             return "conv"
         return "bmm" if "stride_a_batch" in self.params else "gemm"
@@ -262,7 +271,15 @@ class BundleKernel:
                 raise _fail(f"{where}: unknown param {p!r}, allowed: {', '.join(PARAM_NAMES)}")
         if len(set(self.params)) != len(self.params):
             raise _fail(f"{where}: params repeat a name: {self.params}")
-        if "c" not in self.params:
+        attention = [p for p in self.params if p in ATTENTION_PARAMS]
+        if "seq_q" in self.params:
+            if not {"q", "k", "v", "out"} <= set(self.params):
+                raise _fail(f"{where}: an attention kernel's params lack q, k, v or out")
+            if len(attention) != len(self.params):
+                raise _fail(f"{where}: params name both an attention and another view")
+        elif attention:
+            raise _fail(f"{where}: params name attention params without seq_q")
+        elif "c" not in self.params:
             raise _fail(f"{where}: params lack the output pointer 'c'")
         if "img_h" in self.params and "stride_a_batch" in self.params:
             raise _fail(f"{where}: params name both a conv and a bmm view")
@@ -271,6 +288,9 @@ class BundleKernel:
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
+            if PARAM_NAMES.index(p) >= 16:
+                raise _fail(f"{where}: div16 names {p!r} (param {PARAM_NAMES.index(p)}), but the mask is 16 bits: "
+                            "params from index 16 on carry no divisibility assumption")
         if self.dtype not in DTYPE_CODES or self.activation not in ACTIVATION_CODES:
             raise _fail(f"{where}: dtype {self.dtype!r} / activation {self.activation!r}; allowed "
                         f"{DTYPE_CODES} / {ACTIVATION_CODES}")
@@ -316,6 +336,8 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     family = getattr(compiled, "family", None)
     if family is not None:
         out["dtype"] = family.dtype
+    elif isinstance(getattr(compiled, "dtype", None), str):  # tuner/attention's CompiledAttention
+        out["dtype"] = compiled.dtype
     epilogue = getattr(compiled, "epilogue", None)
     if epilogue is not None:
         out["activation"] = epilogue.activation
@@ -664,6 +686,12 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
     return bundle
 
 
+# ai.dietcode op types whose nodes carry no kernel bundle: Attention (tuner/attention_graph.py) is computed by
+# the library's CPU kernel (custom_ops/attention.cc) and, where the library has no kernel for it, by its
+# fallback function.
+BUNDLELESS_OPS: tuple[str, ...] = ("Attention",)
+
+
 @dataclass(frozen=True)
 class NodeBundle:
     """Where an ``ai.dietcode`` node's bundle lives: its last input, a uint8 initializer shared by every node
@@ -689,7 +717,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
     payloads: dict[str, bytes] = {}
     out = []
     for i, node in enumerate(graph.node):
-        if node.domain != DOMAIN:
+        if node.domain != DOMAIN or node.op_type in BUNDLELESS_OPS:
             continue
         label = f"node {node.name or i!r} ({node.op_type})"
         if any(a.name == "bundle" for a in node.attribute):

@@ -171,7 +171,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        min_driver=min_driver, ptxas=args.ptxas)
+        min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -209,6 +209,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                    help="the ptxas to compile with for every arch, instead of Triton's bundled ones (CUDA 12.9 "
                         "below sm_90, 13.4 from sm_90); $TRITON_PTXAS_PATH / $TRITON_PTXAS_BLACKWELL_PATH "
                         "choose them per arch")
+    p.add_argument("--fuse-attention", action="store_true",
+                   help="fuse each attention chain (MatMul, scale, mask Add, Softmax, MatMul) into one "
+                        "ai.dietcode::Attention node: computed by the library's CPU kernel (no CUDA kernel yet, so "
+                        "for CUDA sessions leave it off: the chain's MatMuls then get tuned kernels)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",

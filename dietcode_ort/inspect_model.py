@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, node_bundles, read_bundle
+from dietcode_ort.bundle import BUNDLELESS_OPS, DOMAIN, Bundle, BundleKernel, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_driver, format_isa
 
@@ -60,6 +60,19 @@ def _toolchain_line(chain: dict) -> str:
     return f"{chain['kind']} {chain['arch']}: " + ", ".join(p for p in parts if p)
 
 
+def _attention(node: onnx.NodeProto) -> dict:
+    """A fused Attention node (tuner/attention_graph.py): its attributes; it carries no bundle."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    inputs = ["Q", "Kt", "V", "mask"][:len(node.input)]
+    return {"name": node.name or node.output[0], "op": node.op_type, "view": "attention", "bundle": None,
+            "epilogue": epilogue_of(node),
+            "attention": {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
+                          "nan_to_zero": bool(attrs.get("nan_to_zero", 0))},
+            "runs": "the library's CPU kernel (it has no CUDA kernel yet); without the library, its fallback "
+                    "function (the original nodes)",
+            "kernels": [], "configs": None, "workload": None, "ranges": {}, "tuning": None}
+
+
 def epilogue_of(node: onnx.NodeProto) -> dict:
     """What the node fuses after its product, as the library reads it: the op type's suffixes and the
     ``scale`` attribute, applied as act(alpha * product + bias) + residual."""
@@ -82,8 +95,8 @@ def _epilogue_text(e: dict) -> str:
 def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:
     """Each ai.dietcode node's description; ``base_dir``: where the model's external data lives when it was
     loaded without it."""
-    nodes = []
-    custom = [n for n in model.graph.node if n.domain == DOMAIN]
+    nodes = [_attention(n) for n in model.graph.node if n.domain == DOMAIN and n.op_type in BUNDLELESS_OPS]
+    custom = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type not in BUNDLELESS_OPS]
     parsed: dict[str, Bundle] = {}
     for node, where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
         attrs = {a.name: a for a in node.attribute}
@@ -147,12 +160,18 @@ def inspect_command(path: str, as_json: bool) -> int:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
-    bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes}
+    bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes if n["bundle"]}
     table = Table(title=f"{len(nodes)} {DOMAIN} nodes, {len(bundles)} distinct kernel bundles "
                         f"({sum(bundles.values()) / 1e6:.2f} MB, stored once each)")
     for col in ("node", "op", "epilogue", "workload", "kernels", "tuned ranges", "dispatch"):
         table.add_column(col, overflow="fold")
     for n in nodes:
+        if n["view"] == "attention":
+            a = n["attention"]
+            table.add_row(n["name"], n["op"], "-", f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} "
+                          f"head_dim={a['head_dim']}" + (" nan_to_zero" if a["nan_to_zero"] else ""),
+                          "-", "-", "no bundle: " + n["runs"])
+            continue
         w = n["workload"] or {}
         work = f"{w.get('op', '?')} M={w.get('m')} N={w.get('n')} K={w.get('k')}" + (
             f" batch={w['batch']}" if w.get("batch", "1") != "1" else "")

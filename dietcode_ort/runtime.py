@@ -154,7 +154,10 @@ class LaunchArgs(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_uint64) for n in ("a", "b", "bias", "c", "residual", "c_bytes")] + [
         (n, ctypes.c_int32) for n in ("M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
-                                      "img_n", "img_h", "img_w", "out_h", "out_w")]
+                                      "img_n", "img_h", "img_w", "out_h", "out_w")] + [
+        (n, ctypes.c_uint64) for n in ("q", "k", "v", "mask", "out")] + [
+        (n, ctypes.c_int32) for n in ("seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
+                                      "stride_mask_k")]
 
 
 class KernelMeta(ctypes.Structure):
@@ -247,6 +250,8 @@ class Core:
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
+        lib.dc_attention_view.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
+                                          ctypes.POINTER(LaunchArgs)]
         _bind_reading(lib)
         _bind_vendor(lib)
         self.lib = lib
@@ -284,6 +289,20 @@ class Core:
         r = self.lib.dc_abi_view(ops[op], arr(a), len(a), arr(b), len(b), arr(c) if c is not None else None,
                                  len(c) if c is not None else 0, arr(ints), len(ints), arr(floats, ctypes.c_float),
                                  len(floats), int(batched), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
+
+    def attention_view(self, q: Sequence[int], kt: Sequence[int], v: Sequence[int],
+                       mask: Sequence[int] | None = None, head_dim: int = 0) -> LaunchArgs | None:
+        """The launch arguments of an Attention call with these input shapes (``dc_attention_view``): seq_q,
+        seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
+        call (the reason in ``error()``). DietcodeError for invalid shapes."""
+        arr = lambda s: (ctypes.c_int64 * max(1, len(s)))(*s)  # noqa: E731
+        out = LaunchArgs()
+        r = self.lib.dc_attention_view(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
+                                       arr(mask) if mask is not None else None, len(mask) if mask is not None else 0,
+                                       head_dim, ctypes.byref(out))
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None

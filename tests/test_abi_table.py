@@ -12,7 +12,7 @@ import pytest
 from dietcode_ort.bundle import PARAM_NAMES, POINTER_PARAMS, VIEWS
 from dietcode_ort.runtime import LaunchArgs, load_core
 
-POINTERS = ("a", "b", "bias", "c", "residual")
+POINTERS = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out")
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,31 @@ def core_names() -> tuple[str, ...]:
 
 
 def test_bundle_param_enum_is_the_cores(core_names) -> None:
+    from tuner import templates
+
     assert PARAM_NAMES == core_names
-    # residual came last, so the indices bundles written before it store keep their meaning
-    assert core_names[:4] == ("a", "b", "bias", "c") and core_names[-1] == "residual"
+    # residual (15) and then attention's params came after out_w, so the indices bundles written before them
+    # store keep their meaning
+    assert core_names[:4] == ("a", "b", "bias", "c") and core_names.index("out_w") == 14
+    assert core_names[15] == "residual"
+    assert core_names[16:] == templates.ATTENTION_PARAMS
     assert POINTER_PARAMS == POINTERS
+
+
+def test_the_div16_mask_cannot_name_attention_params() -> None:
+    """The bundle's div16 mask is 16 bits: every attention param sits at index 16 or later, so a div16 set
+    naming one is refused with the reason (it would not fit the mask)."""
+    from dietcode_ort.bundle import BundleKernel
+    from dietcode_ort.errors import DietcodeError
+    from tuner import aot, templates
+
+    assert min(PARAM_NAMES.index(p) for p in templates.ATTENTION_PARAMS) >= 16
+    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=templates.ATTENTION_PARAMS,
+                          div16=("q",))
+    with pytest.raises(DietcodeError, match="16 bits"):
+        kernel.validate(0)
+    with pytest.raises(DietcodeError, match="16-bit div16 mask"):
+        aot.aligned_params("attention")
 
 
 def test_the_core_reads_the_residual_pointer_as_a_pointer() -> None:
@@ -49,10 +70,18 @@ def test_the_core_reads_the_residual_pointer_as_a_pointer() -> None:
 
 
 def test_launch_args_mirror_the_core_struct(core_names) -> None:
+    import ctypes
+
     fields = [name for name, _ in LaunchArgs._fields_]
-    # dc_launch_args: the pointers, the output's byte size, then every int param in enum order
-    assert fields == list(POINTERS) + ["c_bytes"] + [p for p in core_names if p not in POINTERS]
-    assert load_core().lib.dc_abi_version() == 4  # the struct grew a pointer: the ABI version says so
+    # dc_launch_args: the pointers before the attention view's, the output's byte size, the int params in enum
+    # order; then the attention view's pointers and ints, each in enum order
+    first, attention = core_names[:16], core_names[16:]
+    assert fields == ([p for p in first if p in POINTERS] + ["c_bytes"] + [p for p in first if p not in POINTERS]
+                      + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS])
+    for name, ctype in LaunchArgs._fields_:
+        assert ctype is (ctypes.c_uint64 if name in POINTERS or name == "c_bytes" else ctypes.c_int32), name
+    # 4 added the residual pointer, 5 the attention fields: each grew the struct, so the ABI version says so
+    assert load_core().lib.dc_abi_version() == 5
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:
@@ -70,6 +99,6 @@ def test_views_follow_the_templates() -> None:
     from dietcode_ort.bundle import BundleKernel
     from tuner import templates
 
-    assert VIEWS == ("gemm", "bmm", "conv")
+    assert VIEWS == ("gemm", "bmm", "conv", "attention")
     for op, params in templates.ABI_PARAMS.items():
         assert BundleKernel(name="k", params=params).view == op

@@ -40,6 +40,14 @@ def _seeds() -> list[bytes]:
     from test_toolchain import _kernel as toolchain_kernel
 
     out.append(toolchain_bundle(toolchain_kernel("t"), BundleKernel.vendor()).to_bytes())
+    # the params after out_w: a gemm kernel with a residual (15, with a div16 bit) and an attention kernel
+    # (16..27, past the 16-bit div16 mask)
+    from dietcode_ort.bundle import ATTENTION_PARAMS
+
+    out.append(Bundle((), (_kernel("r", params=("a", "b", "c", "M", "N", "K", "residual"), div16=("a", "residual")),),
+                      DispatchTree.single(0)).to_bytes())
+    out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64),),
+                      DispatchTree.single(0)).to_bytes())
     return out
 
 

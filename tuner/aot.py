@@ -80,6 +80,8 @@ def ensure_cache_dir(cache_dir: Path | None = None) -> Path:
 def aligned_params(op: str, bias: bool = True, residual: bool = False) -> tuple[str, ...]:
     """The ``div16`` set that lets Triton vectorize and pipeline ``op``'s operand loads."""
     templates.kernel_for(op)
+    if op not in _ALIGNED:  # attention: its params sit at index 16 on, past the bundle's 16-bit div16 mask
+        raise DietcodeError(f"{op}: no div16 assumptions (its params are past the 16-bit div16 mask)")
     return tuple(p for p in _POINTERS if (bias or p != "bias") and (residual or p != "residual")) + _ALIGNED[op]
 
 

@@ -12,14 +12,17 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
-from tuner.scan import attach_instances, load_model, scan_model
+from tuner.scan import ScanResult, attach_instances, load_model, scan_model
 from tuner.workload import Problem, Workload
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport",
            "OptimizeReport", "features_for", "problem_features", "check_output", "merge_problems", "optimize",
@@ -45,6 +48,7 @@ class OptimizeOptions:
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
     min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
+    fuse_attention: bool = False  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,15 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     return model, scanned
 
 
+def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult) -> tuple[ScanResult, tuple]:
+    """The scan less the MatMuls of the model's attention chains (left to fuse_attention, after the
+    rewrite), and those chains."""
+    from tuner.attention_graph import find_attention, without_attention
+
+    sites = find_attention(model, model_path.parent).sites
+    return replace(scanned, workloads=without_attention(scanned.workloads, sites)), sites
+
+
 def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
     """The --dim options naming one of a model's symbols (several models need not share their symbols)."""
     return [d for d in dims if d.split("=", 1)[0].strip() in symbols]
@@ -174,6 +187,11 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     if len({o.resolve() for _, o in pairs}) < len(pairs):
         raise DietcodeError("two models would be written to the same output path")
     scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
+    attention: list[tuple] = [()] * len(scans)
+    if options.fuse_attention:
+        split = [_split_attention(path, model, scanned) for (path, _), (model, scanned) in zip(pairs, scans)]
+        scans = [(model, scanned) for (model, _), (scanned, _) in zip(scans, split)]
+        attention = [sites for _, sites in split]
     if len(pairs) > 1:
         unused = [d for d in options.dims if not any(_model_dims([d], s.symbols) for _, s in scans)]
         if unused:
@@ -200,7 +218,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
     results = []
-    for (model_path, output), (model, scanned) in zip(pairs, scans):
+    for (model_path, output), (model, scanned), sites in zip(pairs, scans, attention):
         bundles, infos, reports = {}, {}, []
         for w in scanned.workloads:
             problems = merge_problems(w)
@@ -218,6 +236,12 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             reports.append(report)
         result = rewrite_model(model, list(scanned.workloads), bundles, infos, base_dir=model_path.parent,
                                copy=False)  # in place: the scanned model is not needed afterwards
+        if sites:
+            from tuner.attention_graph import fuse_attention
+
+            _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False)
+            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention (the "
+                "library computes them on the CPU: in a CUDA session ORT copies their inputs to the host)")
         results.append((output, result, reports, scanned, model_path.parent))
     for output, result, _, _, base_dir in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # torch is only needed by callers that launch
 
     from tuner.space import MicroKernel
 
-__all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "KERNELS", "ABI_PARAMS", "kernel_for", "conv_geometry",
+__all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "attention_kernel", "KERNELS", "ABI_PARAMS", "ATTENTION_PARAMS", "kernel_for", "conv_geometry",
            "conv_out_size", "run", "check_epilogue"]
 
 
@@ -184,7 +184,76 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
     _store(y_ptrs, acc, m_ok[:, None] & n_ok[None, :], SPLIT_K)
 
 
-KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel}
+@triton.jit
+def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
+                     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
+                     HAS_MASK: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                     NAN_TO_ZERO: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
+    query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
+    operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
+    additive mask is read at (z // heads) * stride_mask_b + (z % heads) * stride_mask_h + row * stride_mask_q
+    + col * stride_mask_k (a stride of 0 broadcasts that axis; the last two terms in int32, so the caller
+    keeps seq_q * stride_mask_q + seq_k * stride_mask_k below 2^31). Without MASK_ROWS the mask is one row
+    for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32 statistics and
+    accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q. A row
+    with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
+    (torch's export: Where(IsNaN(P), 0, P))."""
+    pid_m = tl.program_id(0)
+    z = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_q
+    d_ok = offs_d < HEAD_DIM
+    q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = k + z * HEAD_DIM * seq_k
+    v_base = v + z * seq_k * HEAD_DIM
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    n_end = seq_k
+    if CAUSAL:
+        n_end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + seq_k - seq_q)
+    for n0 in range(0, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_k
+        kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION) * SCALE
+        if HAS_MASK:
+            # int64 base per (batch, head), int32 offsets inside it (the caller keeps them below 2^31)
+            mask_base = mask + (z // heads) * stride_mask_b + (z % heads) * stride_mask_h
+            if MASK_ROWS:
+                s += tl.load(mask_base + (offs_m[:, None] * stride_mask_q + offs_n[None, :] * stride_mask_k),
+                             mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            else:  # one mask row for every query (BERT's [batch, 1, 1, T_k]): a vector over the keys
+                s += tl.load(mask_base + offs_n * stride_mask_k, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seq_k - seq_q))
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row whose keys are all masked so far keeps m = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    if NAN_TO_ZERO:
+        acc = tl.where((l_i > 0.0)[:, None], acc, 0.0)
+    o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel,
+                          "attention": attention_kernel}
 
 # Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" and "residual" only when it
 # has one (a kernel without is compiled with the pointer as a None constexpr).
@@ -192,7 +261,10 @@ ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual"),
     "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+    "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
+                  "stride_mask_q", "stride_mask_k"),
 }
+ATTENTION_PARAMS: tuple[str, ...] = ABI_PARAMS["attention"]  # the attention view (tuner/attention.py)
 
 
 def kernel_for(op: str) -> Any:
@@ -268,6 +340,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     import torch
 
     kernel = kernel_for(op)
+    if op not in ("gemm", "bmm", "conv"):  # attention has its own launcher (tuner/attention.py)
+        raise DietcodeError(f"run launches the matrix templates, not {op!r}; allowed: gemm, bmm, conv")
     check_epilogue(op, epilogue, config.split_k)
     if epilogue.bias != (bias is not None):
         raise DietcodeError(f"{op}: epilogue.bias={epilogue.bias} but bias tensor "

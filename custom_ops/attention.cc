@@ -1,0 +1,412 @@
+// ai.dietcode::Attention on the CPU EP (see attention.h): ONNX Runtime's own MatMul and Softmax (MLAS, float32,
+// through Ort::Op, which needs no stream on the CPU) with the scale and mask added here in between, in place
+// on the scores (on the CPU the fusion saves nodes, not memory).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include "attention.h"
+#include "bundle_impl.h"
+#include "core.h"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dietcode {
+
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
+                       const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error) {
+  const std::string shapes = "Q " + ShapeText(q) + ", Kt " + ShapeText(kt) + ", V " + ShapeText(v) +
+                             (mask ? ", mask " + ShapeText(*mask) : "");
+  const size_t r = q.size();
+  if (r < 2 || kt.size() != r || v.size() != r) {
+    *error = "Q, Kt and V must have one rank of at least 2 (" + shapes + ")";
+    return false;
+  }
+  for (const auto* s : {&q, &kt, &v}) {
+    for (int64_t d : *s) {
+      if (d < 0) {
+        *error = "negative dim (" + shapes + ")";
+        return false;
+      }
+    }
+  }
+  AttentionPlan p;
+  p.lead.assign(q.begin(), q.end() - 2);
+  p.seq_q = q[r - 2];
+  p.head_dim = q[r - 1];
+  p.seq_k = kt[r - 1];
+  bool lead_equal = true;
+  for (size_t i = 0; i + 2 < r; ++i) lead_equal = lead_equal && kt[i] == q[i] && v[i] == q[i];
+  if (!lead_equal || kt[r - 2] != p.head_dim || v[r - 2] != p.seq_k || v[r - 1] != p.head_dim) {
+    *error = "expected Q [..., T_q, d], Kt [..., d, T_k], V [..., T_k, d] with equal leading dims (" + shapes + ")";
+    return false;
+  }
+  if (head_dim > 0 && p.head_dim != head_dim) {
+    *error = "the head dim " + std::to_string(p.head_dim) + " differs from the node's head_dim attribute " +
+             std::to_string(head_dim) + " (" + shapes + ")";
+    return false;
+  }
+  std::vector<int64_t> scores(p.lead);
+  scores.push_back(p.seq_q);
+  scores.push_back(p.seq_k);
+  p.mask_strides.assign(r, 0);
+  if (mask != nullptr) {
+    p.has_mask = true;
+    if (mask->size() > r) {
+      *error = "the mask has more dims than the scores " + ShapeText(scores) + " (" + shapes + ")";
+      return false;
+    }
+    int64_t step = 1;
+    for (size_t j = 0; j < mask->size(); ++j) {
+      const size_t mi = mask->size() - 1 - j, si = r - 1 - j;
+      const int64_t m = (*mask)[mi];
+      if (m == scores[si] && m != 1) {
+        p.mask_strides[si] = step;
+      } else if (m != 1) {
+        *error = "the mask does not broadcast to the scores " + ShapeText(scores) + " (" + shapes + ")";
+        return false;
+      }
+      step *= m;
+    }
+  }
+  *plan = std::move(p);
+  return true;
+}
+
+void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores) {
+  const int64_t tq = plan.seq_q, tk = plan.seq_k;
+  int64_t z = 1;
+  for (int64_t x : plan.lead) z *= x;
+  const size_t r = plan.lead.size() + 2;
+  const int64_t mq = plan.mask_strides[r - 2], mk = plan.mask_strides[r - 1];
+  std::vector<int64_t> idx(plan.lead.size(), 0);  // the head's index over the leading dims
+  for (int64_t h = 0; h < z; ++h) {
+    int64_t mask_head = 0;
+    for (size_t a = 0; a < idx.size(); ++a) mask_head += idx[a] * plan.mask_strides[a];
+    for (int64_t i = 0; i < tq; ++i) {
+      float* s = scores + (h * tq + i) * tk;
+      if (scale != 1.0f) {
+        for (int64_t j = 0; j < tk; ++j) s[j] *= scale;
+      }
+      if (mask == nullptr) continue;
+      const float* mrow = mask + mask_head + i * mq;
+      if (mk == 1) {
+        for (int64_t j = 0; j < tk; ++j) s[j] += mrow[j];
+      } else {
+        for (int64_t j = 0; j < tk; ++j) s[j] += mrow[j * mk];
+      }
+    }
+    for (size_t a = idx.size(); a-- > 0;) {  // next head index, last axis fastest
+      if (++idx[a] < plan.lead[a]) break;
+      idx[a] = 0;
+    }
+  }
+}
+
+namespace {
+
+constexpr const char* kCpuEp = "CPUExecutionProvider";
+
+struct FloatInput {
+  std::vector<float> storage;
+  const float* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+FloatInput ReadFloat(const Ort::ConstValue& value) {
+  FloatInput t;
+  auto info = value.GetTensorTypeAndShapeInfo();
+  t.shape = info.GetShape();
+  const size_t n = info.GetElementCount();
+  switch (info.GetElementType()) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      t.data = value.GetTensorData<float>();
+      return t;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: {
+      const auto* src = value.GetTensorData<Ort::Float16_t>();
+      t.storage.resize(n);
+      for (size_t i = 0; i < n; ++i) t.storage[i] = src[i].ToFloat();
+      break;
+    }
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: {
+      const auto* src = value.GetTensorData<Ort::BFloat16_t>();
+      t.storage.resize(n);
+      for (size_t i = 0; i < n; ++i) t.storage[i] = src[i].ToFloat();
+      break;
+    }
+    default:
+      throw std::runtime_error("unsupported element type; allowed: float, float16, bfloat16");
+  }
+  t.data = t.storage.data();
+  return t;
+}
+
+// Two float buffers of n elements each from the kernel context's CPU allocator (the session's arena), freed
+// with it; plain new[] when the context offers none.
+struct ScratchBuffers {
+  ScratchBuffers(Ort::KernelContext& ctx, const Ort::MemoryInfo& mem, size_t n) {
+    try {
+      allocator = ctx.GetAllocator(*mem);
+    } catch (const Ort::Exception&) {
+      allocator = nullptr;
+    }
+    if (allocator != nullptr) {
+      block = allocator->Alloc(allocator, 2 * n * sizeof(float));
+      if (block == nullptr) {
+        Ort::GetApi().ReleaseAllocator(allocator);
+        throw std::bad_alloc();
+      }
+      scores = static_cast<float*>(block);
+    } else {
+      owned.reset(new float[2 * n]);
+      scores = owned.get();
+    }
+    probs = scores + n;
+  }
+  ~ScratchBuffers() {
+    if (allocator != nullptr) {
+      allocator->Free(allocator, block);
+      Ort::GetApi().ReleaseAllocator(allocator);
+    }
+  }
+  ScratchBuffers(const ScratchBuffers&) = delete;
+  ScratchBuffers& operator=(const ScratchBuffers&) = delete;
+
+  OrtAllocator* allocator = nullptr;
+  void* block = nullptr;
+  std::unique_ptr<float[]> owned;
+  float* scores = nullptr;
+  float* probs = nullptr;
+};
+
+class AttentionKernel {
+ public:
+  explicit AttentionKernel(const OrtKernelInfo* raw) {
+    Ort::ConstKernelInfo info(raw);
+    where_ = "node '" + info.GetNodeName() + "' (ai.dietcode:Attention)";
+    try {
+      scale_ = info.GetAttribute<float>("scale");
+    } catch (const Ort::Exception&) {
+      throw std::runtime_error(where_ + ": the 'scale' attribute is missing (optimize the model again)");
+    }
+    if (!std::isfinite(scale_)) throw std::runtime_error(where_ + ": the scale " + std::to_string(scale_) + " is not finite");
+    try {
+      head_dim_ = info.GetAttribute<int64_t>("head_dim");
+    } catch (const Ort::Exception&) {
+      head_dim_ = 0;  // not checked
+    }
+    try {
+      nan_to_zero_ = info.GetAttribute<int64_t>("nan_to_zero") != 0;
+    } catch (const Ort::Exception&) {
+      nan_to_zero_ = false;
+    }
+    if (head_dim_ < 0) throw std::runtime_error(where_ + ": negative head_dim attribute");
+    const size_t n = info.GetInputCount();
+    if (n < 3 || n > 4) throw std::runtime_error(where_ + ": expects inputs (Q, Kt, V[, mask]), got " + std::to_string(n));
+    // ORT's own MatMul (float32, MLAS) for the two products; the CPU EP's Ort::Op needs no stream
+    const ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const char* type_names[] = {"T"};
+    try {
+      matmul_ = Ort::Op::Create(raw, "MatMul", "", 13, type_names, &type, 1, nullptr, 0, 2, 1);
+      const int64_t axis = -1;
+      Ort::OpAttr axis_attr("axis", &axis, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
+      softmax_ = Ort::Op::Create(raw, "Softmax", "", 13, type_names, &type, 1, &axis_attr, 1, 1, 1);
+    } catch (const Ort::Exception& e) {
+      throw std::runtime_error(where_ + ": cannot create ONNX Runtime's MatMul or Softmax kernel: " + e.what());
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Compute(raw);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, (where_ + ": " + e.what()).c_str());
+    }
+  }
+
+ private:
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const size_t n_in = ctx.GetInputCount();
+    Ort::ConstValue mask_value = n_in > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
+    const bool has_mask = static_cast<const OrtValue*>(mask_value) != nullptr;
+    FloatInput q = ReadFloat(ctx.GetInput(0)), kt = ReadFloat(ctx.GetInput(1)), v = ReadFloat(ctx.GetInput(2));
+    FloatInput mask;
+    if (has_mask) mask = ReadFloat(mask_value);
+    AttentionPlan plan;
+    std::string error;
+    if (!AttentionPlanMake(q.shape, kt.shape, v.shape, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
+      throw std::runtime_error(error);
+    }
+    std::vector<int64_t> out_shape(plan.lead);
+    out_shape.push_back(plan.seq_q);
+    out_shape.push_back(plan.head_dim);
+    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    auto info = out.GetTensorTypeAndShapeInfo();
+    const size_t total = info.GetElementCount();
+    if (total == 0) return;
+    const auto type = info.GetElementType();
+    if (plan.seq_k == 0) {  // Softmax over no keys is empty, and the product of empty matrices is 0
+      void* data = out.GetTensorMutableRawData();
+      std::memset(data, 0, total * (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? sizeof(float) : sizeof(uint16_t)));
+      return;
+    }
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    auto wrap = [&](const float* data, const std::vector<int64_t>& shape, size_t count) {
+      return Ort::Value::CreateTensor<float>(mem, const_cast<float*>(data), count, shape.data(), shape.size());
+    };
+    const size_t heads_elems = total / static_cast<size_t>(plan.head_dim) * static_cast<size_t>(plan.seq_k);
+    std::vector<int64_t> s_shape(plan.lead);
+    s_shape.push_back(plan.seq_q);
+    s_shape.push_back(plan.seq_k);
+    // the scores and probabilities of every head (z * seq_q * seq_k each) from the session's CPU arena (a fresh
+    // allocation per call would page-fault its way through them), left uninitialized: MatMul and Softmax write
+    // every element
+    ScratchBuffers buffers(ctx, mem, heads_elems);
+    float* scores = buffers.scores;
+    float* probs = buffers.probs;
+    Ort::Value qv = wrap(q.data, q.shape, total), kv = wrap(kt.data, kt.shape, total / plan.seq_q * plan.seq_k);
+    Ort::Value vv = wrap(v.data, v.shape, total / plan.seq_q * plan.seq_k), sv = wrap(scores, s_shape, heads_elems);
+    const OrtValue* first[] = {qv, kv};
+    OrtValue* s_out = sv;
+    matmul_.Invoke(raw, first, 2, &s_out, 1);
+    AttentionScaleMask(plan, scale_, has_mask ? mask.data : nullptr, scores);
+    Ort::Value pv = wrap(probs, s_shape, heads_elems);  // not in place: Softmax does not promise to allow it
+    const OrtValue* s_in[] = {sv};
+    OrtValue* p_out = pv;
+    softmax_.Invoke(raw, s_in, 1, &p_out, 1);
+    if (nan_to_zero_) {
+      for (size_t i = 0; i < heads_elems; ++i) probs[i] = std::isnan(probs[i]) ? 0.0f : probs[i];
+    }
+    std::vector<float> y_storage;
+    float* y = nullptr;
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      y = out.GetTensorMutableData<float>();
+    } else {
+      y_storage.resize(total);
+      y = y_storage.data();
+    }
+    Ort::Value yv = wrap(y, out_shape, total);
+    const OrtValue* second[] = {pv, vv};
+    OrtValue* y_out = yv;
+    matmul_.Invoke(raw, second, 2, &y_out, 1);
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+      auto* dst = out.GetTensorMutableData<Ort::Float16_t>();
+      for (size_t i = 0; i < total; ++i) dst[i] = Ort::Float16_t(y[i]);
+    } else if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
+      auto* dst = out.GetTensorMutableData<Ort::BFloat16_t>();
+      for (size_t i = 0; i < total; ++i) dst[i] = Ort::BFloat16_t(y[i]);
+    }
+  }
+
+  std::string where_;
+  float scale_ = 1.0f;
+  int64_t head_dim_ = 0;
+  bool nan_to_zero_ = false;
+  Ort::Op matmul_{nullptr}, softmax_{nullptr};
+};
+
+struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
+  explicit AttentionOp(ONNXTensorElementDataType dtype) : dtype_(dtype) {}
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new AttentionKernel(info);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+
+  const char* GetName() const { return "Attention"; }
+  const char* GetExecutionProviderType() const { return kCpuEp; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return dtype_; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }
+
+ private:
+  ONNXTensorElementDataType dtype_;
+};
+
+}  // namespace
+
+void AddAttentionOps(OrtCustomOpDomain* domain) {
+  // Created once, kept for the life of the process, as ORT requires of custom ops.
+  static const std::unique_ptr<AttentionOp> ops[] = {
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)};
+  for (const auto& op : ops) Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(domain, op.get()));
+}
+
+}  // namespace dietcode
+
+extern "C" {
+
+int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
+                      const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out) {
+  if (out == nullptr || (rq && !q) || (rk && !kt) || (rv && !v) || (rm && !mask) || rq > 8 || rk > 8 || rv > 8 ||
+      rm > 8) {
+    dietcode::SetError("dc_attention_view: null argument or rank above 8");
+    return -1;
+  }
+  const std::vector<int64_t> sq(q, q + rq), sk(kt, kt + rk), sv(v, v + rv), sm(mask, mask + rm);
+  dietcode::AttentionPlan plan;
+  std::string error;
+  if (!dietcode::AttentionPlanMake(sq, sk, sv, mask ? &sm : nullptr, head_dim, &plan, &error)) {
+    dietcode::SetError(error);
+    return -1;
+  }
+  if (rq > 4) {
+    dietcode::SetError("rank " + std::to_string(rq) + " above 4: the attention view has batch and heads only");
+    return 0;
+  }
+  int64_t z = 1;
+  for (int64_t d : plan.lead) z *= d;
+  const int64_t heads = rq == 4 ? plan.lead[1] : 1;
+  const std::vector<int64_t>& s = plan.mask_strides;  // per axis of [lead..., seq_q, seq_k]
+  const int64_t stride_b = plan.lead.empty() ? 0 : s[0];
+  const int64_t stride_h = rq == 4 ? s[1] : 0;
+  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[rq - 2], s[rq - 1]};
+  for (int64_t x : values) {
+    if (x > 0x7fffffff) {
+      dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
+      return 0;
+    }
+  }
+  *out = dc_launch_args{};
+  out->seq_q = static_cast<int32_t>(plan.seq_q);
+  out->seq_k = static_cast<int32_t>(plan.seq_k);
+  out->heads = static_cast<int32_t>(heads);
+  out->batch = static_cast<int32_t>(z);
+  out->stride_mask_b = static_cast<int32_t>(stride_b);
+  out->stride_mask_h = static_cast<int32_t>(stride_h);
+  out->stride_mask_q = static_cast<int32_t>(s[rq - 2]);
+  out->stride_mask_k = static_cast<int32_t>(s[rq - 1]);
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,39 @@
+// ai.dietcode::Attention: softmax(Q @ Kt * scale + mask) @ V, the fused attention node of
+// tuner/attention_graph.py. Shapes and the CPU computation in plain C++; the ORT op in attention.cc.
+#ifndef DIETCODE_ATTENTION_H_
+#define DIETCODE_ATTENTION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct OrtCustomOpDomain;
+
+namespace dietcode {
+
+// One call: z = product of the leading dims independent heads, Q [z, seq_q, d], Kt [z, d, seq_k],
+// V [z, seq_k, d], the mask read at its broadcast strides over [lead..., seq_q, seq_k] (0: broadcast axis).
+struct AttentionPlan {
+  std::vector<int64_t> lead;       // the leading dims of Q (the output's too)
+  int64_t seq_q = 0, seq_k = 0, head_dim = 0;
+  bool has_mask = false;
+  std::vector<int64_t> mask_strides;  // per scores axis (lead..., seq_q, seq_k), in elements
+};
+
+// The plan for these input shapes (mask: nullptr when absent), or false with a message naming the shapes:
+// Q [..., T_q, d], Kt [..., d, T_k], V [..., T_k, d] with equal leading dims and one d; a mask of rank at
+// most Q's whose dims (right-aligned) are 1 or the scores'; d equal to head_dim when head_dim > 0.
+bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
+                       const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error);
+
+// In place on the scores [z, seq_q, seq_k] (Q @ Kt): scores = scores * scale + mask, the mask read at its
+// broadcast strides (mask: nullptr when absent).
+void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores);
+
+// Adds the CPU EP's Attention op (float, float16, bfloat16) to the domain. The CUDA EP has no Attention
+// kernel yet: there the node's fallback function runs (tuner/attention_graph.py).
+void AddAttentionOps(OrtCustomOpDomain* domain);
+
+}  // namespace dietcode
+
+#endif  // DIETCODE_ATTENTION_H_

@@ -1,0 +1,87 @@
+"""Attention template-vs-reference cases run under TRITON_INTERPRET=1 in a child process
+(tests/test_attention.py). ``CASES`` is plain data; ``main()`` runs them and prints one JSON object
+{case: max abs error / tolerance}. Run by hand: ``TRITON_INTERPRET=1 python tests/_attention_cases.py``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+__all__ = ["Case", "CASES", "main"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    lead: tuple[int, ...]  # [batch, heads] or [z]
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    configs: tuple[tuple[int, int, int, int], ...]  # block_m, block_n, num_warps, num_stages
+    dtype: str = "float32"
+    mask: tuple[int, ...] | None = None  # the additive mask's shape (broadcast to [batch, heads, T_q, T_k])
+    scale: float = 1.0
+    causal: bool = False
+    masked_cols: int = 0  # the last keys of batch item 0 get -10000 (BERT's extended mask)
+    dead_rows: int = 0  # the first query rows of batch item 0 get -inf for every key
+    nan_to_zero: bool = False
+
+
+CASES: tuple[Case, ...] = (
+    Case("t1_d16", (1, 2), 1, 1, 16, ((16, 16, 2, 1),)),
+    Case("t5_d32_scale", (2, 2), 5, 5, 32, ((16, 16, 2, 1), (32, 64, 4, 2)), scale=0.125),
+    Case("t17_d16_multiblock", (1, 3), 17, 17, 16, ((16, 16, 2, 1),), scale=0.25),
+    Case("t17_d32_bert_mask", (2, 2), 17, 17, 32, ((16, 16, 2, 1), (32, 32, 4, 2)), mask=(2, 1, 1, 17),
+         scale=1 / 32 ** 0.5, masked_cols=6),
+    Case("t5_d16_full_mask_fp16", (2, 2), 5, 5, 16, ((16, 16, 2, 1),), dtype="float16", mask=(2, 2, 5, 5),
+         scale=0.25),
+    Case("t17_d32_bert_mask_fp16", (2, 2), 17, 17, 32, ((16, 16, 2, 1),), dtype="float16", mask=(2, 1, 1, 17),
+         scale=1 / 32 ** 0.5, masked_cols=9),
+    Case("t5_rows_mask_3d", (3,), 5, 17, 32, ((16, 32, 2, 1),), mask=(5, 17)),
+    Case("t1_decode_keys17", (1, 2), 1, 17, 16, ((16, 16, 2, 1),), mask=(1, 1, 1, 17), scale=0.5),
+    Case("t17_causal", (1, 2), 17, 17, 16, ((16, 16, 2, 1), (32, 16, 2, 1)), causal=True),
+    Case("t5_d24_padded_head", (1, 2), 5, 5, 24, ((16, 16, 2, 1),), scale=0.3),
+    Case("t17_dead_rows_nan_to_zero", (2, 2), 17, 17, 16, ((16, 16, 2, 1),), mask=(2, 1, 17, 17), dead_rows=3,
+         nan_to_zero=True),
+)
+
+# bfloat16 is left to the GPU tests: the interpreter computes through numpy, which has no bfloat16.
+_TOL = {"float32": 1e-5, "float16": 2e-3}
+
+
+def main() -> None:
+    import torch
+
+    from tuner.attention import AttentionConfig, reference_attention, run_attention
+
+    torch.manual_seed(0)
+    results: dict[str, list[float]] = {}
+    for case in CASES:
+        dtype = getattr(torch, case.dtype)
+        q = torch.randn(*case.lead, case.seq_q, case.head_dim).to(dtype)
+        kt = torch.randn(*case.lead, case.head_dim, case.seq_k).to(dtype)
+        v = torch.randn(*case.lead, case.seq_k, case.head_dim).to(dtype)
+        mask = None
+        if case.mask is not None:
+            mask = torch.randn(*case.mask)
+            if case.masked_cols:
+                mask[0, ..., -case.masked_cols:] = -10000.0
+            if case.dead_rows:
+                mask[0, ..., :case.dead_rows, :] = float("-inf")
+            mask = mask.to(dtype)
+        want = reference_attention(q, kt, v, mask=mask, scale=case.scale, causal=case.causal,
+                                   nan_to_zero=case.nan_to_zero).double()
+        errors = []
+        for fields in case.configs:
+            got = run_attention(AttentionConfig(*fields), q, kt, v, mask=mask, scale=case.scale,
+                                causal=case.causal, nan_to_zero=case.nan_to_zero)
+            assert got.shape == want.shape and got.dtype == q.dtype, (got.shape, got.dtype)
+            if case.nan_to_zero:
+                assert torch.equal(got[0, :, :case.dead_rows], torch.zeros_like(got[0, :, :case.dead_rows]))
+            errors.append(float((got.double() - want).abs().max()) / _TOL[case.dtype])
+        results[case.name] = errors
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

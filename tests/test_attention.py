@@ -1,0 +1,163 @@
+"""The fused attention template (tuner/attention.py, templates.attention_kernel): interpreted against a
+float64 reference, its space and its mask broadcasting."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+
+from _attention_cases import CASES
+from _interpreter import run_interpreted
+from dietcode_ort.errors import DietcodeError
+from tuner.attention import (AttentionConfig, attention_prune_report, attention_space, block_d,
+                             mask_strides)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    return run_interpreted("_attention_cases.py")
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_template_matches_reference(interpreted: dict[str, Any], name: str) -> None:
+    errors = interpreted[name]
+    case = next(c for c in CASES if c.name == name)
+    assert len(errors) == len(case.configs)
+    assert max(errors) <= 1.0, f"{name}: error {max(errors)} x tolerance"
+
+
+def test_cases_cover_the_brief() -> None:
+    assert {c.seq_q for c in CASES} >= {1, 5, 17}
+    assert {c.head_dim for c in CASES} >= {16, 32}
+    assert any(c.mask == (2, 1, 1, 17) for c in CASES)  # BERT's extended attention mask
+    assert any(c.mask is None for c in CASES) and any(c.causal for c in CASES)
+    assert {c.dtype for c in CASES} >= {"float32", "float16"}
+    # keys spanning several BLOCK_N steps, so the online rescaling runs
+    assert any(c.seq_k > min(cfg[1] for cfg in c.configs) for c in CASES)
+
+
+def test_mask_strides_follow_onnx_broadcasting() -> None:
+    assert mask_strides((2, 1, 1, 17), 2, 12, 17, 17) == (17, 0, 0, 1)
+    assert mask_strides((2, 12, 17, 17), 2, 12, 17, 17) == (12 * 17 * 17, 17 * 17, 17, 1)
+    assert mask_strides((17, 17), 2, 12, 17, 17) == (0, 0, 17, 1)
+    assert mask_strides((1, 1, 17, 1), 2, 12, 17, 17) == (0, 0, 1, 0)
+    assert mask_strides((1,), 1, 1, 1, 1) == (0, 0, 0, 0)
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        mask_strides((3, 1, 1, 17), 2, 12, 17, 17)
+    with pytest.raises(DietcodeError, match="more than 4"):
+        mask_strides((1, 1, 1, 1, 17), 2, 12, 17, 17)
+
+
+def test_space_is_pruned_by_the_gpu_limits() -> None:
+    for target in ("sm_80", "sm_90"):
+        report = attention_prune_report("float16", target, 64)
+        space = attention_space("float16", target, 64)
+        assert report["kept"] == len(space) > 0
+        assert report["total"] == sum(v for k, v in report.items() if k not in ("total", "kept")) + len(space)
+        assert report["warp_rows"] > 0
+        assert space == sorted(set(space))
+    # a wider head needs more shared memory and registers per config: never a larger space
+    assert len(attention_space("float32", "sm_80", 256)) < len(attention_space("float32", "sm_80", 32))
+    assert AttentionConfig(16, 16, 8, 1) not in attention_space("float16", "sm_90", 64)  # 16 rows, 8 warps
+
+
+def test_head_dim_padding_and_limits() -> None:
+    assert [block_d(d) for d in (1, 16, 24, 64, 80, 128)] == [16, 16, 32, 64, 128, 128]
+    with pytest.raises(DietcodeError, match="head dim"):
+        block_d(0)
+    with pytest.raises(DietcodeError, match="head dim"):
+        block_d(257)
+
+
+def test_template_arguments_are_the_attention_params() -> None:
+    from tuner import templates
+
+    fn = templates.attention_kernel
+    runtime_args = [a for a, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
+    assert runtime_args == list(templates.ATTENTION_PARAMS)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_aot_compiles_bert_configs_within_limits(target: str) -> None:
+    from tuner.attention import compile_attention
+    from tuner.hardware import get_profile
+
+    profile = get_profile(target)
+    for config in (AttentionConfig(64, 64, 4, 2), AttentionConfig(128, 64, 8, 2)):
+        kernel = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False)
+        assert kernel.arch == profile.arch and kernel.cubin and ".entry attention_kernel" in kernel.ptx
+        assert kernel.params == ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b",
+                                 "stride_mask_h", "stride_mask_q", "stride_mask_k")
+        assert 0 < kernel.shared <= profile.smem_per_block_optin and kernel.num_warps == config.num_warps
+        assert kernel.n_spills == 0, f"{config.key()} spills {kernel.n_spills} B on {target}"
+        assert ("wgmma" if target == "sm_90" else "mma.sync") in kernel.ptx
+        assert dict(kernel.constants)["SCALE"] == 0.125 and dict(kernel.constants)["MASK_ROWS"] is False
+    unmasked = compile_attention(AttentionConfig(32, 32, 4, 1), "float32", target, 32, scale=1.0, has_mask=False)
+    assert "mask" not in unmasked.params and unmasked.n_spills == 0
+
+
+def test_aot_refuses_configs_outside_the_space() -> None:
+    from tuner.attention import compile_attention
+
+    with pytest.raises(DietcodeError, match="not in the float16/sm_90/d=64 space"):
+        compile_attention(AttentionConfig(16, 16, 8, 1), "float16", "sm_90", 64, scale=1.0, has_mask=False)
+
+
+def test_bundle_carries_an_attention_kernel_in_the_attention_view(tmp_path) -> None:
+    """An AOT attention kernel in a bundle: the C core parses it, names its view and checks calls."""
+    from dietcode_ort import bundle as fmt
+    from dietcode_ort.runtime import LaunchArgs, load_core
+    from tuner.attention import compile_attention
+
+    compiled = [compile_attention(AttentionConfig(64, 64, 4, 2), "float16", t, 64, scale=0.125, has_mask=True,
+                                  mask_rows=False) for t in ("sm_80", "sm_90")]
+    kernel = fmt.BundleKernel.from_compiled(compiled)
+    assert kernel.view == "attention" and kernel.dtype == "float16" and kernel.block_m == 64
+    payload = fmt.Bundle(features=(fmt.Feature("seq", ((0, -2),)),), kernels=(kernel,),
+                         tree=fmt.DispatchTree.single(0)).to_bytes()
+    core = load_core()
+    parsed = core.parse(payload)
+    assert core.lib.dc_bundle_kernel_view(parsed.handle, 0) == fmt.VIEWS.index("attention") == 3
+    args = core.attention_view([2, 12, 17, 64], [2, 12, 64, 17], [2, 12, 17, 64], [2, 1, 1, 17], head_dim=64)
+    assert args is not None
+    assert (args.seq_q, args.seq_k, args.heads, args.batch) == (17, 17, 12, 24)
+    assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == (17, 0, 0, 1)
+    fit = core.lib.dc_kernel_fit
+    assert fit(parsed.handle, 0, ctypes.byref(args)) == 0
+    for change, reason in (({"seq_q": 0}, "empty output"), ({"seq_k": 0}, "K is 0"), ({"batch": 12 * 5462}, "batch above grid z"),
+                           ({"heads": 5}, "negative size"), ({"stride_mask_k": -1}, "negative size")):
+        bad = LaunchArgs.from_buffer_copy(args)
+        for name, value in change.items():
+            setattr(bad, name, value)
+        code = fit(parsed.handle, 0, ctypes.byref(bad))
+        assert code > 0 and reason in core.lib.dc_fit_name(code).decode(), (change, code)
+    assert "mask" in kernel.params and fmt.read_bundle(payload).kernels[0].view == "attention"
+
+
+def test_attention_view_of_shapes() -> None:
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    three = core.attention_view([6, 5, 32], [6, 32, 9], [6, 9, 32], [6, 1, 9])
+    assert three is not None and (three.batch, three.heads, three.seq_q, three.seq_k) == (6, 1, 5, 9)
+    assert (three.stride_mask_b, three.stride_mask_h, three.stride_mask_q, three.stride_mask_k) == (9, 0, 0, 1)
+    no_mask = core.attention_view([1, 2, 1, 16], [1, 2, 16, 40], [1, 2, 40, 16])
+    assert no_mask is not None and (no_mask.batch, no_mask.heads, no_mask.seq_k) == (2, 2, 40)
+    assert core.attention_view([1, 1, 2, 3, 8], [1, 1, 2, 8, 3], [1, 1, 2, 3, 8]) is None  # rank 5
+    with pytest.raises(DietcodeError, match="equal leading dims"):
+        core.attention_view([2, 5, 8], [3, 8, 5], [2, 5, 8])
+    with pytest.raises(DietcodeError, match="does not broadcast"):
+        core.attention_view([2, 12, 5, 8], [2, 12, 8, 5], [2, 12, 5, 8], [3, 1, 1, 5])
+    with pytest.raises(DietcodeError, match="head_dim attribute 64"):
+        core.attention_view([2, 5, 8], [2, 8, 5], [2, 5, 8], head_dim=64)
+
+
+def test_compile_filter_drops_spilling_configs() -> None:
+    from tuner.attention import compile_attention_space
+
+    small, large = AttentionConfig(64, 32, 4, 2), AttentionConfig(128, 128, 8, 2)
+    space = compile_attention_space("float16", "sm_90", 64, has_mask=True, mask_rows=False, configs=[small, large])
+    assert [k.config for k in space.kept] == [small]
+    ((config, why),) = space.dropped
+    assert config == large and why.startswith("spills ")

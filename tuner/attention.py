@@ -1,0 +1,328 @@
+"""Fused attention: the micro-kernel space of ``templates.attention_kernel`` and its JIT launcher.
+
+One attention computation is ``softmax(Q @ Kt * scale + mask) @ V`` over ``z = batch * heads`` independent
+heads, Q ``[z, seq_q, d]``, Kt ``[z, d, seq_k]`` (the second operand of the graph's first MatMul), V
+``[z, seq_k, d]``. The template walks the keys ``BLOCK_N`` at a time with an online softmax, so the
+``seq_q x seq_k`` scores never reach memory. The head dim ``d`` is a constexpr of the workload (padded to a
+power of two, at least 16, inside the kernel); the micro-kernel is ``(BLOCK_M, BLOCK_N, num_warps,
+num_stages)``, the same set for every sequence length (DietCode's shape-generic space).
+
+Space axes: BLOCK_M (query rows per program) in {16, 32, 64, 128}, BLOCK_N (keys per step) in
+{16, 32, 64, 128}, num_warps in {2, 4, 8}, num_stages in {1, 2, 3}. Pruning rules, like ``tuner.space``'s:
+- ``threads``: num_warps * warp_size <= max_threads_per_block;
+- ``warp_rows``: each warp owns at least 16 query rows of the MMA (BLOCK_M >= 16 * num_warps / 2), fewer and
+  warps duplicate the softmax statistics;
+- ``shared_memory``: Q tile + num_stages * (K tile + V tile) in the element type <= smem_per_block_optin;
+- ``registers``: fp32 scores BLOCK_M*BLOCK_N + accumulator BLOCK_M*d + the Q fragment, per thread, plus a
+  fixed overhead <= regs_per_thread.
+
+These keep 90 of the 144 combinations for float16, d = 64 (sm_80 and sm_90). The estimates are a first cut:
+``compile_attention_space`` compiles them and drops those that spill. Measured (Triton 3.9, d = 64, float16,
+with a mask): sm_90 keeps 63 with a one-row mask (BERT's), 54 with a per-row mask; sm_80 keeps 54 with a
+one-row mask; every other config spills.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from dietcode_ort.errors import DietcodeError
+from tuner.hardware import HardwareProfile, get_profile
+
+if TYPE_CHECKING:
+    import torch
+
+    from tuner.aot import CompileToolchain
+
+__all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DTYPES", "block_d",
+           "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
+           "reference_attention", "CompiledAttention", "compile_attention", "CompiledAttentionSpace",
+           "compile_attention_space"]
+
+ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ATTENTION_AXES: dict[str, tuple[int, ...]] = {
+    "block_m": (16, 32, 64, 128),
+    "block_n": (16, 32, 64, 128),
+    "num_warps": (2, 4, 8),
+    "num_stages": (1, 2, 3),
+}
+ATTENTION_RULES = ("threads", "warp_rows", "shared_memory", "registers")
+_REG_OVERHEAD = 40
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True, order=True)
+class AttentionConfig:
+    """One attention micro-kernel: query rows and keys per step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> str:
+        """A stable short name, e.g. ``am64n32w4s2``."""
+        return f"am{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two of at least 16 (``tl.arange`` and ``tl.dot`` need both)."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise DietcodeError(f"attention: head dim {head_dim} is outside 1..{MAX_HEAD_DIM}")
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _failed_rule(c: AttentionConfig, dtype: str, head_dim: int, p: HardwareProfile) -> str | None:
+    size = ATTENTION_DTYPES[dtype]
+    d = block_d(head_dim)
+    threads = c.num_warps * p.warp_size
+    if threads > p.max_threads_per_block:
+        return "threads"
+    if c.block_m * 2 < 16 * c.num_warps:
+        return "warp_rows"
+    if (c.block_m * d + c.num_stages * 2 * c.block_n * d) * size > p.smem_per_block_optin:
+        return "shared_memory"
+    regs = (c.block_m * c.block_n + c.block_m * d) // threads + -(-c.block_m * d * size // (4 * threads))
+    if regs + _REG_OVERHEAD > p.regs_per_thread:
+        return "registers"
+    return None
+
+
+def _product() -> list[AttentionConfig]:
+    return [AttentionConfig(*values) for values in itertools.product(*ATTENTION_AXES.values())]
+
+
+def _check(dtype: str, target: str) -> HardwareProfile:
+    if dtype not in ATTENTION_DTYPES:
+        raise DietcodeError(f"attention: unknown dtype {dtype!r}; allowed: {', '.join(ATTENTION_DTYPES)}")
+    return get_profile(target)
+
+
+def attention_space(dtype: str, target: str, head_dim: int) -> list[AttentionConfig]:
+    """Every config of the axes that passes the pruning rules for (dtype, target, head dim), sorted."""
+    profile = _check(dtype, target)
+    return sorted(c for c in _product() if _failed_rule(c, dtype, head_dim, profile) is None)
+
+
+def attention_prune_report(dtype: str, target: str, head_dim: int) -> dict[str, int]:
+    """How many configs each rule removed, plus ``total`` and ``kept``."""
+    profile = _check(dtype, target)
+    counts = {rule: 0 for rule in ATTENTION_RULES}
+    configs = _product()
+    for config in configs:
+        rule = _failed_rule(config, dtype, head_dim, profile)
+        if rule is not None:
+            counts[rule] += 1
+    return {"total": len(configs), **counts, "kept": len(configs) - sum(counts.values())}
+
+
+def attention_constexprs(config: AttentionConfig, head_dim: int, *, scale: float, has_mask: bool,
+                         mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
+                         dot_precision: str = "ieee") -> dict[str, object]:
+    """The constexprs of ``attention_kernel`` for one workload and config. ``mask_rows``: the mask varies
+    along the queries (False: one row for all, BERT's ``[batch, 1, 1, T_k]``, a cheaper vector load)."""
+    if not math.isfinite(scale):
+        raise DietcodeError(f"attention: scale {scale} is not finite")
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SCALE": float(scale), "HAS_MASK": has_mask,
+            "MASK_ROWS": has_mask and mask_rows,
+            "CAUSAL": causal, "NAN_TO_ZERO": nan_to_zero, "DOT_PRECISION": dot_precision, "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n}
+
+
+def mask_strides(mask_shape: tuple[int, ...], batch: int, heads: int, seq_q: int,
+                 seq_k: int) -> tuple[int, int, int, int]:
+    """Element strides (batch, head, query, key) of a contiguous additive mask that ONNX broadcasting
+    stretches to ``[batch, heads, seq_q, seq_k]``; 0 for a broadcast axis. A mask of more than four dims,
+    or with a dim that is neither 1 nor the full extent, cannot be expressed and is refused."""
+    if len(mask_shape) > 4:
+        raise DietcodeError(f"attention: mask of rank {len(mask_shape)} has more than 4 dims")
+    full = (batch, heads, seq_q, seq_k)
+    shape = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+    strides = [0, 0, 0, 0]
+    step = 1
+    for axis in range(3, -1, -1):
+        if shape[axis] == full[axis] and full[axis] != 1:
+            strides[axis] = step
+        elif shape[axis] != 1:
+            raise DietcodeError(f"attention: mask shape {list(mask_shape)} does not broadcast to {list(full)}")
+        step *= shape[axis]
+    return strides[0], strides[1], strides[2], strides[3]
+
+
+def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
+                  mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
+                  nan_to_zero: bool = False, allow_tf32: bool = False) -> "torch.Tensor":
+    """Launch ``attention_kernel`` through Triton's JIT: q [..., T_q, d], kt [..., d, T_k], v [..., T_k, d]
+    with equal leading dims (``[batch, heads]`` or one batch dim), ``mask`` broadcastable to
+    ``[batch, heads, T_q, T_k]``. Returns ``[..., T_q, d]`` in q's dtype."""
+    import torch
+    import triton
+
+    from tuner.templates import attention_kernel
+
+    if q.dim() < 3 or kt.dim() != q.dim() or v.dim() != q.dim():
+        raise DietcodeError(f"attention: q, kt, v must have one rank >= 3, got {q.dim()}, {kt.dim()}, {v.dim()}")
+    lead = tuple(q.shape[:-2])
+    seq_q, head_dim = q.shape[-2:]
+    seq_k = kt.shape[-1]
+    if (tuple(kt.shape) != (*lead, head_dim, seq_k) or tuple(v.shape) != (*lead, seq_k, head_dim)
+            or q.dtype != kt.dtype or q.dtype != v.dtype):
+        raise DietcodeError(f"attention: shapes/dtypes disagree: q {tuple(q.shape)} {q.dtype}, kt "
+                            f"{tuple(kt.shape)} {kt.dtype}, v {tuple(v.shape)} {v.dtype}")
+    heads = lead[-1] if len(lead) >= 2 else 1
+    z = math.prod(lead)
+    batch = z // heads if heads else 0
+    if z == 0 or seq_q == 0 or seq_k == 0:  # no keys: an empty softmax times an empty V is 0, as in ONNX
+        return torch.zeros_like(q)
+    out = torch.empty_like(q)
+    strides = (0, 0, 0, 0)
+    if mask is not None:
+        mask = mask.contiguous()
+        strides = mask_strides(tuple(mask.shape), batch, heads, seq_q, seq_k)
+        if seq_q * strides[2] + seq_k * strides[3] >= 2 ** 31:
+            raise DietcodeError(f"attention: a mask slice of {seq_q} x {seq_k} needs offsets past int32")
+    precision = "tf32" if (q.dtype == torch.float32 and allow_tf32) else "ieee"
+    meta = attention_constexprs(config, head_dim, scale=scale, has_mask=mask is not None,
+                                mask_rows=strides[2] != 0, causal=causal, nan_to_zero=nan_to_zero,
+                                dot_precision=precision)
+    grid = (triton.cdiv(seq_q, config.block_m), 1, z)
+    attention_kernel[grid](q.contiguous(), kt.contiguous(), v.contiguous(), mask, out, seq_q, seq_k, heads,
+                           *strides, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def reference_attention(q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
+                        mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
+                        nan_to_zero: bool = False) -> "torch.Tensor":
+    """The unfused computation in float64 (the tests' reference), returned in q's dtype."""
+    import torch
+
+    s = torch.matmul(q.double(), kt.double()) * scale
+    if mask is not None:
+        s = s + mask.double()
+    if causal:
+        seq_q, seq_k = s.shape[-2:]
+        rows = torch.arange(seq_q)[:, None]
+        cols = torch.arange(seq_k)[None, :]
+        s = s.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if nan_to_zero:
+        p = torch.where(torch.isnan(p), 0.0, p)
+    return torch.matmul(p, v.double()).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class CompiledAttention:
+    """One attention micro-kernel compiled ahead of time: the artifacts and launch facts (grid
+    ``(cdiv(seq_q, BLOCK_M), 1, batch * heads)``, ``num_warps * 32`` threads, ``shared`` dynamic bytes)."""
+
+    name: str
+    arch: int
+    cubin: bytes
+    ptx: str
+    params: tuple[str, ...]  # runtime parameters in order (templates.ATTENTION_PARAMS less the constexpr mask)
+    num_warps: int
+    shared: int
+    n_regs: int | None
+    n_spills: int | None
+    config: AttentionConfig
+    constants: tuple[tuple[str, object], ...]
+    dtype: str
+    triton_version: str = ""
+    ptxas_version: str = ""
+    ptx_isa: int = 0
+    cubin_min_driver: int = 0
+    ptx_min_driver: int = 0
+    split_k: int = 1  # the launch facts BundleKernel.from_compiled reads
+    zero_output: bool = False
+    div16: tuple[str, ...] = ()
+
+    @property
+    def block_m(self) -> int:
+        return self.config.block_m
+
+    @property
+    def block_n(self) -> int:
+        return self.config.block_n
+
+
+def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
+                      has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
+                      toolchain: "CompileToolchain | None" = None) -> CompiledAttention:
+    """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
+    needed). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
+    plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
+    import triton
+
+    from tuner import aot, templates
+
+    profile = _check(dtype, target)
+    if config not in attention_space(dtype, target, head_dim):
+        raise DietcodeError(f"attention {config.key()} is not in the {dtype}/{target}/d={head_dim} space "
+                            f"(rules: {', '.join(ATTENTION_RULES)})")
+    chain = toolchain or aot.CompileToolchain()
+    chain.check()
+    constants: dict[str, object] = attention_constexprs(config, head_dim, scale=scale, has_mask=has_mask,
+                                                         mask_rows=mask_rows, causal=causal,
+                                                         nan_to_zero=nan_to_zero)
+    if not has_mask:
+        constants["mask"] = None
+    pointer = "*" + {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+    fn = templates.attention_kernel
+    signature = {name: "constexpr" if name in constants else pointer if name in ("q", "k", "v", "mask", "out")
+                 else "i32" for name in fn.arg_names}
+    compiled, log = aot._triton_compile(fn, signature, constants, {}, profile.arch, config.num_warps,
+                                        config.num_stages, toolchain=chain)
+    md = compiled.metadata
+    what = f"attention {config.key()} for {target}"
+    if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
+        raise DietcodeError(f"{what} needs scratch memory; the runtime passes null scratch pointers")
+    unsupported = aot.launch_features(md)
+    if unsupported:
+        raise DietcodeError(f"{what} needs {', '.join(unsupported)}, beyond a plain cuLaunchKernel")
+    facts = aot._toolchain_facts(profile.arch, compiled.asm["ptx"], chain, what)
+    n_regs, n_spills = aot._parse_ptxas(log)
+    params = tuple(p for p in templates.ATTENTION_PARAMS if signature[p] != "constexpr")
+    return CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
+                             md.num_warps, md.shared, n_regs, n_spills, config,
+                             tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
+                             triton_version=triton.__version__, **facts)
+
+
+@dataclass(frozen=True)
+class CompiledAttentionSpace:
+    """The attention configs that compiled within the target's limits, and those dropped with the reason."""
+
+    kept: tuple[CompiledAttention, ...]
+    dropped: tuple[tuple[AttentionConfig, str], ...]  # (config, "spills ..." | "shared ..." | "compile error ...")
+
+
+def compile_attention_space(dtype: str, target: str, head_dim: int, *, has_mask: bool = True,
+                            mask_rows: bool = False, configs: list[AttentionConfig] | None = None,
+                            toolchain: "CompileToolchain | None" = None) -> CompiledAttentionSpace:
+    """Compile ``configs`` (default: the whole pruned space) with the given mask form and keep those whose
+    real metadata fits the target: no register spills, shared memory within smem_per_block_optin (the
+    estimate-based rules above are only a first cut: the per-row mask tile, for one, costs registers they do
+    not count). The scale does not change the resources, so 1.0 stands for every scale."""
+    profile = _check(dtype, target)
+    kept: list[CompiledAttention] = []
+    dropped: list[tuple[AttentionConfig, str]] = []
+    for config in attention_space(dtype, target, head_dim) if configs is None else configs:
+        try:
+            kernel = compile_attention(config, dtype, target, head_dim, scale=1.0, has_mask=has_mask,
+                                       mask_rows=mask_rows, toolchain=toolchain)
+        except DietcodeError as exc:
+            dropped.append((config, f"compile error: {exc}"))
+            continue
+        if kernel.n_spills:
+            dropped.append((config, f"spills {kernel.n_spills} B ({kernel.n_regs} registers)"))
+        elif kernel.shared > profile.smem_per_block_optin:
+            dropped.append((config, f"shared {kernel.shared} B > {profile.smem_per_block_optin} B"))
+        else:
+            kept.append(kernel)
+    return CompiledAttentionSpace(tuple(kept), tuple(dropped))

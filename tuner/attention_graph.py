@@ -1,0 +1,331 @@
+"""Attention in a graph: find the ``MatMul -> [scale] -> [Add mask] -> Softmax -> MatMul`` chains and fuse each
+into one ``ai.dietcode::Attention`` node.
+
+The chain, as the project's BERT builder and torch.onnx write it::
+
+    S = MatMul(Q, Kt)                Q [..., T_q, d], Kt [..., d, T_k] (equal leading dims)
+    S = Div(S, c) | Mul(S, c)        optional; c a one-element float constant (scale 1/c or c)
+    S = Add(S, mask)                 optional; mask any value (BERT's [batch, 1, 1, T_k] extended mask)
+    P = Softmax(S, axis=-1)
+    P = Where(IsNaN(P), 0, P)        optional (torch's scaled_dot_product_attention export)
+    Y = MatMul(P, V)                 V [..., T_k, d]
+
+A chain is fused only when each intermediate value (S, the scaled and masked S, P) is read by the next node of
+the chain alone (no other node, subgraph or graph output reads it), Q, Kt and V have one rank (3 or 4), the
+head dim d is one known integer for Q, Kt and V, and the mask, when its rank is known, has at most Q's rank.
+Anything else (a causal mask written as Where/Cast/Slice, Softmax over another axis, a scale applied to Q and
+K before the MatMul) stays as it is, with the reason in ``AttentionScan.skipped``.
+
+The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
+effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
+probabilities become 0 (``nan_to_zero``) as attributes.
+Its model-local function (domain ``ai.dietcode``, one overload per distinct body) is the chain's nodes copied
+verbatim, constants included, so stock onnxruntime without the custom-op library computes exactly what the
+original graph did; the library's CPU kernel runs ORT's MatMul and Softmax with the scale and mask in between
+(custom_ops/attention.cc).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from dietcode_ort.errors import DietcodeError
+from tuner import scan as scan_mod
+from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _drop_unread, _graph_reads, _Links, _opsets
+from tuner.workload import Workload
+
+__all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
+
+OP_TYPE = "Attention"
+_DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                          onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One fusable chain: its nodes (by first output, in chain order), its inputs and its output."""
+
+    nodes: tuple[str, ...]  # MatMul, [Div|Mul], [Add], Softmax, [IsNaN, Where], MatMul
+    q: str
+    kt: str
+    v: str
+    mask: str | None
+    output: str
+    scale: float
+    head_dim: int
+    dtype: str
+    rank: int
+    nan_to_zero: bool = False  # Where(IsNaN(P), 0, P) after the Softmax
+    # the attention view's sizes as expressions of the model's symbols (tuner.shape_expr's grammar): what a
+    # dispatch tree over the symbolic dims would split on
+    seq_q: str = ""
+    seq_k: str = ""
+    batch: str = ""  # z = the product of Q's leading dims (batch x heads)
+
+
+@dataclass(frozen=True)
+class AttentionScan:
+    sites: tuple[AttentionSite, ...]
+    skipped: tuple[tuple[str, str], ...]  # (Softmax output, why its chain is not fused)
+
+
+class _Skip(Exception):
+    pass
+
+
+def _only_reader(g: scan_mod._Graph, value: str, what: str) -> onnx.NodeProto:
+    reader = g.exclusive_consumer(value)
+    if reader is None:
+        raise _Skip(f"the {what} {value!r} is read by {len(g.consumers.get(value, []))} nodes"
+                    + (" and is a graph output" if value in g.graph_outputs else ""))
+    return reader
+
+
+def _is(node: onnx.NodeProto | None, *ops: str) -> bool:
+    return node is not None and node.op_type in ops and node.domain in ("", "ai.onnx")
+
+
+def _const(g: scan_mod._Graph, name: str) -> np.ndarray | None:
+    """The value of an initializer or Constant output (not one behind an Identity: the fallback body copies
+    the constant the chain's node reads, so that node must read it directly)."""
+    return g.const(name) if name in g.inits else None
+
+
+def _scores(g: scan_mod._Graph, value: str) -> bool:
+    """Whether ``value`` is made by a MatMul, directly or through a Div/Mul by a one-element constant."""
+    node = g.producers.get(value)
+    if _is(node, "Div", "Mul"):
+        assert node is not None
+        dynamic = [v for v in node.input if v not in g.inits]
+        if len(dynamic) != 1 or len(node.input) != 2:
+            return False
+        const = _const(g, node.input[1] if node.input[0] == dynamic[0] else node.input[0])
+        if const is None or const.size != 1:
+            return False
+        node = g.producers.get(dynamic[0])
+    return _is(node, "MatMul")
+
+
+def _nan_to_zero(g: scan_mod._Graph, probs: str) -> list[onnx.NodeProto]:
+    """``[IsNaN, Where]`` when ``probs`` is read by exactly ``Where(IsNaN(probs), 0, probs)`` (torch's
+    scaled_dot_product_attention export: rows whose keys are all masked give 0, not NaN), else []."""
+    readers = g.consumers.get(probs, [])
+    if len(readers) != 2 or probs in g.graph_outputs:
+        return []
+    isnan = next((n for n in readers if _is(n, "IsNaN")), None)
+    where = next((n for n in readers if _is(n, "Where")), None)
+    if isnan is None or where is None or g.exclusive_consumer(isnan.output[0]) is not where:
+        return []
+    if list(where.input)[0] != isnan.output[0] or where.input[2] != probs:
+        return []
+    zero = _const(g, where.input[1])
+    if zero is None or zero.size != 1 or float(zero.reshape(())) != 0.0:
+        return []
+    return [isnan, where]
+
+
+def _softmax_axis(node: onnx.NodeProto) -> int | None:
+    for a in node.attribute:
+        if a.name == "axis":
+            return int(a.i)
+    return None
+
+
+def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
+    if _softmax_axis(softmax) != -1:
+        raise _Skip("Softmax is not over axis=-1")
+    chain = [softmax]
+    probs = softmax.output[0]
+    tail = _nan_to_zero(g, probs)
+    if tail:
+        chain += tail
+        probs = tail[-1].output[0]
+    second = _only_reader(g, probs, "Softmax output")
+    if not _is(second, "MatMul") or second.input[0] != probs:
+        raise _Skip("the Softmax output is not the first operand of a MatMul")
+    x = softmax.input[0]
+    mask = None
+    scale = 1.0
+    node = g.producers.get(x)
+    if _is(node, "Add"):
+        assert node is not None
+        _only_reader(g, x, "masked scores")
+        chain.insert(0, node)
+        # the chain continues through the operand made by the MatMul (or its scale); the other is the mask
+        sides = [v for v in node.input if _scores(g, v)]
+        if len(node.input) != 2 or len(sides) != 1:
+            raise _Skip("the Add after the scores does not add one mask to them")
+        x = sides[0]
+        mask = node.input[1] if node.input[0] == x else node.input[0]
+        node = g.producers.get(x)
+    if _is(node, "Div", "Mul"):
+        assert node is not None
+        _only_reader(g, x, "scaled scores")
+        consts = [(i, _const(g, v)) for i, v in enumerate(node.input) if v in g.inits]
+        if len(consts) != 1 or consts[0][1] is None or consts[0][1].size != 1:
+            raise _Skip(f"the {node.op_type} after the first MatMul is not by a one-element constant")
+        index, value = consts[0]
+        if node.op_type == "Div" and index != 1:
+            raise _Skip("the Div divides a constant by the scores")
+        c = float(np.asarray(value, dtype=np.float64).reshape(()))
+        scale = 1.0 / c if node.op_type == "Div" else c
+        if not math.isfinite(scale) or c == 0.0:
+            raise _Skip(f"the scale constant {c} is not usable")
+        chain.insert(0, node)
+        x = node.input[1 - index]
+        node = g.producers.get(x)
+    if not _is(node, "MatMul"):
+        raise _Skip("the scores are not made by a MatMul")
+    assert node is not None
+    _only_reader(g, x, "scores")
+    chain.insert(0, node)
+    chain.append(second)
+    q, kt, v = node.input[0], node.input[1], second.input[1]
+    shapes = [g.shapes.get(n) for n in (q, kt, v)]
+    if any(s is None or any(d is None for d in s) for s in shapes):
+        raise _Skip("the shapes of Q, Kt or V are unknown after shape inference")
+    sq, sk, sv = shapes  # type: ignore[misc]
+    assert sq is not None and sk is not None and sv is not None
+    if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
+        raise _Skip(f"Q, Kt, V ranks {len(sq)}, {len(sk)}, {len(sv)} are not one rank of 3 or 4")
+    d = sq[-1]
+    if not isinstance(d, int) or d <= 0 or sk[-2] != d or sv[-1] != d:
+        raise _Skip(f"the head dim is not one known integer (Q {sq[-1]}, Kt {sk[-2]}, V {sv[-1]})")
+    if tuple(sq[:-2]) != tuple(sk[:-2]) or tuple(sq[:-2]) != tuple(sv[:-2]) or sk[-1] != sv[-2]:
+        raise _Skip("Q, Kt and V do not share their leading dims and key count")
+    if mask is not None:
+        ms = g.shapes.get(mask)
+        if ms is not None and len(ms) > len(sq):
+            raise _Skip(f"the mask has rank {len(ms)}, above the scores' {len(sq)}")
+    dtype = _DTYPES.get(g.dtypes.get(q, 0))
+    if dtype is None:
+        raise _Skip("Q is not float32, float16 or bfloat16")
+    try:
+        sizes = [scan_mod._expr([x]) for x in (sq[-2], sk[-1])] + [scan_mod._expr(list(sq[:-2]) or [1])]
+    except Exception as exc:  # a dim outside tuner.shape_expr's grammar
+        raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
+    return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
+                         len(sq), bool(tail), *sizes)
+
+
+def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
+    """The fusable attention chains of ``model`` (shapes from the scanner's symbolic shape inference) and,
+    for every other Softmax, why its chain is not fused."""
+    base = None if base_dir is None else Path(base_dir)
+    inferred = scan_mod._infer(scan_mod._inference_copy(model, base))
+    g = scan_mod._Graph(inferred, list(inferred.graph.initializer))
+    sites, skipped = [], []
+    for node in model.graph.node:
+        if not _is(node, "Softmax"):
+            continue
+        try:
+            sites.append(_match(g, node))
+        except _Skip as why:
+            skipped.append((node.output[0], str(why)))
+    return AttentionScan(tuple(sites), tuple(skipped))
+
+
+def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
+    """The chain's nodes copied, values renamed (Q, Kt, V, mask in; Y out), constants as Constant nodes."""
+    names = {site.q: "Q", site.kt: "Kt", site.v: "V", site.output: "Y"}
+    if site.mask is not None:
+        names[site.mask] = "mask"
+    body: list[onnx.NodeProto] = []
+    for key in site.nodes:
+        _, node = links.node(key, "attention node")
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = ""
+        inputs = []
+        for x in node.input:
+            if x not in names:
+                names[x] = f"c{len(names)}"
+                body.append(links.constant(x, names[x], node))
+            inputs.append(names[x])
+        del copy.input[:]
+        copy.input.extend(inputs)
+        outputs = [names.setdefault(o, f"t{len(names)}") if o else "" for o in node.output]
+        del copy.output[:]
+        copy.output.extend(outputs)
+        body.append(copy)
+    return body
+
+
+def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | None = None, *,
+                   base_dir: str | Path | None = None, copy: bool = True) -> tuple[onnx.ModelProto, tuple[str, ...]]:
+    """Replace each chain of ``sites`` (default: all ``find_attention`` finds) by one ``Attention`` node
+    with its fallback function. Returns the model (a copy unless ``copy`` is False) and the fused outputs."""
+    if sites is None:
+        sites = find_attention(model, base_dir).sites
+    out = onnx.ModelProto()
+    if copy:
+        out.CopyFrom(model)
+    else:
+        out = model
+    graph = out.graph
+    links = _Links(graph, None if base_dir is None else Path(base_dir))
+    before = _graph_reads(graph)
+    claimed: set[int] = set()
+    replace: dict[int, onnx.NodeProto] = {}
+    opsets = _opsets(out)
+    bodies: dict[tuple[int, bytes], str] = {}
+    functions = [f for f in out.functions if f.domain == DOMAIN and f.name == OP_TYPE]
+    for f in functions:
+        bodies[(len(f.input), b"".join(n.SerializeToString(deterministic=True) for n in f.node))] = f.overload
+    taken = {f.overload for f in functions}
+    for site in sites:
+        members = [links.node(key, "attention node")[0] for key in site.nodes]
+        if claimed & set(members):
+            raise DietcodeError(f"attention chains making {site.output!r} and another overlap")
+        claimed |= set(members)
+        body = _body(links, site)
+        inputs = [site.q, site.kt, site.v] + ([site.mask] if site.mask is not None else [])
+        key = (len(inputs), b"".join(n.SerializeToString(deterministic=True) for n in body))
+        if key not in bodies:
+            overload = next(str(i) if i else "" for i in range(len(taken) + 1) if (str(i) if i else "") not in taken)
+            taken.add(overload)
+            bodies[key] = overload
+            formal = ["Q", "Kt", "V"] + (["mask"] if site.mask is not None else [])
+            out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
+                                                      attributes=["scale", "head_dim", "nan_to_zero"],
+                                                      overload=overload or None))
+        last = graph.node[members[-1]]
+        node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
+                                scale=float(site.scale), head_dim=int(site.head_dim),
+                                nan_to_zero=int(site.nan_to_zero))
+        if bodies[key]:
+            node.overload = bodies[key]
+        replace[members[-1]] = node
+    if not replace:
+        return out, ()
+    drop = claimed - set(replace)
+    kept = [replace.get(i, n) for i, n in enumerate(graph.node) if i not in drop]
+    del graph.node[:]
+    graph.node.extend(kept)
+    _drop_unread(graph, before)
+    out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return out, tuple(s.output for s in sites)
+
+
+def without_attention(workloads: tuple[Workload, ...], sites: tuple[AttentionSite, ...]) -> tuple[Workload, ...]:
+    """The workloads less the nodes the attention chains of ``sites`` fuse (their two MatMuls), so that the
+    GEMM rewrite leaves those MatMuls for ``fuse_attention``; a workload left without nodes is dropped."""
+    taken = {key for site in sites for key in site.nodes}
+    out = []
+    for w in workloads:
+        fused = w.fused_nodes or ((),) * len(w.nodes)
+        keep = [i for i, key in enumerate(w.nodes) if key not in taken]
+        if len(keep) == len(w.nodes):
+            out.append(w)
+        elif keep:
+            out.append(replace(w, nodes=tuple(w.nodes[i] for i in keep),
+                               fused_nodes=tuple(fused[i] for i in keep) if w.fused_nodes else (),
+                               ranks=tuple(w.ranks[i] for i in keep) if w.ranks else ()))
+    return tuple(out)
