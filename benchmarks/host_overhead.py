@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dietcode_ort.bench_report import device_name
+
 __all__ = ["build_chain", "optimize_chain", "decision_costs", "chain_timings", "main"]
 
 HIDDEN = 8
@@ -165,16 +167,6 @@ def _versions() -> str:
             f"numpy {np.__version__}, {platform.platform()}")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _git_head() -> str:
     import subprocess
 
@@ -224,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--baseline-library {baseline} does not exist")
 
     lines = [f"# host overhead{' (' + args.label + ')' if args.label else ''}: "
-             f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {_cpu_name()}, provider {args.provider}",
+             f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name('cpu')}, provider {args.provider}",
              f"$ PYTHONPATH=$PWD python -m benchmarks.host_overhead {shlex.join(sys.argv[1:] if argv is None else argv)}",
              f"# {_versions()}", f"# library {load_core().path.name}, source {_git_head()}"
              + (f"; baseline library {baseline}" if baseline is not None else ""),
