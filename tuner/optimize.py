@@ -48,7 +48,7 @@ class OptimizeOptions:
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
     min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
-    fuse_attention: bool = False  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
+    fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
 
 
 @dataclass(frozen=True)
@@ -217,8 +217,19 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
+    attention_bundles: list[dict[str, bytes]] = [{} for _ in pairs]
+    if any(attention):
+        from tuner.attention_tune import tune_sites
+
+        attention_bundles = tune_sites(
+            [(sites, scanned.symbols, _model_dims(options.dims, scanned.symbols) if len(pairs) > 1 else options.dims,
+              None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
+             for (_, scanned), sites in zip(scans, attention)],
+            options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
+            ptxas=options.ptxas, measure=options.measure, log=log)
     results = []
-    for (model_path, output), (model, scanned), sites in zip(pairs, scans, attention):
+    for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
+                                                                             attention_bundles):
         bundles, infos, reports = {}, {}, []
         for w in scanned.workloads:
             problems = merge_problems(w)
@@ -239,9 +250,10 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         if sites:
             from tuner.attention_graph import fuse_attention
 
-            _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False)
-            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention (the "
-                "library computes them on the CPU: in a CUDA session ORT copies their inputs to the host)")
+            _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False,
+                                      bundles=attention_bundle)
+            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
+                "with tuned kernels")
         results.append((output, result, reports, scanned, model_path.parent))
     for output, result, _, _, base_dir in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)

@@ -1,0 +1,269 @@
+"""Tuning fused attention: each distinct attention chain is a workload tuned jointly over its instances.
+
+A chain's workload (``AttentionWorkload``) is what its kernels are compiled for: dtype, head dim, whether a
+mask is added and whether it varies along the queries, causal, NaN-to-zero and the scale (all constexprs of
+``templates.attention_kernel``). Its instances are the chain's recorded ``seq_q`` / ``seq_k`` / batch x heads
+expressions (tuner/attention_graph.py) evaluated at the model's instances (``--dim`` options or a shape log).
+Every config of ``tuner.attention.attention_space`` is costed on every instance, ``tuner.dispatch`` picks at
+most ``max_kernels`` of them and a decision tree over the dynamic sizes (no vendor leaf: the CUDA EP has no
+vendor attention), and the chosen configs are compiled for every target (``tuner.attention.compile_attention``).
+
+The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the bytes of Q, K, V, O and the
+mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
+GPU timing of attention kernels is not built: ``--measure gpu`` tunes the attention workloads with this
+cost and says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from dietcode_ort.bundle import Bundle, BundleKernel, Feature
+from dietcode_ort.errors import DietcodeError
+from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
+from tuner.hardware import HardwareProfile, get_profile
+from tuner.workload import Instance, Workload
+
+if TYPE_CHECKING:
+    from tuner.attention_graph import AttentionSite
+    from tuner.dispatch import Dispatch
+
+__all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "attention_features",
+           "problem_values", "attention_time", "attention_instances", "tune_attention", "TunedAttention",
+           "compile_tuned", "carrier", "report_line", "FEATURE_NAMES"]
+
+FEATURE_NAMES = ("seq_q", "seq_k", "batch")
+_STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
+_LAUNCH_SECONDS = 3e-6
+
+
+@dataclass(frozen=True)
+class AttentionWorkload:
+    """One distinct attention computation: what its kernels are compiled for, and its size expressions."""
+
+    dtype: str
+    head_dim: int
+    has_mask: bool
+    mask_rows: bool
+    causal: bool
+    nan_to_zero: bool
+    scale: float
+    rank: int
+    seq_q: str
+    seq_k: str
+    batch: str
+
+    def key(self) -> tuple:
+        return (self.dtype, self.head_dim, self.has_mask, self.mask_rows, self.causal, self.nan_to_zero,
+                self.scale, self.rank, self.seq_q, self.seq_k, self.batch)
+
+    def dynamic(self) -> tuple[str, ...]:
+        """The feature names whose expression is not a constant (the dispatch tree splits on these)."""
+        exprs = dict(zip(FEATURE_NAMES, (self.seq_q, self.seq_k, self.batch)))
+        return tuple(n for n in FEATURE_NAMES if not exprs[n].isdigit())
+
+
+@dataclass(frozen=True, order=True)
+class AttentionProblem:
+    seq_q: int
+    seq_k: int
+    batch: int  # z = batch x heads
+
+
+def attention_workload(site: "AttentionSite") -> AttentionWorkload:
+    return AttentionWorkload(site.dtype, site.head_dim, site.mask is not None,
+                             site.mask is not None and site.mask_rows, False, site.nan_to_zero, float(site.scale),
+                             site.rank, site.seq_q, site.seq_k, site.batch)
+
+
+def attention_features(w: AttentionWorkload) -> tuple[Feature, ...]:
+    """The dispatch features as products of the node's input dims (Q [..., Tq, d], Kt [..., d, Tk])."""
+    terms = {"seq_q": ((0, -2),), "seq_k": ((1, -1),), "batch": tuple((0, d) for d in range(w.rank - 2))}
+    return tuple(Feature(n, terms[n]) for n in w.dynamic())
+
+
+def problem_values(w: AttentionWorkload, p: AttentionProblem) -> tuple[int, ...]:
+    values = {"seq_q": p.seq_q, "seq_k": p.seq_k, "batch": p.batch}
+    return tuple(values[n] for n in w.dynamic())
+
+
+def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionProblem,
+                   profile: HardwareProfile) -> float:
+    """Predicted seconds of one launch: the slower of padded tensor-core FLOPs and memory traffic, over whole
+    waves of programs, plus the online softmax's serial steps."""
+    if p.seq_q <= 0 or p.seq_k <= 0 or p.batch <= 0:
+        return _LAUNCH_SECONDS
+    size = ATTENTION_DTYPES[w.dtype]
+    d = block_d(w.head_dim)
+    q_blocks = -(-p.seq_q // config.block_m)
+    k_steps = -(-p.seq_k // config.block_n)
+    programs = q_blocks * p.batch
+    threads = config.num_warps * profile.warp_size
+    smem = (config.block_m * d + config.num_stages * 2 * config.block_n * d) * size
+    per_sm = max(1, min(profile.max_blocks_per_sm, profile.max_threads_per_sm // threads,
+                        profile.smem_per_sm // max(1, smem + profile.smem_reserved_per_block)))
+    slots = profile.num_sms * per_sm
+    waves = -(-programs // slots)
+    utilization = programs / (waves * slots)
+    flops = 4.0 * p.batch * q_blocks * config.block_m * k_steps * config.block_n * d
+    peak = (profile.fp16_tensor_tflops if size == 2 else profile.fp32_tflops) * 1e12
+    # small tiles keep the tensor cores under-fed; one stage leaves the loads unpipelined
+    tile = min(1.0, config.block_m / 64) * math.sqrt(min(1.0, config.block_n / 64))
+    stages = 0.75 if config.num_stages == 1 else 1.0
+    compute = flops / (peak * utilization * tile * stages)
+    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim)
+    if w.has_mask:
+        traffic += size * p.batch * (p.seq_q if w.mask_rows else q_blocks) * p.seq_k
+    memory = traffic / (profile.dram_bandwidth_gbs * 1e9)
+    return _LAUNCH_SECONDS + max(compute, memory) + waves * k_steps * _STEP_SECONDS
+
+
+def attention_instances(w: AttentionWorkload, instances: Sequence[Instance]
+                        ) -> list[tuple[AttentionProblem, float]]:
+    """The workload's distinct problems at the model's instances, with summed weights."""
+    from tuner.shape_expr import ShapeExprError, evaluate
+
+    merged: dict[AttentionProblem, float] = {}
+    for inst in instances:
+        values = inst.as_dict()
+        try:
+            p = AttentionProblem(evaluate(w.seq_q, values), evaluate(w.seq_k, values), evaluate(w.batch, values))
+        except ShapeExprError as exc:
+            raise DietcodeError(f"attention workload: {exc}") from None
+        merged[p] = merged.get(p, 0.0) + inst.weight
+    if not merged:
+        raise DietcodeError("an attention workload has no instances: give --dim options or --shapes")
+    return sorted(merged.items())
+
+
+def carrier(w: AttentionWorkload, symbols: Sequence[str]) -> Workload:
+    """A plain Workload over the symbols the size expressions name, so that tuner.scan.attach_instances gives
+    the attention workload the instances it gives the GEMM workloads."""
+    from tuner.shape_expr import free_names
+
+    names = set().union(*(free_names(e) for e in (w.seq_q, w.seq_k, w.batch)))
+    return Workload("bmm", "MatMul", ("attention",), w.seq_q, w.seq_k, str(w.head_dim), w.dtype,
+                    tuple(s for s in symbols if s in names), batch=w.batch)
+
+
+@dataclass(frozen=True)
+class TunedAttention:
+    workload: AttentionWorkload
+    kernels: tuple[AttentionConfig, ...]
+    dispatch: "Dispatch"
+    problems: tuple[tuple[AttentionProblem, float], ...]
+    measurer: str
+    candidates: int
+
+
+def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
+                   targets: Sequence[str], max_kernels: int = 8, seed: int = 0) -> TunedAttention:
+    """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf)."""
+    import numpy as np
+
+    from tuner.dispatch import build_dispatch
+
+    if not targets:
+        raise DietcodeError("attention tuning needs at least one target")
+    space = attention_space(w.dtype, targets[0], w.head_dim)
+    for t in targets[1:]:
+        other = set(attention_space(w.dtype, t, w.head_dim))
+        space = [c for c in space if c in other]
+    if not space:
+        raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config fits every target of {list(targets)}")
+    names = w.dynamic()
+    if not names:
+        raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
+    profile = get_profile(targets[0])
+    times = np.array([[attention_time(c, w, p, profile) for c in space] for p, _ in problems])
+    instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
+    dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)
+    kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))
+    return TunedAttention(w, kernels, dispatch, tuple(problems), f"analytic({targets[0]})", len(space))
+
+
+def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
+                  min_driver: int, ptxas: str | None = None,
+                  log: Callable[[str], None] = print) -> bytes:
+    """Compile the chosen configs for every target and return the node's bundle bytes."""
+    from tuner import aot
+    from tuner.attention import compile_attention
+
+    w = tuned.workload
+    chain = aot.CompileToolchain(min_driver, ptxas)
+    kernels = []
+    for config in tuned.kernels:
+        compiled = [compile_attention(config, w.dtype, t, w.head_dim, scale=w.scale, has_mask=w.has_mask,
+                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
+                                      toolchain=chain) for t in targets]
+        kernels.append(BundleKernel.from_compiled(compiled))
+    bundle = Bundle(features, tuple(kernels), tuned.dispatch.tree)
+    bundle.validate()
+    return bundle.to_bytes()
+
+
+def report_line(index: int, tuned: TunedAttention) -> str:
+    w = tuned.workload
+    return (f"attention workload {index} d={w.head_dim} {w.dtype} Tq={w.seq_q} Tk={w.seq_k} z={w.batch} "
+            f"({len(tuned.problems)} shapes): {tuned.candidates} configs costed with {tuned.measurer}; "
+            f"{len(tuned.kernels)} kernels; regret {tuned.dispatch.report.geomean:.3f}")
+
+
+
+def info_json(tuned: TunedAttention) -> str:
+    """What ``inspect`` shows about an Attention node: its workload, kernels, the ranges tuned for, figures."""
+    import json
+
+    w = tuned.workload
+    names = w.dynamic()
+    values = [problem_values(w, p) for p, _ in tuned.problems]
+    return json.dumps({
+        "workload": {"op": "attention", "seq_q": w.seq_q, "seq_k": w.seq_k, "batch": w.batch,
+                     "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
+                     "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale},
+        "kernels": [c.key() for c in tuned.kernels],
+        "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
+        "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
+                   "regret": tuned.dispatch.report.geomean, "geomean_vs_vendor": None,
+                   "instances": len(tuned.problems)},
+    })
+
+
+def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str],
+                                      "str | None", dict]],
+               targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
+               measure: str = "analytic", log: Callable[[str], None] = print
+               ) -> list[dict[str, tuple[bytes, str]]]:
+    """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
+    shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
+    instances (within and across models) are tuned and compiled once."""
+    from tuner.scan import ScanResult, attach_instances
+
+    if measure not in ("analytic", "auto") and not measure.startswith("replay:"):
+        if measure != "gpu":
+            raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    if measure != "analytic" and any(sites for sites, *_ in models):
+        log("attention workloads are tuned with the analytic attention cost (GPU timing of attention kernels "
+            "is not built)")
+    tuned: dict[tuple, tuple[bytes, str]] = {}
+    out: list[dict[str, tuple[bytes, str]]] = []
+    index = 0
+    for sites, symbols, dims, shapes_file, input_dims in models:
+        bundles: dict[str, tuple[bytes, str]] = {}
+        for site in sites:
+            w = attention_workload(site)
+            scanned = attach_instances(ScanResult(tuple(symbols), (carrier(w, symbols),), (), input_dims),
+                                       dims, shapes_file)
+            problems = attention_instances(w, scanned.workloads[0].instances)
+            key = (w.key(), tuple(problems))
+            if key not in tuned:
+                result = tune_attention(w, problems, targets, max_kernels, seed)
+                log(report_line(index, result))
+                index += 1
+                payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
+                                        ptxas=ptxas, log=log)
+                tuned[key] = (payload, info_json(result))
+            bundles[site.output] = tuned[key]
+        out.append(bundles)
+    return out
