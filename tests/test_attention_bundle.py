@@ -1,0 +1,233 @@
+"""Tuned attention: workloads from the chains, the analytic cost, the bundle on the Attention node, the C core's
+choice and launch view for attention shapes, and the nodes' refusals of bundles and attributes that do not fit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from dietcode_ort.bundle import node_bundles, read_bundle
+from dietcode_ort.errors import DietcodeError
+from models.bert import PRESETS
+from tuner.attention import AttentionConfig
+from tuner.attention_tune import (AttentionProblem, AttentionWorkload, attention_features, attention_instances,
+                                  attention_time, tune_attention)
+from tuner.hardware import get_profile
+from tuner.workload import Instance
+
+LAYERS = PRESETS["tiny"].layers
+
+
+def _workload(**kw) -> AttentionWorkload:
+    base = dict(dtype="float16", head_dim=64, has_mask=True, mask_rows=False, causal=False, nan_to_zero=False,
+                scale=0.125, rank=4, seq_q="seq", seq_k="seq", batch="2*batch")
+    base.update(kw)
+    return AttentionWorkload(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
+    """Tiny BERT optimized with the defaults (attention fused) and analytic tuning."""
+    import models
+    from tuner.optimize import OptimizeOptions, optimize
+
+    tmp = tmp_path_factory.mktemp("att")
+    src, out = tmp / "bert.onnx", tmp / "bert.opt.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    logs: list[str] = []
+    optimize(src, out, OptimizeOptions(dims=("batch=1:4", "seq=1:512:64"), budget=8, max_kernels=3,
+                                       measure="analytic", db=tmp / "t.db", cache_dir=tmp / "k", progress=False),
+             log=logs.append)
+    return src, out, logs
+
+
+def test_padding_to_the_tiles_costs_time() -> None:
+    """Tq = 65 with BLOCK_M = 64 pays for two query blocks: it costs more than Tq = 64 and, with enough heads
+    to fill the GPU, about as much as Tq = 128."""
+    profile = get_profile("sm_90")
+    w, c = _workload(), AttentionConfig(64, 64, 4, 2)
+    t64, t65, t128 = (attention_time(c, w, AttentionProblem(q, 512, 4096), profile) for q in (64, 65, 128))
+    assert t64 < t65 and t65 == pytest.approx(t128, rel=0.1)
+    assert attention_time(c, w, AttentionProblem(0, 8, 8), profile) < t64  # empty call: the launch only
+
+
+def test_tuning_dispatches_shapes_to_different_kernels() -> None:
+    """Short and long sequences want different tiles: the tree over the dynamic sizes splits them."""
+    w = _workload()
+    problems = [(AttentionProblem(s, s, z), 1.0) for s in (1, 8, 512, 2048) for z in (2, 64)]
+    tuned = tune_attention(w, problems, ["sm_90"], max_kernels=4)
+    assert len(tuned.kernels) >= 2 and tuned.dispatch.report.geomean < 1.05
+    names = w.dynamic()
+    short = tuned.dispatch.select(dict(zip(names, (8, 8, 2))))
+    long = tuned.dispatch.select(dict(zip(names, (2048, 2048, 64))))
+    assert isinstance(short, AttentionConfig) and isinstance(long, AttentionConfig)
+    assert short.block_m < long.block_m
+
+
+def test_instances_come_from_the_chain_expressions() -> None:
+    w = _workload(seq_k="seq + 1")
+    got = attention_instances(w, [Instance.of({"batch": 2, "seq": 5}, 1.0), Instance.of({"batch": 2, "seq": 5}, 2.0),
+                                  Instance.of({"batch": 1, "seq": 3}, 1.0)])
+    assert got == [(AttentionProblem(3, 4, 2), 1.0), (AttentionProblem(5, 6, 4), 3.0)]
+    assert [f.name for f in attention_features(w)] == ["seq_q", "seq_k", "batch"]
+    assert attention_features(w)[2].terms == ((0, 0), (0, 1))  # z = Q.dim0 * Q.dim1
+    with pytest.raises(DietcodeError, match="needs a value for 'seq'"):
+        attention_instances(w, [Instance.of({"batch": 2})])
+
+
+def test_attention_nodes_carry_a_shared_bundle_of_attention_kernels(optimized) -> None:
+    _, out, logs = optimized
+    model = onnx.load(str(out))
+    nodes = [n for n in model.graph.node if n.op_type == "Attention"]
+    assert len(nodes) == LAYERS and all(len(n.input) == 5 and n.input[3] for n in nodes)
+    found = [b for b in node_bundles(model) if b.op_type == "Attention"]
+    assert len(found) == LAYERS and len({b.initializer for b in found}) == 1  # both layers: one workload
+    bundle = read_bundle(found[0].payload)
+    assert [f.name for f in bundle.features] == ["seq_q", "seq_k", "batch"]
+    assert bundle.kernels and all(k.kind == "triton" and k.view == "attention" for k in bundle.kernels)
+    assert all(k.dtype == "float32" for k in bundle.kernels)
+    assert any(line.startswith("attention workload 0 d=64 float32") for line in logs)
+
+
+def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.CaptureFixture[str]) -> None:
+    from dietcode_ort.inspect_model import describe, inspect_command
+
+    _, out, _ = optimized
+    nodes = [n for n in describe(onnx.load(str(out))) if n["op"] == "Attention"]
+    assert len(nodes) == LAYERS
+    n = nodes[0]
+    assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
+    assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
+                              "nan_to_zero": False, "mask_rows": False}
+    assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
+    assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
+    assert "->" in n["tree"]["if_chain"]
+    assert inspect_command(str(out), as_json=False) == 0
+    text = capsys.readouterr().out
+    assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
+
+
+def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    from dietcode_ort.runtime import register
+
+    opts = ort.SessionOptions()
+    register(opts)
+    data = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+
+
+def test_optimized_bert_runs_on_the_cpu_ep_like_stock_ort(optimized) -> None:
+    import models
+
+    src, out, _ = optimized
+    stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    ours, fallback = _session(out), ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch, seq in ((1, 1), (3, 70)):
+        feeds = models.get("bert").example_inputs("tiny", {"batch": batch, "seq": seq}, seed=5)
+        want = stock.run(None, feeds)[0]
+        np.testing.assert_allclose(ours.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(fallback.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized) -> None:
+    """Through ctypes: the tree over (seq_q, seq_k, batch x heads) read from Q and Kt picks what the tuner's
+    dispatch picks, and dc_attention_view gives the launch scalars and the mask's broadcast strides."""
+    from dietcode_ort.runtime import Core
+    from dietcode_ort import library_path
+
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    node = next(n for n in model.graph.node if n.op_type == "Attention")
+    info = json.loads(next(a.s for a in node.attribute if a.name == "info"))
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    core = Core(library_path())
+    bundle = core.parse(payload)
+    decoded = read_bundle(payload)
+    heads = 2
+    for batch, seq in ((1, 1), (4, 449), (2, 100)):
+        q, kt, v, mask = [batch, heads, seq, 64], [batch, heads, 64, seq], [batch, heads, seq, 64], [batch, 1, 1, seq]
+        features = bundle.features([q, kt, v, mask])
+        assert features == [seq, seq, batch * heads]
+        k = bundle.select(features)
+        assert k == decoded.tree.evaluate(features)
+        assert info["kernels"][k].startswith("am")
+        args = core.attention_view(q, kt, v, mask, head_dim=64)
+        assert args is not None
+        assert (args.seq_q, args.seq_k, args.heads, args.batch) == (seq, seq, heads, batch * heads)
+        assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
+            (seq if batch > 1 else 0, 0, 0, 1 if seq > 1 else 0)
+        assert bundle.fit(k, args)[0] == "fits"
+    with pytest.raises(DietcodeError, match="head dim 32 differs"):
+        core.attention_view([1, 2, 3, 32], [1, 2, 32, 3], [1, 2, 3, 32], None, head_dim=64)
+
+
+def _with_node(model: onnx.ModelProto, op_type: str, edit) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    node = next(n for n in out.graph.node if n.op_type == op_type)
+    edit(out, node)
+    return out
+
+
+def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    gemm_bundle = next(n.input[-1] for n in model.graph.node if n.op_type.startswith("MatMul"))
+    att_bundle = next(n.input[4] for n in model.graph.node if n.op_type == "Attention")
+
+    def swap(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        node.input[4] = gemm_bundle
+
+    with pytest.raises(Exception, match="is not a kernel for this op type"):
+        _session(_with_node(model, "Attention", swap))
+
+    # the core's node check (what a CUDA node runs at creation): attention kernels fit Attention only, and a
+    # MatMul node given them is refused rather than launched with the wrong view
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    core = Core(library_path())
+    payloads = {b.initializer: b.payload for b in node_bundles(model)}
+    attention, gemm = core.parse(payloads[att_bundle]), core.parse(payloads[gemm_bundle])
+    attention.check_node("float32", "Attention")
+    with pytest.raises(DietcodeError, match="is not a kernel for this op type"):
+        attention.check_node("float32", "MatMul")
+    with pytest.raises(DietcodeError, match="is not a kernel for this op type"):
+        gemm.check_node("float32", "Attention", activation=gemm.decode().kernels[0].activation)
+    with pytest.raises(DietcodeError, match="another element type"):
+        attention.check_node("float16", "Attention")
+
+    def drop_mask(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        node.input[3] = ""
+
+    with pytest.raises(Exception, match="takes a mask but the node has none"):
+        _session(_with_node(model, "Attention", drop_mask))
+
+    def drop_scale(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        keep = [a for a in node.attribute if a.name != "scale"]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+
+    with pytest.raises(Exception, match="'scale' attribute is missing"):
+        _session(_with_node(model, "Attention", drop_scale))
+
+    def garbage(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        m.graph.initializer.append(numpy_helper.from_array(np.arange(40, dtype=np.uint8), "junk"))
+        node.input[4] = "junk"
+
+    with pytest.raises(Exception, match="bundle input 'junk'"):
+        _session(_with_node(model, "Attention", garbage))
+
+    def float_bundle(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        m.graph.initializer.append(helper.make_tensor("fb", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]))
+        node.input[4] = "fb"
+
+    with pytest.raises(Exception):
+        _session(_with_node(model, "Attention", float_bundle))
+    with pytest.raises(DietcodeError, match="not a non-empty 1-D uint8|must be a non-empty 1-D uint8"):
+        node_bundles(_with_node(model, "Attention", float_bundle))
