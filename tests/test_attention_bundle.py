@@ -231,3 +231,23 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         _session(_with_node(model, "Attention", float_bundle))
     with pytest.raises(DietcodeError, match="not a non-empty 1-D uint8|must be a non-empty 1-D uint8"):
         node_bundles(_with_node(model, "Attention", float_bundle))
+
+
+def test_gpu_measure_times_shipped_attention_kernels_through_the_timing_child(tmp_path: Path, monkeypatch) -> None:
+    """measure="gpu": the configs the analytic cost ranks best are compiled as they ship and sent to the timing
+    child as attention node calls, whose launch view is dc_attention_view's (the fake backend plays the GPU:
+    1 us per query row, so every config ties and the tree is one leaf)."""
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("DIETCODE_FAKE_TIMING", json.dumps({"log": str(log)}))
+    w = _workload(dtype="float32", mask_rows=True)
+    problems = [(AttentionProblem(16, 16, 2), 1.0), (AttentionProblem(40, 24, 4), 1.0)]
+    tuned = tune_attention(w, problems, ["sm_90"], max_kernels=2, measure="gpu", budget=2,
+                           backend="_fake_timing:FakeBackend")
+    assert tuned.measurer.startswith("gpu") and tuned.candidates == 2 and len(tuned.kernels) == 1
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 4 and len({r["config"] for r in records}) == 2  # 2 configs x 2 shapes
+    assert tuned.kernels[0].key() in {r["config"] for r in records}
+    assert "seq_q" in records[0]["params"] and "mask" in records[0]["params"]
+    # [z, Tq, Tk] mask: strides (batch Tq*Tk, query Tk, key 1)
+    assert sorted(r["view"] for r in records)[0] == [16, 16, 1, 2, 256, 16, 1]
+    assert sorted(r["view"] for r in records)[-1] == [40, 24, 1, 4, 960, 24, 1]

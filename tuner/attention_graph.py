@@ -214,7 +214,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     except Exception as exc:  # a dim outside tuner.shape_expr's grammar
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
-                         len(sq), bool(tail), *sizes, mask_rows=mask_rows)
+                         len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows)
 
 
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
@@ -321,9 +321,10 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         last = graph.node[members[-1]]
         node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
                                 scale=float(site.scale), head_dim=int(site.head_dim),
-                                nan_to_zero=int(site.nan_to_zero),
-                                **({"mask_rows": int(site.mask_rows), "info": bundles[site.output][1]}
-                                   if bundles is not None else {}))
+                                nan_to_zero=int(site.nan_to_zero))
+        if bundles is not None:
+            node.attribute.extend([helper.make_attribute("mask_rows", int(site.mask_rows)),
+                                   helper.make_attribute("info", bundles[site.output][1])])
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = node

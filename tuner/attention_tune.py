@@ -10,14 +10,15 @@ vendor attention), and the chosen configs are compiled for every target (``tuner
 
 The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the bytes of Q, K, V, O and the
 mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
-GPU timing of attention kernels is not built: ``--measure gpu`` tunes the attention workloads with this
-cost and says so.
+With ``--measure gpu`` (or auto on a GPU machine) the ``budget`` configs this cost ranks best are compiled as
+they ship and timed through tuner.gpu_timing's child process (the C core launches them with
+``dc_attention_view``'s arguments) and the dispatch is built from those times.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
@@ -26,12 +27,15 @@ from tuner.hardware import HardwareProfile, get_profile
 from tuner.workload import Instance, Workload
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tuner.attention_graph import AttentionSite
     from tuner.dispatch import Dispatch
 
 __all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "attention_features",
            "problem_values", "attention_time", "attention_instances", "tune_attention", "TunedAttention",
-           "compile_tuned", "carrier", "report_line", "FEATURE_NAMES"]
+           "compile_tuned", "carrier", "report_line", "FEATURE_NAMES", "gpu_times", "one_kernel_bundle",
+           "tune_sites", "info_json"]
 
 FEATURE_NAMES = ("seq_q", "seq_k", "batch")
 _STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
@@ -157,9 +161,54 @@ class TunedAttention:
     candidates: int
 
 
+def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str, toolchain: Any) -> bytes | str:
+    """The config compiled as it ships, as a one-kernel bundle (what the GPU timer launches), or the error."""
+    from dietcode_ort.bundle import DispatchTree
+    from tuner.attention import compile_attention
+
+    try:
+        compiled = compile_attention(config, w.dtype, target, w.head_dim, scale=w.scale, has_mask=w.has_mask,
+                                     mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
+                                     toolchain=toolchain)
+    except DietcodeError as exc:
+        return f"compile error: {exc}"[:2000]
+    return Bundle((), (BundleKernel.from_compiled([compiled]),), DispatchTree.single(0)).to_bytes()
+
+
+def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
+              configs: Sequence[AttentionConfig], target: str, toolchain: Any,
+              backend: str | None = None) -> "np.ndarray":
+    """Seconds [problem, config] of each config's shipped cubin launched by the C core in the timing child
+    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed."""
+    import numpy as np
+
+    from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
+    from tuner.workload import Problem
+
+    times = np.full((len(problems), len(configs)), np.inf)
+    items: list[TimingItem] = []
+    where: list[tuple[int, int]] = []
+    mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
+    for j, config in enumerate(configs):
+        bundle = one_kernel_bundle(config, w, target, toolchain)
+        if isinstance(bundle, str):
+            continue
+        for i, (p, _) in enumerate(problems):
+            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype,
+                                    Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch), mask=mask))
+            where.append((i, j))
+    if items:
+        for (i, j), result in zip(where, shared_timer(backend or CUDA_BACKEND, TimingSettings()).time(items)):
+            times[i, j] = result.seconds
+    return times
+
+
 def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
-                   targets: Sequence[str], max_kernels: int = 8, seed: int = 0) -> TunedAttention:
-    """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf)."""
+                   targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
+                   budget: int = 16, toolchain: Any = None, backend: str | None = None) -> TunedAttention:
+    """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
+    ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
+    problems) are compiled and timed on the GPU instead, and the dispatch is built from those times."""
     import numpy as np
 
     from tuner.dispatch import build_dispatch
@@ -177,10 +226,25 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
     profile = get_profile(targets[0])
     times = np.array([[attention_time(c, w, p, profile) for c in space] for p, _ in problems])
+    label = f"analytic({targets[0]})"
+    if measure == "gpu":
+        from tuner import aot
+
+        weights = np.array([wt for _, wt in problems])
+        rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
+        space = [space[j] for j in sorted(rank)]
+        times = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend)
+        ok = np.isfinite(times).all(axis=0)
+        if not ok.any():
+            raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config ran on every shape on the GPU")
+        space, times = [c for c, good in zip(space, ok) if good], times[:, ok]
+        label = "gpu (aot cubin)"
+    elif measure != "analytic":
+        raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
     instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
-    dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)
+    dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)  # type: ignore[arg-type]
     kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))
-    return TunedAttention(w, kernels, dispatch, tuple(problems), f"analytic({targets[0]})", len(space))
+    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space))
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
@@ -233,19 +297,30 @@ def info_json(tuned: TunedAttention) -> str:
 def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str],
                                       "str | None", dict]],
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
-               measure: str = "analytic", log: Callable[[str], None] = print
+               measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print
                ) -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once."""
     from tuner.scan import ScanResult, attach_instances
 
-    if measure not in ("analytic", "auto") and not measure.startswith("replay:"):
-        if measure != "gpu":
-            raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
-    if measure != "analytic" and any(sites for sites, *_ in models):
-        log("attention workloads are tuned with the analytic attention cost (GPU timing of attention kernels "
-            "is not built)")
+    kind = measure
+    if kind == "auto":
+        from tuner.executor import LocalExecutor
+
+        kind = "gpu" if LocalExecutor().gpu_available() else "analytic"
+    elif kind.startswith("replay:"):
+        if any(sites for sites, *_ in models):
+            log("attention workloads are tuned with the analytic attention cost (a replay file holds GEMM "
+                "timings only)")
+        kind = "analytic"
+    elif kind not in ("analytic", "gpu"):
+        raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    if kind == "gpu":
+        from tuner.executor import LocalExecutor
+
+        if not LocalExecutor().gpu_available():
+            raise DietcodeError("--measure gpu needs a CUDA GPU visible to torch; none is (use analytic)")
     tuned: dict[tuple, tuple[bytes, str]] = {}
     out: list[dict[str, tuple[bytes, str]]] = []
     index = 0
@@ -258,7 +333,10 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
             problems = attention_instances(w, scanned.workloads[0].instances)
             key = (w.key(), tuple(problems))
             if key not in tuned:
-                result = tune_attention(w, problems, targets, max_kernels, seed)
+                from tuner import aot
+
+                result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
+                                        toolchain=aot.CompileToolchain(min_driver, ptxas))
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,

@@ -217,7 +217,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
-    attention_bundles: list[dict[str, bytes]] = [{} for _ in pairs]
+    attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in pairs]
     if any(attention):
         from tuner.attention_tune import tune_sites
 
@@ -226,7 +226,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
               None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
              for (_, scanned), sites in zip(scans, attention)],
             options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
-            ptxas=options.ptxas, measure=options.measure, log=log)
+            ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log)
     results = []
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):
