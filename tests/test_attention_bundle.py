@@ -251,3 +251,18 @@ def test_gpu_measure_times_shipped_attention_kernels_through_the_timing_child(tm
     # [z, Tq, Tk] mask: strides (batch Tq*Tk, query Tk, key 1)
     assert sorted(r["view"] for r in records)[0] == [16, 16, 1, 2, 256, 16, 1]
     assert sorted(r["view"] for r in records)[-1] == [40, 24, 1, 4, 960, 24, 1]
+
+
+def test_chains_that_cannot_get_kernels_are_left_unfused() -> None:
+    """A chain whose sizes are all static has nothing to dispatch on; one whose head dim no config fits (here
+    past the template's 256) has no kernel: optimize leaves both unfused instead of failing."""
+    from dataclasses import replace
+
+    from tuner.attention_graph import AttentionSite
+    from tuner.attention_tune import unfit_reason
+
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    assert unfit_reason(site, ["sm_90"]) is None
+    assert "all static" in str(unfit_reason(replace(site, seq_q="8", seq_k="8"), ["sm_90"]))
+    assert "head dim 300 is outside" in str(unfit_reason(replace(site, head_dim=300), ["sm_90"]))

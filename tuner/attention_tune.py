@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "attention_features",
            "problem_values", "attention_time", "attention_instances", "tune_attention", "TunedAttention",
            "compile_tuned", "carrier", "report_line", "FEATURE_NAMES", "gpu_times", "one_kernel_bundle",
-           "tune_sites", "info_json"]
+           "tune_sites", "info_json", "unfit_reason"]
 
 FEATURE_NAMES = ("seq_q", "seq_k", "batch")
 _STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
@@ -90,6 +90,21 @@ def attention_features(w: AttentionWorkload) -> tuple[Feature, ...]:
 def problem_values(w: AttentionWorkload, p: AttentionProblem) -> tuple[int, ...]:
     values = {"seq_q": p.seq_q, "seq_k": p.seq_k, "batch": p.batch}
     return tuple(values[n] for n in w.dynamic())
+
+
+def unfit_reason(site: "AttentionSite", targets: Sequence[str]) -> str | None:
+    """Why a chain cannot get tuned kernels (then it is left unfused), or None: its sizes are all static (no
+    dispatch), or no config of the space fits its head dim and dtype on every target."""
+    w = attention_workload(site)
+    if not w.dynamic():
+        return "its sequence lengths and batch x heads are all static"
+    for t in targets:
+        try:
+            if not attention_space(w.dtype, t, w.head_dim):
+                return f"no attention config fits head dim {w.head_dim} ({w.dtype}) on {t}"
+        except DietcodeError as exc:  # a head dim outside the template's range
+            return str(exc)
+    return None
 
 
 def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionProblem,

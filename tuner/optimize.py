@@ -155,13 +155,21 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     return model, scanned
 
 
-def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult) -> tuple[ScanResult, tuple]:
+def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult, targets: Sequence[str],
+                     log: Callable[[str], None]) -> tuple[ScanResult, tuple]:
     """The scan less the MatMuls of the model's attention chains (left to fuse_attention, after the
-    rewrite), and those chains."""
+    rewrite), and those chains; a chain that cannot get tuned kernels is left unfused, with the reason."""
     from tuner.attention_graph import find_attention, without_attention
+    from tuner.attention_tune import unfit_reason
 
-    sites = find_attention(model, model_path.parent).sites
-    return replace(scanned, workloads=without_attention(scanned.workloads, sites)), sites
+    sites = []
+    for site in find_attention(model, model_path.parent).sites:
+        why = unfit_reason(site, targets)
+        if why is None:
+            sites.append(site)
+        else:
+            log(f"attention chain making {site.output} left unfused: {why}")
+    return replace(scanned, workloads=without_attention(scanned.workloads, tuple(sites))), tuple(sites)
 
 
 def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
@@ -189,7 +197,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
     attention: list[tuple] = [()] * len(scans)
     if options.fuse_attention:
-        split = [_split_attention(path, model, scanned) for (path, _), (model, scanned) in zip(pairs, scans)]
+        split = [_split_attention(path, model, scanned, options.targets, log)
+                 for (path, _), (model, scanned) in zip(pairs, scans)]
         scans = [(model, scanned) for (model, _), (scanned, _) in zip(scans, split)]
         attention = [sites for _, sites in split]
     if len(pairs) > 1:
