@@ -266,3 +266,40 @@ def test_chains_that_cannot_get_kernels_are_left_unfused() -> None:
     assert unfit_reason(site, ["sm_90"]) is None
     assert "all static" in str(unfit_reason(replace(site, seq_q="8", seq_k="8"), ["sm_90"]))
     assert "head dim 300 is outside" in str(unfit_reason(replace(site, head_dim=300), ["sm_90"]))
+
+
+def test_fused_attention_is_the_cli_default_and_can_be_switched_off() -> None:
+    from dietcode_ort.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "o.onnx"]).fuse_attention is True
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "o.onnx", "--no-fuse-attention"]).fuse_attention is False
+    from tuner.optimize import OptimizeOptions
+
+    assert OptimizeOptions().fuse_attention is True
+
+
+def test_gpu_measure_without_a_local_gpu_tunes_attention_analytically(monkeypatch) -> None:
+    """Attention kernels are timed on this machine's GPU; without one (GEMMs timed on a Ray cluster) the
+    attention workloads fall back to the analytic cost, saying so, instead of failing the run."""
+    from tuner import attention_tune
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+
+    monkeypatch.setattr(LocalExecutor, "gpu_available", lambda self: False)
+    calls: list[str] = []
+    monkeypatch.setattr(attention_tune, "compile_tuned", lambda *a, **k: b"bundle")
+    real = attention_tune.tune_attention
+
+    def spy(*args, **kw):
+        calls.append(kw["measure"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention_tune, "tune_attention", spy)
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    logs: list[str] = []
+    out = attention_tune.tune_sites([((site,), ("seq",), ("seq=1:64:16",), None, {})], ["sm_90"], max_kernels=2,
+                                    seed=0, min_driver=13000, ptxas=None, measure="gpu", log=logs.append)
+    assert calls == ["analytic"] and out[0]["y"][0] == b"bundle"
+    assert any("analytic attention cost" in line for line in logs)
