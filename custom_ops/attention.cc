@@ -401,6 +401,14 @@ class AttentionKernel {
     for (int64_t d : out_shape) total *= d;
     if (total == 0) return;
     if (view == 0) Throw(std::string("the attention kernels cannot take this call: ") + dc_last_error());
+    if (args.seq_k == 0) {  // Softmax over no keys is empty, and the product of empty matrices is 0
+      const uint64_t bytes = static_cast<uint64_t>(total) * (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2);
+      if (dc_zero_async(reinterpret_cast<uint64_t>(out.GetTensorMutableRawData()), bytes,
+                        ctx.GetGPUComputeStream()) != 0) {
+        Throw(dc_last_error());
+      }
+      return;
+    }
     if (!mask_rows_ && args.stride_mask_q != 0) {
       Throw("the mask varies along the queries, but the node's kernels were compiled for a mask of one row "
             "(mask_rows=0)");

@@ -180,6 +180,10 @@ int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* st
 // dc_last_error: the caller runs another kernel); -1 on error (bad arguments, the vendor kind, the driver).
 int dc_launch_fit(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
+// Zero `bytes` bytes of device memory at `ptr` on `stream` (cuMemsetD8Async in the stream's context): an
+// Attention call with no keys, whose output ONNX defines as zeros. 0 on success, -1 with a message.
+int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream);
+
 // Reading a bundle back (custom_ops/bundle_read.cc): every field of a parsed bundle, so that Python reads
 // payloads through this parser instead of one of its own. Strings and bytes point into the bundle and live
 // as long as it does. Out-of-range ids give NULL / -1 with a message.

@@ -303,3 +303,19 @@ def test_gpu_measure_without_a_local_gpu_tunes_attention_analytically(monkeypatc
                                     seed=0, min_driver=13000, ptxas=None, measure="gpu", log=logs.append)
     assert calls == ["analytic"] and out[0]["y"][0] == b"bundle"
     assert any("analytic attention cost" in line for line in logs)
+
+
+def test_zeroing_an_empty_key_call_output_checks_its_arguments() -> None:
+    """dc_zero_async (an Attention call with no keys gets zeros, as ONNX defines) refuses a null pointer and
+    says what is missing without a driver; nothing to zero is no error."""
+    import ctypes
+
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    core = Core(library_path())
+    core.lib.dc_zero_async.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+    assert core.lib.dc_zero_async(0, 0, None) == 0
+    assert core.lib.dc_zero_async(0, 16, None) == -1 and "null pointer" in core.error()
+    # no driver here; on a GPU, no context is current on this thread and no stream is given: an error either way
+    assert core.lib.dc_zero_async(1 << 20, 16, None) == -1 and core.error()
