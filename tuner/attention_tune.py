@@ -263,8 +263,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
-                  min_driver: int, ptxas: str | None = None,
-                  log: Callable[[str], None] = print) -> bytes:
+                  min_driver: int, ptxas: str | None = None) -> bytes:
     """Compile the chosen configs for every target and return the node's bundle bytes."""
     from tuner import aot
     from tuner.attention import compile_attention
@@ -358,7 +357,7 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
-                                        ptxas=ptxas, log=log)
+                                        ptxas=ptxas)
                 tuned[key] = (payload, info_json(result))
             bundles[site.output] = tuned[key]
         out.append(bundles)
