@@ -319,3 +319,28 @@ def test_zeroing_an_empty_key_call_output_checks_its_arguments() -> None:
     assert core.lib.dc_zero_async(0, 16, None) == -1 and "null pointer" in core.error()
     # no driver here; on a GPU, no context is current on this thread and no stream is given: an error either way
     assert core.lib.dc_zero_async(1 << 20, 16, None) == -1 and core.error()
+
+
+def test_a_chain_without_mask_gets_an_empty_mask_slot_and_runs_everywhere() -> None:
+    """A mask-free chain: Attention(Q, Kt, V, "", bundle), its kernels take no mask; stock ORT (the fallback
+    function, its mask formal unbound) and the library's CPU kernel give the chain's outputs."""
+    from test_attention_graph import _chain, _chain_feeds
+
+    from tuner.attention_graph import find_attention, fuse_attention
+    from tuner.attention_tune import tune_sites
+
+    model = _chain(mask=False)
+    sites = find_attention(model).sites
+    assert len(sites) == 1 and sites[0].mask is None
+    (bundles,) = tune_sites([(sites, ("T", "z"), ("z=1:3", "T=1:9:4"), None, {})], ["sm_90"], max_kernels=2,
+                            seed=0, min_driver=13000, ptxas=None, log=lambda _: None)
+    fused, _ = fuse_attention(model, sites, bundles=bundles)
+    node = next(n for n in fused.graph.node if n.op_type == "Attention")
+    assert len(node.input) == 5 and node.input[3] == "" and node.input[4].startswith("dietcode_bundle_")
+    kernels = read_bundle(node_bundles(fused)[0].payload).kernels
+    assert kernels and all("mask" not in k.params for k in kernels)
+    feeds = _chain_feeds(mask=False)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    stock = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_session(fused).run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
