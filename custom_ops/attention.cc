@@ -1,6 +1,7 @@
-// ai.dietcode::Attention on the CPU EP (see attention.h): ONNX Runtime's own MatMul and Softmax (MLAS, float32,
-// through Ort::Op, which needs no stream on the CPU) with the scale and mask added here in between, in place
-// on the scores (on the CPU the fusion saves nodes, not memory).
+// ai.dietcode::Attention (see attention.h). CPU EP: ONNX Runtime's own MatMul and Softmax (MLAS, float32, through
+// Ort::Op, which needs no stream on the CPU) with the scale and mask added here in between, in place on the
+// scores (on the CPU the fusion saves nodes, not memory). CUDA EP: the bundle's tuned flash-style kernels
+// (dispatch tree -> dc_attention_view -> dc_launch_fit on ORT's compute stream), with no vendor path.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -196,30 +197,78 @@ struct ScratchBuffers {
   float* probs = nullptr;
 };
 
+constexpr const char* kCudaEp = "CUDAExecutionProvider";
+constexpr size_t kMaskInput = 3, kBundleInput = 4, kInputs = 5;  // (Q, Kt, V, mask, bundle)
+
+struct BundleDeleter {
+  void operator()(dc_bundle* b) const { dc_bundle_release(b); }
+};
+
+int DtypeCode(ONNXTensorElementDataType t) {
+  return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+}
+
+// The node's CUDA device (its default allocator's device id; 0 when ORT does not say).
+int NodeDevice(const OrtKernelInfo* info) {
+  const OrtApi& api = Ort::GetApi();
+  OrtAllocator* alloc = nullptr;
+  int device = 0;
+  if (OrtStatus* st = api.KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc)) {
+    api.ReleaseStatus(st);
+    return 0;
+  }
+  const OrtMemoryInfo* mem = nullptr;
+  if (OrtStatus* st = api.AllocatorGetInfo(alloc, &mem)) {
+    api.ReleaseStatus(st);
+  } else if (OrtStatus* st2 = api.MemoryInfoGetId(mem, &device)) {
+    api.ReleaseStatus(st2);
+    device = 0;
+  }
+  api.ReleaseAllocator(alloc);
+  return device;
+}
+
+void ReadShape(const Ort::ConstValue& v, std::vector<int64_t>* out) {
+  auto info = v.GetTensorTypeAndShapeInfo();
+  out->resize(info.GetDimensionsCount());
+  if (!out->empty()) info.GetDimensions(out->data(), out->size());
+}
+
+// Inputs (Q, Kt, V[, mask][, bundle]): the mask slot is empty when the chain adds none. The CPU EP computes
+// with ORT's MatMul and Softmax (the bundle, when there is one, is checked, not used); the CUDA EP launches
+// the bundle's tuned kernels (templates.attention_kernel) on ORT's compute stream and has no other path: a
+// call no kernel takes fails with the node and the reason.
 class AttentionKernel {
  public:
-  explicit AttentionKernel(const OrtKernelInfo* raw) {
+  AttentionKernel(const OrtKernelInfo* raw, bool cuda, ONNXTensorElementDataType dtype) : cuda_(cuda), dtype_(dtype) {
     Ort::ConstKernelInfo info(raw);
     where_ = "node '" + info.GetNodeName() + "' (ai.dietcode:Attention)";
     try {
       scale_ = info.GetAttribute<float>("scale");
     } catch (const Ort::Exception&) {
-      throw std::runtime_error(where_ + ": the 'scale' attribute is missing (optimize the model again)");
+      Throw("the 'scale' attribute is missing (optimize the model again)");
     }
-    if (!std::isfinite(scale_)) throw std::runtime_error(where_ + ": the scale " + std::to_string(scale_) + " is not finite");
-    try {
-      head_dim_ = info.GetAttribute<int64_t>("head_dim");
-    } catch (const Ort::Exception&) {
-      head_dim_ = 0;  // not checked
-    }
-    try {
-      nan_to_zero_ = info.GetAttribute<int64_t>("nan_to_zero") != 0;
-    } catch (const Ort::Exception&) {
-      nan_to_zero_ = false;
-    }
-    if (head_dim_ < 0) throw std::runtime_error(where_ + ": negative head_dim attribute");
+    if (!std::isfinite(scale_)) Throw("the scale " + std::to_string(scale_) + " is not finite");
+    head_dim_ = AttrOr<int64_t>(info, "head_dim", 0);  // 0: not checked
+    nan_to_zero_ = AttrOr<int64_t>(info, "nan_to_zero", 0) != 0;
+    mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
+    if (head_dim_ < 0) Throw("negative head_dim attribute");
     const size_t n = info.GetInputCount();
-    if (n < 3 || n > 4) throw std::runtime_error(where_ + ": expects inputs (Q, Kt, V[, mask]), got " + std::to_string(n));
+    if (n < 3 || n > kInputs) Throw("expects inputs (Q, Kt, V[, mask][, bundle]), got " + std::to_string(n));
+    for (size_t i = 0; i < 3; ++i) {
+      if (info.GetInputName(i).empty()) Throw("input " + std::to_string(i) + " of (Q, Kt, V) is empty");
+    }
+    has_mask_ = n > kMaskInput && !info.GetInputName(kMaskInput).empty();
+    if (n > kBundleInput && !info.GetInputName(kBundleInput).empty()) LoadBundle(info);
+    if (cuda_) {
+      if (!bundle_) {
+        Throw("the node carries no kernel bundle (inputs (Q, Kt, V, mask, bundle)); the CUDA EP runs Attention "
+              "with tuned kernels only: optimize the original model again");
+      }
+      counter_ = dc_node_counter_get(info.GetNodeName().c_str());
+      FitDevice(raw);
+      return;
+    }
     // ORT's own MatMul (float32, MLAS) for the two products; the CPU EP's Ort::Op needs no stream
     const ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     const char* type_names[] = {"T"};
@@ -229,20 +278,169 @@ class AttentionKernel {
       Ort::OpAttr axis_attr("axis", &axis, 1, OrtOpAttrType::ORT_OP_ATTR_INT);
       softmax_ = Ort::Op::Create(raw, "Softmax", "", 13, type_names, &type, 1, &axis_attr, 1, 1, 1);
     } catch (const Ort::Exception& e) {
-      throw std::runtime_error(where_ + ": cannot create ONNX Runtime's MatMul or Softmax kernel: " + e.what());
+      Throw(std::string("cannot create ONNX Runtime's MatMul or Softmax kernel: ") + e.what());
     }
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
-      Compute(raw);
+      if (cuda_) {
+        ComputeCuda(raw);
+      } else {
+        Compute(raw);
+      }
       return nullptr;
     } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, (where_ + ": " + e.what()).c_str());
+      const std::string what = e.what();
+      const std::string text = what.rfind(where_, 0) == 0 ? what : where_ + ": " + what;
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, text.c_str());
     }
   }
 
  private:
+  [[noreturn]] void Throw(const std::string& msg) const { throw std::runtime_error(where_ + ": " + msg); }
+
+  template <typename T>
+  static T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
+    try {
+      return info.GetAttribute<T>(name);
+    } catch (const Ort::Exception&) {
+      return def;
+    }
+  }
+
+  // The bundle input: a constant 1-D non-empty uint8 initializer in host memory (the op declares it
+  // OrtMemTypeCPUInput), parsed once per distinct bytes (dc_bundle_acquire); every kernel must be a compiled
+  // attention kernel for this node's dtype that takes a mask exactly when the node has one.
+  void LoadBundle(const Ort::ConstKernelInfo& info) {
+    const std::string name = info.GetInputName(kBundleInput);
+    int is_constant = 0;
+    Ort::ConstValue tensor{nullptr};
+    try {
+      tensor = info.GetTensorConstantInput(kBundleInput, &is_constant);
+    } catch (const Ort::Exception& e) {
+      Throw("cannot read the bundle input '" + name + "': " + e.what());
+    }
+    if (!is_constant || static_cast<const OrtValue*>(tensor) == nullptr || !tensor.IsTensor()) {
+      Throw("the bundle input '" + name + "' is not a constant initializer; it must be a uint8 initializer that "
+            "is not also a graph input");
+    }
+    auto shape_info = tensor.GetTensorTypeAndShapeInfo();
+    if (shape_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || shape_info.GetDimensionsCount() != 1 ||
+        shape_info.GetElementCount() == 0) {
+      Throw("the bundle input '" + name + "' must be a non-empty 1-D uint8 tensor");
+    }
+    if (tensor.GetTensorMemoryInfo().GetDeviceType() != OrtMemoryInfoDeviceType_CPU) {
+      Throw("the bundle input '" + name + "' is not in CPU memory");
+    }
+    bundle_.reset(dc_bundle_acquire(tensor.GetTensorData<uint8_t>(), shape_info.GetElementCount()));
+    if (!bundle_) Throw("bundle input '" + name + "': " + dc_last_error());
+    int32_t n_features = 0;
+    dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
+    features_.resize(n_features);
+    if (dc_bundle_max_feature_input(bundle_.get()) >= static_cast<int>(kBundleInput)) {
+      Throw("the bundle's features read input " + std::to_string(dc_bundle_max_feature_input(bundle_.get())) +
+            "; Attention has 4 data inputs (Q, Kt, V, mask)");
+    }
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) != 0) {
+        Throw("bundle kernel " + std::to_string(k) + " is the vendor kind; Attention has no vendor kernel");
+      }
+    }
+    if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if ((dc_bundle_kernel_takes_param(bundle_.get(), k, "mask") == 1) != has_mask_) {
+        Throw("bundle kernel " + std::to_string(k) + (has_mask_ ? " takes no mask but the node has one"
+                                                                : " takes a mask but the node has none"));
+      }
+    }
+  }
+
+  // Per session: which kernels this device and driver can run (dc_bundle_fit_device). None: creation fails;
+  // some: a call the tree sends to one of those fails with the reason.
+  void FitDevice(const OrtKernelInfo* info) {
+    device_fits_.assign(n_kernels_, 1);
+    device_reason_.assign(n_kernels_, {});
+    int major = 0, minor = 0, optin = 0, driver = 0;
+    if (dc_cuda_device_limits(NodeDevice(info), &major, &minor, &optin) != 0) {
+      Throw(std::string("cannot read the CUDA device's limits: ") + dc_last_error());
+    }
+    if (dc_cuda_driver_version(&driver) != 0) driver = 0;  // not checked; dc_launch will say why
+    const int unfit =
+        dc_bundle_fit_device(bundle_.get(), major, minor, optin, driver, device_fits_.data(), device_fits_.size());
+    if (unfit < 0) Throw(dc_last_error());
+    if (unfit == 0) return;
+    const std::string first = dc_last_error();
+    if (unfit == n_kernels_) {
+      Throw("no bundle kernel can run on this device (sm_" + std::to_string(major * 10 + minor) +
+            "), and Attention has no vendor path; first: " + first + " (optimize for this GPU's --target)");
+    }
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (!device_fits_[k] && dc_kernel_fit_device(bundle_.get(), k, major, minor, optin, driver) == 0) {
+        device_reason_[k] = dc_last_error();
+      }
+    }
+  }
+
+  void ComputeCuda(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    Ort::ConstValue in[4] = {ctx.GetInput(0), ctx.GetInput(1), ctx.GetInput(2),
+                             has_mask_ ? ctx.GetInput(kMaskInput) : Ort::ConstValue{nullptr}};
+    thread_local std::vector<int64_t> shapes[4];
+    for (size_t i = 0; i < 4; ++i) {
+      if (i < 3 || has_mask_) ReadShape(in[i], &shapes[i]);
+    }
+    dc_launch_args args{};
+    const int view = dc_attention_view(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
+                                       shapes[2].data(), shapes[2].size(), has_mask_ ? shapes[3].data() : nullptr,
+                                       has_mask_ ? shapes[3].size() : 0, head_dim_, &args);
+    if (view < 0) Throw(dc_last_error());
+    std::vector<int64_t> out_shape(shapes[0]);
+    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    int64_t total = 1;
+    for (int64_t d : out_shape) total *= d;
+    if (total == 0) return;
+    if (view == 0) Throw(std::string("the attention kernels cannot take this call: ") + dc_last_error());
+    if (args.seq_k == 0) {  // Softmax over no keys is empty, and the product of empty matrices is 0
+      const uint64_t bytes = static_cast<uint64_t>(total) * (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2);
+      if (dc_zero_async(reinterpret_cast<uint64_t>(out.GetTensorMutableRawData()), bytes,
+                        ctx.GetGPUComputeStream()) != 0) {
+        Throw(dc_last_error());
+      }
+      return;
+    }
+    if (!mask_rows_ && args.stride_mask_q != 0) {
+      Throw("the mask varies along the queries, but the node's kernels were compiled for a mask of one row "
+            "(mask_rows=0)");
+    }
+    const int64_t* dims[4] = {shapes[0].data(), shapes[1].data(), shapes[2].data(),
+                              has_mask_ ? shapes[3].data() : nullptr};
+    const size_t ranks[4] = {shapes[0].size(), shapes[1].size(), shapes[2].size(), has_mask_ ? shapes[3].size() : 0};
+    thread_local std::vector<int64_t> features;
+    features.resize(features_.size());
+    if (dc_bundle_features(bundle_.get(), dims, ranks, 4, features.data()) != 0) Throw(dc_last_error());
+    const int32_t k = dc_bundle_select(bundle_.get(), features.data(), features.size());
+    if (k < 0) Throw(dc_last_error());
+    if (!device_fits_[k]) {
+      Throw("the dispatch tree picks bundle kernel " + std::to_string(k) + ", which cannot run on this device (" +
+            device_reason_[k] + "), and Attention has no vendor path");
+    }
+    args.q = reinterpret_cast<uint64_t>(in[0].GetTensorRawData());
+    args.k = reinterpret_cast<uint64_t>(in[1].GetTensorRawData());
+    args.v = reinterpret_cast<uint64_t>(in[2].GetTensorRawData());
+    args.mask = has_mask_ ? reinterpret_cast<uint64_t>(in[3].GetTensorRawData()) : 0;
+    args.out = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
+    args.c_bytes = static_cast<uint64_t>(total) * (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2);
+    const int fit = dc_launch_fit(bundle_.get(), k, &args, ctx.GetGPUComputeStream());
+    if (fit == 0) {
+      dc_node_count_launch(counter_);
+      return;
+    }
+    if (fit < 0) Throw(dc_last_error());
+    Throw("bundle kernel " + std::to_string(k) + " cannot take this call (" + dc_last_error() +
+          "), and Attention has no vendor path");
+  }
+
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const size_t n_in = ctx.GetInputCount();
@@ -254,7 +452,7 @@ class AttentionKernel {
     AttentionPlan plan;
     std::string error;
     if (!AttentionPlanMake(q.shape, kt.shape, v.shape, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
-      throw std::runtime_error(error);
+      Throw(error);
     }
     std::vector<int64_t> out_shape(plan.lead);
     out_shape.push_back(plan.seq_q);
@@ -317,19 +515,29 @@ class AttentionKernel {
     }
   }
 
+  bool cuda_;
+  ONNXTensorElementDataType dtype_;
   std::string where_;
   float scale_ = 1.0f;
   int64_t head_dim_ = 0;
   bool nan_to_zero_ = false;
-  Ort::Op matmul_{nullptr}, softmax_{nullptr};
+  bool mask_rows_ = true;
+  bool has_mask_ = false;
+  Ort::Op matmul_{nullptr}, softmax_{nullptr};  // CPU only
+  std::unique_ptr<dc_bundle, BundleDeleter> bundle_;
+  int32_t n_kernels_ = 0;
+  std::vector<int64_t> features_;
+  std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
+  std::vector<std::string> device_reason_;
+  dc_node_counter* counter_ = nullptr;
 };
 
 struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
-  explicit AttentionOp(ONNXTensorElementDataType dtype) : dtype_(dtype) {}
+  AttentionOp(ONNXTensorElementDataType dtype, bool cuda) : dtype_(dtype), cuda_(cuda) {}
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     try {
-      *kernel = new AttentionKernel(info);
+      *kernel = new AttentionKernel(info, cuda_, dtype_);
       return nullptr;
     } catch (const std::exception& e) {
       return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
@@ -337,18 +545,26 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   }
 
   const char* GetName() const { return "Attention"; }
-  const char* GetExecutionProviderType() const { return kCpuEp; }
-  size_t GetInputTypeCount() const { return 4; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return dtype_; }
+  const char* GetExecutionProviderType() const { return cuda_ ? kCudaEp : kCpuEp; }
+  // (Q, Kt, V, mask, bundle): the mask and the bundle are optional for the schema so that the kernel, not the
+  // schema check, reports a CUDA node without a bundle; the bundle is uint8 and stays in host memory.
+  size_t GetInputTypeCount() const { return kInputs; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == kBundleInput ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : dtype_;
+  }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
-                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+    return index >= kMaskInput ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                               : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  OrtMemType GetInputMemoryType(size_t index) const {
+    return index == kBundleInput ? OrtMemTypeCPUInput : OrtMemTypeDefault;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }
 
  private:
   ONNXTensorElementDataType dtype_;
+  bool cuda_;
 };
 
 }  // namespace
@@ -356,9 +572,12 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
 void AddAttentionOps(OrtCustomOpDomain* domain) {
   // Created once, kept for the life of the process, as ORT requires of custom ops.
   static const std::unique_ptr<AttentionOp> ops[] = {
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16)};
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, false),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, false),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, true),
+      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, true)};
   for (const auto& op : ops) Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(domain, op.get()));
 }
 

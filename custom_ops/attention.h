@@ -1,5 +1,5 @@
 // ai.dietcode::Attention: softmax(Q @ Kt * scale + mask) @ V, the fused attention node of
-// tuner/attention_graph.py. Shapes and the CPU computation in plain C++; the ORT op in attention.cc.
+// tuner/attention_graph.py. Shapes and the CPU computation in plain C++; the ORT op (CPU and CUDA) in attention.cc.
 #ifndef DIETCODE_ATTENTION_H_
 #define DIETCODE_ATTENTION_H_
 
@@ -30,8 +30,8 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
 // broadcast strides (mask: nullptr when absent).
 void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores);
 
-// Adds the CPU EP's Attention op (float, float16, bfloat16) to the domain. The CUDA EP has no Attention
-// kernel yet: there the node's fallback function runs (tuner/attention_graph.py).
+// Adds the Attention op (float, float16, bfloat16) for the CPU EP (ORT's MatMul and Softmax) and the CUDA EP (the
+// node's bundle of tuned kernels, no other path) to the domain (inputs (Q, Kt, V, mask, bundle)).
 void AddAttentionOps(OrtCustomOpDomain* domain);
 
 }  // namespace dietcode

@@ -979,8 +979,10 @@ int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation
     }
     const bool conv_kernel = kernel.conv[0] != 0;
     const dietcode::View view = dietcode::KernelView(kernel);
-    // MatMul (0) takes the gemm or bmm view, Gemm (1) the gemm view, Conv (2) the conv view
-    if (conv_kernel != (base == 2) || (base == 1 && view != dietcode::kViewGemm)) {
+    // MatMul (0) takes the gemm or bmm view, Gemm (1) the gemm view, Conv (2) the conv view, Attention (3)
+    // the attention view
+    if (conv_kernel != (base == 2) || (base == 1 && view != dietcode::kViewGemm) ||
+        ((base == 3) != (view == dietcode::kViewAttention))) {
       SetError(which + " is not a kernel for this op type");
       return -1;
     }

@@ -72,7 +72,7 @@ int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtyp
                                int32_t* trans_b, int32_t* conv9);
 
 // Whether every compiled kernel of the bundle was built for this node: dtype (as above), base op (0 MatMul,
-// 1 Gemm, 2 Conv), activation, trans_b, and for Conv conv8 = strides h, w, pads top, left, dilations h, w,
+// 1 Gemm, 2 Conv, 3 Attention: the attention view, activation 0, trans_b 0), activation, trans_b, and for Conv conv8 = strides h, w, pads top, left, dilations h, w,
 // kernel_shape h, w (0 where the node does not give it) and explicit_pads (0 when the node uses auto_pad).
 // 0 if they all fit, -1 with a message naming the first that does not.
 int dc_bundle_check_node(const dc_bundle* bundle, int dtype, int base, int activation, int trans_b,
@@ -179,6 +179,10 @@ int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* st
 // a positive dc_kernel_fit code when the call does not fit kernel k (nothing launched, the reason in
 // dc_last_error: the caller runs another kernel); -1 on error (bad arguments, the vendor kind, the driver).
 int dc_launch_fit(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
+
+// Zero `bytes` bytes of device memory at `ptr` on `stream` (cuMemsetD8Async in the stream's context): an
+// Attention call with no keys, whose output ONNX defines as zeros. 0 on success, -1 with a message.
+int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream);
 
 // Reading a bundle back (custom_ops/bundle_read.cc): every field of a parsed bundle, so that Python reads
 // payloads through this parser instead of one of its own. Strings and bytes point into the bundle and live

@@ -370,4 +370,21 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   return 0;
 }
 
+int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream) {
+  using dietcode::Fail;
+  if (bytes == 0) return 0;
+  if (ptr == 0) return Fail("dc_zero_async: null pointer");
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return Fail(d.error);
+  CUstream s = static_cast<CUstream>(stream);
+  CUcontext ctx = nullptr;
+  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
+  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "finding the stream's context"));
+  if (ctx == nullptr) return Fail("no CUDA context is current on this thread and no stream was given");
+  dietcode::ContextScope scope(d, ctx);
+  rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptr), 0, bytes, s);
+  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
+  return 0;
+}
+
 }  // extern "C"

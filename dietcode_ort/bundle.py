@@ -20,7 +20,7 @@ from dietcode_ort.toolchain import format_isa, ptx_isa
 __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS",
+    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -686,10 +686,11 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
     return bundle
 
 
-# ai.dietcode op types whose nodes carry no kernel bundle: Attention (tuner/attention_graph.py) is computed by
-# the library's CPU kernel (custom_ops/attention.cc) and, where the library has no kernel for it, by its
-# fallback function.
-BUNDLELESS_OPS: tuple[str, ...] = ("Attention",)
+# ai.dietcode op types whose nodes carry no kernel bundle (none: Attention carries one, docs/bundle.md).
+BUNDLELESS_OPS: tuple[str, ...] = ()
+# Attention(Q, Kt, V, mask, bundle): the mask slot is an empty name when the chain adds none, so the bundle
+# always is input 4 (tuner/attention_graph.py).
+ATTENTION_INPUTS = 5
 
 
 @dataclass(frozen=True)
@@ -723,7 +724,13 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
         if any(a.name == "bundle" for a in node.attribute):
             raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "
                                 "ai.dietcode opset 2; optimize the original model again")
-        want = 3 + ("Bias" in node.op_type) + ("Residual" in node.op_type)
+        if node.op_type == "Attention":
+            want = ATTENTION_INPUTS
+            if len(node.input) < want:
+                raise DietcodeError(f"{label} has {len(node.input)} inputs and no kernel bundle; Attention takes "
+                                    "(Q, Kt, V, mask, bundle): optimize the original model again")
+        else:
+            want = 3 + ("Bias" in node.op_type) + ("Residual" in node.op_type)
         name = node.input[-1] if len(node.input) == want else ""
         if not name:
             raise DietcodeError(f"{label} has {len(node.input)} inputs, expected {want} with the kernel bundle last")

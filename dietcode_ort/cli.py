@@ -209,10 +209,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                    help="the ptxas to compile with for every arch, instead of Triton's bundled ones (CUDA 12.9 "
                         "below sm_90, 13.4 from sm_90); $TRITON_PTXAS_PATH / $TRITON_PTXAS_BLACKWELL_PATH "
                         "choose them per arch")
-    p.add_argument("--fuse-attention", action="store_true",
+    p.add_argument("--fuse-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse each attention chain (MatMul, scale, mask Add, Softmax, MatMul) into one "
-                        "ai.dietcode::Attention node: computed by the library's CPU kernel (no CUDA kernel yet, so "
-                        "for CUDA sessions leave it off: the chain's MatMuls then get tuned kernels)")
+                        "ai.dietcode::Attention node with tuned flash-style kernels (default; --no-fuse-attention "
+                        "leaves the chains as they are: their MatMuls then get tuned GEMM kernels)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",

@@ -61,16 +61,11 @@ def _toolchain_line(chain: dict) -> str:
 
 
 def _attention(node: onnx.NodeProto) -> dict:
-    """A fused Attention node (tuner/attention_graph.py): its attributes; it carries no bundle."""
+    """A fused Attention node's own facts (tuner/attention_graph.py): its inputs and attributes."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    inputs = ["Q", "Kt", "V", "mask"][:len(node.input)]
-    return {"name": node.name or node.output[0], "op": node.op_type, "view": "attention", "bundle": None,
-            "epilogue": epilogue_of(node),
-            "attention": {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
-                          "nan_to_zero": bool(attrs.get("nan_to_zero", 0))},
-            "runs": "the library's CPU kernel (it has no CUDA kernel yet); without the library, its fallback "
-                    "function (the original nodes)",
-            "kernels": [], "configs": None, "workload": None, "ranges": {}, "tuning": None}
+    inputs = [name for name, value in zip(["Q", "Kt", "V", "mask"], node.input) if value]
+    return {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
+            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1))}
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:
@@ -95,7 +90,7 @@ def _epilogue_text(e: dict) -> str:
 def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:
     """Each ai.dietcode node's description; ``base_dir``: where the model's external data lives when it was
     loaded without it."""
-    nodes = [_attention(n) for n in model.graph.node if n.domain == DOMAIN and n.op_type in BUNDLELESS_OPS]
+    nodes: list[dict] = []
     custom = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type not in BUNDLELESS_OPS]
     parsed: dict[str, Bundle] = {}
     for node, where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
@@ -129,6 +124,8 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
             "ranges": info.get("ranges", {}),
             "tuning": info.get("tuning"),
         })
+        if node.op_type == "Attention":
+            nodes[-1]["attention"] = _attention(node)
     return nodes
 
 
@@ -166,18 +163,18 @@ def inspect_command(path: str, as_json: bool) -> int:
     for col in ("node", "op", "epilogue", "workload", "kernels", "tuned ranges", "dispatch"):
         table.add_column(col, overflow="fold")
     for n in nodes:
-        if n["view"] == "attention":
-            a = n["attention"]
-            table.add_row(n["name"], n["op"], "-", f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} "
-                          f"head_dim={a['head_dim']}" + (" nan_to_zero" if a["nan_to_zero"] else ""),
-                          "-", "-", "no bundle: " + n["runs"])
-            continue
         w = n["workload"] or {}
         work = f"{w.get('op', '?')} M={w.get('m')} N={w.get('n')} K={w.get('k')}" + (
             f" batch={w['batch']}" if w.get("batch", "1") != "1" else "")
+        epilogue = _epilogue_text(n["epilogue"])
+        if "attention" in n:
+            a = n["attention"]
+            epilogue = "-"  # the scale applies to the scores, before the softmax
+            work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} head_dim={a['head_dim']}"
+                    + (" nan_to_zero" if a["nan_to_zero"] else ""))
         kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
-        table.add_row(n["name"], n["op"], _epilogue_text(n["epilogue"]), work, kernels, ranges, n["tree"]["if_chain"])
+        table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:

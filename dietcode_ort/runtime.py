@@ -579,7 +579,7 @@ class CoreBundle:
         from dietcode_ort.bundle import ACTIVATION_CODES, DTYPE_CODES
 
         arr = (ctypes.c_int64 * 8)(*conv)
-        if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv").index(op),
+        if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv", "Attention").index(op),
                                               ACTIVATION_CODES.index(activation), int(trans_b), arr,
                                               int(explicit_pads)):
             raise DietcodeError(self.core.error())

@@ -36,23 +36,30 @@ def test_jit_attention_matches_torch(dtype: str, seq: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_fused_bert_on_cuda_ep_matches_stock_ort(dtype: str) -> None:
+def test_optimized_bert_attention_launches_on_cuda_ep_and_matches_stock_ort(dtype: str, tmp_path) -> None:
+    """optimize (fused attention by default, analytic tuning for this GPU's target) -> the CUDA EP launches the
+    Attention nodes' tuned kernels (node_stats) and matches stock ORT's CUDA EP on the original model."""
     import onnxruntime as ort
 
-    from dietcode_ort.runtime import provider_usable, register
+    import models
+    from dietcode_ort.runtime import node_stats, provider_usable, register, reset_node_stats
     from models.bert import PRESETS, build_graph
-    from tuner.attention_graph import fuse_attention
+    from tuner.optimize import OptimizeOptions, default_targets, optimize
 
     if not provider_usable("CUDAExecutionProvider"):
         pytest.skip("ORT's CUDA EP is not usable here")
     model = build_graph(PRESETS["tiny"], dtype, 0)
-    fused, outputs = fuse_attention(model)
-    assert len(outputs) == PRESETS["tiny"].layers
+    src, out = tmp_path / "bert.onnx", tmp_path / "bert.opt.onnx"
+    models.save_model(model, src)
+    optimize(src, out, OptimizeOptions(targets=default_targets(), dims=("batch=1:4", "seq=1:128:16"), budget=8,
+                                       max_kernels=2, measure="analytic", db=tmp_path / "t.db",
+                                       cache_dir=tmp_path / "k", progress=False), log=lambda _: None)
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     stock = ort.InferenceSession(model.SerializeToString(), providers=providers)
     opts = ort.SessionOptions()
     register(opts)
-    ours = ort.InferenceSession(fused.SerializeToString(), opts, providers=providers)
+    ours = ort.InferenceSession(str(out), opts, providers=providers)
+    reset_node_stats()
     rng = np.random.default_rng(0)
     for batch, seq in ((1, 1), (4, 33), (2, 128)):
         mask = np.ones((batch, seq), np.int64)
@@ -62,3 +69,7 @@ def test_fused_bert_on_cuda_ep_matches_stock_ort(dtype: str) -> None:
         got = ours.run(None, feeds)[0].astype(np.float64)
         tol = 2e-2 if dtype == "float16" else 2e-3
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    stats = node_stats()
+    attention = [name for name in stats if name.endswith("attention/self/MatMul_1")]
+    assert len(attention) == PRESETS["tiny"].layers
+    assert all(stats[name]["launches"] == 3 and stats[name]["fallbacks"] == 0 for name in attention)

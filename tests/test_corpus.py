@@ -20,6 +20,7 @@ import pytest
 import dietcode_ort
 from _corpus import CASES, Built, Case, build_case, feeds, gemm_view_nodes, node_test_tuned
 from dietcode_ort.errors import DietcodeError
+from tuner.attention_graph import find_attention, without_attention
 from tuner.optimize import OptimizeOptions, optimize
 from tuner.scan import scan_model
 
@@ -103,9 +104,10 @@ def test_optimized_model_gives_the_original_outputs(corpus, case):
         return
     out, report = _optimized(corpus, case)
     scanned = scan_model(onnx.load(str(built.path)))
-    assert sorted(report.rewritten) == sorted(n for w in scanned.workloads for n in w.nodes)
+    sites = find_attention(onnx.load(str(built.path)), built.path.parent).sites  # fused by default
+    assert sorted(report.rewritten) == sorted(n for w in without_attention(scanned.workloads, sites) for n in w.nodes)
     optimized = onnx.load(str(out))
-    assert sum(n.domain == "ai.dietcode" for n in optimized.graph.node) == len(report.rewritten)
+    assert sum(n.domain == "ai.dietcode" for n in optimized.graph.node) == len(report.rewritten) + len(sites)
 
     stock = ort.InferenceSession(str(built.path), providers=["CPUExecutionProvider"])
     options = ort.SessionOptions()

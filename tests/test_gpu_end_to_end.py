@@ -54,7 +54,9 @@ def test_measured_optimize_runs_on_cuda_and_matches(tmp_path, name, dims, sweep)
 
 
 def _op_kind(node: str, op_type: str, kernels) -> str:
-    """dense MatMul | attention MatMul (its kernels take the bmm view) | Gemm | Conv."""
+    """dense MatMul | attention MatMul (its kernels take the bmm view) | fused Attention | Gemm | Conv."""
+    if op_type == "Attention":
+        return "fused Attention"
     if op_type.startswith("MatMul"):
         return "attention MatMul" if any(k.view == "bmm" for k in kernels) else "dense MatMul"
     return "Gemm" if op_type.startswith("Gemm") else "Conv"
@@ -63,7 +65,7 @@ def _op_kind(node: str, op_type: str, kernels) -> str:
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
 def test_triton_kernels_launch_for_every_op_kind(tmp_path):
     """The library's counters (dietcode_ort.node_stats) show compiled kernels launched, not ORT's kernel, for
-    dense and attention MatMuls (bert), Gemm and Conv (resnet50)."""
+    dense MatMuls and the fused Attention nodes (bert), Gemm and Conv (resnet50)."""
     import onnx
 
     from dietcode_ort.bundle import node_bundles, read_bundle
@@ -88,5 +90,5 @@ def test_triton_kernels_launch_for_every_op_kind(tmp_path):
         stats = dietcode_ort.node_stats()
         for node, kind in kinds.items():
             launched[kind] = launched.get(kind, 0) + stats.get(node, {}).get("launches", 0)
-    assert set(launched) == {"dense MatMul", "attention MatMul", "Gemm", "Conv"}, launched
+    assert set(launched) == {"dense MatMul", "fused Attention", "Gemm", "Conv"}, launched
     assert all(n > 0 for n in launched.values()), launched

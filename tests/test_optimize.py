@@ -34,11 +34,12 @@ def _options(work: Path, *dims: str, **kw) -> OptimizeOptions:
                            progress=False, **kw)
 
 
-def _optimized(work: Path, name: str, dims: tuple[str, ...]) -> tuple[Path, Path]:
-    src, out = work / f"{name}.onnx", work / f"{name}.opt.onnx"
+def _optimized(work: Path, name: str, dims: tuple[str, ...], fuse_attention: bool = True) -> tuple[Path, Path]:
+    src, out = work / f"{name}.onnx", work / f"{name}{'' if fuse_attention else '.unfused'}.opt.onnx"
     if not out.exists():
-        models.save_model(models.build(name, "tiny"), src)
-        optimize(src, out, _options(work, *dims), log=lambda _: None)
+        if not src.exists():
+            models.save_model(models.build(name, "tiny"), src)
+        optimize(src, out, _options(work, *dims, fuse_attention=fuse_attention), log=lambda _: None)
     return src, out
 
 
@@ -98,9 +99,9 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
 
 
 def test_attention_nodes_take_the_bmm_view(work):
-    """The attention MatMuls' kernels are bmm kernels, so the CUDA path launches them with the batch on grid z
-    (dc_bundle_kernel_view), and the dense layers' are gemm kernels."""
-    src, out = _optimized(work, "bert", CASES["bert"][0])
+    """With --no-fuse-attention the attention MatMuls' kernels are bmm kernels, so the CUDA path launches them
+    with the batch on grid z (dc_bundle_kernel_view), and the dense layers' are gemm kernels."""
+    src, out = _optimized(work, "bert", CASES["bert"][0], fuse_attention=False)
     nodes = describe(onnx.load(str(out)))
     batched = [n for n in nodes if n["workload"]["batch"] != "1"]
     dense = [n for n in nodes if n["workload"]["batch"] == "1"]
@@ -179,10 +180,12 @@ def test_several_models_share_the_tuning_of_identical_workloads(work, tmp_path):
     jobs = output_paths([tmp_path / n for n in ("a.onnx", "b.onnx", "c.onnx")], tmp_path / "out")
     reports = optimize_many(jobs, _options(work, "tokens=1:8", "batch=1:2", "seq=8,16"), lines.append)
     assert [r.output for r in reports] == [tmp_path / "out" / n for n in ("a.onnx", "b.onnx", "c.onnx")]
-    distinct = 2 + len(scan_model(models.build("bert", "tiny")).workloads)
+    # bert's attention MatMuls (its bmm workloads) become one attention workload, tuned on its own
+    distinct = 2 + len([w for w in scan_model(models.build("bert", "tiny")).workloads if w.op != "bmm"])
     total = 4 + distinct - 2
     assert f"{total} workloads in 3 models, {distinct} distinct: each is tuned once" in lines
     assert sum(line.startswith("workload ") for line in lines) == distinct  # one search per distinct workload
+    assert sum(line.startswith("attention workload ") for line in lines) == 1
 
     def bundles(path):
         return [b.payload for b in node_bundles(onnx.load(str(path)))]
@@ -210,9 +213,10 @@ def _ort_optimized_ops(path: Path, library: bool) -> list[str]:
 
 def test_bert_runs_fewer_nodes_than_stock_ort(work):
     """Stock ORT fuses the scores' MatMul + Div into FusedMatMul and MatMul + Add + Gelu into BiasGelu but
-    keeps each output projection's residual Add; the optimized model absorbs the Div (alpha) and the
-    residual Adds too, so the graph ORT runs has fewer nodes, and the same outputs (checked above)."""
-    src, out = _optimized(work, "bert", CASES["bert"][0])
+    keeps each output projection's residual Add; the optimized model (here with --no-fuse-attention) absorbs
+    the Div (alpha) and the residual Adds too, so the graph ORT runs has fewer nodes, and the same outputs
+    (checked above)."""
+    src, out = _optimized(work, "bert", CASES["bert"][0], fuse_attention=False)
     stock, ours = _ort_optimized_ops(src, False), _ort_optimized_ops(out, True)
     model = onnx.load(str(out))
     custom = [n for n in model.graph.node if n.domain == "ai.dietcode"]
@@ -226,3 +230,13 @@ def test_bert_runs_fewer_nodes_than_stock_ort(work):
     described = {d["name"]: d["epilogue"] for d in describe(model)}
     assert {"alpha": 0.125, "bias": False, "activation": "none", "residual": False} in described.values()
     assert {"alpha": 1.0, "bias": True, "activation": "none", "residual": True} in described.values()
+
+
+def test_fused_attention_runs_fewer_nodes_than_the_unfused_rewrite(work):
+    """By default each attention chain is one Attention node: ORT's graph has no Softmax left and fewer nodes
+    than with --no-fuse-attention."""
+    _, fused = _optimized(work, "bert", CASES["bert"][0])
+    _, unfused = _optimized(work, "bert", CASES["bert"][0], fuse_attention=False)
+    ours, theirs = _ort_optimized_ops(fused, True), _ort_optimized_ops(unfused, True)
+    assert ours.count("Attention") == 2 and "Softmax" not in ours and "Softmax" in theirs
+    assert len(ours) < len(theirs), (len(ours), len(theirs))

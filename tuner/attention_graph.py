@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import onnx
@@ -36,7 +37,7 @@ from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
-from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _drop_unread, _graph_reads, _Links, _opsets
+from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets
 from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
@@ -66,6 +67,7 @@ class AttentionSite:
     seq_q: str = ""
     seq_k: str = ""
     batch: str = ""  # z = the product of Q's leading dims (batch x heads)
+    mask_rows: bool = True  # the mask may vary along the queries (False: its query dim is known to be 1)
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,12 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
         raise _Skip(f"the head dim is not one known integer (Q {sq[-1]}, Kt {sk[-2]}, V {sv[-1]})")
     if tuple(sq[:-2]) != tuple(sk[:-2]) or tuple(sq[:-2]) != tuple(sv[:-2]) or sk[-1] != sv[-2]:
         raise _Skip("Q, Kt and V do not share their leading dims and key count")
+    mask_rows = True
     if mask is not None:
         ms = g.shapes.get(mask)
         if ms is not None and len(ms) > len(sq):
             raise _Skip(f"the mask has rank {len(ms)}, above the scores' {len(sq)}")
+        mask_rows = ms is None or (len(ms) >= 2 and ms[-2] != 1)
     dtype = _DTYPES.get(g.dtypes.get(q, 0))
     if dtype is None:
         raise _Skip("Q is not float32, float16 or bfloat16")
@@ -210,7 +214,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     except Exception as exc:  # a dim outside tuner.shape_expr's grammar
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
-                         len(sq), bool(tail), *sizes)
+                         len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows)
 
 
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
@@ -257,9 +261,15 @@ def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
 
 
 def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | None = None, *,
-                   base_dir: str | Path | None = None, copy: bool = True) -> tuple[onnx.ModelProto, tuple[str, ...]]:
+                   base_dir: str | Path | None = None, copy: bool = True,
+                   bundles: Mapping[str, tuple[bytes, str]] | None = None) -> tuple[onnx.ModelProto, tuple[str, ...]]:
     """Replace each chain of ``sites`` (default: all ``find_attention`` finds) by one ``Attention`` node
-    with its fallback function. Returns the model (a copy unless ``copy`` is False) and the fused outputs."""
+    with its fallback function. Returns the model (a copy unless ``copy`` is False) and the fused outputs.
+
+    With ``bundles`` (keyed by the chain's output: bundle bytes, ``info`` JSON for inspect) each node is ``Attention(Q, Kt, V, mask, bundle)``, the mask
+    an empty name when the chain adds none and the bundle a uint8 initializer shared by equal bundles (what
+    the CUDA EP runs). Without, the node is ``Attention(Q, Kt, V[, mask])``, which only the CPU EP's kernel and
+    the fallback function run."""
     if sites is None:
         sites = find_attention(model, base_dir).sites
     out = onnx.ModelProto()
@@ -278,26 +288,43 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     for f in functions:
         bodies[(len(f.input), b"".join(n.SerializeToString(deterministic=True) for n in f.node))] = f.overload
     taken = {f.overload for f in functions}
+    shared: dict[bytes, str] = {}
+    taken_names = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
+        {o for n in graph.node for o in n.output}
+    new_initializers: list[onnx.TensorProto] = []
     for site in sites:
+        if bundles is not None and site.output not in bundles:
+            raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
         members = [links.node(key, "attention node")[0] for key in site.nodes]
         if claimed & set(members):
             raise DietcodeError(f"attention chains making {site.output!r} and another overlap")
         claimed |= set(members)
         body = _body(links, site)
         inputs = [site.q, site.kt, site.v] + ([site.mask] if site.mask is not None else [])
+        formal = ["Q", "Kt", "V"] + (["mask"] if site.mask is not None else [])
+        if bundles is not None:
+            payload = bundles[site.output][0]
+            if payload not in shared:
+                new_initializers.append(_bundle_initializer(payload, taken_names))
+                shared[payload] = new_initializers[-1].name
+            inputs = [site.q, site.kt, site.v, site.mask or "", shared[payload]]
+            formal = ["Q", "Kt", "V", "mask", "bundle"]
         key = (len(inputs), b"".join(n.SerializeToString(deterministic=True) for n in body))
         if key not in bodies:
             overload = next(str(i) if i else "" for i in range(len(taken) + 1) if (str(i) if i else "") not in taken)
             taken.add(overload)
             bodies[key] = overload
-            formal = ["Q", "Kt", "V"] + (["mask"] if site.mask is not None else [])
             out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
-                                                      attributes=["scale", "head_dim", "nan_to_zero"],
+                                                      attributes=["scale", "head_dim", "nan_to_zero"]
+                                                      + (["mask_rows", "info"] if bundles is not None else []),
                                                       overload=overload or None))
         last = graph.node[members[-1]]
         node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
                                 scale=float(site.scale), head_dim=int(site.head_dim),
                                 nan_to_zero=int(site.nan_to_zero))
+        if bundles is not None:
+            node.attribute.extend([helper.make_attribute("mask_rows", int(site.mask_rows)),
+                                   helper.make_attribute("info", bundles[site.output][1])])
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = node
@@ -308,6 +335,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     del graph.node[:]
     graph.node.extend(kept)
     _drop_unread(graph, before)
+    graph.initializer.extend(new_initializers)
     out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))

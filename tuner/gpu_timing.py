@@ -87,6 +87,9 @@ class TimingItem:
     trans_b: bool = False
     conv: ConvParams | None = None
     residual: bool = False  # the kernel adds a second [M, N] tensor (gemm only)
+    # attention (op "attention"): the problem is m = seq_q, n = seq_k, k = head dim, batch = z (batch x heads);
+    # the mask: None (no mask), "row" (one row for every query, [z, 1, seq_k]) or "rows" ([z, seq_q, seq_k])
+    mask: str | None = None
 
 
 def node_call(item: TimingItem) -> dict[str, Any]:
@@ -110,7 +113,12 @@ def node_call(item: TimingItem) -> dict[str, Any]:
         n_img, h, w = p.image
         return dict(op="Conv", a=(n_img, c.in_channels, h, w), b=(c.out_channels, c.in_channels, *c.kernel),
                     ints=(*c.strides, *c.pads, *c.dilations, 1))
-    raise DietcodeError(f"unknown op {item.op!r}; allowed: gemm, bmm, conv")
+    if item.op == "attention":
+        if item.mask not in (None, "row", "rows"):
+            raise DietcodeError(f"attention mask kind {item.mask!r}; allowed: None, row, rows")
+        mask = None if item.mask is None else (p.batch, p.m if item.mask == "rows" else 1, p.n)
+        return dict(q=(p.batch, p.m, p.k), kt=(p.batch, p.k, p.n), v=(p.batch, p.n, p.k), mask=mask, head_dim=p.k)
+    raise DietcodeError(f"unknown op {item.op!r}; allowed: gemm, bmm, conv, attention")
 
 
 class ContextLost(Exception):
@@ -245,6 +253,8 @@ class CudaBackend(TimingBackend):
         fits, why = bundle.fit_device(*self._device)
         if not fits[0]:
             return MeasureResult(math.inf, f"does not fit this GPU: {why[0]}")
+        if item.op == "attention":
+            return self._time_attention(bundle, item)
         args = core.abi_view(**node_call(item))
         if args is None:
             return MeasureResult(math.inf, "the kernel ABI cannot express this problem's node call")
@@ -261,6 +271,29 @@ class CudaBackend(TimingBackend):
         args.residual = base + offsets[2] if item.residual else 0
         args.bias = base + offsets[3] if item.bias else 0
         args.c, args.c_bytes = self._buffer("output", out_bytes), out_bytes
+        return self._launch_timed(bundle, args)
+
+    def _time_attention(self, bundle: Any, item: TimingItem) -> MeasureResult:
+        """An Attention node call: the launch arguments from ``dc_attention_view`` (what the CUDA node passes)."""
+        call = node_call(item)
+        args = self._core.attention_view(**call)
+        if args is None:
+            return MeasureResult(math.inf, "the attention view cannot express this problem's node call")
+        elem = _DTYPE_BYTES[item.dtype]
+        shapes = [call["q"], call["kt"], call["v"]] + ([call["mask"]] if call["mask"] is not None else [])
+        sizes = [math.prod(s) * elem for s in shapes]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 256) * 256)
+        base = self._buffer(f"operands-{item.dtype}", offsets[-1] + 256, fill_dtype=item.dtype)
+        args.q, args.k, args.v = base + offsets[0], base + offsets[1], base + offsets[2]
+        args.mask = base + offsets[3] if call["mask"] is not None else 0
+        out_bytes = sizes[0]
+        args.out, args.c_bytes = self._buffer("output", out_bytes), out_bytes
+        return self._launch_timed(bundle, args)
+
+    def _launch_timed(self, bundle: Any, args: Any) -> MeasureResult:
+        core = self._core
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":
             return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")

@@ -48,7 +48,7 @@ class OptimizeOptions:
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
     min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
-    fuse_attention: bool = False  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
+    fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
 
 
 @dataclass(frozen=True)
@@ -155,13 +155,21 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     return model, scanned
 
 
-def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult) -> tuple[ScanResult, tuple]:
+def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult, targets: Sequence[str],
+                     log: Callable[[str], None]) -> tuple[ScanResult, tuple]:
     """The scan less the MatMuls of the model's attention chains (left to fuse_attention, after the
-    rewrite), and those chains."""
+    rewrite), and those chains; a chain that cannot get tuned kernels is left unfused, with the reason."""
     from tuner.attention_graph import find_attention, without_attention
+    from tuner.attention_tune import unfit_reason
 
-    sites = find_attention(model, model_path.parent).sites
-    return replace(scanned, workloads=without_attention(scanned.workloads, sites)), sites
+    sites = []
+    for site in find_attention(model, model_path.parent).sites:
+        why = unfit_reason(site, targets)
+        if why is None:
+            sites.append(site)
+        else:
+            log(f"attention chain making {site.output} left unfused: {why}")
+    return replace(scanned, workloads=without_attention(scanned.workloads, tuple(sites))), tuple(sites)
 
 
 def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
@@ -189,7 +197,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
     attention: list[tuple] = [()] * len(scans)
     if options.fuse_attention:
-        split = [_split_attention(path, model, scanned) for (path, _), (model, scanned) in zip(pairs, scans)]
+        split = [_split_attention(path, model, scanned, options.targets, log)
+                 for (path, _), (model, scanned) in zip(pairs, scans)]
         scans = [(model, scanned) for (model, _), (scanned, _) in zip(scans, split)]
         attention = [sites for _, sites in split]
     if len(pairs) > 1:
@@ -217,8 +226,19 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
+    attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in pairs]
+    if any(attention):
+        from tuner.attention_tune import tune_sites
+
+        attention_bundles = tune_sites(
+            [(sites, scanned.symbols, _model_dims(options.dims, scanned.symbols) if len(pairs) > 1 else options.dims,
+              None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
+             for (_, scanned), sites in zip(scans, attention)],
+            options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
+            ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log)
     results = []
-    for (model_path, output), (model, scanned), sites in zip(pairs, scans, attention):
+    for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
+                                                                             attention_bundles):
         bundles, infos, reports = {}, {}, []
         for w in scanned.workloads:
             problems = merge_problems(w)
@@ -239,9 +259,10 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         if sites:
             from tuner.attention_graph import fuse_attention
 
-            _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False)
-            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention (the "
-                "library computes them on the CPU: in a CUDA session ORT copies their inputs to the host)")
+            _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False,
+                                      bundles=attention_bundle)
+            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
+                "with tuned kernels")
         results.append((output, result, reports, scanned, model_path.parent))
     for output, result, _, _, base_dir in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)

@@ -1,0 +1,346 @@
+"""Tuned attention: workloads from the chains, the analytic cost, the bundle on the Attention node, the C core's
+choice and launch view for attention shapes, and the nodes' refusals of bundles and attributes that do not fit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from dietcode_ort.bundle import node_bundles, read_bundle
+from dietcode_ort.errors import DietcodeError
+from models.bert import PRESETS
+from tuner.attention import AttentionConfig
+from tuner.attention_tune import (AttentionProblem, AttentionWorkload, attention_features, attention_instances,
+                                  attention_time, tune_attention)
+from tuner.hardware import get_profile
+from tuner.workload import Instance
+
+LAYERS = PRESETS["tiny"].layers
+
+
+def _workload(**kw) -> AttentionWorkload:
+    base = dict(dtype="float16", head_dim=64, has_mask=True, mask_rows=False, causal=False, nan_to_zero=False,
+                scale=0.125, rank=4, seq_q="seq", seq_k="seq", batch="2*batch")
+    base.update(kw)
+    return AttentionWorkload(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
+    """Tiny BERT optimized with the defaults (attention fused) and analytic tuning."""
+    import models
+    from tuner.optimize import OptimizeOptions, optimize
+
+    tmp = tmp_path_factory.mktemp("att")
+    src, out = tmp / "bert.onnx", tmp / "bert.opt.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    logs: list[str] = []
+    optimize(src, out, OptimizeOptions(dims=("batch=1:4", "seq=1:512:64"), budget=8, max_kernels=3,
+                                       measure="analytic", db=tmp / "t.db", cache_dir=tmp / "k", progress=False),
+             log=logs.append)
+    return src, out, logs
+
+
+def test_padding_to_the_tiles_costs_time() -> None:
+    """Tq = 65 with BLOCK_M = 64 pays for two query blocks: it costs more than Tq = 64 and, with enough heads
+    to fill the GPU, about as much as Tq = 128."""
+    profile = get_profile("sm_90")
+    w, c = _workload(), AttentionConfig(64, 64, 4, 2)
+    t64, t65, t128 = (attention_time(c, w, AttentionProblem(q, 512, 4096), profile) for q in (64, 65, 128))
+    assert t64 < t65 and t65 == pytest.approx(t128, rel=0.1)
+    assert attention_time(c, w, AttentionProblem(0, 8, 8), profile) < t64  # empty call: the launch only
+
+
+def test_tuning_dispatches_shapes_to_different_kernels() -> None:
+    """Short and long sequences want different tiles: the tree over the dynamic sizes splits them."""
+    w = _workload()
+    problems = [(AttentionProblem(s, s, z), 1.0) for s in (1, 8, 512, 2048) for z in (2, 64)]
+    tuned = tune_attention(w, problems, ["sm_90"], max_kernels=4)
+    assert len(tuned.kernels) >= 2 and tuned.dispatch.report.geomean < 1.05
+    names = w.dynamic()
+    short = tuned.dispatch.select(dict(zip(names, (8, 8, 2))))
+    long = tuned.dispatch.select(dict(zip(names, (2048, 2048, 64))))
+    assert isinstance(short, AttentionConfig) and isinstance(long, AttentionConfig)
+    assert short.block_m < long.block_m
+
+
+def test_instances_come_from_the_chain_expressions() -> None:
+    w = _workload(seq_k="seq + 1")
+    got = attention_instances(w, [Instance.of({"batch": 2, "seq": 5}, 1.0), Instance.of({"batch": 2, "seq": 5}, 2.0),
+                                  Instance.of({"batch": 1, "seq": 3}, 1.0)])
+    assert got == [(AttentionProblem(3, 4, 2), 1.0), (AttentionProblem(5, 6, 4), 3.0)]
+    assert [f.name for f in attention_features(w)] == ["seq_q", "seq_k", "batch"]
+    assert attention_features(w)[2].terms == ((0, 0), (0, 1))  # z = Q.dim0 * Q.dim1
+    with pytest.raises(DietcodeError, match="needs a value for 'seq'"):
+        attention_instances(w, [Instance.of({"batch": 2})])
+
+
+def test_attention_nodes_carry_a_shared_bundle_of_attention_kernels(optimized) -> None:
+    _, out, logs = optimized
+    model = onnx.load(str(out))
+    nodes = [n for n in model.graph.node if n.op_type == "Attention"]
+    assert len(nodes) == LAYERS and all(len(n.input) == 5 and n.input[3] for n in nodes)
+    found = [b for b in node_bundles(model) if b.op_type == "Attention"]
+    assert len(found) == LAYERS and len({b.initializer for b in found}) == 1  # both layers: one workload
+    bundle = read_bundle(found[0].payload)
+    assert [f.name for f in bundle.features] == ["seq_q", "seq_k", "batch"]
+    assert bundle.kernels and all(k.kind == "triton" and k.view == "attention" for k in bundle.kernels)
+    assert all(k.dtype == "float32" for k in bundle.kernels)
+    assert any(line.startswith("attention workload 0 d=64 float32") for line in logs)
+
+
+def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.CaptureFixture[str]) -> None:
+    from dietcode_ort.inspect_model import describe, inspect_command
+
+    _, out, _ = optimized
+    nodes = [n for n in describe(onnx.load(str(out))) if n["op"] == "Attention"]
+    assert len(nodes) == LAYERS
+    n = nodes[0]
+    assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
+    assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
+                              "nan_to_zero": False, "mask_rows": False}
+    assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
+    assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
+    assert "->" in n["tree"]["if_chain"]
+    assert inspect_command(str(out), as_json=False) == 0
+    text = capsys.readouterr().out
+    assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
+
+
+def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    from dietcode_ort.runtime import register
+
+    opts = ort.SessionOptions()
+    register(opts)
+    data = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+
+
+def test_optimized_bert_runs_on_the_cpu_ep_like_stock_ort(optimized) -> None:
+    import models
+
+    src, out, _ = optimized
+    stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    ours, fallback = _session(out), ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch, seq in ((1, 1), (3, 70)):
+        feeds = models.get("bert").example_inputs("tiny", {"batch": batch, "seq": seq}, seed=5)
+        want = stock.run(None, feeds)[0]
+        np.testing.assert_allclose(ours.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(fallback.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized) -> None:
+    """Through ctypes: the tree over (seq_q, seq_k, batch x heads) read from Q and Kt picks what the tuner's
+    dispatch picks, and dc_attention_view gives the launch scalars and the mask's broadcast strides."""
+    from dietcode_ort.runtime import Core
+    from dietcode_ort import library_path
+
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    node = next(n for n in model.graph.node if n.op_type == "Attention")
+    info = json.loads(next(a.s for a in node.attribute if a.name == "info"))
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    core = Core(library_path())
+    bundle = core.parse(payload)
+    decoded = read_bundle(payload)
+    heads = 2
+    for batch, seq in ((1, 1), (4, 449), (2, 100)):
+        q, kt, v, mask = [batch, heads, seq, 64], [batch, heads, 64, seq], [batch, heads, seq, 64], [batch, 1, 1, seq]
+        features = bundle.features([q, kt, v, mask])
+        assert features == [seq, seq, batch * heads]
+        k = bundle.select(features)
+        assert k == decoded.tree.evaluate(features)
+        assert info["kernels"][k].startswith("am")
+        args = core.attention_view(q, kt, v, mask, head_dim=64)
+        assert args is not None
+        assert (args.seq_q, args.seq_k, args.heads, args.batch) == (seq, seq, heads, batch * heads)
+        assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
+            (seq if batch > 1 else 0, 0, 0, 1 if seq > 1 else 0)
+        assert bundle.fit(k, args)[0] == "fits"
+    with pytest.raises(DietcodeError, match="head dim 32 differs"):
+        core.attention_view([1, 2, 3, 32], [1, 2, 32, 3], [1, 2, 3, 32], None, head_dim=64)
+
+
+def _with_node(model: onnx.ModelProto, op_type: str, edit) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    node = next(n for n in out.graph.node if n.op_type == op_type)
+    edit(out, node)
+    return out
+
+
+def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    gemm_bundle = next(n.input[-1] for n in model.graph.node if n.op_type.startswith("MatMul"))
+    att_bundle = next(n.input[4] for n in model.graph.node if n.op_type == "Attention")
+
+    def swap(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        node.input[4] = gemm_bundle
+
+    with pytest.raises(Exception, match="is not a kernel for this op type"):
+        _session(_with_node(model, "Attention", swap))
+
+    # the core's node check (what a CUDA node runs at creation): attention kernels fit Attention only, and a
+    # MatMul node given them is refused rather than launched with the wrong view
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    core = Core(library_path())
+    payloads = {b.initializer: b.payload for b in node_bundles(model)}
+    attention, gemm = core.parse(payloads[att_bundle]), core.parse(payloads[gemm_bundle])
+    attention.check_node("float32", "Attention")
+    with pytest.raises(DietcodeError, match="is not a kernel for this op type"):
+        attention.check_node("float32", "MatMul")
+    with pytest.raises(DietcodeError, match="is not a kernel for this op type"):
+        gemm.check_node("float32", "Attention", activation=gemm.decode().kernels[0].activation)
+    with pytest.raises(DietcodeError, match="another element type"):
+        attention.check_node("float16", "Attention")
+
+    def drop_mask(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        node.input[3] = ""
+
+    with pytest.raises(Exception, match="takes a mask but the node has none"):
+        _session(_with_node(model, "Attention", drop_mask))
+
+    def drop_scale(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        keep = [a for a in node.attribute if a.name != "scale"]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+
+    with pytest.raises(Exception, match="'scale' attribute is missing"):
+        _session(_with_node(model, "Attention", drop_scale))
+
+    def garbage(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        m.graph.initializer.append(numpy_helper.from_array(np.arange(40, dtype=np.uint8), "junk"))
+        node.input[4] = "junk"
+
+    with pytest.raises(Exception, match="bundle input 'junk'"):
+        _session(_with_node(model, "Attention", garbage))
+
+    def float_bundle(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        m.graph.initializer.append(helper.make_tensor("fb", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]))
+        node.input[4] = "fb"
+
+    with pytest.raises(Exception):
+        _session(_with_node(model, "Attention", float_bundle))
+    with pytest.raises(DietcodeError, match="not a non-empty 1-D uint8|must be a non-empty 1-D uint8"):
+        node_bundles(_with_node(model, "Attention", float_bundle))
+
+
+def test_gpu_measure_times_shipped_attention_kernels_through_the_timing_child(tmp_path: Path, monkeypatch) -> None:
+    """measure="gpu": the configs the analytic cost ranks best are compiled as they ship and sent to the timing
+    child as attention node calls, whose launch view is dc_attention_view's (the fake backend plays the GPU:
+    1 us per query row, so every config ties and the tree is one leaf)."""
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("DIETCODE_FAKE_TIMING", json.dumps({"log": str(log)}))
+    w = _workload(dtype="float32", mask_rows=True)
+    problems = [(AttentionProblem(16, 16, 2), 1.0), (AttentionProblem(40, 24, 4), 1.0)]
+    tuned = tune_attention(w, problems, ["sm_90"], max_kernels=2, measure="gpu", budget=2,
+                           backend="_fake_timing:FakeBackend")
+    assert tuned.measurer.startswith("gpu") and tuned.candidates == 2 and len(tuned.kernels) == 1
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 4 and len({r["config"] for r in records}) == 2  # 2 configs x 2 shapes
+    assert tuned.kernels[0].key() in {r["config"] for r in records}
+    assert "seq_q" in records[0]["params"] and "mask" in records[0]["params"]
+    # [z, Tq, Tk] mask: strides (batch Tq*Tk, query Tk, key 1)
+    assert sorted(r["view"] for r in records)[0] == [16, 16, 1, 2, 256, 16, 1]
+    assert sorted(r["view"] for r in records)[-1] == [40, 24, 1, 4, 960, 24, 1]
+
+
+def test_chains_that_cannot_get_kernels_are_left_unfused() -> None:
+    """A chain whose sizes are all static has nothing to dispatch on; one whose head dim no config fits (here
+    past the template's 256) has no kernel: optimize leaves both unfused instead of failing."""
+    from dataclasses import replace
+
+    from tuner.attention_graph import AttentionSite
+    from tuner.attention_tune import unfit_reason
+
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    assert unfit_reason(site, ["sm_90"]) is None
+    assert "all static" in str(unfit_reason(replace(site, seq_q="8", seq_k="8"), ["sm_90"]))
+    assert "head dim 300 is outside" in str(unfit_reason(replace(site, head_dim=300), ["sm_90"]))
+
+
+def test_fused_attention_is_the_cli_default_and_can_be_switched_off() -> None:
+    from dietcode_ort.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "o.onnx"]).fuse_attention is True
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "o.onnx", "--no-fuse-attention"]).fuse_attention is False
+    from tuner.optimize import OptimizeOptions
+
+    assert OptimizeOptions().fuse_attention is True
+
+
+def test_gpu_measure_without_a_local_gpu_tunes_attention_analytically(monkeypatch) -> None:
+    """Attention kernels are timed on this machine's GPU; without one (GEMMs timed on a Ray cluster) the
+    attention workloads fall back to the analytic cost, saying so, instead of failing the run."""
+    from tuner import attention_tune
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+
+    monkeypatch.setattr(LocalExecutor, "gpu_available", lambda self: False)
+    calls: list[str] = []
+    monkeypatch.setattr(attention_tune, "compile_tuned", lambda *a, **k: b"bundle")
+    real = attention_tune.tune_attention
+
+    def spy(*args, **kw):
+        calls.append(kw["measure"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention_tune, "tune_attention", spy)
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    logs: list[str] = []
+    out = attention_tune.tune_sites([((site,), ("seq",), ("seq=1:64:16",), None, {})], ["sm_90"], max_kernels=2,
+                                    seed=0, min_driver=13000, ptxas=None, measure="gpu", log=logs.append)
+    assert calls == ["analytic"] and out[0]["y"][0] == b"bundle"
+    assert any("analytic attention cost" in line for line in logs)
+
+
+def test_zeroing_an_empty_key_call_output_checks_its_arguments() -> None:
+    """dc_zero_async (an Attention call with no keys gets zeros, as ONNX defines) refuses a null pointer and
+    says what is missing without a driver; nothing to zero is no error."""
+    import ctypes
+
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    core = Core(library_path())
+    core.lib.dc_zero_async.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+    assert core.lib.dc_zero_async(0, 0, None) == 0
+    assert core.lib.dc_zero_async(0, 16, None) == -1 and "null pointer" in core.error()
+    # no driver here; on a GPU, no context is current on this thread and no stream is given: an error either way
+    assert core.lib.dc_zero_async(1 << 20, 16, None) == -1 and core.error()
+
+
+def test_a_chain_without_mask_gets_an_empty_mask_slot_and_runs_everywhere() -> None:
+    """A mask-free chain: Attention(Q, Kt, V, "", bundle), its kernels take no mask; stock ORT (the fallback
+    function, its mask formal unbound) and the library's CPU kernel give the chain's outputs."""
+    from test_attention_graph import _chain, _chain_feeds
+
+    from tuner.attention_graph import find_attention, fuse_attention
+    from tuner.attention_tune import tune_sites
+
+    model = _chain(mask=False)
+    sites = find_attention(model).sites
+    assert len(sites) == 1 and sites[0].mask is None
+    (bundles,) = tune_sites([(sites, ("T", "z"), ("z=1:3", "T=1:9:4"), None, {})], ["sm_90"], max_kernels=2,
+                            seed=0, min_driver=13000, ptxas=None, log=lambda _: None)
+    fused, _ = fuse_attention(model, sites, bundles=bundles)
+    node = next(n for n in fused.graph.node if n.op_type == "Attention")
+    assert len(node.input) == 5 and node.input[3] == "" and node.input[4].startswith("dietcode_bundle_")
+    kernels = read_bundle(node_bundles(fused)[0].payload).kernels
+    assert kernels and all("mask" not in k.params for k in kernels)
+    feeds = _chain_feeds(mask=False)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    stock = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_session(fused).run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,364 @@
+"""Tuning fused attention: each distinct attention chain is a workload tuned jointly over its instances.
+
+A chain's workload (``AttentionWorkload``) is what its kernels are compiled for: dtype, head dim, whether a
+mask is added and whether it varies along the queries, causal, NaN-to-zero and the scale (all constexprs of
+``templates.attention_kernel``). Its instances are the chain's recorded ``seq_q`` / ``seq_k`` / batch x heads
+expressions (tuner/attention_graph.py) evaluated at the model's instances (``--dim`` options or a shape log).
+Every config of ``tuner.attention.attention_space`` is costed on every instance, ``tuner.dispatch`` picks at
+most ``max_kernels`` of them and a decision tree over the dynamic sizes (no vendor leaf: the CUDA EP has no
+vendor attention), and the chosen configs are compiled for every target (``tuner.attention.compile_attention``).
+
+The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the bytes of Q, K, V, O and the
+mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
+With ``--measure gpu`` (or auto on a GPU machine) the ``budget`` configs this cost ranks best are compiled as
+they ship and timed through tuner.gpu_timing's child process (the C core launches them with
+``dc_attention_view``'s arguments) and the dispatch is built from those times.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from dietcode_ort.bundle import Bundle, BundleKernel, Feature
+from dietcode_ort.errors import DietcodeError
+from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
+from tuner.hardware import HardwareProfile, get_profile
+from tuner.workload import Instance, Workload
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tuner.attention_graph import AttentionSite
+    from tuner.dispatch import Dispatch
+
+__all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "attention_features",
+           "problem_values", "attention_time", "attention_instances", "tune_attention", "TunedAttention",
+           "compile_tuned", "carrier", "report_line", "FEATURE_NAMES", "gpu_times", "one_kernel_bundle",
+           "tune_sites", "info_json", "unfit_reason"]
+
+FEATURE_NAMES = ("seq_q", "seq_k", "batch")
+_STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
+_LAUNCH_SECONDS = 3e-6
+
+
+@dataclass(frozen=True)
+class AttentionWorkload:
+    """One distinct attention computation: what its kernels are compiled for, and its size expressions."""
+
+    dtype: str
+    head_dim: int
+    has_mask: bool
+    mask_rows: bool
+    causal: bool
+    nan_to_zero: bool
+    scale: float
+    rank: int
+    seq_q: str
+    seq_k: str
+    batch: str
+
+    def key(self) -> tuple:
+        return (self.dtype, self.head_dim, self.has_mask, self.mask_rows, self.causal, self.nan_to_zero,
+                self.scale, self.rank, self.seq_q, self.seq_k, self.batch)
+
+    def dynamic(self) -> tuple[str, ...]:
+        """The feature names whose expression is not a constant (the dispatch tree splits on these)."""
+        exprs = dict(zip(FEATURE_NAMES, (self.seq_q, self.seq_k, self.batch)))
+        return tuple(n for n in FEATURE_NAMES if not exprs[n].isdigit())
+
+
+@dataclass(frozen=True, order=True)
+class AttentionProblem:
+    seq_q: int
+    seq_k: int
+    batch: int  # z = batch x heads
+
+
+def attention_workload(site: "AttentionSite") -> AttentionWorkload:
+    return AttentionWorkload(site.dtype, site.head_dim, site.mask is not None,
+                             site.mask is not None and site.mask_rows, False, site.nan_to_zero, float(site.scale),
+                             site.rank, site.seq_q, site.seq_k, site.batch)
+
+
+def attention_features(w: AttentionWorkload) -> tuple[Feature, ...]:
+    """The dispatch features as products of the node's input dims (Q [..., Tq, d], Kt [..., d, Tk])."""
+    terms = {"seq_q": ((0, -2),), "seq_k": ((1, -1),), "batch": tuple((0, d) for d in range(w.rank - 2))}
+    return tuple(Feature(n, terms[n]) for n in w.dynamic())
+
+
+def problem_values(w: AttentionWorkload, p: AttentionProblem) -> tuple[int, ...]:
+    values = {"seq_q": p.seq_q, "seq_k": p.seq_k, "batch": p.batch}
+    return tuple(values[n] for n in w.dynamic())
+
+
+def unfit_reason(site: "AttentionSite", targets: Sequence[str]) -> str | None:
+    """Why a chain cannot get tuned kernels (then it is left unfused), or None: its sizes are all static (no
+    dispatch), or no config of the space fits its head dim and dtype on every target."""
+    w = attention_workload(site)
+    if not w.dynamic():
+        return "its sequence lengths and batch x heads are all static"
+    for t in targets:
+        try:
+            if not attention_space(w.dtype, t, w.head_dim):
+                return f"no attention config fits head dim {w.head_dim} ({w.dtype}) on {t}"
+        except DietcodeError as exc:  # a head dim outside the template's range
+            return str(exc)
+    return None
+
+
+def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionProblem,
+                   profile: HardwareProfile) -> float:
+    """Predicted seconds of one launch: the slower of padded tensor-core FLOPs and memory traffic, over whole
+    waves of programs, plus the online softmax's serial steps."""
+    if p.seq_q <= 0 or p.seq_k <= 0 or p.batch <= 0:
+        return _LAUNCH_SECONDS
+    size = ATTENTION_DTYPES[w.dtype]
+    d = block_d(w.head_dim)
+    q_blocks = -(-p.seq_q // config.block_m)
+    k_steps = -(-p.seq_k // config.block_n)
+    programs = q_blocks * p.batch
+    threads = config.num_warps * profile.warp_size
+    smem = (config.block_m * d + config.num_stages * 2 * config.block_n * d) * size
+    per_sm = max(1, min(profile.max_blocks_per_sm, profile.max_threads_per_sm // threads,
+                        profile.smem_per_sm // max(1, smem + profile.smem_reserved_per_block)))
+    slots = profile.num_sms * per_sm
+    waves = -(-programs // slots)
+    utilization = programs / (waves * slots)
+    flops = 4.0 * p.batch * q_blocks * config.block_m * k_steps * config.block_n * d
+    peak = (profile.fp16_tensor_tflops if size == 2 else profile.fp32_tflops) * 1e12
+    # small tiles keep the tensor cores under-fed; one stage leaves the loads unpipelined
+    tile = min(1.0, config.block_m / 64) * math.sqrt(min(1.0, config.block_n / 64))
+    stages = 0.75 if config.num_stages == 1 else 1.0
+    compute = flops / (peak * utilization * tile * stages)
+    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim)
+    if w.has_mask:
+        traffic += size * p.batch * (p.seq_q if w.mask_rows else q_blocks) * p.seq_k
+    memory = traffic / (profile.dram_bandwidth_gbs * 1e9)
+    return _LAUNCH_SECONDS + max(compute, memory) + waves * k_steps * _STEP_SECONDS
+
+
+def attention_instances(w: AttentionWorkload, instances: Sequence[Instance]
+                        ) -> list[tuple[AttentionProblem, float]]:
+    """The workload's distinct problems at the model's instances, with summed weights."""
+    from tuner.shape_expr import ShapeExprError, evaluate
+
+    merged: dict[AttentionProblem, float] = {}
+    for inst in instances:
+        values = inst.as_dict()
+        try:
+            p = AttentionProblem(evaluate(w.seq_q, values), evaluate(w.seq_k, values), evaluate(w.batch, values))
+        except ShapeExprError as exc:
+            raise DietcodeError(f"attention workload: {exc}") from None
+        merged[p] = merged.get(p, 0.0) + inst.weight
+    if not merged:
+        raise DietcodeError("an attention workload has no instances: give --dim options or --shapes")
+    return sorted(merged.items())
+
+
+def carrier(w: AttentionWorkload, symbols: Sequence[str]) -> Workload:
+    """A plain Workload over the symbols the size expressions name, so that tuner.scan.attach_instances gives
+    the attention workload the instances it gives the GEMM workloads."""
+    from tuner.shape_expr import free_names
+
+    names = set().union(*(free_names(e) for e in (w.seq_q, w.seq_k, w.batch)))
+    return Workload("bmm", "MatMul", ("attention",), w.seq_q, w.seq_k, str(w.head_dim), w.dtype,
+                    tuple(s for s in symbols if s in names), batch=w.batch)
+
+
+@dataclass(frozen=True)
+class TunedAttention:
+    workload: AttentionWorkload
+    kernels: tuple[AttentionConfig, ...]
+    dispatch: "Dispatch"
+    problems: tuple[tuple[AttentionProblem, float], ...]
+    measurer: str
+    candidates: int
+
+
+def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str, toolchain: Any) -> bytes | str:
+    """The config compiled as it ships, as a one-kernel bundle (what the GPU timer launches), or the error."""
+    from dietcode_ort.bundle import DispatchTree
+    from tuner.attention import compile_attention
+
+    try:
+        compiled = compile_attention(config, w.dtype, target, w.head_dim, scale=w.scale, has_mask=w.has_mask,
+                                     mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
+                                     toolchain=toolchain)
+    except DietcodeError as exc:
+        return f"compile error: {exc}"[:2000]
+    return Bundle((), (BundleKernel.from_compiled([compiled]),), DispatchTree.single(0)).to_bytes()
+
+
+def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
+              configs: Sequence[AttentionConfig], target: str, toolchain: Any,
+              backend: str | None = None) -> "np.ndarray":
+    """Seconds [problem, config] of each config's shipped cubin launched by the C core in the timing child
+    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed."""
+    import numpy as np
+
+    from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
+    from tuner.workload import Problem
+
+    times = np.full((len(problems), len(configs)), np.inf)
+    items: list[TimingItem] = []
+    where: list[tuple[int, int]] = []
+    mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
+    for j, config in enumerate(configs):
+        bundle = one_kernel_bundle(config, w, target, toolchain)
+        if isinstance(bundle, str):
+            continue
+        for i, (p, _) in enumerate(problems):
+            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype,
+                                    Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch), mask=mask))
+            where.append((i, j))
+    if items:
+        for (i, j), result in zip(where, shared_timer(backend or CUDA_BACKEND, TimingSettings()).time(items)):
+            times[i, j] = result.seconds
+    return times
+
+
+def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
+                   targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
+                   budget: int = 16, toolchain: Any = None, backend: str | None = None) -> TunedAttention:
+    """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
+    ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
+    problems) are compiled and timed on the GPU instead, and the dispatch is built from those times."""
+    import numpy as np
+
+    from tuner.dispatch import build_dispatch
+
+    if not targets:
+        raise DietcodeError("attention tuning needs at least one target")
+    space = attention_space(w.dtype, targets[0], w.head_dim)
+    for t in targets[1:]:
+        other = set(attention_space(w.dtype, t, w.head_dim))
+        space = [c for c in space if c in other]
+    if not space:
+        raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config fits every target of {list(targets)}")
+    names = w.dynamic()
+    if not names:
+        raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
+    profile = get_profile(targets[0])
+    times = np.array([[attention_time(c, w, p, profile) for c in space] for p, _ in problems])
+    label = f"analytic({targets[0]})"
+    if measure == "gpu":
+        from tuner import aot
+
+        weights = np.array([wt for _, wt in problems])
+        rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
+        space = [space[j] for j in sorted(rank)]
+        times = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend)
+        ok = np.isfinite(times).all(axis=0)
+        if not ok.any():
+            raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config ran on every shape on the GPU")
+        space, times = [c for c, good in zip(space, ok) if good], times[:, ok]
+        label = "gpu (aot cubin)"
+    elif measure != "analytic":
+        raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
+    instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
+    dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)  # type: ignore[arg-type]
+    kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))
+    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space))
+
+
+def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
+                  min_driver: int, ptxas: str | None = None) -> bytes:
+    """Compile the chosen configs for every target and return the node's bundle bytes."""
+    from tuner import aot
+    from tuner.attention import compile_attention
+
+    w = tuned.workload
+    chain = aot.CompileToolchain(min_driver, ptxas)
+    kernels = []
+    for config in tuned.kernels:
+        compiled = [compile_attention(config, w.dtype, t, w.head_dim, scale=w.scale, has_mask=w.has_mask,
+                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
+                                      toolchain=chain) for t in targets]
+        kernels.append(BundleKernel.from_compiled(compiled))
+    bundle = Bundle(features, tuple(kernels), tuned.dispatch.tree)
+    bundle.validate()
+    return bundle.to_bytes()
+
+
+def report_line(index: int, tuned: TunedAttention) -> str:
+    w = tuned.workload
+    return (f"attention workload {index} d={w.head_dim} {w.dtype} Tq={w.seq_q} Tk={w.seq_k} z={w.batch} "
+            f"({len(tuned.problems)} shapes): {tuned.candidates} configs costed with {tuned.measurer}; "
+            f"{len(tuned.kernels)} kernels; regret {tuned.dispatch.report.geomean:.3f}")
+
+
+
+def info_json(tuned: TunedAttention) -> str:
+    """What ``inspect`` shows about an Attention node: its workload, kernels, the ranges tuned for, figures."""
+    import json
+
+    w = tuned.workload
+    names = w.dynamic()
+    values = [problem_values(w, p) for p, _ in tuned.problems]
+    return json.dumps({
+        "workload": {"op": "attention", "seq_q": w.seq_q, "seq_k": w.seq_k, "batch": w.batch,
+                     "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
+                     "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale},
+        "kernels": [c.key() for c in tuned.kernels],
+        "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
+        "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
+                   "regret": tuned.dispatch.report.geomean, "geomean_vs_vendor": None,
+                   "instances": len(tuned.problems)},
+    })
+
+
+def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str],
+                                      "str | None", dict]],
+               targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
+               measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print
+               ) -> list[dict[str, tuple[bytes, str]]]:
+    """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
+    shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
+    instances (within and across models) are tuned and compiled once."""
+    from tuner.scan import ScanResult, attach_instances
+
+    kind = measure
+    if kind == "auto":
+        from tuner.executor import LocalExecutor
+
+        kind = "gpu" if LocalExecutor().gpu_available() else "analytic"
+    elif kind.startswith("replay:"):
+        if any(sites for sites, *_ in models):
+            log("attention workloads are tuned with the analytic attention cost (a replay file holds GEMM "
+                "timings only)")
+        kind = "analytic"
+    elif kind not in ("analytic", "gpu"):
+        raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
+    if kind == "gpu":
+        from tuner.executor import LocalExecutor
+
+        if not LocalExecutor().gpu_available():  # e.g. GEMMs timed on a Ray cluster: attention is timed here
+            if any(sites for sites, *_ in models):
+                log("attention workloads are tuned with the analytic attention cost: they are timed on this "
+                    "machine's GPU, and it has none")
+            kind = "analytic"
+    tuned: dict[tuple, tuple[bytes, str]] = {}
+    out: list[dict[str, tuple[bytes, str]]] = []
+    index = 0
+    for sites, symbols, dims, shapes_file, input_dims in models:
+        bundles: dict[str, tuple[bytes, str]] = {}
+        for site in sites:
+            w = attention_workload(site)
+            scanned = attach_instances(ScanResult(tuple(symbols), (carrier(w, symbols),), (), input_dims),
+                                       dims, shapes_file)
+            problems = attention_instances(w, scanned.workloads[0].instances)
+            key = (w.key(), tuple(problems))
+            if key not in tuned:
+                from tuner import aot
+
+                result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
+                                        toolchain=aot.CompileToolchain(min_driver, ptxas))
+                log(report_line(index, result))
+                index += 1
+                payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
+                                        ptxas=ptxas)
+                tuned[key] = (payload, info_json(result))
+            bundles[site.output] = tuned[key]
+        out.append(bundles)
+    return out
