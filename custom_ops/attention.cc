@@ -9,6 +9,7 @@
 #include "attention.h"
 #include "bundle_impl.h"
 #include "core.h"
+#include "ort_glue.h"
 
 #include <cmath>
 #include <cstring>
@@ -206,32 +207,6 @@ struct BundleDeleter {
 
 int DtypeCode(ONNXTensorElementDataType t) {
   return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
-}
-
-// The node's CUDA device (its default allocator's device id; 0 when ORT does not say).
-int NodeDevice(const OrtKernelInfo* info) {
-  const OrtApi& api = Ort::GetApi();
-  OrtAllocator* alloc = nullptr;
-  int device = 0;
-  if (OrtStatus* st = api.KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc)) {
-    api.ReleaseStatus(st);
-    return 0;
-  }
-  const OrtMemoryInfo* mem = nullptr;
-  if (OrtStatus* st = api.AllocatorGetInfo(alloc, &mem)) {
-    api.ReleaseStatus(st);
-  } else if (OrtStatus* st2 = api.MemoryInfoGetId(mem, &device)) {
-    api.ReleaseStatus(st2);
-    device = 0;
-  }
-  api.ReleaseAllocator(alloc);
-  return device;
-}
-
-void ReadShape(const Ort::ConstValue& v, std::vector<int64_t>* out) {
-  auto info = v.GetTensorTypeAndShapeInfo();
-  out->resize(info.GetDimensionsCount());
-  if (!out->empty()) info.GetDimensions(out->data(), out->size());
 }
 
 // Inputs (Q, Kt, V[, mask][, bundle]): the mask slot is empty when the chain adds none. The CPU EP computes

@@ -178,6 +178,16 @@ int Fail(const std::string& message) {
   return -1;
 }
 
+// The CUDA context a launch on `stream` runs in (the current one for the null stream); false with the
+// reason in `error` when there is none.
+bool StreamContext(const Driver& d, CUstream s, CUcontext* ctx, std::string* error) {
+  *ctx = nullptr;
+  const CUresult rc = s != nullptr ? d.StreamGetCtx(s, ctx) : d.CtxGetCurrent(ctx);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "finding the stream's context"), false;
+  if (*ctx == nullptr) return *error = "no CUDA context is current on this thread and no stream was given", false;
+  return true;
+}
+
 }  // namespace
 
 void* DriverSymbol(const char* name, std::string* error) {
@@ -195,10 +205,9 @@ bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned blo
   if (!d.ok) return *error = d.error, false;
   CUstream s = static_cast<CUstream>(stream);
   CUcontext ctx = nullptr;
-  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
-  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "finding the stream's context"), false;
-  if (ctx == nullptr) return *error = "no CUDA context is current on this thread and no stream was given", false;
+  if (!StreamContext(d, s, &ctx, error)) return false;
   ContextScope scope(d, ctx);
+  CUresult rc = CUDA_SUCCESS;
   static std::mutex mutex;
   static std::map<std::pair<void*, const char*>, CUfunction> functions;
   CUfunction fn = nullptr;
@@ -313,10 +322,10 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
 
   CUstream s = static_cast<CUstream>(stream);
   CUcontext ctx = nullptr;
-  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
-  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "finding the stream's context"));
-  if (ctx == nullptr) return Fail("no CUDA context is current on this thread and no stream was given");
+  std::string why;
+  if (!dietcode::StreamContext(d, s, &ctx, &why)) return Fail(why);
   dietcode::ContextScope scope(d, ctx);
+  CUresult rc = CUDA_SUCCESS;
 
   CUfunction fn = nullptr;
   uint32_t shared = 0;
@@ -378,11 +387,10 @@ int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream) {
   if (!d.ok) return Fail(d.error);
   CUstream s = static_cast<CUstream>(stream);
   CUcontext ctx = nullptr;
-  CUresult rc = s != nullptr ? d.StreamGetCtx(s, &ctx) : d.CtxGetCurrent(&ctx);
-  if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "finding the stream's context"));
-  if (ctx == nullptr) return Fail("no CUDA context is current on this thread and no stream was given");
+  std::string why;
+  if (!dietcode::StreamContext(d, s, &ctx, &why)) return Fail(why);
   dietcode::ContextScope scope(d, ctx);
-  rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptr), 0, bytes, s);
+  const CUresult rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptr), 0, bytes, s);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
   return 0;
 }

@@ -25,6 +25,7 @@
 
 #include "attention.h"
 #include "core.h"
+#include "ort_glue.h"
 #include "shapes.h"
 #include "vendor.h"
 
@@ -126,13 +127,6 @@ struct FloatTensor {
   const float* data = nullptr;
   const Shape* shape = nullptr;
 };
-
-// The input's shape into `out`, reusing its capacity (the hot path keeps per-thread shape buffers).
-void ReadShape(const Ort::ConstValue& v, Shape* out) {
-  auto info = v.GetTensorTypeAndShapeInfo();
-  out->resize(info.GetDimensionsCount());
-  if (!out->empty()) info.GetDimensions(out->data(), out->size());
-}
 
 // `type` is the op's declared element type, which ORT has checked the input against.
 FloatTensor AsFloat(const Ort::ConstValue& v, const Shape& shape, ONNXTensorElementDataType type) {
@@ -315,26 +309,6 @@ class DietcodeKernel {
     for (int32_t k = 0; k < n_kernels_; ++k) {
       dc_bundle_kernel_built_for(bundle_.get(), k, nullptr, nullptr, nullptr, conv_geometry_[k].data());
     }
-  }
-
-  // The node's CUDA device (its default allocator's device id; 0 when ORT does not say).
-  static int NodeDevice(const OrtKernelInfo* info) {
-    const OrtApi& api = Ort::GetApi();
-    OrtAllocator* alloc = nullptr;
-    int device = 0;
-    if (OrtStatus* st = api.KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc)) {
-      api.ReleaseStatus(st);
-      return 0;
-    }
-    const OrtMemoryInfo* mem = nullptr;
-    if (OrtStatus* st = api.AllocatorGetInfo(alloc, &mem)) {
-      api.ReleaseStatus(st);
-    } else if (OrtStatus* st2 = api.MemoryInfoGetId(mem, &device)) {
-      api.ReleaseStatus(st2);
-      device = 0;
-    }
-    api.ReleaseAllocator(alloc);
-    return device;
   }
 
   // Per session: a compiled kernel with no image for this device's arch or this driver (an image's recorded
