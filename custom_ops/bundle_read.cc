@@ -80,6 +80,13 @@ int dc_bundle_kernel_meta(const dc_bundle* b, int32_t k, dc_kernel_meta* out) {
   return 0;
 }
 
+int dc_bundle_kernel_alpha(const dc_bundle* b, int32_t k, float* alpha) {
+  const dietcode::Kernel* kernel = KernelAt(b, k);
+  if (kernel == nullptr || alpha == nullptr) return -1;
+  *alpha = kernel->alpha;
+  return 0;
+}
+
 const uint8_t* dc_bundle_kernel_image(const dc_bundle* b, int32_t k, int32_t i, uint32_t* cc, int32_t* specific,
                                       uint32_t* shared, size_t* size) {
   const dietcode::Kernel* kernel = KernelAt(b, k);

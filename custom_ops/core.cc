@@ -1,6 +1,7 @@
 // Kernel bundle parsing, validation and dispatch (docs/bundle.md). Mirrors dietcode_ort/bundle.py: every
 // size, offset and index is checked before it is used, and a refusal names the field and the limit.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -15,7 +16,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 4;  // 4: toolchain records (docs/bundle.md)
+constexpr uint32_t kVersion = 5;  // 4: toolchain records, 5: alpha (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -190,7 +191,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || !k.ptx_toolchain.empty()) {
+        k.trans_b || any_conv || k.alpha != 1.0f || !k.ptx_toolchain.empty()) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -288,6 +289,11 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
            std::to_string(k.activation) + " / trans_b " + std::to_string(k.trans_b) + " / reserved invalid");
     }
     for (uint32_t& v : k.conv) v = sub.Get<uint32_t>("conv geometry");
+    const uint32_t alpha_bits = sub.Get<uint32_t>("alpha");
+    std::memcpy(&k.alpha, &alpha_bits, sizeof(k.alpha));
+    if (!std::isfinite(k.alpha) || k.alpha == 0.0f) {
+      Fail("kernel " + std::to_string(index) + ": alpha " + std::to_string(k.alpha) + " is not a finite, non-zero float");
+    }
     k.name = Utf8(sub.String(sub.Count("name length", kMaxName, 1), "name"), "kernel name");
     uint32_t n_params = sub.Count("param count", kMaxParams);
     const uint8_t* params = sub.Take(n_params, "params");
@@ -1001,6 +1007,22 @@ int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation
         return -1;
       }
     }
+  }
+  return 0;
+}
+
+int dc_bundle_check_scale(const dc_bundle* b, float scale) {
+  if (b == nullptr) {
+    SetError("dc_bundle_check_scale: null bundle");
+    return -1;
+  }
+  for (size_t k = 0; k < b->kernels.size(); ++k) {
+    const dietcode::Kernel& kernel = b->kernels[k];
+    if (kernel.kind == dietcode::kVendor || kernel.alpha == scale) continue;
+    char values[96];
+    std::snprintf(values, sizeof(values), "alpha %.9g, the node's scale is %.9g", kernel.alpha, scale);
+    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values);
+    return -1;
   }
   return 0;
 }

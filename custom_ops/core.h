@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 5  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view
+#define DC_ABI_VERSION 6  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha
 
 typedef struct dc_bundle dc_bundle;
 
@@ -77,6 +77,13 @@ int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtyp
 // 0 if they all fit, -1 with a message naming the first that does not.
 int dc_bundle_check_node(const dc_bundle* bundle, int dtype, int base, int activation, int trans_b,
                          const int64_t* conv8, int explicit_pads);
+
+// Whether every compiled kernel's baked-in alpha equals the node's scale (exact float32 equality; vendor
+// kernels carry none). 0 if they do, -1 with a message naming the first kernel and both values.
+int dc_bundle_check_scale(const dc_bundle* bundle, float scale);
+
+// Kernel k's baked-in alpha (1 for vendor kernels). 0 on success, -1 for an out-of-range kernel id.
+int dc_bundle_kernel_alpha(const dc_bundle* bundle, int32_t k, float* alpha);
 
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);

@@ -168,6 +168,8 @@ class DietcodeKernel {
     if (!std::isfinite(scale_)) Throw("the scale attribute is not finite");
     LoadBundle(info);
     CheckBundleFitsNode(BundleInput(spec));
+    // on both EPs: the compiled kernels' baked-in alpha must be the scale the vendor and CPU paths apply
+    if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
     if (spec.base == BaseOp::kGemm) {
       gemm_.trans_a = AttrOr<int64_t>(info, "transA", 0);
       gemm_.trans_b = AttrOr<int64_t>(info, "transB", 0);

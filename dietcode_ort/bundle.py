@@ -9,6 +9,7 @@ written payload parses there, and ``read_bundle`` decodes a payload through that
 """
 from __future__ import annotations
 
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
 MAGIC = b"DCBUNDLE"
 # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
 # 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX
-VERSION = 4
+VERSION = 5
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -156,6 +157,7 @@ class BundleKernel:
     activation: str = "none"
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
+    alpha: float = 1.0  # the scale ALPHA baked into the epilogue (float32; 1 for conv, attention and vendor)
     image_toolchains: tuple[Toolchain, ...] = ()
     ptx_toolchain: Toolchain = Toolchain()
 
@@ -244,7 +246,8 @@ class BundleKernel:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
-                    or self.activation != "none" or self.trans_b or self.conv or self.image_toolchains
+                    or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0
+                    or self.image_toolchains
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
@@ -294,6 +297,8 @@ class BundleKernel:
         if self.dtype not in DTYPE_CODES or self.activation not in ACTIVATION_CODES:
             raise _fail(f"{where}: dtype {self.dtype!r} / activation {self.activation!r}; allowed "
                         f"{DTYPE_CODES} / {ACTIVATION_CODES}")
+        if not math.isfinite(self.alpha) or self.alpha == 0.0 or _float32(self.alpha) != self.alpha:
+            raise _fail(f"{where}: alpha {self.alpha!r} is not a finite, non-zero float32")
         conv = self.conv or (0,) * len(CONV_FIELDS)
         if len(conv) != len(CONV_FIELDS):
             raise _fail(f"{where}: conv geometry needs {len(CONV_FIELDS)} values {CONV_FIELDS}, got {len(conv)}")
@@ -343,10 +348,20 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["activation"] = epilogue.activation
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
+    alpha = dict(getattr(compiled, "constants", ())).get("ALPHA")
+    if alpha is None and epilogue is not None and getattr(compiled, "conv", None) is None:
+        alpha = epilogue.alpha  # a compile cached without its constexprs: its epilogue's alpha was baked in
+    if alpha is not None:
+        out["alpha"] = _float32(float(alpha))
     conv = getattr(compiled, "conv", None)
     if conv is not None:
         out["conv"] = (conv.in_channels, *conv.kernel, *conv.strides, conv.pads[0], conv.pads[1], *conv.dilations)
     return out
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (how the bundle stores alpha and ONNX a float attribute)."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
 
 
 def _toolchain_of(compiled: Any, image: str) -> Toolchain:
@@ -652,8 +667,8 @@ class Bundle:
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
-            body += struct.pack("<BBBB9I", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),
-                                int(k.trans_b), 0, *(k.conv or (0,) * len(CONV_FIELDS)))
+            body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),
+                                int(k.trans_b), 0, *(k.conv or (0,) * len(CONV_FIELDS)), k.alpha)
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))

@@ -247,6 +247,7 @@ class Core:
                                         ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_double)]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
                                              ctypes.c_int]
+        lib.dc_bundle_check_scale.argtypes = [vp, ctypes.c_float]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
                                     ctypes.POINTER(LaunchArgs)]
@@ -427,6 +428,7 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_ptx.restype = ctypes.c_void_p
     lib.dc_bundle_kernel_ptx.argtypes = [vp, i32, ctypes.POINTER(sz)]
     lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
+    lib.dc_bundle_kernel_alpha.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_float)]
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -535,6 +537,9 @@ class CoreBundle:
         if not ptx or lib.dc_bundle_kernel_built_for(h, k, ctypes.byref(dtype), ctypes.byref(act),
                                                      ctypes.byref(trans_b), conv):
             raise DietcodeError(self.core.error())
+        alpha = ctypes.c_float()
+        if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
+            raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
@@ -543,7 +548,7 @@ class CoreBundle:
             split_k=meta.split_k, zero_output=bool(meta.zero_output),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
-            conv=tuple(conv) if any(conv) else (), **self._toolchains(k, len(images)))
+            conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
 
     def _toolchains(self, k: int, n_images: int) -> dict[str, Any]:
         """``image_toolchains`` and ``ptx_toolchain`` of kernel k, for ``BundleKernel`` (vendor kernels: none)."""
@@ -582,6 +587,12 @@ class CoreBundle:
         if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv", "Attention").index(op),
                                               ACTIVATION_CODES.index(activation), int(trans_b), arr,
                                               int(explicit_pads)):
+            raise DietcodeError(self.core.error())
+
+    def check_scale(self, scale: float) -> None:
+        """Whether every compiled kernel's alpha is a node's ``scale`` (what both EPs check at session
+        creation); DietcodeError naming the first kernel that differs and both values."""
+        if self.core.lib.dc_bundle_check_scale(self.handle, scale):
             raise DietcodeError(self.core.error())
 
     def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:

@@ -2,9 +2,11 @@
 C++ agree on dispatch, and the reader refuses bad payloads."""
 from __future__ import annotations
 
+import math
 import random
 import struct
 
+import numpy as np
 import pytest
 
 from dietcode_ort.bundle import (MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
@@ -527,5 +529,43 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    struct.pack_into("<I", data, 8, 2)
-    _refused(core, bytes(data), "version 2, this reader knows 4")
+    for version in (2, 4):  # 4: before the kernels' alpha
+        struct.pack_into("<I", data, 8, version)
+        _refused(core, bytes(data), f"version {version}, this reader knows 5")
+
+
+def test_alpha_round_trips_and_must_be_the_nodes_scale(core) -> None:
+    """Each compiled kernel records its baked-in alpha (float32); the check both EPs run refuses a node scale
+    other than any compiled kernel's, vendor kernels carrying none."""
+    kernels = (BundleKernel.vendor(), _kernel("scaled", alpha=0.125), _kernel("scaled2", alpha=0.125))
+    bundle = Bundle((Feature("M", ((0, 0),)),), kernels, DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1),
+                                                                      (2, -1, -1), (-1, 1, 2)))
+    back = read_bundle(bundle.to_bytes())
+    assert [k.alpha for k in back.kernels] == [1.0, 0.125, 0.125] and back == bundle
+    parsed = core.parse(bundle.to_bytes())
+    parsed.check_scale(0.125)
+    with pytest.raises(DietcodeError, match=r"kernel 1 \('scaled'\) was compiled with alpha 0\.125, the node's scale is 0\.5"):
+        parsed.check_scale(0.5)
+    with pytest.raises(DietcodeError, match="alpha 0.125, the node's scale is 1"):
+        parsed.check_scale(1.0)
+    odd = read_bundle(Bundle((), (_kernel("third", alpha=float(np.float32(1 / 3))),), DispatchTree.single(0)).to_bytes())
+    assert odd.kernels[0].alpha == float(np.float32(1 / 3))
+    with pytest.raises(DietcodeError, match="not a finite, non-zero float32"):
+        Bundle((), (_kernel("third", alpha=1 / 3),), DispatchTree.single(0)).to_bytes()
+    for bad, pattern in ((_kernel("z", alpha=0.0), "alpha 0.0+ is not a finite"),
+                         (_kernel("n", alpha=math.inf), "alpha inf is not a finite"),
+                         (BundleKernel(name="vendor", kind="vendor", alpha=0.5), "a vendor kernel carries no")):
+        _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)
+
+
+def test_alpha_comes_from_the_compiled_kernels_constants() -> None:
+    from types import SimpleNamespace
+
+    compiled = SimpleNamespace(name="k", arch=90, cubin=b"\x7fELF", ptx="", params=("a", "b", "c", "M", "N", "K"),
+                               num_warps=4, shared=0, zero_output=False, block_m=64, block_n=64, split_k=1,
+                               constants=(("ALPHA", 0.1), ("BLOCK_M", 64)))
+    assert BundleKernel.from_compiled([compiled]).alpha == float(np.float32(0.1))
+    del compiled.constants
+    assert BundleKernel.from_compiled([compiled]).alpha == 1.0
+    compiled.epilogue = SimpleNamespace(activation="none", alpha=0.5)  # a cached compile without constants
+    assert BundleKernel.from_compiled([compiled]).alpha == 0.5

@@ -255,10 +255,11 @@ def test_node_stats_count_the_cpu_kernel_calls(payload) -> None:
     assert "stats_node" not in dietcode_ort.node_stats()
 
 
-def _residual_payload(bias: bool) -> bytes:
+def _residual_payload(bias: bool, alpha: float = 0.25) -> bytes:
     """A vendor leaf and a compiled kernel taking the residual pointer, as the gemm template has it."""
     params = ("a", "b") + (("bias",) if bias else ()) + ("c", "M", "N", "K", "residual")
-    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64, block_n=64)
+    gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64, block_n=64,
+                        alpha=alpha)
     tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
     return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
 
@@ -299,3 +300,25 @@ def test_residual_suffix_and_scale_must_fit_the_node(payload) -> None:
     scaled = custom_model("Gemm", 2, {"scale": 0.5}, TensorProto.FLOAT, payload)
     with pytest.raises(DietcodeError, match="the scale attribute applies to MatMul op types only"):
         dietcode_ort.InferenceSession(scaled, providers=CPU)
+
+
+def test_scale_must_be_the_compiled_kernels_alpha_on_the_cpu_ep() -> None:
+    """A hand-edited scale the compiled kernels were not built with is refused at session creation on the CPU
+    EP too (the vendor and CPU paths apply the scale, the kernels their baked-in alpha); the scale they were
+    built with runs."""
+    rng = np.random.default_rng(3)
+    feeds = {"A": rng.standard_normal((2, 5, 8)).astype(np.float32), "B": rng.standard_normal((8, 6)).astype(np.float32),
+             "R": rng.standard_normal((2, 5, 6)).astype(np.float32)}
+
+    def model(scale: float) -> onnx.ModelProto:
+        node = helper.make_node("MatMulResidual", ["A", "B", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                                name="scaled_mm", scale=scale)
+        return _model([node], ["A", "B", "R"], TensorProto.FLOAT,
+                      initializers=[bundle_initializer(_residual_payload(False, alpha=0.125))])
+
+    with pytest.raises(DietcodeError, match=r"node 'scaled_mm'.*compiled with alpha 0\.125, the node's scale is 0\.25"):
+        dietcode_ort.InferenceSession(model(0.25), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"alpha 0\.125, the node's scale is 1\b"):
+        dietcode_ort.InferenceSession(model(1.0), providers=CPU)
+    (got,) = dietcode_ort.InferenceSession(model(0.125), providers=CPU).run(None, feeds)
+    np.testing.assert_allclose(got, 0.125 * (feeds["A"] @ feeds["B"]) + feeds["R"], rtol=1e-5, atol=1e-5)
