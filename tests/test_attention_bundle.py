@@ -457,3 +457,26 @@ def _device_family(w: AttentionWorkload, store) -> tuple:
     family, text = timing_family(w, "sm_90")
     context = f"{text};{timing_context(aot.CompileToolchain(), TimingSettings())}"
     return ("model=fake;arch=sm_90;driver=0;triton=0", family, context)
+
+
+def test_optimize_hands_its_database_to_attention_tuning(tmp_path: Path, monkeypatch) -> None:
+    """optimize --db applies to attention as to GEMMs: tune_sites gets the database file."""
+    import models
+    from tuner import attention_tune
+    from tuner.optimize import OptimizeOptions, optimize
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw.get("db"))
+
+    monkeypatch.setattr(attention_tune, "tune_sites", spy)
+    src = tmp_path / "bert.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    with pytest.raises(Seen) as seen:
+        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
+                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
+                                                              cache_dir=tmp_path / "k", progress=False),
+                 log=lambda line: None)
+    assert seen.value.args == (tmp_path / "t.db",)
