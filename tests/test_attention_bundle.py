@@ -344,3 +344,139 @@ def test_a_chain_without_mask_gets_an_empty_mask_slot_and_runs_everywhere() -> N
     stock = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(_session(fused).run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def _timed(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _new_children(monkeypatch, plan: dict) -> None:
+    """The next timing child reads ``plan`` (the fake backend reads it when the child starts)."""
+    from tuner import gpu_timing
+
+    for timer in list(gpu_timing._SHARED.values()):
+        timer.close()
+    monkeypatch.setenv("DIETCODE_FAKE_TIMING", json.dumps(plan))
+
+
+def test_attention_gpu_timings_are_stored_in_the_database_and_reused(tmp_path: Path, monkeypatch) -> None:
+    """optimize --db: a second run with the same database times no attention kernel again (its log line says
+    how many timings came from the database); a changed timing setting or template hash times them again."""
+    from tuner import aot, attention_tune
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+    from tuner.gpu_timing import TimingSettings
+
+    log, db = tmp_path / "timed.jsonl", tmp_path / "tuning.db"
+    _new_children(monkeypatch, {"log": str(log)})
+    monkeypatch.setattr(LocalExecutor, "gpu_available", lambda self: True)
+    monkeypatch.setattr(attention_tune, "compile_tuned", lambda *a, **k: b"bundle")
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+
+    def run() -> list[str]:
+        logs: list[str] = []
+        attention_tune.tune_sites([((site,), ("seq",), ("seq=16:32:16",), None, {})], ["sm_90"], max_kernels=2,
+                                  seed=0, min_driver=13000, ptxas=None, measure="gpu", budget=2, log=logs.append,
+                                  db=db, backend="_fake_timing:FakeBackend")
+        return logs
+
+    first = run()
+    assert len(_timed(log)) == 4  # 2 configs x 2 shapes
+    assert any("0 of 4 timings from the database" in line for line in first)
+    second = run()
+    assert len(_timed(log)) == 4  # nothing timed again
+    assert any("4 of 4 timings from the database" in line for line in second)
+
+    w = _workload(dtype="float32", has_mask=False, seq_q="seq", seq_k="seq", batch="4")
+    problems = [(AttentionProblem(16, 16, 4), 1.0), (AttentionProblem(32, 32, 4), 1.0)]
+    from tuner.database import Database
+
+    def tune(**kw) -> tuple[int, int] | None:
+        with Database(db) as store:
+            return tune_attention(w, problems, ["sm_90"], max_kernels=2, measure="gpu", budget=2,
+                                  backend="_fake_timing:FakeBackend", db=store,
+                                  toolchain=aot.CompileToolchain(13000, None), **kw).from_db
+
+    assert tune() == (4, 4) and len(_timed(log)) == 4  # the same workload through tune_attention
+    assert tune(settings=TimingSettings(repeats=5)) == (0, 4) and len(_timed(log)) == 8
+    monkeypatch.setattr(aot, "template_hash", lambda: "f" * 64)
+    assert tune() == (0, 4) and len(_timed(log)) == 12
+    assert tune() == (4, 4) and len(_timed(log)) == 12
+
+
+def test_attention_gpu_failures_in_the_database(tmp_path: Path, monkeypatch) -> None:
+    """A transient failure (a lost context) is not stored and is timed again next run; a deterministic one
+    (the config refused by the GPU, a compile error) is stored and neither timed nor compiled again."""
+    from tuner import attention_tune
+    from tuner.database import Database
+
+    log, db = tmp_path / "timed.jsonl", tmp_path / "tuning.db"
+    w = _workload(dtype="float32", has_mask=False, seq_q="seq", seq_k="seq", batch="4")
+    problems = [(AttentionProblem(16, 16, 4), 1.0), (AttentionProblem(32, 32, 4), 1.0)]
+
+    def tune(store: Database | None = None) -> set[str]:
+        tuned = tune_attention(w, problems, ["sm_90"], max_kernels=2, measure="gpu", budget=4,
+                               backend="_fake_timing:FakeBackend", db=store)
+        return {k.key() for k in tuned.kernels}
+
+    _new_children(monkeypatch, {"log": str(log)})
+    tune()
+    lost, refused, broken, good = sorted({r["config"] for r in _timed(log)})
+    log.unlink()
+    _new_children(monkeypatch, {"log": str(log), lost: "lost", refused: "refuse"})
+    real = attention_tune.one_kernel_bundle
+    compiled: list[str] = []
+
+    def compile_one(config, *args):
+        compiled.append(config.key())
+        return "compile error: fake" if config.key() == broken else real(config, *args)
+
+    monkeypatch.setattr(attention_tune, "one_kernel_bundle", compile_one)
+    with Database(db) as store:
+        assert tune(store) == {good}
+        assert {r["config"] for r in _timed(log)} == {good}  # lost and refused items are not logged
+        assert broken in compiled
+        rows = store.rows(*_device_family(w, store))
+    assert {k[0] for k in rows} == {refused, broken, good}  # the lost config is not stored
+    assert all("compile error: fake" in (r.error or "") for k, r in rows.items() if k[0] == broken)
+    log.unlink()
+    compiled.clear()
+    _new_children(monkeypatch, {"log": str(log)})
+    with Database(db) as store:
+        tune(store)
+    assert [r["config"] for r in _timed(log)] == [lost, lost]  # only the transient failure is timed again
+    assert compiled == [lost]
+
+
+def _device_family(w: AttentionWorkload, store) -> tuple:
+    from tuner import aot
+    from tuner.attention_tune import timing_context, timing_family
+    from tuner.gpu_timing import TimingSettings
+
+    family, text = timing_family(w, "sm_90")
+    context = f"{text};{timing_context(aot.CompileToolchain(), TimingSettings())}"
+    return ("model=fake;arch=sm_90;driver=0;triton=0", family, context)
+
+
+def test_optimize_hands_its_database_to_attention_tuning(tmp_path: Path, monkeypatch) -> None:
+    """optimize --db applies to attention as to GEMMs: tune_sites gets the database file."""
+    import models
+    from tuner import attention_tune
+    from tuner.optimize import OptimizeOptions, optimize
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw.get("db"))
+
+    monkeypatch.setattr(attention_tune, "tune_sites", spy)
+    src = tmp_path / "bert.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    with pytest.raises(Seen) as seen:
+        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
+                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
+                                                              cache_dir=tmp_path / "k", progress=False),
+                 log=lambda line: None)
+    assert seen.value.args == (tmp_path / "t.db",)

@@ -12,7 +12,9 @@ The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the
 mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
 With ``--measure gpu`` (or auto on a GPU machine) the ``budget`` configs this cost ranks best are compiled as
 they ship and timed through tuner.gpu_timing's child process (the C core launches them with
-``dc_attention_view``'s arguments) and the dispatch is built from those times.
+``dc_attention_view``'s arguments) and the dispatch is built from those times. With ``--db`` the timings are
+kept in the tuning database (tuner.database; ``timing_family`` / ``timing_context`` key them) and a rerun
+reuses them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ from tuner.workload import Instance, Workload
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from pathlib import Path
+
+    from tuner.database import Database
+    from tuner.gpu_timing import TimingSettings
+    from tuner.space import Family
 
     from tuner.attention_graph import AttentionSite
     from tuner.dispatch import Dispatch
@@ -174,6 +182,7 @@ class TunedAttention:
     problems: tuple[tuple[AttentionProblem, float], ...]
     measurer: str
     candidates: int
+    from_db: tuple[int, int] | None = None  # (timings found in the database, timings used) when it was consulted
 
 
 def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str, toolchain: Any) -> bytes | str:
@@ -190,40 +199,89 @@ def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str
     return Bundle((), (BundleKernel.from_compiled([compiled]),), DispatchTree.single(0)).to_bytes()
 
 
+def timing_family(w: AttentionWorkload, target: str) -> tuple["Family", str]:
+    """The database family and workload text of ``w``'s GPU timings on ``target``: what its kernels are
+    compiled for (dtype, head dim, mask kind and rows, causal, nan_to_zero, scale)."""
+    from tuner.space import Family
+
+    mask = "none" if not w.has_mask else "rows" if w.mask_rows else "row"
+    return (Family("attention", w.dtype, target),
+            f"d={w.head_dim};mask={mask};causal={int(w.causal)};nan_to_zero={int(w.nan_to_zero)};scale={w.scale!r}")
+
+
+def timing_context(toolchain: Any, settings: Any) -> str:
+    """What else changes a timed attention kernel: the templates' and AOT compiler's source, the timing
+    settings and the toolchain (as ``GpuMeasurer.context`` for GEMMs)."""
+    from tuner.aot import aot_hash, template_hash
+
+    return (f"templates={template_hash()[:16]};aot={aot_hash()[:16]};timing=aot-cubin-{settings.key()}"
+            f";min_driver={toolchain.min_driver};ptxas={toolchain.ptxas or 'triton'}").replace(" ", "")
+
+
 def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
               configs: Sequence[AttentionConfig], target: str, toolchain: Any,
-              backend: str | None = None) -> "np.ndarray":
+              backend: str | None = None, db: "Database | None" = None,
+              settings: "TimingSettings | None" = None) -> tuple["np.ndarray", int]:
     """Seconds [problem, config] of each config's shipped cubin launched by the C core in the timing child
-    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed."""
+    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed. With ``db``, stored
+    timings are reused and new ones stored (compile errors too; transient failures never): returns the times
+    and how many came from the database."""
     import numpy as np
 
+    from tuner.database import _row_key as row_key
     from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
+    from tuner.measure import MeasureResult
     from tuner.workload import Problem
 
+    timer = shared_timer(backend or CUDA_BACKEND, settings or TimingSettings())
+    shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
+    family, workload_text = timing_family(w, target)
+    device, context = "", ""
+    known: dict = {}
+    if db is not None:
+        device, context = timer.device_key(), f"{workload_text};{timing_context(toolchain, timer.settings)}"
+        known = db.get(device, family, [(c.key(), s) for c in configs for s in shapes], context)
     times = np.full((len(problems), len(configs)), np.inf)
+    hits = 0
     items: list[TimingItem] = []
     where: list[tuple[int, int]] = []
     mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
     for j, config in enumerate(configs):
-        bundle = one_kernel_bundle(config, w, target, toolchain)
-        if isinstance(bundle, str):
+        todo = []
+        for i, s in enumerate(shapes):
+            stored = known.get(row_key(config.key(), s))
+            if stored is None:
+                todo.append(i)
+            else:
+                times[i, j], hits = stored.seconds, hits + 1
+        if not todo:
             continue
-        for i, (p, _) in enumerate(problems):
-            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype,
-                                    Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch), mask=mask))
+        bundle = one_kernel_bundle(config, w, target, toolchain)
+        if isinstance(bundle, str):  # deterministic: stored, so a rerun does not compile it again
+            if db is not None:
+                db.put(device, family, [(config.key(), shapes[i]) for i in todo],
+                       [MeasureResult(math.inf, bundle)] * len(todo), context)
+            continue
+        for i in todo:
+            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype, shapes[i], mask=mask))
             where.append((i, j))
     if items:
-        for (i, j), result in zip(where, shared_timer(backend or CUDA_BACKEND, TimingSettings()).time(items)):
+        results = timer.time(items)
+        for (i, j), result in zip(where, results):
             times[i, j] = result.seconds
-    return times
+        if db is not None:  # Database.put leaves out transient failures
+            db.put(device, family, [(configs[j].key(), shapes[i]) for i, j in where], results, context)
+    return times, hits
 
 
 def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
                    targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
-                   budget: int = 16, toolchain: Any = None, backend: str | None = None) -> TunedAttention:
+                   budget: int = 16, toolchain: Any = None, backend: str | None = None,
+                   db: "Database | None" = None, settings: "TimingSettings | None" = None) -> TunedAttention:
     """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
     ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
-    problems) are compiled and timed on the GPU instead, and the dispatch is built from those times."""
+    problems) are compiled and timed on the GPU instead, and the dispatch is built from those times (with
+    ``db``, stored timings are reused: see ``gpu_times``)."""
     import numpy as np
 
     from tuner.dispatch import build_dispatch
@@ -242,13 +300,16 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     profile = get_profile(targets[0])
     times = np.array([[attention_time(c, w, p, profile) for c in space] for p, _ in problems])
     label = f"analytic({targets[0]})"
+    from_db: tuple[int, int] | None = None
     if measure == "gpu":
         from tuner import aot
 
         weights = np.array([wt for _, wt in problems])
         rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
         space = [space[j] for j in sorted(rank)]
-        times = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend)
+        times, stored = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend,
+                                  db, settings)
+        from_db = None if db is None else (stored, int(times.size))
         ok = np.isfinite(times).all(axis=0)
         if not ok.any():
             raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config ran on every shape on the GPU")
@@ -259,7 +320,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
     dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)  # type: ignore[arg-type]
     kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))
-    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space))
+    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space), from_db)
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
@@ -284,7 +345,9 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
 def report_line(index: int, tuned: TunedAttention) -> str:
     w = tuned.workload
     return (f"attention workload {index} d={w.head_dim} {w.dtype} Tq={w.seq_q} Tk={w.seq_k} z={w.batch} "
-            f"({len(tuned.problems)} shapes): {tuned.candidates} configs costed with {tuned.measurer}; "
+            f"({len(tuned.problems)} shapes): {tuned.candidates} configs costed with {tuned.measurer}"
+            + ("" if tuned.from_db is None else f" ({tuned.from_db[0]} of {tuned.from_db[1]} timings from the "
+                                                f"database)") + "; "
             f"{len(tuned.kernels)} kernels; regret {tuned.dispatch.report.geomean:.3f}")
 
 
@@ -311,13 +374,13 @@ def info_json(tuned: TunedAttention) -> str:
 def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str],
                                       "str | None", dict]],
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
-               measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print
+               measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
+               db: "str | Path | None" = None, backend: str | None = None
                ) -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
-    instances (within and across models) are tuned and compiled once."""
-    from tuner.scan import ScanResult, attach_instances
-
+    instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
+    timings are reused from and stored in (``--db``)."""
     kind = measure
     if kind == "auto":
         from tuner.executor import LocalExecutor
@@ -338,6 +401,26 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                 log("attention workloads are tuned with the analytic attention cost: they are timed on this "
                     "machine's GPU, and it has none")
             kind = "analytic"
+    store = None
+    if kind == "gpu" and db is not None:
+        from tuner.database import Database
+
+        store = Database(db)
+    try:
+        return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
+                            ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str], "str | None",
+                                        dict]],
+                 targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
+                 kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None
+                 ) -> list[dict[str, tuple[bytes, str]]]:
+    from tuner.scan import ScanResult, attach_instances
+
     tuned: dict[tuple, tuple[bytes, str]] = {}
     out: list[dict[str, tuple[bytes, str]]] = []
     index = 0
@@ -353,7 +436,7 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                 from tuner import aot
 
                 result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
-                                        toolchain=aot.CompileToolchain(min_driver, ptxas))
+                                        toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db)
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,

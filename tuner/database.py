@@ -116,7 +116,8 @@ class Database:
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
-    def put(self, device: str, family: Family, pairs: Sequence[Pair], results: Sequence[MeasureResult],
+    def put(self, device: str, family: Family, pairs: Sequence[tuple[MicroKernel | str, Problem]],
+            results: Sequence[MeasureResult],
             context: str = "") -> None:
         """Store one batch in one transaction (all or nothing). Transient failures (``MeasureResult.transient``:
         a timing process that died or lost its CUDA context, a timeout) are not stored: they may come from
