@@ -228,7 +228,7 @@ def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, f
     and how many came from the database."""
     import numpy as np
 
-    from tuner.database import _row_key as row_key
+    from tuner.database import row_key
     from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
     from tuner.measure import MeasureResult
     from tuner.workload import Problem

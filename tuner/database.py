@@ -20,7 +20,7 @@ from tuner.measure import VENDOR_KEY, MeasureResult, Measurer
 from tuner.space import Family, MicroKernel
 from tuner.workload import Problem
 
-__all__ = ["Database", "CachingMeasurer", "family_signature"]
+__all__ = ["Database", "CachingMeasurer", "family_signature", "row_key"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS measurements (
@@ -54,7 +54,7 @@ def _config_key(config: MicroKernel | str) -> str:
     return config if isinstance(config, str) else config.key()
 
 
-def _row_key(config: str, problem: Problem) -> RowKey:
+def row_key(config: str, problem: Problem) -> RowKey:
     return (config, problem.m, problem.n, problem.k, problem.batch, _image(problem))
 
 
@@ -102,7 +102,7 @@ class Database:
         """Stored results for ``pairs`` on ``device`` (only those present), keyed by config and problem.
 
         A pair's config is a MicroKernel, or the string VENDOR_KEY for the vendor library's time."""
-        wanted = {_row_key(_config_key(c), p) for c, p in pairs}
+        wanted = {row_key(_config_key(c), p) for c, p in pairs}
         return {k: v for k, v in self.rows(device, family, context).items() if k in wanted}
 
     def rows(self, device: str, family: Family, context: str = "") -> dict[RowKey, MeasureResult]:
@@ -126,7 +126,7 @@ class Database:
             raise DietcodeError(f"put: {len(pairs)} pairs but {len(results)} results")
         now = time.time()
         fam = family_signature(family, context)
-        rows = [(device, fam, *_row_key(_config_key(c), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
+        rows = [(device, fam, *row_key(_config_key(c), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
                 for (c, p), r in zip(pairs, results) if not r.transient]
         try:
             with self._conn:
@@ -174,7 +174,7 @@ class CachingMeasurer(Measurer):
         """``measure(pairs, store)`` measures the missing pairs and calls ``store`` with each finished part,
         which is written at once (a distributed measurer finishes its batch in parts)."""
         known = self.db.get(self._device, family, configs_and_problems, self._context)
-        keys = [_row_key(_config_key(c), p) for c, p in configs_and_problems]
+        keys = [row_key(_config_key(c), p) for c, p in configs_and_problems]
         todo = [i for i, k in enumerate(keys) if k not in known]
         if todo:
             pairs = [configs_and_problems[i] for i in todo]
