@@ -10,6 +10,7 @@
 #include "bundle_impl.h"
 #include "core.h"
 #include "ort_glue.h"
+#include "shapes.h"
 
 #include <cmath>
 #include <cstring>
@@ -21,16 +22,6 @@
 #include <vector>
 
 namespace dietcode {
-
-namespace {
-
-std::string ShapeText(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
 
 bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
                        const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error) {
@@ -370,7 +361,7 @@ class AttentionKernel {
                                        shapes[2].data(), shapes[2].size(), has_mask_ ? shapes[3].data() : nullptr,
                                        has_mask_ ? shapes[3].size() : 0, head_dim_, &args);
     if (view < 0) Throw(dc_last_error());
-    std::vector<int64_t> out_shape(shapes[0]);
+    const std::vector<int64_t>& out_shape = shapes[0];  // the output has Q's shape
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     int64_t total = 1;
     for (int64_t d : out_shape) total *= d;

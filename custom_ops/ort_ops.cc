@@ -68,12 +68,7 @@ size_t BundleInput(const OpSpec& spec) { return ResidualInput(spec) + (spec.resi
 // The residual must have exactly the output's shape (the rewrite fuses no broadcast residual).
 std::string ResidualMismatch(const Shape& residual, const Shape& out) {
   if (residual == out) return "";
-  auto text = [](const Shape& s) {
-    std::string t = "[";
-    for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-    return t + "]";
-  };
-  return "the residual input has shape " + text(residual) + ", not the output's " + text(out) +
+  return "the residual input has shape " + ShapeText(residual) + ", not the output's " + ShapeText(out) +
          " (the fused Add takes a residual of the output's shape only)";
 }
 
@@ -488,7 +483,9 @@ class DietcodeKernel {
     Ort::ConstValue residual{nullptr};
     if (spec_.residual) {  // no kernel and no vendor epilogue adds another shape: an error, never a wrong result
       residual = ctx.GetInput(ResidualInput(spec_));
-      const std::string mismatch = ResidualMismatch(residual.GetTensorTypeAndShapeInfo().GetShape(), out_shape);
+      thread_local Shape residual_shape;
+      ReadShape(residual, &residual_shape);
+      const std::string mismatch = ResidualMismatch(residual_shape, out_shape);
       if (!mismatch.empty()) Throw(mismatch);
     }
 

@@ -7,6 +7,12 @@
 #include <limits>
 
 namespace dietcode {
+
+std::string ShapeText(const Shape& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
 namespace {
 
 std::string ToString(const Shape& s) {

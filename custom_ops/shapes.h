@@ -16,6 +16,9 @@ namespace dietcode {
 
 using Shape = std::vector<int64_t>;
 
+// "[2, 3, 4]": a shape as error messages print it.
+std::string ShapeText(const Shape& s);
+
 enum class BaseOp { kMatMul, kGemm, kConv };
 enum class Activation { kNone, kRelu, kGelu };
 
