@@ -385,13 +385,15 @@ def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Te
 def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         bias: "torch.Tensor | None" = None, residual: "torch.Tensor | None" = None,
         epilogue: Epilogue = Epilogue(), trans_b: bool = False, conv: ConvParams | None = None,
-        allow_tf32: bool = False) -> "torch.Tensor":
+        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
     b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
-    (gemm: the output's shape [M, N]) iff ``epilogue.residual``.
+    (gemm: the output's shape [M, N]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
+    of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
+    one); the kernel leaves its counters at zero again.
     """
     import torch
 
@@ -412,10 +414,17 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=config.split_k,
                 num_warps=config.num_warps, num_stages=config.num_stages)
 
+    given = workspace
+
     def workspace(m: int, n: int, batch: int) -> "torch.Tensor | None":
         """The split-K workspace, its counters zeroed as the launcher does (None without split-K)."""
         size = workspace_bytes(m, n, batch, config.block_m, config.block_n, config.split_k)
-        return torch.zeros(size // 4, dtype=torch.float32, device=a.device) if size else None
+        if given is None:
+            return torch.zeros(size // 4, dtype=torch.float32, device=a.device) if size else None
+        if not size or given.dtype != torch.float32 or not given.is_contiguous() or given.numel() * 4 < size:
+            raise DietcodeError(f"{op}: the workspace must be a contiguous float32 tensor of at least {size} bytes "
+                                f"(split_k={config.split_k}), got {given.dtype} of {given.numel() * 4} bytes")
+        return given
 
     if op == "conv":
         if conv is None:
