@@ -89,3 +89,56 @@ def test_split_k_bmm_with_a_broadcast_operand(tmp_path) -> None:
     torch.cuda.synchronize()
     ref = 0.125 * (a.float() @ b.float())
     torch.testing.assert_close(c.float(), ref, atol=2e-2 * float(ref.abs().max()), rtol=2e-2)
+
+
+def test_split_k_node_on_the_cuda_ep_takes_its_workspace_from_ort(tmp_path) -> None:
+    """An ai.dietcode::MatMulBiasGeluResidual node whose bundle holds one split-K kernel: on ORT's CUDA EP the
+    node takes the workspace from ORT's scratch allocator per call and launches the kernel (the node's
+    counters show launches and no fallback), with ORT's result."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import dietcode_ort
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+    from tuner.aot import compile_kernel
+    from tuner.space import Family, MicroKernel
+    from tuner.workload import Epilogue
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider")
+    capability = torch.cuda.get_device_capability()
+    if capability not in _TARGETS:
+        pytest.skip(f"no profile for compute capability {capability}")
+    epilogue = Epilogue(bias=True, activation="gelu", alpha=0.25, residual=True)
+    kernel = compile_kernel(Family("gemm", "float16", _TARGETS[capability]), MicroKernel(16, 64, 64, 4, 3, 8, 4),
+                            epilogue=epilogue, cache_dir=tmp_path)
+    payload = Bundle((Feature("M", ((0, 0),)),), (BundleKernel.from_compiled([kernel]), BundleKernel.vendor()),
+                     DispatchTree((0, -1, -1), (1 << 30, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes()
+    node = helper.make_node("MatMulBiasGeluResidual", ["A", "B", "bias", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                            name="split", scale=0.25)
+    f16 = TensorProto.FLOAT16
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, f16, None) for n in ("A", "B", "bias", "R")],
+                              [helper.make_tensor_value_info("Y", f16, None)],
+                              [numpy_helper.from_array(np.frombuffer(payload, np.uint8), "bundle")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("ai.dietcode", 2)])
+    model.ir_version = 10
+    path = tmp_path / "split.onnx"
+    onnx.save(model, path)
+    sess = dietcode_ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+    if sess.get_providers()[0] != "CUDAExecutionProvider":
+        pytest.skip("the CUDA EP does not run here")
+    rng = np.random.default_rng(0)
+    dietcode_ort.reset_node_stats()
+    for m in (16, 45, 128):
+        feeds = {"A": rng.standard_normal((m, 768)).astype(np.float16),
+                 "B": rng.standard_normal((768, 96)).astype(np.float16),
+                 "bias": rng.standard_normal(96).astype(np.float16),
+                 "R": rng.standard_normal((m, 96)).astype(np.float16)}
+        (y,) = sess.run(None, feeds)
+        z = 0.25 * (feeds["A"].astype(np.float64) @ feeds["B"].astype(np.float64)) + feeds["bias"]
+        want = 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2))) + feeds["R"]
+        assert np.abs(y.astype(np.float64) - want).max() <= 2e-2 * max(1.0, np.abs(want).max())
+    stats = dietcode_ort.node_stats()["split"]
+    assert stats["launches"] == 3 and stats["fallbacks"] == 0, stats
