@@ -178,3 +178,17 @@ def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str
     assert [MicroKernel.from_dict(c) for c in out["configs"]] == sample
     assert all(isinstance(c["shared_bytes"], int) and c["shared_bytes"] > 0 for c in out["configs"])
     assert list(tmp_path.glob("*.json"))  # cached for the next call
+
+
+def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
+    """Split-K takes every epilogue now, so the compile filter compiles split configs with gelu as well (and
+    the residual where the template has one)."""
+    from tuner.space import representative_epilogue
+    from tuner.templates import check_epilogue
+    from tuner.workload import Epilogue
+
+    split = MicroKernel(16, 64, 64, 2, 2, 8, 8)
+    assert representative_epilogue(split, "gemm") == Epilogue(True, "gelu", residual=True)
+    assert representative_epilogue(split, "bmm") == Epilogue(True, "gelu")
+    for op in ("gemm", "bmm", "conv"):
+        check_epilogue(op, representative_epilogue(split, op), split.split_k)

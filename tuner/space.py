@@ -247,8 +247,9 @@ REFERENCE_CONV = ConvParams(in_channels=64, out_channels=64, kernel=(3, 3), stri
 
 
 def representative_epilogue(config: MicroKernel, op: str = "gemm") -> Epilogue:
-    """The heaviest epilogue ``config`` admits: bias, gelu and (gemm) the residual, also under split-K (the last
-    split of a tile applies it)."""
+    """The heaviest epilogue ``config`` admits: bias, gelu and (gemm) the residual. The same for every config
+    since split-K takes any epilogue (the last split of a tile applies it); ``config`` stays a parameter so
+    that a rule per config has one place to live."""
     return Epilogue(bias=True, activation="gelu", residual=op == "gemm")
 
 
