@@ -70,12 +70,12 @@ class NodeMemory {
 // given back when the object goes out of scope: right after the launch is enqueued, before the GPU has run it.
 // That is safe because ORT's allocator orders reuse by the stream. onnxruntime/core/session/custom_ops.cc:
 // KernelContext_GetScratchBuffer allocates from OpKernelContext::GetAllocator(mem_info->device) with
-// AllocateBufferWithOptions(..., stream = the kernel's compute stream, stream->GetWaitNotificationFn()), so the
-// arena tags the chunk with the stream: a later allocation on the same stream reuses it in stream order (after
-// our launch), one on another stream only after waiting on a notification of this one.
-// KernelContext_GetAllocator wraps the same OpKernelContext::GetAllocator(device) allocator, whose Free hands
-// the chunk back to that arena. ORT's own CUDA kernels free their GetScratchBuffer memory the same way, when
-// ComputeInternal returns, with their launches still queued.
+// AllocateBufferWithOptions(..., stream = the kernel's compute stream, stream->GetWaitNotificationFn()): the
+// arena records the stream with the chunk, so a later allocation on the same stream reuses it in stream order
+// (after our launch), and a stream-aware arena hands it to another stream only after waiting on a notification
+// of this one. KernelContext_GetAllocator wraps the same OpKernelContext::GetAllocator(device) allocator, whose
+// Free hands the chunk back to that arena. ORT's own CUDA kernels rely on the same contract: the memory of
+// their GetScratchBuffer (an IAllocatorUniquePtr) is freed when ComputeInternal returns, launches still queued.
 class ScratchBuffer {
  public:
   ScratchBuffer() = default;
