@@ -38,6 +38,7 @@ constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
 constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no split-K workspace
+constexpr int kFitWorkspaceSize = 8;  // dc_kernel_fit's "workspace size" (core.h): the size overflows int64
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
 constexpr int kCudaResourceVersion = 1;
@@ -546,7 +547,7 @@ class DietcodeKernel {
       std::string error;
       if (workspace_bytes < 0 ||
           !workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(workspace_bytes), &error)) {
-        const int reason = workspace_bytes < 0 ? 8 : kReasonWorkspace;  // 8: dc_kernel_fit's "workspace size"
+        const int reason = workspace_bytes < 0 ? kFitWorkspaceSize : kReasonWorkspace;
         const std::string why = workspace_bytes < 0 ? std::string(dc_last_error())
                                                     : "no split-K workspace (" + std::to_string(workspace_bytes) +
                                                           " bytes): " + error;
