@@ -19,6 +19,7 @@ enum Param : uint8_t {
   kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
   kImgN, kImgH, kImgW, kOutH, kOutW, kResidual,
   kQ, kKt, kV, kMask, kOut, kSeqQ, kSeqK, kHeads, kStrideMaskB, kStrideMaskH, kStrideMaskQ, kStrideMaskK,
+  kWorkspace,
   kParamCount
 };
 
@@ -28,11 +29,14 @@ inline constexpr const char* kParamNames[kParamCount] = {
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
     "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
-    "stride_mask_k"};
+    "stride_mask_k", "workspace"};
 
-// Whether param p is a device pointer (the rest are int32 scalars). kResidual (15) and the attention params
-// (16 on) came after out_w, so the indices older bundles store keep their meaning.
-inline constexpr bool IsPointerParam(uint32_t p) { return p <= kC || p == kResidual || (p >= kQ && p <= kOut); }
+// Whether param p is a device pointer (the rest are int32 scalars). kResidual (15), the attention params
+// (16..27) and the split-K workspace (28) came after out_w, so the indices older bundles store keep their meaning.
+inline constexpr bool IsPointerParam(uint32_t p) {
+  return p <= kC || p == kResidual || (p >= kQ && p <= kOut) || p == kWorkspace;
+}
+inline constexpr bool IsAttentionParam(uint32_t p) { return p >= kQ && p <= kStrideMaskK; }
 
 // The value of pointer param p in a launch's arguments (0 for a scalar param).
 inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
@@ -47,6 +51,7 @@ inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
     case kV: return a.v;
     case kMask: return a.mask;
     case kOut: return a.out;
+    case kWorkspace: return a.workspace;
     default: return 0;
   }
 }
@@ -102,7 +107,6 @@ struct Kernel {
   std::string name;
   uint32_t num_warps = 4, block_m = 1, block_n = 1, split_k = 1;
   uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
-  bool zero_output = false;
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,
@@ -178,8 +182,13 @@ bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, 
 
 // Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
 enum Fit : int {
-  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitCount
+  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitWorkspace, kFitCount
 };
+
+// The split-K workspace bytes of one call (dc_kernel_workspace_bytes): 0 without split-K; false with *why when
+// the size overflows int64.
+bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why);
+inline constexpr int64_t kWorkspaceAlign = 16;
 
 // Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch
 // within grid z, tiles within grid x, every operand's element offsets within int32 as the templates compute

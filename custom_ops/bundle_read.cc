@@ -72,7 +72,6 @@ int dc_bundle_kernel_meta(const dc_bundle* b, int32_t k, dc_kernel_meta* out) {
   out->block_n = kernel->block_n;
   out->split_k = kernel->split_k;
   out->shared = kernel->shared;
-  out->zero_output = kernel->zero_output ? 1 : 0;
   out->div16 = kernel->div16;
   out->n_params = static_cast<uint32_t>(kernel->params.size());
   out->n_images = static_cast<uint32_t>(kernel->images.size());

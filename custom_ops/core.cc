@@ -2,6 +2,7 @@
 // size, offset and index is checked before it is used, and a refusal names the field and the limit.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -16,11 +17,11 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 5;  // 4: toolchain records, 5: alpha (docs/bundle.md)
+constexpr uint32_t kVersion = 6;  // 4: toolchain records, 5: alpha, 6: the split-K workspace (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
-constexpr uint32_t kFlagZeroOutput = 1;
+constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -203,7 +204,6 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   if (k.block_m < 1 || k.block_m > kMaxBlock) Fail(where + ": block_m " + std::to_string(k.block_m) + " outside 1..4096");
   if (k.block_n < 1 || k.block_n > kMaxBlock) Fail(where + ": block_n " + std::to_string(k.block_n) + " outside 1..4096");
   if (k.split_k < 1 || k.split_k > kMaxSplitK) Fail(where + ": split_k " + std::to_string(k.split_k) + " outside 1..1024");
-  if (k.split_k > 1 && !k.zero_output) Fail(where + ": split_k > 1 accumulates with atomics and needs zero_output");
   if (k.shared > kMaxShared) Fail(where + ": shared " + std::to_string(k.shared) + " bytes too large");
   bool seen[kParamCount] = {};
   for (uint8_t p : k.params) {
@@ -213,7 +213,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   // attention kernels (they take seq_q) take q, k, v and out and nothing of the other views; others no
   // attention param
   bool other_params = false, attention_params = false;
-  for (uint32_t p = 0; p < kParamCount; ++p) (p >= kQ ? attention_params : other_params) |= seen[p];
+  for (uint32_t p = 0; p < kParamCount; ++p) (IsAttentionParam(p) ? attention_params : other_params) |= seen[p];
   if (seen[kSeqQ]) {
     if (!seen[kQ] || !seen[kKt] || !seen[kV] || !seen[kOut]) Fail(where + ": an attention kernel's params lack q, k, v or out");
     if (other_params) Fail(where + ": params name both an attention and another view");
@@ -222,6 +222,12 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   } else if (!seen[kC]) {
     Fail(where + ": params lack the output pointer 'c'");
   }
+  // split-K kernels meet their splits in the workspace (abi.md): they take it, and no other kernel does
+  if (k.split_k > 1 && !seen[kWorkspace]) {
+    Fail(where + ": split_k " + std::to_string(k.split_k) + " but the params lack the 'workspace' pointer split-K "
+         "kernels take (a kernel of an older split-K scheme: optimize the model again)");
+  }
+  if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -269,13 +275,16 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     uint8_t kind = sub.Get<uint8_t>("kind");
     uint8_t flags = sub.Get<uint8_t>("flags");
     uint16_t div16 = sub.Get<uint16_t>("div16 mask");
-    if (kind > kVendor || (flags & ~kFlagZeroOutput)) {
+    if (flags == kFlagZeroOutput) {
+      Fail("kernel " + std::to_string(index) + ": flag zero_output (split-K by atomics into the output, bundle "
+           "format 5) is gone: split-K kernels take a workspace");
+    }
+    if (kind > kVendor || flags != 0) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
     k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
-    k.zero_output = flags & kFlagZeroOutput;
     k.num_warps = sub.Get<uint32_t>("num_warps");
     k.shared = sub.Get<uint32_t>("shared");
     k.block_m = sub.Get<uint32_t>("block_m");
@@ -570,7 +579,7 @@ namespace {
 
 constexpr const char* kFitNames[kFitCount] = {
     "fits", "empty output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets",
-    "div16 assumption", "negative size"};
+    "div16 assumption", "negative size", "workspace size"};
 
 // The div16 assumptions (bit p: param p 16-byte aligned or a multiple of 16) against this call's arguments.
 template <typename Refuse>
@@ -680,7 +689,32 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
       }
     }
   }
+  if (kernel.split_k > 1) {
+    int64_t bytes = 0;
+    std::string detail;
+    if (!WorkspaceBytes(kernel, args, &bytes, &detail)) return refuse(kFitWorkspace, detail);
+  }
   return Div16Fit(kernel, args, refuse);
+}
+
+bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why) {
+  *bytes = 0;
+  if (kernel.kind == kVendor || kernel.split_k <= 1) return true;
+  // Sizes below 0 or a 0 output need no workspace (CallFit refuses such calls before this).
+  if (args.M <= 0 || args.N <= 0 || args.batch < 0) return true;
+  const int64_t batch = args.batch > 0 ? args.batch : 1;
+  const int64_t tiles = ((int64_t{args.M} + kernel.block_m - 1) / kernel.block_m) *
+                        ((int64_t{args.N} + kernel.block_n - 1) / kernel.block_n);  // < 2^62: int32 factors
+  const int64_t per_tile = int64_t{kernel.split_k} * kernel.block_m * kernel.block_n * 4 + 4;  // partials + counter
+  int64_t all_tiles = 0, total = 0;
+  if (__builtin_mul_overflow(tiles, batch, &all_tiles) || __builtin_mul_overflow(all_tiles, per_tile, &total) ||
+      total > INT64_MAX - kWorkspaceAlign) {
+    *why = std::to_string(tiles) + " tiles x batch " + std::to_string(batch) + " x " + std::to_string(per_tile) +
+           " bytes per tile (split_k " + std::to_string(kernel.split_k) + ") overflows int64";
+    return false;
+  }
+  *bytes = (total + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  return true;
 }
 
 }  // namespace dietcode
@@ -897,6 +931,20 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
   const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
   if (fit != dietcode::kFits) SetError(why);
   return fit;
+}
+
+int64_t dc_kernel_workspace_bytes(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
+  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  int64_t bytes = 0;
+  std::string why;
+  if (!dietcode::WorkspaceBytes(b->kernels[k], *args, &bytes, &why)) {
+    SetError("kernel '" + b->kernels[k].name + "': workspace size: " + why);
+    return -1;
+  }
+  return bytes;
 }
 
 int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int minor) {

@@ -13,13 +13,15 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 6  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha
+#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace
 
 typedef struct dc_bundle dc_bundle;
 
 // Arguments of one launch, following the kernel ABI: raw device pointers and int32 scalars. Fields the
-// kernel does not take are ignored. c_bytes is the output size, used to zero it for split-K kernels.
-// residual: a second tensor of the output's shape, added last (kernels of op types with a Residual suffix).
+// kernel does not take are ignored. c_bytes is the output's size in bytes (the Attention path zeroes an output
+// with no keys). residual: a second tensor of the output's shape, added last (kernels of op types with a
+// Residual suffix). workspace: device memory of workspace_bytes bytes, 16-byte aligned, for split-K kernels
+// (dc_kernel_workspace_bytes says how much a call needs; dc_launch_fit zeroes its counters and passes it).
 typedef struct dc_launch_args {
   uint64_t a, b, bias, c, residual;
   uint64_t c_bytes;
@@ -28,6 +30,7 @@ typedef struct dc_launch_args {
   // attention (docs/abi.md): Q, Kt, V, the additive mask and the output; z = batch heads of seq_q x seq_k
   uint64_t q, k, v, mask, out;
   int32_t seq_q, seq_k, heads, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k;
+  uint64_t workspace, workspace_bytes;
 } dc_launch_args;
 
 int dc_abi_version(void);
@@ -119,9 +122,16 @@ int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* 
 
 // The same decision as a code: 0 fits, else the first reason it does not (message in dc_last_error):
 // 1 empty output, 2 K is 0, 3 batch above grid z, 4 tiles above grid x, 5 int32 offsets, 6 div16
-// assumption, 7 negative size. -1 on error. dc_fit_name names a code (NULL past the end).
+// assumption, 7 negative size, 8 workspace size (a split-K call whose workspace would not fit int64 bytes).
+// -1 on error. dc_fit_name names a code (NULL past the end).
 int dc_kernel_fit(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
 const char* dc_fit_name(int fit);
+
+// The bytes of workspace one call of kernel k with `args` needs (docs/abi.md, "The split-K workspace"): 0 for a
+// kernel without split-K; for one with SPLIT_K > 1, an fp32 partial tile per (batch, tile, split) and an int32
+// counter per (batch, tile): tiles*batch*(SPLIT_K*BLOCK_M*BLOCK_N*4 + 4), rounded up to 16. -1 with a message
+// for a bad id or when the size overflows int64 (dc_kernel_fit's code 8 for the same call).
+int64_t dc_kernel_workspace_bytes(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
 
 // The ABI view of one node call: the M, N, K, batch, batch strides and conv dims the CUDA path passes a
 // compiled kernel for these input shapes (c: Gemm's C or NULL). op 0 = MatMul (batched != 0 selects the
@@ -179,12 +189,15 @@ int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin);
 int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);
 
 // Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context,
-// loading the module on first use per context. Zeroes c first when the kernel needs it. 0 on success.
+// loading the module on first use per context. For a split-K kernel, args->workspace must hold at least
+// dc_kernel_workspace_bytes (16-byte aligned): its counters are zeroed on the stream first (cuMemsetD8Async)
+// and it must stay allocated until the launch is done (stream order). 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
 // dc_launch deciding the call's fit in the same step, so that a caller checks it once per call: 0 launched;
 // a positive dc_kernel_fit code when the call does not fit kernel k (nothing launched, the reason in
-// dc_last_error: the caller runs another kernel); -1 on error (bad arguments, the vendor kind, the driver).
+// dc_last_error: the caller runs another kernel); -1 on error (bad arguments, a split-K call without its
+// workspace, the vendor kind, the driver).
 int dc_launch_fit(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
 // Zero `bytes` bytes of device memory at `ptr` on `stream` (cuMemsetD8Async in the stream's context): an
@@ -197,7 +210,6 @@ int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream);
 typedef struct dc_kernel_meta {
   uint32_t num_warps, block_m, block_n, split_k;  // as the payload holds them (a vendor kernel's are unchecked)
   uint32_t shared;       // dynamic shared memory bytes of the PTX launch
-  uint32_t zero_output;  // 1: the output is zeroed before the launch (split-K)
   uint32_t div16;        // bit p: ABI param p assumed 16-byte aligned (pointers) / a multiple of 16 (ints)
   uint32_t n_params, n_images;
   uint8_t params[32];   // the kernel's ABI params in its order (dc_abi_param_name indices), n_params of them

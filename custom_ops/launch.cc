@@ -317,6 +317,23 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       return fit;
     }
   }
+  // A split-K kernel meets its splits in the caller's workspace (abi.md): it must be there, large enough and
+  // 16-byte aligned (the kernels are compiled assuming so), or the splits would write past it.
+  int64_t workspace = 0;
+  {
+    std::string why;
+    if (!dietcode::WorkspaceBytes(kernel, *args, &workspace, &why)) return Fail("kernel '" + kernel.name + "': " + why);
+    if (workspace > 0 && (args->workspace == 0 || args->workspace % dietcode::kWorkspaceAlign != 0 ||
+                          args->workspace_bytes < static_cast<uint64_t>(workspace))) {
+      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ") needs a workspace of " +
+                  std::to_string(workspace) + " bytes, 16-byte aligned; the call gives " +
+                  std::to_string(args->workspace_bytes) + " bytes at 0x" + [&] {
+                    char hex[32];
+                    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(args->workspace));
+                    return std::string(hex);
+                  }());
+    }
+  }
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return Fail(d.error);
 
@@ -369,9 +386,11 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];
 
-  if (kernel.zero_output) {
-    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->c), 0, args->c_bytes, s);
-    if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
+  if (workspace > 0) {  // the counters (one int32 per tile and batch) follow the partial tiles
+    const uint64_t counters = static_cast<uint64_t>(tiles) * static_cast<uint64_t>(batch);
+    const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
+    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, s);
+    if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the split-K counters)"));
   }
   rc = d.LaunchKernel(fn, static_cast<unsigned>(tiles), kernel.split_k, static_cast<unsigned>(batch),
                       kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);

@@ -37,6 +37,8 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
+constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no split-K workspace
+constexpr int kFitWorkspaceSize = 8;  // dc_kernel_fit's "workspace size" (core.h): the size overflows int64
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
 constexpr int kCudaResourceVersion = 1;
@@ -179,6 +181,7 @@ class DietcodeKernel {
       conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
     }
     if (cuda_) {
+      device_memory_ = std::make_unique<NodeMemory>(raw_info);
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
       CheckVendorPathCuda();
@@ -536,6 +539,26 @@ class DietcodeKernel {
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.residual = spec_.residual ? reinterpret_cast<uint64_t>(residual.GetTensorRawData()) : 0;
     args.c_bytes = static_cast<uint64_t>(total) * elem;
+    // A split-K kernel's workspace, from ORT's scratch allocator on this stream; given back when `workspace`
+    // goes out of scope, after the launch is enqueued (ScratchBuffer says why that is safe).
+    ScratchBuffer workspace;
+    const int64_t workspace_bytes = dc_kernel_workspace_bytes(bundle_.get(), k, &args);
+    if (workspace_bytes != 0) {
+      std::string error;
+      if (workspace_bytes < 0 ||
+          !workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(workspace_bytes), &error)) {
+        const int reason = workspace_bytes < 0 ? kFitWorkspaceSize : kReasonWorkspace;
+        const std::string why = workspace_bytes < 0 ? std::string(dc_last_error())
+                                                    : "no split-K workspace (" + std::to_string(workspace_bytes) +
+                                                          " bytes): " + error;
+        WarnOnce(reason, why.c_str());
+        dc_node_count_fallback(counter_, why.c_str());
+        VendorCuda(raw, in, shapes, n_in, residual, out, why.c_str());
+        return;
+      }
+      args.workspace = workspace.address();
+      args.workspace_bytes = static_cast<uint64_t>(workspace_bytes);
+    }
     // One fit check per call, in the launch (e.g. int32 offsets, a view at an unaligned offset): a call that
     // does not fit launches nothing and runs the vendor path.
     const int fit = dc_launch_fit(bundle_.get(), k, &args, ctx.GetGPUComputeStream());
@@ -641,6 +664,7 @@ class DietcodeKernel {
   bool has_bias_input_ = false;
   float scale_ = 1.0f;  // MatMul: the fused scalar Mul/Div (compiled kernels have it baked in)
   std::vector<int64_t> features_;
+  std::unique_ptr<NodeMemory> device_memory_;  // CUDA only: the memory split-K workspaces come from
   GemmAttrs gemm_;
   ConvAttrs conv_;
   Ort::Op base_op_{nullptr};  // CPU only

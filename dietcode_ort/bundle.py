@@ -27,8 +27,9 @@ __all__ = [
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
 MAGIC = b"DCBUNDLE"
 # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
-# 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX
-VERSION = 5
+# 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX; 5: alpha;
+# 6: split-K kernels take a workspace (param 28), the zero_output flag is refused
+VERSION = 6
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -38,13 +39,15 @@ PARAM_NAMES: tuple[str, ...] = (
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
     "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
-    "stride_mask_k",
+    "stride_mask_k", "workspace",
 )
-# residual (15) and the attention params (16 on) came after out_w, so the indices earlier bundles store keep
-# their meaning. The div16 mask is 16 bits: params from index 16 on (all of attention's) take no div16 bit.
-POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out")  # the rest int32
-# The params of the attention view (from "q" on): a kernel takes all of them or none.
-ATTENTION_PARAMS: tuple[str, ...] = PARAM_NAMES[PARAM_NAMES.index("q"):]
+# residual (15), the attention params (16..27) and the split-K workspace (28) came after out_w, so the indices
+# earlier bundles store keep their meaning. The div16 mask is 16 bits: params from index 16 on (all of
+# attention's, the workspace, which the launcher checks itself) take no div16 bit.
+POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out",
+                                   "workspace")  # the rest int32
+# The params of the attention view (q .. stride_mask_k): a kernel takes all of them or none.
+ATTENTION_PARAMS: tuple[str, ...] = PARAM_NAMES[PARAM_NAMES.index("q"):PARAM_NAMES.index("stride_mask_k") + 1]
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
 # How a kernel reads its node's operands (docs/abi.md), in dc_bundle_kernel_view's order.
 VIEWS: tuple[str, ...] = ("gemm", "bmm", "conv", "attention")
@@ -54,7 +57,7 @@ ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
 CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", "PAD_H", "PAD_W", "DIL_H", "DIL_W")
 _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
-FLAG_ZERO_OUTPUT = 1
+FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -147,7 +150,6 @@ class BundleKernel:
     block_m: int = 1
     block_n: int = 1
     split_k: int = 1
-    zero_output: bool = False
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -208,14 +210,14 @@ class BundleKernel:
     def from_compiled(cls, compiled: Sequence[Any]) -> "BundleKernel":
         """Merge compiled kernels of one config (one object per arch, as tuner/aot.py makes them).
 
-        Each object needs ``name, arch, cubin, ptx, params, num_warps, shared, zero_output, block_m,
+        Each object needs ``name, arch, cubin, ptx, params, num_warps, shared, block_m,
         block_n, split_k``; the launch metadata must agree across archs. Trailing scratch parameter names
         (``global_scratch``, ``profile_scratch``) are dropped since the runtime always appends them.
         """
         if not compiled:
             raise DietcodeError("BundleKernel.from_compiled needs at least one compiled kernel")
         first = compiled[0]
-        meta = ("params", "num_warps", "block_m", "block_n", "split_k", "zero_output", "div16")
+        meta = ("params", "num_warps", "block_m", "block_n", "split_k", "div16")
         for other in compiled[1:]:
             for attr in meta:
                 if getattr(other, attr, ()) != getattr(first, attr, ()):
@@ -233,7 +235,7 @@ class BundleKernel:
                    shared=(int(ptx_from.shared) if ptx_from is not None
                            else max(int(c.shared) for c in compiled)),
                    block_m=int(first.block_m),
-                   block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
+                   block_n=int(first.block_n), split_k=int(first.split_k),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
 
@@ -258,8 +260,6 @@ class BundleKernel:
                 raise _fail(f"{where}: {attr} {getattr(self, attr)} outside 1..{LIMITS['block']}")
         if not 1 <= self.split_k <= LIMITS["split_k"]:
             raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
-        if self.split_k > 1 and not self.zero_output:
-            raise _fail(f"{where}: split_k > 1 accumulates with atomics and needs zero_output")
         if not 0 <= self.shared <= LIMITS["shared"]:
             raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
         if len(self.image_shared) != len(self.images):
@@ -284,6 +284,11 @@ class BundleKernel:
             raise _fail(f"{where}: params name attention params without seq_q")
         elif "c" not in self.params:
             raise _fail(f"{where}: params lack the output pointer 'c'")
+        if self.split_k > 1 and "workspace" not in self.params:
+            raise _fail(f"{where}: split_k {self.split_k} but the params lack the 'workspace' pointer split-K kernels "
+                        "take (a kernel of an older split-K scheme: optimize the model again)")
+        if self.split_k == 1 and "workspace" in self.params:
+            raise _fail(f"{where}: takes a 'workspace' but has split_k 1")
         if "img_h" in self.params and "stride_a_batch" in self.params:
             raise _fail(f"{where}: params name both a conv and a bmm view")
         if "residual" in self.params and ("img_h" in self.params or "stride_a_batch" in self.params):
@@ -664,7 +669,7 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
+            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), 0,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
             body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),

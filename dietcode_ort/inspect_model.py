@@ -112,7 +112,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "archs": [a for a, _ in k.images], "images": _images(k),
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
-                         "split_k": k.split_k, "div16": list(k.div16),
+                         "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
                                        "conv": list(k.conv)}}
                         for k in bundle.kernels],

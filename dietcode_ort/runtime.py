@@ -157,14 +157,15 @@ class LaunchArgs(ctypes.Structure):
                                       "img_n", "img_h", "img_w", "out_h", "out_w")] + [
         (n, ctypes.c_uint64) for n in ("q", "k", "v", "mask", "out")] + [
         (n, ctypes.c_int32) for n in ("seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
-                                      "stride_mask_k")]
+                                      "stride_mask_k")] + [
+        (n, ctypes.c_uint64) for n in ("workspace", "workspace_bytes")]
 
 
 class KernelMeta(ctypes.Structure):
     """Mirror of ``dc_kernel_meta`` in custom_ops/core.h."""
 
-    _fields_ = [(n, ctypes.c_uint32) for n in ("num_warps", "block_m", "block_n", "split_k", "shared", "zero_output",
-                                              "div16", "n_params", "n_images")] + [("params", ctypes.c_uint8 * 32)]
+    _fields_ = [(n, ctypes.c_uint32) for n in ("num_warps", "block_m", "block_n", "split_k", "shared", "div16",
+                                              "n_params", "n_images")] + [("params", ctypes.c_uint8 * 32)]
 
 
 class Epilogue(ctypes.Structure):
@@ -230,6 +231,8 @@ class Core:
         lib.dc_node_stats_get.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t, i64p, i64p,
                                           ctypes.c_char_p, ctypes.c_size_t]
         lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_kernel_workspace_bytes.restype = ctypes.c_int64
+        lib.dc_kernel_workspace_bytes.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_fit_name.restype = ctypes.c_char_p
         lib.dc_bundle_image_shared.restype = ctypes.c_int64
         lib.dc_bundle_image_shared.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int]
@@ -545,7 +548,7 @@ class CoreBundle:
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, zero_output=bool(meta.zero_output),
+            split_k=meta.split_k,
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
@@ -605,11 +608,19 @@ class CoreBundle:
     def fit(self, k: int, args: LaunchArgs) -> tuple[str, str]:
         """Whether one call fits kernel k (``dc_kernel_fit``): ("fits", "") or the reason's name ("empty
         output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets", "div16 assumption",
-        "negative size") and the message."""
+        "negative size", "workspace size") and the message."""
         r = self.core.lib.dc_kernel_fit(self.handle, k, ctypes.byref(args))
         if r < 0:
             raise DietcodeError(self.core.error())
         return self.core.lib.dc_fit_name(r).decode(), "" if r == 0 else self.core.error()
+
+    def workspace_bytes(self, k: int, args: LaunchArgs) -> int:
+        """The split-K workspace bytes one call of kernel k with ``args`` needs (``dc_kernel_workspace_bytes``;
+        0 without split-K); DietcodeError when the size overflows."""
+        r = self.core.lib.dc_kernel_workspace_bytes(self.handle, k, ctypes.byref(args))
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return int(r)
 
     def image_shared(self, k: int, major: int, minor: int) -> int:
         """The shared memory bytes kernel k launches with on a device of compute capability major.minor

@@ -1,9 +1,12 @@
 """The kernel ABI end to end without a GPU: the C++ runtime's view of a node call drives the Triton template.
 
 For each ONNX node call below, the custom-op library computes the launch arguments its CUDA path would
-pass (``dc_abi_view``: M, N, K, batch, batch strides, conv dims); this script then launches the matching
-template under ``TRITON_INTERPRET=1`` with exactly those arguments, in the ABI's parameter order and grid
-rule (as ``custom_ops/launch.cc`` does with a cubin), and compares with the ONNX semantics computed by torch.
+pass (``dc_abi_view``: M, N, K, batch, batch strides, conv dims) and, for a split-K kernel, the workspace
+bytes the call needs (``dc_kernel_workspace_bytes`` of a bundle holding that kernel); this script then
+launches the matching template under ``TRITON_INTERPRET=1`` with exactly those arguments and a workspace of
+exactly that size (NaN-filled, its counters zeroed as ``dc_launch_fit`` does), in the ABI's parameter order
+and grid rule (as ``custom_ops/launch.cc`` does with a cubin), and compares with the ONNX semantics computed
+by torch; a split-K case also checks that every counter is back to 0.
 Run by tests/test_abi_contract.py in a child process (the interpreter flag must precede importing triton).
 Prints one JSON object {case: {"view": "kernel"|"vendor", "max_err": float}}.
 """
@@ -44,6 +47,12 @@ CASES: tuple[AbiCase, ...] = (
             alpha=0.125, residual=True),
     AbiCase("matmul_split_k_residual_fp16", "MatMul", (2, 5, 64), (64, 12), config=(16, 16, 16, 2, 2, 8, 2),
             residual=True, dtype="float16"),
+    AbiCase("matmul_split_k_bias_gelu_residual_fp16", "MatMul", (2, 9, 40), (40, 33), bias=(33,), activation="gelu",
+            alpha=0.5, residual=True, config=(16, 16, 16, 2, 2, 8, 4), dtype="float16"),
+    AbiCase("attention_split_k_batched", "MatMul", (2, 3, 17, 24), (2, 3, 24, 19), config=(16, 16, 16, 2, 2, 8, 2),
+            alpha=0.25),
+    AbiCase("conv_split_k_bias_gelu", "Conv", (2, 3, 9, 8), (8, 3, 3, 3), bias=(8,), activation="gelu",
+            attrs={"pads": (1, 1, 1, 1)}, config=(16, 16, 16, 2, 2, 8, 4)),
     AbiCase("attention_scores_scaled", "MatMul", (2, 3, 17, 8), (2, 3, 8, 19), alpha=0.35355339059327373),
     AbiCase("attention_4d", "MatMul", (2, 3, 17, 8), (2, 3, 8, 19)),
     AbiCase("attention_a_broadcast", "MatMul", (17, 8), (2, 3, 8, 19)),
@@ -128,15 +137,44 @@ def run_case(case: AbiCase) -> dict[str, Any]:
             meta["HAS_RESIDUAL"] = case.residual
         out_shape = tuple(torch.matmul(torch.empty(case.a, device="meta"), torch.empty(case.b, device="meta").mT
                                        if meta["TRANS_B"] else torch.empty(case.b, device="meta")).shape)
-    c_out = torch.zeros(out_shape, dtype=dtype)  # the runtime zeroes C for split-K kernels
+    c_out = torch.full(out_shape, float("nan"), dtype=dtype)  # every element must be written
     residual = torch.randn(out_shape, dtype=dtype) if case.residual else None  # the output's shape (ort_ops.cc)
-    pointers = {"a": a.contiguous(), "b": b.contiguous(), "bias": bias, "c": c_out, "residual": residual}
+    size = _workspace_bytes(op, case, args, bias is not None, split_k)
+    workspace = None
+    if size:  # what dc_launch_fit is given: NaN partials (each split writes its own), counters zeroed
+        workspace = torch.full((size // 4,), float("nan"), dtype=torch.float32)
+        tiles = triton.cdiv(args.M, bm) * triton.cdiv(args.N, bn) * max(1, args.batch)
+        workspace.view(torch.int32)[tiles * split_k * bm * bn:] = 0
+    pointers = {"a": a.contiguous(), "b": b.contiguous(), "bias": bias, "c": c_out, "residual": residual,
+                "workspace": workspace}
     values = [pointers[p] if p in pointers else getattr(args, p) for p in templates.ABI_PARAMS[op]]
     grid = (triton.cdiv(args.M, bm) * triton.cdiv(args.N, bn), split_k, max(1, args.batch))  # the ABI's grid rule
     templates.KERNELS[op][grid](*values, **meta)
     want = _reference(torch, case, a, b, bias, residual)
-    return {"view": "kernel", "max_err": float((c_out.float() - want).abs().max()),
-            "scale": float(want.abs().max())}
+    out = {"view": "kernel", "max_err": float((c_out.float() - want).abs().max()), "scale": float(want.abs().max()),
+           "workspace_bytes": size}
+    if workspace is not None:
+        out["counters"] = workspace.view(torch.int32)[tiles * split_k * bm * bn:tiles * split_k * bm * bn + tiles].tolist()
+    return out
+
+
+def _workspace_bytes(op: str, case: AbiCase, args: Any, bias: bool, split_k: int) -> int:
+    """The workspace bytes the C core gives this call for a bundle kernel of this config
+    (dc_kernel_workspace_bytes), after checking that the call fits it (dc_kernel_fit)."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import load_core
+    from tuner import templates
+
+    bm, bn = case.config[:2]
+    params = tuple(p for p in templates.ABI_PARAMS[op] if (p != "bias" or bias) and (p != "residual" or case.residual)
+                   and (p != "workspace" or split_k > 1))
+    conv = (case.b[1], case.b[2], case.b[3], 1, 1, 1, 1, 1, 1) if op == "conv" else ()
+    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=params, block_m=bm, block_n=bn,
+                          split_k=split_k, conv=conv)
+    bundle = load_core().parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    fit, why = bundle.fit(0, args)
+    assert fit == "fits", why
+    return bundle.workspace_bytes(0, args)
 
 
 def main() -> int:

@@ -26,6 +26,11 @@ def test_runtime_view_drives_the_template(outcomes: dict[str, Any], case) -> Non
     if case.expect_kernel:
         tolerance = (2e-2 if case.dtype == "float16" else 1e-4) * max(1.0, got["scale"])
         assert got["max_err"] <= tolerance, got
+        split_k = (list(case.config[5:]) + [8, 1])[1]
+        # the C core sizes the workspace of split-K calls only, and the kernel leaves every counter at 0
+        assert (got["workspace_bytes"] > 0) == (split_k > 1), got
+        if split_k > 1:
+            assert got["counters"] and set(got["counters"]) == {0}, got
 
 
 def test_view_errors_are_clear() -> None:

@@ -12,7 +12,7 @@ import pytest
 from dietcode_ort.bundle import PARAM_NAMES, POINTER_PARAMS, VIEWS
 from dietcode_ort.runtime import LaunchArgs, load_core
 
-POINTERS = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out")
+POINTERS = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out", "workspace")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,9 @@ def test_bundle_param_enum_is_the_cores(core_names) -> None:
     # store keep their meaning
     assert core_names[:4] == ("a", "b", "bias", "c") and core_names.index("out_w") == 14
     assert core_names[15] == "residual"
-    assert core_names[16:] == templates.ATTENTION_PARAMS
+    assert core_names[16:28] == templates.ATTENTION_PARAMS
+    # the split-K workspace came after the attention params (28)
+    assert core_names[28:] == ("workspace",)
     assert POINTER_PARAMS == POINTERS
 
 
@@ -74,15 +76,18 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
 
     fields = [name for name, _ in LaunchArgs._fields_]
     # dc_launch_args: the pointers before the attention view's, the output's byte size, the int params in enum
-    # order; then the attention view's pointers and ints, each in enum order
-    first, attention = core_names[:16], core_names[16:]
+    # order; then the attention view's pointers and ints, each in enum order; then the split-K workspace and
+    # its size in bytes
+    first, attention, last = core_names[:16], core_names[16:28], core_names[28:]
     assert fields == ([p for p in first if p in POINTERS] + ["c_bytes"] + [p for p in first if p not in POINTERS]
-                      + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS])
+                      + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS]
+                      + list(last) + ["workspace_bytes"])
     for name, ctype in LaunchArgs._fields_:
-        assert ctype is (ctypes.c_uint64 if name in POINTERS or name == "c_bytes" else ctypes.c_int32), name
+        assert ctype is (ctypes.c_uint64 if name in POINTERS or name in ("c_bytes", "workspace_bytes")
+                         else ctypes.c_int32), name
     # 4 added the residual pointer, 5 the attention fields: each grew the struct, so the ABI version says so
-    # (6 added the kernel alpha accessor and check Python binds)
-    assert load_core().lib.dc_abi_version() == 6
+    # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace)
+    assert load_core().lib.dc_abi_version() == 7
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

@@ -30,15 +30,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _jobs(cache: Path) -> list[CompileJob]:
     """One config per (op, target): each op gets a plain tile with bias+gelu (pipelined, div16) on one
-    target and a split-K tile (trans_b for gemm/bmm; float32, the only dtype whose space has split-K) on
-    the other."""
+    target and a split-K tile with gelu (trans_b for gemm/bmm; conv in float32, the others in their 16-bit
+    dtype) on the other."""
     jobs = []
     for target, split_ops in (("sm_80", ("gemm", "conv")), ("sm_90", ("bmm",))):
         for op, dtype in DTYPE_OF.items():
-            family = Family(op, "float32" if op in split_ops else dtype, target)
+            family = Family(op, dtype, target)
             conv = CONV if op == "conv" else None
             if op in split_ops:
-                jobs.append(CompileJob(family, SPLIT, Epilogue(op != "bmm", "none"), trans_b=op != "conv",
+                jobs.append(CompileJob(family, SPLIT, Epilogue(op != "bmm", "gelu"), trans_b=op != "conv",
                                        conv=conv, cache_dir=cache))
             else:
                 jobs.append(CompileJob(family, TILE, Epilogue(True, "gelu"), conv=conv, cache_dir=cache,
@@ -69,11 +69,12 @@ def test_sample_of_each_family_compiles_within_limits(sample: list[CompileResult
         assert kernel.num_warps == job.config.num_warps and kernel.grid == "tiles_mn,split_k,batch"
         assert (kernel.block_m, kernel.block_n, kernel.split_k) == (job.config.block_m, job.config.block_n,
                                                                     job.config.split_k)
-        assert kernel.zero_output == (job.config.split_k > 1)
+
         expected = {"gemm": ["a", "b", "bias", "c", "M", "N", "K"],
                     "bmm": ["a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"],
                     "conv": ["a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"]}
         params = [p for p in expected[job.family.op] if p != "bias" or job.epilogue.bias]
+        params += ["workspace"] if job.config.split_k > 1 else []  # split-K kernels take it, last
         assert list(kernel.params) == params
         # The PTX entry takes the ABI params plus the two trailing scratch pointers.
         entry = kernel.ptx[kernel.ptx.index(".entry"):]
@@ -126,8 +127,8 @@ def test_scratch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 def test_bad_input_is_rejected(tmp_path: Path) -> None:
     gemm = Family("gemm", "float16", "sm_80")
-    with pytest.raises(DietcodeError, match="split_k=4"):
-        compile_kernel(gemm, SPLIT, epilogue=Epilogue(True, "gelu"), cache_dir=tmp_path)
+    with pytest.raises(DietcodeError, match=r"\['workspace'\] are not parameters of gemm"):
+        compile_kernel(gemm, SPLIT, div16=("workspace",), cache_dir=tmp_path)  # always aligned, not a div16 bit
     with pytest.raises(DietcodeError, match="ConvParams are required"):
         compile_kernel(Family("conv", "float16", "sm_80"), TILE, cache_dir=tmp_path)
     with pytest.raises(DietcodeError, match="not parameters of gemm; allowed: a, b, c, M, N, K"):
@@ -139,9 +140,9 @@ def test_bad_input_is_rejected(tmp_path: Path) -> None:
 
 
 def test_compile_failures_are_data(tmp_path: Path) -> None:
-    bad = CompileJob(Family("gemm", "float16", "sm_80"), SPLIT, Epilogue(False, "relu"), cache_dir=tmp_path)
+    bad = CompileJob(Family("gemm", "float16", "sm_80"), SPLIT, Epilogue(False, "tanh"), cache_dir=tmp_path)
     (result,) = compile_many([bad], workers=1)
-    assert result.kernel is None and not result.ok and "split_k=4" in result.error
+    assert result.kernel is None and not result.ok and "unknown activation 'tanh'" in result.error
 
 
 def test_default_cache_dir_reads_one_variable(tmp_path: Path) -> None:
@@ -158,7 +159,9 @@ def test_compile_filter_drops_by_metadata(sample: list[CompileResult], monkeypat
     limit = get_profile("sm_80").smem_per_block_optin
 
     def fake_many(jobs: list[CompileJob], workers: int | None = None) -> list[CompileResult]:
-        assert all(job.div16 == aligned_params("gemm") for job in jobs)
+        # the heaviest epilogue every config takes, split-K ones too: bias, gelu and the residual
+        assert all(job.div16 == aligned_params("gemm", residual=True) for job in jobs)
+        assert all(job.epilogue == Epilogue(True, "gelu", residual=True) for job in jobs)
         kernels = [dataclasses.replace(base, shared=limit + 1), dataclasses.replace(base, n_spills=16),
                    None, dataclasses.replace(base, config=jobs[3].config)]
         return [CompileResult(job, k, "" if k else "PTXASError: boom") for job, k in zip(jobs, kernels)]

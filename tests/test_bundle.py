@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from dietcode_ort.bundle import (MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
+from dietcode_ort.bundle import (ATTENTION_PARAMS, FLAG_ZERO_OUTPUT, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
                                  read_bundle, select_image)
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
@@ -48,7 +48,9 @@ def random_tree(rng: random.Random, n_features: int, n_kernels: int, max_depth: 
 def sample_bundle(seed: int = 0) -> Bundle:
     rng = random.Random(seed)
     features = (Feature("M", ((0, 0), (0, 1))), Feature("N", ((1, -1),)), Feature("K", ((0, -1),)))
-    kernels = (BundleKernel.vendor(), _kernel("gemm_64x128"), _kernel("gemm_128x64_sk4", split_k=4, zero_output=True),
+    kernels = (BundleKernel.vendor(), _kernel("gemm_64x128"), _kernel("gemm_128x64_sk4", split_k=4,
+                                                                     params=("a", "b", "bias", "c", "M", "N", "K",
+                                                                             "workspace")),
                _kernel("bmm_32x32", params=("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch"),
                        div16=("a", "b", "c", "stride_b_batch")))
     return Bundle(features, kernels, random_tree(rng, len(features), len(kernels)))
@@ -128,7 +130,7 @@ def test_kernel_view_follows_the_template_params(core, op: str, view: str) -> No
 
     params = templates.ABI_PARAMS[op]
     conv = (64, 3, 3, 1, 1, 1, 1, 1, 1) if op == "conv" else ()
-    kernel = _kernel("k", params=params, conv=conv)
+    kernel = _kernel("k", params=params, conv=conv, split_k=4)  # the full param list: a split-K kernel
     assert kernel.view == view
     cb = core.parse(Bundle((), (kernel, BundleKernel.vendor()), DispatchTree.single(0)).to_bytes())
     assert core.lib.dc_bundle_kernel_view(cb.handle, 0) == VIEWS.index(view)
@@ -238,7 +240,9 @@ def test_bad_kernels_are_refused(core) -> None:
     tree = DispatchTree.single(0)
     cases = [
         (_kernel("k", num_warps=3), "num_warps 3"),
-        (_kernel("k", split_k=2), "needs zero_output"),
+        (_kernel("k", split_k=2), "split_k 2 but the params lack the 'workspace' pointer"),
+        (_kernel("k", params=("a", "b", "c", "M", "N", "K", "workspace")), "takes a 'workspace' but has split_k 1"),
+        (_kernel("k", split_k=2, params=ATTENTION_PARAMS + ("workspace",)), "both an attention and another view"),
         (_kernel("k", block_m=0), "block_m 0"),
         (_kernel("k", params=("a", "b", "M")), "lack the output pointer"),
         (_kernel("k", params=("a", "c", "a")), "repeat"),
@@ -257,7 +261,7 @@ def test_from_compiled_merges_archs() -> None:
         def __init__(self, arch: str, cubin: bytes) -> None:
             self.name, self.arch, self.cubin, self.ptx = "mm", arch, cubin, PTX80 if arch == "sm_80" else ""
             self.params = ["a", "b", "c", "M", "N", "K", "global_scratch", "profile_scratch"]
-            self.num_warps, self.shared, self.zero_output = 4, 1024 if arch == "sm_80" else 4096, False
+            self.num_warps, self.shared = 4, 1024 if arch == "sm_80" else 4096
             self.block_m, self.block_n, self.split_k = 64, 64, 1
 
     k = BundleKernel.from_compiled([CK("sm_90a", b"h"), CK("sm_80", b"a")])
@@ -529,9 +533,23 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4):  # 4: before the kernels' alpha
+    for version in (2, 4, 5):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output)
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 5")
+        _refused(core, bytes(data), f"version {version}, this reader knows 6")
+
+
+def test_zero_output_flag_is_refused(core) -> None:
+    """Format 5's split-K (atomics into a zeroed output, flag bit 0) is gone: a kernel record carrying the
+    flag is refused with the reason, not read as a plain kernel."""
+    bundle = Bundle((), (_kernel("k"),), DispatchTree.single(0))
+    data = bytearray(bundle.to_bytes())
+    _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
+    flags_at = k_off + 4 + 4 + 1  # kernel count, record size, kind
+    assert data[flags_at] == 0
+    data[flags_at] = FLAG_ZERO_OUTPUT
+    _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
+    data[flags_at] = 2
+    _refused(core, bytes(data), "flags 2 invalid")
 
 
 def test_alpha_round_trips_and_must_be_the_nodes_scale(core) -> None:
@@ -562,7 +580,7 @@ def test_alpha_comes_from_the_compiled_kernels_constants() -> None:
     from types import SimpleNamespace
 
     compiled = SimpleNamespace(name="k", arch=90, cubin=b"\x7fELF", ptx="", params=("a", "b", "c", "M", "N", "K"),
-                               num_warps=4, shared=0, zero_output=False, block_m=64, block_n=64, split_k=1,
+                               num_warps=4, shared=0, block_m=64, block_n=64, split_k=1,
                                constants=(("ALPHA", 0.1), ("BLOCK_M", 64)))
     assert BundleKernel.from_compiled([compiled]).alpha == float(np.float32(0.1))
     del compiled.constants

@@ -236,7 +236,10 @@ def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> No
     dense = record_table.dense_sets(2)
     path = record_table.record(dense[:2], tmp_path, measure="analytic", budget_s=1e-6, command="first")
     meta = json.loads((tmp_path / "table.json").read_text())
-    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == 350
+    from tuner.space import Family, enumerate_space
+
+    space = len(enumerate_space(Family("gemm", "float16", "sm_90")))  # every config, split-K ones too
+    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == space == 731
     record_table.record(record_table.attention_sets(2)[:1], tmp_path, measure="analytic", max_configs=2,
                         command="second")
     meta = json.loads((tmp_path / "table.json").read_text())

@@ -1,6 +1,6 @@
 """On a CUDA GPU: the templates through Triton's JIT against torch, and an AOT cubin launched through the
 CUDA driver exactly as the kernel ABI says (params in order, two null scratch pointers, grid rule,
-dynamic shared memory, zeroed output under split-K). Skipped without a GPU."""
+dynamic shared memory, a workspace with zeroed counters under split-K). Skipped without a GPU."""
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +35,7 @@ def test_jit_templates_match_torch(dtype: str) -> None:
     w = torch.randn(300, 130, device="cuda", generator=gen).to(dt)
     bias = torch.randn(130, device="cuda", generator=gen).to(dt)
     for config in (MicroKernel(64, 64, 32, 4, 3), MicroKernel(16, 64, 64, 2, 2, 8, 4)):
-        act = "gelu" if config.split_k == 1 else "none"
+        act = "gelu"  # split-K too: the last split of a tile applies the epilogue
         y = run("gemm", config, a, w, bias=bias, epilogue=Epilogue(True, act))
         ref = a.float() @ w.float() + bias.float()
         ref = torch.nn.functional.gelu(ref) if act == "gelu" else ref
@@ -63,16 +63,21 @@ def test_aot_cubin_launches_per_abi(tmp_path: Path) -> None:
     b = torch.randn(k, n, device="cuda", dtype=torch.float16)
     bias = torch.randn(n, device="cuda", dtype=torch.float16)
     cuda = ctypes.CDLL("libcuda.so.1")
+    from tuner.templates import workspace_bytes
+
     for config, epilogue in ((MicroKernel(64, 64, 32, 4, 3), Epilogue(True, "relu")),
-                             (MicroKernel(32, 64, 64, 4, 2, 8, 4), Epilogue(True, "none"))):
+                             (MicroKernel(32, 64, 64, 4, 2, 8, 4), Epilogue(True, "relu"))):
         kernel = compile_kernel(Family("gemm", "float16", target), config, epilogue=epilogue, cache_dir=tmp_path,
                                 div16=aligned_params("gemm"))
         c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-        if kernel.zero_output:
-            c.zero_()
+        size = workspace_bytes(m, n, 1, kernel.block_m, kernel.block_n, kernel.split_k)
+        workspace = torch.full((max(size, 16) // 4,), float("nan"), device="cuda")  # NaN partials
+        tiles = -(-m // kernel.block_m) * -(-n // kernel.block_n)
+        workspace.view(torch.int32)[tiles * kernel.split_k * kernel.block_m * kernel.block_n:] = 0  # counters
+        assert ("workspace" in kernel.params) == (kernel.split_k > 1)
         values = {"a": a.data_ptr(), "b": b.data_ptr(), "bias": bias.data_ptr(), "c": c.data_ptr(),
-                  "M": m, "N": n, "K": k}
-        args = [ctypes.c_void_p(values[p]) if p in ("a", "b", "bias", "c") else ctypes.c_int32(values[p])
+                  "workspace": workspace.data_ptr(), "M": m, "N": n, "K": k}
+        args = [ctypes.c_void_p(values[p]) if p in ("a", "b", "bias", "c", "workspace") else ctypes.c_int32(values[p])
                 for p in kernel.params]
         args += [ctypes.c_void_p(0), ctypes.c_void_p(0)]  # global_scratch, profile_scratch
         params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in args))

@@ -1,6 +1,7 @@
 """The shape-generic space, the hardware profiles and the ``space`` command (no compilation here)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import json
@@ -57,24 +58,28 @@ def test_pruning_counts_add_up_and_respect_limits(family: Family) -> None:
         assert estimate_shared(c, family.dtype) <= p.smem_per_block_optin
         assert estimate_registers(c, family.dtype, op=family.op) <= p.regs_per_thread
         assert min(c.block_m, c.block_n, c.block_k) >= 16
-        assert c.split_k == 1 or (family.dtype == "float32" and c.block_m * c.block_n <= 4096)
+        assert c.split_k == 1 or (c.block_m <= c.block_n and c.block_m * c.block_n <= 4096)
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_split_k_only_for_float32(target: str) -> None:
-    """Split-K adds partial sums atomically in the output's dtype: in fp16/bf16 each partial sum would be
-    rounded before the next is added, so only float32 families have split-K configs."""
-    split = MicroKernel(32, 64, 64, 4, 2, 8, 4)
+def test_split_k_for_every_dtype_on_small_wide_tiles(target: str) -> None:
+    """Split-K meets its splits in an fp32 workspace, so every dtype has it, with each split value, on tiles
+    no taller than wide and at most 64x64; a taller or a larger tile is pruned by the 'split_k' rule."""
+    split = MicroKernel(16, 64, 64, 2, 2, 8, 8)  # BERT-base's N = 768 at M = 16: 12 tiles x 8 splits
     for op in ("gemm", "bmm", "conv"):
-        assert split in enumerate_space(Family(op, "float32", target)) or op == "conv"
-        assert any(c.split_k > 1 for c in enumerate_space(Family(op, "float32", target)))
-        for dtype in ("float16", "bfloat16"):
+        for dtype in ("float32", "float16", "bfloat16"):
             family = Family(op, dtype, target)
-            assert all(c.split_k == 1 for c in enumerate_space(family))
+            configs = enumerate_space(family)
+            assert {c.split_k for c in configs} == {1, 2, 4, 8}, (op, dtype)
             assert prune_report(family)["split_k"] > 0
-            with pytest.raises(DietcodeError, match="rule 'split_k'"):
+            if op != "conv":
                 validate(family, split)
-    validate(Family("gemm", "float32", target), split)
+            # tiles the space keeps unsplit but not split: taller than wide, or larger than 64x64
+            unsplit = [c for c in configs if c.split_k == 1 and (c.block_m > c.block_n or c.block_m * c.block_n > 4096)]
+            assert {c.block_m > c.block_n for c in unsplit} == {True, False}, (op, dtype)
+            for c in unsplit[::7]:
+                with pytest.raises(DietcodeError, match="rule 'split_k'"):
+                    validate(family, dataclasses.replace(c, split_k=2))
 
 
 def test_limits_shape_the_space() -> None:
@@ -102,8 +107,8 @@ def test_validate_names_allowed_values() -> None:
     validate(family, MicroKernel(64, 64, 32, 4, 3))
     with pytest.raises(DietcodeError, match="block_m=48 .*allowed: 16, 32, 64, 128, 256"):
         validate(family, MicroKernel(48, 64, 32, 4, 3))
-    with pytest.raises(DietcodeError, match="split_k=2 .*allowed: 1, 4"):
-        validate(family, MicroKernel(64, 64, 32, 4, 3, 8, 2))
+    with pytest.raises(DietcodeError, match="split_k=3 .*allowed: 1, 2, 4, 8"):
+        validate(family, MicroKernel(64, 64, 32, 4, 3, 8, 3))
     with pytest.raises(DietcodeError, match="rule 'registers'"):
         validate(family, MicroKernel(256, 256, 64, 4, 2))
     with pytest.raises(DietcodeError, match="rule 'k_bytes'"):
@@ -148,7 +153,7 @@ def test_space_command_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_space_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["space", "--target", "sm_89", "--op", "conv", "--dtype", "float32"]) == 0
     text = capsys.readouterr().out
-    assert "236 of 1800" in text and "shared_memory" in text
+    assert "374 of 3600" in text and "shared_memory" in text
     assert main(["space", "--target", "sm_70", "--op", "gemm"]) == 2
     assert "known targets: sm_80, sm_89, sm_90" in capsys.readouterr().err
     assert main(["space", "--target", "sm_80", "--op", "gemm", "--dtype", "fp8"]) == 2
@@ -173,3 +178,17 @@ def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str
     assert [MicroKernel.from_dict(c) for c in out["configs"]] == sample
     assert all(isinstance(c["shared_bytes"], int) and c["shared_bytes"] > 0 for c in out["configs"])
     assert list(tmp_path.glob("*.json"))  # cached for the next call
+
+
+def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
+    """Split-K takes every epilogue now, so the compile filter compiles split configs with gelu as well (and
+    the residual where the template has one)."""
+    from tuner.space import representative_epilogue
+    from tuner.templates import check_epilogue
+    from tuner.workload import Epilogue
+
+    split = MicroKernel(16, 64, 64, 2, 2, 8, 8)
+    assert representative_epilogue(split, "gemm") == Epilogue(True, "gelu", residual=True)
+    assert representative_epilogue(split, "bmm") == Epilogue(True, "gelu")
+    for op in ("gemm", "bmm", "conv"):
+        check_epilogue(op, representative_epilogue(split, op), split.split_k)

@@ -52,8 +52,8 @@ def test_launcher_rejects_bad_epilogues() -> None:
     a, b = torch.zeros(4, 8), torch.zeros(8, 4)
     with pytest.raises(DietcodeError, match="allowed: none, relu, gelu"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(False, "tanh"))
-    with pytest.raises(DietcodeError, match="split_k=2"):
-        run("gemm", MicroKernel(16, 16, 16, 2, 2, 8, 2), a, b, epilogue=Epilogue(False, "relu"))
+    with pytest.raises(DietcodeError, match="split_k must be a positive int, got 0"):
+        run("gemm", MicroKernel(16, 16, 16, 2, 2, 8, 0), a, b, epilogue=Epilogue(False, "relu"))
     with pytest.raises(DietcodeError, match="bias tensor missing"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(True, "none"))
     with pytest.raises(DietcodeError, match="residual tensor missing"):

@@ -3,8 +3,9 @@
 ``compile_kernel`` calls ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))``
 directly: that needs no GPU (the ``triton.tools.compile`` CLI does). The result is a ``CompiledKernel``
 record that carries everything the runtime needs to launch it under the kernel ABI: parameter names in
-order (the two trailing scratch pointers are always there and take null), threads, shared bytes, the grid
-rule, and whether C must be zeroed first (split-K atomics).
+order (the two trailing scratch pointers are always there and take null), threads, shared bytes and the grid
+rule. Split-K kernels take the fp32 ``workspace`` (templates.workspace_bytes); it is always compiled as
+16-byte aligned, which the launcher checks per call (docs/abi.md), outside the bundle's div16 mask.
 
 Value specialization: by default no scalar is assumed divisible by 16, so the kernel is valid for any
 shape. Triton only vectorizes and software-pipelines (cp.async / TMA) operand loads when the row strides
@@ -53,7 +54,8 @@ GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, 
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
-_FORMAT = 3  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain)
+_FORMAT = 4  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
+# 4: split-K takes a workspace, no zero_output)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -153,7 +155,6 @@ class CompiledKernel:
     shared: int  # dynamic shared memory bytes to launch with
     global_scratch_size: int
     profile_scratch_size: int
-    zero_output: bool  # split-K accumulates with atomics: zero C on the stream first
     config: MicroKernel
     family: Family
     grid: str  # GRID_RULE
@@ -195,7 +196,7 @@ class CompiledKernel:
             params=tuple(data["params"]), scratch_params=bool(data["scratch_params"]),
             num_warps=int(data["num_warps"]), shared=int(data["shared"]),
             global_scratch_size=int(data["global_scratch_size"]),
-            profile_scratch_size=int(data["profile_scratch_size"]), zero_output=bool(data["zero_output"]),
+            profile_scratch_size=int(data["profile_scratch_size"]),
             config=MicroKernel.from_dict(data["config"]), family=Family(**data["family"]), grid=data["grid"],
             block_m=int(data["block_m"]), block_n=int(data["block_n"]), split_k=int(data["split_k"]),
             epilogue=Epilogue(**data["epilogue"]), trans_b=bool(data["trans_b"]),
@@ -218,7 +219,7 @@ def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans
     if family.op == "conv" and trans_b:
         raise DietcodeError("conv: trans_b does not apply (the weight is always [OC, C*KH*KW])")
     allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"}) - \
-        (set() if epilogue.residual else {"residual"})
+        (set() if epilogue.residual else {"residual"}) - {"workspace"}  # always aligned, checked by the launcher
     unknown = sorted(set(div16) - allowed)
     if unknown:
         raise DietcodeError(f"div16 names {unknown} are not parameters of {family.op}; allowed: "
@@ -262,10 +263,14 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
         constants["bias"] = None
     if "residual" in fn.arg_names and not epilogue.residual:
         constants["residual"] = None
+    if config.split_k == 1:
+        constants["workspace"] = None
     signature: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
+        elif name == "workspace":
+            signature[name] = "*fp32"
         elif name in _POINTERS:
             signature[name] = pointer
         else:
@@ -389,7 +394,8 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         return cached
     fn = templates.kernel_for(family.op)
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
+    aligned = (*div16, "workspace") if config.split_k > 1 else div16  # the launcher checks the workspace
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
                                     config.num_stages, scratch=folder / "triton", toolchain=toolchain)
     md = compiled.metadata
@@ -409,11 +415,12 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         name=md.name, arch=profile.arch, cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"], params=params,
         scratch_params=True, num_warps=md.num_warps, shared=md.shared,
         global_scratch_size=md.global_scratch_size, profile_scratch_size=md.profile_scratch_size,
-        zero_output=config.split_k > 1, config=config, family=family, grid=GRID_RULE,
+        config=config, family=family, grid=GRID_RULE,
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,
-        constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual"))), **facts)
+        constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual", "workspace"))),
+        **facts)
     record = kernel.to_dict()
     _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))
     return kernel

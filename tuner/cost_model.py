@@ -2,7 +2,11 @@
 
 - ``f_adapt`` is analytic and needs no measurement: the padding ratio (useful / computed work over M, N
   and K) times the wave occupancy ``G / roundup(G, num_SMs x resident blocks per SM)`` where G is the
-  number of tiles (programs). A partial last wave runs faster than a full one (its blocks do not share
+  number of programs (tiles x batch x SPLIT_K; each split covers ceil(K / SPLIT_K) of K in whole BLOCK_K
+  steps) times, under split-K, the share of the programs' memory traffic that is their operand tiles rather
+  than the fp32 workspace (each split writes its BLOCK_M x BLOCK_N partial, the last split of a tile reads
+  the SPLIT_K - 1 others). Traffic, not FLOPs, because split-K tiles (at most 64x64) are load-bound: a 64x64
+  fp16 tile does 32 FLOPs per operand byte, far below any target's ridge point (about 300 on an H100). A partial last wave runs faster than a full one (its blocks do not share
   their SM with as many others), so the occupancy carries a correction exponent ``alpha``: the last wave,
   filled to fraction r, costs ``r ** alpha`` of a full wave. alpha = 0 is the plain formula above (a
   partial wave costs a whole wave), alpha = 1 ignores wave quantization. alpha is *fitted per device* from
@@ -36,6 +40,7 @@ from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_s
 from tuner.workload import Problem
 
 __all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "useful_flops", "launches",
+           "workspace_bytes_moved", "operand_bytes_moved",
            "peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
            "AnalyticCostModel", "LearnedCostModel", "load_model"]
 
@@ -49,8 +54,17 @@ def _roundup(value: int, multiple: int) -> int:
 
 
 def launches(config: MicroKernel) -> int:
-    """Kernel launches per call: split-K zeroes its output first (templates.run uses torch.zeros)."""
+    """Launches per call: split-K zeroes its workspace counters first (a cuMemsetD8Async in dc_launch_fit)."""
     return 2 if config.split_k > 1 else 1
+
+
+def workspace_bytes_moved(config: MicroKernel, problem: Problem) -> float:
+    """Split-K workspace traffic of one call: each (batch, tile, split) writes its fp32 partial tile and the
+    last split of each tile reads the other SPLIT_K - 1 (0 without split-K)."""
+    if config.split_k <= 1:
+        return 0.0
+    tiles = (-(-problem.m // config.block_m)) * (-(-problem.n // config.block_n)) * problem.batch
+    return float(tiles * (2 * config.split_k - 1) * config.block_m * config.block_n * 4)
 
 
 def useful_flops(problem: Problem) -> float:
@@ -82,12 +96,22 @@ class AdaptTerms:
     tiles: int  # G: programs launched (tiles x batch x split_k)
     waves: int  # ceil(G / (num_SMs x blocks_per_sm))
     occupancy: float  # wave occupancy with the partial-wave correction, in (0, 1]
-    value: float  # padding x occupancy
+    value: float  # padding x occupancy x reduction
+    reduction: float = 1.0  # split-K: operand tile bytes / (those + workspace bytes) of all programs
+
+
+def operand_bytes_moved(config: MicroKernel, problem: Problem, dtype: str) -> float:
+    """Operand bytes the programs of one call load: each loads a BLOCK_M and a BLOCK_N wide slice of A and B
+    over its share of K (K padded to BLOCK_K x SPLIT_K)."""
+    tiles = (-(-problem.m // config.block_m)) * (-(-problem.n // config.block_n)) * problem.batch
+    k = _roundup(problem.k, config.block_k * config.split_k)
+    return float(tiles * (config.block_m + config.block_n) * k * DTYPE_BYTES[dtype])
 
 
 def adapt_terms(config: MicroKernel, problem: Problem, profile: HardwareProfile, blocks_per_sm: int,
-                alpha: float = 0.0) -> AdaptTerms:
-    """f_adapt and its terms. K is padded to BLOCK_K x SPLIT_K (each split covers whole BLOCK_K steps)."""
+                alpha: float = 0.0, dtype: str = "float16") -> AdaptTerms:
+    """f_adapt and its terms. K is padded to BLOCK_K x SPLIT_K (each split covers whole BLOCK_K steps);
+    ``dtype`` is the operands' (their bytes weigh against the split-K workspace's)."""
     if blocks_per_sm <= 0:
         return AdaptTerms(0.0, 0, 0, 0.0, 0.0)
     bm, bn, bk = config.block_m, config.block_n, config.block_k * config.split_k
@@ -98,13 +122,16 @@ def adapt_terms(config: MicroKernel, problem: Problem, profile: HardwareProfile,
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)  # fill of the last wave, in (0, 1]
     occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
-    return AdaptTerms(padding, tiles, waves, occupancy, padding * occupancy)
+    operands = operand_bytes_moved(config, problem, dtype)
+    reduction = operands / (operands + workspace_bytes_moved(config, problem))
+    return AdaptTerms(padding, tiles, waves, occupancy, padding * occupancy * reduction, reduction)
 
 
 def f_adapt(config: MicroKernel, problem: Problem, profile: HardwareProfile, blocks_per_sm: int,
-            alpha: float = 0.0) -> float:
-    """DietCode's f_adapt: padding ratio x wave occupancy (partial-wave exponent ``alpha``)."""
-    return adapt_terms(config, problem, profile, blocks_per_sm, alpha).value
+            alpha: float = 0.0, dtype: str = "float16") -> float:
+    """DietCode's f_adapt: padding ratio x wave occupancy (partial-wave exponent ``alpha``) x the split-K
+    workspace share (``adapt_terms``)."""
+    return adapt_terms(config, problem, profile, blocks_per_sm, alpha, dtype).value
 
 
 def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], profile: HardwareProfile,
@@ -123,7 +150,10 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
     waves = np.ceil(tiles / slots)
     last = tiles / slots - (waves - 1)
     occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
-    return np.where(bps[:, None] > 0, padding * occupancy, 0.0)
+    operands = tm * tn * b * (bm + bn) * tk * bk * DTYPE_BYTES[dtype]  # operand_bytes_moved
+    moved = np.where(sk > 1, tm * tn * b * (2 * sk - 1) * bm * bn * 4.0, 0.0)  # workspace_bytes_moved
+    reduction = operands / (operands + moved)
+    return np.where(bps[:, None] > 0, padding * occupancy * reduction, 0.0)
 
 
 FEATURE_NAMES = ("log2_block_m", "log2_block_n", "log2_block_k", "num_warps", "num_stages", "log2_group_m",
@@ -176,10 +206,10 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
         bps = blocks_per_sm(config, profile, dtype)
         secs = np.array([s for _, s in rows])
         flops = np.array([useful_flops(p) for p, _ in rows])
-        terms = [adapt_terms(config, p, profile, bps) for p, _ in rows]
+        terms = [adapt_terms(config, p, profile, bps, dtype=dtype) for p, _ in rows]
         fill = np.array([t.tiles / (profile.num_sms * bps) for t in terms])  # fractional waves
         waves = np.array([t.waves for t in terms], dtype=np.float64)
-        padding = np.array([t.padding for t in terms])
+        padding = np.array([t.padding * t.reduction for t in terms])
         last = fill - (waves - 1)
         occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** _ALPHA_GRID[:, None])  # [alpha, row]
         busy = secs[None, :] - launches(config) * latencies[:, None]  # [latency, row]
@@ -218,7 +248,7 @@ class CostModel(ABC):
         out = np.empty(len(pairs))
         for j, (config, problem) in enumerate(pairs):
             adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
-                            self.alpha)
+                            self.alpha, self.dtype)
             through = fmk[index[config]] * adapt
             out[j] = self.latency * launches(config) + useful_flops(problem) / through if through > 0 \
                 else math.inf
@@ -302,7 +332,7 @@ class LearnedCostModel(CostModel):
         logs: dict[MicroKernel, list[float]] = {}
         for (config, problem), sec in zip(self._pairs, self._seconds):
             adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
-                            self.alpha)
+                            self.alpha, self.dtype)
             busy = max(sec - self.latency * launches(config), 1e-3 * sec)
             logs.setdefault(config, []).append(math.log(useful_flops(problem) / busy / max(adapt, 1e-12)))
         self._known = {c: float(np.mean(v)) for c, v in logs.items()}

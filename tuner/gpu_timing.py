@@ -297,6 +297,9 @@ class CudaBackend(TimingBackend):
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":
             return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
+        workspace = bundle.workspace_bytes(0, args)  # split-K: what the custom op allocates per call
+        if workspace:
+            args.workspace, args.workspace_bytes = self._buffer("workspace", workspace), workspace
         s = self.settings
         times = (ctypes.c_float * s.repeats)()
         flush = self._buffers["flush"][0] if s.flush_bytes else 0

@@ -218,7 +218,7 @@ class AnalyticMeasurer(Measurer):
         return make_device_key(f"analytic:{self.profile.name}", f"sm_{self.profile.arch}", "none", "none")
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        from tuner.cost_model import blocks_per_sm, f_adapt, peak_flops, useful_flops
+        from tuner.cost_model import blocks_per_sm, f_adapt, launches, peak_flops, useful_flops, workspace_bytes_moved
 
         peak = peak_flops(self.profile, self.dtype)
         bandwidth = self.profile.dram_bandwidth_gbs * 1e9
@@ -226,14 +226,14 @@ class AnalyticMeasurer(Measurer):
         out = []
         for config, p in configs_and_problems:
             bps = blocks_per_sm(config, self.profile, self.dtype)
-            adapt = f_adapt(config, p, self.profile, bps, self.alpha)
+            adapt = f_adapt(config, p, self.profile, bps, self.alpha, self.dtype)
             if adapt <= 0:
                 out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM"))
                 continue
             compute = useful_flops(p) / (peak * adapt)
             moved = (p.m * p.k * -(-p.n // config.block_n) + p.k * p.n * -(-p.m // config.block_m)
-                     + p.m * p.n) * elem * p.batch
-            out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6))
+                     + p.m * p.n) * elem * p.batch + workspace_bytes_moved(config, p)
+            out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6 * launches(config)))
         return out
 
 

@@ -553,11 +553,10 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
     measurer, label = make_measurer(options, w, executor)
-    # split-K sums partial products with atomics, which a nonlinear epilogue cannot follow;
-    # a bundle carries every kernel for every target: only configs valid on all of them
+    # a bundle carries every kernel for every target: only configs valid on all of them (split-K takes every
+    # epilogue: the last split of a tile applies it)
     others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
-    space = [c for c in enumerate_space(family) if (c.split_k == 1 or w.epilogue.activation == "none")
-             and all(c in other for other in others)]
+    space = [c for c in enumerate_space(family) if all(c in other for other in others)]
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed,
                                       progress=options.progress and not (executor and executor.shows_progress)))

@@ -8,13 +8,13 @@ the measurement database.
 The model, deterministic under ``seed``:
 - per-kernel efficiency (a stand-in for f_MK): larger tiles reuse more operands (tile intensity),
   num_warps has a sweet spot that grows with the tile, software pipelining helps with diminishing
-  returns (num_stages), BLOCK_K of 16 or 128 is slightly worse than 32/64, split-K pays for its atomics,
-  and each kernel has its own log-normal "implementation luck" (sigma 0.12);
+  returns (num_stages), BLOCK_K of 16 or 128 is slightly worse than 32/64, and each kernel has its own log-normal "implementation luck" (sigma 0.12);
 - per-problem time: the tiles run in waves of num_SMs x resident blocks; a partial last wave filled to
   fraction r costs r ** 0.55 of a full one (the true partial-wave exponent the cost model should
-  recover); K is padded to BLOCK_K x SPLIT_K; a memory roofline with operand re-reads per tile
-  row/column (L2 absorbs most of them) bounds it from below; a launch overhead of 4 us plus 1 us per
-  split-K reduction is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
+  recover); K is padded to BLOCK_K x SPLIT_K; each split-K program also moves its share of the fp32
+  workspace (its partial tile written, and (SPLIT_K - 1) / SPLIT_K partials read on average) at its SM's
+  share of DRAM bandwidth; a memory roofline with operand re-reads per tile row/column (L2 absorbs most of
+  them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's counter memset is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
 - a failure: configs that cannot launch (0 resident blocks) have seconds = inf and an error;
 - a "vendor" time per problem: the best kernel of a hidden reference set (every config of the space,
   measured without noise) times a log-normal factor around 1.04 (sigma 0.06): sometimes faster than
@@ -70,7 +70,6 @@ def _efficiency(config: MicroKernel, seed: int) -> float:
     eff *= math.exp(-0.35 * math.log2(config.num_warps / ideal_warps) ** 2)
     eff *= 1.0 - 0.4 * 0.5 ** (config.num_stages - 1)
     eff *= {16: 0.82, 32: 0.97, 64: 1.0, 128: 0.9}.get(config.block_k, 0.85)
-    eff *= 0.92 ** math.log2(config.split_k)
     eff *= math.exp(0.12 * _unit_normal(seed, "kernel", config.key()))
     return min(eff, 0.95)
 
@@ -84,7 +83,10 @@ def simulate_seconds(config: MicroKernel, problem: Problem, profile: HardwarePro
     kpad = -(-problem.k // (config.block_k * config.split_k)) * config.block_k
     tiles = (-(-problem.m // config.block_m)) * (-(-problem.n // config.block_n)) * problem.batch * config.split_k
     per_sm = peak_flops(profile, dtype) / profile.num_sms * _efficiency(config, seed)
-    wave = bps * 2.0 * config.block_m * config.block_n * kpad / per_sm
+    workspace = (2 * config.split_k - 1) / config.split_k * config.block_m * config.block_n * 4 \
+        if config.split_k > 1 else 0.0  # bytes per program
+    wave = bps * (2.0 * config.block_m * config.block_n * kpad / per_sm
+                  + workspace * profile.num_sms / (profile.dram_bandwidth_gbs * 1e9))
     slots = profile.num_sms * bps
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)

@@ -14,11 +14,15 @@ cover in a handful of rounds):
   costs shared memory).
 - GROUP_M = 8 (tile-row swizzle for L2 reuse; with fewer tile rows than 8 it degenerates to row-major,
   so it never hurts and the value 1 is not worth doubling the space).
-- SPLIT_K in {1, 4}, only for float32 and only with BLOCK_M * BLOCK_N <= 64 * 64: split-K exists for
-  small outputs with long reductions (decode-style M), which large tiles do not serve anyway. Its partial
-  sums are added atomically into the output in the output's dtype, so in float16 / bfloat16 every partial
-  sum is rounded to 11 / 8 bits before the next is added (and the order of the atomics varies from run
-  to run): only float32 keeps the fp32 accumulation the other configs have.
+- SPLIT_K in {1, 2, 4, 8}, every dtype, only on tiles no taller than wide (BLOCK_M <= BLOCK_N) with
+  BLOCK_M * BLOCK_N <= 64 * 64. Split-K exists for outputs with too few tiles to fill the GPU: few rows
+  (M = 1..128 tokens) and a long reduction, e.g. BERT-base's N = 768 projections: at M = 16 a 16x64 tile grid
+  is 12 programs on a 132-SM H100 (108 on an A100), and splits of 2, 4 and 8 give 24, 48 and 96, so each
+  value is the one that fills a wave for some (M, N) of such models (8: N = 768 at M <= 32; 4: N = 768 at
+  M = 64 or N = 3072 at M = 16; 2: N = 3072 at M = 32). 16 would exceed a wave for every one of them and
+  leave splits of K = 768 at BLOCK_K = 64 empty. Taller-than-wide tiles serve many rows, which need no split;
+  larger tiles make enough programs by themselves. The splits meet in an fp32 workspace (tuner/templates.py),
+  so float16 / bfloat16 keep the fp32 accumulation and any epilogue.
 
 Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
@@ -33,24 +37,27 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * bytes/4/threads + 32 for addresses and indices <= regs_per_thread;
   conv adds num_stages * BLOCK_M*BLOCK_K/threads * 3 (a pipelined gather keeps a 64-bit address and a
   predicate per input element in flight; without this term most large conv tiles compile to spills).
-- ``split_k``: split-K only for float32, on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
+- ``split_k``: split-K only on tiles with BLOCK_M <= BLOCK_N and BLOCK_M * BLOCK_N <= 4096 (see above).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 1800 axis combinations; gemm and bmm share a space,
-conv's gather costs registers; tests/test_space.py checks this table against the code):
+Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations; gemm and bmm share a space,
+conv's gather costs registers; tests/test_space.py checks this table against the code). With split-K in
+{1, 4} for float32 only they were 591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89)
+and 624 / 350 / 91 (sm_90), conv f32 264 / 236 / 267; the split configs are now 127 tile configs x 3 splits
+for sm_90 float16 gemm:
 
     target  op    float32  float16  bfloat16
-    sm_80   gemm      591      335       335
-    sm_80   bmm       591      335       335
-    sm_80   conv      264       90        90
-    sm_89   gemm      460      269       269
-    sm_89   bmm       460      269       269
-    sm_89   conv      236       81        81
-    sm_90   gemm      624      350       350
-    sm_90   bmm       624      350       350
-    sm_90   conv      267       91        91
+    sm_80   gemm      770      710       710
+    sm_80   bmm       770      710       710
+    sm_80   conv      424      273       273
+    sm_89   gemm      605      587       587
+    sm_89   bmm       605      587       587
+    sm_89   conv      374      246       246
+    sm_90   gemm      811      731       731
+    sm_90   bmm       811      731       731
+    sm_90   conv      429      277       277
 """
 from __future__ import annotations
 
@@ -81,7 +88,7 @@ AXES: dict[str, tuple[int, ...]] = {
     "num_warps": (2, 4, 8),
     "num_stages": (2, 3, 4),
     "group_m": (8,),
-    "split_k": (1, 4),
+    "split_k": (1, 2, 4, 8),
 }
 
 RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k")
@@ -185,7 +192,7 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
         return "shared_memory"
     if estimate_registers(config, dtype, p.warp_size, op) > p.regs_per_thread:
         return "registers"
-    if config.split_k > 1 and (dtype != "float32" or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
+    if config.split_k > 1 and (config.block_m > config.block_n or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
         return "split_k"
     return None
 
@@ -239,9 +246,11 @@ COMPILE_RULES = ("compile_error", "compiled_shared", "spills")
 REFERENCE_CONV = ConvParams(in_channels=64, out_channels=64, kernel=(3, 3), strides=(1, 1), pads=(1, 1, 1, 1))
 
 
-def representative_epilogue(config: MicroKernel) -> Epilogue:
-    """The heaviest epilogue ``config`` admits (bias + gelu; bias only under split-K)."""
-    return Epilogue(bias=True, activation="gelu" if config.split_k == 1 else "none")
+def representative_epilogue(config: MicroKernel, op: str = "gemm") -> Epilogue:
+    """The heaviest epilogue ``config`` admits: bias, gelu and (gemm) the residual. The same for every config
+    since split-K takes any epilogue (the last split of a tile applies it); ``config`` stays a parameter so
+    that a rule per config has one place to live."""
+    return Epilogue(bias=True, activation="gelu", residual=op == "gemm")
 
 
 @dataclass(frozen=True)
@@ -273,8 +282,9 @@ def compile_filter(family: Family, configs: list[MicroKernel] | None = None, *, 
     for config in configs:
         validate(family, config)
     layer = (conv or REFERENCE_CONV) if family.op == "conv" else None
-    jobs = [CompileJob(family, c, representative_epilogue(c), conv=layer, div16=aligned_params(family.op),
-                       cache_dir=cache_dir) for c in configs]
+    jobs = [CompileJob(family, c, representative_epilogue(c, family.op), conv=layer,
+                       div16=aligned_params(family.op, residual=family.op == "gemm"), cache_dir=cache_dir)
+            for c in configs]
     start = time.perf_counter()
     results = compile_many(jobs, workers)
     kept: list[tuple[MicroKernel, CompiledKernel]] = []

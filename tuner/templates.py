@@ -5,12 +5,15 @@ shape: this is DietCode's micro-kernel. Every load past a tensor edge is masked 
 store is masked, so no shape needs padding. Accumulation is fp32; the output has the input dtype.
 
 Kernel parameters follow the shared kernel ABI (see ``ABI_PARAMS``): pointers ``a, b, [bias], c`` then int32
-scalars (the gemm template then takes the ``residual`` pointer, last because it was added to the ABI last);
+scalars (the gemm template then takes the ``residual`` pointer, added to the ABI later), and split-K kernels
+last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
 ``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``.
-The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 the partial
-sums are added into a zeroed C with atomics (activation must be "none"; split 0 adds the bias and the
-residual; ALPHA scales every partial sum, which is linear).
+The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 program
+(tile, s, z) sums every SPLIT_K-th BLOCK_K slice of K from slice s (a split whose slices all lie past K sums
+zeros) and the splits of a tile meet in the ``workspace`` (``_split_k_reduce``): each stores its fp32
+partial tile there, and the split that arrives last adds the partials in split order 0..SPLIT_K-1 and
+applies the whole epilogue, so any epilogue works and the result is the same bit for bit from run to run.
 
 ``run`` launches a template through Triton's ordinary JIT path: the tests use it under
 ``TRITON_INTERPRET=1`` on torch CPU tensors and the GPU tests on CUDA tensors (the GPU measurer times the
@@ -33,7 +36,7 @@ if TYPE_CHECKING:  # torch is only needed by callers that launch
     from tuner.space import MicroKernel
 
 __all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "attention_kernel", "KERNELS", "ABI_PARAMS", "ATTENTION_PARAMS", "kernel_for", "conv_geometry",
-           "conv_out_size", "run", "check_epilogue"]
+           "conv_out_size", "run", "check_epilogue", "workspace_bytes", "WORKSPACE_ALIGN"]
 
 
 @triton.jit
@@ -52,15 +55,12 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _epilogue(acc, bias, offs_n, N, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-              SPLIT_K: tl.constexpr):
-    """Scale by ALPHA, add the bias (broadcast along N; split 0 only under split-K) and apply the activation."""
+def _epilogue(acc, bias, offs_n, N, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Scale by ALPHA, add the bias (broadcast along N) and apply the activation."""
     if ALPHA != 1.0:
         acc = acc * ALPHA
     if HAS_BIAS:
         bias_v = tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:
-            bias_v = bias_v * (tl.program_id(1) == 0).to(tl.float32)
         acc = acc + bias_v[None, :]
     if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
@@ -70,16 +70,52 @@ def _epilogue(acc, bias, offs_n, N, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _store(c_ptrs, acc, mask, SPLIT_K: tl.constexpr):
-    out = acc.to(c_ptrs.dtype.element_ty)
-    if SPLIT_K > 1:
-        tl.atomic_add(c_ptrs, out, mask=mask, sem="relaxed")
-    else:
-        tl.store(c_ptrs, out, mask=mask)
+def _split_k_reduce(acc, workspace, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Meet the other splits of this program's tile in the workspace; returns (sum, last).
+
+    Workspace layout (fp32 elements, then int32 counters; dc_kernel_workspace_bytes sizes it): the partial
+    tile of (z, tile, split) at ((z * tiles + tile) * SPLIT_K + split) * BLOCK_M * BLOCK_N, row-major, then
+    one counter per (z, tile) at z * tiles + tile, zeroed by the launcher before the launch. Each split
+    stores its partial, waits for its CTA's stores (barrier), and one thread adds 1 to the tile's counter
+    (acq_rel, gpu scope: releases the CTA's partial, acquires the partials of the splits counted before).
+    The split that reads SPLIT_K - 1 is the last: it sums the partials in split order, all read back from the
+    workspace past L1 (which may hold stale lines), so the sum does not depend on which split came last, and
+    puts the counter back to 0. ``last`` is False for every other split. Its own partial is read back too
+    (from L2, just written) rather than kept in registers: the accumulator's MMA layout would be converted
+    through shared memory for every split added, and both would stay live (sm_80 fp16, gelu + residual: a
+    64x64 split-4 tile needs 128 registers and 11 barriers this way, 196 and 49 with its own in registers;
+    16x128 split 8, 168 against 255 and 408 bytes of spills)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    split = tl.program_id(1)
+    tile = tl.program_id(2).to(tl.int64) * tiles + tl.program_id(0)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = workspace + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
+    tl.store(base + split * (BLOCK_M * BLOCK_N) + offs, acc)
+    tl.debug_barrier()
+    partials = tl.num_programs(2).to(tl.int64) * tiles * (SPLIT_K * BLOCK_M * BLOCK_N)
+    counter = (workspace + partials).to(tl.pointer_type(tl.int32), bitcast=True) + tile
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(base + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        tl.store(counter, 0)
+    return total, last
 
 
 @triton.jit
-def _matmul_tile(a_base, b_base, bias, c_base, residual, M, N, K,
+def _finish(acc, bias, c_ptrs, residual, offs_c, offs_n, N, c_mask, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
+            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The epilogue on the full sum and the store of C in its dtype."""
+    acc = _epilogue(acc, bias, offs_n, N, ALPHA, HAS_BIAS, ACTIVATION)
+    if HAS_RESIDUAL:  # a full [M, N] tensor laid out as C, added after the activation
+        acc = acc + tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K,
                  TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,43 +142,44 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, M, N, K,
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * SPLIT_K
         b_ptrs += b_step
-    acc = _epilogue(acc, bias, offs_n, N, ALPHA, HAS_BIAS, ACTIVATION, SPLIT_K)
     offs_c = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if HAS_RESIDUAL:  # a full [M, N] tensor laid out as C, added after the activation (split 0 only)
-        res = tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:
-            res = res * (pid_k == 0).to(tl.float32)
-        acc = acc + res
-    _store(c_base + offs_c, acc, c_mask, SPLIT_K)
+    if SPLIT_K > 1:
+        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
+        if last:
+            _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
+                    HAS_RESIDUAL)
+    else:
+        _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
+                HAS_RESIDUAL)
 
 
 @triton.jit
-def gemm_kernel(a, b, bias, c, M, N, K, residual,
+def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
                 TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]."""
-    _matmul_tile(a, b, bias, c, residual, M, N, K, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
+    _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
                  DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
 
 
 @triton.jit
-def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch,
+def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace,
                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """C[z] = act(ALPHA * A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an
     operand (attention's scores: ALPHA = 1/sqrt(head_dim))."""
     z = tl.program_id(2).to(tl.int64)
-    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, c, M, N, K,
+    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, c, workspace, M, N, K,
                  TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                  SPLIT_K)
 
 
 @triton.jit
-def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
+def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, workspace,
                 CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                 STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
                 DIL_H: tl.constexpr, DIL_W: tl.constexpr,
@@ -179,9 +216,14 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w,
         x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    acc = _epilogue(acc, bias, offs_n, N, 1.0, HAS_BIAS, ACTIVATION, SPLIT_K)
     y_ptrs = c + (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
-    _store(y_ptrs, acc, m_ok[:, None] & n_ok[None, :], SPLIT_K)
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
+        if last:
+            _finish(acc, bias, y_ptrs, c, offs_n, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION, False)
+    else:
+        _finish(acc, bias, y_ptrs, c, offs_n, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION, False)
 
 
 @triton.jit
@@ -255,12 +297,13 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
 KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel,
                           "attention": attention_kernel}
 
-# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias" and "residual" only when it
-# has one (a kernel without is compiled with the pointer as a None constexpr).
+# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias", "residual" and "workspace"
+# only when it has one (a kernel without is compiled with the pointer as a None constexpr; only split-K
+# kernels take a workspace).
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
-    "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual"),
-    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"),
-    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
+    "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace"),
+    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch", "workspace"),
+    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "workspace"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                   "stride_mask_q", "stride_mask_k"),
 }
@@ -276,8 +319,9 @@ def kernel_for(op: str) -> Any:
 
 
 def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
-    """Reject epilogues the templates cannot fuse (unknown activation, activation under split-K, a residual
-    outside the gemm template, a scale on conv or one that is not a finite float)."""
+    """Reject epilogues the templates cannot fuse (unknown activation, a residual outside the gemm template,
+    a scale on conv or one that is not a finite float). Split-K takes every epilogue: the last split of a
+    tile applies it to the full sum."""
     if epilogue.activation not in ACTIVATIONS:
         raise DietcodeError(f"unknown activation {epilogue.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
     if epilogue.residual and op != "gemm":
@@ -286,9 +330,22 @@ def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
         raise DietcodeError(f"{op}: the scale alpha must be a finite, non-zero float, got {epilogue.alpha!r}")
     if epilogue.alpha != 1.0 and op == "conv":
         raise DietcodeError("conv: the conv template takes no scale (alpha must be 1.0)")
-    if split_k > 1 and epilogue.activation != "none":
-        raise DietcodeError(f"{op}: split_k={split_k} sums partial products with atomics, so the activation "
-                            f"must be 'none' (got {epilogue.activation!r}); use split_k=1")
+    if not isinstance(split_k, int) or split_k < 1:
+        raise DietcodeError(f"{op}: split_k must be a positive int, got {split_k!r}")
+
+
+WORKSPACE_ALIGN = 16  # bytes: the launcher's workspace pointer and its size are multiples of this
+
+
+def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int) -> int:
+    """Bytes of the split-K workspace one call needs (0 without split-K): an fp32 partial tile per (batch,
+    tile, split) and an int32 counter per (batch, tile), rounded up to WORKSPACE_ALIGN. The C core's
+    dc_kernel_workspace_bytes computes the same (tests/test_abi_contract.py compares them)."""
+    if split_k <= 1:
+        return 0
+    tiles = -(-m // block_m) * -(-n // block_n) * max(1, batch)
+    size = tiles * split_k * block_m * block_n * 4 + tiles * 4
+    return -(-size // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
 def conv_out_size(size: int, kernel: int, stride: int, pad_lo: int, pad_hi: int, dilation: int) -> int:
@@ -329,13 +386,15 @@ def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Te
 def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         bias: "torch.Tensor | None" = None, residual: "torch.Tensor | None" = None,
         epilogue: Epilogue = Epilogue(), trans_b: bool = False, conv: ConvParams | None = None,
-        allow_tf32: bool = False) -> "torch.Tensor":
+        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
     b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
-    (gemm: the output's shape [M, N]) iff ``epilogue.residual``.
+    (gemm: the output's shape [M, N]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
+    of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
+    one); the kernel leaves its counters at zero again.
     """
     import torch
 
@@ -355,7 +414,19 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                 DOT_PRECISION=_dot_precision(a.dtype, allow_tf32), BLOCK_M=config.block_m,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=config.split_k,
                 num_warps=config.num_warps, num_stages=config.num_stages)
-    alloc = torch.zeros if config.split_k > 1 else torch.empty
+
+    given = workspace
+
+    def workspace(m: int, n: int, batch: int) -> "torch.Tensor | None":
+        """The split-K workspace, its counters zeroed as the launcher does (None without split-K)."""
+        size = workspace_bytes(m, n, batch, config.block_m, config.block_n, config.split_k)
+        if given is None:
+            return torch.zeros(size // 4, dtype=torch.float32, device=a.device) if size else None
+        if not size or given.dtype != torch.float32 or not given.is_contiguous() or given.numel() * 4 < size:
+            raise DietcodeError(f"{op}: the workspace must be a contiguous float32 tensor of at least {size} bytes "
+                                f"(split_k={config.split_k}), got {given.dtype} of {given.numel() * 4} bytes")
+        return given
+
     if op == "conv":
         if conv is None:
             raise DietcodeError("conv: ConvParams are required")
@@ -369,9 +440,9 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         if oh <= 0 or ow <= 0:
             raise DietcodeError(f"conv: input {h}x{w} is smaller than the dilated kernel (output {oh}x{ow})")
         m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
-        out = alloc((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
+        out = torch.empty((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, **conv_geometry(conv), **meta)
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, workspace(m, n, 1), **conv_geometry(conv), **meta)
         return out
     m, k = a.shape[-2:]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -380,20 +451,21 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     if op == "gemm":
         if a.dim() != 2 or b.dim() != 2:
             raise DietcodeError(f"gemm: expects 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
-        out = alloc((m, n), dtype=a.dtype, device=a.device)
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         if residual is not None and tuple(residual.shape) != (m, n):
             raise DietcodeError(f"gemm: the residual must have the output's shape {(m, n)}, got "
                                 f"{tuple(residual.shape)}")
         residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, residual, TRANS_B=trans_b, ALPHA=epilogue.alpha,
+        kernel[grid](a, b, bias, out, m, n, k, residual, workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
                      HAS_RESIDUAL=residual is not None, **meta)
         return out
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     a, sa = _batch_operand(a, batch)
     b, sb = _batch_operand(b, batch)
-    out = alloc((*batch, m, n), dtype=a.dtype, device=a.device)
+    out = torch.empty((*batch, m, n), dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k,
             max(1, math.prod(batch)))
-    kernel[grid](a, b, bias, out, m, n, k, sa, sb, TRANS_B=trans_b, ALPHA=epilogue.alpha, **meta)
+    kernel[grid](a, b, bias, out, m, n, k, sa, sb, workspace(m, n, max(1, math.prod(batch))), TRANS_B=trans_b,
+                 ALPHA=epilogue.alpha, **meta)
     return out
