@@ -314,6 +314,8 @@ class AttentionKernel {
       }
     }
     if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
+    // on both EPs: the kernels' baked-in SCALE (their alpha) must be the scale the CPU path applies
+    if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
     for (int32_t k = 0; k < n_kernels_; ++k) {
       if ((dc_bundle_kernel_takes_param(bundle_.get(), k, "mask") == 1) != has_mask_) {
         Throw("bundle kernel " + std::to_string(k) + (has_mask_ ? " takes no mask but the node has one"

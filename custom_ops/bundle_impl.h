@@ -109,7 +109,7 @@ struct Kernel {
   // stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor kernels).
   uint8_t dtype = 0, activation = 0, trans_b = 0;
   uint32_t conv[9] = {};
-  float alpha = 1.0f;  // the scale ALPHA baked into the epilogue (1 for conv, attention and vendor kernels)
+  float alpha = 1.0f;  // the scale baked in: ALPHA of the epilogue, SCALE of attention (1 for conv and vendor kernels)
   std::vector<uint8_t> params;
   std::vector<Image> images;
   std::string ptx;

@@ -1021,7 +1021,8 @@ int dc_bundle_check_scale(const dc_bundle* b, float scale) {
     if (kernel.kind == dietcode::kVendor || kernel.alpha == scale) continue;
     char values[96];
     std::snprintf(values, sizeof(values), "alpha %.9g, the node's scale is %.9g", kernel.alpha, scale);
-    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values);
+    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values +
+             "; optimize the model again");
     return -1;
   }
   return 0;

@@ -157,7 +157,7 @@ class BundleKernel:
     activation: str = "none"
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
-    alpha: float = 1.0  # the scale ALPHA baked into the epilogue (float32; 1 for conv, attention and vendor)
+    alpha: float = 1.0  # the scale baked in (float32): ALPHA of the epilogue, SCALE of attention; 1 for conv, vendor
     image_toolchains: tuple[Toolchain, ...] = ()
     ptx_toolchain: Toolchain = Toolchain()
 
@@ -348,7 +348,8 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["activation"] = epilogue.activation
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
-    alpha = dict(getattr(compiled, "constants", ())).get("ALPHA")
+    constants = dict(getattr(compiled, "constants", ()))
+    alpha = constants.get("ALPHA", constants.get("SCALE"))  # SCALE: an attention kernel's softmax scale
     if alpha is None and epilogue is not None and getattr(compiled, "conv", None) is None:
         alpha = epilogue.alpha  # a compile cached without its constexprs: its epilogue's alpha was baked in
     if alpha is not None:

@@ -112,7 +112,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "archs": [a for a, _ in k.images], "images": _images(k),
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
-                         "split_k": k.split_k, "div16": list(k.div16),
+                         "split_k": k.split_k, "div16": list(k.div16), "alpha": k.alpha,
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
                                        "conv": list(k.conv)}}
                         for k in bundle.kernels],
@@ -126,6 +126,8 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
         })
         if node.op_type == "Attention":
             nodes[-1]["attention"] = _attention(node)
+            # the SCALE the kernels were compiled with (their recorded alpha), which the runtime checks
+            nodes[-1]["attention"]["kernel_scale"] = sorted({k.alpha for k in bundle.kernels if k.kind == "triton"})
     return nodes
 
 
@@ -170,7 +172,9 @@ def inspect_command(path: str, as_json: bool) -> int:
         if "attention" in n:
             a = n["attention"]
             epilogue = "-"  # the scale applies to the scores, before the softmax
-            work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} head_dim={a['head_dim']}"
+            baked = ",".join(f"{x:.6g}" for x in a["kernel_scale"])
+            work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} (kernels {baked}) "
+                    f"head_dim={a['head_dim']}"
                     + (" nan_to_zero" if a["nan_to_zero"] else ""))
         kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"

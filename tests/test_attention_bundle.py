@@ -103,13 +103,47 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     n = nodes[0]
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
-                              "nan_to_zero": False, "mask_rows": False}
+                              "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125]}
+    assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
     assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
     assert "->" in n["tree"]["if_chain"]
     assert inspect_command(str(out), as_json=False) == 0
     text = capsys.readouterr().out
     assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
+
+
+def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused(optimized) -> None:
+    """The bundle optimize writes records each attention kernel's baked-in SCALE as its alpha; a node whose
+    scale attribute differs (hand-edited here) is refused at session creation on the CPU EP, and by the C
+    core's check the CUDA EP runs, naming the node, both values and what to do."""
+    import re
+
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    assert {k.alpha for k in read_bundle(payload).kernels} == {0.125}
+    parsed = Core(library_path()).parse(payload)
+    parsed.check_scale(0.125)
+    with pytest.raises(DietcodeError, match=r"compiled with alpha 0\.125, the node's scale is 0\.25; "
+                                            "optimize the model again"):
+        parsed.check_scale(0.25)
+
+    names: list[str] = []
+
+    def rescale(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        names.append(node.name)
+        next(a for a in node.attribute if a.name == "scale").f = 0.25
+
+    edited = _with_node(model, "Attention", rescale)
+    with pytest.raises(Exception, match=re.escape(f"node '{names[0]}' (ai.dietcode:Attention)") +
+                       r".*alpha 0\.125, the node's scale is 0\.25; optimize the model again"):
+        _session(edited)
+    # stock ORT (no library) still runs the edited model through the fallback function
+    ort.InferenceSession(edited.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
