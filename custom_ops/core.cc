@@ -21,6 +21,7 @@ constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagZeroOutput = 1;
+constexpr uint32_t kFlagCausal = 2;
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -191,7 +192,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || !k.ptx_toolchain.empty()) {
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || !k.ptx_toolchain.empty()) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -222,6 +223,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   } else if (!seen[kC]) {
     Fail(where + ": params lack the output pointer 'c'");
   }
+  if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -269,13 +271,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     uint8_t kind = sub.Get<uint8_t>("kind");
     uint8_t flags = sub.Get<uint8_t>("flags");
     uint16_t div16 = sub.Get<uint16_t>("div16 mask");
-    if (kind > kVendor || (flags & ~kFlagZeroOutput)) {
+    if (kind > kVendor || (flags & ~(kFlagZeroOutput | kFlagCausal))) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
     k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
     k.zero_output = flags & kFlagZeroOutput;
+    k.causal = flags & kFlagCausal;
     k.num_warps = sub.Get<uint32_t>("num_warps");
     k.shared = sub.Get<uint32_t>("shared");
     k.block_m = sub.Get<uint32_t>("block_m");

@@ -55,6 +55,7 @@ CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", 
 _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1
+FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -148,6 +149,7 @@ class BundleKernel:
     block_n: int = 1
     split_k: int = 1
     zero_output: bool = False
+    causal: bool = False  # attention kernels only: compiled with CAUSAL (the Attention node's `causal` attribute)
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -234,6 +236,7 @@ class BundleKernel:
                            else max(int(c.shared) for c in compiled)),
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k), zero_output=bool(first.zero_output),
+                   causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
 
@@ -246,7 +249,7 @@ class BundleKernel:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
-                    or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0
+                    or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
                     or self.image_toolchains
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -258,6 +261,8 @@ class BundleKernel:
                 raise _fail(f"{where}: {attr} {getattr(self, attr)} outside 1..{LIMITS['block']}")
         if not 1 <= self.split_k <= LIMITS["split_k"]:
             raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
+        if self.causal and "seq_q" not in self.params:
+            raise _fail(f"{where}: causal applies to attention kernels only")
         if self.split_k > 1 and not self.zero_output:
             raise _fail(f"{where}: split_k > 1 accumulates with atomics and needs zero_output")
         if not 0 <= self.shared <= LIMITS["shared"]:
@@ -665,7 +670,8 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), FLAG_ZERO_OUTPUT if k.zero_output else 0,
+            flags = (FLAG_ZERO_OUTPUT if k.zero_output else 0) | (FLAG_CAUSAL if k.causal else 0)
+            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
             body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),

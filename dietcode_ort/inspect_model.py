@@ -65,7 +65,8 @@ def _attention(node: onnx.NodeProto) -> dict:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     inputs = [name for name, value in zip(["Q", "Kt", "V", "mask"], node.input) if value]
     return {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
-            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1))}
+            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1)),
+            "causal": bool(attrs.get("causal", 0))}
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:
@@ -175,7 +176,7 @@ def inspect_command(path: str, as_json: bool) -> int:
             baked = ",".join(f"{x:.6g}" for x in a["kernel_scale"])
             work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} (kernels {baked}) "
                     f"head_dim={a['head_dim']}"
-                    + (" nan_to_zero" if a["nan_to_zero"] else ""))
+                    + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else ""))
         kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])

@@ -179,3 +179,142 @@ def test_casts_outside_the_kernels_arithmetic_are_refused_with_the_reason(build,
     found = find_attention(build())
     assert found.sites == () and len(found.skipped) == 1
     assert found.skipped[0][1].startswith(reason)
+
+
+# --- hand-written causal masks -------------------------------------------------------------------------------
+
+P = 16  # the length of the constant buffers the masks are sliced from
+
+
+def _causal_chain(mask_of, dtype: int = F32) -> onnx.ModelProto:
+    """A float32 chain whose additive mask ``mask_of(g)`` builds (g: the _Graph; "T" from Q's shape)."""
+    g = _Graph(dtype)
+    s = g.add("Div", [g.add("MatMul", ["Q", "Kt"]), g.init("c", 2.0)])
+    s = g.add("Add", [s, mask_of(g)])
+    return g.model(g.add("MatMul", [g.add("Softmax", [s], axis=-1), "V"]), dtype)
+
+
+def _seq(g: _Graph) -> str:
+    """[T, T] as a 1-D int64 value, from Q's shape."""
+    t = g.add("Gather", [g.add("Shape", ["Q"]), g.init("one", 1, np.int64)], axis=0)
+    t = g.add("Unsqueeze", [t, g.init("axis0", [0], np.int64)])
+    return g.add("Concat", [t, t], axis=0)
+
+
+def _sliced(g: _Graph, buffer: np.ndarray, start: int = 0) -> str:
+    """buffer[:, start:start+T, start:start+T] (GPT-2 / Whisper keep such a buffer and cut it to the sequence
+    length)."""
+    g.inits.append(numpy_helper.from_array(buffer, "buffer"))
+    ends = _seq(g)
+    if start:
+        ends = g.add("Add", [ends, g.init("shift", [start, start], np.int64)])
+    starts = g.init("starts", [start, start], np.int64)
+    return g.add("Slice", ["buffer", starts, ends, g.init("axes", [1, 2], np.int64)])
+
+
+def _triu(fill: float) -> np.ndarray:
+    return np.triu(np.full((1, P, P), fill, np.float32), 1)
+
+
+def sliced_additive_buffer(fill: float = float("-inf")):
+    return lambda g: _sliced(g, _triu(fill))
+
+
+def where_on_sliced_bool_buffer(g: _Graph) -> str:
+    keep = _sliced(g, np.tril(np.ones((1, P, P), bool)))
+    return g.add("Where", [keep, g.init("zero", 0.0), g.init("lowest", FP32_MIN)])
+
+
+def trilu_of_a_filled_square(g: _Graph) -> str:  # torch.triu(torch.full((T, T), -inf), diagonal=1)
+    full = g.add("ConstantOfShape", [_seq(g)], value=numpy_helper.from_array(np.array([-np.inf], np.float32)))
+    return g.add("Trilu", [full, g.init("k", 1, np.int64)], upper=1)
+
+
+def where_on_trilu_of_ones(g: _Graph) -> str:  # torch.tril(torch.ones(T, T, dtype=bool))
+    ones = g.add("ConstantOfShape", [_seq(g)], value=numpy_helper.from_array(np.array([True])))
+    return g.add("Where", [g.add("Trilu", [ones], upper=0), g.init("zero", 0.0), g.init("ninf", -np.inf)])
+
+
+def trilu_on_the_diagonal(g: _Graph) -> str:  # k = 0: the diagonal is masked too, not the causal mask
+    full = g.add("ConstantOfShape", [_seq(g)], value=numpy_helper.from_array(np.array([-np.inf], np.float32)))
+    return g.add("Trilu", [full], upper=1)
+
+
+@pytest.mark.parametrize("mask_of, causal", [
+    (sliced_additive_buffer(), True), (where_on_sliced_bool_buffer, True), (trilu_of_a_filled_square, True),
+    (where_on_trilu_of_ones, True), (sliced_additive_buffer(FP32_MIN), True),
+    # not provably causal: kept as a general additive mask
+    (sliced_additive_buffer(-10000.0), False), (lambda g: _sliced(g, _triu(-np.inf), start=1), False),
+    (trilu_on_the_diagonal, False), (lambda g: _sliced(g, np.triu(np.full((1, P, P), -np.inf, np.float32), 2)), False),
+])
+def test_hand_written_causal_masks(mask_of, causal: bool) -> None:
+    model = _causal_chain(mask_of)
+    found = find_attention(model)
+    assert found.skipped == ()
+    (site,) = found.sites
+    assert site.causal is causal and site.mask is not None and site.scale == 0.5
+    fused, _ = fuse_attention(model)
+    assert [n.op_type for n in fused.graph.node].count(OP_TYPE) == 1
+    rng = np.random.default_rng(4)
+    for t in (1, 5, 9) if causal else (5,):
+        feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+                 (("Q", (Z, t, D)), ("Kt", (Z, D, t)), ("V", (Z, t, D)))}
+        want = _run(model, feeds)
+        np.testing.assert_array_equal(_run(fused, feeds), want)
+        np.testing.assert_allclose(_run(fused, feeds, library=True), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_causal_chain_gets_causal_kernels_that_take_no_mask(tmp_path) -> None:
+    """Tuned and compiled in causal mode: the bundle's kernels carry the causal flag and take no mask, the node
+    (causal=1) still takes the mask for the CPU kernel, which matches the original; a node whose causal
+    attribute disagrees with its kernels is refused at session creation."""
+    from dietcode_ort.bundle import node_bundles, read_bundle
+    from tuner.attention_tune import tune_sites
+
+    model = _causal_chain(trilu_of_a_filled_square)
+    sites = find_attention(model).sites
+    (bundles,) = tune_sites([(sites, ("T", "z"), ("z=1:3", "T=1:9:4"), None, {})], ["sm_90"], max_kernels=1,
+                            seed=0, min_driver=13000, ptxas=None, log=lambda _: None)
+    fused, _ = fuse_attention(model, sites, bundles=bundles)
+    node = next(n for n in fused.graph.node if n.op_type == OP_TYPE)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["causal"] == 1 and node.input[3] == sites[0].mask
+    kernels = read_bundle(node_bundles(fused)[0].payload).kernels
+    assert kernels and all(k.causal and "mask" not in k.params for k in kernels)
+    feeds = {n: np.random.default_rng(5).standard_normal(s).astype(np.float32)
+             for n, s in (("Q", (Z, T, D)), ("Kt", (Z, D, T)), ("V", (Z, T, D)))}
+    np.testing.assert_allclose(_run(fused, feeds, library=True), _run(model, feeds), rtol=1e-5, atol=1e-6)
+    next(a for a in node.attribute if a.name == "causal").i = 0
+    with pytest.raises(Exception, match="bundle kernel 0 takes no mask but the node has one|is causal but the node"):
+        _run(fused, feeds, library=True)
+
+
+def gpt2_eager_where() -> onnx.ModelProto:
+    """GPT-2's eager attention before transformers 4.5x: scores replaced by Where(bias[:, :T, :T], S, lowest)."""
+    g = _Graph(F32)
+    s = g.add("Div", [g.add("MatMul", ["Q", "Kt"]), g.init("c", 2.0)])
+    keep = _sliced(g, np.tril(np.ones((1, P, P), bool)))
+    s = g.add("Where", [keep, s, g.init("lowest", FP32_MIN)])
+    return g.model(g.add("MatMul", [g.add("Softmax", [s], axis=-1), "V"]), F32)
+
+
+def test_scan_lists_fused_and_refused_attention_chains(tmp_path, capsys) -> None:
+    """`dietcode-ort scan` reports each attention chain: fused with its mask kind (causal here), or left
+    unfused with the reason (GPT-2's eager Where on the scores)."""
+    import json
+
+    from tuner.scan import scan_command
+
+    merged = onnx.compose.merge_models(_causal_chain(trilu_of_a_filled_square), gpt2_eager_where(), io_map=[],
+                                       prefix1="a_", prefix2="b_")
+    path = tmp_path / "m.onnx"
+    onnx.save(merged, str(path))
+    assert scan_command(str(path), ["z=1,2", "T=4"], None, as_json=True) == 0
+    report = json.loads(capsys.readouterr().out)["attention"]
+    assert [(f["output"][:2], f["mask"]) for f in report["fused"]] == [("a_", "causal")]
+    (unfused,) = report["unfused"]
+    assert unfused["reason"].startswith("the scores pass through a Where (a mask applied by replacing scores, as "
+                                        "GPT-2's eager attention writes its causal mask): only an added mask fuses")
+    assert scan_command(str(path), ["z=1,2", "T=4"], None, as_json=False) == 0
+    text = capsys.readouterr().out
+    assert "1 attention chains fused" in text and "1 attention chains left unfused" in text and "causal" in text

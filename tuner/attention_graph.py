@@ -47,6 +47,7 @@ from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
+from tuner.causal_mask import is_causal_mask
 from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets
 from tuner.workload import Workload
 
@@ -83,6 +84,9 @@ class AttentionSite:
     # provably exact in ``dtype`` (_exact_in), so the node takes it cast to ``dtype`` and the fallback body
     # casts it back; "" when the mask already has the chain's dtype
     mask_dtype: str = ""
+    # the mask is provably the causal mask (tuner/causal_mask.py, seq_q == seq_k): the kernels run in causal
+    # mode without loading it; the node still takes it for the CPU kernel and the fallback body
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,9 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
             chain.insert(0, node)
             x = node.input[1 - index]
             scaled = True
+        elif _is(node, "Where"):
+            raise _Skip("the scores pass through a Where (a mask applied by replacing scores, as GPT-2's eager "
+                        "attention writes its causal mask): only an added mask fuses")
         else:
             break
         node = g.producers.get(x)
@@ -309,13 +316,14 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     if dtype is None:
         raise _Skip("Q is not float32, float16 or bfloat16")
     mask_dtype = _check_casts(g, casts, q, v, mask, dtype)
+    causal = mask is not None and is_causal_mask(g, mask, sq[-2], sk[-1])
     try:
         sizes = [scan_mod._expr([x]) for x in (sq[-2], sk[-1])] + [scan_mod._expr(list(sq[:-2]) or [1])]
     except Exception as exc:  # a dim outside tuner.shape_expr's grammar
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
-                         mask_dtype=mask_dtype)
+                         mask_dtype=mask_dtype, causal=causal)
 
 
 def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str, mask: str | None,
@@ -464,7 +472,8 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             bodies[key] = overload
             out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
                                                       attributes=["scale", "head_dim", "nan_to_zero"]
-                                                      + (["mask_rows", "info"] if bundles is not None else []),
+                                                      + (["mask_rows", "causal", "info"] if bundles is not None
+                                                         else []),
                                                       overload=overload or None))
         last = graph.node[members[-1]]
         node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
@@ -472,6 +481,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
                                 nan_to_zero=int(site.nan_to_zero))
         if bundles is not None:
             node.attribute.extend([helper.make_attribute("mask_rows", int(site.mask_rows)),
+                                   helper.make_attribute("causal", int(site.causal)),
                                    helper.make_attribute("info", bundles[site.output][1])])
         if bodies[key]:
             node.overload = bodies[key]

@@ -84,8 +84,9 @@ class AttentionProblem:
 
 
 def attention_workload(site: "AttentionSite") -> AttentionWorkload:
-    return AttentionWorkload(site.dtype, site.head_dim, site.mask is not None,
-                             site.mask is not None and site.mask_rows, False, site.nan_to_zero, float(site.scale),
+    kernel_mask = site.mask is not None and not site.causal  # a causal mask is the kernels' causal mode
+    return AttentionWorkload(site.dtype, site.head_dim, kernel_mask, kernel_mask and site.mask_rows, site.causal,
+                             site.nan_to_zero, float(site.scale),
                              site.rank, site.seq_q, site.seq_k, site.batch)
 
 
