@@ -515,3 +515,49 @@ def test_optimize_hands_its_database_to_attention_tuning(tmp_path: Path, monkeyp
                                                               cache_dir=tmp_path / "k", progress=False),
                  log=lambda line: None)
     assert seen.value.args == (tmp_path / "t.db",)
+
+
+def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: Path, monkeypatch) -> None:
+    """The chosen attention configs are compile jobs of the executor (a Ray cluster's CPU tasks under --ray,
+    as the GEMM kernels'): every config x target goes through it, and optimize hands tune_sites its own."""
+    import models
+    from tuner import attention_tune
+    from tuner.attention import AttentionCompileJob
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+    from tuner.optimize import OptimizeOptions, optimize
+
+    class Recording(LocalExecutor):
+        jobs: list = []
+
+        def compile_many(self, jobs):
+            self.jobs.extend(jobs)
+            return super().compile_many(jobs)
+
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    executor = Recording(1)
+    (bundles,) = attention_tune.tune_sites([((site,), ("seq",), ("seq=16:64:16",), None, {})], ["sm_80", "sm_90"],
+                                           max_kernels=2, seed=0, min_driver=13000, ptxas=None, log=lambda _: None,
+                                           executor=executor)
+    kernels = read_bundle(bundles["y"][0]).kernels
+    assert executor.jobs and all(isinstance(j, AttentionCompileJob) for j in executor.jobs)
+    assert len(executor.jobs) == 2 * len(kernels)
+    assert {j.target for j in executor.jobs} == {"sm_80", "sm_90"}
+    assert all(sorted(a for a, _ in k.images) == ["sm_80", "sm_90a"] for k in kernels)
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw.get("executor"))
+
+    monkeypatch.setattr(attention_tune, "tune_sites", spy)
+    src = tmp_path / "bert.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    with pytest.raises(Seen) as seen:
+        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
+                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
+                                                              cache_dir=tmp_path / "k", progress=False),
+                 log=lambda line: None)
+    assert isinstance(seen.value.args[0], LocalExecutor)

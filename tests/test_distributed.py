@@ -290,3 +290,16 @@ def test_interrupt_stops_the_searches_running_at_once(ray_session, tmp_path, mon
     stored = Database(tmp_path / "t.db").count()
     assert 0 < stored < 20000  # the other search measured, was stopped, and kept what it had
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_attention_compile_jobs_run_as_ray_tasks(ray_session):
+    """Attention kernels compile on the cluster like GEMM kernels (optimize --ray hands tune_sites its
+    executor): the worker's cubin is the one this machine compiles."""
+    from tuner.attention import AttentionCompileJob, AttentionConfig
+
+    jobs = [AttentionCompileJob(AttentionConfig(64, 32, 4, 2), "float16", "sm_90", 64, 0.125, True, False),
+            AttentionCompileJob(AttentionConfig(16, 16, 2, 1), "float32", "sm_80", 32, 0.5, False, causal=True)]
+    with _executor() as executor:
+        results = executor.compile_many(jobs)
+    assert [r.job for r in results] == jobs and all(r.ok for r in results), [r.error for r in results]
+    assert [r.kernel.cubin for r in results] == [j.compile().cubin for j in jobs]

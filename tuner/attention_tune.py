@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from tuner.database import Database
+    from tuner.executor import Executor
     from tuner.gpu_timing import TimingSettings
     from tuner.space import Family
 
@@ -325,18 +326,26 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
-                  min_driver: int, ptxas: str | None = None) -> bytes:
-    """Compile the chosen configs for every target and return the node's bundle bytes."""
+                  min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None) -> bytes:
+    """Compile the chosen configs for every target and return the node's bundle bytes. The compiles are
+    ``AttentionCompileJob``s run by ``executor`` (default: this machine's compile pool; under ``--ray`` the
+    cluster's CPU tasks, as the GEMM kernels' are)."""
     from tuner import aot
-    from tuner.attention import compile_attention
+    from tuner.attention import AttentionCompileJob
+    from tuner.executor import LocalExecutor
 
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
+    jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
+                                w.nan_to_zero, chain) for config in tuned.kernels for t in targets]
+    results = (executor or LocalExecutor()).compile_many(jobs)
     kernels = []
-    for config in tuned.kernels:
-        compiled = [compile_attention(config, w.dtype, t, w.head_dim, scale=w.scale, has_mask=w.has_mask,
-                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
-                                      toolchain=chain) for t in targets]
+    for i, config in enumerate(tuned.kernels):
+        compiled = []
+        for t, result in zip(targets, results[i * len(targets):(i + 1) * len(targets)]):
+            if not result.ok:
+                raise DietcodeError(f"attention {config.key()} for {t} did not compile: {result.error}")
+            compiled.append(result.kernel)
         kernels.append(BundleKernel.from_compiled(compiled))
     bundle = Bundle(features, tuple(kernels), tuned.dispatch.tree)
     bundle.validate()
@@ -376,12 +385,13 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                                       "str | None", dict]],
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
-               db: "str | Path | None" = None, backend: str | None = None
+               db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None
                ) -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
-    timings are reused from and stored in (``--db``)."""
+    timings are reused from and stored in (``--db``). ``executor`` compiles the chosen kernels (optimize's:
+    the compile pool, or Ray's CPU tasks under ``--ray``); the GPU timings run on this machine's GPU."""
     kind = measure
     if kind == "auto":
         from tuner.executor import LocalExecutor
@@ -409,7 +419,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
         store = Database(db)
     try:
         return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
-                            ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend)
+                            ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend,
+                            executor=executor)
     finally:
         if store is not None:
             store.close()
@@ -418,8 +429,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
 def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str], "str | None",
                                         dict]],
                  targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
-                 kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None
-                 ) -> list[dict[str, tuple[bytes, str]]]:
+                 kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None,
+                 executor: "Executor | None" = None) -> list[dict[str, tuple[bytes, str]]]:
     from tuner.scan import ScanResult, attach_instances
 
     tuned: dict[tuple, tuple[bytes, str]] = {}
@@ -441,7 +452,7 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
-                                        ptxas=ptxas)
+                                        ptxas=ptxas, executor=executor)
                 tuned[key] = (payload, info_json(result))
             bundles[site.output] = tuned[key]
         out.append(bundles)
