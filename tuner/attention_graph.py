@@ -48,7 +48,8 @@ from onnx import helper
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
 from tuner.causal_mask import is_causal_mask
-from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets
+from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
+                           copy_into_body)
 from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
@@ -385,23 +386,13 @@ def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
         if site.mask_dtype:  # the node takes the mask in the chain's dtype; the chain adds it as it was (exact)
             names[site.mask] = "mask_f"
             body.append(helper.make_node("Cast", ["mask"], ["mask_f"], to=_CODES[site.mask_dtype]))
+    def new_constant(x: str) -> str:
+        names[x] = f"c{len(names)}"
+        return names[x]
+
     for key in site.nodes:
-        _, node = links.node(key, "attention node")
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = ""
-        inputs = []
-        for x in node.input:
-            if x not in names:
-                names[x] = f"c{len(names)}"
-                body.append(links.constant(x, names[x], node))
-            inputs.append(names[x])
-        del copy.input[:]
-        copy.input.extend(inputs)
-        outputs = [names.setdefault(o, f"t{len(names)}") if o else "" for o in node.output]
-        del copy.output[:]
-        copy.output.extend(outputs)
-        body.append(copy)
+        copy_into_body(links, links.node(key, "attention node")[1], body, names.get, new_constant,
+                       lambda o: names.setdefault(o, f"t{len(names)}") if o else "")
     return body
 
 
