@@ -11,7 +11,8 @@ vendor attention), and the chosen configs are compiled for every target (``tuner
 The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the bytes of Q, K, V, O and the
 mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
 With ``--measure gpu`` (or auto on a GPU machine) the ``budget`` configs this cost ranks best are compiled as
-they ship and timed through tuner.gpu_timing's child process (the C core launches them with
+they ship and timed through tuner.gpu_timing's child process (``AttentionMeasurer``, on this machine or, under
+``--ray``, as Ray GPU tasks like the GEMM measurements; the C core launches them with
 ``dc_attention_view``'s arguments) and the dispatch is built from those times. With ``--db`` the timings are
 kept in the tuning database (tuner.database; ``timing_family`` / ``timing_context`` key them) and a rerun
 reuses them.
@@ -26,6 +27,7 @@ from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
 from tuner.hardware import HardwareProfile, get_profile
+from tuner.measure import Measurer
 from tuner.workload import Instance, Workload
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from tuner.database import Database
     from tuner.executor import Executor
     from tuner.gpu_timing import TimingSettings
+    from tuner.measure import MeasureResult
     from tuner.space import Family
 
     from tuner.attention_graph import AttentionSite
@@ -220,70 +223,118 @@ def timing_context(toolchain: Any, settings: Any) -> str:
             f";min_driver={toolchain.min_driver};ptxas={toolchain.ptxas or 'triton'}").replace(" ", "")
 
 
+@dataclass(frozen=True)
+class AttentionTimingSpec:
+    """What times an attention workload's configs on a GPU, as tuner.measure's ``MeasurerSpec`` does for GEMM
+    kernels: hashable and picklable, ``build()`` makes the measurer where it runs (this process, or a Ray GPU
+    task of the optimize executor: ``Executor.measurer``). ``kind`` "gpu" places it on the GPU model's nodes."""
+
+    workload: AttentionWorkload
+    target: str
+    toolchain: Any  # tuner.aot.CompileToolchain: how the shipped kernels are compiled
+    backend: str | None = None  # tuner.gpu_timing backend (None: the CUDA one)
+    settings: Any = None  # tuner.gpu_timing.TimingSettings (None: the defaults)
+    kind: str = "gpu"
+
+    def build(self) -> "AttentionMeasurer":
+        return AttentionMeasurer(self)
+
+
+class AttentionMeasurer(Measurer):
+    """Times (AttentionConfig, Problem(m=seq_q, n=seq_k, k=head_dim, batch=z)) pairs: each config compiled as it
+    ships (``one_kernel_bundle``; a compile error is its result) and its cubin launched by the C core in the
+    timing child (tuner.gpu_timing; the launch arguments from dc_attention_view)."""
+
+    def __init__(self, spec: AttentionTimingSpec) -> None:
+        from tuner.gpu_timing import CUDA_BACKEND, TimingSettings, shared_timer
+
+        self.spec = spec
+        self.timer = shared_timer(spec.backend or CUDA_BACKEND, spec.settings or TimingSettings())
+
+    def device_key(self) -> str:
+        return self.timer.device_key()
+
+    def context(self) -> str:
+        _, workload_text = timing_family(self.spec.workload, self.spec.target)
+        return f"{workload_text};{timing_context(self.spec.toolchain, self.timer.settings)}"
+
+    def measure(self, family: "Family", configs_and_problems: Sequence[tuple[Any, Any]]) -> list["MeasureResult"]:
+        from tuner.gpu_timing import TimingItem
+        from tuner.measure import MeasureResult
+
+        w, pairs = self.spec.workload, list(configs_and_problems)
+        mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
+        results: list[MeasureResult | None] = [None] * len(pairs)
+        bundles: dict[AttentionConfig, bytes | str] = {}
+        items, where = [], []
+        for i, (config, shape) in enumerate(pairs):
+            if config not in bundles:
+                bundles[config] = one_kernel_bundle(config, w, self.spec.target, self.spec.toolchain)
+            bundle = bundles[config]
+            if isinstance(bundle, str):  # deterministic: the database stores it, a rerun compiles it no more
+                results[i] = MeasureResult(math.inf, bundle)
+                continue
+            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype, shape, mask=mask))
+            where.append(i)
+        if items:
+            for i, result in zip(where, self.timer.time(items)):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+
 def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
               configs: Sequence[AttentionConfig], target: str, toolchain: Any,
               backend: str | None = None, db: "Database | None" = None,
-              settings: "TimingSettings | None" = None) -> tuple["np.ndarray", int]:
-    """Seconds [problem, config] of each config's shipped cubin launched by the C core in the timing child
-    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed. With ``db``, stored
-    timings are reused and new ones stored (compile errors too; transient failures never): returns the times
-    and how many came from the database."""
+              settings: "TimingSettings | None" = None, executor: "Executor | None" = None
+              ) -> tuple["np.ndarray", int]:
+    """Seconds [problem, config] of each config's shipped cubin (``AttentionMeasurer``, run where ``executor``
+    measures: this machine by default, a Ray GPU task under ``--ray``); inf where it failed. With ``db``,
+    stored timings are reused and new ones stored (compile errors too; transient failures never): returns the
+    times and how many came from the database."""
     import numpy as np
 
     from tuner.database import row_key
-    from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
-    from tuner.measure import MeasureResult
+    from tuner.executor import LocalExecutor
     from tuner.workload import Problem
 
-    timer = shared_timer(backend or CUDA_BACKEND, settings or TimingSettings())
+    measurer = (executor or LocalExecutor()).measurer(AttentionTimingSpec(w, target, toolchain, backend, settings))
     shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
-    family, workload_text = timing_family(w, target)
+    family, _ = timing_family(w, target)
     device, context = "", ""
     known: dict = {}
     if db is not None:
-        device, context = timer.device_key(), f"{workload_text};{timing_context(toolchain, timer.settings)}"
+        device, context = measurer.device_key(), measurer.context()
         known = db.get(device, family, [(c.key(), s) for c in configs for s in shapes], context)
     times = np.full((len(problems), len(configs)), np.inf)
     hits = 0
-    items: list[TimingItem] = []
+    todo: list[tuple[AttentionConfig, Problem]] = []
     where: list[tuple[int, int]] = []
-    mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
     for j, config in enumerate(configs):
-        todo = []
         for i, s in enumerate(shapes):
             stored = known.get(row_key(config.key(), s))
             if stored is None:
-                todo.append(i)
+                todo.append((config, s))
+                where.append((i, j))
             else:
                 times[i, j], hits = stored.seconds, hits + 1
-        if not todo:
-            continue
-        bundle = one_kernel_bundle(config, w, target, toolchain)
-        if isinstance(bundle, str):  # deterministic: stored, so a rerun does not compile it again
-            if db is not None:
-                db.put(device, family, [(config.key(), shapes[i]) for i in todo],
-                       [MeasureResult(math.inf, bundle)] * len(todo), context)
-            continue
-        for i in todo:
-            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype, shapes[i], mask=mask))
-            where.append((i, j))
-    if items:
-        results = timer.time(items)
+    if todo:
+        results = measurer.measure(family, todo)
         for (i, j), result in zip(where, results):
             times[i, j] = result.seconds
         if db is not None:  # Database.put leaves out transient failures
-            db.put(device, family, [(configs[j].key(), shapes[i]) for i, j in where], results, context)
+            db.put(device, family, [(c.key(), s) for c, s in todo], results, context)
     return times, hits
 
 
 def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
                    targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
                    budget: int = 16, toolchain: Any = None, backend: str | None = None,
-                   db: "Database | None" = None, settings: "TimingSettings | None" = None) -> TunedAttention:
+                   db: "Database | None" = None, settings: "TimingSettings | None" = None,
+                   executor: "Executor | None" = None) -> TunedAttention:
     """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
     ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
     problems) are compiled and timed on the GPU instead, and the dispatch is built from those times (with
-    ``db``, stored timings are reused: see ``gpu_times``)."""
+    ``db``, stored timings are reused: see ``gpu_times``; ``executor`` runs them: see ``gpu_times``)."""
     import numpy as np
 
     from tuner.dispatch import build_dispatch
@@ -310,7 +361,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
         space = [space[j] for j in sorted(rank)]
         times, stored = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend,
-                                  db, settings)
+                                  db, settings, executor)
         from_db = None if db is None else (stored, int(times.size))
         ok = np.isfinite(times).all(axis=0)
         if not ok.any():
@@ -390,13 +441,15 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
-    timings are reused from and stored in (``--db``). ``executor`` compiles the chosen kernels (optimize's:
-    the compile pool, or Ray's CPU tasks under ``--ray``); the GPU timings run on this machine's GPU."""
+    timings are reused from and stored in (``--db``). ``executor`` (optimize's; default this machine's) compiles
+    the chosen kernels (the compile pool, or Ray's CPU tasks under ``--ray``) and runs the GPU timings (this
+    machine's GPU, or Ray GPU tasks)."""
+    from tuner.executor import LocalExecutor
+
+    runner = executor or LocalExecutor()
     kind = measure
     if kind == "auto":
-        from tuner.executor import LocalExecutor
-
-        kind = "gpu" if LocalExecutor().gpu_available() else "analytic"
+        kind = "gpu" if runner.gpu_available() else "analytic"
     elif kind.startswith("replay:"):
         if any(sites for sites, *_ in models):
             log("attention workloads are tuned with the analytic attention cost (a replay file holds GEMM "
@@ -404,14 +457,12 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
         kind = "analytic"
     elif kind not in ("analytic", "gpu"):
         raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
-    if kind == "gpu":
-        from tuner.executor import LocalExecutor
-
-        if not LocalExecutor().gpu_available():  # e.g. GEMMs timed on a Ray cluster: attention is timed here
-            if any(sites for sites, *_ in models):
-                log("attention workloads are tuned with the analytic attention cost: they are timed on this "
-                    "machine's GPU, and it has none")
-            kind = "analytic"
+    if kind == "gpu" and not runner.gpu_available():
+        if any(sites for sites, *_ in models):
+            where = "this machine" if isinstance(runner, LocalExecutor) else "the executor's cluster"
+            log(f"attention workloads are tuned with the analytic attention cost: {where} has no GPU to time "
+                "them on")
+        kind = "analytic"
     store = None
     if kind == "gpu" and db is not None:
         from tuner.database import Database
@@ -448,7 +499,8 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                 from tuner import aot
 
                 result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
-                                        toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db)
+                                        toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db,
+                                        executor=executor)
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
