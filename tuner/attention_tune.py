@@ -266,7 +266,8 @@ class AttentionMeasurer(Measurer):
         mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
         results: list[MeasureResult | None] = [None] * len(pairs)
         bundles: dict[AttentionConfig, bytes | str] = {}
-        items, where = [], []
+        items: list[TimingItem] = []
+        where: list[int] = []
         for i, (config, shape) in enumerate(pairs):
             if config not in bundles:
                 bundles[config] = one_kernel_bundle(config, w, self.spec.target, self.spec.toolchain)
@@ -297,7 +298,9 @@ def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, f
     from tuner.executor import LocalExecutor
     from tuner.workload import Problem
 
-    measurer = (executor or LocalExecutor()).measurer(AttentionTimingSpec(w, target, toolchain, backend, settings))
+    # an executor builds any spec with build() where it measures (RayExecutor: a GPU task for kind "gpu")
+    spec = AttentionTimingSpec(w, target, toolchain, backend, settings)
+    measurer = (executor or LocalExecutor()).measurer(spec)  # type: ignore[arg-type]
     shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
     family, _ = timing_family(w, target)
     device, context = "", ""
@@ -307,7 +310,7 @@ def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, f
         known = db.get(device, family, [(c.key(), s) for c in configs for s in shapes], context)
     times = np.full((len(problems), len(configs)), np.inf)
     hits = 0
-    todo: list[tuple[AttentionConfig, Problem]] = []
+    todo: list[tuple[Any, Problem]] = []  # (AttentionConfig, shape): the pairs AttentionMeasurer takes
     where: list[tuple[int, int]] = []
     for j, config in enumerate(configs):
         for i, s in enumerate(shapes):
@@ -318,7 +321,7 @@ def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, f
             else:
                 times[i, j], hits = stored.seconds, hits + 1
     if todo:
-        results = measurer.measure(family, todo)
+        results = measurer.measure(family, todo)  # type: ignore[arg-type]
         for (i, j), result in zip(where, results):
             times[i, j] = result.seconds
         if db is not None:  # Database.put leaves out transient failures
@@ -389,7 +392,8 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
     chain = aot.CompileToolchain(min_driver, ptxas)
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
                                 w.nan_to_zero, chain) for config in tuned.kernels for t in targets]
-    results = (executor or LocalExecutor()).compile_many(jobs)
+    # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
+    results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
     kernels = []
     for i, config in enumerate(tuned.kernels):
         compiled = []
