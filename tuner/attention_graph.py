@@ -349,7 +349,7 @@ def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str
     if mask is None:
         return ""
     m_code = g.dtypes.get(mask, 0)
-    if m_code == code:
+    if m_code == code or (not m_code and not casts):  # no Cast: ONNX typing makes the mask the chain's dtype
         return ""
     if m_code != onnx.TensorProto.FLOAT:
         raise _Skip(f"the mask is {_type_name(m_code)} in a {dtype} chain")
