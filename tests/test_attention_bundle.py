@@ -56,6 +56,19 @@ def test_padding_to_the_tiles_costs_time() -> None:
     assert attention_time(c, w, AttentionProblem(0, 8, 8), profile) < t64  # empty call: the launch only
 
 
+def test_causal_kernels_cost_about_half_for_long_sequences() -> None:
+    """The causal template stops each query block at its diagonal: the analytic cost counts half the key
+    steps on long sequences, and the same for one query block."""
+    profile = get_profile("sm_90")
+    c = AttentionConfig(64, 64, 4, 2)
+    plain, causal = _workload(has_mask=False), _workload(has_mask=False, causal=True)
+    long = AttentionProblem(4096, 4096, 256)
+    ratio = attention_time(c, causal, long, profile) / attention_time(c, plain, long, profile)
+    assert 0.45 < ratio < 0.6
+    short = AttentionProblem(64, 64, 256)
+    assert attention_time(c, causal, short, profile) == attention_time(c, plain, short, profile)
+
+
 def test_tuning_dispatches_shapes_to_different_kernels() -> None:
     """Short and long sequences want different tiles: the tree over the dynamic sizes splits them."""
     w = _workload()

@@ -138,13 +138,17 @@ def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionPr
     slots = profile.num_sms * per_sm
     waves = -(-programs // slots)
     utilization = programs / (waves * slots)
-    flops = 4.0 * p.batch * q_blocks * config.block_m * k_steps * config.block_n * d
+    # causal: query block b stops at key min(Tk, (b+1)*BLOCK_M + Tk - Tq), so the blocks' key steps run from
+    # about BLOCK_M/BLOCK_N up to k_steps: on average half the keys for long sequences
+    first = -(-max(0, min(p.seq_k, config.block_m + p.seq_k - p.seq_q)) // config.block_n)
+    mean_steps = (first + k_steps) / 2 if w.causal else k_steps
+    flops = 4.0 * p.batch * q_blocks * config.block_m * mean_steps * config.block_n * d
     peak = (profile.fp16_tensor_tflops if size == 2 else profile.fp32_tflops) * 1e12
     # small tiles keep the tensor cores under-fed; one stage leaves the loads unpipelined
     tile = min(1.0, config.block_m / 64) * math.sqrt(min(1.0, config.block_n / 64))
     stages = 0.75 if config.num_stages == 1 else 1.0
     compute = flops / (peak * utilization * tile * stages)
-    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim)
+    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim * mean_steps / k_steps)
     if w.has_mask:
         traffic += size * p.batch * (p.seq_q if w.mask_rows else q_blocks) * p.seq_k
     memory = traffic / (profile.dram_bandwidth_gbs * 1e9)
