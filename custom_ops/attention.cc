@@ -218,6 +218,7 @@ class AttentionKernel {
     head_dim_ = AttrOr<int64_t>(info, "head_dim", 0);  // 0: not checked
     nan_to_zero_ = AttrOr<int64_t>(info, "nan_to_zero", 0) != 0;
     mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
+    causal_ = AttrOr<int64_t>(info, "causal", 0) != 0;
     if (head_dim_ < 0) Throw("negative head_dim attribute");
     const size_t n = info.GetInputCount();
     if (n < 3 || n > kInputs) Throw("expects inputs (Q, Kt, V[, mask][, bundle]), got " + std::to_string(n));
@@ -314,10 +315,22 @@ class AttentionKernel {
       }
     }
     if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
+    // on both EPs: the kernels' baked-in SCALE (their alpha) must be the scale the CPU path applies
+    if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
+    // a causal node's mask is the causal mask (tuner/causal_mask.py): its kernels drop those keys themselves
+    // (causal mode) and take no mask, while the CPU path adds the mask as the original graph does
+    const bool kernel_mask = has_mask_ && !causal_;
+    if (causal_ && !has_mask_) Throw("the node is causal but has no mask input (optimize the model again)");
     for (int32_t k = 0; k < n_kernels_; ++k) {
-      if ((dc_bundle_kernel_takes_param(bundle_.get(), k, "mask") == 1) != has_mask_) {
-        Throw("bundle kernel " + std::to_string(k) + (has_mask_ ? " takes no mask but the node has one"
-                                                                : " takes a mask but the node has none"));
+      if ((dc_bundle_kernel_takes_param(bundle_.get(), k, "mask") == 1) != kernel_mask) {
+        Throw("bundle kernel " + std::to_string(k) +
+              (kernel_mask ? " takes no mask but the node has one"
+                           : causal_ ? " takes a mask but the node is causal (its kernels drop the masked keys)"
+                                     : " takes a mask but the node has none"));
+      }
+      if ((dc_bundle_kernel_causal(bundle_.get(), k) == 1) != causal_) {
+        Throw("bundle kernel " + std::to_string(k) + (causal_ ? " is not causal but the node is (causal=1)"
+                                                              : " is causal but the node is not"));
       }
     }
   }
@@ -375,7 +388,13 @@ class AttentionKernel {
       }
       return;
     }
-    if (!mask_rows_ && args.stride_mask_q != 0) {
+    if (causal_) {  // the mask input is the causal mask, which the kernels apply themselves
+      if (args.seq_q != args.seq_k) {
+        Throw("a causal node's queries and keys differ in number (" + std::to_string(args.seq_q) + " and " +
+              std::to_string(args.seq_k) + "); the chain was fused for equal ones");
+      }
+      args.stride_mask_b = args.stride_mask_h = args.stride_mask_q = args.stride_mask_k = 0;
+    } else if (!mask_rows_ && args.stride_mask_q != 0) {
       Throw("the mask varies along the queries, but the node's kernels were compiled for a mask of one row "
             "(mask_rows=0)");
     }
@@ -394,7 +413,7 @@ class AttentionKernel {
     args.q = reinterpret_cast<uint64_t>(in[0].GetTensorRawData());
     args.k = reinterpret_cast<uint64_t>(in[1].GetTensorRawData());
     args.v = reinterpret_cast<uint64_t>(in[2].GetTensorRawData());
-    args.mask = has_mask_ ? reinterpret_cast<uint64_t>(in[3].GetTensorRawData()) : 0;
+    args.mask = has_mask_ && !causal_ ? reinterpret_cast<uint64_t>(in[3].GetTensorRawData()) : 0;
     args.out = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.c_bytes = static_cast<uint64_t>(total) * (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2);
     const int fit = dc_launch_fit(bundle_.get(), k, &args, ctx.GetGPUComputeStream());
@@ -488,6 +507,7 @@ class AttentionKernel {
   int64_t head_dim_ = 0;
   bool nan_to_zero_ = false;
   bool mask_rows_ = true;
+  bool causal_ = false;  // the mask is the causal mask: the kernels run in causal mode without it
   bool has_mask_ = false;
   Ort::Op matmul_{nullptr}, softmax_{nullptr};  // CPU only
   std::unique_ptr<dc_bundle, BundleDeleter> bundle_;

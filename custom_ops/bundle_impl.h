@@ -107,13 +107,14 @@ struct Kernel {
   std::string name;
   uint32_t num_warps = 4, block_m = 1, block_n = 1, split_k = 1;
   uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
+  bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,
   // stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor kernels).
   uint8_t dtype = 0, activation = 0, trans_b = 0;
   uint32_t conv[9] = {};
-  float alpha = 1.0f;  // the scale ALPHA baked into the epilogue (1 for conv, attention and vendor kernels)
+  float alpha = 1.0f;  // the scale baked in: ALPHA of the epilogue, SCALE of attention (1 for conv and vendor kernels)
   std::vector<uint8_t> params;
   std::vector<Image> images;
   std::string ptx;

@@ -22,6 +22,7 @@ constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
+constexpr uint32_t kFlagCausal = 2;  // attention kernels compiled in causal mode
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -192,7 +193,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || !k.ptx_toolchain.empty()) {
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || !k.ptx_toolchain.empty()) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -228,6 +229,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
          "kernels take (a kernel of an older split-K scheme: optimize the model again)");
   }
   if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
+  if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -279,12 +281,13 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       Fail("kernel " + std::to_string(index) + ": flag zero_output (split-K by atomics into the output, bundle "
            "format 5) is gone: split-K kernels take a workspace");
     }
-    if (kind > kVendor || flags != 0) {
+    if (kind > kVendor || (flags & ~kFlagCausal) != 0) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
     k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
+    k.causal = flags & kFlagCausal;
     k.num_warps = sub.Get<uint32_t>("num_warps");
     k.shared = sub.Get<uint32_t>("shared");
     k.block_m = sub.Get<uint32_t>("block_m");
@@ -1069,7 +1072,8 @@ int dc_bundle_check_scale(const dc_bundle* b, float scale) {
     if (kernel.kind == dietcode::kVendor || kernel.alpha == scale) continue;
     char values[96];
     std::snprintf(values, sizeof(values), "alpha %.9g, the node's scale is %.9g", kernel.alpha, scale);
-    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values);
+    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values +
+             "; optimize the model again");
     return -1;
   }
   return 0;

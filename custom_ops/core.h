@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace
+#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace and the kernel causal flag
 
 typedef struct dc_bundle dc_bundle;
 
@@ -87,6 +87,10 @@ int dc_bundle_check_scale(const dc_bundle* bundle, float scale);
 
 // Kernel k's baked-in alpha (1 for vendor kernels). 0 on success, -1 for an out-of-range kernel id.
 int dc_bundle_kernel_alpha(const dc_bundle* bundle, int32_t k, float* alpha);
+
+// Whether kernel k is an attention kernel compiled in causal mode (bundle flags bit 1): 1 or 0; -1 for an
+// out-of-range kernel id.
+int dc_bundle_kernel_causal(const dc_bundle* bundle, int32_t k);
 
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);

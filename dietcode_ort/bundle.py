@@ -58,6 +58,7 @@ CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", 
 _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
+FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -150,6 +151,7 @@ class BundleKernel:
     block_m: int = 1
     block_n: int = 1
     split_k: int = 1
+    causal: bool = False  # attention kernels only: compiled with CAUSAL (the Attention node's `causal` attribute)
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -159,7 +161,7 @@ class BundleKernel:
     activation: str = "none"
     trans_b: bool = False
     conv: tuple[int, ...] = ()  # conv kernels: CONV_FIELDS values; empty for other kernels
-    alpha: float = 1.0  # the scale ALPHA baked into the epilogue (float32; 1 for conv, attention and vendor)
+    alpha: float = 1.0  # the scale baked in (float32): ALPHA of the epilogue, SCALE of attention; 1 for conv, vendor
     image_toolchains: tuple[Toolchain, ...] = ()
     ptx_toolchain: Toolchain = Toolchain()
 
@@ -236,6 +238,7 @@ class BundleKernel:
                            else max(int(c.shared) for c in compiled)),
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k),
+                   causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
 
@@ -248,7 +251,7 @@ class BundleKernel:
             raise _fail(f"{where}: name must be 1..{LIMITS['name']} bytes")
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
-                    or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0
+                    or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
                     or self.image_toolchains
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -260,6 +263,8 @@ class BundleKernel:
                 raise _fail(f"{where}: {attr} {getattr(self, attr)} outside 1..{LIMITS['block']}")
         if not 1 <= self.split_k <= LIMITS["split_k"]:
             raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
+        if self.causal and "seq_q" not in self.params:
+            raise _fail(f"{where}: causal applies to attention kernels only")
         if not 0 <= self.shared <= LIMITS["shared"]:
             raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
         if len(self.image_shared) != len(self.images):
@@ -353,7 +358,8 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["activation"] = epilogue.activation
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
-    alpha = dict(getattr(compiled, "constants", ())).get("ALPHA")
+    constants = dict(getattr(compiled, "constants", ()))
+    alpha = constants.get("ALPHA", constants.get("SCALE"))  # SCALE: an attention kernel's softmax scale
     if alpha is None and epilogue is not None and getattr(compiled, "conv", None) is None:
         alpha = epilogue.alpha  # a compile cached without its constexprs: its epilogue's alpha was baked in
     if alpha is not None:
@@ -669,7 +675,8 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), 0,
+            flags = FLAG_CAUSAL if k.causal else 0
+            body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
             body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),

@@ -65,7 +65,8 @@ def _attention(node: onnx.NodeProto) -> dict:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     inputs = [name for name, value in zip(["Q", "Kt", "V", "mask"], node.input) if value]
     return {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
-            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1))}
+            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1)),
+            "causal": bool(attrs.get("causal", 0))}
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:
@@ -113,6 +114,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
                          "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
+                         "alpha": k.alpha,
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
                                        "conv": list(k.conv)}}
                         for k in bundle.kernels],
@@ -126,6 +128,8 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
         })
         if node.op_type == "Attention":
             nodes[-1]["attention"] = _attention(node)
+            # the SCALE the kernels were compiled with (their recorded alpha), which the runtime checks
+            nodes[-1]["attention"]["kernel_scale"] = sorted({k.alpha for k in bundle.kernels if k.kind == "triton"})
     return nodes
 
 
@@ -170,8 +174,10 @@ def inspect_command(path: str, as_json: bool) -> int:
         if "attention" in n:
             a = n["attention"]
             epilogue = "-"  # the scale applies to the scores, before the softmax
-            work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} head_dim={a['head_dim']}"
-                    + (" nan_to_zero" if a["nan_to_zero"] else ""))
+            baked = ",".join(f"{x:.6g}" for x in a["kernel_scale"])
+            work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} (kernels {baked}) "
+                    f"head_dim={a['head_dim']}"
+                    + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else ""))
         kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])

@@ -86,7 +86,8 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
         assert ctype is (ctypes.c_uint64 if name in POINTERS or name in ("c_bytes", "workspace_bytes")
                          else ctypes.c_int32), name
     # 4 added the residual pointer, 5 the attention fields: each grew the struct, so the ABI version says so
-    # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace)
+    # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace and the kernel causal
+    # accessor)
     assert load_core().lib.dc_abi_version() == 7
 
 

@@ -56,6 +56,19 @@ def test_padding_to_the_tiles_costs_time() -> None:
     assert attention_time(c, w, AttentionProblem(0, 8, 8), profile) < t64  # empty call: the launch only
 
 
+def test_causal_kernels_cost_about_half_for_long_sequences() -> None:
+    """The causal template stops each query block at its diagonal: the analytic cost counts half the key
+    steps on long sequences, and the same for one query block."""
+    profile = get_profile("sm_90")
+    c = AttentionConfig(64, 64, 4, 2)
+    plain, causal = _workload(has_mask=False), _workload(has_mask=False, causal=True)
+    long = AttentionProblem(4096, 4096, 256)
+    ratio = attention_time(c, causal, long, profile) / attention_time(c, plain, long, profile)
+    assert 0.45 < ratio < 0.6
+    short = AttentionProblem(64, 64, 256)
+    assert attention_time(c, causal, short, profile) == attention_time(c, plain, short, profile)
+
+
 def test_tuning_dispatches_shapes_to_different_kernels() -> None:
     """Short and long sequences want different tiles: the tree over the dynamic sizes splits them."""
     w = _workload()
@@ -103,13 +116,48 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     n = nodes[0]
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
-                              "nan_to_zero": False, "mask_rows": False}
+                              "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125],
+                              "causal": False}
+    assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
     assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
     assert "->" in n["tree"]["if_chain"]
     assert inspect_command(str(out), as_json=False) == 0
     text = capsys.readouterr().out
     assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
+
+
+def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused(optimized) -> None:
+    """The bundle optimize writes records each attention kernel's baked-in SCALE as its alpha; a node whose
+    scale attribute differs (hand-edited here) is refused at session creation on the CPU EP, and by the C
+    core's check the CUDA EP runs, naming the node, both values and what to do."""
+    import re
+
+    from dietcode_ort import library_path
+    from dietcode_ort.runtime import Core
+
+    _, out, _ = optimized
+    model = onnx.load(str(out))
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    assert {k.alpha for k in read_bundle(payload).kernels} == {0.125}
+    parsed = Core(library_path()).parse(payload)
+    parsed.check_scale(0.125)
+    with pytest.raises(DietcodeError, match=r"compiled with alpha 0\.125, the node's scale is 0\.25; "
+                                            "optimize the model again"):
+        parsed.check_scale(0.25)
+
+    names: list[str] = []
+
+    def rescale(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        names.append(node.name)
+        next(a for a in node.attribute if a.name == "scale").f = 0.25
+
+    edited = _with_node(model, "Attention", rescale)
+    with pytest.raises(Exception, match=re.escape(f"node '{names[0]}' (ai.dietcode:Attention)") +
+                       r".*alpha 0\.125, the node's scale is 0\.25; optimize the model again"):
+        _session(edited)
+    # stock ORT (no library) still runs the edited model through the fallback function
+    ort.InferenceSession(edited.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
@@ -480,3 +528,49 @@ def test_optimize_hands_its_database_to_attention_tuning(tmp_path: Path, monkeyp
                                                               cache_dir=tmp_path / "k", progress=False),
                  log=lambda line: None)
     assert seen.value.args == (tmp_path / "t.db",)
+
+
+def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: Path, monkeypatch) -> None:
+    """The chosen attention configs are compile jobs of the executor (a Ray cluster's CPU tasks under --ray,
+    as the GEMM kernels'): every config x target goes through it, and optimize hands tune_sites its own."""
+    import models
+    from tuner import attention_tune
+    from tuner.attention import AttentionCompileJob
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+    from tuner.optimize import OptimizeOptions, optimize
+
+    class Recording(LocalExecutor):
+        jobs: list = []
+
+        def compile_many(self, jobs):
+            self.jobs.extend(jobs)
+            return super().compile_many(jobs)
+
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+    executor = Recording(1)
+    (bundles,) = attention_tune.tune_sites([((site,), ("seq",), ("seq=16:64:16",), None, {})], ["sm_80", "sm_90"],
+                                           max_kernels=2, seed=0, min_driver=13000, ptxas=None, log=lambda _: None,
+                                           executor=executor)
+    kernels = read_bundle(bundles["y"][0]).kernels
+    assert executor.jobs and all(isinstance(j, AttentionCompileJob) for j in executor.jobs)
+    assert len(executor.jobs) == 2 * len(kernels)
+    assert {j.target for j in executor.jobs} == {"sm_80", "sm_90"}
+    assert all(sorted(a for a, _ in k.images) == ["sm_80", "sm_90a"] for k in kernels)
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw.get("executor"))
+
+    monkeypatch.setattr(attention_tune, "tune_sites", spy)
+    src = tmp_path / "bert.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    with pytest.raises(Seen) as seen:
+        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
+                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
+                                                              cache_dir=tmp_path / "k", progress=False),
+                 log=lambda line: None)
+    assert isinstance(seen.value.args[0], LocalExecutor)

@@ -23,8 +23,12 @@ EXPECTED = {
     "gpt2-torchscript": "", "gpt2-dynamo": "", "llama-torchscript": "", "llama-dynamo": "",
     "t5-encoder-torchscript": "", "vit-torchscript": "", "vit-dynamo": "", "vit-fp16-torchscript": "",
     "whisper-encoder-torchscript": "", "bert-opset17-torchscript": "", "bert-inits-as-inputs-torchscript": "",
-    # float16 LLaMA computes the softmax in float32: Cast nodes sit between the scores and the mask Add
-    "llama-fp16-torchscript": "the Add after the scores does not add one mask to them",
+    "llama-fp16-dynamo": "",
+    # float16 LLaMA through TorchScript computes the softmax in float32 and keeps the probabilities there: V is
+    # Cast up to float32 for the AV product, whose float32 output feeds the output projection
+    "llama-fp16-torchscript": "the probabilities multiply V of float32 while Q is float16 (the AV product and the "
+                              "output are float32): the fused kernel rounds the probabilities to float16 and "
+                              "writes float16",
 }
 
 

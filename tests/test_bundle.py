@@ -548,8 +548,10 @@ def test_zero_output_flag_is_refused(core) -> None:
     assert data[flags_at] == 0
     data[flags_at] = FLAG_ZERO_OUTPUT
     _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
-    data[flags_at] = 2
-    _refused(core, bytes(data), "flags 2 invalid")
+    data[flags_at] = 4
+    _refused(core, bytes(data), "flags 4 invalid")
+    data[flags_at] = 2  # bit 1 (causal) is known, but only attention kernels take it
+    _refused(core, bytes(data), "causal applies to attention kernels only")
 
 
 def test_alpha_round_trips_and_must_be_the_nodes_scale(core) -> None:
@@ -587,3 +589,20 @@ def test_alpha_comes_from_the_compiled_kernels_constants() -> None:
     assert BundleKernel.from_compiled([compiled]).alpha == 1.0
     compiled.epilogue = SimpleNamespace(activation="none", alpha=0.5)  # a cached compile without constants
     assert BundleKernel.from_compiled([compiled]).alpha == 0.5
+
+
+def test_causal_flag_round_trips_on_attention_kernels_only(core) -> None:
+    """Flags bit 1 marks an attention kernel compiled in causal mode (what an Attention node's `causal`
+    attribute is checked against); a GEMM or vendor kernel carrying it is refused by both readers."""
+    attention = ("q", "k", "v", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
+                 "stride_mask_q", "stride_mask_k")
+    kernels = (_kernel("causal", params=attention, div16=(), causal=True), _kernel("plain", params=attention, div16=()))
+    bundle = Bundle((Feature("seq_q", ((0, -2),)),), kernels, DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1),
+                                                                           (2, -1, -1), (-1, 0, 1)))
+    back = read_bundle(bundle.to_bytes())
+    assert [k.causal for k in back.kernels] == [True, False] and back == bundle
+    for bad, pattern in ((_kernel("gemm", causal=True), "causal applies to attention kernels only"),
+                         (BundleKernel(name="vendor", kind="vendor", causal=True), "a vendor kernel carries no")):
+        with pytest.raises(DietcodeError, match=pattern):
+            Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
+        _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)

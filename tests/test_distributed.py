@@ -36,7 +36,8 @@ def ray_session():
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    # tests/ too: the timing children of GPU tasks import the fake timing backend (tests/_fake_timing.py)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting specs below
     ray.init(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1}, include_dashboard=False,
              object_store_memory=80 * 1024 * 1024, log_to_driver=False, logging_level="ERROR")
@@ -290,3 +291,42 @@ def test_interrupt_stops_the_searches_running_at_once(ray_session, tmp_path, mon
     stored = Database(tmp_path / "t.db").count()
     assert 0 < stored < 20000  # the other search measured, was stopped, and kept what it had
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_attention_compile_jobs_run_as_ray_tasks(ray_session):
+    """Attention kernels compile on the cluster like GEMM kernels (optimize --ray hands tune_sites its
+    executor): the worker's cubin is the one this machine compiles."""
+    from tuner.attention import AttentionCompileJob, AttentionConfig
+
+    jobs = [AttentionCompileJob(AttentionConfig(64, 32, 4, 2), "float16", "sm_90", 64, 0.125, True, False),
+            AttentionCompileJob(AttentionConfig(16, 16, 2, 1), "float32", "sm_80", 32, 0.5, False, causal=True)]
+    with _executor() as executor:
+        results = executor.compile_many(jobs)
+    assert [r.job for r in results] == jobs and all(r.ok for r in results), [r.error for r in results]
+    assert [r.kernel.cubin for r in results] == [j.compile().cubin for j in jobs]
+
+
+def test_attention_timings_run_as_ray_gpu_tasks(ray_session, tmp_path, monkeypatch):
+    """optimize --ray --measure gpu: attention configs are timed where the executor measures (GPU tasks of the
+    cluster's GPU model), so a driver without a GPU still tunes them from timings, not the analytic cost; the
+    timings go to the driver's database, and a rerun takes them from there."""
+    from tuner import attention_tune
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+
+    monkeypatch.setattr(LocalExecutor, "gpu_available", lambda self: False)  # the driver has none
+    site = AttentionSite(("s",), "q", "kt", "v", None, "y", 0.125, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                         batch="4")
+
+    def run(executor) -> list[str]:
+        logs: list[str] = []
+        attention_tune.tune_sites([((site,), ("seq",), ("seq=16:32:16",), None, {})], ["sm_90"], max_kernels=2,
+                                  seed=0, min_driver=13000, ptxas=None, measure="gpu", budget=2, log=logs.append,
+                                  db=tmp_path / "t.db", backend="_fake_timing:FakeBackend", executor=executor)
+        return logs
+
+    assert any("analytic attention cost: this machine has no GPU" in line for line in run(None))
+    with _executor() as executor:
+        first, second = run(executor), run(executor)
+    assert any("costed with gpu (aot cubin) (0 of 4 timings from the database)" in line for line in first), first
+    assert any("(4 of 4 timings from the database)" in line for line in second), second

@@ -495,6 +495,8 @@ class CompileResult:
 
 def _run_job(job: CompileJob) -> CompileResult:
     try:
+        if not isinstance(job, CompileJob):  # another template's job, e.g. tuner.attention.AttentionCompileJob
+            return CompileResult(job, job.compile())
         kernel = compile_kernel(job.family, job.config, epilogue=job.epilogue, trans_b=job.trans_b,
                                 conv=job.conv, cache_dir=job.cache_dir, div16=job.div16,
                                 allow_tf32=job.allow_tf32, toolchain=job.toolchain)

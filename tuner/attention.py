@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DTYPES", "block_d",
            "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
-           "reference_attention", "CompiledAttention", "compile_attention", "CompiledAttentionSpace",
+           "reference_attention", "CompiledAttention", "compile_attention", "AttentionCompileJob",
+           "CompiledAttentionSpace",
            "compile_attention_space"]
 
 ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -239,7 +240,6 @@ class CompiledAttention:
     cubin_min_driver: int = 0
     ptx_min_driver: int = 0
     split_k: int = 1  # the launch facts BundleKernel.from_compiled reads
-    zero_output: bool = False
     div16: tuple[str, ...] = ()
 
     @property
@@ -292,6 +292,29 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
                              md.num_warps, md.shared, n_regs, n_spills, config,
                              tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
                              triton_version=triton.__version__, **facts)
+
+
+@dataclass(frozen=True)
+class AttentionCompileJob:
+    """The arguments of one ``compile_attention`` call as a job an executor runs (tuner/executor.py: this
+    machine's compile pool, or a Ray CPU task), beside tuner.aot's GEMM ``CompileJob``: ``aot._run_job`` calls
+    ``compile()`` and records a failure as a ``CompileResult`` error."""
+
+    config: AttentionConfig
+    dtype: str
+    target: str
+    head_dim: int
+    scale: float
+    has_mask: bool
+    mask_rows: bool = True
+    causal: bool = False
+    nan_to_zero: bool = False
+    toolchain: "CompileToolchain | None" = None
+
+    def compile(self) -> CompiledAttention:
+        return compile_attention(self.config, self.dtype, self.target, self.head_dim, scale=self.scale,
+                                 has_mask=self.has_mask, mask_rows=self.mask_rows, causal=self.causal,
+                                 nan_to_zero=self.nan_to_zero, toolchain=self.toolchain)
 
 
 @dataclass(frozen=True)

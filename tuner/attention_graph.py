@@ -10,11 +10,21 @@ The chain, as the project's BERT builder and torch.onnx write it::
     P = Where(IsNaN(P), 0, P)        optional (torch's scaled_dot_product_attention export)
     Y = MatMul(P, V)                 V [..., T_k, d]
 
+Cast nodes may sit anywhere between the two MatMuls (float16 / bfloat16 exports compute the mask Add and the
+softmax in float32) when they keep the chain within the fused kernel's arithmetic: scores, mask and softmax in
+float32, the probabilities rounded to V's dtype for the AV product, the output in Q's dtype. So each Cast goes
+to float32 or to the chain's dtype, V has Q's dtype, and a float32 mask in a float16 / bfloat16 chain must be
+exact in that dtype by construction (``_exact_in``: constants, Where, a Cast from that dtype or bool, reshaping
+ops), since the node takes it in Q's dtype: ``fuse_attention`` casts it before the node and the fallback body
+casts it back, which changes no value. A Cast elsewhere (to float64, probabilities kept in float32 against a V
+Cast up) leaves the chain unfused, with the reason.
+
 A chain is fused only when each intermediate value (S, the scaled and masked S, P) is read by the next node of
 the chain alone (no other node, subgraph or graph output reads it), Q, Kt and V have one rank (3 or 4), the
 head dim d is one known integer for Q, Kt and V, and the mask, when its rank is known, has at most Q's rank.
-Anything else (a causal mask written as Where/Cast/Slice, Softmax over another axis, a scale applied to Q and
-K before the MatMul) stays as it is, with the reason in ``AttentionScan.skipped``.
+Anything else (scores replaced by a Where, Softmax over another axis) stays as it is, with the reason in
+``AttentionScan.skipped``. A scale applied to Q and K before the first MatMul (LLaMA's exports) is no part of
+the chain: those Muls stay in the graph and the chain fuses with scale 1.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
 effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
@@ -37,7 +47,9 @@ from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
-from tuner.rewrite import DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets
+from tuner.causal_mask import is_causal_mask
+from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
+                           copy_into_body)
 from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
@@ -45,6 +57,7 @@ __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_
 OP_TYPE = "Attention"
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                           onnx.TensorProto.BFLOAT16: "bfloat16"}
+_CODES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,13 @@ class AttentionSite:
     seq_k: str = ""
     batch: str = ""  # z = the product of Q's leading dims (batch x heads)
     mask_rows: bool = True  # the mask may vary along the queries (False: its query dim is known to be 1)
+    # "float32" when the chain adds a float32 mask to float32 scores of a float16/bfloat16 chain: the mask is
+    # provably exact in ``dtype`` (_exact_in), so the node takes it cast to ``dtype`` and the fallback body
+    # casts it back; "" when the mask already has the chain's dtype
+    mask_dtype: str = ""
+    # the mask is provably the causal mask (tuner/causal_mask.py, seq_q == seq_k): the kernels run in causal
+    # mode without loading it; the node still takes it for the CPU kernel and the fallback body
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,18 +119,79 @@ def _const(g: scan_mod._Graph, name: str) -> np.ndarray | None:
 
 
 def _scores(g: scan_mod._Graph, value: str) -> bool:
-    """Whether ``value`` is made by a MatMul, directly or through a Div/Mul by a one-element constant."""
+    """Whether ``value`` is made by a MatMul, directly or through Casts and one Div/Mul by a one-element
+    constant."""
     node = g.producers.get(value)
-    if _is(node, "Div", "Mul"):
-        assert node is not None
-        dynamic = [v for v in node.input if v not in g.inits]
-        if len(dynamic) != 1 or len(node.input) != 2:
-            return False
-        const = _const(g, node.input[1] if node.input[0] == dynamic[0] else node.input[0])
-        if const is None or const.size != 1:
-            return False
-        node = g.producers.get(dynamic[0])
+    scaled = False
+    for _ in range(8):
+        if _is(node, "Cast"):
+            assert node is not None
+            node = g.producers.get(node.input[0])
+            continue
+        if _is(node, "Div", "Mul") and not scaled:
+            assert node is not None
+            dynamic = [v for v in node.input if v not in g.inits]
+            if len(dynamic) != 1 or len(node.input) != 2:
+                return False
+            const = _const(g, node.input[1] if node.input[0] == dynamic[0] else node.input[0])
+            if const is None or const.size != 1:
+                return False
+            node, scaled = g.producers.get(dynamic[0]), True
+            continue
+        break
     return _is(node, "MatMul")
+
+
+def _cast_to(node: onnx.NodeProto) -> int:
+    return next((int(a.i) for a in node.attribute if a.name == "to"), 0)
+
+
+def _type_name(code: int) -> str:
+    if code in _DTYPES:
+        return _DTYPES[code]
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(code).name
+    except Exception:  # an unknown or unset element type
+        return "an unknown type"
+
+
+def _representable(values: np.ndarray, dtype: str) -> bool:
+    """Whether every float32 value is exactly a ``dtype`` value (infinities included, NaN never)."""
+    x = np.asarray(values, dtype=np.float32)
+    if np.isnan(x).any():
+        return False
+    if dtype == "float16":
+        with np.errstate(over="ignore"):  # past float16's range: inf, which the comparison refuses
+            return bool((x.astype(np.float16).astype(np.float32) == x).all())
+    if dtype == "bfloat16":  # bfloat16 is the high half of a float32
+        return bool((x.view(np.uint32) & 0xFFFF == 0).all())
+    return dtype == "float32"
+
+
+# ops whose output values are values of their first input (moved, repeated, reshaped): they keep exactness
+_VALUE_MOVES = ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Identity", "Tile")
+
+
+def _exact_in(g: scan_mod._Graph, value: str, dtype: str, depth: int = 0) -> bool:
+    """Whether every element ``value`` (float32) can take is exactly a ``dtype`` value, by construction: a
+    constant whose values are, a Where choosing between such values, a Cast from ``dtype`` or from bool, or such
+    a value moved by Expand/Reshape/Slice/... (what the LLaMA export's additive causal mask is)."""
+    code = _CODES[dtype]
+    for _ in range(32):
+        if value in g.inits:
+            const = g.const(value)
+            return const is not None and _representable(const, dtype)
+        node = g.producers.get(value)
+        if node is None or depth > 8:
+            return False
+        if _is(node, "Cast"):
+            return g.dtypes.get(node.input[0]) in (code, onnx.TensorProto.BOOL)
+        if _is(node, "Where") and len(node.input) == 3:
+            return all(_exact_in(g, x, dtype, depth + 1) for x in node.input[1:])
+        if not _is(node, *_VALUE_MOVES):
+            return False
+        value = node.input[0]
+    return False
 
 
 def _nan_to_zero(g: scan_mod._Graph, probs: str) -> list[onnx.NodeProto]:
@@ -142,44 +223,70 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     if _softmax_axis(softmax) != -1:
         raise _Skip("Softmax is not over axis=-1")
     chain = [softmax]
+    casts: list[onnx.NodeProto] = []
     probs = softmax.output[0]
-    tail = _nan_to_zero(g, probs)
-    if tail:
-        chain += tail
-        probs = tail[-1].output[0]
+    tail: list[onnx.NodeProto] = []
+    for _ in range(4):  # after the Softmax: Casts and at most one Where(IsNaN(P), 0, P), in any order
+        found = [] if tail else _nan_to_zero(g, probs)
+        if found:
+            tail = found
+            chain += found
+            probs = found[-1].output[0]
+            continue
+        reader = g.exclusive_consumer(probs)
+        if not _is(reader, "Cast"):
+            break
+        assert reader is not None
+        casts.append(reader)
+        chain.append(reader)
+        probs = reader.output[0]
     second = _only_reader(g, probs, "Softmax output")
     if not _is(second, "MatMul") or second.input[0] != probs:
         raise _Skip("the Softmax output is not the first operand of a MatMul")
     x = softmax.input[0]
     mask = None
     scale = 1.0
+    added = scaled = False
     node = g.producers.get(x)
-    if _is(node, "Add"):
-        assert node is not None
-        _only_reader(g, x, "masked scores")
-        chain.insert(0, node)
-        # the chain continues through the operand made by the MatMul (or its scale); the other is the mask
-        sides = [v for v in node.input if _scores(g, v)]
-        if len(node.input) != 2 or len(sides) != 1:
-            raise _Skip("the Add after the scores does not add one mask to them")
-        x = sides[0]
-        mask = node.input[1] if node.input[0] == x else node.input[0]
-        node = g.producers.get(x)
-    if _is(node, "Div", "Mul"):
-        assert node is not None
-        _only_reader(g, x, "scaled scores")
-        consts = [(i, _const(g, v)) for i, v in enumerate(node.input) if v in g.inits]
-        if len(consts) != 1 or consts[0][1] is None or consts[0][1].size != 1:
-            raise _Skip(f"the {node.op_type} after the first MatMul is not by a one-element constant")
-        index, value = consts[0]
-        if node.op_type == "Div" and index != 1:
-            raise _Skip("the Div divides a constant by the scores")
-        c = float(np.asarray(value, dtype=np.float64).reshape(()))
-        scale = 1.0 / c if node.op_type == "Div" else c
-        if not math.isfinite(scale) or c == 0.0:
-            raise _Skip(f"the scale constant {c} is not usable")
-        chain.insert(0, node)
-        x = node.input[1 - index]
+    while True:  # back from the Softmax: Casts anywhere, then [Add mask], then [Div|Mul], then the MatMul
+        if _is(node, "Cast"):
+            assert node is not None
+            _only_reader(g, x, "scores")
+            chain.insert(0, node)
+            casts.append(node)
+            x = node.input[0]
+        elif _is(node, "Add") and not added and not scaled:
+            assert node is not None
+            _only_reader(g, x, "masked scores")
+            chain.insert(0, node)
+            # the chain continues through the operand made by the MatMul (or its scale); the other is the mask
+            sides = [v for v in node.input if _scores(g, v)]
+            if len(node.input) != 2 or len(sides) != 1:
+                raise _Skip("the Add after the scores does not add one mask to them")
+            x = sides[0]
+            mask = node.input[1] if node.input[0] == x else node.input[0]
+            added = True
+        elif _is(node, "Div", "Mul") and not scaled:
+            assert node is not None
+            _only_reader(g, x, "scaled scores")
+            consts = [(i, _const(g, v)) for i, v in enumerate(node.input) if v in g.inits]
+            if len(consts) != 1 or consts[0][1] is None or consts[0][1].size != 1:
+                raise _Skip(f"the {node.op_type} after the first MatMul is not by a one-element constant")
+            index, value = consts[0]
+            if node.op_type == "Div" and index != 1:
+                raise _Skip("the Div divides a constant by the scores")
+            c = float(np.asarray(value, dtype=np.float64).reshape(()))
+            scale = 1.0 / c if node.op_type == "Div" else c
+            if not math.isfinite(scale) or c == 0.0:
+                raise _Skip(f"the scale constant {c} is not usable")
+            chain.insert(0, node)
+            x = node.input[1 - index]
+            scaled = True
+        elif _is(node, "Where"):
+            raise _Skip("the scores pass through a Where (a mask applied by replacing scores, as GPT-2's eager "
+                        "attention writes its causal mask): only an added mask fuses")
+        else:
+            break
         node = g.producers.get(x)
     if not _is(node, "MatMul"):
         raise _Skip("the scores are not made by a MatMul")
@@ -209,12 +316,48 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     dtype = _DTYPES.get(g.dtypes.get(q, 0))
     if dtype is None:
         raise _Skip("Q is not float32, float16 or bfloat16")
+    mask_dtype = _check_casts(g, casts, q, v, mask, dtype)
+    causal = mask is not None and is_causal_mask(g, mask, sq[-2], sk[-1])
     try:
         sizes = [scan_mod._expr([x]) for x in (sq[-2], sk[-1])] + [scan_mod._expr(list(sq[:-2]) or [1])]
     except Exception as exc:  # a dim outside tuner.shape_expr's grammar
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
-                         len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows)
+                         len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
+                         mask_dtype=mask_dtype, causal=causal)
+
+
+def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str, mask: str | None,
+                 dtype: str) -> str:
+    """Whether the chain's Casts keep it within the fused kernel's arithmetic (scores, mask and softmax in
+    float32, the probabilities rounded to V's dtype before the AV product, the output in Q's dtype), which it
+    computes at least as precisely as a chain that rounds the scores to float16 on the way: each Cast goes to
+    float32 or to the chain's dtype, V has Q's dtype, and a float32 mask of a float16/bfloat16 chain is exactly
+    representable in that dtype (the kernel reads the mask in it). Returns the mask's dtype when it needs the
+    exact conversion ("float32"), else ""; raises _Skip with the reason."""
+    code = g.dtypes.get(q, 0)
+    for cast in casts:
+        to = _cast_to(cast)
+        if to not in (onnx.TensorProto.FLOAT, code):
+            raise _Skip(f"a Cast to {_type_name(to)} inside the chain: the fused kernel keeps the scores and the "
+                        f"softmax in float32 and rounds the probabilities to {dtype}")
+    v_code = g.dtypes.get(v, 0)
+    if v_code != code:
+        raise _Skip(f"the probabilities multiply V of {_type_name(v_code)} while Q is {dtype} (the AV product "
+                    f"and the output are {_type_name(v_code)}): the fused kernel rounds the probabilities to "
+                    f"{dtype} and writes {dtype}")
+    if mask is None:
+        return ""
+    m_code = g.dtypes.get(mask, 0)
+    if m_code == code or (not m_code and not casts):  # no Cast: ONNX typing makes the mask the chain's dtype
+        return ""
+    if m_code != onnx.TensorProto.FLOAT:
+        raise _Skip(f"the mask is {_type_name(m_code)} in a {dtype} chain")
+    if not _exact_in(g, mask, dtype):
+        raise _Skip(f"the float32 mask is not provably exact in {dtype}, which the fused kernel reads it in (it "
+                    f"is not built from constants exact in {dtype}, Where, a Cast from {dtype} or bool, and "
+                    "reshaping ops)")
+    return "float32"
 
 
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
@@ -237,26 +380,19 @@ def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -
 def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
     """The chain's nodes copied, values renamed (Q, Kt, V, mask in; Y out), constants as Constant nodes."""
     names = {site.q: "Q", site.kt: "Kt", site.v: "V", site.output: "Y"}
+    body: list[onnx.NodeProto] = []
     if site.mask is not None:
         names[site.mask] = "mask"
-    body: list[onnx.NodeProto] = []
+        if site.mask_dtype:  # the node takes the mask in the chain's dtype; the chain adds it as it was (exact)
+            names[site.mask] = "mask_f"
+            body.append(helper.make_node("Cast", ["mask"], ["mask_f"], to=_CODES[site.mask_dtype]))
+    def new_constant(x: str) -> str:
+        names[x] = f"c{len(names)}"
+        return names[x]
+
     for key in site.nodes:
-        _, node = links.node(key, "attention node")
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = ""
-        inputs = []
-        for x in node.input:
-            if x not in names:
-                names[x] = f"c{len(names)}"
-                body.append(links.constant(x, names[x], node))
-            inputs.append(names[x])
-        del copy.input[:]
-        copy.input.extend(inputs)
-        outputs = [names.setdefault(o, f"t{len(names)}") if o else "" for o in node.output]
-        del copy.output[:]
-        copy.output.extend(outputs)
-        body.append(copy)
+        copy_into_body(links, links.node(key, "attention node")[1], body, names.get, new_constant,
+                       lambda o: names.setdefault(o, f"t{len(names)}") if o else "")
     return body
 
 
@@ -281,7 +417,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     links = _Links(graph, None if base_dir is None else Path(base_dir))
     before = _graph_reads(graph)
     claimed: set[int] = set()
-    replace: dict[int, onnx.NodeProto] = {}
+    replace: dict[int, list[onnx.NodeProto]] = {}
     opsets = _opsets(out)
     bodies: dict[tuple[int, bytes], str] = {}
     functions = [f for f in out.functions if f.domain == DOMAIN and f.name == OP_TYPE]
@@ -292,6 +428,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     taken_names = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
         {o for n in graph.node for o in n.output}
     new_initializers: list[onnx.TensorProto] = []
+    mask_casts: dict[tuple[str, str], str] = {}  # (mask, dtype) -> the mask cast to the chain's dtype
     for site in sites:
         if bundles is not None and site.output not in bundles:
             raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
@@ -300,14 +437,24 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             raise DietcodeError(f"attention chains making {site.output!r} and another overlap")
         claimed |= set(members)
         body = _body(links, site)
-        inputs = [site.q, site.kt, site.v] + ([site.mask] if site.mask is not None else [])
+        before_node: list[onnx.NodeProto] = []
+        mask = site.mask
+        if mask is not None and site.mask_dtype:
+            if (mask, site.dtype) not in mask_casts:
+                name = next(n for n in (f"{mask}_{site.dtype}{i or ''}" for i in range(len(taken_names) + 1))
+                            if n not in taken_names)
+                taken_names.add(name)
+                mask_casts[(mask, site.dtype)] = name
+                before_node.append(helper.make_node("Cast", [mask], [name], name=name, to=_CODES[site.dtype]))
+            mask = mask_casts[(mask, site.dtype)]
+        inputs = [site.q, site.kt, site.v] + ([mask] if mask is not None else [])
         formal = ["Q", "Kt", "V"] + (["mask"] if site.mask is not None else [])
         if bundles is not None:
             payload = bundles[site.output][0]
             if payload not in shared:
                 new_initializers.append(_bundle_initializer(payload, taken_names))
                 shared[payload] = new_initializers[-1].name
-            inputs = [site.q, site.kt, site.v, site.mask or "", shared[payload]]
+            inputs = [site.q, site.kt, site.v, mask or "", shared[payload]]
             formal = ["Q", "Kt", "V", "mask", "bundle"]
         key = (len(inputs), b"".join(n.SerializeToString(deterministic=True) for n in body))
         if key not in bodies:
@@ -316,7 +463,8 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             bodies[key] = overload
             out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
                                                       attributes=["scale", "head_dim", "nan_to_zero"]
-                                                      + (["mask_rows", "info"] if bundles is not None else []),
+                                                      + (["mask_rows", "causal", "info"] if bundles is not None
+                                                         else []),
                                                       overload=overload or None))
         last = graph.node[members[-1]]
         node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
@@ -324,14 +472,15 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
                                 nan_to_zero=int(site.nan_to_zero))
         if bundles is not None:
             node.attribute.extend([helper.make_attribute("mask_rows", int(site.mask_rows)),
+                                   helper.make_attribute("causal", int(site.causal)),
                                    helper.make_attribute("info", bundles[site.output][1])])
         if bodies[key]:
             node.overload = bodies[key]
-        replace[members[-1]] = node
+        replace[members[-1]] = [*before_node, node]
     if not replace:
         return out, ()
     drop = claimed - set(replace)
-    kept = [replace.get(i, n) for i, n in enumerate(graph.node) if i not in drop]
+    kept = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
     del graph.node[:]
     graph.node.extend(kept)
     _drop_unread(graph, before)

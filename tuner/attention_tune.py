@@ -11,7 +11,8 @@ vendor attention), and the chosen configs are compiled for every target (``tuner
 The cost is analytic (``attention_time``): FLOPs ``4 * z * Tq * Tk * d`` and the bytes of Q, K, V, O and the
 mask, with Tq / Tk padded to BLOCK_M / BLOCK_N, whole waves of programs over the SMs, and a per-step latency.
 With ``--measure gpu`` (or auto on a GPU machine) the ``budget`` configs this cost ranks best are compiled as
-they ship and timed through tuner.gpu_timing's child process (the C core launches them with
+they ship and timed through tuner.gpu_timing's child process (``AttentionMeasurer``, on this machine or, under
+``--ray``, as Ray GPU tasks like the GEMM measurements; the C core launches them with
 ``dc_attention_view``'s arguments) and the dispatch is built from those times. With ``--db`` the timings are
 kept in the tuning database (tuner.database; ``timing_family`` / ``timing_context`` key them) and a rerun
 reuses them.
@@ -26,6 +27,7 @@ from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
 from tuner.hardware import HardwareProfile, get_profile
+from tuner.measure import Measurer
 from tuner.workload import Instance, Workload
 
 if TYPE_CHECKING:
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from tuner.database import Database
+    from tuner.executor import Executor
     from tuner.gpu_timing import TimingSettings
+    from tuner.measure import MeasureResult
     from tuner.space import Family
 
     from tuner.attention_graph import AttentionSite
@@ -84,8 +88,9 @@ class AttentionProblem:
 
 
 def attention_workload(site: "AttentionSite") -> AttentionWorkload:
-    return AttentionWorkload(site.dtype, site.head_dim, site.mask is not None,
-                             site.mask is not None and site.mask_rows, False, site.nan_to_zero, float(site.scale),
+    kernel_mask = site.mask is not None and not site.causal  # a causal mask is the kernels' causal mode
+    return AttentionWorkload(site.dtype, site.head_dim, kernel_mask, kernel_mask and site.mask_rows, site.causal,
+                             site.nan_to_zero, float(site.scale),
                              site.rank, site.seq_q, site.seq_k, site.batch)
 
 
@@ -133,13 +138,17 @@ def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionPr
     slots = profile.num_sms * per_sm
     waves = -(-programs // slots)
     utilization = programs / (waves * slots)
-    flops = 4.0 * p.batch * q_blocks * config.block_m * k_steps * config.block_n * d
+    # causal: query block b stops at key min(Tk, (b+1)*BLOCK_M + Tk - Tq), so the blocks' key steps run from
+    # about BLOCK_M/BLOCK_N up to k_steps: on average half the keys for long sequences
+    first = -(-max(0, min(p.seq_k, config.block_m + p.seq_k - p.seq_q)) // config.block_n)
+    mean_steps = (first + k_steps) / 2 if w.causal else k_steps
+    flops = 4.0 * p.batch * q_blocks * config.block_m * mean_steps * config.block_n * d
     peak = (profile.fp16_tensor_tflops if size == 2 else profile.fp32_tflops) * 1e12
     # small tiles keep the tensor cores under-fed; one stage leaves the loads unpipelined
     tile = min(1.0, config.block_m / 64) * math.sqrt(min(1.0, config.block_n / 64))
     stages = 0.75 if config.num_stages == 1 else 1.0
     compute = flops / (peak * utilization * tile * stages)
-    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim)
+    traffic = size * p.batch * (2 * p.seq_q * w.head_dim + q_blocks * 2 * p.seq_k * w.head_dim * mean_steps / k_steps)
     if w.has_mask:
         traffic += size * p.batch * (p.seq_q if w.mask_rows else q_blocks) * p.seq_k
     memory = traffic / (profile.dram_bandwidth_gbs * 1e9)
@@ -218,70 +227,121 @@ def timing_context(toolchain: Any, settings: Any) -> str:
             f";min_driver={toolchain.min_driver};ptxas={toolchain.ptxas or 'triton'}").replace(" ", "")
 
 
+@dataclass(frozen=True)
+class AttentionTimingSpec:
+    """What times an attention workload's configs on a GPU, as tuner.measure's ``MeasurerSpec`` does for GEMM
+    kernels: hashable and picklable, ``build()`` makes the measurer where it runs (this process, or a Ray GPU
+    task of the optimize executor: ``Executor.measurer``). ``kind`` "gpu" places it on the GPU model's nodes."""
+
+    workload: AttentionWorkload
+    target: str
+    toolchain: Any  # tuner.aot.CompileToolchain: how the shipped kernels are compiled
+    backend: str | None = None  # tuner.gpu_timing backend (None: the CUDA one)
+    settings: Any = None  # tuner.gpu_timing.TimingSettings (None: the defaults)
+    kind: str = "gpu"
+
+    def build(self) -> "AttentionMeasurer":
+        return AttentionMeasurer(self)
+
+
+class AttentionMeasurer(Measurer):
+    """Times (AttentionConfig, Problem(m=seq_q, n=seq_k, k=head_dim, batch=z)) pairs: each config compiled as it
+    ships (``one_kernel_bundle``; a compile error is its result) and its cubin launched by the C core in the
+    timing child (tuner.gpu_timing; the launch arguments from dc_attention_view)."""
+
+    def __init__(self, spec: AttentionTimingSpec) -> None:
+        from tuner.gpu_timing import CUDA_BACKEND, TimingSettings, shared_timer
+
+        self.spec = spec
+        self.timer = shared_timer(spec.backend or CUDA_BACKEND, spec.settings or TimingSettings())
+
+    def device_key(self) -> str:
+        return self.timer.device_key()
+
+    def context(self) -> str:
+        _, workload_text = timing_family(self.spec.workload, self.spec.target)
+        return f"{workload_text};{timing_context(self.spec.toolchain, self.timer.settings)}"
+
+    def measure(self, family: "Family", configs_and_problems: Sequence[tuple[Any, Any]]) -> list["MeasureResult"]:
+        from tuner.gpu_timing import TimingItem
+        from tuner.measure import MeasureResult
+
+        w, pairs = self.spec.workload, list(configs_and_problems)
+        mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
+        results: list[MeasureResult | None] = [None] * len(pairs)
+        bundles: dict[AttentionConfig, bytes | str] = {}
+        items: list[TimingItem] = []
+        where: list[int] = []
+        for i, (config, shape) in enumerate(pairs):
+            if config not in bundles:
+                bundles[config] = one_kernel_bundle(config, w, self.spec.target, self.spec.toolchain)
+            bundle = bundles[config]
+            if isinstance(bundle, str):  # deterministic: the database stores it, a rerun compiles it no more
+                results[i] = MeasureResult(math.inf, bundle)
+                continue
+            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype, shape, mask=mask))
+            where.append(i)
+        if items:
+            for i, result in zip(where, self.timer.time(items)):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+
 def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
               configs: Sequence[AttentionConfig], target: str, toolchain: Any,
               backend: str | None = None, db: "Database | None" = None,
-              settings: "TimingSettings | None" = None) -> tuple["np.ndarray", int]:
-    """Seconds [problem, config] of each config's shipped cubin launched by the C core in the timing child
-    (tuner.gpu_timing; the launch arguments from dc_attention_view); inf where it failed. With ``db``, stored
-    timings are reused and new ones stored (compile errors too; transient failures never): returns the times
-    and how many came from the database."""
+              settings: "TimingSettings | None" = None, executor: "Executor | None" = None
+              ) -> tuple["np.ndarray", int]:
+    """Seconds [problem, config] of each config's shipped cubin (``AttentionMeasurer``, run where ``executor``
+    measures: this machine by default, a Ray GPU task under ``--ray``); inf where it failed. With ``db``,
+    stored timings are reused and new ones stored (compile errors too; transient failures never): returns the
+    times and how many came from the database."""
     import numpy as np
 
     from tuner.database import row_key
-    from tuner.gpu_timing import CUDA_BACKEND, TimingItem, TimingSettings, shared_timer
-    from tuner.measure import MeasureResult
+    from tuner.executor import LocalExecutor
     from tuner.workload import Problem
 
-    timer = shared_timer(backend or CUDA_BACKEND, settings or TimingSettings())
+    # an executor builds any spec with build() where it measures (RayExecutor: a GPU task for kind "gpu")
+    spec = AttentionTimingSpec(w, target, toolchain, backend, settings)
+    measurer = (executor or LocalExecutor()).measurer(spec)  # type: ignore[arg-type]
     shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
-    family, workload_text = timing_family(w, target)
+    family, _ = timing_family(w, target)
     device, context = "", ""
     known: dict = {}
     if db is not None:
-        device, context = timer.device_key(), f"{workload_text};{timing_context(toolchain, timer.settings)}"
+        device, context = measurer.device_key(), measurer.context()
         known = db.get(device, family, [(c.key(), s) for c in configs for s in shapes], context)
     times = np.full((len(problems), len(configs)), np.inf)
     hits = 0
-    items: list[TimingItem] = []
+    todo: list[tuple[Any, Problem]] = []  # (AttentionConfig, shape): the pairs AttentionMeasurer takes
     where: list[tuple[int, int]] = []
-    mask = None if not w.has_mask else "rows" if w.mask_rows else "row"
     for j, config in enumerate(configs):
-        todo = []
         for i, s in enumerate(shapes):
             stored = known.get(row_key(config.key(), s))
             if stored is None:
-                todo.append(i)
+                todo.append((config, s))
+                where.append((i, j))
             else:
                 times[i, j], hits = stored.seconds, hits + 1
-        if not todo:
-            continue
-        bundle = one_kernel_bundle(config, w, target, toolchain)
-        if isinstance(bundle, str):  # deterministic: stored, so a rerun does not compile it again
-            if db is not None:
-                db.put(device, family, [(config.key(), shapes[i]) for i in todo],
-                       [MeasureResult(math.inf, bundle)] * len(todo), context)
-            continue
-        for i in todo:
-            items.append(TimingItem(len(items), config.key(), bundle, "attention", w.dtype, shapes[i], mask=mask))
-            where.append((i, j))
-    if items:
-        results = timer.time(items)
+    if todo:
+        results = measurer.measure(family, todo)  # type: ignore[arg-type]
         for (i, j), result in zip(where, results):
             times[i, j] = result.seconds
         if db is not None:  # Database.put leaves out transient failures
-            db.put(device, family, [(configs[j].key(), shapes[i]) for i, j in where], results, context)
+            db.put(device, family, [(c.key(), s) for c, s in todo], results, context)
     return times, hits
 
 
 def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, float]],
                    targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
                    budget: int = 16, toolchain: Any = None, backend: str | None = None,
-                   db: "Database | None" = None, settings: "TimingSettings | None" = None) -> TunedAttention:
+                   db: "Database | None" = None, settings: "TimingSettings | None" = None,
+                   executor: "Executor | None" = None) -> TunedAttention:
     """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
     ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
     problems) are compiled and timed on the GPU instead, and the dispatch is built from those times (with
-    ``db``, stored timings are reused: see ``gpu_times``)."""
+    ``db``, stored timings are reused: see ``gpu_times``; ``executor`` runs them: see ``gpu_times``)."""
     import numpy as np
 
     from tuner.dispatch import build_dispatch
@@ -308,7 +368,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
         space = [space[j] for j in sorted(rank)]
         times, stored = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend,
-                                  db, settings)
+                                  db, settings, executor)
         from_db = None if db is None else (stored, int(times.size))
         ok = np.isfinite(times).all(axis=0)
         if not ok.any():
@@ -324,18 +384,27 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
-                  min_driver: int, ptxas: str | None = None) -> bytes:
-    """Compile the chosen configs for every target and return the node's bundle bytes."""
+                  min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None) -> bytes:
+    """Compile the chosen configs for every target and return the node's bundle bytes. The compiles are
+    ``AttentionCompileJob``s run by ``executor`` (default: this machine's compile pool; under ``--ray`` the
+    cluster's CPU tasks, as the GEMM kernels' are)."""
     from tuner import aot
-    from tuner.attention import compile_attention
+    from tuner.attention import AttentionCompileJob
+    from tuner.executor import LocalExecutor
 
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
+    jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
+                                w.nan_to_zero, chain) for config in tuned.kernels for t in targets]
+    # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
+    results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
     kernels = []
-    for config in tuned.kernels:
-        compiled = [compile_attention(config, w.dtype, t, w.head_dim, scale=w.scale, has_mask=w.has_mask,
-                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
-                                      toolchain=chain) for t in targets]
+    for i, config in enumerate(tuned.kernels):
+        compiled = []
+        for t, result in zip(targets, results[i * len(targets):(i + 1) * len(targets)]):
+            if not result.ok:
+                raise DietcodeError(f"attention {config.key()} for {t} did not compile: {result.error}")
+            compiled.append(result.kernel)
         kernels.append(BundleKernel.from_compiled(compiled))
     bundle = Bundle(features, tuple(kernels), tuned.dispatch.tree)
     bundle.validate()
@@ -375,17 +444,20 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                                       "str | None", dict]],
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
-               db: "str | Path | None" = None, backend: str | None = None
+               db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None
                ) -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
-    timings are reused from and stored in (``--db``)."""
+    timings are reused from and stored in (``--db``). ``executor`` (optimize's; default this machine's) compiles
+    the chosen kernels (the compile pool, or Ray's CPU tasks under ``--ray``) and runs the GPU timings (this
+    machine's GPU, or Ray GPU tasks)."""
+    from tuner.executor import LocalExecutor
+
+    runner = executor or LocalExecutor()
     kind = measure
     if kind == "auto":
-        from tuner.executor import LocalExecutor
-
-        kind = "gpu" if LocalExecutor().gpu_available() else "analytic"
+        kind = "gpu" if runner.gpu_available() else "analytic"
     elif kind.startswith("replay:"):
         if any(sites for sites, *_ in models):
             log("attention workloads are tuned with the analytic attention cost (a replay file holds GEMM "
@@ -393,14 +465,12 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
         kind = "analytic"
     elif kind not in ("analytic", "gpu"):
         raise DietcodeError(f"unknown --measure {measure!r}; allowed: auto, gpu, analytic, replay:FILE")
-    if kind == "gpu":
-        from tuner.executor import LocalExecutor
-
-        if not LocalExecutor().gpu_available():  # e.g. GEMMs timed on a Ray cluster: attention is timed here
-            if any(sites for sites, *_ in models):
-                log("attention workloads are tuned with the analytic attention cost: they are timed on this "
-                    "machine's GPU, and it has none")
-            kind = "analytic"
+    if kind == "gpu" and not runner.gpu_available():
+        if any(sites for sites, *_ in models):
+            where = "this machine" if isinstance(runner, LocalExecutor) else "the executor's cluster"
+            log(f"attention workloads are tuned with the analytic attention cost: {where} has no GPU to time "
+                "them on")
+        kind = "analytic"
     store = None
     if kind == "gpu" and db is not None:
         from tuner.database import Database
@@ -408,7 +478,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
         store = Database(db)
     try:
         return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
-                            ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend)
+                            ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend,
+                            executor=executor)
     finally:
         if store is not None:
             store.close()
@@ -417,8 +488,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
 def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], Sequence[str], "str | None",
                                         dict]],
                  targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
-                 kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None
-                 ) -> list[dict[str, tuple[bytes, str]]]:
+                 kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None,
+                 executor: "Executor | None" = None) -> list[dict[str, tuple[bytes, str]]]:
     from tuner.scan import ScanResult, attach_instances
 
     tuned: dict[tuple, tuple[bytes, str]] = {}
@@ -436,11 +507,12 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                 from tuner import aot
 
                 result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
-                                        toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db)
+                                        toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db,
+                                        executor=executor)
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
-                                        ptxas=ptxas)
+                                        ptxas=ptxas, executor=executor)
                 tuned[key] = (payload, info_json(result))
             bundles[site.output] = tuned[key]
         out.append(bundles)

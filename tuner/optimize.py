@@ -226,16 +226,18 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
-    attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in pairs]
-    if any(attention):
-        from tuner.attention_tune import tune_sites
+        attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in pairs]
+        if any(attention):  # compiled by the same executor (Ray's CPU tasks under --ray), timed here
+            from tuner.attention_tune import tune_sites
 
-        attention_bundles = tune_sites(
-            [(sites, scanned.symbols, _model_dims(options.dims, scanned.symbols) if len(pairs) > 1 else options.dims,
-              None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
-             for (_, scanned), sites in zip(scans, attention)],
-            options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
-            ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db)
+            attention_bundles = tune_sites(
+                [(sites, scanned.symbols,
+                  _model_dims(options.dims, scanned.symbols) if len(pairs) > 1 else options.dims,
+                  None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
+                 for (_, scanned), sites in zip(scans, attention)],
+                options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
+                ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
+                executor=executor)
     results = []
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):

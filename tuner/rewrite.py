@@ -21,7 +21,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -249,30 +249,47 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
     core = helper.make_node(node.op_type, ["A", "B"] + c_input, [made(node.output[0])])
     core.attribute.extend(_ref_attributes(node.op_type))
     body = [core]
+
+    def new_constant(x: str) -> str:
+        consts[x] = f"c{len(consts)}"
+        return consts[x]
+
     for j, f in enumerate(absorbed):
-        copy = onnx.NodeProto()
-        copy.CopyFrom(f)
-        copy.name = ""
-        renamed = []
-        for x in f.input:
+        def known(x: str, last: bool = j == len(absorbed) - 1) -> str | None:
             if not x or x in names:
-                renamed.append(names.get(x, ""))
-            elif residual is not None and x == residual and j == len(absorbed) - 1:
-                renamed.append("residual")
-            elif x == bias and node.op_type == "MatMul":
-                renamed.append("bias")
-            else:
-                if x not in consts:
-                    consts[x] = f"c{len(consts)}"
-                    body.append(links.constant(x, consts[x], f))
-                renamed.append(consts[x])
-        del copy.input[:]
-        copy.input.extend(renamed)
-        outs = [made(o) if o else "" for o in f.output]
-        del copy.output[:]
-        copy.output.extend(outs)
-        body.append(copy)
+                return names.get(x, "")
+            if residual is not None and x == residual and last:
+                return "residual"
+            if x == bias and node.op_type == "MatMul":
+                return "bias"
+            return consts.get(x)
+
+        copy_into_body(links, f, body, known, new_constant, lambda o: made(o) if o else "")
     return tuple(body)
+
+
+def copy_into_body(links: _Links, node: onnx.NodeProto, body: list[onnx.NodeProto],
+                   known: Callable[[str], str | None], new_constant: Callable[[str], str],
+                   output: Callable[[str], str]) -> None:
+    """Append to ``body`` a copy of the graph's ``node`` (unnamed) whose inputs are renamed by ``known``, and
+    where that gives None, by ``new_constant``, after a Constant node with the graph constant's value (the first
+    time it is read); its outputs are renamed by ``output``. The callers keep their own naming rules (this
+    module's fallback bodies, tuner.attention_graph's)."""
+    inputs = []
+    for x in node.input:
+        name = known(x)
+        if name is None:
+            name = new_constant(x)
+            body.append(links.constant(x, name, node))
+        inputs.append(name)
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.name = ""
+    del copy.input[:]
+    copy.input.extend(inputs)
+    del copy.output[:]
+    copy.output.extend(output(o) for o in node.output)
+    body.append(copy)
 
 
 def plan_rewrite(model: onnx.ModelProto, workloads: list[Workload], keys: set[str] | None = None,

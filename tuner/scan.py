@@ -28,7 +28,7 @@ from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
-           "scan_command", "node_reads"]
+           "scan_command", "attention_report", "node_reads"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -738,6 +738,41 @@ def _print_table(result: ScanResult) -> None:
         console.print(unfused)
 
 
+def attention_report(path: str | Path) -> dict:
+    """The attention chains ``optimize`` fuses by default (tuner/attention_graph.py), each with its mask kind
+    (``causal``: the kernels' causal mode replaces a provably causal mask), and the Softmaxes left unfused with
+    the reason."""
+    from tuner.attention_graph import find_attention
+
+    found = find_attention(load_model(path, load_external_data=False), Path(path).parent)
+    return {"fused": [{"output": s.output, "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
+                       "mask": "causal" if s.causal else "none" if s.mask is None else "additive"}
+                      for s in found.sites],
+            "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped]}
+
+
+def _print_attention(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(width=max(Console().width, 140))
+    if report["fused"]:
+        fused = Table(title=f"{len(report['fused'])} attention chains fused (ai.dietcode::Attention)")
+        for col in ("output", "dtype", "head_dim", "scale", "mask"):
+            fused.add_column(col, overflow="fold")
+        for f in report["fused"]:
+            fused.add_row(Text(f["output"]), f["dtype"], str(f["head_dim"]), f"{f['scale']:.6g}", f["mask"])
+        console.print(fused)
+    if report["unfused"]:
+        unfused = Table(title=f"{len(report['unfused'])} attention chains left unfused")
+        for col in ("softmax", "reason"):
+            unfused.add_column(col, overflow="fold")
+        for u in report["unfused"]:
+            unfused.add_row(Text(u["softmax"]), Text(u["reason"]))
+        console.print(unfused)
+
+
 def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_json: bool) -> int:
     import json
 
@@ -745,8 +780,10 @@ def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_js
     if not result.symbols:
         raise DietcodeError(f"{model} has no symbolic dims: nothing to scan (dietcode-ort tunes MatMul/Gemm/Conv "
                             "nodes whose shapes depend on symbolic dims; export the model with dynamic axes)")
+    attention = attention_report(model)
     if as_json:
-        print(json.dumps(to_json(result), indent=2))
+        print(json.dumps({**to_json(result), "attention": attention}, indent=2))
     else:
         _print_table(result)
+        _print_attention(attention)
     return 0
