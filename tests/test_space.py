@@ -174,6 +174,8 @@ def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str
     assert [MicroKernel.from_dict(c) for c in out["configs"]] == sample
     assert all(isinstance(c["shared_bytes"], int) and c["shared_bytes"] > 0 for c in out["configs"])
     assert list(tmp_path.glob("*.json"))  # cached for the next call
+    # 16-row decode tiles on sm_90: mma.sync, as the compiled PTX says
+    assert [c["mma"] for c in out["configs"]] == ["mma.sync", "mma.sync"] and out["mma"] == {"mma.sync": 2}
 
 
 def test_only_sm90_has_the_wgmma_rule_and_fifth_stage() -> None:
