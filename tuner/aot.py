@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 from dietcode_ort import toolchain as tc
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.toolchain import MMA_KINDS, ptx_mma, ptx_mma_shapes
 from tuner import templates
 from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
@@ -53,9 +54,6 @@ GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, 
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
-_MMA_PATTERNS = (("wgmma", re.compile(r"\bwgmma\.mma_async\.\S*?\.(m\d+n\d+k\d+)\.")),
-                 ("mma.sync", re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.")))
-MMA_KINDS = ("wgmma", "mma.sync", "none")  # Hopper warpgroup MMA (MMAv3), warp-level MMA (MMAv2), no tensor core
 _FORMAT = 3  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain)
 
 
@@ -103,25 +101,6 @@ def launch_features(metadata: Any) -> list[str]:
     if getattr(metadata, "launch_cooperative_grid", False):
         asks.append("a cooperative grid")
     return asks
-
-
-def ptx_mma(ptx: str) -> str:
-    """The tensor-core instruction a kernel's PTX uses: "wgmma" (sm_90's asynchronous warpgroup MMA,
-    ``wgmma.mma_async``), "mma.sync" (the warp-level MMA of sm_80, which sm_90 runs at a fraction of its
-    tensor-core rate) or "none" (no tensor core: an fp32 dot in ieee precision runs on the FMA units)."""
-    for kind, pattern in _MMA_PATTERNS:
-        if pattern.search(ptx):
-            return kind
-    return "none"
-
-
-def ptx_mma_shapes(ptx: str) -> tuple[str, ...]:
-    """The distinct MMA instruction shapes of ``ptx`` (e.g. ``("m64n128k16",)``), of its ``ptx_mma`` kind."""
-    for _, pattern in _MMA_PATTERNS:
-        shapes = sorted(set(pattern.findall(ptx)))
-        if shapes:
-            return tuple(shapes)
-    return ()
 
 
 @functools.lru_cache(maxsize=1)
