@@ -43,7 +43,12 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   H100's tensor-core peak (tuner/hardware.py). In the 16-bit spaces a config that cannot use wgmma is kept
   only as a decode tile (BLOCK_M <= 32, which a 64-row wgmma tile would mostly pad): this drops the 2-warp
   configs with BLOCK_M >= 64. num_stages 5 is kept only for wgmma configs (so the float32 spaces, compiled
-  in ieee precision without tensor cores, keep the other targets' stages).
+  in ieee precision without tensor cores, keep the other targets' stages). Compiled with the compile
+  filter's bias + gelu epilogue (benchmarks/results/compile/sm90-mma-space.csv), 47 of the 341 float16
+  configs spill: 38 wgmma tiles whose accumulator takes 128 registers per thread (128x128, 64x256, 256x64
+  on 4 warps; 128x256, 256x128 on 8), which compile without spills under a bias alone (the erf costs the
+  registers: sm90-spills-bias-only.txt), so the space keeps them for the GEMMs without gelu, and 9
+  mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
