@@ -137,3 +137,18 @@ def test_tma_kernel_compiles_to_bulk_tensor_copies_on_sm90() -> None:
     ampere = compile_tma(Family("gemm", "float16", "sm_80"), W4)
     assert "cp.async.bulk.tensor" not in ampere.ptx and ampere.global_scratch_size == 0
     assert ampere.params == ("a", "b", "c", "M", "N", "K")
+
+
+def test_a_cost_model_saved_before_the_wgmma_feature_is_refused(tmp_path: Path) -> None:
+    """Its regressor was fitted on one feature fewer: loading it says so instead of failing at predict."""
+    import pickle
+
+    from tuner.cost_model import load_model
+
+    model = AnalyticCostModel(H100, "float16")
+    path = tmp_path / "old.pkl"
+    path.write_bytes(pickle.dumps(("dietcode-cost-model-v1", model)))
+    with pytest.raises(DietcodeError, match="is not a dietcode cost model"):
+        load_model(path)
+    model.save(tmp_path / "new.pkl")
+    assert isinstance(load_model(tmp_path / "new.pkl"), AnalyticCostModel)

@@ -41,7 +41,7 @@ __all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
-_MODEL_MAGIC = "dietcode-cost-model-v1"
+_MODEL_MAGIC = "dietcode-cost-model-v2"  # v2: kernel_features gained "wgmma" (older regressors take 13)
 
 
 def _roundup(value: int, multiple: int) -> int:
