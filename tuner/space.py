@@ -86,8 +86,8 @@ if TYPE_CHECKING:
     from tuner.aot import CompiledKernel
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
-           "prune_report", "validate", "wgmma_eligible", "axes_for", "check_family", "estimate_shared", "estimate_registers",
-           "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
+           "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
+           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -200,10 +200,9 @@ def wgmma_eligible(config: MicroKernel, dtype: str, profile: HardwareProfile, tf
     benchmarks/results/compile/sm90-mma.csv (tests/test_hopper.py)."""
     if not profile.wgmma or config.num_warps % 4 or config.block_m % 64 or config.block_n % 8:
         return False
-    bits = DTYPE_BYTES[dtype] * 8
     if dtype == "float32" and not tf32:
         return False
-    return config.block_k >= 256 // bits
+    return config.block_k >= 256 // (DTYPE_BYTES[dtype] * 8)
 
 
 def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
