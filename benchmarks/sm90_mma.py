@@ -1,5 +1,5 @@
 """Which MMA the compiled sm_90 kernels use: AOT-compile a family's space (or a seeded sample of it) and
-record, per config, the tensor-core instruction in its PTX (wgmma / mma.sync / none), registers, spills and
+record, per config (gemm, bmm or conv: ``--op``), the tensor-core instruction in its PTX (wgmma / mma.sync / none), registers, spills and
 shared memory, next to what ``tuner.space.wgmma_eligible`` predicts.
 
     python benchmarks/sm90_mma.py --out benchmarks/results/compile/sm90-mma.csv \\
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tuner.aot import CompileJob, aligned_params, compile_many, ptx_mma, ptx_mma_shapes
-from tuner.space import Family, enumerate_space, representative_epilogue, wgmma_eligible
+from tuner.space import REFERENCE_CONV, Family, enumerate_space, representative_epilogue, wgmma_eligible
 
 COLUMNS = ("target", "op", "dtype", "precision", "config", "block_m", "block_n", "block_k", "num_warps",
            "num_stages", "split_k", "mma", "mma_shapes", "predicted_wgmma", "n_regs", "n_spills", "shared",
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = space
             if name in samples and samples[name] < len(space):
                 configs = sorted(random.Random(args.seed).sample(space, samples[name]))
-            jobs = [CompileJob(family, c, representative_epilogue(c), div16=aligned_params(args.op),
+            conv = REFERENCE_CONV if args.op == "conv" else None  # as compile_filter: a 3x3 64->64 layer
+            jobs = [CompileJob(family, c, representative_epilogue(c), conv=conv, div16=aligned_params(args.op),
                                allow_tf32=tf32, cache_dir=args.cache_dir) for c in configs]
             start = time.perf_counter()
             results = compile_many(jobs, args.workers)

@@ -22,14 +22,15 @@ from tuner.measure import AnalyticMeasurer
 from tuner.space import Family, MicroKernel, wgmma_eligible
 from tuner.workload import Epilogue, Problem
 
-EVIDENCE = ROOT / "benchmarks" / "results" / "compile" / "sm90-mma.csv"
+EVIDENCE = ROOT / "benchmarks" / "results" / "compile" / "sm90-mma.csv"  # the gemm spaces before the wgmma rule
+EVIDENCE_AFTER = ("sm90-mma-space.csv", "sm90-mma-conv.csv")  # the 16-bit gemm and conv spaces after it
 H100, A100 = get_profile("sm_90"), get_profile("sm_80")
 W4 = MicroKernel(64, 64, 64, 4, 3)  # a warpgroup, 64 rows: wgmma on sm_90
 W2 = MicroKernel(64, 64, 64, 2, 3)  # two warps: no whole warpgroup, mma.sync
 
 
-def _evidence() -> list[dict[str, str]]:
-    with EVIDENCE.open() as handle:
+def _evidence(path: Path = EVIDENCE) -> list[dict[str, str]]:
+    with path.open() as handle:
         return list(csv.DictReader(line for line in handle if not line.startswith("#")))
 
 
@@ -46,6 +47,19 @@ def test_wgmma_rule_matches_the_compiled_evidence() -> None:
         predicted = wgmma_eligible(config, r["dtype"], H100, tf32=r["precision"] == "tf32")
         assert (r["mma"] == "wgmma") == predicted, r
         assert not r["error"], r
+
+
+@pytest.mark.parametrize("name", EVIDENCE_AFTER)
+def test_the_sm90_spaces_compile_as_the_wgmma_rule_says(name: str) -> None:
+    """The committed compiles of today's sm_90 16-bit spaces: each config's PTX uses wgmma exactly when
+    predicted, and a config that does not is a decode tile (the space's ``wgmma`` rule)."""
+    rows = _evidence(EVIDENCE.parent / name)
+    assert {r["op"] for r in rows} == {"conv" if "conv" in name else "gemm"}
+    for r in rows:
+        config = MicroKernel.from_key(r["config"])
+        assert (r["mma"] == "wgmma") == wgmma_eligible(config, r["dtype"], H100), r
+        assert r["mma"] == "wgmma" or config.block_m <= 32, r
+    assert len({(r["dtype"], r["config"]) for r in rows}) == len(rows) > 90
 
 
 def test_ptx_mma_reads_the_instruction() -> None:

@@ -38,8 +38,9 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
 - ``split_k``: split-K only for float32, on tiles with BLOCK_M * BLOCK_N <= 4096 (see above).
 - ``wgmma`` (sm_90 only): on Hopper Triton lowers ``tl.dot`` to the warpgroup MMA (wgmma) only for
   num_warps a multiple of 4, BLOCK_M a multiple of 64, 16-bit operands (or tf32) and BLOCK_K >= 16
-  (``wgmma_eligible``, checked against every config of the compiled float16 and bfloat16 gemm spaces:
-  benchmarks/results/compile/sm90-mma.csv); otherwise it emits mma.sync, which reaches about 2/3 of the
+  (``wgmma_eligible``, checked against every config of the compiled float16 and bfloat16 gemm spaces
+  before and after this rule and of the float16 conv space: benchmarks/results/compile/sm90-mma*.csv);
+  otherwise it emits mma.sync, which reaches about 2/3 of the
   H100's tensor-core peak (tuner/hardware.py). In the 16-bit spaces a config that cannot use wgmma is kept
   only as a decode tile (BLOCK_M <= 32, which a 64-row wgmma tile would mostly pad): this drops the 2-warp
   configs with BLOCK_M >= 64. num_stages 5 is kept only for wgmma configs (so the float32 spaces, compiled
