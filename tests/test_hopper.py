@@ -134,6 +134,8 @@ def test_tma_kernel_refuses_what_tma_cannot_read() -> None:
         run_tma(MicroKernel(16, 16, 32, 4, 2), a, b)
     with pytest.raises(DietcodeError, match="no split-K"):
         run_tma(MicroKernel(16, 16, 32, 4, 2, 8, 4), a, b)
+    with pytest.raises(DietcodeError, match="2-D operands"):
+        run_tma(MicroKernel(16, 16, 32, 4, 2), a[None], b)
 
 
 def test_tma_kernel_compiles_to_bulk_tensor_copies_on_sm90() -> None:

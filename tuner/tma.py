@@ -22,7 +22,9 @@ need, without caching or shipping anything.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import triton
@@ -95,6 +97,8 @@ def run_tma(config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *, bias
     if epilogue.bias != (bias is not None):
         raise DietcodeError(f"gemm (TMA): epilogue.bias={epilogue.bias} but bias tensor "
                             f"{'given' if bias is not None else 'missing'}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise DietcodeError(f"gemm (TMA): expects 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     a, b = a.contiguous(), b.contiguous()
     m, k = a.shape
     n = b.shape[0] if trans_b else b.shape[1]
@@ -128,7 +132,7 @@ class TmaCompiled:
 
     @property
     def mma(self) -> str:
-        from tuner.aot import ptx_mma
+        from dietcode_ort.toolchain import ptx_mma
 
         return ptx_mma(self.ptx)
 
@@ -156,8 +160,9 @@ def compile_tma(family: "Family", config: "MicroKernel", *, epilogue: Epilogue =
     fn = gemm_tma_kernel
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16 if name in signature
              and signature[name] != "constexpr"}
-    compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
-                                    config.num_stages)
+    with tempfile.TemporaryDirectory(prefix="dietcode-tma-") as scratch:  # Triton's working files
+        compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
+                                        config.num_stages, scratch=Path(scratch))
     md = compiled.metadata
     n_regs, n_spills = _parse_ptxas(log)
     return TmaCompiled(ptx=compiled.asm["ptx"], shared=md.shared, num_warps=md.num_warps,
