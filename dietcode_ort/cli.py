@@ -137,7 +137,9 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
                                    "split_k) of one op/dtype on one target GPU, derived from the GPU's limits "
                                    "only, with the number each pruning rule removed. --compile compiles "
                                    "every candidate (cached; minutes for a whole space) and drops those "
-                                   "whose compiled shared memory or register spills break the limits.")
+                                   "whose compiled shared memory or register spills break the limits; "
+                                   "each compiled kernel then shows the MMA its PTX uses (wgmma or mma.sync "
+                                   "on sm_90).")
     p.add_argument("--target", required=True, help="GPU target: sm_80, sm_89 or sm_90")
     p.add_argument("--op", required=True, help="gemm, bmm or conv")
     p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")

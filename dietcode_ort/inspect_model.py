@@ -11,7 +11,7 @@ import onnx
 
 from dietcode_ort.bundle import BUNDLELESS_OPS, DOMAIN, Bundle, BundleKernel, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError
-from dietcode_ort.toolchain import format_driver, format_isa
+from dietcode_ort.toolchain import format_driver, format_isa, ptx_mma, ptx_mma_shapes, ptx_target
 
 __all__ = ["describe", "inspect_command", "load_optimized"]
 
@@ -51,6 +51,14 @@ def _images(kernel: BundleKernel) -> list[dict]:
              "ptx_isa": format_isa(chain.ptx_isa) if chain.ptx_isa else None,
              "min_driver": format_driver(chain.min_driver) if chain.min_driver else None}
             for choice, chain in kernel.all_images()]
+
+
+def _ptx_mma(ptx: str) -> dict | None:
+    """The tensor-core instruction of a kernel's PTX and the arch it was written for (the bundle's PTX is the
+    oldest target's: an sm_80 PTX says mma.sync even when the sm_90a cubin beside it uses wgmma)."""
+    if not ptx:
+        return None
+    return {"target": ptx_target(ptx), "mma": ptx_mma(ptx), "shapes": list(ptx_mma_shapes(ptx))}
 
 
 def _toolchain_line(chain: dict) -> str:
@@ -114,7 +122,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "block_m": k.block_m, "block_n": k.block_n, "num_warps": k.num_warps,
                          "shared": k.shared, "image_shared": dict(zip((a for a, _ in k.images), k.image_shared)),
                          "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
-                         "alpha": k.alpha,
+                         "alpha": k.alpha, "ptx_mma": _ptx_mma(k.ptx),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
                                        "conv": list(k.conv)}}
                         for k in bundle.kernels],
@@ -178,7 +186,11 @@ def inspect_command(path: str, as_json: bool) -> int:
             work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} (kernels {baked}) "
                     f"head_dim={a['head_dim']}"
                     + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else ""))
-        kernels = "\n".join(n["configs"] or [k["name"] for k in n["kernels"]])
+        names = list(n["configs"] or [k["name"] for k in n["kernels"]])
+        if len(names) == len(n["kernels"]):  # one line per kernel: say which MMA its PTX uses
+            names = [name + (f" ({k['ptx_mma']['mma']}, {k['ptx_mma']['target']} PTX)" if k["ptx_mma"] else "")
+                     for name, k in zip(names, n["kernels"])]
+        kernels = "\n".join(names)
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)

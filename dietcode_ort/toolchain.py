@@ -23,7 +23,8 @@ from pathlib import Path
 from dietcode_ort.errors import DietcodeError
 
 __all__ = ["PTX_ISA_MIN_DRIVER", "DEFAULT_MIN_DRIVER", "ptx_isa", "ptx_min_driver", "cubin_min_driver",
-           "max_ptx_isa", "format_driver", "parse_driver", "format_isa", "ptxas_version"]
+           "max_ptx_isa", "format_driver", "parse_driver", "format_isa", "ptxas_version", "MMA_KINDS", "ptx_mma",
+           "ptx_mma_shapes", "ptx_target"]
 
 # PTX ISA (major*10+minor) -> the first CUDA driver that JIT-compiles it (cuDriverGetVersion's encoding).
 PTX_ISA_MIN_DRIVER: dict[int, int] = {
@@ -39,6 +40,35 @@ DEFAULT_MIN_DRIVER = 13000
 _VERSION_LINE_RE = re.compile(r"^[ \t]*\.version([^\n]*)", re.MULTILINE)
 _VERSION_OPERAND_RE = re.compile(r"[ \t]+([0-9]{1,3})\.([0-9])[ \t\r]*")
 _PTXAS_RE = re.compile(r"release (\d+)\.(\d+), V(\d+\.\d+\.\d+)")
+_MMA_PATTERNS = (("wgmma", re.compile(r"\bwgmma\.mma_async\.\S*?\.(m\d+n\d+k\d+)\.")),
+                 ("mma.sync", re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.")))
+_TARGET_RE = re.compile(r"^[ \t]*\.target[ \t]+(sm_\w+)", re.MULTILINE)
+MMA_KINDS = ("wgmma", "mma.sync", "none")  # Hopper warpgroup MMA (MMAv3), warp-level MMA (MMAv2), no tensor core
+
+
+def ptx_mma(ptx: str) -> str:
+    """The tensor-core instruction a kernel's PTX uses: "wgmma" (sm_90's asynchronous warpgroup MMA,
+    ``wgmma.mma_async``), "mma.sync" (the warp-level MMA of sm_80, which sm_90 runs at a fraction of its
+    tensor-core rate) or "none" (no tensor core: an fp32 dot in ieee precision runs on the FMA units)."""
+    for kind, pattern in _MMA_PATTERNS:
+        if pattern.search(ptx):
+            return kind
+    return "none"
+
+
+def ptx_target(ptx: str) -> str:
+    """The arch PTX text was written for (its ``.target``, e.g. "sm_90a"), "" when it names none."""
+    match = _TARGET_RE.search(ptx)
+    return match.group(1) if match else ""
+
+
+def ptx_mma_shapes(ptx: str) -> tuple[str, ...]:
+    """The distinct MMA instruction shapes of ``ptx`` (e.g. ``("m64n128k16",)``), of its ``ptx_mma`` kind."""
+    for _, pattern in _MMA_PATTERNS:
+        shapes = sorted(set(pattern.findall(ptx)))
+        if shapes:
+            return tuple(shapes)
+    return ()
 
 
 def ptx_isa(ptx: str) -> int:

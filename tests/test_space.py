@@ -14,8 +14,8 @@ from dietcode_ort.cli import main
 from dietcode_ort.errors import DietcodeError
 from tuner import space
 from tuner.hardware import PROFILES, TARGETS, get_profile, resident_blocks
-from tuner.space import (AXES, FAMILIES, RULES, Family, MicroKernel, enumerate_space, estimate_registers,
-                         estimate_shared, prune_report, validate)
+from tuner.space import (AXES, FAMILIES, RULES, Family, MicroKernel, axes_for, enumerate_space,
+                         estimate_registers, estimate_shared, prune_report, validate, wgmma_eligible)
 from tuner.workload import Instance, Workload
 
 
@@ -48,7 +48,7 @@ def test_space_does_not_depend_on_shapes() -> None:
 def test_pruning_counts_add_up_and_respect_limits(family: Family) -> None:
     report = prune_report(family)
     configs = enumerate_space(family)
-    assert report["total"] == math.prod(len(v) for v in AXES.values())
+    assert report["total"] == math.prod(len(v) for v in axes_for(get_profile(family.target)).values())
     assert sum(report[rule] for rule in RULES) + report["kept"] == report["total"]
     assert report["kept"] == len(configs)
     assert 80 <= len(configs) <= 1000  # explorable: about a hundred (16-bit conv) to hundreds
@@ -148,6 +148,7 @@ def test_space_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(set(c) >= {"block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k",
                           "shared_bytes"} for c in out["configs"])
     assert out["shared_source"] == "estimate"
+    assert out["axes"]["num_stages"] == [2, 3, 4, 5]  # sm_90's fifth stage
 
 
 def test_space_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,7 +163,7 @@ def test_space_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_axes_products_are_all_enumerated() -> None:
     family = Family("conv", "float32", "sm_90")
-    every = set(itertools.product(*AXES.values()))
+    every = set(itertools.product(*axes_for(get_profile("sm_90")).values()))
     assert {tuple(c.to_dict().values()) for c in enumerate_space(family)} <= every
 
 
@@ -178,6 +179,8 @@ def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str
     assert [MicroKernel.from_dict(c) for c in out["configs"]] == sample
     assert all(isinstance(c["shared_bytes"], int) and c["shared_bytes"] > 0 for c in out["configs"])
     assert list(tmp_path.glob("*.json"))  # cached for the next call
+    # 16-row decode tiles on sm_90: mma.sync, as the compiled PTX says
+    assert [c["mma"] for c in out["configs"]] == ["mma.sync", "mma.sync"] and out["mma"] == {"mma.sync": 2}
 
 
 def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
@@ -192,3 +195,37 @@ def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
     assert representative_epilogue(split, "bmm") == Epilogue(True, "gelu")
     for op in ("gemm", "bmm", "conv"):
         check_epilogue(op, representative_epilogue(split, op), split.split_k)
+
+
+def test_only_sm90_has_the_wgmma_rule_and_fifth_stage() -> None:
+    """Hopper's extra stage and its wgmma rule leave the other targets' axes and spaces as they were
+    (the docstring table pins their sizes) and leave sm_90's float32 space without a fifth stage."""
+    for target in ("sm_80", "sm_89"):
+        assert axes_for(get_profile(target)) == AXES
+        for op, dtype in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16")):
+            assert prune_report(Family(op, dtype, target))["wgmma"] == 0
+    assert axes_for(get_profile("sm_90"))["num_stages"] == (2, 3, 4, 5)
+    assert all(c.num_stages <= 4 for c in enumerate_space(Family("gemm", "float32", "sm_90")))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_16bit_space_spends_its_candidates_on_wgmma(dtype: str) -> None:
+    family = Family("gemm", dtype, "sm_90")
+    profile = get_profile("sm_90")
+    configs = enumerate_space(family)
+    for c in configs:  # every config uses wgmma, except decode tiles
+        assert wgmma_eligible(c, dtype, profile) or (c.block_m <= 32 and c.num_stages <= 4), c.key()
+    keys = {c.key() for c in configs}
+    # decode tiles stay, mma.sync included (a 64-row wgmma tile would pad M = 1..32)
+    assert {"m16n64k64w2s3g8k1", "m32n128k64w4s3g8k1", "m16n256k64w8s4g8k1"} <= keys
+    assert not wgmma_eligible(MicroKernel.from_key("m16n64k64w2s3g8k1"), dtype, profile)
+    # what wgmma-heavy kernels need: deep pipelines and 128x256 / 256x128 tiles on two warpgroups
+    assert {"m128n128k64w8s5g8k1", "m128n256k32w8s5g8k1", "m256n128k64w8s4g8k1", "m128n256k64w8s4g8k1"} <= keys
+    assert "m64n64k64w2s3g8k1" not in keys  # 64 rows on two warps: mma.sync, no decode tile
+    with pytest.raises(DietcodeError, match="rule 'wgmma'"):
+        validate(family, MicroKernel(64, 64, 64, 2, 3))
+    with pytest.raises(DietcodeError, match="rule 'wgmma'"):
+        validate(family, MicroKernel(16, 128, 64, 4, 5))  # no fifth stage for mma.sync
+    report = prune_report(family)
+    assert report["total"] == 4800 and report["wgmma"] > 0
+

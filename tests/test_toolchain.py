@@ -210,6 +210,18 @@ def test_inspect_shows_the_toolchain(tmp_path: Path, capsys) -> None:
          "min_driver": "13.4"}]
 
 
+def test_inspect_says_which_mma_each_kernels_ptx_uses(tmp_path: Path, capsys) -> None:
+    wgmma = PTX80_94.replace("sm_80", "sm_90a") + "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1}, %rd1;\n"
+    path = _model(tmp_path / "m.onnx", _bundle(_kernel("k"), _kernel("j", ptx=wgmma, ptx_toolchain=PTX_94)))
+    assert main(["inspect", str(path), "--json"]) == 0
+    (node,) = json.loads(capsys.readouterr().out)["nodes"]
+    assert [k["ptx_mma"] for k in node["kernels"]] == [{"target": "sm_80", "mma": "none", "shapes": []},
+                                                       {"target": "sm_90a", "mma": "wgmma", "shapes": ["m64n64k16"]}]
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "(none, sm_80 PTX)" in text and "(wgmma, sm_90a PTX)" in text
+
+
 def test_optimize_refuses_a_ptxas_that_does_not_run(tmp_path: Path, capsys) -> None:
     model = tmp_path / "m.onnx"
     model.write_bytes(b"")

@@ -42,13 +42,14 @@ from typing import Any, Mapping, Sequence
 
 from dietcode_ort import toolchain as tc
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.toolchain import MMA_KINDS, ptx_mma, ptx_mma_shapes
 from tuner import templates
 from tuner.space import Family, MicroKernel, check_family
 from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
            "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash", "aot_hash",
-           "shipped_div16"]
+           "shipped_div16", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -179,9 +180,15 @@ class CompiledKernel:
     def threads(self) -> int:
         return self.num_warps * 32
 
+    @property
+    def mma(self) -> str:
+        """The MMA kind its PTX uses (``ptx_mma``): "wgmma", "mma.sync" or "none"."""
+        return ptx_mma(self.ptx)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (cubin as base64)."""
+        """A JSON-ready dict (cubin as base64; ``mma`` is derived from the PTX, for readers of the record)."""
         data = asdict(self)
+        data["mma"] = self.mma
         data["cubin"] = base64.b64encode(self.cubin).decode("ascii")
         data["config"] = self.config.to_dict()
         data["config_key"] = self.config.key()

@@ -36,17 +36,17 @@ import numpy as np
 
 from dietcode_ort.errors import DietcodeError
 from tuner.hardware import HardwareProfile, resident_blocks
-from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared
+from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared, wgmma_eligible
 from tuner.workload import Problem
 
 __all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "useful_flops", "launches",
            "workspace_bytes_moved", "operand_bytes_moved",
-           "peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
+           "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
            "AnalyticCostModel", "LearnedCostModel", "load_model"]
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
-_MODEL_MAGIC = "dietcode-cost-model-v1"
+_MODEL_MAGIC = "dietcode-cost-model-v2"  # v2: kernel_features gained "wgmma" (older regressors take 13)
 
 
 def _roundup(value: int, multiple: int) -> int:
@@ -79,6 +79,16 @@ def peak_flops(profile: HardwareProfile, dtype: str) -> float:
     if dtype == "float32":
         return profile.fp32_tflops * 1e12
     raise DietcodeError(f"unknown dtype {dtype!r}; allowed: float32, float16, bfloat16")
+
+
+def config_peak_flops(config: MicroKernel, profile: HardwareProfile, dtype: str) -> float:
+    """The peak ``config`` can reach: ``peak_flops``, except that on a GPU with wgmma (sm_90) a 16-bit config
+    that Triton lowers to mma.sync instead (``space.wgmma_eligible``) gets ``profile.mma_sync_fraction`` of
+    it. float32 runs in ieee precision on the FMA units either way."""
+    peak = peak_flops(profile, dtype)
+    if profile.wgmma and dtype != "float32" and not wgmma_eligible(config, dtype, profile):
+        return peak * profile.mma_sync_fraction
+    return peak
 
 
 def blocks_per_sm(config: MicroKernel, profile: HardwareProfile, dtype: str) -> int:
@@ -158,14 +168,16 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
 
 FEATURE_NAMES = ("log2_block_m", "log2_block_n", "log2_block_k", "num_warps", "num_stages", "log2_group_m",
                  "log2_split_k", "threads", "log2_shared", "registers", "tile_intensity",
-                 "acc_per_thread", "blocks_per_sm")
+                 "acc_per_thread", "blocks_per_sm", "wgmma")
 
 
 def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dtype: str) -> np.ndarray:
     """Features of f_MK, which depend on the micro-kernel only (never on a shape).
 
     tile_intensity is the FLOPs per byte of one BLOCK_K step of the tile (2*BM*BN*BK over the A and B
-    tile bytes); acc_per_thread is the fp32 accumulator share of each thread.
+    tile bytes); acc_per_thread is the fp32 accumulator share of each thread; wgmma is 1 when Triton
+    lowers the config's dot to Hopper's warpgroup MMA on this target (``space.wgmma_eligible``), 0 for
+    mma.sync or no tensor core: on sm_90 the two run at different peak rates.
     """
     rows = []
     for c in configs:
@@ -176,7 +188,8 @@ def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dt
                      c.num_stages, math.log2(c.group_m), math.log2(c.split_k), threads, math.log2(shared),
                      estimate_registers(c, dtype, profile.warp_size),
                      2.0 * c.block_m * c.block_n * c.block_k / tile_bytes,
-                     c.block_m * c.block_n / threads, blocks_per_sm(c, profile, dtype)])
+                     c.block_m * c.block_n / threads, blocks_per_sm(c, profile, dtype),
+                     float(wgmma_eligible(c, dtype, profile))])
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURE_NAMES))
 
 
@@ -276,11 +289,15 @@ class AnalyticCostModel(CostModel):
     """A trivial, measurement-free f_MK: a roofline of one tile step (tests and no-data fallback).
 
     f_MK = peak x min(1, tile_intensity / ridge) x pipelining (1 - 0.5 ** num_stages): large tiles reuse
-    operands from shared memory, deeper pipelines hide load latency. Ridge = peak / DRAM bandwidth.
+    operands from shared memory, deeper pipelines hide load latency. Ridge = peak / DRAM bandwidth. The peak
+    is the config's own (``config_peak_flops``: on sm_90, mma.sync configs get the mma.sync rate). On the
+    H100 profile no tile of the space reaches the ridge (tile intensity <= 86 FLOP/B, a 256x128 tile's,
+    against 295 for wgmma and 197 for mma.sync), so there this f_MK is intensity x bandwidth and the two
+    rates rank alike: telling them apart is left to the learned model's ``wgmma`` feature.
     """
 
     def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
-        peak = peak_flops(self.profile, self.dtype)
+        peak = np.array([config_peak_flops(c, self.profile, self.dtype) for c in configs])
         ridge = peak / (self.profile.dram_bandwidth_gbs * 1e9)
         feats = kernel_features(configs, self.profile, self.dtype)
         intensity = feats[:, FEATURE_NAMES.index("tile_intensity")]

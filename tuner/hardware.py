@@ -9,6 +9,10 @@ Sources, cited per figure below:
 - [L4] NVIDIA L4 Tensor Core GPU datasheet (2023).
 - [H100] NVIDIA H100 Tensor Core GPU datasheet (2023) and the NVIDIA H100 Tensor Core GPU Architecture
   whitepaper (2022), H100 SXM5.
+- [FA3] J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+  arXiv:2407.08608 (2024), section 2.2 (Hopper's wgmma against mma.sync).
+- [Luo] W. Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture", arXiv:2402.13499
+  (2024): tensor-core throughput of mma and wgmma instructions measured on an H800.
 Tensor throughputs are dense (the datasheets' headline figures with sparsity are twice these).
 """
 from __future__ import annotations
@@ -44,6 +48,8 @@ class HardwareProfile:
     fp16_tensor_tflops: float
     tf32_tensor_tflops: float
     fp32_tflops: float
+    wgmma: bool = False  # has the asynchronous warpgroup MMA (wgmma.mma_async, sm_90 only)
+    mma_sync_fraction: float = 1.0  # share of fp16_tensor_tflops a warp-level mma.sync kernel can reach
     smem_reserved_per_block: int = 1 * KIB  # [CG] 16.6/16.7: 1 KB of shared memory per block is reserved
     reg_alloc_unit: int = 256  # [CG] register allocation unit size (per warp), cc 8.x and 9.0
 
@@ -112,6 +118,11 @@ PROFILES: dict[str, HardwareProfile] = {
         fp16_tensor_tflops=989.4,  # [H100] datasheet: FP16/BF16 Tensor Core 1,979 TFLOPS with sparsity
         tf32_tensor_tflops=494.7,  # [H100] datasheet: TF32 Tensor Core 989 TFLOPS with sparsity
         fp32_tflops=66.9,  # [H100] datasheet: FP32 67 TFLOPS
+        wgmma=True,  # PTX ISA: wgmma.mma_async needs sm_90a (Triton compiles sm_90 as sm_90a)
+        # [FA3] section 2.2: without wgmma, the older mma.sync reaches only about 2/3 of the H100's tensor-core
+        # peak (it cites the microbenchmarks of [Luo]); the profile keeps one fp16 peak and scales it for
+        # configs Triton lowers to mma.sync (cost_model.config_peak_flops).
+        mma_sync_fraction=2 / 3,
     ),
 }
 

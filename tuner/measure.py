@@ -204,7 +204,8 @@ class ReplayMeasurer(Measurer):
 class AnalyticMeasurer(Measurer):
     """No hardware: seconds = max(padded FLOPs / peak, bytes / bandwidth) / occupancy + 3 us launch.
 
-    The compute term is ``useful FLOPs / (peak x f_adapt)`` (f_adapt covers padding and waves); bytes
+    The compute term is ``useful FLOPs / (peak x f_adapt)`` (f_adapt covers padding and waves; the peak is
+    the config's, ``cost_model.config_peak_flops``: sm_90's mma.sync configs run below its wgmma rate); bytes
     count A re-read once per tile column and B once per tile row, plus C. It ranks tiles sensibly but
     knows nothing of the real kernel's efficiency: use it on machines without a GPU, never to report speed.
     """
@@ -215,12 +216,13 @@ class AnalyticMeasurer(Measurer):
         self.alpha = alpha
 
     def device_key(self) -> str:
-        return make_device_key(f"analytic:{self.profile.name}", f"sm_{self.profile.arch}", "none", "none")
+        rates = f";mma.sync={self.profile.mma_sync_fraction:g}" if self.profile.mma_sync_fraction != 1.0 else ""
+        return make_device_key(f"analytic:{self.profile.name}{rates}", f"sm_{self.profile.arch}", "none", "none")
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        from tuner.cost_model import blocks_per_sm, f_adapt, launches, peak_flops, useful_flops, workspace_bytes_moved
+        from tuner.cost_model import (blocks_per_sm, config_peak_flops, f_adapt, launches, useful_flops,
+                                      workspace_bytes_moved)
 
-        peak = peak_flops(self.profile, self.dtype)
         bandwidth = self.profile.dram_bandwidth_gbs * 1e9
         elem = DTYPE_BYTES[self.dtype]
         out = []
@@ -230,7 +232,7 @@ class AnalyticMeasurer(Measurer):
             if adapt <= 0:
                 out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM"))
                 continue
-            compute = useful_flops(p) / (peak * adapt)
+            compute = useful_flops(p) / (config_peak_flops(config, self.profile, self.dtype) * adapt)
             moved = (p.m * p.k * -(-p.n // config.block_n) + p.k * p.n * -(-p.m // config.block_m)
                      + p.m * p.n) * elem * p.batch + workspace_bytes_moved(config, p)
             out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6 * launches(config)))

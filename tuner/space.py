@@ -10,8 +10,10 @@ cover in a handful of rounds):
 - BLOCK_M, BLOCK_N in {16, 32, 64, 128, 256}: 16 is Triton's smallest ``tl.dot`` tile and serves M = 1
   decode rows; 256 is the largest tile that fits registers with 8 warps.
 - BLOCK_K in {16, 32, 64, 128}.
-- num_warps in {2, 4, 8}; num_stages in {2, 3, 4} (software-pipelining depth; 5 rarely beats 4 and only
-  costs shared memory).
+- num_warps in {2, 4, 8}; num_stages in {2, 3, 4} (software-pipelining depth), and 5 on sm_90 for the
+  configs that use wgmma (rule ``wgmma``): elsewhere 5 rarely beats 4 and only costs shared memory, while a
+  wgmma kernel issues its MMAs asynchronously and keeps more loads in flight, and 227 KB per block holds a
+  fifth stage of most of its tiles.
 - GROUP_M = 8 (tile-row swizzle for L2 reuse; with fewer tile rows than 8 it degenerates to row-major,
   so it never hurts and the value 1 is not worth doubling the space).
 - SPLIT_K in {1, 2, 4, 8}, every dtype, only on tiles no taller than wide (BLOCK_M <= BLOCK_N) with
@@ -38,15 +40,30 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   conv adds num_stages * BLOCK_M*BLOCK_K/threads * 3 (a pipelined gather keeps a 64-bit address and a
   predicate per input element in flight; without this term most large conv tiles compile to spills).
 - ``split_k``: split-K only on tiles with BLOCK_M <= BLOCK_N and BLOCK_M * BLOCK_N <= 4096 (see above).
+- ``wgmma`` (sm_90 only): on Hopper Triton lowers ``tl.dot`` to the warpgroup MMA (wgmma) only for
+  num_warps a multiple of 4, BLOCK_M a multiple of 64, 16-bit operands (or tf32) and BLOCK_K >= 16
+  (``wgmma_eligible``, checked against every config of the compiled float16 and bfloat16 gemm spaces
+  before and after this rule and of the float16 conv space: benchmarks/results/compile/sm90-mma*.csv);
+  otherwise it emits mma.sync, which reaches about 2/3 of the
+  H100's tensor-core peak (tuner/hardware.py). In the 16-bit spaces a config that cannot use wgmma is kept
+  only as a decode tile (BLOCK_M <= 32, which a 64-row wgmma tile would mostly pad): this drops the 2-warp
+  configs with BLOCK_M >= 64. num_stages 5 is kept only for wgmma configs (so the float32 spaces, compiled
+  in ieee precision without tensor cores, keep the other targets' stages). Compiled with the compile
+  filter's bias + gelu epilogue (benchmarks/results/compile/sm90-mma-space.csv), 47 of the 341 unsplit float16
+  configs spill: 38 wgmma tiles whose accumulator takes 128 registers per thread (128x128, 64x256, 256x64
+  on 4 warps; 128x256, 256x128 on 8), which compile without spills under a bias alone (the erf costs the
+  registers: sm90-spills-bias-only.txt), so the space keeps them for the GEMMs without gelu, and 9
+  mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations; gemm and bmm share a space,
-conv's gather costs registers; tests/test_space.py checks this table against the code). With split-K in
-{1, 4} for float32 only they were 591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89)
-and 624 / 350 / 91 (sm_90), conv f32 264 / 236 / 267; the split configs are now 127 tile configs x 3 splits
-for sm_90 float16 gemm:
+Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 4800 on sm_90 with its fifth
+stage; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks this table
+against the code). Before split-K went to every dtype (and before the ``wgmma`` rule) they were 591 / 335 / 90
+(sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's float16 gemm
+space is 713 configs: 294 use wgmma and 419 are mma.sync decode tiles (BLOCK_M <= 32); 372 are split-K, 72
+of them wgmma (64x64 tiles on 4 warps):
 
     target  op    float32  float16  bfloat16
     sm_80   gemm      770      710       710
@@ -55,9 +72,9 @@ for sm_90 float16 gemm:
     sm_89   gemm      605      587       587
     sm_89   bmm       605      587       587
     sm_89   conv      374      246       246
-    sm_90   gemm      811      731       731
-    sm_90   bmm       811      731       731
-    sm_90   conv      429      277       277
+    sm_90   gemm      811      713       713
+    sm_90   bmm       811      713       713
+    sm_90   conv      429      283       283
 """
 from __future__ import annotations
 
@@ -77,7 +94,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
            "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
-           "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
+           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -91,7 +108,9 @@ AXES: dict[str, tuple[int, ...]] = {
     "split_k": (1, 2, 4, 8),
 }
 
-RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k")
+RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma")
+_WGMMA_STAGES = (5,)  # added on GPUs with wgmma, for wgmma configs only
+_DECODE_BLOCK_M = 32  # tiles this short serve decode-size M: kept on mma.sync
 _SPLIT_K_MAX_TILE = 64 * 64
 _REG_OVERHEAD = 32
 _MMA_PER_WARP = 4
@@ -177,6 +196,30 @@ def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32, op:
     return acc + -(-operands // (4 * threads)) + gather + _REG_OVERHEAD
 
 
+def wgmma_eligible(config: MicroKernel, dtype: str, profile: HardwareProfile, tf32: bool = False) -> bool:
+    """Whether Triton 3.9 lowers the templates' ``tl.dot`` with ``config`` to wgmma (MMAv3) on ``profile``.
+
+    Triton's AccelerateMatmul pass tries MMAv3 first on sm_90 and takes it when ``supportMMA(dot, 3)``
+    holds (lib/Analysis/Utility.cpp): num_warps a multiple of 4 (whole warpgroups), the dot's M (BLOCK_M)
+    a multiple of 64 and N a multiple of 8, K >= 256 / element bits, and 16-bit (or fp8 / int8) operands, or
+    fp32 ones only in tf32 precision; otherwise it falls back to mma.sync (MMAv2), and an ieee fp32 dot uses
+    no tensor core. Checked config by config against the compiled PTX:
+    benchmarks/results/compile/sm90-mma.csv (tests/test_hopper.py)."""
+    if not profile.wgmma or config.num_warps % 4 or config.block_m % 64 or config.block_n % 8:
+        return False
+    if dtype == "float32" and not tf32:
+        return False
+    return config.block_k >= 256 // (DTYPE_BYTES[dtype] * 8)
+
+
+def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
+    """The axes of ``profile``'s spaces: ``AXES``, plus num_stages 5 on a GPU with wgmma (sm_90, whose 227 KB
+    of shared memory per block holds a fifth stage of the 64-row-multiple tiles the warpgroup MMA wants)."""
+    if not profile.wgmma:
+        return AXES
+    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES}
+
+
 def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -> str | None:
     mma_m, mma_n, mma_k = p.mma_min_tile
     k_min = max(16, mma_k * 2 // DTYPE_BYTES[dtype])
@@ -194,17 +237,20 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
         return "registers"
     if config.split_k > 1 and (config.block_m > config.block_n or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
         return "split_k"
+    if p.wgmma and not wgmma_eligible(config, dtype, p) and (
+            config.num_stages in _WGMMA_STAGES or (DTYPE_BYTES[dtype] == 2 and config.block_m > _DECODE_BLOCK_M)):
+        return "wgmma"
     return None
 
 
-def _product() -> list[MicroKernel]:
-    return [MicroKernel(*values) for values in itertools.product(*AXES.values())]
+def _product(profile: HardwareProfile) -> list[MicroKernel]:
+    return [MicroKernel(*values) for values in itertools.product(*axes_for(profile).values())]
 
 
 def enumerate_space(family: Family) -> list[MicroKernel]:
     """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic)."""
     profile = check_family(family)
-    return sorted(c for c in _product() if _failed_rule(c, family.op, family.dtype, profile) is None)
+    return sorted(c for c in _product(profile) if _failed_rule(c, family.op, family.dtype, profile) is None)
 
 
 def prune_report(family: Family) -> dict[str, int]:
@@ -212,7 +258,7 @@ def prune_report(family: Family) -> dict[str, int]:
     profile = check_family(family)
     counts = {rule: 0 for rule in RULES}
     kept = 0
-    configs = _product()
+    configs = _product(profile)
     for config in configs:
         rule = _failed_rule(config, family.op, family.dtype, profile)
         if rule is None:
@@ -225,7 +271,7 @@ def prune_report(family: Family) -> dict[str, int]:
 def validate(family: Family, config: MicroKernel) -> None:
     """Raise DietcodeError unless ``config`` belongs to ``family``'s space, naming the allowed values."""
     profile = check_family(family)
-    for name, allowed in AXES.items():
+    for name, allowed in axes_for(profile).items():
         value = getattr(config, name)
         if value not in allowed:
             raise DietcodeError(f"{config.key()}: {name}={value} is outside the space; allowed: "
@@ -316,17 +362,19 @@ def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, co
     configs = enumerate_space(family)
     report = prune_report(family)
     compiled = compile_filter(family, configs, workers=workers, cache_dir=cache_dir) if compile_ else None
-    rows = ([(c, k.shared, k.n_regs, k.n_spills) for c, k in compiled.kept] if compiled is not None
-            else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype, op=op), None) for c in configs])
+    rows = ([(c, k.shared, k.n_regs, k.n_spills, k.mma) for c, k in compiled.kept] if compiled is not None
+            else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype, op=op), None, None) for c in configs])
+    kinds = {kind: sum(row[4] == kind for row in rows) for kind in sorted({row[4] for row in rows if row[4]})}
     if as_json:
         out: dict[str, object] = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
-               "axes": {k: list(v) for k, v in AXES.items()}, "prune": report,
+               "axes": {k: list(v) for k, v in axes_for(profile).items()}, "prune": report,
                "shared_source": "compiled" if compiled is not None else "estimate",
-               "configs": [{**c.to_dict(), "shared_bytes": shared, **({"n_regs": regs, "n_spills": spills}
-                                                                      if compiled is not None else {})}
-                           for c, shared, regs, spills in rows]}
+               "configs": [{**c.to_dict(), "shared_bytes": shared,
+                            **({"n_regs": regs, "n_spills": spills, "mma": mma} if compiled is not None else {})}
+                           for c, shared, regs, spills, mma in rows]}
         if compiled is not None:
             out["compile_filter"] = compiled.counts()
+            out["mma"] = kinds
             out["compile_seconds"] = round(compiled.seconds, 2)
         print(json.dumps(out, indent=1))
         return 0
@@ -345,10 +393,12 @@ def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, co
                 rules.add_row(f"compiled: {rule}", str(count))
     console.print(rules)
     source = "compiled" if compiled is not None else "estimated"
-    table = Table("config", "threads", f"shared B ({source})", f"regs ({source})",
-                  title=f"{len(rows)} micro-kernels (key: m=BLOCK_M n=BLOCK_N k=BLOCK_K w=warps s=stages "
-                        f"g=group_m k=split_k)")
-    for c, shared, regs, _ in rows:
-        table.add_row(c.key(), str(c.threads), str(shared), str(regs))
+    columns = ("config", "threads", f"shared B ({source})", f"regs ({source})") + (("MMA",) if compiled else ())
+    table = Table(*columns, title=f"{len(rows)} micro-kernels (key: m=BLOCK_M n=BLOCK_N k=BLOCK_K w=warps "
+                                  f"s=stages g=group_m k=split_k)")
+    for c, shared, regs, _, mma in rows:
+        table.add_row(c.key(), str(c.threads), str(shared), str(regs), *((mma,) if compiled else ()))
     console.print(table)
+    if compiled is not None:
+        console.print("MMA in the compiled PTX: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
     return 0
