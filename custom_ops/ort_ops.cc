@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -45,7 +46,9 @@ constexpr int kCudaResourceVersion = 1;
 constexpr int kCudaResourceCudnnHandle = 10001;  // CudaResource::cudnn_handle_t
 constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle_t
 // ORT's CUDA EP computes float32 GEMMs with TF32 unless its use_tf32 option is 0 (the tuner's vendor baseline
-// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default.
+// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default. A custom op
+// cannot read the option (docs/abi.md, "Float32 precision"): neither OrtKernelInfo nor the session's config
+// entries carry a provider option, so this stays an assumption.
 constexpr int kOrtCudaUsesTf32 = 1;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
@@ -185,6 +188,7 @@ class DietcodeKernel {
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
       CheckVendorPathCuda();
+      WarnTf32Override();
     } else {
       CreateVendorOps(raw_info);
       cpu_memory_ = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
@@ -572,6 +576,26 @@ class DietcodeKernel {
     WarnOnce(fit, why);
     dc_node_count_fallback(counter_, why);
     VendorCuda(raw, in, shapes, n_in, residual, out, why);
+  }
+
+  // NVIDIA_TF32_OVERRIDE=0 makes cuBLAS and cuDNN, hence ORT's own float32 kernels and the vendor path,
+  // compute without TF32; it does not reach a compiled kernel's mma.sync / wgmma TF32 instructions. A node
+  // whose bundle holds TF32 kernels then computes with less precision than ORT would: said once, at session
+  // creation (ORT's use_tf32 provider option, which a custom op cannot read, is not checked).
+  void WarnTf32Override() {
+    const char* env = std::getenv("NVIDIA_TF32_OVERRIDE");
+    if (env == nullptr || std::string(env) != "0") return;
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (dc_bundle_kernel_tf32(bundle_.get(), k) != 1) continue;
+      const std::string text = where_ + ": NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS/cuDNN, but this node's "
+                               "compiled float32 kernels compute in TF32 (optimize with --fp32-precision ieee for "
+                               "exact float32 products)";
+      try {
+        ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+      } catch (const Ort::Exception&) {
+      }
+      return;
+    }
   }
 
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.

@@ -433,6 +433,7 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
     lib.dc_bundle_kernel_alpha.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_float)]
     lib.dc_bundle_kernel_causal.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_tf32.argtypes = [vp, i32]
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -544,15 +545,15 @@ class CoreBundle:
         alpha = ctypes.c_float()
         if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
             raise DietcodeError(self.core.error())
-        causal = lib.dc_bundle_kernel_causal(h, k)
-        if causal < 0:
+        causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
+        if causal < 0 or tf32 < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, causal=bool(causal),
+            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
