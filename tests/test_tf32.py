@@ -183,3 +183,35 @@ def test_interpreter_tf32_within_tf32_error_of_float64():
     result = run_interpreted("_tf32_cases.py")
     assert result["ragged"] <= 1.0 and result["bias_split_k"] <= 1.0
     assert result["probe_tf32"] == result["probe_ieee"] == result["probe_exact"] != result["probe_tf32_rounded"]
+
+
+def test_attention_kernels_follow_the_precision(tmp_path):
+    """float32 attention kernels take the precision too: TF32 mma.sync in their PTX and the bundle's flag; the
+    analytic attention cost uses the TF32 rate; the GPU timing context keys them apart."""
+    from tuner.attention import AttentionCompileJob, attention_space
+    from tuner.attention_tune import AttentionTimingSpec, AttentionWorkload, attention_time
+
+    config = attention_space("float32", "sm_80", 32)[0]
+    kernels = {}
+    for tf32 in (True, False):
+        job = AttentionCompileJob(config, "float32", "sm_80", 32, 0.125, False, allow_tf32=tf32)
+        kernels[tf32] = BundleKernel.from_compiled([job.compile()])
+    assert ".tf32.tf32.f32" in kernels[True].ptx and "mma" not in kernels[False].ptx
+    assert kernels[True].tf32 and not kernels[False].tf32
+    with pytest.raises(DietcodeError, match="float32 only"):
+        AttentionCompileJob(attention_space("float16", "sm_80", 32)[0], "float16", "sm_80", 32, 0.125, False,
+                            allow_tf32=True).compile()
+    from tuner.attention_tune import AttentionProblem
+
+    w = AttentionWorkload("float32", 32, False, False, False, False, 0.125, 3, "T", "T", "z")
+    p, h100 = AttentionProblem(1024, 1024, 64), get_profile("sm_90")
+    assert attention_time(config, w, p, h100, tf32=True) < attention_time(config, w, p, h100)
+    from tuner import gpu_timing
+
+    try:
+        contexts = {tf32: AttentionTimingSpec(w, "sm_80", aot.CompileToolchain(), FAKE, allow_tf32=tf32).build().context()
+                    for tf32 in (True, False)}
+    finally:
+        for timer in list(gpu_timing._SHARED.values()):
+            timer.close()
+    assert contexts[True] == contexts[False] + ";dot=tf32"

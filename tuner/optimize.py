@@ -239,7 +239,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                  for (_, scanned), sites in zip(scans, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
-                executor=executor)
+                executor=executor, fp32_precision=options.fp32_precision)
     results = []
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):
