@@ -39,6 +39,10 @@ constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
 constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no split-K workspace
+// Notes of the vendor conv (logged once per node each): its algorithm falls back to IMPLICIT_GEMM without
+// workspace because cuDNN's heuristic gave none, or because ORT gave no memory for the chosen one's workspace.
+constexpr int kNoteConvAlgo = 18;
+constexpr int kNoteConvWorkspace = 19;
 constexpr int kFitWorkspaceSize = 8;  // dc_kernel_fit's "workspace size" (core.h): the size overflows int64
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
@@ -56,6 +60,9 @@ struct BundleDeleter {
   void operator()(dc_bundle* b) const { dc_bundle_release(b); }
 };
 using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
+struct ConvAlgoCacheDeleter {
+  void operator()(dc_conv_algo_cache* c) const { dc_conv_algo_cache_free(c); }
+};
 
 template <typename T>
 T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
@@ -185,6 +192,7 @@ class DietcodeKernel {
     }
     if (cuda_) {
       device_memory_ = std::make_unique<NodeMemory>(raw_info);
+      if (spec.base == BaseOp::kConv) conv_algos_.reset(dc_conv_algo_cache_new());
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
       CheckVendorPathCuda();
@@ -598,6 +606,17 @@ class DietcodeKernel {
     }
   }
 
+  // One warning per node for a note of the vendor path itself (kNote*), not per call.
+  void NoteOnce(int note, const std::string& message) {
+    const uint32_t bit = 1u << (note & 31);
+    if (warned_.fetch_or(bit) & bit) return;
+    const std::string text = where_ + ": " + message + " (said once per node)";
+    try {
+      ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+    } catch (const Ort::Exception&) {
+    }
+  }
+
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
   void WarnOnce(int reason, const char* message) {
     const uint32_t bit = 1u << (reason & 31);
@@ -654,7 +673,24 @@ class DietcodeKernel {
         Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
       }
       void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
-      if (dc_vendor_conv(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
+      // cuDNN's heuristic, once per shape (the node's cache), then the workspace from ORT's scratch allocator
+      // on this stream (given back after the launch is enqueued: ScratchBuffer says why that is safe)
+      dc_conv_algo algo{};
+      const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, stream, DC_CONV_WORKSPACE_CAP, &algo);
+      if (chosen < 0) Throw(dc_last_error());
+      if (chosen == 0) NoteOnce(kNoteConvAlgo, std::string("Conv runs cuDNN's ") + dc_last_error());
+      ScratchBuffer workspace;
+      if (algo.workspace_bytes != 0) {
+        std::string error;
+        if (!workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(algo.workspace_bytes), &error)) {
+          NoteOnce(kNoteConvWorkspace, "Conv runs cuDNN's IMPLICIT_GEMM without workspace instead of algorithm " +
+                                           std::to_string(algo.algo) + ": " + error);
+          algo = dc_conv_algo{};
+          algo.math_type = plan.math_type;
+        }
+      }
+      if (dc_vendor_conv(&plan, &algo, reinterpret_cast<void*>(workspace.address()), in[0].GetTensorRawData(),
+                         in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
           dc_vendor_epilogue(&plan.epilogue, y, bias, nullptr, stream) != 0) {
         Throw(dc_last_error());
       }
@@ -688,7 +724,9 @@ class DietcodeKernel {
   bool has_bias_input_ = false;
   float scale_ = 1.0f;  // MatMul: the fused scalar Mul/Div (compiled kernels have it baked in)
   std::vector<int64_t> features_;
-  std::unique_ptr<NodeMemory> device_memory_;  // CUDA only: the memory split-K workspaces come from
+  std::unique_ptr<NodeMemory> device_memory_;  // CUDA only: the memory split-K and cuDNN workspaces come from
+  // CUDA Conv only: the vendor path's cuDNN algorithm per convolution shape
+  std::unique_ptr<dc_conv_algo_cache, ConvAlgoCacheDeleter> conv_algos_;
   GemmAttrs gemm_;
   ConvAttrs conv_;
   Ort::Op base_op_{nullptr};  // CPU only

@@ -586,7 +586,8 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     if not names:
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
     # a conv tree gets compiled kernels only: the CUDA path's vendor conv (docs/abi.md, "The vendor path") is a
-    # correctness fallback (cuDNN's IMPLICIT_GEMM, no workspace, symmetric pads), not the algorithm timed here;
+    # correctness fallback (cuDNN's heuristic choice within a 256 MiB workspace, symmetric pads), not the algorithm
+    # torch's conv2d runs when it is timed here;
     # the vendor time stays a comparison
     dispatch = build_dispatch(names, instances, result.candidates, result.times,
                               None if w.op == "conv" else vendor, options.max_kernels, options.seed)
