@@ -145,10 +145,11 @@ class _AnalyticTable:
 
     def measure_vendor(self, family, problems):
         from tuner.cost_model import peak_flops, useful_flops
-        from tuner.measure import MeasureResult
+        from tuner.measure import ORT_CUDA_USES_TF32, MeasureResult
         from tuner.space import DTYPE_BYTES
 
-        elem, peak = DTYPE_BYTES[self.dtype], peak_flops(self.profile, self.dtype)
+        # the vendor library runs float32 as ORT's CUDA EP does (TF32 by default)
+        elem, peak = DTYPE_BYTES[self.dtype], peak_flops(self.profile, self.dtype, tf32=ORT_CUDA_USES_TF32)
         bandwidth = self.profile.dram_bandwidth_gbs * 1e9
         return [MeasureResult(max(useful_flops(p) / peak,
                                   (p.m * p.k + p.k * p.n + p.m * p.n) * p.batch * elem / bandwidth) + 3e-6)
