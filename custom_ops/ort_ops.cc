@@ -676,7 +676,7 @@ class DietcodeKernel {
       // cuDNN's heuristic, once per shape (the node's cache), then the workspace from ORT's scratch allocator
       // on this stream (given back after the launch is enqueued: ScratchBuffer says why that is safe)
       dc_conv_algo algo{};
-      const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, stream, DC_CONV_WORKSPACE_CAP, &algo);
+      const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, DC_CONV_WORKSPACE_CAP, &algo);
       if (chosen < 0) Throw(dc_last_error());
       if (chosen == 0) NoteOnce(kNoteConvAlgo, std::string("Conv runs cuDNN's ") + dc_last_error());
       ScratchBuffer workspace;

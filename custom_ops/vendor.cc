@@ -690,7 +690,6 @@ struct dc_conv_algo_cache {
   int64_t queries = 0;
 };
 
-
 extern "C" {
 
 int dc_vendor_cudnn_load(const char* path) {
@@ -706,8 +705,8 @@ int64_t dc_conv_algo_cache_queries(const dc_conv_algo_cache* cache) {
   return cache == nullptr ? 0 : cache->queries;
 }
 
-int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* p, void* handle, void* stream,
-                        uint64_t workspace_cap, dc_conv_algo* out) {
+int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* p, void* handle, uint64_t workspace_cap,
+                        dc_conv_algo* out) {
   using dietcode::Fail;
   if (p == nullptr || out == nullptr) return Fail("null plan or result");
   if (handle == nullptr) return Fail("no cuDNN handle (ONNX Runtime gave none for this stream)");
@@ -727,8 +726,7 @@ int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* p, void* 
     }
     cache->queries++;
   }
-  if (!dietcode::BindStream(*dnn, handle, stream, &error)) return Fail(error);
-  dc_conv_algo algo{};
+  dc_conv_algo algo{};  // the heuristic enqueues no work: the handle's stream does not matter here
   std::string why;
   if (!dietcode::QueryAlgo(*dnn, *p, handle, workspace_cap, &algo, &why)) {
     algo = dc_conv_algo{};  // IMPLICIT_GEMM, no workspace, the plan's math type

@@ -118,13 +118,13 @@ void dc_conv_algo_cache_free(dc_conv_algo_cache* cache);
 // How many heuristic queries the cache has made (one per distinct shape), for tests and stats.
 int64_t dc_conv_algo_cache_queries(const dc_conv_algo_cache* cache);
 
-// The algorithm for a plan (the descriptors as dc_vendor_conv makes them, on `cudnn_handle` bound to
-// `stream`): cudnnGetConvolutionForwardAlgorithm_v7's first result with status SUCCESS whose workspace
+// The algorithm for a plan (the descriptors as dc_vendor_conv makes them, on `cudnn_handle`; the query enqueues
+// no work): cudnnGetConvolutionForwardAlgorithm_v7's first result with status SUCCESS whose workspace
 // (cudnnGetConvolutionForwardWorkspaceSize) is at most `workspace_cap`. Cached in `cache` (NULL: none) per
 // (shapes, dtype, math type), failures too. 1: chosen; 0: IMPLICIT_GEMM without workspace, because the query
 // failed, this cuDNN lacks it, or no result fits (the reason in dc_last_error, set each time it is answered);
 // -1: no cuDNN, no handle (message).
-int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* plan, void* cudnn_handle, void* stream,
+int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* plan, void* cudnn_handle,
                         uint64_t workspace_cap, dc_conv_algo* out);
 
 // The convolution part of a plan on `cudnn_handle` bound to `stream` (cudnnSetStream unless it already is):

@@ -383,13 +383,13 @@ class Core:
         if self.lib.dc_vendor_cudnn_load(None if path is None else str(path).encode()) != 0:
             raise DietcodeError(self.error())
 
-    def vendor_conv_algo(self, plan: ConvPlan, handle: int, stream: int = 0, cache: ConvAlgoCache | None = None,
+    def vendor_conv_algo(self, plan: ConvPlan, handle: int, cache: ConvAlgoCache | None = None,
                          cap: int = CONV_WORKSPACE_CAP) -> tuple[ConvAlgo, str]:
         """The algorithm a plan runs with (``dc_vendor_conv_algo``) and, for the IMPLICIT_GEMM fallback, why
         ("" when cuDNN's heuristic chose it). DietcodeError when no cuDNN or handle is there."""
         out = ConvAlgo()
         r = self.lib.dc_vendor_conv_algo(cache.handle if cache is not None else None, ctypes.byref(plan), handle,
-                                         stream, cap, ctypes.byref(out))
+                                         cap, ctypes.byref(out))
         if r < 0:
             raise DietcodeError(self.error())
         return out, "" if r == 1 else self.error()
@@ -491,7 +491,7 @@ def _bind_vendor(lib: Any) -> None:
                                       ci, ctypes.POINTER(ConvPlan)]
     lib.dc_vendor_cudnn_load.argtypes = [ctypes.c_char_p]
     lib.dc_vendor_conv.argtypes = [ctypes.POINTER(ConvPlan), ctypes.POINTER(ConvAlgo), vp, vp, vp, vp, vp, vp]
-    lib.dc_vendor_conv_algo.argtypes = [vp, ctypes.POINTER(ConvPlan), vp, vp, ctypes.c_uint64,
+    lib.dc_vendor_conv_algo.argtypes = [vp, ctypes.POINTER(ConvPlan), vp, ctypes.c_uint64,
                                         ctypes.POINTER(ConvAlgo)]
     lib.dc_conv_algo_cache_new.restype = vp
     lib.dc_conv_algo_cache_free.argtypes = [vp]

@@ -266,7 +266,7 @@ def _run_conv(core, fake_libs, sx, sw, attrs, dtype, cache, cap=None):
     want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
     plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
     kw = {} if cap is None else {"cap": cap}
-    algo, why = core.vendor_conv_algo(plan, handle=1, stream=STREAM, cache=cache, **kw)
+    algo, why = core.vendor_conv_algo(plan, handle=1, cache=cache, **kw)
     workspace = np.zeros(max(1, algo.workspace_bytes), np.uint8)
     out = np.full(want.shape, np.nan, dtype=DTYPES[dtype])
     core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, out.ctypes.data, handle=1, stream=STREAM, algo=algo,
@@ -334,7 +334,7 @@ def test_vendor_conv_skips_algorithms_past_the_cap_and_falls_back_when_none_fits
 def test_vendor_conv_refuses_a_missing_workspace(fresh_heuristic):
     core = load_core()
     plan = core.conv_plan((1, 2, 5, 5), (3, 2, 3, 3))
-    algo, _ = core.vendor_conv_algo(plan, handle=1, stream=STREAM)
+    algo, _ = core.vendor_conv_algo(plan, handle=1)
     assert algo.workspace_bytes > 0
     x, w, y = np.zeros((1, 2, 5, 5), np.float32), np.zeros((3, 2, 3, 3), np.float32), np.zeros((1, 3, 3, 3), np.float32)
     with pytest.raises(DietcodeError, match="workspace, none given"):
