@@ -58,9 +58,10 @@ _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
 # How float32 dots are computed: "tf32" (tensor cores, operands rounded to TF32) or "ieee" (FMA units, exact
 # float32 products). ONNX Runtime's CUDA EP computes float32 MatMul/Gemm (cuBLAS) and Conv (cuDNN) in TF32
-# unless its provider option use_tf32 is 0; the option came with ONNX Runtime 1.18 (microsoft/onnxruntime
-# PRs #19357 for GEMMs and #19426 for Conv) with the default 1, `bool use_tf32{true}` in
-# onnxruntime/core/providers/cuda/cuda_execution_provider_info.h. The tuned kernels follow the same default.
+# unless its provider option use_tf32 is 0: TF32 was already its default (microsoft/onnxruntime issue #15407,
+# 2023), and the option to turn it off came with ONNX Runtime 1.18 (PRs #19357 for GEMMs, #19426 for Conv),
+# default 1: `bool use_tf32{true}` in onnxruntime/core/providers/cuda/cuda_execution_provider_info.h. The tuned
+# kernels follow the same default.
 FP32_PRECISIONS: tuple[str, ...] = ("tf32", "ieee")
 DEFAULT_FP32_PRECISION = "tf32"
 _FORMAT = 4  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;

@@ -241,6 +241,8 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
 class CostModel(ABC):
     """update(pairs, measured seconds) / predict(pairs) -> predicted seconds / save / load."""
 
+    tf32 = False  # what models pickled before the float32 precision existed were (ieee)
+
     def __init__(self, profile: HardwareProfile, dtype: str, tf32: bool = False) -> None:
         self.profile = profile
         self.dtype = dtype
