@@ -1,6 +1,7 @@
 /* A host-memory stand-in for the cuBLAS and cuDNN entry points the vendor path calls (custom_ops/vendor.cc),
  * with their real signatures and semantics (cuBLAS: column-major; cuDNN: NCHW cross-correlation with groups),
- * so the tests drive dc_vendor_gemm and dc_vendor_conv with host pointers. It checks the arguments the real
+ * so the tests drive dc_vendor_gemm, dc_vendor_conv_algo (cuDNN's forward heuristic and workspace sizes, with a
+ * fixed ranking) and dc_vendor_conv with host pointers. It checks the arguments the real
  * libraries check and records the last call for the tests. Data types: cuBLAS CUDA_R_32F (0), CUDA_R_16F (2),
  * CUDA_R_16BF (14); cuDNN FLOAT (0), HALF (2), BFLOAT16 (9); accumulation in double. */
 #include <math.h>
