@@ -129,12 +129,12 @@ def _analytic_environment(command: str, target: str) -> dict:
 class _AnalyticTable:
     """``--measure analytic``: the roofline model for configs, the roofline floor for the vendor rows."""
 
-    def __init__(self, target: str, dtype: str) -> None:
+    def __init__(self, target: str, dtype: str, tf32: bool = False) -> None:
         from tuner.hardware import get_profile
         from tuner.measure import AnalyticMeasurer
 
         self.profile = get_profile(target)
-        self.inner = AnalyticMeasurer(self.profile, dtype)
+        self.inner = AnalyticMeasurer(self.profile, dtype, tf32=tf32)
         self.dtype = dtype
 
     def device_key(self) -> str:
@@ -145,10 +145,11 @@ class _AnalyticTable:
 
     def measure_vendor(self, family, problems):
         from tuner.cost_model import peak_flops, useful_flops
-        from tuner.measure import MeasureResult
+        from tuner.measure import ORT_CUDA_USES_TF32, MeasureResult
         from tuner.space import DTYPE_BYTES
 
-        elem, peak = DTYPE_BYTES[self.dtype], peak_flops(self.profile, self.dtype)
+        # the vendor library runs float32 as ORT's CUDA EP does (TF32 by default)
+        elem, peak = DTYPE_BYTES[self.dtype], peak_flops(self.profile, self.dtype, tf32=ORT_CUDA_USES_TF32)
         bandwidth = self.profile.dram_bandwidth_gbs * 1e9
         return [MeasureResult(max(useful_flops(p) / peak,
                                   (p.m * p.k + p.k * p.n + p.m * p.n) * p.batch * elem / bandwidth) + 3e-6)
@@ -175,14 +176,18 @@ def _environment(command: str) -> dict:
 
 
 def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_configs: int | None = None,
-           seed: int = 0, command: str = "", budget_s: float | None = None, measure: str = "gpu") -> Path:
+           seed: int = 0, command: str = "", budget_s: float | None = None, measure: str = "gpu",
+           fp32_precision: str = "tf32") -> Path:
     """Measure the configs of each set's space (all, or the sample ``max_configs`` / ``budget_s`` allow;
-    see the module docstring) on each of its problems; returns the CSV path."""
+    see the module docstring) on each of its problems; returns the CSV path. float32 kernels are compiled in
+    ``fp32_precision`` (tuner.aot: "tf32", optimize's default, or "ieee")."""
+    from tuner.aot import check_fp32_precision, uses_tf32
     from rich.progress import Progress
 
     from tuner.measure import GpuMeasurer
     from tuner.space import Family, enumerate_space
 
+    check_fp32_precision(fp32_precision)
     out.mkdir(parents=True, exist_ok=True)
     if measure == "analytic":
         env = _analytic_environment(command, "sm_90")
@@ -200,7 +205,7 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
                              "(dc_time_kernel); median of the timed launches", "vendor": "torch (cuBLAS / cuDNN)",
                   **asdict(TimingSettings(repeats=repeats))}
     meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s, "timing": timing,
-            "max_configs": max_configs,
+            "max_configs": max_configs, "fp32_precision": fp32_precision,
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
                      for s in sets], "done": []}
     meta_path, table = out / "table.json", out / "table.csv"
@@ -226,9 +231,10 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             if budget_s is not None:  # this set's share of the time left
                 deadline = time.monotonic() + (budget_s - (time.monotonic() - started)) / (len(sets) - index)
             if measure == "analytic":
-                measurer = _AnalyticTable(target, s.dtype)
+                measurer = _AnalyticTable(target, s.dtype, uses_tf32(s.dtype, fp32_precision))
             else:
-                measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue, div16=shipped_div16(s))
+                measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue, div16=shipped_div16(s),
+                                       allow_tf32=uses_tf32(s.dtype, fp32_precision))
             try:
                 measured = _record_set(s, family, space, measurer, writer, fh, bar, deadline)
             finally:
@@ -274,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--conv-preset", default="full", help="the ResNet-50 preset the conv layers come from")
     p.add_argument("--measure", default="gpu", choices=["gpu", "analytic"],
                    help="gpu (default) or analytic: the roofline model, to rehearse the recorder without a GPU")
+    p.add_argument("--fp32-precision", choices=("tf32", "ieee"), default="tf32",
+                   help="float32 kernels' dots: tf32 (default, as optimize compiles them) or ieee")
     args = p.parse_args(argv)
     try:
         names = [n.strip() for n in args.sets.split(",") if n.strip()]
@@ -295,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "conv": lambda: conv_sets(preset=args.conv_preset)}
         sets = [s for n in names for s in makers[n]()]
         path = record(sets, args.out, repeats=args.repeats, max_configs=args.max_configs, seed=args.seed,
-                      command=shlex.join(sys.argv), budget_s=args.budget_s, measure=args.measure)
+                      command=shlex.join(sys.argv), budget_s=args.budget_s, measure=args.measure,
+                      fp32_precision=args.fp32_precision)
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

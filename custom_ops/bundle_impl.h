@@ -108,6 +108,7 @@ struct Kernel {
   uint32_t num_warps = 4, block_m = 1, block_n = 1, split_k = 1;
   uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
   bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
+  bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,

@@ -23,6 +23,7 @@ constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
 constexpr uint32_t kFlagCausal = 2;  // attention kernels compiled in causal mode
+constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -193,7 +194,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || !k.ptx_toolchain.empty()) {
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || !k.ptx_toolchain.empty()) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -230,6 +231,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
+  if (k.tf32 && k.dtype != 0) Fail(where + ": tf32 applies to float32 kernels only");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -281,13 +283,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       Fail("kernel " + std::to_string(index) + ": flag zero_output (split-K by atomics into the output, bundle "
            "format 5) is gone: split-K kernels take a workspace");
     }
-    if (kind > kVendor || (flags & ~kFlagCausal) != 0) {
+    if (kind > kVendor || (flags & ~(kFlagCausal | kFlagTf32)) != 0) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
     k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
     k.causal = flags & kFlagCausal;
+    k.tf32 = flags & kFlagTf32;
     k.num_warps = sub.Get<uint32_t>("num_warps");
     k.shared = sub.Get<uint32_t>("shared");
     k.block_m = sub.Get<uint32_t>("block_m");

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace and the kernel causal flag
+#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace and the kernel causal and tf32 flags
 
 typedef struct dc_bundle dc_bundle;
 
@@ -91,6 +91,10 @@ int dc_bundle_kernel_alpha(const dc_bundle* bundle, int32_t k, float* alpha);
 // Whether kernel k is an attention kernel compiled in causal mode (bundle flags bit 1): 1 or 0; -1 for an
 // out-of-range kernel id.
 int dc_bundle_kernel_causal(const dc_bundle* bundle, int32_t k);
+
+// Whether kernel k is a float32 kernel compiled with TF32 dots (bundle flags bit 2; clear: exact float32
+// products): 1 or 0; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_tf32(const dc_bundle* bundle, int32_t k);
 
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,10 @@ constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
 constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no split-K workspace
+// Notes of the vendor conv (logged once per node each): its algorithm falls back to IMPLICIT_GEMM without
+// workspace because cuDNN's heuristic gave none, or because ORT gave no memory for the chosen one's workspace.
+constexpr int kNoteConvAlgo = 18;
+constexpr int kNoteConvWorkspace = 19;
 constexpr int kFitWorkspaceSize = 8;  // dc_kernel_fit's "workspace size" (core.h): the size overflows int64
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
@@ -45,7 +50,9 @@ constexpr int kCudaResourceVersion = 1;
 constexpr int kCudaResourceCudnnHandle = 10001;  // CudaResource::cudnn_handle_t
 constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle_t
 // ORT's CUDA EP computes float32 GEMMs with TF32 unless its use_tf32 option is 0 (the tuner's vendor baseline
-// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default.
+// assumes the same, tuner/measure.py ORT_CUDA_USES_TF32); the vendor path follows the default. A custom op
+// cannot read the option (docs/abi.md, "Float32 precision"): neither OrtKernelInfo nor the session's config
+// entries carry a provider option, so this stays an assumption.
 constexpr int kOrtCudaUsesTf32 = 1;
 
 // Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
@@ -53,6 +60,9 @@ struct BundleDeleter {
   void operator()(dc_bundle* b) const { dc_bundle_release(b); }
 };
 using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
+struct ConvAlgoCacheDeleter {
+  void operator()(dc_conv_algo_cache* c) const { dc_conv_algo_cache_free(c); }
+};
 
 template <typename T>
 T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
@@ -182,9 +192,11 @@ class DietcodeKernel {
     }
     if (cuda_) {
       device_memory_ = std::make_unique<NodeMemory>(raw_info);
+      if (spec.base == BaseOp::kConv) conv_algos_.reset(dc_conv_algo_cache_new());
       CheckKernelsBuiltForNode();
       FitDevice(raw_info);
       CheckVendorPathCuda();
+      WarnTf32Override();
     } else {
       CreateVendorOps(raw_info);
       cpu_memory_ = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
@@ -574,6 +586,37 @@ class DietcodeKernel {
     VendorCuda(raw, in, shapes, n_in, residual, out, why);
   }
 
+  // NVIDIA_TF32_OVERRIDE=0 makes cuBLAS and cuDNN, hence ORT's own float32 kernels and the vendor path,
+  // compute without TF32; it does not reach a compiled kernel's mma.sync / wgmma TF32 instructions. A node
+  // whose bundle holds TF32 kernels then computes with less precision than ORT would: said once, at session
+  // creation (ORT's use_tf32 provider option, which a custom op cannot read, is not checked).
+  void WarnTf32Override() {
+    const char* env = std::getenv("NVIDIA_TF32_OVERRIDE");
+    if (env == nullptr || std::string(env) != "0") return;
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (dc_bundle_kernel_tf32(bundle_.get(), k) != 1) continue;
+      const std::string text = where_ + ": NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS/cuDNN, but this node's "
+                               "compiled float32 kernels compute in TF32 (optimize with --fp32-precision ieee for "
+                               "exact float32 products)";
+      try {
+        ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+      } catch (const Ort::Exception&) {
+      }
+      return;
+    }
+  }
+
+  // One warning per node for a note of the vendor path itself (kNote*), not per call.
+  void NoteOnce(int note, const std::string& message) {
+    const uint32_t bit = 1u << (note & 31);
+    if (warned_.fetch_or(bit) & bit) return;
+    const std::string text = where_ + ": " + message + " (said once per node)";
+    try {
+      ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
+    } catch (const Ort::Exception&) {
+    }
+  }
+
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
   void WarnOnce(int reason, const char* message) {
     const uint32_t bit = 1u << (reason & 31);
@@ -630,7 +673,24 @@ class DietcodeKernel {
         Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
       }
       void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
-      if (dc_vendor_conv(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
+      // cuDNN's heuristic, once per shape (the node's cache), then the workspace from ORT's scratch allocator
+      // on this stream (given back after the launch is enqueued: ScratchBuffer says why that is safe)
+      dc_conv_algo algo{};
+      const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, DC_CONV_WORKSPACE_CAP, &algo);
+      if (chosen < 0) Throw(dc_last_error());
+      if (chosen == 0) NoteOnce(kNoteConvAlgo, std::string("Conv runs cuDNN's ") + dc_last_error());
+      ScratchBuffer workspace;
+      if (algo.workspace_bytes != 0) {
+        std::string error;
+        if (!workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(algo.workspace_bytes), &error)) {
+          NoteOnce(kNoteConvWorkspace, "Conv runs cuDNN's IMPLICIT_GEMM without workspace instead of algorithm " +
+                                           std::to_string(algo.algo) + ": " + error);
+          algo = dc_conv_algo{};
+          algo.math_type = plan.math_type;
+        }
+      }
+      if (dc_vendor_conv(&plan, &algo, reinterpret_cast<void*>(workspace.address()), in[0].GetTensorRawData(),
+                         in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
           dc_vendor_epilogue(&plan.epilogue, y, bias, nullptr, stream) != 0) {
         Throw(dc_last_error());
       }
@@ -664,7 +724,9 @@ class DietcodeKernel {
   bool has_bias_input_ = false;
   float scale_ = 1.0f;  // MatMul: the fused scalar Mul/Div (compiled kernels have it baked in)
   std::vector<int64_t> features_;
-  std::unique_ptr<NodeMemory> device_memory_;  // CUDA only: the memory split-K workspaces come from
+  std::unique_ptr<NodeMemory> device_memory_;  // CUDA only: the memory split-K and cuDNN workspaces come from
+  // CUDA Conv only: the vendor path's cuDNN algorithm per convolution shape
+  std::unique_ptr<dc_conv_algo_cache, ConvAlgoCacheDeleter> conv_algos_;
   GemmAttrs gemm_;
   ConvAttrs conv_;
   Ort::Op base_op_{nullptr};  // CPU only

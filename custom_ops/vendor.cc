@@ -8,8 +8,10 @@
 #include <atomic>
 #include <climits>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 #include "bundle_impl.h"
 #include "shapes.h"
@@ -21,7 +23,7 @@ constexpr int32_t kCudaR32F = 0, kCudaR16F = 2, kCudaR16BF = 14;
 constexpr int32_t kCompute32F = 68, kCompute32FFastTf32 = 77;
 constexpr int kGemmDefault = -1;  // cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
 constexpr int32_t kCudnnFloat = 0, kCudnnHalf = 2, kCudnnBfloat16 = 9;  // cudnnDataType_t
-constexpr int32_t kCudnnDefaultMath = 0, kCudnnTensorOpMath = 1, kCudnnFmaMath = 3;  // cudnnMathType_t
+constexpr int32_t kCudnnTensorOpMath = 1, kCudnnFmaMath = 3;  // cudnnMathType_t
 constexpr int kCudnnNchw = 0, kCudnnCrossCorrelation = 1, kCudnnFwdImplicitGemm = 0;
 
 int Refuse(const std::string& message) {
@@ -219,8 +221,9 @@ extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, 
   p.dil_h = static_cast<int32_t>(dilations[0]), p.dil_w = static_cast<int32_t>(dilations[1]);
   p.out_h = static_cast<int32_t>(shape[2]), p.out_w = static_cast<int32_t>(shape[3]);
   p.data_type = dtype == 0 ? kCudnnFloat : dtype == 1 ? kCudnnHalf : kCudnnBfloat16;
-  // ORT's CUDA EP: the default math type lets cuDNN use TF32 for float32; use_tf32=0 asks for FMA math.
-  p.math_type = dtype == 0 ? (tf32 ? kCudnnDefaultMath : kCudnnFmaMath) : kCudnnTensorOpMath;
+  // Tensor cores for 16-bit data and for float32 with TF32 (ORT's use_tf32 default); use_tf32=0 asks ORT's
+  // CUDA EP for FMA math, which rules TF32 out.
+  p.math_type = dtype == 0 && !tf32 ? kCudnnFmaMath : kCudnnTensorOpMath;
   dc_epilogue& e = p.epilogue;  // the output [N, K, OH, OW] as [N*K, OH*OW]: B is indexed by row % K
   e.dtype = dtype;
   e.activation = activation;
@@ -494,7 +497,24 @@ struct Cudnn {
   int (*set_stream)(void*, void*) = nullptr;
   int (*get_stream)(void*, void**) = nullptr;
   const char* (*error_string)(int) = nullptr;
+  // the heuristic (optional: without it every call runs IMPLICIT_GEMM without workspace)
+  int (*get_algorithm_v7)(void*, void*, void*, void*, void*, int, int*, void*) = nullptr;
+  int (*get_workspace_size)(void*, void*, void*, void*, void*, int, size_t*) = nullptr;
 };
+
+// cudnnConvolutionFwdAlgoPerf_t (cudnn_cnn.h, cuDNN 8 and 9): the heuristic's result records. cuDNN 9 keeps the
+// legacy convolution API in its cudnn_cnn library, marked deprecated, with cuDNN 8's signatures
+// (docs.nvidia.com/deeplearning/cudnn/backend/v9.6.0/api/cudnn-cnn-library.html); libcudnn.so.9 exports it.
+struct FwdAlgoPerf {
+  int algo;  // cudnnConvolutionFwdAlgo_t
+  int status;  // cudnnStatus_t
+  float time;
+  size_t memory;
+  int determinism;
+  int math_type;  // cudnnMathType_t
+  int reserved[3];
+};
+constexpr int kFwdAlgoCount = 8;  // CUDNN_CONVOLUTION_FWD_ALGO_COUNT
 
 std::mutex g_cudnn_mutex;
 std::atomic<const Cudnn*> g_cudnn{nullptr};  // loaded tables are kept for the process (never freed)
@@ -524,6 +544,9 @@ const Cudnn* ResolveCudnn(void* lib, const std::string& origin, std::string* err
   Sym(lib, "cudnnSetStream", &t->set_stream, &missing);
   Sym(lib, "cudnnGetStream", &t->get_stream, &missing);
   Sym(lib, "cudnnGetErrorString", &t->error_string, &missing);
+  std::string optional;  // a cuDNN without them runs the fallback algorithm (dc_vendor_conv_algo says why)
+  Sym(lib, "cudnnGetConvolutionForwardAlgorithm_v7", &t->get_algorithm_v7, &optional);
+  Sym(lib, "cudnnGetConvolutionForwardWorkspaceSize", &t->get_workspace_size, &optional);
   if (!missing.empty()) {
     *error = origin + " lacks " + missing;
     delete t;
@@ -574,8 +597,98 @@ struct ConvDescriptors {
   }
 };
 
+// The descriptors of a plan's call, with `math` as the convolution's math type; false with *error.
+bool MakeDescriptors(const Cudnn& dnn, const dc_conv_plan& p, int math, ConvDescriptors* d, std::string* error) {
+  auto check = [&](int st, const char* what) {
+    if (st == 0) return true;
+    const char* text = dnn.error_string(st);
+    *error = std::string(what) + " (" + dnn.origin + ") failed: " + (text ? text : "") + " (cuDNN status " +
+             std::to_string(st) + ")";
+    return false;
+  };
+  return check(dnn.create_tensor(&d->x), "cudnnCreateTensorDescriptor") &&
+         check(dnn.set_tensor_4d(d->x, kCudnnNchw, p.data_type, p.n, p.c, p.h, p.w), "cudnnSetTensor4dDescriptor (X)") &&
+         check(dnn.create_tensor(&d->y), "cudnnCreateTensorDescriptor") &&
+         check(dnn.set_tensor_4d(d->y, kCudnnNchw, p.data_type, p.n, p.k, p.out_h, p.out_w),
+               "cudnnSetTensor4dDescriptor (Y)") &&
+         check(dnn.create_filter(&d->w), "cudnnCreateFilterDescriptor") &&
+         check(dnn.set_filter_4d(d->w, p.data_type, kCudnnNchw, p.k, p.kc, p.kh, p.kw), "cudnnSetFilter4dDescriptor") &&
+         check(dnn.create_conv(&d->conv), "cudnnCreateConvolutionDescriptor") &&
+         check(dnn.set_conv_2d(d->conv, p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dil_h, p.dil_w,
+                               kCudnnCrossCorrelation, kCudnnFloat),
+               "cudnnSetConvolution2dDescriptor") &&
+         check(dnn.set_group_count(d->conv, p.group), "cudnnSetConvolutionGroupCount") &&
+         check(dnn.set_math_type(d->conv, math), "cudnnSetConvolutionMathType");
+}
+
+// Binds the handle to `stream` unless it already is (ORT binds each stream's handle when it creates it).
+bool BindStream(const Cudnn& dnn, void* handle, void* stream, std::string* error) {
+  void* bound = nullptr;
+  int st = dnn.get_stream(handle, &bound);
+  const char* what = "cudnnGetStream";
+  if (st == 0 && bound != stream) st = dnn.set_stream(handle, stream), what = "cudnnSetStream";
+  if (st == 0) return true;
+  const char* text = dnn.error_string(st);
+  *error = std::string(what) + " (" + dnn.origin + ") failed: " + (text ? text : "") + " (cuDNN status " +
+           std::to_string(st) + ")";
+  return false;
+}
+
+// The key of a plan's algorithm choice: its shapes, conv attributes, data and math type.
+using AlgoKey = std::tuple<int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t,
+                           int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t>;
+AlgoKey KeyOf(const dc_conv_plan& p) {
+  return AlgoKey(p.n, p.c, p.h, p.w, p.k, p.kc, p.kh, p.kw, p.group, p.pad_h, p.pad_w, p.stride_h, p.stride_w,
+                 p.dil_h, p.dil_w, p.out_h, p.out_w, p.data_type, p.math_type);
+}
+
+// The heuristic's choice for a plan (uncached); true: chosen, false: the fallback with *why.
+bool QueryAlgo(const Cudnn& dnn, const dc_conv_plan& p, void* handle, uint64_t cap, dc_conv_algo* out,
+               std::string* why) {
+  if (dnn.get_algorithm_v7 == nullptr || dnn.get_workspace_size == nullptr) {
+    *why = dnn.origin + " lacks cudnnGetConvolutionForwardAlgorithm_v7 / cudnnGetConvolutionForwardWorkspaceSize";
+    return false;
+  }
+  ConvDescriptors d(dnn);
+  if (!MakeDescriptors(dnn, p, p.math_type, &d, why)) return false;
+  FwdAlgoPerf perf[kFwdAlgoCount] = {};
+  int returned = 0;
+  const int st = dnn.get_algorithm_v7(handle, d.x, d.w, d.conv, d.y, kFwdAlgoCount, &returned, perf);
+  if (st != 0) {
+    const char* text = dnn.error_string(st);
+    *why = std::string("cudnnGetConvolutionForwardAlgorithm_v7 (") + dnn.origin + ") failed: " + (text ? text : "") +
+           " (cuDNN status " + std::to_string(st) + ")";
+    return false;
+  }
+  returned = std::max(0, std::min(returned, kFwdAlgoCount));
+  std::string skipped;
+  for (int i = 0; i < returned; ++i) {
+    if (perf[i].status != 0) continue;
+    size_t bytes = 0;
+    if (dnn.get_workspace_size(handle, d.x, d.w, d.conv, d.y, perf[i].algo, &bytes) != 0) continue;
+    if (bytes > cap) {
+      skipped += (skipped.empty() ? "" : ", ") + std::to_string(perf[i].algo) + " (" + std::to_string(bytes) + " B)";
+      continue;
+    }
+    out->algo = perf[i].algo;
+    out->from_heuristic = 1;
+    out->math_type = p.math_type == kCudnnFmaMath ? kCudnnFmaMath : perf[i].math_type;  // FMA: no TF32, ever
+    out->workspace_bytes = bytes;
+    return true;
+  }
+  *why = "cuDNN's heuristic returned " + std::to_string(returned) + " algorithms and none runs within the " +
+         std::to_string(cap) + "-byte workspace cap" + (skipped.empty() ? "" : ": " + skipped);
+  return false;
+}
+
 }  // namespace
 }  // namespace dietcode
+
+struct dc_conv_algo_cache {
+  std::mutex mutex;
+  std::map<dietcode::AlgoKey, std::pair<dc_conv_algo, std::string>> chosen;  // the choice and a fallback's reason
+  int64_t queries = 0;
+};
 
 extern "C" {
 
@@ -584,46 +697,76 @@ int dc_vendor_cudnn_load(const char* path) {
   return dietcode::LoadCudnn(path, &error) != nullptr ? 0 : dietcode::Fail(error);
 }
 
-int dc_vendor_conv(const dc_conv_plan* p, const void* x, const void* w, void* y, void* handle, void* stream) {
+dc_conv_algo_cache* dc_conv_algo_cache_new(void) { return new dc_conv_algo_cache; }
+
+void dc_conv_algo_cache_free(dc_conv_algo_cache* cache) { delete cache; }
+
+int64_t dc_conv_algo_cache_queries(const dc_conv_algo_cache* cache) {
+  return cache == nullptr ? 0 : cache->queries;
+}
+
+int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* p, void* handle, uint64_t workspace_cap,
+                        dc_conv_algo* out) {
   using dietcode::Fail;
-  if (p == nullptr) return Fail("null plan");
+  if (p == nullptr || out == nullptr) return Fail("null plan or result");
   if (handle == nullptr) return Fail("no cuDNN handle (ONNX Runtime gave none for this stream)");
   std::string error;
   const dietcode::Cudnn* dnn = dietcode::LoadCudnn(nullptr, &error);
   if (dnn == nullptr) return Fail(error);
-  auto check = [&](int st, const char* what) {
-    if (st == 0) return true;
-    const char* text = dnn->error_string(st);
-    error = std::string(what) + " (" + dnn->origin + ") failed: " + (text ? text : "") + " (cuDNN status " +
-            std::to_string(st) + ")";
-    return false;
-  };
-  // ORT binds each stream's handle to that stream when it creates it; rebind only if it is bound elsewhere.
-  void* bound = nullptr;
-  if (!check(dnn->get_stream(handle, &bound), "cudnnGetStream")) return Fail(error);
-  if (bound != stream && !check(dnn->set_stream(handle, stream), "cudnnSetStream")) return Fail(error);
+  const dietcode::AlgoKey key = dietcode::KeyOf(*p);
+  std::unique_lock<std::mutex> lock;
+  if (cache != nullptr) {
+    lock = std::unique_lock<std::mutex>(cache->mutex);  // held over the query: one query per shape
+    auto hit = cache->chosen.find(key);
+    if (hit != cache->chosen.end()) {
+      *out = hit->second.first;
+      if (out->from_heuristic) return 1;
+      dietcode::SetError(hit->second.second);
+      return 0;
+    }
+    cache->queries++;
+  }
+  dc_conv_algo algo{};  // the heuristic enqueues no work: the handle's stream does not matter here
+  std::string why;
+  if (!dietcode::QueryAlgo(*dnn, *p, handle, workspace_cap, &algo, &why)) {
+    algo = dc_conv_algo{};  // IMPLICIT_GEMM, no workspace, the plan's math type
+    algo.algo = dietcode::kCudnnFwdImplicitGemm;
+    algo.math_type = p->math_type;
+    why = "IMPLICIT_GEMM without workspace: " + why;
+  }
+  if (cache != nullptr) cache->chosen.emplace(key, std::make_pair(algo, why));
+  *out = algo;
+  if (algo.from_heuristic) return 1;
+  dietcode::SetError(why);
+  return 0;
+}
+
+int dc_vendor_conv(const dc_conv_plan* p, const dc_conv_algo* algo, void* workspace, const void* x, const void* w,
+                   void* y, void* handle, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr) return Fail("null plan");
+  if (handle == nullptr) return Fail("no cuDNN handle (ONNX Runtime gave none for this stream)");
+  const uint64_t workspace_bytes = algo == nullptr ? 0 : algo->workspace_bytes;
+  if (workspace_bytes != 0 && workspace == nullptr) {
+    return Fail("the convolution algorithm needs a " + std::to_string(workspace_bytes) + "-byte workspace, none given");
+  }
+  std::string error;
+  const dietcode::Cudnn* dnn = dietcode::LoadCudnn(nullptr, &error);
+  if (dnn == nullptr) return Fail(error);
+  if (!dietcode::BindStream(*dnn, handle, stream, &error)) return Fail(error);
   dietcode::ConvDescriptors d(*dnn);
-  const int nchw = dietcode::kCudnnNchw;
-  const bool ok =
-      check(dnn->create_tensor(&d.x), "cudnnCreateTensorDescriptor") &&
-      check(dnn->set_tensor_4d(d.x, nchw, p->data_type, p->n, p->c, p->h, p->w), "cudnnSetTensor4dDescriptor (X)") &&
-      check(dnn->create_tensor(&d.y), "cudnnCreateTensorDescriptor") &&
-      check(dnn->set_tensor_4d(d.y, nchw, p->data_type, p->n, p->k, p->out_h, p->out_w),
-            "cudnnSetTensor4dDescriptor (Y)") &&
-      check(dnn->create_filter(&d.w), "cudnnCreateFilterDescriptor") &&
-      check(dnn->set_filter_4d(d.w, p->data_type, nchw, p->k, p->kc, p->kh, p->kw), "cudnnSetFilter4dDescriptor") &&
-      check(dnn->create_conv(&d.conv), "cudnnCreateConvolutionDescriptor") &&
-      check(dnn->set_conv_2d(d.conv, p->pad_h, p->pad_w, p->stride_h, p->stride_w, p->dil_h, p->dil_w,
-                             dietcode::kCudnnCrossCorrelation, dietcode::kCudnnFloat),
-            "cudnnSetConvolution2dDescriptor") &&
-      check(dnn->set_group_count(d.conv, p->group), "cudnnSetConvolutionGroupCount") &&
-      check(dnn->set_math_type(d.conv, p->math_type), "cudnnSetConvolutionMathType");
-  if (!ok) return Fail(error);
-  const float alpha = 1.0f, beta = 0.0f;  // float scaling for float, half and bfloat16 data
-  if (!check(dnn->forward(handle, &alpha, d.x, x, d.w, w, d.conv, dietcode::kCudnnFwdImplicitGemm, nullptr, 0, &beta,
-                          d.y, y),
-             "cudnnConvolutionForward")) {
+  if (!dietcode::MakeDescriptors(*dnn, *p, algo == nullptr ? p->math_type : algo->math_type, &d, &error)) {
     return Fail(error);
+  }
+  const float alpha = 1.0f, beta = 0.0f;  // float scaling for float, half and bfloat16 data
+  const int st = dnn->forward(handle, &alpha, d.x, x, d.w, w, d.conv,
+                              algo == nullptr ? dietcode::kCudnnFwdImplicitGemm : algo->algo,
+                              workspace_bytes != 0 ? workspace : nullptr, static_cast<size_t>(workspace_bytes), &beta,
+                              d.y, y);
+  if (st != 0) {
+    const char* text = dnn->error_string(st);
+    return Fail(std::string("cudnnConvolutionForward (") + dnn->origin + ") failed: " + (text ? text : "") +
+                " (cuDNN status " + std::to_string(st) + ")");
   }
   return 0;
 }

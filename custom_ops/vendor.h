@@ -63,14 +63,15 @@ int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int64_t* b, siz
                       dc_gemm_plan* out);
 
 // One 2-D Conv call as cuDNN's legacy cudnnConvolutionForward (NCHW, cross-correlation, symmetric pads,
-// groups), with CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, which needs no workspace.
+// groups); the algorithm comes from dc_vendor_conv_algo.
 typedef struct dc_conv_plan {
   int32_t n, c, h, w;                   // X
   int32_t k, kc, kh, kw;                // W: [k, kc = c / group, kh, kw]
   int32_t group, pad_h, pad_w, stride_h, stride_w, dil_h, dil_w;
   int32_t out_h, out_w;
   int32_t data_type;                    // cudnnDataType_t: 0 FLOAT, 2 HALF, 9 BFLOAT16; compute type FLOAT
-  int32_t math_type;                    // cudnnMathType_t: 0 DEFAULT (TF32 allowed), 1 TENSOR_OP, 3 FMA (no TF32)
+  int32_t math_type;                    // cudnnMathType_t: 1 TENSOR_OP (16-bit, or float32 with TF32), 3 FMA
+                                        // (float32 without TF32)
   dc_epilogue epilogue;                 // Conv's B: one value per output channel
 } dc_conv_plan;
 
@@ -95,11 +96,44 @@ int dc_vendor_gemm(const dc_gemm_plan* plan, const void* a, const void* b, void*
 // Which cuDNN the vendor path calls: as dc_vendor_cublas_load, for libcudnn.so.9 / .8.
 int dc_vendor_cudnn_load(const char* path);
 
+// The forward algorithm a plan runs with and the workspace it needs (cudnnConvolutionFwdAlgo_t: 0 is
+// IMPLICIT_GEMM, which needs none).
+typedef struct dc_conv_algo {
+  int32_t algo;
+  int32_t from_heuristic;               // 1: cuDNN's heuristic chose it; 0: the IMPLICIT_GEMM fallback
+  int32_t math_type;                    // the math type to run it with (the heuristic result's; FMA stays FMA)
+  int32_t reserved;
+  uint64_t workspace_bytes;             // device memory to pass dc_vendor_conv (0: none)
+} dc_conv_algo;
+
+// The workspace cap: the first heuristic algorithm needing at most this much is taken. ORT's CUDA EP searches
+// with up to all free device memory (cudnn_conv_use_max_workspace=1, its default) or 32 MiB (=0); the
+// heuristic picks without timing, so it is held to a fixed budget between the two.
+#define DC_CONV_WORKSPACE_CAP (256ull << 20)
+
+// Per node: the algorithm chosen for each convolution shape, so cuDNN's heuristic runs once per shape.
+typedef struct dc_conv_algo_cache dc_conv_algo_cache;
+dc_conv_algo_cache* dc_conv_algo_cache_new(void);
+void dc_conv_algo_cache_free(dc_conv_algo_cache* cache);
+// How many heuristic queries the cache has made (one per distinct shape), for tests and stats.
+int64_t dc_conv_algo_cache_queries(const dc_conv_algo_cache* cache);
+
+// The algorithm for a plan (the descriptors as dc_vendor_conv makes them, on `cudnn_handle`; the query enqueues
+// no work): cudnnGetConvolutionForwardAlgorithm_v7's first result with status SUCCESS whose workspace
+// (cudnnGetConvolutionForwardWorkspaceSize) is at most `workspace_cap`. Cached in `cache` (NULL: none) per
+// (shapes, dtype, math type), failures too. 1: chosen; 0: IMPLICIT_GEMM without workspace, because the query
+// failed, this cuDNN lacks it, or no result fits (the reason in dc_last_error, set each time it is answered);
+// -1: no cuDNN, no handle (message).
+int dc_vendor_conv_algo(dc_conv_algo_cache* cache, const dc_conv_plan* plan, void* cudnn_handle,
+                        uint64_t workspace_cap, dc_conv_algo* out);
+
 // The convolution part of a plan on `cudnn_handle` bound to `stream` (cudnnSetStream unless it already is):
-// descriptors, then cudnnConvolutionForward with alpha 1, beta 0. x, w, y: device pointers. Loads cuDNN
-// (path NULL) on first use. 0 on success, -1 with a message naming the cuDNN status.
-int dc_vendor_conv(const dc_conv_plan* plan, const void* x, const void* w, void* y, void* cudnn_handle,
-                   void* stream);
+// descriptors, then cudnnConvolutionForward with alpha 1, beta 0, `algo` (NULL: IMPLICIT_GEMM) and its
+// workspace (device memory of algo->workspace_bytes, 16-byte aligned; NULL when it needs none). x, w, y:
+// device pointers. Loads cuDNN (path NULL) on first use. 0 on success, -1 with a message naming the cuDNN
+// status.
+int dc_vendor_conv(const dc_conv_plan* plan, const dc_conv_algo* algo, void* workspace, const void* x,
+                   const void* w, void* y, void* cudnn_handle, void* stream);
 
 // An epilogue on `stream` (the module loads once per CUDA context); nothing to do when it has no bias, no
 // activation and no residual. residual: a tensor of the output's shape (device pointer) when has_residual.

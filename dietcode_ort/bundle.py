@@ -59,6 +59,7 @@ _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0,
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
 FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
+FLAG_TF32 = 4  # a float32 kernel compiled with TF32 dots (DOT_PRECISION="tf32"); clear: ieee float32 products
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -152,6 +153,7 @@ class BundleKernel:
     block_n: int = 1
     split_k: int = 1
     causal: bool = False  # attention kernels only: compiled with CAUSAL (the Attention node's `causal` attribute)
+    tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -252,7 +254,7 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.image_toolchains
+                    or self.tf32 or self.image_toolchains
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
@@ -265,6 +267,8 @@ class BundleKernel:
             raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
         if self.causal and "seq_q" not in self.params:
             raise _fail(f"{where}: causal applies to attention kernels only")
+        if self.tf32 and self.dtype != "float32":
+            raise _fail(f"{where}: tf32 applies to float32 kernels only, not {self.dtype}")
         if not 0 <= self.shared <= LIMITS["shared"]:
             raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
         if len(self.image_shared) != len(self.images):
@@ -359,6 +363,8 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
     constants = dict(getattr(compiled, "constants", ()))
+    # the dot precision: tuner/aot's allow_tf32, or the constexpr an attention kernel was compiled with
+    out["tf32"] = bool(getattr(compiled, "allow_tf32", False)) or constants.get("DOT_PRECISION") == "tf32"
     alpha = constants.get("ALPHA", constants.get("SCALE"))  # SCALE: an attention kernel's softmax scale
     if alpha is None and epilogue is not None and getattr(compiled, "conv", None) is None:
         alpha = epilogue.alpha  # a compile cached without its constexprs: its epilogue's alpha was baked in
@@ -675,7 +681,7 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            flags = FLAG_CAUSAL if k.causal else 0
+            flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0)
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)

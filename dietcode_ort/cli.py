@@ -173,7 +173,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention)
+        min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
+        fp32_precision=args.fp32_precision)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -215,6 +216,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                    help="fuse each attention chain (MatMul, scale, mask Add, Softmax, MatMul) into one "
                         "ai.dietcode::Attention node with tuned flash-style kernels (default; --no-fuse-attention "
                         "leaves the chains as they are: their MatMuls then get tuned GEMM kernels)")
+    p.add_argument("--fp32-precision", choices=("tf32", "ieee"), default="tf32",
+                   help="how float32 kernels compute their products: tf32 (tensor cores, operands rounded to "
+                        "TF32; the default, as ONNX Runtime's CUDA EP runs float32 MatMul/Gemm/Conv unless its "
+                        "use_tf32 option is 0) or ieee (exact float32 products on the FMA units, slower)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",

@@ -124,7 +124,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
                          "alpha": k.alpha, "ptx_mma": _ptx_mma(k.ptx),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
-                                       "conv": list(k.conv)}}
+                                       "conv": list(k.conv), "precision": _precision(k)}}
                         for k in bundle.kernels],
             "configs": info.get("kernels"),
             "features": [f.name for f in bundle.features],
@@ -139,6 +139,19 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
             # the SCALE the kernels were compiled with (their recorded alpha), which the runtime checks
             nodes[-1]["attention"]["kernel_scale"] = sorted({k.alpha for k in bundle.kernels if k.kind == "triton"})
     return nodes
+
+
+def _kernel_facts(k: dict) -> str:
+    """" tf32 (mma.sync, sm_80 PTX)": a compiled float32 kernel's precision and the MMA its PTX uses."""
+    precision = f" {k['built_for']['precision']}" if k["built_for"]["precision"] else ""
+    return precision + (f" ({k['ptx_mma']['mma']}, {k['ptx_mma']['target']} PTX)" if k["ptx_mma"] else "")
+
+
+def _precision(k: BundleKernel) -> str | None:
+    """How a compiled float32 kernel computes its dots ("tf32" or "ieee"); None for other kernels."""
+    if k.kind != "triton" or k.dtype != "float32":
+        return None
+    return "tf32" if k.tf32 else "ieee"
 
 
 def load_optimized(path: str | Path) -> onnx.ModelProto:
@@ -187,9 +200,8 @@ def inspect_command(path: str, as_json: bool) -> int:
                     f"head_dim={a['head_dim']}"
                     + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else ""))
         names = list(n["configs"] or [k["name"] for k in n["kernels"]])
-        if len(names) == len(n["kernels"]):  # one line per kernel: say which MMA its PTX uses
-            names = [name + (f" ({k['ptx_mma']['mma']}, {k['ptx_mma']['target']} PTX)" if k["ptx_mma"] else "")
-                     for name, k in zip(names, n["kernels"])]
+        if len(names) == len(n["kernels"]):  # one line per kernel: its precision and which MMA its PTX uses
+            names = [name + _kernel_facts(k) for name, k in zip(names, n["kernels"])]
         kernels = "\n".join(names)
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])

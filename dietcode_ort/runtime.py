@@ -195,6 +195,34 @@ class ConvPlan(ctypes.Structure):
         "dil_w", "out_h", "out_w", "data_type", "math_type")] + [("epilogue", Epilogue)]
 
 
+class ConvAlgo(ctypes.Structure):
+    """Mirror of ``dc_conv_algo``: the cuDNN forward algorithm a conv plan runs with and its workspace."""
+
+    _fields_ = [("algo", ctypes.c_int32), ("from_heuristic", ctypes.c_int32), ("math_type", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("workspace_bytes", ctypes.c_uint64)]
+
+
+CONV_WORKSPACE_CAP = 256 << 20  # DC_CONV_WORKSPACE_CAP (custom_ops/vendor.h)
+
+
+class ConvAlgoCache:
+    """A node's per-shape algorithm choices (``dc_conv_algo_cache``), freed with the object."""
+
+    def __init__(self, core: "Core") -> None:
+        self.lib = core.lib
+        self.handle = core.lib.dc_conv_algo_cache_new()
+
+    @property
+    def queries(self) -> int:
+        """How many heuristic queries it has made: one per distinct shape."""
+        return int(self.lib.dc_conv_algo_cache_queries(self.handle))
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.dc_conv_algo_cache_free(self.handle)
+            self.handle = None
+
+
 class Core:
     """ctypes binding of the library's C core (custom_ops/core.h)."""
 
@@ -355,9 +383,23 @@ class Core:
         if self.lib.dc_vendor_cudnn_load(None if path is None else str(path).encode()) != 0:
             raise DietcodeError(self.error())
 
-    def vendor_conv(self, plan: ConvPlan, x: int, w: int, y: int, handle: int, stream: int = 0) -> None:
-        """Run a plan's convolution (``dc_vendor_conv``) on raw pointers: X, W, output, cuDNN handle, stream."""
-        if self.lib.dc_vendor_conv(ctypes.byref(plan), x, w, y, handle, stream) != 0:
+    def vendor_conv_algo(self, plan: ConvPlan, handle: int, cache: ConvAlgoCache | None = None,
+                         cap: int = CONV_WORKSPACE_CAP) -> tuple[ConvAlgo, str]:
+        """The algorithm a plan runs with (``dc_vendor_conv_algo``) and, for the IMPLICIT_GEMM fallback, why
+        ("" when cuDNN's heuristic chose it). DietcodeError when no cuDNN or handle is there."""
+        out = ConvAlgo()
+        r = self.lib.dc_vendor_conv_algo(cache.handle if cache is not None else None, ctypes.byref(plan), handle,
+                                         cap, ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out, "" if r == 1 else self.error()
+
+    def vendor_conv(self, plan: ConvPlan, x: int, w: int, y: int, handle: int, stream: int = 0,
+                    algo: ConvAlgo | None = None, workspace: int = 0) -> None:
+        """Run a plan's convolution (``dc_vendor_conv``) on raw pointers: X, W, output, cuDNN handle, stream,
+        with ``algo`` (None: IMPLICIT_GEMM) and its workspace."""
+        if self.lib.dc_vendor_conv(ctypes.byref(plan), ctypes.byref(algo) if algo is not None else None,
+                                   workspace or None, x, w, y, handle, stream) != 0:
             raise DietcodeError(self.error())
 
     def vendor_cublas_load(self, path: str | Path | None = None) -> None:
@@ -433,6 +475,7 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
     lib.dc_bundle_kernel_alpha.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_float)]
     lib.dc_bundle_kernel_causal.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_tf32.argtypes = [vp, i32]
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -447,7 +490,13 @@ def _bind_vendor(lib: Any) -> None:
     lib.dc_conv_plan_make.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, i64p, i64p, ctypes.c_int64, ci, ci, ci,
                                       ci, ctypes.POINTER(ConvPlan)]
     lib.dc_vendor_cudnn_load.argtypes = [ctypes.c_char_p]
-    lib.dc_vendor_conv.argtypes = [ctypes.POINTER(ConvPlan), vp, vp, vp, vp, vp]
+    lib.dc_vendor_conv.argtypes = [ctypes.POINTER(ConvPlan), ctypes.POINTER(ConvAlgo), vp, vp, vp, vp, vp, vp]
+    lib.dc_vendor_conv_algo.argtypes = [vp, ctypes.POINTER(ConvPlan), vp, ctypes.c_uint64,
+                                        ctypes.POINTER(ConvAlgo)]
+    lib.dc_conv_algo_cache_new.restype = vp
+    lib.dc_conv_algo_cache_free.argtypes = [vp]
+    lib.dc_conv_algo_cache_queries.restype = ctypes.c_int64
+    lib.dc_conv_algo_cache_queries.argtypes = [vp]
 
 
 class CoreBundle:
@@ -544,15 +593,15 @@ class CoreBundle:
         alpha = ctypes.c_float()
         if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
             raise DietcodeError(self.core.error())
-        causal = lib.dc_bundle_kernel_causal(h, k)
-        if causal < 0:
+        causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
+        if causal < 0 or tf32 < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, causal=bool(causal),
+            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))

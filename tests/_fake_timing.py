@@ -66,7 +66,7 @@ class FakeBackend(TimingBackend):
         view = load_core().abi_view(**node_call(item))
         assert view is not None
         record = {"pid": os.getpid(), "config": item.config, "div16": list(kernel.div16), "params": list(kernel.params),
-                  "name": kernel.name, "view": [view.M, view.N, view.K, view.batch, view.stride_a_batch,
+                  "name": kernel.name, "tf32": kernel.tf32, "view": [view.M, view.N, view.K, view.batch, view.stride_a_batch,
                                                 view.stride_b_batch]}
         with open(self.plan["log"], "a") as fh:
             fh.write(json.dumps(record) + "\n")

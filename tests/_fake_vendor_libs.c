@@ -1,6 +1,7 @@
 /* A host-memory stand-in for the cuBLAS and cuDNN entry points the vendor path calls (custom_ops/vendor.cc),
  * with their real signatures and semantics (cuBLAS: column-major; cuDNN: NCHW cross-correlation with groups),
- * so the tests drive dc_vendor_gemm and dc_vendor_conv with host pointers. It checks the arguments the real
+ * so the tests drive dc_vendor_gemm, dc_vendor_conv_algo (cuDNN's forward heuristic and workspace sizes, with a
+ * fixed ranking) and dc_vendor_conv with host pointers. It checks the arguments the real
  * libraries check and records the last call for the tests. Data types: cuBLAS CUDA_R_32F (0), CUDA_R_16F (2),
  * CUDA_R_16BF (14); cuDNN FLOAT (0), HALF (2), BFLOAT16 (9); accumulation in double. */
 #include <math.h>
@@ -148,6 +149,16 @@ void* fake_dnn_bound_stream = 0;
 void* fake_dnn_last_stream = 0;
 int fake_dnn_set_stream_calls = 0;
 int fake_dnn_live_descriptors = 0;
+/* the heuristic: its calls, a status to fail with (0: answer), the workspace of the first usable algorithm */
+int fake_dnn_heuristic_calls = 0;
+int fake_dnn_heuristic_status = 0;
+int fake_dnn_heuristic_results = 4; /* how many of the ranking below it returns */
+size_t fake_dnn_big_workspace = (size_t)1 << 40;
+void* fake_dnn_last_ws = 0;
+size_t fake_dnn_last_ws_size = 0;
+
+/* cudnnConvolutionFwdAlgoPerf_t */
+typedef struct { int algo, status; float time; size_t memory; int determinism, mathType, reserved[3]; } FwdAlgoPerf;
 
 static int cublas_type(int dnn_type) { return dnn_type == 0 ? 0 : dnn_type == 2 ? 2 : dnn_type == 9 ? 14 : -1; }
 
@@ -214,16 +225,60 @@ int cudnnGetStream(void* handle, void** stream) {
 
 const char* cudnnGetErrorString(int status) { return status == kDnnBadParam ? "CUDNN_STATUS_BAD_PARAM" : "CUDNN_STATUS_OTHER"; }
 
+/* The workspace an algorithm needs here: none for IMPLICIT_GEMM (0), more than any cap for GEMM (2), a
+ * shape-dependent size for the others (IMPLICIT_PRECOMP_GEMM, 1, is the one the heuristic offers first). */
+static size_t fake_workspace(const Tensor4d* X, int algo) {
+  if (algo == 0) return 0;
+  if (algo == 2) return fake_dnn_big_workspace;
+  return (size_t)X->n * X->c * X->h * X->w * 4 + 256 * (size_t)algo;
+}
+
+int cudnnGetConvolutionForwardWorkspaceSize(void* handle, void* xd, void* wd, void* cd, void* yd, int algo,
+                                            size_t* size) {
+  const Tensor4d* X = xd;
+  if (handle == 0) return kDnnNotInitialized;
+  if (!X->set || !((Tensor4d*)yd)->set || !((Filter4d*)wd)->set || !((Conv2d*)cd)->set || algo < 0 || algo > 7)
+    return kDnnBadParam;
+  *size = fake_workspace(X, algo);
+  return kDnnOk;
+}
+
+/* Ranks FFT_TILING (5, not supported here), GEMM (2, too much workspace), IMPLICIT_PRECOMP_GEMM (1), then
+ * IMPLICIT_GEMM (0), each with the descriptor's math type. */
+int cudnnGetConvolutionForwardAlgorithm_v7(void* handle, void* xd, void* wd, void* cd, void* yd, int requested,
+                                           int* returned, void* results) {
+  const Tensor4d* X = xd;
+  const Conv2d* C = cd;
+  if (handle == 0) return kDnnNotInitialized;
+  if (!X->set || !((Tensor4d*)yd)->set || !((Filter4d*)wd)->set || !C->set || requested < 1 || returned == 0)
+    return kDnnBadParam;
+  fake_dnn_heuristic_calls++;
+  if (fake_dnn_heuristic_status != 0) return fake_dnn_heuristic_status;
+  const int algos[4] = {5, 2, 1, 0};
+  FwdAlgoPerf* perf = results;
+  int n = requested < fake_dnn_heuristic_results ? requested : fake_dnn_heuristic_results;
+  for (int i = 0; i < n; ++i) {
+    FwdAlgoPerf r = {algos[i], algos[i] == 5 ? kDnnNotSupported : kDnnOk, -1.0f, fake_workspace(X, algos[i]), 1,
+                     C->math, {0, 0, 0}};
+    perf[i] = r;
+  }
+  *returned = n;
+  return kDnnOk;
+}
+
 int cudnnConvolutionForward(void* handle, const void* alpha, void* xd, const void* x, void* wd, const void* w,
                             void* cd, int algo, void* ws, size_t ws_size, const void* beta, void* yd, void* y) {
   const Tensor4d* X = xd;
   const Tensor4d* Y = yd;
   const Filter4d* W = wd;
   const Conv2d* C = cd;
-  (void)ws;
   if (handle == 0) return kDnnNotInitialized;
   if (!X->set || !Y->set || !W->set || !C->set) return kDnnBadParam;
-  if (algo != 0 && ws_size == 0) return kDnnNotSupported; /* only IMPLICIT_GEMM runs without a workspace */
+  if (algo < 0 || algo > 7 || algo == 5) return kDnnNotSupported;
+  if (ws_size < fake_workspace(X, algo) || (ws_size > 0 && ws == 0)) return kDnnBadParam; /* too small a workspace */
+  if (ws_size > 0) memset(ws, 0xA5, ws_size); /* it must be writable memory of that size */
+  fake_dnn_last_ws = ws;
+  fake_dnn_last_ws_size = ws_size;
   if (X->type != W->type || X->type != Y->type || C->compute != 0) return kDnnBadParam;
   const int g = C->groups;
   if (X->c != W->c * g || W->k % g != 0 || Y->c != W->k || Y->n != X->n) return kDnnBadParam;

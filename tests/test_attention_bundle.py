@@ -441,6 +441,7 @@ def test_attention_gpu_timings_are_stored_in_the_database_and_reused(tmp_path: P
     from tuner.database import Database
 
     def tune(**kw) -> tuple[int, int] | None:
+        kw.setdefault("allow_tf32", True)  # as tune_sites compiles float32 under --fp32-precision tf32 (default)
         with Database(db) as store:
             return tune_attention(w, problems, ["sm_90"], max_kernels=2, measure="gpu", budget=2,
                                   backend="_fake_timing:FakeBackend", db=store,
@@ -451,6 +452,7 @@ def test_attention_gpu_timings_are_stored_in_the_database_and_reused(tmp_path: P
     monkeypatch.setattr(aot, "template_hash", lambda: "f" * 64)
     assert tune() == (0, 4) and len(_timed(log)) == 12
     assert tune() == (4, 4) and len(_timed(log)) == 12
+    assert tune(allow_tf32=False) == (0, 4) and len(_timed(log)) == 16  # ieee kernels: other rows
 
 
 def test_attention_gpu_failures_in_the_database(tmp_path: Path, monkeypatch) -> None:

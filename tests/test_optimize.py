@@ -91,7 +91,8 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         assert all(set(k["image_shared"]) == {"sm_90a"} and k["image_shared"]["sm_90a"] > 0 for k in node["kernels"])
         # pointers always, and N/K because 64 and 176 are multiples of 16 (checked again per call)
         assert all(k["div16"] == ["a", "b", "c", "N", "K"] for k in node["kernels"])
-        assert all(k["built_for"] == {"dtype": "float32", "activation": "none", "trans_b": False, "conv": []}
+        assert all(k["built_for"] == {"dtype": "float32", "activation": "none", "trans_b": False, "conv": [],
+                                      "precision": "tf32"}  # --fp32-precision's default
                    for k in node["kernels"])
         assert node["tree"]["if_chain"]
     # the same bundle and tree describe() reads in-process

@@ -108,3 +108,19 @@ def test_report_cli_json_and_bad_table(table, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report_table.py"), str(bad)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "is not a measurement table" in out.stderr
+
+
+def test_recorder_follows_the_fp32_precision(tmp_path):
+    """float32 sets are recorded in --fp32-precision (the analytic rehearsal: TF32 configs at the TF32 rate,
+    the vendor rows at ORT's TF32 rate either way), and table.json says which."""
+    s = record_table.TableSet("dense-f32", "gemm", (Problem(256, 512, 512),), dtype="float32")
+    seconds = {}
+    for precision in ("tf32", "ieee"):
+        out = tmp_path / precision
+        path = record_table.record([s], out, max_configs=2, measure="analytic", fp32_precision=precision)
+        rows = list(csv.DictReader(path.open()))
+        seconds[precision] = {r["config"]: float(r["seconds"]) for r in rows}
+        assert json.loads((out / "table.json").read_text())["fp32_precision"] == precision
+    assert seconds["tf32"]["vendor"] == seconds["ieee"]["vendor"]
+    configs = [c for c in seconds["tf32"] if c != "vendor"]
+    assert configs and all(seconds["tf32"][c] < seconds["ieee"][c] for c in configs)

@@ -239,16 +239,113 @@ def test_vendor_conv_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype
     core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
     assert ctypes.c_void_p.in_dll(fake_libs, "fake_dnn_last_stream").value == STREAM
     assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_algo").value == 0
-    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_math").value == (0 if dtype == "float32" else 1)
+    assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_last_math").value == 1  # TENSOR_OP: 16-bit, or float32 in TF32
     assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_live_descriptors").value == 0  # all destroyed
     tol = 1e-5 if dtype == "float32" else 2e-3
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
 
 
+def _dnn(fake_libs, name: str, kind=ctypes.c_int):
+    return kind.in_dll(fake_libs, name)
+
+
+@pytest.fixture
+def fresh_heuristic(fake_libs):
+    """The stand-in's heuristic answering, its counters at zero (restored after the test)."""
+    _dnn(fake_libs, "fake_dnn_heuristic_calls").value = 0
+    _dnn(fake_libs, "fake_dnn_heuristic_status").value = 0
+    yield fake_libs
+    _dnn(fake_libs, "fake_dnn_heuristic_status").value = 0
+
+
+def _run_conv(core, fake_libs, sx, sw, attrs, dtype, cache, cap=None):
+    """Plan, choose the algorithm (through ``cache``), allocate its workspace (host memory) and run the conv;
+    returns the output, the algorithm, the fallback reason and the workspace buffer."""
+    rng = np.random.default_rng(sum(sx) + sum(sw))
+    x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
+    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
+    plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
+    kw = {} if cap is None else {"cap": cap}
+    algo, why = core.vendor_conv_algo(plan, handle=1, cache=cache, **kw)
+    workspace = np.zeros(max(1, algo.workspace_bytes), np.uint8)
+    out = np.full(want.shape, np.nan, dtype=DTYPES[dtype])
+    core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, out.ctypes.data, handle=1, stream=STREAM, algo=algo,
+                     workspace=workspace.ctypes.data if algo.workspace_bytes else 0)
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
+    return algo, why, workspace
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_vendor_conv_takes_the_heuristics_first_algorithm_that_fits_with_its_workspace(fresh_heuristic, dtype):
+    """cudnnGetConvolutionForwardAlgorithm_v7 once per shape (the node's cache): the first result with status
+    SUCCESS whose workspace fits the cap (the stand-in ranks FFT_TILING, unsupported, then GEMM, needing
+    1 TiB, then IMPLICIT_PRECOMP_GEMM), run with exactly that workspace, computing ORT's Conv."""
+    fake, core = fresh_heuristic, load_core()
+    from dietcode_ort.runtime import ConvAlgoCache
+
+    cache = ConvAlgoCache(core)
+    sx, sw, attrs = (2, 3, 7, 6), (4, 3, 3, 3), {"pads": (1, 1, 1, 1)}
+    for _ in range(3):
+        algo, why, workspace = _run_conv(core, fake, sx, sw, attrs, dtype, cache)
+        assert (algo.algo, algo.from_heuristic, why) == (1, 1, "")
+        assert algo.workspace_bytes == 2 * 3 * 7 * 6 * 4 + 256  # the stand-in's size for this shape
+        assert _dnn(fake, "fake_dnn_last_ws", ctypes.c_void_p).value == workspace.ctypes.data
+        assert _dnn(fake, "fake_dnn_last_ws_size", ctypes.c_size_t).value == algo.workspace_bytes
+        assert _dnn(fake, "fake_dnn_last_algo").value == 1 and _dnn(fake, "fake_dnn_last_math").value == 1
+        assert (workspace[:algo.workspace_bytes] == 0xA5).all()  # cuDNN wrote the workspace it was given
+    assert _dnn(fake, "fake_dnn_heuristic_calls").value == 1 and cache.queries == 1
+    _run_conv(core, fake, (1, 3, 9, 9), sw, attrs, dtype, cache)  # another image size: one more query
+    _run_conv(core, fake, sx, sw, attrs, dtype, cache)
+    assert _dnn(fake, "fake_dnn_heuristic_calls").value == 2 and cache.queries == 2
+    assert _dnn(fake, "fake_dnn_live_descriptors").value == 0
+
+
+def test_vendor_conv_falls_back_to_implicit_gemm_when_the_query_fails(fresh_heuristic):
+    """A failing heuristic query: IMPLICIT_GEMM without workspace, with the reason; the failure is cached per
+    shape too (queried once), and the result still equals ORT's Conv."""
+    fake, core = fresh_heuristic, load_core()
+    from dietcode_ort.runtime import ConvAlgoCache
+
+    cache = ConvAlgoCache(core)
+    _dnn(fake, "fake_dnn_heuristic_status").value = 9  # CUDNN_STATUS_NOT_SUPPORTED
+    for _ in range(2):
+        algo, why, _ = _run_conv(core, fake, (1, 2, 5, 5), (3, 2, 3, 3), {}, "float32", cache)
+        assert (algo.algo, algo.from_heuristic, algo.workspace_bytes) == (0, 0, 0)
+        assert "IMPLICIT_GEMM without workspace" in why and "cudnnGetConvolutionForwardAlgorithm_v7" in why
+        assert "status 9" in why
+        assert _dnn(fake, "fake_dnn_last_algo").value == 0 and _dnn(fake, "fake_dnn_last_ws_size", ctypes.c_size_t).value == 0
+    assert _dnn(fake, "fake_dnn_heuristic_calls").value == 1
+
+
+def test_vendor_conv_skips_algorithms_past_the_cap_and_falls_back_when_none_fits(fresh_heuristic):
+    fake, core = fresh_heuristic, load_core()
+    algo, why, _ = _run_conv(core, fake, (1, 2, 5, 5), (3, 2, 3, 3), {}, "float32", None, cap=64)
+    assert (algo.algo, algo.from_heuristic, algo.workspace_bytes, why) == (0, 1, 0, "")  # the heuristic's 4th
+    _dnn(fake, "fake_dnn_heuristic_results").value = 3  # FFT_TILING, GEMM, IMPLICIT_PRECOMP_GEMM only
+    try:
+        algo, why, _ = _run_conv(core, fake, (1, 2, 5, 5), (3, 2, 3, 3), {}, "float32", None, cap=64)
+    finally:
+        _dnn(fake, "fake_dnn_heuristic_results").value = 4
+    assert (algo.algo, algo.from_heuristic) == (0, 0)
+    assert "returned 3 algorithms and none runs within the 64-byte workspace cap: 2 (" in why and ", 1 (" in why
+
+
+def test_vendor_conv_refuses_a_missing_workspace(fresh_heuristic):
+    core = load_core()
+    plan = core.conv_plan((1, 2, 5, 5), (3, 2, 3, 3))
+    algo, _ = core.vendor_conv_algo(plan, handle=1)
+    assert algo.workspace_bytes > 0
+    x, w, y = np.zeros((1, 2, 5, 5), np.float32), np.zeros((3, 2, 3, 3), np.float32), np.zeros((1, 3, 3, 3), np.float32)
+    with pytest.raises(DietcodeError, match="workspace, none given"):
+        core.vendor_conv(plan, x.ctypes.data, w.ctypes.data, y.ctypes.data, handle=1, stream=STREAM, algo=algo)
+
+
 def test_conv_plan_math_type_follows_tf32() -> None:
     core = load_core()
     assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1), tf32=False).math_type == 3  # FMA: no TF32
-    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1)).math_type == 0
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1)).math_type == 1  # TENSOR_OP: TF32 allowed
+    assert core.conv_plan((1, 1, 3, 3), (1, 1, 1, 1), dtype="float16").math_type == 1
 
 
 def test_conv_plan_refuses_pads_that_stay_asymmetric() -> None:

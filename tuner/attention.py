@@ -253,9 +253,9 @@ class CompiledAttention:
 
 def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
                       has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
-                      toolchain: "CompileToolchain | None" = None) -> CompiledAttention:
+                      toolchain: "CompileToolchain | None" = None, allow_tf32: bool = False) -> CompiledAttention:
     """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
-    needed). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
+    needed); ``allow_tf32``: a float32 kernel's two dots in TF32 (tuner.aot's precision). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
     plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
     import triton
 
@@ -267,9 +267,12 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
                             f"(rules: {', '.join(ATTENTION_RULES)})")
     chain = toolchain or aot.CompileToolchain()
     chain.check()
+    if allow_tf32 and dtype != "float32":
+        raise DietcodeError(f"allow_tf32 applies to float32 only, not {dtype}")
     constants: dict[str, object] = attention_constexprs(config, head_dim, scale=scale, has_mask=has_mask,
                                                          mask_rows=mask_rows, causal=causal,
-                                                         nan_to_zero=nan_to_zero)
+                                                         nan_to_zero=nan_to_zero,
+                                                         dot_precision="tf32" if allow_tf32 else "ieee")
     if not has_mask:
         constants["mask"] = None
     pointer = "*" + {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
@@ -310,11 +313,12 @@ class AttentionCompileJob:
     causal: bool = False
     nan_to_zero: bool = False
     toolchain: "CompileToolchain | None" = None
+    allow_tf32: bool = False
 
     def compile(self) -> CompiledAttention:
         return compile_attention(self.config, self.dtype, self.target, self.head_dim, scale=self.scale,
                                  has_mask=self.has_mask, mask_rows=self.mask_rows, causal=self.causal,
-                                 nan_to_zero=self.nan_to_zero, toolchain=self.toolchain)
+                                 nan_to_zero=self.nan_to_zero, toolchain=self.toolchain, allow_tf32=self.allow_tf32)
 
 
 @dataclass(frozen=True)

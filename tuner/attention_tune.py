@@ -121,9 +121,9 @@ def unfit_reason(site: "AttentionSite", targets: Sequence[str]) -> str | None:
 
 
 def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionProblem,
-                   profile: HardwareProfile) -> float:
+                   profile: HardwareProfile, tf32: bool = False) -> float:
     """Predicted seconds of one launch: the slower of padded tensor-core FLOPs and memory traffic, over whole
-    waves of programs, plus the online softmax's serial steps."""
+    waves of programs, plus the online softmax's serial steps (``tf32``: float32 dots at the TF32 rate)."""
     if p.seq_q <= 0 or p.seq_k <= 0 or p.batch <= 0:
         return _LAUNCH_SECONDS
     size = ATTENTION_DTYPES[w.dtype]
@@ -143,7 +143,8 @@ def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionPr
     first = -(-max(0, min(p.seq_k, config.block_m + p.seq_k - p.seq_q)) // config.block_n)
     mean_steps = (first + k_steps) / 2 if w.causal else k_steps
     flops = 4.0 * p.batch * q_blocks * config.block_m * mean_steps * config.block_n * d
-    peak = (profile.fp16_tensor_tflops if size == 2 else profile.fp32_tflops) * 1e12
+    peak = (profile.fp16_tensor_tflops if size == 2 else profile.tf32_tensor_tflops if tf32 else
+            profile.fp32_tflops) * 1e12
     # small tiles keep the tensor cores under-fed; one stage leaves the loads unpipelined
     tile = min(1.0, config.block_m / 64) * math.sqrt(min(1.0, config.block_n / 64))
     stages = 0.75 if config.num_stages == 1 else 1.0
@@ -192,9 +193,11 @@ class TunedAttention:
     measurer: str
     candidates: int
     from_db: tuple[int, int] | None = None  # (timings found in the database, timings used) when it was consulted
+    allow_tf32: bool = False  # the kernels' dots in TF32 (float32 workloads under --fp32-precision tf32)
 
 
-def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str, toolchain: Any) -> bytes | str:
+def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str, toolchain: Any,
+                      allow_tf32: bool = False) -> bytes | str:
     """The config compiled as it ships, as a one-kernel bundle (what the GPU timer launches), or the error."""
     from dietcode_ort.bundle import DispatchTree
     from tuner.attention import compile_attention
@@ -202,7 +205,7 @@ def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str
     try:
         compiled = compile_attention(config, w.dtype, target, w.head_dim, scale=w.scale, has_mask=w.has_mask,
                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
-                                     toolchain=toolchain)
+                                     toolchain=toolchain, allow_tf32=allow_tf32)
     except DietcodeError as exc:
         return f"compile error: {exc}"[:2000]
     return Bundle((), (BundleKernel.from_compiled([compiled]),), DispatchTree.single(0)).to_bytes()
@@ -239,6 +242,7 @@ class AttentionTimingSpec:
     backend: str | None = None  # tuner.gpu_timing backend (None: the CUDA one)
     settings: Any = None  # tuner.gpu_timing.TimingSettings (None: the defaults)
     kind: str = "gpu"
+    allow_tf32: bool = False  # float32 kernels with TF32 dots (tuner.aot's precision)
 
     def build(self) -> "AttentionMeasurer":
         return AttentionMeasurer(self)
@@ -260,7 +264,8 @@ class AttentionMeasurer(Measurer):
 
     def context(self) -> str:
         _, workload_text = timing_family(self.spec.workload, self.spec.target)
-        return f"{workload_text};{timing_context(self.spec.toolchain, self.timer.settings)}"
+        return (f"{workload_text};{timing_context(self.spec.toolchain, self.timer.settings)}"
+                + (";dot=tf32" if self.spec.allow_tf32 else ""))
 
     def measure(self, family: "Family", configs_and_problems: Sequence[tuple[Any, Any]]) -> list["MeasureResult"]:
         from tuner.gpu_timing import TimingItem
@@ -274,7 +279,8 @@ class AttentionMeasurer(Measurer):
         where: list[int] = []
         for i, (config, shape) in enumerate(pairs):
             if config not in bundles:
-                bundles[config] = one_kernel_bundle(config, w, self.spec.target, self.spec.toolchain)
+                bundles[config] = one_kernel_bundle(config, w, self.spec.target, self.spec.toolchain,
+                                                    self.spec.allow_tf32)
             bundle = bundles[config]
             if isinstance(bundle, str):  # deterministic: the database stores it, a rerun compiles it no more
                 results[i] = MeasureResult(math.inf, bundle)
@@ -290,8 +296,8 @@ class AttentionMeasurer(Measurer):
 def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
               configs: Sequence[AttentionConfig], target: str, toolchain: Any,
               backend: str | None = None, db: "Database | None" = None,
-              settings: "TimingSettings | None" = None, executor: "Executor | None" = None
-              ) -> tuple["np.ndarray", int]:
+              settings: "TimingSettings | None" = None, executor: "Executor | None" = None,
+              allow_tf32: bool = False) -> tuple["np.ndarray", int]:
     """Seconds [problem, config] of each config's shipped cubin (``AttentionMeasurer``, run where ``executor``
     measures: this machine by default, a Ray GPU task under ``--ray``); inf where it failed. With ``db``,
     stored timings are reused and new ones stored (compile errors too; transient failures never): returns the
@@ -303,7 +309,7 @@ def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, f
     from tuner.workload import Problem
 
     # an executor builds any spec with build() where it measures (RayExecutor: a GPU task for kind "gpu")
-    spec = AttentionTimingSpec(w, target, toolchain, backend, settings)
+    spec = AttentionTimingSpec(w, target, toolchain, backend, settings, allow_tf32=allow_tf32)
     measurer = (executor or LocalExecutor()).measurer(spec)  # type: ignore[arg-type]
     shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
     family, _ = timing_family(w, target)
@@ -337,7 +343,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
                    targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
                    budget: int = 16, toolchain: Any = None, backend: str | None = None,
                    db: "Database | None" = None, settings: "TimingSettings | None" = None,
-                   executor: "Executor | None" = None) -> TunedAttention:
+                   executor: "Executor | None" = None, allow_tf32: bool = False) -> TunedAttention:
     """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
     ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
     problems) are compiled and timed on the GPU instead, and the dispatch is built from those times (with
@@ -358,7 +364,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     if not names:
         raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
     profile = get_profile(targets[0])
-    times = np.array([[attention_time(c, w, p, profile) for c in space] for p, _ in problems])
+    times = np.array([[attention_time(c, w, p, profile, allow_tf32) for c in space] for p, _ in problems])
     label = f"analytic({targets[0]})"
     from_db: tuple[int, int] | None = None
     if measure == "gpu":
@@ -368,7 +374,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
         space = [space[j] for j in sorted(rank)]
         times, stored = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend,
-                                  db, settings, executor)
+                                  db, settings, executor, allow_tf32)
         from_db = None if db is None else (stored, int(times.size))
         ok = np.isfinite(times).all(axis=0)
         if not ok.any():
@@ -380,7 +386,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
     dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)  # type: ignore[arg-type]
     kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))
-    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space), from_db)
+    return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space), from_db, allow_tf32)
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
@@ -395,7 +401,7 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
-                                w.nan_to_zero, chain) for config in tuned.kernels for t in targets]
+                                w.nan_to_zero, chain, tuned.allow_tf32) for config in tuned.kernels for t in targets]
     # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
     results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
     kernels = []
@@ -431,7 +437,8 @@ def info_json(tuned: TunedAttention) -> str:
     return json.dumps({
         "workload": {"op": "attention", "seq_q": w.seq_q, "seq_k": w.seq_k, "batch": w.batch,
                      "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
-                     "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale},
+                     "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale,
+                     "precision": "tf32" if tuned.allow_tf32 else "ieee"},
         "kernels": [c.key() for c in tuned.kernels],
         "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
         "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
@@ -444,8 +451,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                                       "str | None", dict]],
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
-               db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None
-               ) -> list[dict[str, tuple[bytes, str]]]:
+               db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None,
+               fp32_precision: str = "tf32") -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
@@ -479,7 +486,7 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
     try:
         return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
                             ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend,
-                            executor=executor)
+                            executor=executor, fp32_precision=fp32_precision)
     finally:
         if store is not None:
             store.close()
@@ -489,7 +496,7 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                                         dict]],
                  targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                  kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None,
-                 executor: "Executor | None" = None) -> list[dict[str, tuple[bytes, str]]]:
+                 executor: "Executor | None" = None, fp32_precision: str = "tf32") -> list[dict[str, tuple[bytes, str]]]:
     from tuner.scan import ScanResult, attach_instances
 
     tuned: dict[tuple, tuple[bytes, str]] = {}
@@ -508,7 +515,7 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
 
                 result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
                                         toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db,
-                                        executor=executor)
+                                        executor=executor, allow_tf32=aot.uses_tf32(w.dtype, fp32_precision))
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,

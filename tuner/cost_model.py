@@ -72,21 +72,24 @@ def useful_flops(problem: Problem) -> float:
     return 2.0 * problem.m * problem.n * problem.k * problem.batch
 
 
-def peak_flops(profile: HardwareProfile, dtype: str) -> float:
-    """Dense peak FLOP/s of the tensor cores for ``dtype`` (fp32 runs as ieee fp32, not tf32)."""
+def peak_flops(profile: HardwareProfile, dtype: str, tf32: bool = False) -> float:
+    """Dense peak FLOP/s for ``dtype``: the tensor cores' for 16-bit types and for float32 with TF32 dots
+    (``tf32``, tuner.aot's default precision), the FMA units' for ieee float32."""
     if dtype in ("float16", "bfloat16"):
         return profile.fp16_tensor_tflops * 1e12
     if dtype == "float32":
-        return profile.fp32_tflops * 1e12
+        return (profile.tf32_tensor_tflops if tf32 else profile.fp32_tflops) * 1e12
     raise DietcodeError(f"unknown dtype {dtype!r}; allowed: float32, float16, bfloat16")
 
 
-def config_peak_flops(config: MicroKernel, profile: HardwareProfile, dtype: str) -> float:
-    """The peak ``config`` can reach: ``peak_flops``, except that on a GPU with wgmma (sm_90) a 16-bit config
-    that Triton lowers to mma.sync instead (``space.wgmma_eligible``) gets ``profile.mma_sync_fraction`` of
-    it. float32 runs in ieee precision on the FMA units either way."""
-    peak = peak_flops(profile, dtype)
-    if profile.wgmma and dtype != "float32" and not wgmma_eligible(config, dtype, profile):
+def config_peak_flops(config: MicroKernel, profile: HardwareProfile, dtype: str, tf32: bool = False) -> float:
+    """The peak ``config`` can reach: ``peak_flops``, except that on a GPU with wgmma (sm_90) a tensor-core
+    config (16-bit, or float32 with ``tf32``) that Triton lowers to mma.sync instead (``space.wgmma_eligible``)
+    gets ``profile.mma_sync_fraction`` of it. ieee float32 runs on the FMA units either way."""
+    tf32 = tf32 and dtype == "float32"
+    peak = peak_flops(profile, dtype, tf32)
+    tensor_cores = dtype != "float32" or tf32
+    if profile.wgmma and tensor_cores and not wgmma_eligible(config, dtype, profile, tf32=tf32):
         return peak * profile.mma_sync_fraction
     return peak
 
@@ -171,7 +174,8 @@ FEATURE_NAMES = ("log2_block_m", "log2_block_n", "log2_block_k", "num_warps", "n
                  "acc_per_thread", "blocks_per_sm", "wgmma")
 
 
-def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dtype: str) -> np.ndarray:
+def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dtype: str,
+                    tf32: bool = False) -> np.ndarray:
     """Features of f_MK, which depend on the micro-kernel only (never on a shape).
 
     tile_intensity is the FLOPs per byte of one BLOCK_K step of the tile (2*BM*BN*BK over the A and B
@@ -189,7 +193,7 @@ def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dt
                      estimate_registers(c, dtype, profile.warp_size),
                      2.0 * c.block_m * c.block_n * c.block_k / tile_bytes,
                      c.block_m * c.block_n / threads, blocks_per_sm(c, profile, dtype),
-                     float(wgmma_eligible(c, dtype, profile))])
+                     float(wgmma_eligible(c, dtype, profile, tf32=tf32))])
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURE_NAMES))
 
 
@@ -237,9 +241,12 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
 class CostModel(ABC):
     """update(pairs, measured seconds) / predict(pairs) -> predicted seconds / save / load."""
 
-    def __init__(self, profile: HardwareProfile, dtype: str) -> None:
+    tf32 = False  # what models pickled before the float32 precision existed were (ieee)
+
+    def __init__(self, profile: HardwareProfile, dtype: str, tf32: bool = False) -> None:
         self.profile = profile
         self.dtype = dtype
+        self.tf32 = tf32 and dtype == "float32"  # float32 dots in TF32 (the peak of config_peak_flops)
         self.alpha = 0.0  # partial-wave exponent, fitted by calibrate_device
         self.latency = 0.0  # fixed seconds per launch, fitted by calibrate_device
         peak_flops(profile, dtype)  # validates dtype
@@ -297,9 +304,9 @@ class AnalyticCostModel(CostModel):
     """
 
     def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
-        peak = np.array([config_peak_flops(c, self.profile, self.dtype) for c in configs])
+        peak = np.array([config_peak_flops(c, self.profile, self.dtype, self.tf32) for c in configs])
         ridge = peak / (self.profile.dram_bandwidth_gbs * 1e9)
-        feats = kernel_features(configs, self.profile, self.dtype)
+        feats = kernel_features(configs, self.profile, self.dtype, self.tf32)
         intensity = feats[:, FEATURE_NAMES.index("tile_intensity")]
         stages = feats[:, FEATURE_NAMES.index("num_stages")]
         launchable = feats[:, FEATURE_NAMES.index("blocks_per_sm")] > 0
@@ -314,8 +321,9 @@ class LearnedCostModel(CostModel):
     inf seconds. Before any measurement f_MK is a constant, so predictions rank by f_adapt alone.
     """
 
-    def __init__(self, profile: HardwareProfile, dtype: str, seed: int = 0, n_estimators: int = 120) -> None:
-        super().__init__(profile, dtype)
+    def __init__(self, profile: HardwareProfile, dtype: str, seed: int = 0, n_estimators: int = 120,
+                 tf32: bool = False) -> None:
+        super().__init__(profile, dtype, tf32)
         self.seed = seed
         self.n_estimators = n_estimators
         self._pairs: list[Pair] = []
@@ -364,13 +372,13 @@ class LearnedCostModel(CostModel):
         trees = min(self.n_estimators, max(20, 2 * len(configs)))  # few samples: few trees (and fast)
         reg = GradientBoostingRegressor(n_estimators=trees, max_depth=3, learning_rate=0.1,
                                         subsample=0.9, random_state=self.seed)
-        reg.fit(kernel_features(configs, self.profile, self.dtype), y)
+        reg.fit(kernel_features(configs, self.profile, self.dtype, self.tf32), y)
         self._regressor = reg
 
     def f_mk(self, configs: Sequence[MicroKernel]) -> np.ndarray:
         logs = np.full(len(configs), self._prior)
         if self._regressor is not None and len(configs):
-            logs = self._regressor.predict(kernel_features(configs, self.profile, self.dtype))
+            logs = self._regressor.predict(kernel_features(configs, self.profile, self.dtype, self.tf32))
         for i, config in enumerate(configs):
             if config in self._known:
                 logs[i] = self._known[config]

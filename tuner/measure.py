@@ -116,15 +116,16 @@ class MeasurerSpec:
     div16: tuple[str, ...] = ()  # gpu: the divisibility the shipped kernels assume (tuner.aot)
     cache_dir: Path | None = None  # gpu: the kernel cache (tuner.aot's default when None)
     toolchain: "CompileToolchain | None" = None  # gpu: how the shipped kernels are compiled (tuner.aot)
+    allow_tf32: bool = False  # float32 kernels with TF32 dots (gpu: as compiled; analytic: the TF32 peak)
 
     def build(self) -> "Measurer":
         if self.kind == "gpu":
             return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b, div16=self.div16,
-                               cache_dir=self.cache_dir, toolchain=self.toolchain)
+                               cache_dir=self.cache_dir, toolchain=self.toolchain, allow_tf32=self.allow_tf32)
         if self.kind == "analytic":
             from tuner.hardware import get_profile
 
-            return AnalyticMeasurer(get_profile(self.target), self.dtype)
+            return AnalyticMeasurer(get_profile(self.target), self.dtype, tf32=self.allow_tf32)
         if self.kind == "replay" and self.path:
             return ReplayMeasurer(self.path)
         raise DietcodeError(f"unknown measurer kind {self.kind!r}; allowed: gpu, analytic, replay (with a path)")
@@ -208,12 +209,18 @@ class AnalyticMeasurer(Measurer):
     the config's, ``cost_model.config_peak_flops``: sm_90's mma.sync configs run below its wgmma rate); bytes
     count A re-read once per tile column and B once per tile row, plus C. It ranks tiles sensibly but
     knows nothing of the real kernel's efficiency: use it on machines without a GPU, never to report speed.
+    ``tf32``: float32 kernels run their dots in TF32 on the tensor cores (the peak is the TF32 rate), and the
+    database keeps those answers apart (``context``).
     """
 
-    def __init__(self, profile: Any, dtype: str, alpha: float = 0.0) -> None:
+    def __init__(self, profile: Any, dtype: str, alpha: float = 0.0, tf32: bool = False) -> None:
         self.profile = profile
         self.dtype = dtype
         self.alpha = alpha
+        self.tf32 = tf32 and dtype == "float32"
+
+    def context(self) -> str:
+        return "dot=tf32" if self.tf32 else ""
 
     def device_key(self) -> str:
         rates = f";mma.sync={self.profile.mma_sync_fraction:g}" if self.profile.mma_sync_fraction != 1.0 else ""
@@ -232,7 +239,7 @@ class AnalyticMeasurer(Measurer):
             if adapt <= 0:
                 out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM"))
                 continue
-            compute = useful_flops(p) / (config_peak_flops(config, self.profile, self.dtype) * adapt)
+            compute = useful_flops(p) / (config_peak_flops(config, self.profile, self.dtype, self.tf32) * adapt)
             moved = (p.m * p.k * -(-p.n // config.block_n) + p.k * p.n * -(-p.m // config.block_m)
                      + p.m * p.n) * elem * p.batch + workspace_bytes_moved(config, p)
             out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6 * launches(config)))
@@ -253,7 +260,8 @@ class GpuMeasurer(Measurer):
     Constructing one needs the CUDA driver and a GPU (the backend's ``device_key``), not torch.
 
     ``conv`` / ``epilogue`` / ``trans_b`` / ``div16`` describe the workload's kernels; ``cache_dir`` is the
-    kernel cache. ``vendor_tf32``: whether the vendor baseline (cuBLAS / cuDNN through torch, timed in this
+    kernel cache. ``allow_tf32``: float32 kernels are compiled with TF32 dots (``tuner.aot``; it changes the
+    kernel, so it is part of ``context``; a measurer with it measures 16-bit families as without). ``vendor_tf32``: whether the vendor baseline (cuBLAS / cuDNN through torch, timed in this
     process) runs float32 with TF32 (torch's ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32``
     while it is timed; default: as ONNX Runtime's CUDA EP does). ``backend``: the timing backend of the child
     (``tuner.gpu_timing``'s hook; the default times on CUDA). The timing process is the one every
@@ -265,7 +273,8 @@ class GpuMeasurer(Measurer):
                  conv: ConvParams | None = None, epilogue: Epilogue = Epilogue(), trans_b: bool = False,
                  div16: Sequence[str] = (), cache_dir: Path | None = None, flush_bytes: int = 256 * 1024 * 1024,
                  vendor_tf32: bool = ORT_CUDA_USES_TF32, backend: str | None = None,
-                 compile_workers: int | None = None, toolchain: "CompileToolchain | None" = None) -> None:
+                 compile_workers: int | None = None, toolchain: "CompileToolchain | None" = None,
+                 allow_tf32: bool = False) -> None:
         from tuner.aot import CompileToolchain
         from tuner.gpu_timing import CUDA_BACKEND, TimingSettings, shared_timer
 
@@ -276,6 +285,7 @@ class GpuMeasurer(Measurer):
         self.cache_dir, self.compile_workers = cache_dir, compile_workers
         self.toolchain = toolchain if toolchain is not None else CompileToolchain()  # as optimize compiles
         self.vendor_tf32 = vendor_tf32
+        self.allow_tf32 = allow_tf32
         self._timer = shared_timer(backend or CUDA_BACKEND, self.settings)
         self._device = self._timer.device_key()  # DietcodeError without a driver or GPU
         self._torch: Any = None
@@ -307,15 +317,17 @@ class GpuMeasurer(Measurer):
         return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
                 f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor=addmm"
-                f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}").replace(" ", "")
+                f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}"
+                + (";dot=tf32" if self.allow_tf32 else "")).replace(" ", "")
 
     def _compile(self, family: Family, configs: Sequence[MicroKernel]) -> dict[MicroKernel, bytes | str]:
         """Each config's one-kernel bundle as it ships, or its compile error."""
         from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
         from tuner import aot
 
+        tf32 = self.allow_tf32 and family.dtype == "float32"
         jobs = [aot.CompileJob(family, c, epilogue=self.epilogue, trans_b=self.trans_b, conv=self.conv,
-                               div16=self.div16, cache_dir=self.cache_dir, toolchain=self.toolchain)
+                               div16=self.div16, allow_tf32=tf32, cache_dir=self.cache_dir, toolchain=self.toolchain)
                 for c in configs]
         out: dict[MicroKernel, bytes | str] = {}
         for job, r in zip(jobs, aot.compile_many(jobs, workers=self.compile_workers)):

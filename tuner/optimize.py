@@ -49,6 +49,7 @@ class OptimizeOptions:
     min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
     fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
+    fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ def _model_dims(dims: Sequence[str], symbols: Sequence[str]) -> list[str]:
 def _tuning_key(w: Workload, problems: list[tuple[Problem, float]]) -> tuple:
     """Everything the tuning of a workload depends on: workloads of several models with equal keys are
     tuned once and get the same kernels and dispatch tree."""
-    return (w.op, w.dtype, w.epilogue, w.trans_b, w.conv, _feature_names(w), _div16(w), tuple(problems))
+    return (w.op, w.dtype, w.epilogue, w.trans_b, w.conv, _feature_names(w), _div16(w), tuple(problems))  # one
+    # --fp32-precision per run: the precision is the same for every key
 
 
 def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: OptimizeOptions,
@@ -237,7 +239,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                  for (_, scanned), sites in zip(scans, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
-                executor=executor)
+                executor=executor, fp32_precision=options.fp32_precision)
     results = []
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):
@@ -247,14 +249,14 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             chosen = chosen_by_key[_tuning_key(w, problems)]
             report = replace(chosen.report, workload=w)
             kernels = tuple(BundleKernel.vendor() if config == "vendor"
-                            else BundleKernel.from_compiled([compiled[_job_key(w, config, t)]
+                            else BundleKernel.from_compiled([compiled[_job_key(w, config, t, _tf32(w, options))]
                                                              for t in options.targets])
                             for config in chosen.kernels)
             for i, node in enumerate(w.nodes):
                 bundle = Bundle(features_for(w, i), kernels, chosen.tree)
                 bundle.validate()
                 bundles[node] = bundle.to_bytes()
-                infos[node] = _info(w, report, problems)
+                infos[node] = _info(w, report, problems, options)
             reports.append(report)
         result = rewrite_model(model, list(scanned.workloads), bundles, infos, base_dir=model_path.parent,
                                copy=False)  # in place: the scanned model is not needed afterwards
@@ -354,6 +356,7 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         raise DietcodeError(f"--seed must be >= 0, got {options.seed}")
     if not options.targets:
         raise DietcodeError("--target names no GPU arch")
+    aot.check_fp32_precision(options.fp32_precision)
     for target in options.targets:
         get_profile(target)
     if not model_path.is_file():
@@ -366,8 +369,15 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
     aot.ensure_cache_dir(options.cache_dir)
 
 
-def _job_key(w: Workload, config, target: str) -> tuple:
-    return (w.op, w.dtype, target, config, w.epilogue, w.trans_b, w.conv, _div16(w))
+def _job_key(w: Workload, config, target: str, tf32: bool) -> tuple:
+    return (w.op, w.dtype, target, config, w.epilogue, w.trans_b, w.conv, _div16(w), tf32)
+
+
+def _tf32(w: Workload, options: OptimizeOptions) -> bool:
+    """Whether ``w``'s kernels compute their dots in TF32 (float32 workloads under --fp32-precision tf32)."""
+    from tuner.aot import uses_tf32
+
+    return uses_tf32(w.dtype, options.fp32_precision)
 
 
 def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
@@ -383,9 +393,9 @@ def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
             if config == "vendor":
                 continue
             for target in options.targets:
-                jobs.setdefault(_job_key(w, config, target), aot.CompileJob(
+                jobs.setdefault(_job_key(w, config, target, _tf32(w, options)), aot.CompileJob(
                     _family(w, target), config, epilogue=w.epilogue, trans_b=w.trans_b, conv=w.conv,
-                    div16=_div16(w), cache_dir=options.cache_dir,
+                    div16=_div16(w), allow_tf32=_tf32(w, options), cache_dir=options.cache_dir,
                     toolchain=aot.CompileToolchain(options.min_driver, options.ptxas)))
     started = time.perf_counter()
     executor = executor or LocalExecutor(options.compile_workers)
@@ -399,7 +409,7 @@ def _compile_all(chosen: list[tuple[Workload, tuple]], options: OptimizeOptions,
     return {key: r.kernel for key, r in zip(jobs, results)}
 
 
-def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]]) -> str:
+def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]], options: OptimizeOptions) -> str:
     """What ``inspect`` shows about a node: its workload, kernels, the ranges tuned for, the figures."""
     import json
 
@@ -408,6 +418,7 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]])
               for i, name in enumerate(_feature_names(w))}
     return json.dumps({
         "workload": {"op": w.op, "m": w.m, "n": w.n, "k": w.k, "batch": w.batch, "dtype": w.dtype,
+                     "precision": "tf32" if _tf32(w, options) else "ieee",
                      "epilogue": [w.epilogue.bias, w.epilogue.activation],
                      "alpha": w.epilogue.alpha, "residual": w.epilogue.residual},
         "kernels": list(r.kernels), "ranges": ranges,
@@ -524,10 +535,10 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
         if not executor.gpu_available():
             raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
         spec = MeasurerSpec("gpu", conv=w.conv, epilogue=w.epilogue, trans_b=w.trans_b, div16=_div16(w),
-                            cache_dir=options.cache_dir,
+                            cache_dir=options.cache_dir, allow_tf32=_tf32(w, options),
                             toolchain=aot.CompileToolchain(options.min_driver, options.ptxas))
     elif kind == "analytic":
-        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype)
+        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype, allow_tf32=_tf32(w, options))
     elif kind.startswith("replay:") and kind[len("replay:"):]:
         spec = MeasurerSpec("replay", path=kind[len("replay:"):])
     else:
@@ -561,7 +572,8 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     space = [c for c in enumerate_space(family) if all(c in other for other in others)]
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed,
-                                      progress=options.progress and not (executor and executor.shows_progress)))
+                                      progress=options.progress and not (executor and executor.shows_progress)),
+                        tf32=_tf32(w, options))
     vendor = None
     try:
         answers = measurer.measure_vendor(family, list(result.problems))
@@ -574,7 +586,8 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     if not names:
         raise DietcodeError(f"workload {w.nodes[0]!r} has no dynamic GEMM dim to dispatch on")
     # a conv tree gets compiled kernels only: the CUDA path's vendor conv (docs/abi.md, "The vendor path") is a
-    # correctness fallback (cuDNN's IMPLICIT_GEMM, no workspace, symmetric pads), not the algorithm timed here;
+    # correctness fallback (cuDNN's heuristic choice within a 256 MiB workspace, symmetric pads), not the algorithm
+    # torch's conv2d runs when it is timed here;
     # the vendor time stays a comparison
     dispatch = build_dispatch(names, instances, result.candidates, result.times,
                               None if w.op == "conv" else vendor, options.max_kernels, options.seed)

@@ -352,11 +352,12 @@ def _result(method: str, family: Family, searches: Sequence[_Search], problems: 
 
 def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
                measurer: Measurer, profile: HardwareProfile, options: SearchOptions = SearchOptions(),
-               model: CostModel | None = None) -> TuningResult:
-    """DietCode's joint search over all ``problems`` (problem, weight) with one model and population."""
+               model: CostModel | None = None, tf32: bool = False) -> TuningResult:
+    """DietCode's joint search over all ``problems`` (problem, weight) with one model and population.
+    ``tf32``: the float32 kernels compute their dots in TF32 (the default model's peak and wgmma feature)."""
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
-    model = model or LearnedCostModel(profile, family.dtype, seed=options.seed)
+    model = model or LearnedCostModel(profile, family.dtype, seed=options.seed, tf32=tf32)
     search = _Search(space, order, weights, model, profile, family.dtype, options, rng)
     history: list[RoundRecord] = []
     trials, started = 0, time.perf_counter()

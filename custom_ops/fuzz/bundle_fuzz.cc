@@ -63,7 +63,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     float alpha = 0.0f;  // the parser accepts only finite, non-zero alphas, and 1 for vendor kernels
     if (dc_bundle_kernel_alpha(b, k, &alpha) != 0 || !(alpha == alpha) || alpha == 0.0f) __builtin_trap();
     dc_bundle_check_scale(b, alpha);  // compiled kernels may disagree with each other: only must not crash
-    if (dc_bundle_kernel_causal(b, k) < 0) __builtin_trap();
+    if (dc_bundle_kernel_causal(b, k) < 0 || dc_bundle_kernel_tf32(b, k) < 0) __builtin_trap();
   }
   for (int32_t j = 0; j < n_features; ++j) {
     int32_t inputs[8], dims_out[8];
