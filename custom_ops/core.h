@@ -180,6 +180,10 @@ int dc_bundle_image_count(const dc_bundle* bundle, int32_t k);
 int dc_bundle_image_toolchain(const dc_bundle* bundle, int32_t k, int32_t image, char* triton, size_t triton_size,
                               char* ptxas, size_t ptxas_size, int32_t* ptx_isa, int32_t* min_driver);
 
+// The global scratch per program of kernel k's image `image` (as above; -1 the PTX): bytes and alignment (0 and
+// 1 for an image that needs none: Triton's device-side TMA descriptors ask for some). 0, or -1 for a bad id.
+int dc_bundle_image_scratch(const dc_bundle* bundle, int32_t k, int32_t image, uint32_t* size, uint32_t* align);
+
 // The CUDA driver's version (cuDriverGetVersion: 13000 = CUDA 13.0) into *version. 0 on success, -1 with a
 // message when libcuda does not load. Never aborts.
 int dc_cuda_driver_version(int* version);

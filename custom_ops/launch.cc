@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include <cuda.h>
@@ -158,6 +159,7 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   }
   CUfunction fn = nullptr;
   const uint32_t shared = ImageShared(k, index);
+  std::tie(out->scratch_size, out->scratch_align) = ImageScratch(k, index);
   rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
   if (rc == CUDA_SUCCESS && shared > kDefaultSharedLimit) {
     rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared));
@@ -325,7 +327,8 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     if (!dietcode::WorkspaceBytes(kernel, *args, &workspace, &why)) return Fail("kernel '" + kernel.name + "': " + why);
     if (workspace > 0 && (args->workspace == 0 || args->workspace % dietcode::kWorkspaceAlign != 0 ||
                           args->workspace_bytes < static_cast<uint64_t>(workspace))) {
-      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ") needs a workspace of " +
+      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ", global scratch " +
+                  std::to_string(dietcode::KernelScratch(kernel).first) + " B per program) needs a workspace of " +
                   std::to_string(workspace) + " bytes, 16-byte aligned; the call gives " +
                   std::to_string(args->workspace_bytes) + " bytes at 0x" + [&] {
                     char hex[32];
@@ -345,7 +348,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   CUresult rc = CUDA_SUCCESS;
 
   CUfunction fn = nullptr;
-  uint32_t shared = 0;
+  uint32_t shared = 0, scratch_size = 0, scratch_align = 1;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
     auto key = std::make_pair(static_cast<void*>(ctx), k);
@@ -358,6 +361,8 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     }
     fn = static_cast<CUfunction>(it->second.function);
     shared = it->second.shared;
+    scratch_size = it->second.scratch_size;
+    scratch_align = it->second.scratch_align;
   }
 
   // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention kernels
@@ -382,6 +387,13 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       ints[p] = p == dietcode::kBatch ? static_cast<int32_t>(batch) : dietcode::ArgInt(*args, p);
       params[n_params++] = &ints[p];
     }
+  }
+  if (scratch_size > 0) {  // global scratch (TMA descriptors): after the split-K part, aligned up (abi.md)
+    int64_t split_bytes = 0;
+    std::string why;
+    if (!dietcode::SplitKBytes(kernel, *args, &split_bytes, &why)) return Fail("kernel '" + kernel.name + "': " + why);
+    const uint64_t at = args->workspace + static_cast<uint64_t>(split_bytes);
+    scratch[0] = (at + scratch_align - 1) / scratch_align * scratch_align;
   }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];
