@@ -319,8 +319,9 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       return fit;
     }
   }
-  // A split-K kernel meets its splits in the caller's workspace (abi.md): it must be there, large enough and
-  // 16-byte aligned (the kernels are compiled assuming so), or the splits would write past it.
+  // A split-K kernel meets its splits in the caller's workspace, and a kernel with global scratch (TMA
+  // descriptors) writes it there too (abi.md): it must be there, large enough and 16-byte aligned (the kernels
+  // are compiled assuming so), or the kernel would write past it.
   int64_t workspace = 0;
   {
     std::string why;
@@ -398,7 +399,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];
 
-  if (workspace > 0) {  // the counters (one int32 per tile and batch) follow the partial tiles
+  if (kernel.split_k > 1) {  // the counters (one int32 per tile and batch) follow the partial tiles
     const uint64_t counters = static_cast<uint64_t>(tiles) * static_cast<uint64_t>(batch);
     const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
     rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, s);

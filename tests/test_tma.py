@@ -225,3 +225,45 @@ def test_workspace_overflow_with_scratch_is_refused() -> None:
         bundle.workspace_bytes(0, args)
     fit, why = bundle.fit(0, args)
     assert fit == "workspace size" and "global scratch" in why
+
+
+# ---- on an sm_90 GPU: the real launcher ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TMA, TMA_SPLIT], ids=["tma", "tma_split_k4"])
+def test_tma_gemm_through_the_launcher(config: MicroKernel, tmp_path: Path) -> None:
+    """A TMA kernel compiled ahead of time, bundled and launched with dc_launch (which passes the global scratch
+    from the workspace, past the split-K part), against torch in float64; the workspace starts as garbage."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import LaunchArgs, load_core
+    from tuner.aot import compile_kernel
+
+    kernel = compile_kernel(Family("gemm", "float16", "sm_90"), config, epilogue=FULL, cache_dir=tmp_path)
+    assert kernel.global_scratch_size == 256
+    cb = load_core().parse(Bundle((), (BundleKernel.from_compiled([kernel]),), DispatchTree.single(0)).to_bytes())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k in [(768, 768, 768), (37, 112, 200), (1, 64, 3072)]:
+        a = torch.randn(m, k, device="cuda", generator=gen).half()
+        b = torch.randn(k, n, device="cuda", generator=gen).half()
+        bias = torch.randn(n, device="cuda", generator=gen).half()
+        residual = torch.randn(m, n, device="cuda", generator=gen).half()
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        args = LaunchArgs(a=a.data_ptr(), b=b.data_ptr(), bias=bias.data_ptr(), c=c.data_ptr(),
+                          residual=residual.data_ptr(), M=m, N=n, K=k, batch=1)
+        size = cb.workspace_bytes(0, args)
+        assert size >= -(-m // 64) * -(-n // 64) * config.split_k * 256
+        workspace = torch.full((size,), 0xAB, device="cuda", dtype=torch.uint8)
+        args.workspace, args.workspace_bytes = workspace.data_ptr(), size
+        cb.launch(0, args, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        ref = 0.5 * (a.double() @ b.double()) + bias.double()
+        ref = 0.5 * ref * (1 + torch.erf(ref / math.sqrt(2))) + residual.double()
+        tol = 2e-2 * max(1.0, float(ref.abs().max()))
+        assert float((c.double() - ref).abs().max()) <= tol, (m, n, k)
+        short = LaunchArgs(**{f: getattr(args, f) for f, _ in LaunchArgs._fields_})
+        short.workspace_bytes = size - 16  # the launcher refuses a workspace without room for the scratch
+        with pytest.raises(DietcodeError, match="global scratch 256 B per program"):
+            cb.launch(0, short, torch.cuda.current_stream().cuda_stream)
