@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace and the kernel causal flag
+#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal flag and the images' global scratch (dc_bundle_image_scratch)
 
 typedef struct dc_bundle dc_bundle;
 

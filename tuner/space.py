@@ -91,7 +91,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,7 +157,7 @@ class MicroKernel:
             raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1 (a trailing "
                                 "t for TMA)")
         *numbers, tma = match.groups()
-        return cls(*(int(g) for g in numbers), tma=int(tma == "t"))
+        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"))
 
     def to_dict(self) -> dict[str, int]:
         """The fields, ``tma`` only when set (records of configs without TMA keep their form)."""
