@@ -139,7 +139,7 @@ struct LoadedKernel {
   void* module = nullptr;
   void* function = nullptr;
   uint32_t shared = 0;  // the loaded image's dynamic shared memory bytes
-  uint32_t scratch_size = 0, scratch_align = 1;  // the loaded image's global scratch per program
+  int image_index = -1;  // which image was loaded (-1: the PTX): its global scratch (ImageScratch)
 };
 
 // The operand view of a kernel, from its ABI params (the one place this rule lives; see core.h).
@@ -206,6 +206,11 @@ enum Fit : int {
 bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why);
 // The split-K part alone (0 without split-K); the global scratch starts at the workspace plus this, aligned up.
 bool SplitKBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why);
+// The global-scratch kernel parameter of a launch of image `image_index` (-1: the PTX) with args: the first
+// multiple of the image's scratch alignment at or past args.workspace + the split-K part, 0 for an image with no
+// scratch; false with *why when the split-K part overflows.
+bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
+                    std::string* why);
 inline constexpr int64_t kWorkspaceAlign = 16;
 
 // Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch

@@ -751,6 +751,18 @@ bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* b
   return true;
 }
 
+bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
+                    std::string* why) {
+  *pointer = 0;
+  const auto [size, align] = ImageScratch(kernel, image_index);
+  if (size == 0) return true;
+  int64_t split_bytes = 0;
+  if (!SplitKBytes(kernel, args, &split_bytes, why)) return false;
+  const uint64_t at = args.workspace + static_cast<uint64_t>(split_bytes);
+  *pointer = (at + align - 1) / align * align;
+  return true;
+}
+
 bool SplitKBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why) {
   *bytes = 0;
   if (kernel.kind == kVendor || kernel.split_k <= 1) return true;
@@ -1206,6 +1218,26 @@ int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char
   if (ptxas != nullptr && ptxas_size > 0) std::snprintf(ptxas, ptxas_size, "%s", t.ptxas.c_str());
   if (ptx_isa) *ptx_isa = static_cast<int32_t>(t.ptx_isa);
   if (min_driver) *min_driver = static_cast<int32_t>(t.min_driver);
+  return 0;
+}
+
+int dc_kernel_scratch_pointer(const dc_bundle* b, int32_t k, int32_t image, const dc_launch_args* args,
+                              uint64_t* pointer) {
+  if (b == nullptr || args == nullptr || pointer == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments / pointer or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
+      (image == -1 && kernel.ptx.empty())) {
+    SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));
+    return -1;
+  }
+  std::string why;
+  if (!dietcode::ScratchPointer(kernel, image, *args, pointer, &why)) {
+    SetError("kernel '" + kernel.name + "': " + why);
+    return -1;
+  }
   return 0;
 }
 

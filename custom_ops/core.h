@@ -184,6 +184,13 @@ int dc_bundle_image_toolchain(const dc_bundle* bundle, int32_t k, int32_t image,
 // 1 for an image that needs none: Triton's device-side TMA descriptors ask for some). 0, or -1 for a bad id.
 int dc_bundle_image_scratch(const dc_bundle* bundle, int32_t k, int32_t image, uint32_t* size, uint32_t* align);
 
+// The global-scratch pointer dc_launch_fit passes to a launch of kernel k's image `image` (-1 the PTX) with args:
+// the first multiple of the image's scratch alignment at or past args->workspace plus the split-K part of the
+// workspace (dc_kernel_workspace_bytes leaves room for it); 0 for an image with no scratch. 0 on success, -1 for
+// a bad id or image, or a split-K part past int64.
+int dc_kernel_scratch_pointer(const dc_bundle* bundle, int32_t k, int32_t image, const dc_launch_args* args,
+                              uint64_t* pointer);
+
 // The CUDA driver's version (cuDriverGetVersion: 13000 = CUDA 13.0) into *version. 0 on success, -1 with a
 // message when libcuda does not load. Never aborts.
 int dc_cuda_driver_version(int* version);

@@ -10,7 +10,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <utility>
 
 #include <cuda.h>
@@ -159,7 +158,7 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   }
   CUfunction fn = nullptr;
   const uint32_t shared = ImageShared(k, index);
-  std::tie(out->scratch_size, out->scratch_align) = ImageScratch(k, index);
+  out->image_index = index;
   rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
   if (rc == CUDA_SUCCESS && shared > kDefaultSharedLimit) {
     rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared));
@@ -349,7 +348,8 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   CUresult rc = CUDA_SUCCESS;
 
   CUfunction fn = nullptr;
-  uint32_t shared = 0, scratch_size = 0, scratch_align = 1;
+  uint32_t shared = 0;
+  int image_index = -1;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
     auto key = std::make_pair(static_cast<void*>(ctx), k);
@@ -362,8 +362,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     }
     fn = static_cast<CUfunction>(it->second.function);
     shared = it->second.shared;
-    scratch_size = it->second.scratch_size;
-    scratch_align = it->second.scratch_align;
+    image_index = it->second.image_index;
   }
 
   // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention kernels
@@ -389,12 +388,11 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       params[n_params++] = &ints[p];
     }
   }
-  if (scratch_size > 0) {  // global scratch (TMA descriptors): after the split-K part, aligned up (abi.md)
-    int64_t split_bytes = 0;
+  {  // global scratch (TMA descriptors): after the split-K part, aligned up (abi.md); null for an image without
     std::string why;
-    if (!dietcode::SplitKBytes(kernel, *args, &split_bytes, &why)) return Fail("kernel '" + kernel.name + "': " + why);
-    const uint64_t at = args->workspace + static_cast<uint64_t>(split_bytes);
-    scratch[0] = (at + scratch_align - 1) / scratch_align * scratch_align;
+    if (!dietcode::ScratchPointer(kernel, image_index, *args, &scratch[0], &why)) {
+      return Fail("kernel '" + kernel.name + "': " + why);
+    }
   }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];

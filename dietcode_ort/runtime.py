@@ -244,6 +244,8 @@ class Core:
                                                   ctypes.c_size_t, ctypes.POINTER(i32), ctypes.POINTER(i32)]
         lib.dc_bundle_image_scratch.argtypes = [vp, i32, i32, ctypes.POINTER(ctypes.c_uint32),
                                                 ctypes.POINTER(ctypes.c_uint32)]
+        lib.dc_kernel_scratch_pointer.argtypes = [vp, i32, i32, ctypes.POINTER(LaunchArgs),
+                                                  ctypes.POINTER(ctypes.c_uint64)]
         lib.dc_cuda_driver_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_fit_name.argtypes = [ctypes.c_int]
@@ -571,6 +573,14 @@ class CoreBundle:
         return {"image_toolchains": tuple(chains[i] for i in range(n_images)),
                 "ptx_toolchain": chains.get(-1, fmt.Toolchain()),
                 "image_scratch": tuple(scratch[i] for i in range(n_images)), "ptx_scratch": scratch.get(-1, (0, 1))}
+
+    def scratch_pointer(self, k: int, image: int, args: LaunchArgs) -> int:
+        """The global-scratch pointer a launch of kernel k's image ``image`` (-1: the PTX) with ``args`` passes
+        (``dc_kernel_scratch_pointer``; 0 for an image without scratch)."""
+        pointer = ctypes.c_uint64()
+        if self.core.lib.dc_kernel_scratch_pointer(self.handle, k, image, ctypes.byref(args), ctypes.byref(pointer)):
+            raise DietcodeError(self.core.error())
+        return pointer.value
 
     def image_scratch(self, k: int, image: int) -> tuple[int, int]:
         """Kernel k's image ``image`` (-1: the PTX) global scratch per program: (bytes, alignment)."""

@@ -267,3 +267,27 @@ def test_tma_gemm_through_the_launcher(config: MicroKernel, tmp_path: Path) -> N
         short.workspace_bytes = size - 16  # the launcher refuses a workspace without room for the scratch
         with pytest.raises(DietcodeError, match="global scratch 256 B per program"):
             cb.launch(0, short, torch.cuda.current_stream().cuda_stream)
+
+
+def test_the_launch_passes_the_scratch_past_the_split_k_part_aligned() -> None:
+    """dc_kernel_scratch_pointer is the pointer dc_launch_fit passes: the first 128-byte multiple at or past the
+    workspace's split-K part; with the programs' scratch it stays inside dc_kernel_workspace_bytes, whatever the
+    16-byte alignment of the workspace; an image without scratch gets null."""
+    from dietcode_ort.runtime import LaunchArgs, load_core
+    from tuner.templates import workspace_bytes
+
+    params = ("a", "b", "c", "M", "N", "K", "workspace")
+    bundle = load_core().parse(_payload(_tma_bundle_kernel(params=params, split_k=4, image_scratch=((256, 128),),
+                                                           ptx_scratch=(0, 1))))
+    m, n = 100, 130
+    split_part = workspace_bytes(m, n, 1, 64, 64, 4)
+    programs = 2 * 3 * 4
+    for base in (0x10000, 0x10010, 0x10070, 0x10080):
+        args = LaunchArgs(M=m, N=n, K=64, batch=1, workspace=base)
+        size = bundle.workspace_bytes(0, args)
+        pointer = bundle.scratch_pointer(0, 0, args)
+        assert pointer % 128 == 0 and base + split_part <= pointer < base + split_part + 128
+        assert pointer + programs * 256 <= base + size
+        assert bundle.scratch_pointer(0, -1, args) == 0  # the PTX records no scratch
+    with pytest.raises(DietcodeError, match="has no image 1"):
+        bundle.scratch_pointer(0, 1, args)
