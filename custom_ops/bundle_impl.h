@@ -98,6 +98,8 @@ struct Image {
   uint32_t cc = 0;        // compute capability as major*10+minor
   bool specific = false;  // the 'a' suffix: runs on exactly this cc
   uint32_t shared = 0;    // dynamic shared memory bytes a launch of this cubin asks for
+  // Global scratch per program (Triton's device-side TMA descriptors): bytes and alignment; 0 / 1 for none.
+  uint32_t scratch_size = 0, scratch_align = 1;
   Toolchain toolchain;
   std::string bytes;
 };
@@ -120,6 +122,7 @@ struct Kernel {
   std::vector<Image> images;
   std::string ptx;
   Toolchain ptx_toolchain;
+  uint32_t ptx_scratch_size = 0, ptx_scratch_align = 1;  // the PTX's global scratch per program (as Image's)
 };
 
 struct Feature {
@@ -137,6 +140,7 @@ struct LoadedKernel {
   void* module = nullptr;
   void* function = nullptr;
   uint32_t shared = 0;  // the loaded image's dynamic shared memory bytes
+  int image_index = -1;  // which image was loaded (-1: the PTX): its global scratch (ImageScratch)
 };
 
 // The operand view of a kernel, from its ABI params (the one place this rule lives; see core.h).
@@ -152,6 +156,16 @@ bool PickImage(const Kernel& kernel, int major, int minor, int* image_index, std
 inline uint32_t ImageShared(const Kernel& kernel, int image_index) {
   return image_index >= 0 ? kernel.images[image_index].shared : kernel.shared;
 }
+
+// The global scratch of image `image_index` (-1: the PTX): bytes per program and alignment.
+inline std::pair<uint32_t, uint32_t> ImageScratch(const Kernel& kernel, int image_index) {
+  return image_index >= 0 ? std::make_pair(kernel.images[image_index].scratch_size, kernel.images[image_index].scratch_align)
+                          : std::make_pair(kernel.ptx_scratch_size, kernel.ptx_scratch_align);
+}
+
+// The most global scratch any of the kernel's images asks for (bytes per program, alignment): the workspace
+// holds that much whichever image the device loads.
+std::pair<uint32_t, uint32_t> KernelScratch(const Kernel& kernel);
 
 }  // namespace dietcode
 
@@ -187,9 +201,17 @@ enum Fit : int {
   kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitWorkspace, kFitCount
 };
 
-// The split-K workspace bytes of one call (dc_kernel_workspace_bytes): 0 without split-K; false with *why when
-// the size overflows int64.
+// The workspace bytes of one call (dc_kernel_workspace_bytes): the split-K partials and counters (SplitKBytes),
+// then, for a kernel whose images ask for global scratch, room to align it (scratch align - 16) and grid programs
+// x scratch bytes (KernelScratch); 0 when neither; false with *why when the size overflows int64.
 bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why);
+// The split-K part alone (0 without split-K); the global scratch starts at the workspace plus this, aligned up.
+bool SplitKBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why);
+// The global-scratch kernel parameter of a launch of image `image_index` (-1: the PTX) with args: the first
+// multiple of the image's scratch alignment at or past args.workspace + the split-K part, 0 for an image with no
+// scratch; false with *why when the split-K part overflows.
+bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
+                    std::string* why);
 inline constexpr int64_t kWorkspaceAlign = 16;
 
 // Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch

@@ -32,6 +32,7 @@ constexpr uint32_t kMaxKernels = 1024, kMaxParams = 32, kMaxImages = 16, kMaxNod
 constexpr uint64_t kMaxImageBytes = 64ull << 20, kMaxPtxBytes = 64ull << 20, kMaxTotal = 1ull << 30;
 constexpr uint32_t kMaxBlock = 4096, kMaxSplitK = 1024, kMaxShared = 1u << 20;
 constexpr uint32_t kMaxToolchainName = 64, kMaxPtxIsa = 999, kMaxDriver = 999999;
+constexpr uint32_t kMaxScratch = 1u << 16, kMaxScratchAlign = 1024;  // global scratch per program
 
 const char* const kSectionNames[] = {"", "features", "kernels", "tree"};
 
@@ -42,6 +43,14 @@ struct ParseError {
 };
 
 [[noreturn]] void Fail(const std::string& message) { throw ParseError{"invalid kernel bundle: " + message}; }
+
+// A global scratch record (per program): align a power of two in 1..1024, size a multiple of it up to 64 KiB.
+void CheckScratch(uint32_t size, uint32_t align, const std::string& where) {
+  if (align == 0 || align > kMaxScratchAlign || (align & (align - 1)) != 0 || size > kMaxScratch || size % align != 0) {
+    Fail(where + ": global scratch of " + std::to_string(size) + " bytes aligned to " + std::to_string(align) +
+         " invalid (align a power of two up to 1024, size a multiple of it up to 65536)");
+  }
+}
 
 // Python's strict UTF-8 rules: no overlong forms, no surrogates, nothing above U+10FFFF; plus no NUL.
 bool ValidUtf8(const std::string& s) {
@@ -194,7 +203,8 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || !k.ptx_toolchain.empty()) {
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || !k.ptx_toolchain.empty() ||
+        k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
     return;
@@ -258,6 +268,9 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (k.images.empty() && k.ptx.empty()) Fail(where + ": has neither a cubin nor PTX");
   if (k.ptx.empty() && !k.ptx_toolchain.empty()) Fail(where + ": a toolchain record for PTX it does not carry");
+  if (k.ptx.empty() && (k.ptx_scratch_size || k.ptx_scratch_align != 1)) {
+    Fail(where + ": a global scratch record for PTX it does not carry");
+  }
   const uint32_t isa = PtxIsa(k.ptx);
   if (k.ptx_toolchain.ptx_isa != 0 && k.ptx_toolchain.ptx_isa != isa) {
     Fail(where + ": PTX toolchain says ISA " + IsaText(k.ptx_toolchain.ptx_isa) + ", the PTX's .version says " +
@@ -331,6 +344,9 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       if (img.shared > kMaxShared) {
         Fail("kernel " + std::to_string(index) + ": image shared " + std::to_string(img.shared) + " bytes too large");
       }
+      img.scratch_size = sub.Get<uint32_t>("image scratch size");
+      img.scratch_align = sub.Get<uint32_t>("image scratch align");
+      CheckScratch(img.scratch_size, img.scratch_align, "kernel " + std::to_string(index) + ": image");
       img.toolchain = ReadToolchain(sub, "image toolchain");
       uint64_t size = sub.Get<uint64_t>("image size");
       if (size > kMaxImageBytes) Fail("kernel " + std::to_string(index) + ": image of " + std::to_string(size) + " bytes too large");
@@ -342,6 +358,9 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     if (ptx_size > kMaxPtxBytes) Fail("kernel " + std::to_string(index) + ": PTX of " + std::to_string(ptx_size) + " bytes too large");
     k.ptx = Utf8(sub.String(ptx_size, "PTX"), "PTX");
     k.ptx_toolchain = ReadToolchain(sub, "PTX toolchain");
+    k.ptx_scratch_size = sub.Get<uint32_t>("PTX scratch size");
+    k.ptx_scratch_align = sub.Get<uint32_t>("PTX scratch align");
+    CheckScratch(k.ptx_scratch_size, k.ptx_scratch_align, "kernel " + std::to_string(index) + ": PTX");
     sub.Done();
     r.Seek(start + record);
     b->kernels.push_back(std::move(k));
@@ -695,7 +714,7 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
       }
     }
   }
-  if (kernel.split_k > 1) {
+  if (kernel.split_k > 1 || KernelScratch(kernel).first > 0) {
     int64_t bytes = 0;
     std::string detail;
     if (!WorkspaceBytes(kernel, args, &bytes, &detail)) return refuse(kFitWorkspace, detail);
@@ -703,7 +722,51 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
   return Div16Fit(kernel, args, refuse);
 }
 
+std::pair<uint32_t, uint32_t> KernelScratch(const Kernel& kernel) {
+  uint32_t size = kernel.ptx_scratch_size, align = kernel.ptx_scratch_align;
+  for (const Image& image : kernel.images) {
+    size = std::max(size, image.scratch_size);
+    align = std::max(align, image.scratch_align);
+  }
+  return {size, align};
+}
+
 bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why) {
+  if (!SplitKBytes(kernel, args, bytes, why)) return false;
+  const auto [size, align] = KernelScratch(kernel);
+  if (kernel.kind == kVendor || size == 0 || args.M <= 0 || args.N <= 0 || args.batch < 0) return true;
+  // the grid's programs (the launch's grid rule; attention kernels take no scratch: aot.py refuses them)
+  const int64_t batch = args.batch > 0 ? args.batch : 1;
+  const int64_t tiles = ((int64_t{args.M} + kernel.block_m - 1) / kernel.block_m) *
+                        ((int64_t{args.N} + kernel.block_n - 1) / kernel.block_n);
+  const int64_t pad = align > kWorkspaceAlign ? align - kWorkspaceAlign : 0;  // the workspace is 16-byte aligned
+  int64_t programs = 0, scratch = 0, total = 0;
+  if (__builtin_mul_overflow(tiles, batch, &programs) ||
+      __builtin_mul_overflow(programs, int64_t{kernel.split_k}, &programs) ||
+      __builtin_mul_overflow(programs, int64_t{size}, &scratch) || __builtin_add_overflow(*bytes, pad, &total) ||
+      __builtin_add_overflow(total, scratch, &total) || total > INT64_MAX - kWorkspaceAlign) {
+    *why = std::to_string(tiles) + " tiles x batch " + std::to_string(batch) + " x split_k " +
+           std::to_string(kernel.split_k) + " programs x " + std::to_string(size) +
+           " bytes of global scratch overflows int64";
+    return false;
+  }
+  *bytes = (total + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  return true;
+}
+
+bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
+                    std::string* why) {
+  *pointer = 0;
+  const auto [size, align] = ImageScratch(kernel, image_index);
+  if (size == 0) return true;
+  int64_t split_bytes = 0;
+  if (!SplitKBytes(kernel, args, &split_bytes, why)) return false;
+  const uint64_t at = args.workspace + static_cast<uint64_t>(split_bytes);
+  *pointer = (at + align - 1) / align * align;
+  return true;
+}
+
+bool SplitKBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* bytes, std::string* why) {
   *bytes = 0;
   if (kernel.kind == kVendor || kernel.split_k <= 1) return true;
   // Sizes below 0 or a 0 output need no workspace (CallFit refuses such calls before this).
@@ -1158,6 +1221,43 @@ int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char
   if (ptxas != nullptr && ptxas_size > 0) std::snprintf(ptxas, ptxas_size, "%s", t.ptxas.c_str());
   if (ptx_isa) *ptx_isa = static_cast<int32_t>(t.ptx_isa);
   if (min_driver) *min_driver = static_cast<int32_t>(t.min_driver);
+  return 0;
+}
+
+int dc_kernel_scratch_pointer(const dc_bundle* b, int32_t k, int32_t image, const dc_launch_args* args,
+                              uint64_t* pointer) {
+  if (b == nullptr || args == nullptr || pointer == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments / pointer or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
+      (image == -1 && kernel.ptx.empty())) {
+    SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));
+    return -1;
+  }
+  std::string why;
+  if (!dietcode::ScratchPointer(kernel, image, *args, pointer, &why)) {
+    SetError("kernel '" + kernel.name + "': " + why);
+    return -1;
+  }
+  return 0;
+}
+
+int dc_bundle_image_scratch(const dc_bundle* b, int32_t k, int32_t image, uint32_t* size, uint32_t* align) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
+      (image == -1 && kernel.ptx.empty())) {
+    SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));
+    return -1;
+  }
+  const auto [bytes, alignment] = dietcode::ImageScratch(kernel, image);
+  if (size) *size = bytes;
+  if (align) *align = alignment;
   return 0;
 }
 

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace and the kernel causal and tf32 flags
+#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -183,6 +183,17 @@ int dc_bundle_image_count(const dc_bundle* bundle, int32_t k);
 // pointer may be NULL. 0 on success, -1 for a bad id or an image the kernel does not have.
 int dc_bundle_image_toolchain(const dc_bundle* bundle, int32_t k, int32_t image, char* triton, size_t triton_size,
                               char* ptxas, size_t ptxas_size, int32_t* ptx_isa, int32_t* min_driver);
+
+// The global scratch per program of kernel k's image `image` (as above; -1 the PTX): bytes and alignment (0 and
+// 1 for an image that needs none: Triton's device-side TMA descriptors ask for some). 0, or -1 for a bad id.
+int dc_bundle_image_scratch(const dc_bundle* bundle, int32_t k, int32_t image, uint32_t* size, uint32_t* align);
+
+// The global-scratch pointer dc_launch_fit passes to a launch of kernel k's image `image` (-1 the PTX) with args:
+// the first multiple of the image's scratch alignment at or past args->workspace plus the split-K part of the
+// workspace (dc_kernel_workspace_bytes leaves room for it); 0 for an image with no scratch. 0 on success, -1 for
+// a bad id or image, or a split-K part past int64.
+int dc_kernel_scratch_pointer(const dc_bundle* bundle, int32_t k, int32_t image, const dc_launch_args* args,
+                              uint64_t* pointer);
 
 // The CUDA driver's version (cuDriverGetVersion: 13000 = CUDA 13.0) into *version. 0 on success, -1 with a
 // message when libcuda does not load. Never aborts.

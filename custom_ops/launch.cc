@@ -158,6 +158,7 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   }
   CUfunction fn = nullptr;
   const uint32_t shared = ImageShared(k, index);
+  out->image_index = index;
   rc = d.ModuleGetFunction(&fn, module, k.name.c_str());
   if (rc == CUDA_SUCCESS && shared > kDefaultSharedLimit) {
     rc = d.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared));
@@ -317,15 +318,17 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       return fit;
     }
   }
-  // A split-K kernel meets its splits in the caller's workspace (abi.md): it must be there, large enough and
-  // 16-byte aligned (the kernels are compiled assuming so), or the splits would write past it.
+  // A split-K kernel meets its splits in the caller's workspace, and a kernel with global scratch (TMA
+  // descriptors) writes it there too (abi.md): it must be there, large enough and 16-byte aligned (the kernels
+  // are compiled assuming so), or the kernel would write past it.
   int64_t workspace = 0;
   {
     std::string why;
     if (!dietcode::WorkspaceBytes(kernel, *args, &workspace, &why)) return Fail("kernel '" + kernel.name + "': " + why);
     if (workspace > 0 && (args->workspace == 0 || args->workspace % dietcode::kWorkspaceAlign != 0 ||
                           args->workspace_bytes < static_cast<uint64_t>(workspace))) {
-      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ") needs a workspace of " +
+      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ", global scratch " +
+                  std::to_string(dietcode::KernelScratch(kernel).first) + " B per program) needs a workspace of " +
                   std::to_string(workspace) + " bytes, 16-byte aligned; the call gives " +
                   std::to_string(args->workspace_bytes) + " bytes at 0x" + [&] {
                     char hex[32];
@@ -346,6 +349,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
 
   CUfunction fn = nullptr;
   uint32_t shared = 0;
+  int image_index = -1;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
     auto key = std::make_pair(static_cast<void*>(ctx), k);
@@ -358,6 +362,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     }
     fn = static_cast<CUfunction>(it->second.function);
     shared = it->second.shared;
+    image_index = it->second.image_index;
   }
 
   // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention kernels
@@ -383,10 +388,16 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
       params[n_params++] = &ints[p];
     }
   }
+  {  // global scratch (TMA descriptors): after the split-K part, aligned up (abi.md); null for an image without
+    std::string why;
+    if (!dietcode::ScratchPointer(kernel, image_index, *args, &scratch[0], &why)) {
+      return Fail("kernel '" + kernel.name + "': " + why);
+    }
+  }
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];
 
-  if (workspace > 0) {  // the counters (one int32 per tile and batch) follow the partial tiles
+  if (kernel.split_k > 1) {  // the counters (one int32 per tile and batch) follow the partial tiles
     const uint64_t counters = static_cast<uint64_t>(tiles) * static_cast<uint64_t>(batch);
     const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
     rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, s);

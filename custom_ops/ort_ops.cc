@@ -38,7 +38,7 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 // Reasons a node runs the vendor path beyond dc_kernel_fit's codes (1..7), for one warning per node and reason.
 constexpr int kReasonDevice = 16;
-constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no split-K workspace
+constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no workspace (split-K, TMA scratch)
 // Notes of the vendor conv (logged once per node each): its algorithm falls back to IMPLICIT_GEMM without
 // workspace because cuDNN's heuristic gave none, or because ORT gave no memory for the chosen one's workspace.
 constexpr int kNoteConvAlgo = 18;
@@ -551,7 +551,8 @@ class DietcodeKernel {
     args.c = reinterpret_cast<uint64_t>(out.GetTensorMutableRawData());
     args.residual = spec_.residual ? reinterpret_cast<uint64_t>(residual.GetTensorRawData()) : 0;
     args.c_bytes = static_cast<uint64_t>(total) * elem;
-    // A split-K kernel's workspace, from ORT's scratch allocator on this stream; given back when `workspace`
+    // The workspace of a split-K kernel or of one with global scratch (TMA descriptors), from ORT's scratch
+    // allocator on this stream; given back when `workspace`
     // goes out of scope, after the launch is enqueued (ScratchBuffer says why that is safe).
     ScratchBuffer workspace;
     const int64_t workspace_bytes = dc_kernel_workspace_bytes(bundle_.get(), k, &args);
@@ -561,7 +562,7 @@ class DietcodeKernel {
           !workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(workspace_bytes), &error)) {
         const int reason = workspace_bytes < 0 ? kFitWorkspaceSize : kReasonWorkspace;
         const std::string why = workspace_bytes < 0 ? std::string(dc_last_error())
-                                                    : "no split-K workspace (" + std::to_string(workspace_bytes) +
+                                                    : "no kernel workspace (" + std::to_string(workspace_bytes) +
                                                           " bytes): " + error;
         WarnOnce(reason, why.c_str());
         dc_node_count_fallback(counter_, why.c_str());

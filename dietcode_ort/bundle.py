@@ -67,7 +67,7 @@ LIMITS: dict[str, int] = {
     "features": 64, "terms": 8, "inputs": 8, "dim": 8, "name": 256, "kernels": 1024, "params": 32,
     "images": 16, "image_bytes": 64 << 20, "ptx_bytes": 64 << 20, "nodes": 1 << 16, "block": 4096,
     "split_k": 1024, "shared": 1 << 20, "total_bytes": 1 << 30, "toolchain_name": 64, "ptx_isa": 999,
-    "driver": 999999,
+    "driver": 999999, "scratch": 1 << 16, "scratch_align": 1024,
 }
 
 
@@ -166,8 +166,14 @@ class BundleKernel:
     alpha: float = 1.0  # the scale baked in (float32): ALPHA of the epilogue, SCALE of attention; 1 for conv, vendor
     image_toolchains: tuple[Toolchain, ...] = ()
     ptx_toolchain: Toolchain = Toolchain()
+    # global scratch per program (bytes, alignment) of each cubin, in ``images``' order, and of the PTX: Triton's
+    # device-side TMA descriptors (docs/abi.md); (0, 1) for none. Left empty, every cubin takes (0, 1).
+    image_scratch: tuple[tuple[int, int], ...] = ()
+    ptx_scratch: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
+        if not self.image_scratch and self.images:
+            object.__setattr__(self, "image_scratch", ((0, 1),) * len(self.images))
         if not self.image_shared and self.images:
             object.__setattr__(self, "image_shared", (self.shared,) * len(self.images))
         if not self.image_toolchains and self.images:
@@ -234,6 +240,8 @@ class BundleKernel:
                    images=tuple((_compiled_arch(c.arch), bytes(c.cubin)) for c in with_cubin),
                    image_shared=tuple(int(c.shared) for c in with_cubin),
                    image_toolchains=tuple(_toolchain_of(c, "cubin") for c in with_cubin),
+                   image_scratch=tuple(_scratch_of(c) for c in with_cubin),
+                   ptx_scratch=_scratch_of(ptx_from) if ptx_from is not None else (0, 1),
                    ptx_toolchain=_toolchain_of(ptx_from, "ptx") if ptx_from is not None else Toolchain(),
                    ptx=ptx, params=params, num_warps=int(first.num_warps),
                    shared=(int(ptx_from.shared) if ptx_from is not None
@@ -254,7 +262,7 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.tf32 or self.image_toolchains
+                    or self.tf32 or self.image_toolchains or self.image_scratch or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
@@ -338,6 +346,13 @@ class BundleKernel:
         self.ptx_toolchain.validate(f"{where}: PTX")
         if not self.ptx and self.ptx_toolchain != Toolchain():
             raise _fail(f"{where}: a toolchain record for PTX it does not carry")
+        if len(self.image_scratch) != len(self.images):
+            raise _fail(f"{where}: {len(self.image_scratch)} image scratch records for {len(self.images)} cubins")
+        for (arch, _), scratch in zip(self.images, self.image_scratch):
+            _check_scratch(scratch, f"{where}: cubin for {arch}")
+        _check_scratch(self.ptx_scratch, f"{where}: PTX")
+        if not self.ptx and self.ptx_scratch != (0, 1):
+            raise _fail(f"{where}: a global scratch record for PTX it does not carry")
         if self.ptx_toolchain.ptx_isa and self.ptx_toolchain.ptx_isa != ptx_isa(self.ptx):
             raise _fail(f"{where}: PTX toolchain says ISA {format_isa(self.ptx_toolchain.ptx_isa)}, the PTX's "
                         f".version says {format_isa(ptx_isa(self.ptx))}")
@@ -379,6 +394,24 @@ def _built_for(compiled: Any) -> dict[str, Any]:
 def _float32(value: float) -> float:
     """``value`` rounded to float32 (how the bundle stores alpha and ONNX a float attribute)."""
     return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def _check_scratch(scratch: tuple[int, int], where: str) -> None:
+    """A global scratch record (bytes per program, alignment): the alignment a power of two up to
+    LIMITS["scratch_align"], the size a multiple of it up to LIMITS["scratch"] (the C reader's rule)."""
+    if (len(scratch) != 2 or not all(isinstance(v, int) for v in scratch)):
+        raise _fail(f"{where}: global scratch record {scratch!r} is not (bytes, alignment)")
+    size, align = scratch
+    if (not 0 < align <= LIMITS["scratch_align"] or align & (align - 1) or not 0 <= size <= LIMITS["scratch"]
+            or size % align):
+        raise _fail(f"{where}: global scratch of {size} bytes aligned to {align} invalid (align a power of two up to "
+                    f"{LIMITS['scratch_align']}, size a multiple of it up to {LIMITS['scratch']})")
+
+
+def _scratch_of(compiled: Any) -> tuple[int, int]:
+    """A compiled kernel's global scratch per program, (0, 1) when it needs none."""
+    size = int(getattr(compiled, "global_scratch_size", 0) or 0)
+    return (size, int(getattr(compiled, "global_scratch_align", 1) or 1)) if size else (0, 1)
 
 
 def _toolchain_of(compiled: Any, image: str) -> Toolchain:
@@ -690,10 +723,12 @@ class Bundle:
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))
-            for (arch, image), shared, chain in zip(k.images, k.image_shared, k.image_toolchains):
+            for (arch, image), shared, chain, scratch in zip(k.images, k.image_shared, k.image_toolchains,
+                                                            k.image_scratch):
                 cc, flags = parse_arch(arch)
-                body += struct.pack("<III", cc, flags, shared) + chain.encode() + struct.pack("<Q", len(image)) + image
-            body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode()
+                body += (struct.pack("<III", cc, flags, shared) + struct.pack("<II", *scratch) + chain.encode()
+                         + struct.pack("<Q", len(image)) + image)
+            body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode() + struct.pack("<II", *k.ptx_scratch)
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 

@@ -46,11 +46,14 @@ def _info(node: onnx.NodeProto, attr: onnx.AttributeProto) -> dict:
 
 
 def _images(kernel: BundleKernel) -> list[dict]:
-    """Each image of a kernel with what made it and the oldest driver that loads it (docs/bundle.md)."""
+    """Each image of a kernel with what made it, the oldest driver that loads it and the global scratch it asks
+    per program (TMA descriptors; docs/bundle.md)."""
+    scratch = [*kernel.image_scratch, kernel.ptx_scratch]  # the cubins in order, then the PTX (as all_images)
     return [{"kind": choice.kind, "arch": choice.arch, "triton": chain.triton or None, "ptxas": chain.ptxas or None,
              "ptx_isa": format_isa(chain.ptx_isa) if chain.ptx_isa else None,
-             "min_driver": format_driver(chain.min_driver) if chain.min_driver else None}
-            for choice, chain in kernel.all_images()]
+             "min_driver": format_driver(chain.min_driver) if chain.min_driver else None,
+             "global_scratch": {"bytes": size, "align": align}}
+            for (choice, chain), (size, align) in zip(kernel.all_images(), scratch)]
 
 
 def _ptx_mma(ptx: str) -> dict | None:
@@ -64,7 +67,9 @@ def _ptx_mma(ptx: str) -> dict | None:
 def _toolchain_line(chain: dict) -> str:
     parts = [f"triton {chain['triton']}" if chain["triton"] else "", f"ptxas {chain['ptxas']}" if chain["ptxas"] else "",
              f"PTX ISA {chain['ptx_isa']}" if chain["ptx_isa"] else "",
-             f"driver >= {chain['min_driver']}" if chain["min_driver"] else "no driver requirement recorded"]
+             f"driver >= {chain['min_driver']}" if chain["min_driver"] else "no driver requirement recorded",
+             (f"global scratch {chain['global_scratch']['bytes']} B per program (aligned to "
+              f"{chain['global_scratch']['align']})") if chain.get("global_scratch", {}).get("bytes") else ""]
     return f"{chain['kind']} {chain['arch']}: " + ", ".join(p for p in parts if p)
 
 

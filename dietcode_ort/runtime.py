@@ -270,6 +270,10 @@ class Core:
         lib.dc_bundle_image_count.argtypes = [vp, i32]
         lib.dc_bundle_image_toolchain.argtypes = [vp, i32, i32, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
                                                   ctypes.c_size_t, ctypes.POINTER(i32), ctypes.POINTER(i32)]
+        lib.dc_bundle_image_scratch.argtypes = [vp, i32, i32, ctypes.POINTER(ctypes.c_uint32),
+                                                ctypes.POINTER(ctypes.c_uint32)]
+        lib.dc_kernel_scratch_pointer.argtypes = [vp, i32, i32, ctypes.POINTER(LaunchArgs),
+                                                  ctypes.POINTER(ctypes.c_uint64)]
         lib.dc_cuda_driver_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.dc_cuda_device_limits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.dc_fit_name.argtypes = [ctypes.c_int]
@@ -614,8 +618,25 @@ class CoreBundle:
             return {}
         chains = {c["image"]: fmt.Toolchain(c["triton"], c["ptxas"], c["ptx_isa"], c["min_driver"])
                   for c in self.image_toolchains(k)}
+        scratch = {i: self.image_scratch(k, i) for i in [*range(n_images), *([-1] if -1 in chains else [])]}
         return {"image_toolchains": tuple(chains[i] for i in range(n_images)),
-                "ptx_toolchain": chains.get(-1, fmt.Toolchain())}
+                "ptx_toolchain": chains.get(-1, fmt.Toolchain()),
+                "image_scratch": tuple(scratch[i] for i in range(n_images)), "ptx_scratch": scratch.get(-1, (0, 1))}
+
+    def scratch_pointer(self, k: int, image: int, args: LaunchArgs) -> int:
+        """The global-scratch pointer a launch of kernel k's image ``image`` (-1: the PTX) with ``args`` passes
+        (``dc_kernel_scratch_pointer``; 0 for an image without scratch)."""
+        pointer = ctypes.c_uint64()
+        if self.core.lib.dc_kernel_scratch_pointer(self.handle, k, image, ctypes.byref(args), ctypes.byref(pointer)):
+            raise DietcodeError(self.core.error())
+        return pointer.value
+
+    def image_scratch(self, k: int, image: int) -> tuple[int, int]:
+        """Kernel k's image ``image`` (-1: the PTX) global scratch per program: (bytes, alignment)."""
+        size, align = ctypes.c_uint32(), ctypes.c_uint32()
+        if self.core.lib.dc_bundle_image_scratch(self.handle, k, image, ctypes.byref(size), ctypes.byref(align)):
+            raise DietcodeError(self.core.error())
+        return size.value, align.value
 
     def is_vendor(self, k: int) -> bool:
         r = self.core.lib.dc_bundle_kernel_is_vendor(self.handle, k)

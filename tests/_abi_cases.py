@@ -36,6 +36,8 @@ class AbiCase:
     expect_kernel: bool = True  # False: the ABI cannot express it and ORT's kernel runs
     alpha: float = 1.0  # a MatMul's fused scale (the node's `scale`, the kernel's ALPHA constexpr)
     residual: bool = False  # MatMul...Residual: a tensor of the output's shape, the pointer after the ints
+    tma: bool = False  # a TMA config (USE_TMA): the bundle kernel records 256 B of global scratch per program and
+    # the TMA div16 set, so a call breaking it runs the vendor path (dc_kernel_fit)
 
 
 CASES: tuple[AbiCase, ...] = (
@@ -63,7 +65,19 @@ CASES: tuple[AbiCase, ...] = (
             attrs={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
     AbiCase("conv_dilated_asymmetric", "Conv", (1, 4, 12, 11), (6, 4, 3, 2),
             attrs={"pads": (0, 1, 2, 1), "dilations": (2, 1)}),
+    AbiCase("tma_matmul_bias_gelu_residual_fp16", "MatMul", (2, 9, 32), (32, 48), bias=(48,), activation="gelu",
+            alpha=0.5, residual=True, config=(16, 16, 16, 4, 2), dtype="float16", tma=True),
+    AbiCase("tma_matmul_split_k_fp16", "MatMul", (5, 64), (64, 32), config=(16, 16, 16, 4, 2, 8, 4), dtype="float16",
+            tma=True),
+    AbiCase("tma_attention_batched_fp16", "MatMul", (2, 3, 17, 16), (2, 3, 16, 32), alpha=0.25, config=(16, 16, 16, 4, 2),
+            dtype="float16", tma=True),
+    AbiCase("tma_gemm_trans_b_fp16", "Gemm", (13, 48), (32, 48), bias=(32,), attrs={"trans_b": 1},
+            config=(16, 16, 16, 4, 2), dtype="float16", tma=True),
+    # K = 40: rows of 80 bytes break the TMA kernel's K div16 assumption, so the call runs the vendor path
+    AbiCase("tma_matmul_k_not_div16", "MatMul", (9, 40), (40, 32), config=(16, 16, 16, 4, 2), dtype="float16",
+            tma=True, expect_kernel=False),
 )
+TMA_SCRATCH = (256, 128)  # what Triton 3.9 asks of the TMA templates per program on sm_90 (tests/test_tma.py)
 
 
 def _view(core: Any, case: AbiCase, batched: bool) -> Any:
@@ -118,11 +132,17 @@ def run_case(case: AbiCase) -> dict[str, Any]:
     args = _view(load_core(), case, batched)
     if args is None:
         return {"view": "vendor"}
+    if case.tma:
+        fit, why = _bundle(case, "bmm" if batched else "gemm", bias is not None).fit(0, args)
+        if fit != "fits":
+            return {"view": "vendor", "fit": fit, "why": why}
     op = {"MatMul": "bmm" if batched else "gemm", "Gemm": "gemm", "Conv": "conv"}[case.onnx_op]
     bm, bn, bk, warps, stages, *rest = case.config
     group_m, split_k = (rest + [8, 1])[:2] if rest else (8, 1)
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=case.activation, DOT_PRECISION="ieee", BLOCK_M=bm,
                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+    if case.tma:
+        meta["USE_TMA"] = True
     if op == "conv":
         at = case.attrs
         oc, c, kh, kw = case.b
@@ -141,7 +161,7 @@ def run_case(case: AbiCase) -> dict[str, Any]:
     residual = torch.randn(out_shape, dtype=dtype) if case.residual else None  # the output's shape (ort_ops.cc)
     size = _workspace_bytes(op, case, args, bias is not None, split_k)
     workspace = None
-    if size:  # what dc_launch_fit is given: NaN partials (each split writes its own), counters zeroed
+    if size and split_k > 1:  # what dc_launch_fit is given (a TMA kernel's scratch follows the split-K part): NaN partials (each split writes its own), counters zeroed
         workspace = torch.full((size // 4,), float("nan"), dtype=torch.float32)
         tiles = triton.cdiv(args.M, bm) * triton.cdiv(args.N, bn) * max(1, args.batch)
         workspace.view(torch.int32)[tiles * split_k * bm * bn:] = 0
@@ -152,26 +172,35 @@ def run_case(case: AbiCase) -> dict[str, Any]:
     templates.KERNELS[op][grid](*values, **meta)
     want = _reference(torch, case, a, b, bias, residual)
     out = {"view": "kernel", "max_err": float((c_out.float() - want).abs().max()), "scale": float(want.abs().max()),
-           "workspace_bytes": size}
+           "workspace_bytes": size, "python_workspace_bytes": templates.workspace_bytes(
+               args.M, args.N, args.batch, bm, bn, split_k, *(TMA_SCRATCH if case.tma else (0, 1)))}
     if workspace is not None:
         out["counters"] = workspace.view(torch.int32)[tiles * split_k * bm * bn:tiles * split_k * bm * bn + tiles].tolist()
     return out
 
 
-def _workspace_bytes(op: str, case: AbiCase, args: Any, bias: bool, split_k: int) -> int:
-    """The workspace bytes the C core gives this call for a bundle kernel of this config
-    (dc_kernel_workspace_bytes), after checking that the call fits it (dc_kernel_fit)."""
+def _bundle(case: AbiCase, op: str, bias: bool) -> Any:
+    """The C core's parse of a one-kernel bundle of this case's config (a TMA one with its scratch and div16)."""
     from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
     from dietcode_ort.runtime import load_core
     from tuner import templates
+    from tuner.aot import tma_div16
 
-    bm, bn = case.config[:2]
+    bm, bn, *_ = case.config
+    split_k = (list(case.config[5:]) + [8, 1])[1]
     params = tuple(p for p in templates.ABI_PARAMS[op] if (p != "bias" or bias) and (p != "residual" or case.residual)
                    and (p != "workspace" or split_k > 1))
     conv = (case.b[1], case.b[2], case.b[3], 1, 1, 1, 1, 1, 1) if op == "conv" else ()
-    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=params, block_m=bm, block_n=bn,
-                          split_k=split_k, conv=conv)
-    bundle = load_core().parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_90a\n", params=params, block_m=bm, block_n=bn,
+                          split_k=split_k, conv=conv, div16=tma_div16(op) if case.tma else (),
+                          ptx_scratch=TMA_SCRATCH if case.tma else (0, 1))
+    return load_core().parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+
+
+def _workspace_bytes(op: str, case: AbiCase, args: Any, bias: bool, split_k: int) -> int:
+    """The workspace bytes the C core gives this call for a bundle kernel of this config
+    (dc_kernel_workspace_bytes), after checking that the call fits it (dc_kernel_fit)."""
+    bundle = _bundle(case, op, bias)
     fit, why = bundle.fit(0, args)
     assert fit == "fits", why
     return bundle.workspace_bytes(0, args)

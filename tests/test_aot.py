@@ -115,9 +115,13 @@ def test_json_round_trip(sample: list[CompileResult]) -> None:
         assert CompiledKernel.from_dict(data) == result.kernel
 
 
-def test_scratch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    fake = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=256, profile_scratch_size=0,
-                                                    name="k", num_warps=4, shared=0),
+@pytest.mark.parametrize("global_size, align, profile_size", [(256, 128, 64), (1 << 20, 128, 0), (256, 96, 0)])
+def test_scratch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, global_size: int, align: int,
+                            profile_size: int) -> None:
+    """Profile scratch, and global scratch the launcher does not pass (over 64 KiB per program, or an alignment
+    that is not a power of two dividing it), are refused; TMA's 256 B aligned to 128 is taken (tests/test_tma.py)."""
+    fake = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=global_size, global_scratch_align=align,
+                                                    profile_scratch_size=profile_size, name="k", num_warps=4, shared=0),
                            asm={"cubin": b"", "ptx": ""})
     monkeypatch.setattr(aot, "_triton_compile", lambda *a, **k: (fake, ""))
     with pytest.raises(DietcodeError, match="needs scratch memory .*refused"):

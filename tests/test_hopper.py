@@ -1,26 +1,23 @@
 """sm_90 (Hopper): which MMA Triton lowers a config to (the rule against the committed compile evidence and
-against fresh compiles), the MMA kind in compiled kernels, the cost model's wgmma feature and mma.sync rate,
-and the TMA study kernel (interpreted against float64, compiled for sm_90). Compiles are few and small."""
+against fresh compiles), the MMA kind in compiled kernels, the cost model's wgmma feature and mma.sync rate.
+The TMA configs are tests/test_tma.py's. Compiles are few and small."""
 from __future__ import annotations
 
 import csv
 import dataclasses
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
-from _interpreter import ROOT, run_interpreted
-from _tma_cases import CASES as TMA_CASES
+from _interpreter import ROOT
 from dietcode_ort.errors import DietcodeError
 from tuner.aot import CompiledKernel, compile_kernel, ptx_mma, ptx_mma_shapes
 from tuner.cost_model import FEATURE_NAMES, AnalyticCostModel, config_peak_flops, kernel_features, peak_flops
 from tuner.hardware import get_profile
 from tuner.measure import AnalyticMeasurer
 from tuner.space import Family, MicroKernel, wgmma_eligible
-from tuner.workload import Epilogue, Problem
+from tuner.workload import Problem
 
 EVIDENCE = ROOT / "benchmarks" / "results" / "compile" / "sm90-mma.csv"  # the gemm spaces before the wgmma rule
 EVIDENCE_AFTER = ("sm90-mma-space.csv", "sm90-mma-conv.csv")  # the 16-bit gemm and conv spaces after it
@@ -111,48 +108,6 @@ def test_analytic_measurer_uses_the_mma_sync_rate() -> None:
     assert w2 == pytest.approx(w4 * 1.5)
     assert "mma.sync=" in AnalyticMeasurer(H100, "float16").device_key()
     assert "mma.sync" not in AnalyticMeasurer(A100, "float16").device_key()  # other targets' records stay valid
-
-
-@pytest.fixture(scope="module")
-def interpreted_tma() -> dict[str, Any]:
-    return run_interpreted("_tma_cases.py")
-
-
-@pytest.mark.parametrize("name", list(TMA_CASES))
-def test_tma_kernel_matches_float64(interpreted_tma: dict[str, Any], name: str) -> None:
-    outcome = interpreted_tma[name]
-    assert outcome["ok"], outcome.get("error")
-    assert outcome["shape_ok"] and outcome["dtype_ok"], outcome
-    assert outcome["excess"] <= 0.0, f"{name}: max error {outcome['max_err']}"
-
-
-def test_tma_kernel_refuses_what_tma_cannot_read() -> None:
-    from tuner.tma import run_tma
-
-    a, b = torch.zeros(8, 20, dtype=torch.float16), torch.zeros(20, 16, dtype=torch.float16)  # K rows: 40 bytes
-    with pytest.raises(DietcodeError, match="multiples of 16 bytes"):
-        run_tma(MicroKernel(16, 16, 32, 4, 2), a, b)
-    with pytest.raises(DietcodeError, match="no split-K"):
-        run_tma(MicroKernel(16, 16, 32, 4, 2, 8, 4), a, b)
-    with pytest.raises(DietcodeError, match="2-D operands"):
-        run_tma(MicroKernel(16, 16, 32, 4, 2), a[None], b)
-
-
-def test_tma_kernel_compiles_to_bulk_tensor_copies_on_sm90() -> None:
-    """sm_90: the operand loads become TMA copies feeding wgmma, and the kernel asks for global scratch
-    (one 128-byte descriptor per operand per program), which the runtime's launcher does not provide.
-    sm_80 has no TMA: the same source compiles to ordinary loads and needs no scratch."""
-    from tuner.tma import DESCRIPTOR_BYTES, compile_tma
-
-    epilogue = Epilogue(bias=True, activation="gelu")
-    hopper = compile_tma(Family("gemm", "float16", "sm_90"), W4, epilogue=epilogue)
-    assert "cp.async.bulk.tensor" in hopper.ptx and hopper.mma == "wgmma"
-    assert (hopper.global_scratch_size, hopper.global_scratch_align) == (2 * DESCRIPTOR_BYTES, 128)
-    assert hopper.scratch_bytes((12, 1, 1)) == 12 * 2 * DESCRIPTOR_BYTES
-    assert hopper.params == ("a", "b", "bias", "c", "M", "N", "K") and hopper.n_spills == 0
-    ampere = compile_tma(Family("gemm", "float16", "sm_80"), W4)
-    assert "cp.async.bulk.tensor" not in ampere.ptx and ampere.global_scratch_size == 0
-    assert ampere.params == ("a", "b", "c", "M", "N", "K")
 
 
 def test_a_cost_model_saved_before_the_wgmma_feature_is_refused(tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def test_neighbours_move_one_field_to_an_adjacent_value():
     near = neighbours(config, space)
     assert near and all(n in space for n in near)
     for n in near:
-        diff = [f for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
+        diff = [f for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "tma")
                 if getattr(n, f) != getattr(config, f)]
         assert len(diff) == 1
     assert MicroKernel(128, 64, 32, 4, 3) in near and MicroKernel(64, 64, 32, 4, 4) in near

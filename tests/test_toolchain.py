@@ -198,16 +198,21 @@ def test_doctor_says_which_images_the_driver_does_not_load(tmp_path: Path, capsy
 
 
 def test_inspect_shows_the_toolchain(tmp_path: Path, capsys) -> None:
-    path = _model(tmp_path / "m.onnx", _bundle(_kernel("k")))
+    # the sm_90a cubin as a TMA kernel's: 256 B of global scratch per program (docs/abi.md)
+    path = _model(tmp_path / "m.onnx", _bundle(_kernel("k", image_scratch=((256, 128), (0, 1)))))
     assert main(["inspect", str(path), "--json"]) == 0
     (node,) = json.loads(capsys.readouterr().out)["nodes"]
+    none = {"bytes": 0, "align": 1}
     assert node["kernels"][0]["images"] == [
         {"kind": "cubin", "arch": "sm_90a", "triton": "3.9.0", "ptxas": "13.4.59", "ptx_isa": "9.0",
-         "min_driver": "13.0"},
+         "min_driver": "13.0", "global_scratch": {"bytes": 256, "align": 128}},
         {"kind": "cubin", "arch": "sm_80", "triton": "3.9.0", "ptxas": "12.9.86", "ptx_isa": "8.8",
-         "min_driver": "12.0"},
+         "min_driver": "12.0", "global_scratch": none},
         {"kind": "ptx", "arch": "sm_80", "triton": "3.9.0", "ptxas": "13.4.59", "ptx_isa": "9.4",
-         "min_driver": "13.4"}]
+         "min_driver": "13.4", "global_scratch": none}]
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "global scratch 256 B per program (aligned to 128)" in text and text.count("global scratch") == 1
 
 
 def test_inspect_says_which_mma_each_kernels_ptx_uses(tmp_path: Path, capsys) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dietcode_ort import toolchain as tc
+from dietcode_ort.bundle import LIMITS
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import MMA_KINDS, ptx_mma, ptx_mma_shapes
 from tuner import templates
@@ -49,8 +50,8 @@ from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
            "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash", "aot_hash",
-           "shipped_div16", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes", "FP32_PRECISIONS", "DEFAULT_FP32_PRECISION",
-           "check_fp32_precision", "uses_tf32"]
+           "shipped_div16", "tma_div16", "check_scratch", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes", "FP32_PRECISIONS",
+           "DEFAULT_FP32_PRECISION", "check_fp32_precision", "uses_tf32"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -108,6 +109,27 @@ def aligned_params(op: str, bias: bool = True, residual: bool = False) -> tuple[
     if op not in _ALIGNED:  # attention: its params sit at index 16 on, past the bundle's 16-bit div16 mask
         raise DietcodeError(f"{op}: no div16 assumptions (its params are past the 16-bit div16 mask)")
     return tuple(p for p in _POINTERS if (bias or p != "bias") and (residual or p != "residual")) + _ALIGNED[op]
+
+
+SCRATCH_MAX = LIMITS["scratch"]  # bytes of global scratch per program the runtime passes
+SCRATCH_ALIGN_MAX = LIMITS["scratch_align"]
+_TMA_DIV16 = {"gemm": ("a", "b", "K", "N"), "bmm": ("a", "b", "K", "N", "stride_a_batch", "stride_b_batch")}
+
+
+def check_scratch(size: int, align: int) -> bool:
+    """Whether the runtime can pass a global scratch of ``size`` bytes per program aligned to ``align`` (the
+    bundle's rule: dietcode_ort/bundle.py LIMITS)."""
+    return 0 < align <= SCRATCH_ALIGN_MAX and not align & (align - 1) and 0 <= size <= SCRATCH_MAX and not size % align
+
+
+def tma_div16(op: str) -> tuple[str, ...]:
+    """The ``div16`` assumptions every TMA kernel of ``op`` is compiled with: TMA reads a tensor only from a
+    16-byte aligned base with row strides that are multiples of 16 bytes, so A's and B's bases, K and N (and for
+    bmm the batch strides, which move the bases) must be multiples of 16; a call breaking one runs the vendor
+    path (dc_kernel_fit's div16 check)."""
+    if op not in _TMA_DIV16:
+        raise DietcodeError(f"{op}: no TMA variant (TMA loads exist in the gemm and bmm templates)")
+    return _TMA_DIV16[op]
 
 
 def launch_features(metadata: Any) -> list[str]:
@@ -176,7 +198,7 @@ class CompiledKernel:
     scratch_params: bool  # True: two trailing pointers (global, profile scratch) follow; pass null
     num_warps: int
     shared: int  # dynamic shared memory bytes to launch with
-    global_scratch_size: int
+    global_scratch_size: int  # bytes per program (TMA descriptors made on the device); the launcher passes them
     profile_scratch_size: int
     config: MicroKernel
     family: Family
@@ -197,6 +219,7 @@ class CompiledKernel:
     ptx_isa: int = 0  # the PTX's .version as major*10+minor (90 = 9.0)
     cubin_min_driver: int = 0  # the oldest driver that loads the cubin (13000 = CUDA 13.0)
     ptx_min_driver: int = 0  # the oldest driver that JIT-compiles the PTX
+    global_scratch_align: int = 1  # the alignment of each program's global scratch
 
     @property
     def threads(self) -> int:
@@ -236,7 +259,8 @@ class CompiledKernel:
             triton_version=data["triton_version"], n_regs=data.get("n_regs"), n_spills=data.get("n_spills"),
             constants=tuple((k, v) for k, v in data.get("constants", ())),
             ptxas_version=str(data.get("ptxas_version", "")), ptx_isa=int(data.get("ptx_isa", 0)),
-            cubin_min_driver=int(data.get("cubin_min_driver", 0)), ptx_min_driver=int(data.get("ptx_min_driver", 0)))
+            cubin_min_driver=int(data.get("cubin_min_driver", 0)), ptx_min_driver=int(data.get("ptx_min_driver", 0)),
+            global_scratch_align=int(data.get("global_scratch_align", 1)))
 
 
 def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b: bool,
@@ -288,6 +312,8 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
         constants["ALPHA"] = float(epilogue.alpha)  # a model constant, baked in: the ABI is unchanged
     if family.op == "gemm":
         constants["HAS_RESIDUAL"] = epilogue.residual
+    if family.op in ("gemm", "bmm"):
+        constants["USE_TMA"] = bool(config.tma)
     if not epilogue.bias:
         constants["bias"] = None
     if "residual" in fn.arg_names and not epilogue.residual:
@@ -410,6 +436,8 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         div16 = tuple(p for p in div16 if p != "bias")
     if not epilogue.residual:
         div16 = tuple(p for p in div16 if p != "residual")
+    if config.tma:  # TMA's hardware rules, checked per call as div16 (docs/abi.md)
+        div16 = (*div16, *tma_div16(family.op))
     _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
     profile = check_family(family)
     div16 = tuple(sorted(set(div16)))
@@ -428,10 +456,14 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
                                     config.num_stages, scratch=folder / "triton", toolchain=toolchain)
     md = compiled.metadata
-    if md.global_scratch_size > 0 or md.profile_scratch_size > 0:
+    scratch_align = int(getattr(md, "global_scratch_align", 1) or 1)
+    if md.profile_scratch_size > 0 or (md.global_scratch_size > 0 and (
+            family.op == "attention" or not check_scratch(md.global_scratch_size, scratch_align))):
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs scratch memory "
-                            f"(global {md.global_scratch_size} B, profile {md.profile_scratch_size} B); "
-                            "the runtime passes null scratch pointers, so such kernels are refused")
+                            f"(global {md.global_scratch_size} B aligned to {scratch_align}, profile "
+                            f"{md.profile_scratch_size} B); the runtime passes global scratch per program of at "
+                            f"most {SCRATCH_MAX} B, aligned to a power of two up to {SCRATCH_ALIGN_MAX} that "
+                            "divides it, and no profile scratch, so such kernels are refused")
     unsupported = launch_features(md)
     if unsupported:
         raise DietcodeError(f"{family.op} {config.key()} for {family.target} needs {', '.join(unsupported)}, which "
@@ -444,6 +476,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         name=md.name, arch=profile.arch, cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"], params=params,
         scratch_params=True, num_warps=md.num_warps, shared=md.shared,
         global_scratch_size=md.global_scratch_size, profile_scratch_size=md.profile_scratch_size,
+        global_scratch_align=scratch_align if md.global_scratch_size else 1,
         config=config, family=family, grid=GRID_RULE,
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,

@@ -297,7 +297,7 @@ class CudaBackend(TimingBackend):
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":
             return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
-        workspace = bundle.workspace_bytes(0, args)  # split-K: what the custom op allocates per call
+        workspace = bundle.workspace_bytes(0, args)  # split-K, TMA scratch: what the custom op allocates per call
         if workspace:
             args.workspace, args.workspace_bytes = self._buffer("workspace", workspace), workspace
         s = self.settings

@@ -25,6 +25,13 @@ cover in a handful of rounds):
   leave splits of K = 768 at BLOCK_K = 64 empty. Taller-than-wide tiles serve many rows, which need no split;
   larger tiles make enough programs by themselves. The splits meet in an fp32 workspace (tuner/templates.py),
   so float16 / bfloat16 keep the fp32 accumulation and any epilogue.
+- tma in {0, 1} on sm_90 (0 elsewhere): 1 reads A and B through Tensor Memory Accelerator descriptors made on
+  the device (``templates._tma_loop``: ``cp.async.bulk.tensor`` copies into shared memory instead of the
+  ``cp.async`` pointer loads, 256 B of global scratch per program that the launcher passes). Only for the
+  configs that use wgmma (rule ``tma``), gemm and bmm (conv gathers its rows), so each such config gets a TMA
+  twin and the tuner measures which loads a shape prefers. A TMA kernel is compiled assuming a, b, K and N (and
+  the batch strides) divisible by 16 (``aot.tma_div16``: TMA needs 16-byte aligned bases and row strides), so a
+  call breaking one runs the vendor path. Its key ends in ``t`` (``m64n64k64w4s3g8k1t``); other keys are as before.
 
 Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
@@ -54,16 +61,19 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   on 4 warps; 128x256, 256x128 on 8), which compile without spills under a bias alone (the erf costs the
   registers: sm90-spills-bias-only.txt), so the space keeps them for the GEMMs without gelu, and 9
   mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
+- ``tma`` (sm_90 only): tma = 1 only on a gemm or bmm config that uses wgmma (``wgmma_eligible``; so only
+  16-bit types, the float32 spaces being compiled in ieee precision).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 4800 on sm_90 with its fifth
-stage; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks this table
-against the code). Before split-K went to every dtype (and before the ``wgmma`` rule) they were 591 / 335 / 90
-(sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's float16 gemm
-space is 713 configs: 294 use wgmma and 419 are mma.sync decode tiles (BLOCK_M <= 32); 372 are split-K, 72
-of them wgmma (64x64 tiles on 4 warps):
+Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 9600 on sm_90 with its fifth
+stage and the tma axis; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks
+this table against the code). Before split-K went to every dtype (and before the ``wgmma`` rule) they were
+591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's
+float16 gemm space is 1007 configs (713 before the tma axis): 294 wgmma configs with pointer loads, their 294
+TMA twins and 419 mma.sync decode tiles (BLOCK_M <= 32); 444 are split-K, 72 + 72 of them wgmma (64x64 tiles
+on 4 warps). The float32 and conv spaces have no TMA configs:
 
     target  op    float32  float16  bfloat16
     sm_80   gemm      770      710       710
@@ -72,8 +82,8 @@ of them wgmma (64x64 tiles on 4 warps):
     sm_89   gemm      605      587       587
     sm_89   bmm       605      587       587
     sm_89   conv      374      246       246
-    sm_90   gemm      811      713       713
-    sm_90   bmm       811      713       713
+    sm_90   gemm      811     1007      1007
+    sm_90   bmm       811     1007      1007
     sm_90   conv      429      283       283
 """
 from __future__ import annotations
@@ -81,7 +91,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,16 +116,19 @@ AXES: dict[str, tuple[int, ...]] = {
     "num_stages": (2, 3, 4),
     "group_m": (8,),
     "split_k": (1, 2, 4, 8),
+    "tma": (0,),
 }
 
-RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma")
+RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma", "tma")
 _WGMMA_STAGES = (5,)  # added on GPUs with wgmma, for wgmma configs only
+_TMA = (0, 1)  # the tma axis on GPUs with wgmma: TMA operand loads, for wgmma gemm / bmm configs only
+_TMA_OPS = ("gemm", "bmm")  # the templates with a TMA loop (conv gathers its rows: no tensor descriptor)
 _DECODE_BLOCK_M = 32  # tiles this short serve decode-size M: kept on mma.sync
 _SPLIT_K_MAX_TILE = 64 * 64
 _REG_OVERHEAD = 32
 _MMA_PER_WARP = 4
 _MIN_K_BYTES = 64
-_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)")
+_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)(t?)")
 
 
 @dataclass(frozen=True, order=True)
@@ -129,21 +142,29 @@ class MicroKernel:
     num_stages: int
     group_m: int = 8
     split_k: int = 1
+    tma: int = 0  # 1: A and B read through TMA tensor descriptors (sm_90 wgmma gemm / bmm configs)
 
     def key(self) -> str:
-        """A stable short name, e.g. ``m64n64k32w4s3g8k1`` (the trailing k is split_k)."""
+        """A stable short name, e.g. ``m64n64k32w4s3g8k1`` (the trailing k is split_k), with a ``t`` suffix
+        for a TMA config (``m64n64k64w4s3g8k1t``): the keys of configs without TMA keep their names."""
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-                f"g{self.group_m}k{self.split_k}")
+                f"g{self.group_m}k{self.split_k}" + ("t" if self.tma else ""))
 
     @classmethod
     def from_key(cls, key: str) -> "MicroKernel":
         match = _KEY.fullmatch(key)
         if match is None:
-            raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1")
-        return cls(*(int(g) for g in match.groups()))
+            raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1 (a trailing "
+                                "t for TMA)")
+        *numbers, tma = match.groups()
+        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"))
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The fields, ``tma`` only when set (records of configs without TMA keep their form)."""
+        data = asdict(self)
+        if not self.tma:
+            del data["tma"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, int]) -> "MicroKernel":
@@ -217,7 +238,7 @@ def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
     of shared memory per block holds a fifth stage of the 64-row-multiple tiles the warpgroup MMA wants)."""
     if not profile.wgmma:
         return AXES
-    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES}
+    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA}
 
 
 def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -> str | None:
@@ -240,6 +261,8 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
     if p.wgmma and not wgmma_eligible(config, dtype, p) and (
             config.num_stages in _WGMMA_STAGES or (DTYPE_BYTES[dtype] == 2 and config.block_m > _DECODE_BLOCK_M)):
         return "wgmma"
+    if config.tma and (op not in _TMA_OPS or not wgmma_eligible(config, dtype, p)):
+        return "tma"
     return None
 
 

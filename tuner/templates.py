@@ -115,33 +115,66 @@ def _finish(acc, bias, c_ptrs, residual, offs_c, offs_n, N, c_mask, ALPHA: tl.co
 
 
 @triton.jit
+def _tma_loop(a_base, b_base, M, N, K, pid_m, pid_n, pid_k, TRANS_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K loop of one tile with A and B read through tensor descriptors made on the device
+    (``tl.make_tensor_descriptor``): on sm_90 each load is a Tensor Memory Accelerator copy into shared memory
+    (``cp.async.bulk.tensor``, completed on an mbarrier), and the hardware zero-fills rows and columns past
+    the operand's edge, so the loop has no masks; split s reads its slices (k0 * SPLIT_K + s) * BLOCK_K, a
+    slice past K reading zeros. The descriptors live in the kernel's global scratch (128 bytes each per
+    program, which the launcher passes). TMA needs both bases 16-byte aligned and every row stride (K, and N
+    for a [K, N] B) a multiple of 16 bytes: the kernels are compiled with div16 on a, b, K and N, which the
+    runtime checks per call."""
+    a_desc = tl.make_tensor_descriptor(a_base, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if TRANS_B:
+        b_desc = tl.make_tensor_descriptor(b_base, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_base, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+        k = (k0 * SPLIT_K + pid_k) * BLOCK_K
+        x = a_desc.load([pid_m * BLOCK_M, k])
+        if TRANS_B:
+            y = b_desc.load([pid_n * BLOCK_N, k]).T
+        else:
+            y = b_desc.load([k, pid_n * BLOCK_N])
+        acc = tl.dot(x, y, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K,
                  TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr):
     """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views. Row offsets
-    are int64 (once per tile), so an operand may hold 2^31 elements or more (e.g. a 65536 x 50257 LM head)."""
+    are int64 (once per tile), so an operand may hold 2^31 elements or more (e.g. a 65536 x 50257 LM head).
+    With USE_TMA the operands are read through tensor descriptors made on the device (``_tma_loop``)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ptrs = a_base + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
-    if TRANS_B:
-        b_ptrs = b_base + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
-        b_step = BLOCK_K * SPLIT_K
+    if USE_TMA:
+        acc = _tma_loop(a_base, b_base, M, N, K, pid_m, pid_n, pid_k, TRANS_B, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                        BLOCK_K, SPLIT_K)
     else:
-        b_ptrs = b_base + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
-        b_step = tl.cast(N, tl.int64) * (BLOCK_K * SPLIT_K)  # tl.cast: N may be specialized as a constexpr
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
-        k_left = K - k0 * BLOCK_K * SPLIT_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * SPLIT_K
-        b_ptrs += b_step
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        a_ptrs = a_base + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+        if TRANS_B:
+            b_ptrs = b_base + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+            b_step = BLOCK_K * SPLIT_K
+        else:
+            b_ptrs = b_base + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
+            b_step = tl.cast(N, tl.int64) * (BLOCK_K * SPLIT_K)  # tl.cast: N may be specialized as a constexpr
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+            k_left = K - k0 * BLOCK_K * SPLIT_K
+            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * SPLIT_K
+            b_ptrs += b_step
     offs_c = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K > 1:
@@ -159,23 +192,24 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
                 TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False):
     """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]."""
     _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
-                 DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+                 DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
 
 
 @triton.jit
 def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace,
                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False):
     """C[z] = act(ALPHA * A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an
-    operand (attention's scores: ALPHA = 1/sqrt(head_dim))."""
+    operand (attention's scores: ALPHA = 1/sqrt(head_dim)). With USE_TMA each program makes its descriptors
+    from its matrices' bases (the batch strides div16 keep them 16-byte aligned)."""
     z = tl.program_id(2).to(tl.int64)
     _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, c, workspace, M, N, K,
                  TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                 SPLIT_K)
+                 SPLIT_K, USE_TMA)
 
 
 @triton.jit
@@ -337,14 +371,21 @@ def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
 WORKSPACE_ALIGN = 16  # bytes: the launcher's workspace pointer and its size are multiples of this
 
 
-def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int) -> int:
-    """Bytes of the split-K workspace one call needs (0 without split-K): an fp32 partial tile per (batch,
-    tile, split) and an int32 counter per (batch, tile), rounded up to WORKSPACE_ALIGN. The C core's
-    dc_kernel_workspace_bytes computes the same (tests/test_abi_contract.py compares them)."""
-    if split_k <= 1:
-        return 0
+def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int,
+                    scratch_size: int = 0, scratch_align: int = 1) -> int:
+    """Bytes of the workspace one call needs (0 when neither part is needed): the split-K part (an fp32 partial
+    tile per (batch, tile, split) and an int32 counter per (batch, tile), rounded up to WORKSPACE_ALIGN), then
+    for a kernel with ``scratch_size`` bytes of global scratch per program (TMA descriptors) room to align it
+    up from the 16-byte aligned workspace (``scratch_align`` - 16) and one scratch per program of the grid,
+    the whole rounded up to WORKSPACE_ALIGN. The C core's dc_kernel_workspace_bytes computes the same
+    (tests/test_abi_contract.py and tests/test_tma.py compare them); the launcher passes the scratch at the
+    first ``scratch_align`` multiple past the split-K part."""
     tiles = -(-m // block_m) * -(-n // block_n) * max(1, batch)
-    size = tiles * split_k * block_m * block_n * 4 + tiles * 4
+    size = 0
+    if split_k > 1:
+        size = -(-(tiles * split_k * block_m * block_n * 4 + tiles * 4) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    if scratch_size:
+        size += max(0, scratch_align - WORKSPACE_ALIGN) + tiles * split_k * scratch_size
     return -(-size // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
@@ -369,6 +410,22 @@ def _dot_precision(dtype: "torch.dtype", allow_tf32: bool) -> str:
     import torch
 
     return "tf32" if (dtype == torch.float32 and allow_tf32) else "ieee"
+
+
+def _check_tma(op: str, a: "torch.Tensor", b: "torch.Tensor", trans_b: bool) -> None:
+    """What a TMA config needs of its operands (the runtime's div16 checks: a, b, K, N): bases 16-byte aligned
+    and row strides (K, and N for a [K, N] B) multiples of 16 bytes. On a GPU, Triton's allocator for the
+    descriptors' global scratch is installed (the AOT launcher passes its own)."""
+    import torch
+
+    k = a.shape[-1]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    strides = (k,) if trans_b else (k, n)
+    if any(s * a.element_size() % 16 for s in strides) or a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise DietcodeError(f"{op} (TMA): row strides {strides} x {a.element_size()} bytes must be multiples of 16 "
+                            "bytes and the operands 16-byte aligned, which TMA descriptors require")
+    if a.is_cuda:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
 
 
 def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Tensor", int]:
@@ -427,6 +484,11 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                                 f"(split_k={config.split_k}), got {given.dtype} of {given.numel() * 4} bytes")
         return given
 
+    if config.tma:
+        if op == "conv":
+            raise DietcodeError("conv: the conv template has no TMA loads (tma applies to gemm and bmm)")
+        meta["USE_TMA"] = True
+        _check_tma(op, a, b, trans_b)
     if op == "conv":
         if conv is None:
             raise DietcodeError("conv: ConvParams are required")
