@@ -474,7 +474,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
 
     given = workspace
 
-    def workspace(m: int, n: int, batch: int) -> "torch.Tensor | None":
+    def split_workspace(m: int, n: int, batch: int) -> "torch.Tensor | None":
         """The split-K workspace, its counters zeroed as the launcher does (None without split-K)."""
         size = workspace_bytes(m, n, batch, config.block_m, config.block_n, config.split_k)
         if given is None:
@@ -504,7 +504,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
         out = torch.empty((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, workspace(m, n, 1), **conv_geometry(conv), **meta)
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, split_workspace(m, n, 1), **conv_geometry(conv), **meta)
         return out
     m, k = a.shape[-2:]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -519,7 +519,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                                 f"{tuple(residual.shape)}")
         residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, residual, workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
+        kernel[grid](a, b, bias, out, m, n, k, residual, split_workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
                      HAS_RESIDUAL=residual is not None, **meta)
         return out
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
@@ -528,6 +528,6 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     out = torch.empty((*batch, m, n), dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k,
             max(1, math.prod(batch)))
-    kernel[grid](a, b, bias, out, m, n, k, sa, sb, workspace(m, n, max(1, math.prod(batch))), TRANS_B=trans_b,
+    kernel[grid](a, b, bias, out, m, n, k, sa, sb, split_workspace(m, n, max(1, math.prod(batch))), TRANS_B=trans_b,
                  ALPHA=epilogue.alpha, **meta)
     return out
