@@ -35,6 +35,10 @@ def test_cases_cover_the_brief() -> None:
     assert {c.dtype for c in CASES} >= {"float32", "float16"}
     # keys spanning several BLOCK_N steps, so the online rescaling runs
     assert any(c.seq_k > min(cfg[1] for cfg in c.configs) for c in CASES)
+    # each operand's head-split layout alone and all together, with masks and ragged sequences
+    layouts = {c.layout for c in CASES}
+    assert {1, 2, 15} <= layouts and any(c.layout & 4 and c.layout & 8 for c in CASES)
+    assert any(c.layout == 15 and c.mask is not None and c.seq_k % 16 for c in CASES)
 
 
 def test_mask_strides_follow_onnx_broadcasting() -> None:
