@@ -256,6 +256,9 @@ class Core:
                                     ctypes.POINTER(LaunchArgs)]
         lib.dc_attention_view.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
                                           ctypes.POINTER(LaunchArgs)]
+        lib.dc_attention_view_layout.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
+                                                 ctypes.c_int, i64p, ctypes.POINTER(LaunchArgs)]
+        lib.dc_bundle_check_layout.argtypes = [vp, ctypes.c_int]
         _bind_reading(lib)
         _bind_vendor(lib)
         self.lib = lib
@@ -298,15 +301,17 @@ class Core:
         return out if r == 1 else None
 
     def attention_view(self, q: Sequence[int], kt: Sequence[int], v: Sequence[int],
-                       mask: Sequence[int] | None = None, head_dim: int = 0) -> LaunchArgs | None:
-        """The launch arguments of an Attention call with these input shapes (``dc_attention_view``): seq_q,
-        seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
-        call (the reason in ``error()``). DietcodeError for invalid shapes."""
+                       mask: Sequence[int] | None = None, head_dim: int = 0, layout: int = 0) -> LaunchArgs | None:
+        """The launch arguments of an Attention call with these input shapes (``dc_attention_view_layout``):
+        seq_q, seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
+        call (the reason in ``error()``). DietcodeError for invalid shapes. ``layout``: the node's operand
+        layouts (tuner.attention.LAYOUT_BITS; the shapes are its inputs as given)."""
         arr = lambda s: (ctypes.c_int64 * max(1, len(s)))(*s)  # noqa: E731
         out = LaunchArgs()
-        r = self.lib.dc_attention_view(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
-                                       arr(mask) if mask is not None else None, len(mask) if mask is not None else 0,
-                                       head_dim, ctypes.byref(out))
+        r = self.lib.dc_attention_view_layout(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
+                                              arr(mask) if mask is not None else None,
+                                              len(mask) if mask is not None else 0, head_dim, layout, None,
+                                              ctypes.byref(out))
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None
@@ -433,6 +438,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_built_for.argtypes = [vp, i32, i32p, i32p, i32p, i32p]
     lib.dc_bundle_kernel_alpha.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_float)]
     lib.dc_bundle_kernel_causal.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_layout.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_layout.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -545,14 +552,15 @@ class CoreBundle:
         if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
             raise DietcodeError(self.core.error())
         causal = lib.dc_bundle_kernel_causal(h, k)
-        if causal < 0:
+        layout = lib.dc_bundle_kernel_layout(h, k)
+        if causal < 0 or layout < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, causal=bool(causal),
+            split_k=meta.split_k, causal=bool(causal), layout=layout,
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))

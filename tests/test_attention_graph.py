@@ -40,19 +40,28 @@ def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str
     heads = PRESETS["tiny"].heads
     assert (site.seq_q, site.seq_k, site.batch) == ("seq", "seq", f"{heads}*batch")
     assert site.scale == pytest.approx(1 / PRESETS["tiny"].head_dim ** 0.5)
-    assert [n.rsplit("/", 1)[-1] for n in site.nodes] == ["MatMul_output_0", "Div_output_0", "Add_output_0",
-                                                          "Softmax_output_0", "MatMul_1_output_0"]
+    # the head-split Transposes of Q, K, V and the head merge's Transpose of the output are absorbed
+    assert [n.split("/")[-2:] for n in site.nodes] == [
+        ["query", "Transpose_output_0"], ["key", "Transpose_output_0"], ["value", "Transpose_output_0"],
+        ["self", "MatMul_output_0"], ["self", "Div_output_0"], ["self", "Add_output_0"],
+        ["self", "Softmax_output_0"], ["self", "MatMul_1_output_0"], ["self", "Transpose_output_0"]]
+    assert site.layout == 15 and site.layout_notes == ()
+    assert site.q.endswith("query/Reshape_output_0") and site.kt.endswith("key/Reshape_output_0")
+    assert site.v.endswith("value/Reshape_output_0") and site.output.endswith("self/Transpose_output_0")
     fused, outputs = fuse_attention(model)
     onnx.checker.check_model(fused, full_check=True)
     ops = [n.op_type for n in fused.graph.node]
     assert ops.count(OP_TYPE) == layers and "Softmax" not in ops
-    assert len(ops) == len(model.graph.node) - 4 * layers
+    assert [n.op_type for n in model.graph.node].count("Transpose") == 4 * layers and "Transpose" not in ops
+    assert len(ops) == len(model.graph.node) - 8 * layers
     assert outputs == tuple(s.output for s in found.sites)
     (fn,) = fused.functions
     assert (fn.domain, fn.name, list(fn.input)) == (DOMAIN, OP_TYPE, ["Q", "Kt", "V", "mask"])
-    assert [n.op_type for n in fn.node] == ["MatMul", "Constant", "Div", "Add", "Softmax", "MatMul"]
+    assert [n.op_type for n in fn.node] == ["Transpose"] * 3 + ["MatMul", "Constant", "Div", "Add", "Softmax",
+                                                                "MatMul", "Transpose"]
     node = next(n for n in fused.graph.node if n.op_type == OP_TYPE)
-    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["head_dim"] == 64
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["head_dim"] == 64 and attrs["layout"] == 15
     for batch, seq in ((1, 1), (3, 5), (2, 17)):
         feeds = _bert_feeds(batch, seq)
         np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))  # the same nodes run
