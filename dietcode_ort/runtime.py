@@ -610,6 +610,12 @@ class CoreBundle:
         if self.core.lib.dc_bundle_check_scale(self.handle, scale):
             raise DietcodeError(self.core.error())
 
+    def check_layout(self, layout: int) -> None:
+        """Whether every compiled kernel was compiled for a node's operand ``layout`` (what both EPs check at
+        session creation); DietcodeError naming the first kernel that differs and both layouts."""
+        if self.core.lib.dc_bundle_check_layout(self.handle, layout):
+            raise DietcodeError(self.core.error())
+
     def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:
         """Whether ``args`` meet kernel k's div16 assumptions, and if not, why."""
         r = self.core.lib.dc_kernel_accepts(self.handle, k, ctypes.byref(args))

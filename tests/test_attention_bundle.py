@@ -197,14 +197,16 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
     bundle = core.parse(payload)
     decoded = read_bundle(payload)
     heads = 2
+    # the node takes Q, K, V as the head split's Reshape outputs [B, S, H, d] (layout 15: its Transposes absorbed)
+    assert {k.layout for k in decoded.kernels} == {15}
     for batch, seq in ((1, 1), (4, 449), (2, 100)):
-        q, kt, v, mask = [batch, heads, seq, 64], [batch, heads, 64, seq], [batch, heads, seq, 64], [batch, 1, 1, seq]
-        features = bundle.features([q, kt, v, mask])
+        q, k_, v, mask = [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, 1, 1, seq]
+        features = bundle.features([q, k_, v, mask])
         assert features == [seq, seq, batch * heads]
         k = bundle.select(features)
         assert k == decoded.tree.evaluate(features)
         assert info["kernels"][k].startswith("am")
-        args = core.attention_view(q, kt, v, mask, head_dim=64)
+        args = core.attention_view(q, k_, v, mask, head_dim=64, layout=15)
         assert args is not None
         assert (args.seq_q, args.seq_k, args.heads, args.batch) == (seq, seq, heads, batch * heads)
         assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
@@ -212,6 +214,11 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
         assert bundle.fit(k, args)[0] == "fits"
     with pytest.raises(DietcodeError, match="head dim 32 differs"):
         core.attention_view([1, 2, 3, 32], [1, 2, 32, 3], [1, 2, 3, 32], None, head_dim=64)
+    # the same shapes in the contiguous layout disagree (Kt's d is not Q's): the view reads the layouts
+    with pytest.raises(DietcodeError, match="expected Q"):
+        core.attention_view([2, 5, 2, 64], [2, 5, 2, 64], [2, 5, 2, 64], None, head_dim=64)
+    with pytest.raises(DietcodeError, match="needs Q, K and V of rank 4"):
+        core.attention_view([4, 5, 64], [4, 5, 64], [4, 5, 64], None, head_dim=64, layout=2)
 
 
 def _with_node(model: onnx.ModelProto, op_type: str, edit) -> onnx.ModelProto:
@@ -249,6 +256,24 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         gemm.check_node("float32", "Attention", activation=gemm.decode().kernels[0].activation)
     with pytest.raises(DietcodeError, match="another element type"):
         attention.check_node("float16", "Attention")
+    # the kernels were compiled for the node's layouts (Q, K, V and out as [B, S, H, d]); any other is refused
+    attention.check_layout(15)
+    with pytest.raises(DietcodeError, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the "
+                                            r"node has q=BSHD,k=BHDS,v=BSHD,out=BSHD; optimize the model again"):
+        attention.check_layout(13)
+
+    def relayout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        next(a for a in node.attribute if a.name == "layout").i = 0
+
+    with pytest.raises(Exception, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the node "
+                                        r"has q=BHSD,k=BHDS,v=BHSD,out=BHSD"):
+        _session(_with_node(model, "Attention", relayout))
+
+    def bad_layout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        next(a for a in node.attribute if a.name == "layout").i = 16
+
+    with pytest.raises(Exception, match="layout attribute 16 is not a bit set"):
+        _session(_with_node(model, "Attention", bad_layout))
 
     def drop_mask(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         node.input[3] = ""

@@ -30,7 +30,7 @@ Head-split layouts: at rank 4, a Transpose making Q or V with perm (0, 2, 1, 3),
 from a Reshape that splits the last dim into heads x d ([B, S, H*d] -> [B, S, H, d]) and read by the chain
 alone, is absorbed: the node takes the Reshape's output ([B, S, H, d]; for K the keys, which the kernel reads
 transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
-[B, S, H*d]) is absorbed too: the node writes the Transpose's output. The node's ``layout`` attribute says which
+[B, S, H*d], or [B*S, H*d] as GPT-2's dynamo export has it) is absorbed too: the node writes the Transpose's output. The node's ``layout`` attribute says which
 (tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
 keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
 with any other perm, or read by other nodes as well, stays in the graph (nothing absorbed for that operand),
@@ -428,10 +428,10 @@ def _head_merge(g: scan_mod._Graph, output: str, notes: list[str]) -> onnx.NodeP
     for r in g.consumers.get(merged, []):
         src, dst = g.shapes.get(merged), g.shapes.get(r.output[0]) if r.output else None
         if (_is(r, "Reshape") and r.input[0] == merged and src is not None and dst is not None and len(src) == 4
-                and len(dst) == 3 and isinstance(src[2], int) and isinstance(src[3], int)
-                and dst[2] == src[2] * src[3]):
+                and len(dst) in (2, 3) and isinstance(src[2], int) and isinstance(src[3], int)
+                and dst[-1] == src[2] * src[3]):
             return t
-    notes.append(f"{what} kept: no Reshape merging its heads ([B, S, H, d] -> [B, S, H*d]) reads it")
+    notes.append(f"{what} kept: no Reshape merging its heads ([B, S, H, d] -> [B, S, H*d] or [B*S, H*d]) reads it")
     return None
 
 
