@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from _abi_cases import CASES
+from _abi_cases import ATTENTION_CASES, CASES
 from _interpreter import run_interpreted
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,15 @@ def test_runtime_view_drives_the_template(outcomes: dict[str, Any], case) -> Non
         assert (got["workspace_bytes"] > 0) == (split_k > 1), got
         if split_k > 1:
             assert got["counters"] and set(got["counters"]) == {0}, got
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c.name for c in ATTENTION_CASES])
+def test_attention_view_drives_the_template_in_each_layout(outcomes: dict[str, Any], case) -> None:
+    """dc_attention_view_layout's arguments for the node's inputs as given (Q, K, V, out as [B, S, H, d] where
+    the layout says so) drive the interpreted attention kernel compiled with the layout's constexprs."""
+    got = outcomes[case.name]
+    assert got["view"] == "kernel", got.get("error")
+    assert got["max_err"] <= 1e-4 * max(1.0, got["scale"]), got
 
 
 def test_view_errors_are_clear() -> None:
