@@ -599,3 +599,34 @@ def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: 
                                                               cache_dir=tmp_path / "k", progress=False),
                  log=lambda line: None)
     assert isinstance(seen.value.args[0], LocalExecutor)
+
+
+def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_attention() -> None:
+    """Each attention kernel's operand layouts (flags bits 2..5) survive the C core's parser; the Python writer
+    and the C reader refuse them on kernels that are not attention kernels, and unknown flag bits."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import load_core
+    from tuner import templates
+
+    core = load_core()
+    ptx = ".version 8.0\n.target sm_80\n"
+    for layout in (0, 1, 6, 15):
+        kernel = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16,
+                              layout=layout)
+        payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
+        parsed = core.parse(payload)
+        assert parsed.decode().kernels[0].layout == layout
+        parsed.check_layout(layout)
+        with pytest.raises(DietcodeError, match="compiled for operand layout"):
+            parsed.check_layout(layout ^ 8)
+    gemm = BundleKernel(name="g", ptx=ptx, params=templates.ABI_PARAMS["gemm"][:7], block_m=16, block_n=16, layout=2)
+    with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
+        Bundle((), (gemm,), DispatchTree.single(0)).validate()
+    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16).validate(0)
+    # the same kernels written past the Python checks: the C reader refuses them too
+    with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
+        core.parse(Bundle((), (gemm,), DispatchTree.single(0)).to_bytes(validate=False))
+    bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
+    with pytest.raises(DietcodeError, match="flags 64 invalid"):  # layout bit 4 lands past flags bit 5
+        core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))
