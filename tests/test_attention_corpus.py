@@ -50,3 +50,51 @@ def test_corpus_attention_fuses_and_matches_stock_ort(name: str, tmp_path) -> No
     got = ort.InferenceSession(fused.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     tol = 2e-2 if want.dtype == np.float16 else 1e-5
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)
+
+
+# case -> (Transpose nodes in the export, after fusing): the head-split Transposes the Attention nodes absorb
+# (tuner/attention_graph.py). The TorchScript exports scale Q and K by a Mul after their Transposes and read
+# V's Transpose from a Shape too, so nothing is absorbed there (site.layout_notes / no Transpose at the MatMul).
+TRANSPOSES = {
+    "bert-torchscript": (8, 8), "gpt2-torchscript": (8, 8), "llama-torchscript": (10, 10),
+    "bert-dynamo": (10, 6), "gpt2-dynamo": (10, 6), "llama-dynamo": (10, 8),
+}
+
+
+def g_op(model: onnx.ModelProto, value: str) -> str:
+    return next(n.op_type for n in model.graph.node if value in n.output)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSES))
+def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
+    """The fused graph has the Transposes counted above, each node's layout says which it absorbed, and the
+    library's CPU kernel reading those layouts matches stock ORT on the original."""
+    from tuner.attention import LAYOUT_BITS
+
+    built = build_case(CASES_BY_NAME[name], tmp_path)
+    model = onnx.load(str(built.path))
+    found = find_attention(model, base_dir=built.path.parent)
+    fused, _ = fuse_attention(model, found.sites)
+    count = lambda m: [n.op_type for n in m.graph.node].count("Transpose")  # noqa: E731
+    before, after = TRANSPOSES[name]
+    assert (count(model), count(fused)) == (before, after)
+    absorbed = sum(bin(s.layout).count("1") for s in found.sites)
+    assert before - after == absorbed
+    for site in found.sites:
+        layout = next(a.i for n in fused.graph.node if n.output[0] == site.output for a in n.attribute
+                      if a.name == "layout")
+        assert layout == site.layout
+        # what each absorbed operand now is: the Reshape output (K: the keys) and the merge Reshape's input
+        if site.layout & LAYOUT_BITS["q"]:
+            assert g_op(model, site.q) == "Reshape"
+        if site.layout & LAYOUT_BITS["out"]:
+            assert any(n.op_type == "Reshape" and n.input[0] == site.output for n in fused.graph.node)
+    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "height": 32, "width": 32})
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    opts = ort.SessionOptions()
+    register(opts)
+    got = ort.InferenceSession(fused.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=1e-5, rtol=1e-5)
+    # stock ORT without the library runs the fallback functions, which keep the absorbed Transposes
+    plain = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    np.testing.assert_array_equal(plain, want)
