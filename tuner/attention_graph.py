@@ -34,7 +34,10 @@ transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging th
 (tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
 keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
 with any other perm, or read by other nodes as well, stays in the graph (nothing absorbed for that operand),
-with the reason in ``AttentionSite.layout_notes``. On a GPU each absorbed Transpose is one copy kernel less.
+with the reason in ``AttentionSite.layout_notes``. A Transpose of Q or K followed by a Mul by a one-element
+constant (torch's scaled_dot_product_attention export scales both so) is absorbed through it: the Mul stays,
+rewired to scale the Reshape's output (elementwise, so the same values), and the node takes its output. On a
+GPU each absorbed Transpose is one copy kernel less.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
 effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
@@ -103,6 +106,10 @@ class AttentionSite:
     # (tuner.attention.LAYOUT_BITS); 0: Q, Kt, V and the output as the chain's MatMuls have them
     layout: int = 0
     layout_notes: tuple[str, ...] = ()  # why a Transpose next to the chain was not absorbed
+    # (Transpose output, Mul output): an absorbed Transpose read by a Mul by a one-element constant (the
+    # exporters' scale of Q and K before the MatMul): the Mul stays in the graph, rewired to the Transpose's
+    # input (an elementwise scale commutes with the permutation), and the node takes its output
+    through: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -344,11 +351,17 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     if len(sq) == 4:
         operands = (("q", q, node, (0, 2, 1, 3)), ("k", kt, node, (0, 2, 3, 1)), ("v", v, second, (0, 2, 1, 3)))
         ins = {"q": q, "k": kt, "v": v}
+        through = []
         for op, value, reader, perm in operands:
-            found = _head_split(g, op, value, reader, perm, notes)
+            scaled = _scalar_mul(g, value, reader)
+            found = _head_split(g, op, scaled.input[0 if scaled.input[0] not in g.inits else 1] if scaled else value,
+                                scaled or reader, perm, notes)
             if found is not None:
                 before.append(found)
-                ins[op] = found.input[0]
+                if scaled is not None:  # the node takes the Mul's output, the Mul reads the head split
+                    through.append((found.output[0], value))
+                else:
+                    ins[op] = found.input[0]
                 layout |= LAYOUT_BITS[op]
         q, kt, v = ins["q"], ins["k"], ins["v"]
         merge = _head_merge(g, output, notes)
@@ -359,10 +372,28 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     chain = before + chain + after
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, output, scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
-                         mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes))
+                         mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes),
+                         through=tuple(through) if len(sq) == 4 else ())
 
 
 _NAMES = {"q": "Q", "k": "Kt", "v": "V"}
+
+
+def _scalar_mul(g: scan_mod._Graph, value: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Mul making ``value`` (read by ``reader`` alone) from one tensor and a one-element constant, else
+    None: torch's scaled_dot_product_attention export scales Q and K so after their Transposes."""
+    mul = g.producers.get(value)
+    if not _is(mul, "Mul") or g.exclusive_consumer(value) is not reader:
+        return None
+    assert mul is not None
+    consts = [x for x in mul.input if x in g.inits]
+    if len(mul.input) != 2 or len(consts) != 1:
+        return None
+    c = _const(g, consts[0])
+    if c is None or c.size != 1 or not _is(g.producers.get(mul.input[1] if mul.input[0] == consts[0]
+                                                           else mul.input[0]), "Transpose"):
+        return None
+    return mul
 
 
 def _perm(node: onnx.NodeProto) -> tuple[int, ...] | None:
@@ -498,9 +529,16 @@ def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
         names[x] = f"c{len(names)}"
         return names[x]
 
+    # a Transpose absorbed through a Mul: the body's Transpose reads the node's input (the Mul, moved before
+    # it), and the chain reads the body's Transpose where it read the Mul
+    moved = dict(site.through)
+    for t_out, mul_out in site.through:
+        names[links.node(t_out, "attention node")[1].input[0]] = names.pop(mul_out)
     for key in site.nodes:
         copy_into_body(links, links.node(key, "attention node")[1], body, names.get, new_constant,
                        lambda o: names.setdefault(o, f"t{len(names)}") if o else "")
+        if key in moved:
+            names[moved[key]] = names[key]
     return body
 
 
@@ -537,6 +575,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         {o for n in graph.node for o in n.output}
     new_initializers: list[onnx.TensorProto] = []
     mask_casts: dict[tuple[str, str], str] = {}  # (mask, dtype) -> the mask cast to the chain's dtype
+    stale: set[str] = set()  # values whose recorded shape no longer holds (a Mul moved before a Transpose)
     for site in sites:
         if bundles is not None and site.output not in bundles:
             raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
@@ -586,12 +625,22 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = [*before_node, node]
+        for t_out, mul_out in site.through:  # the Mul now scales the head split's Reshape output
+            t_node = graph.node[links.node(t_out, "attention node")[0]]
+            mul = next(n for n in graph.node if mul_out in n.output)
+            for i, x in enumerate(mul.input):
+                if x == t_out:
+                    mul.input[i] = t_node.input[0]
+            stale.add(mul_out)
     if not replace:
         return out, ()
     drop = claimed - set(replace)
     kept = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
     del graph.node[:]
     graph.node.extend(kept)
+    kept_info = [vi for vi in graph.value_info if vi.name not in stale]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
     _drop_unread(graph, before)
     graph.initializer.extend(new_initializers)
     out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)
