@@ -19,6 +19,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dietcode {
@@ -699,6 +700,17 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   for (int64_t x : values) {
     if (x > 0x7fffffff) {
       dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
+      return 0;
+    }
+  }
+  // the head-split layouts: offsets inside one head are int32 in the template (rows of heads * d elements)
+  const std::pair<int, int64_t> operands[] = {{dietcode::kLayoutQ, plan.seq_q}, {dietcode::kLayoutK, plan.seq_k},
+                                              {dietcode::kLayoutV, plan.seq_k}, {dietcode::kLayoutOut, plan.seq_q}};
+  for (const auto& [bit, rows] : operands) {
+    if ((layout & bit) && heads > 0 && plan.head_dim > 0 && rows > 0x7fffffff / heads / plan.head_dim) {
+      dietcode::SetError("a head-split operand of " + std::to_string(rows) + " x " + std::to_string(heads) + " x " +
+                         std::to_string(plan.head_dim) + " elements needs offsets past int32 (the template's offsets "
+                         "inside one head)");
       return 0;
     }
   }

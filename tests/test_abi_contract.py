@@ -52,3 +52,19 @@ def test_view_errors_are_clear() -> None:
     with pytest.raises(DietcodeError, match="allowed: MatMul, Gemm, Conv"):
         core.abi_view("Add", (3, 4), (4, 6))
     assert core.abi_view("Conv", (1, 4, 8, 8), (4, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2)) is None  # grouped
+
+
+def test_attention_view_refuses_head_split_offsets_past_int32() -> None:
+    """With a head-split layout the template's offsets inside one head (rows of heads x d elements) are int32:
+    the view refuses an operand of 2^31 elements or more there (the contiguous layout computes them in int64)."""
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    rows = 2 ** 31 // (16 * 64)  # rows * 16 heads * d 64 == 2^31
+    big = [1, rows, 16, 64]
+    assert core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=1) is None
+    assert "past int32" in core.error()
+    assert core.attention_view([1, 16, 8, 64], big, big, head_dim=64, layout=6) is None  # K, V of rows keys
+    assert core.attention_view([1, rows - 1, 16, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=9) is not None
+    contiguous = core.attention_view([1, 16, rows, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64)
+    assert contiguous is not None and contiguous.seq_q == rows

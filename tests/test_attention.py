@@ -101,6 +101,40 @@ def test_aot_compiles_bert_configs_within_limits(target: str) -> None:
     assert "mask" not in unmasked.params and unmasked.n_spills == 0
 
 
+def _code(ptx: str) -> list[str]:
+    """The PTX's instructions: debug line records and sections dropped (they carry template line numbers)."""
+    import re
+
+    out, debug = [], False
+    for line in ptx.splitlines():
+        if line.lstrip().startswith(".section"):
+            debug = ".debug" in line
+        if debug or re.match(r"\s*(\.loc|\.file|\$L__)", line):
+            continue
+        out.append(line)
+    return out
+
+
+def test_aot_layouts_compile_and_are_recorded_in_the_bundle_kernel() -> None:
+    """The head-split layouts compile ahead of time within the same limits, to other code than the contiguous
+    layout (which stays the default and takes no new params), and the bundle kernel records them."""
+    from dietcode_ort import bundle as fmt
+    from tuner.attention import compile_attention
+
+    config = AttentionConfig(64, 64, 4, 2)
+    default = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False)
+    explicit = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False,
+                                 layout=0)
+    strided = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False,
+                                layout=15)
+    assert _code(default.ptx) == _code(explicit.ptx) != _code(strided.ptx)
+    assert strided.params == default.params and strided.n_spills == 0
+    assert fmt.BundleKernel.from_compiled([default]).layout == 0
+    assert fmt.BundleKernel.from_compiled([strided]).layout == 15
+    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+        compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, layout=16)
+
+
 def test_aot_refuses_configs_outside_the_space() -> None:
     from tuner.attention import compile_attention
 

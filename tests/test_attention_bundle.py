@@ -117,7 +117,7 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
                               "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125],
-                              "causal": False}
+                              "causal": False, "layout": 15}
     assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
     assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
@@ -125,6 +125,7 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert inspect_command(str(out), as_json=False) == 0
     text = capsys.readouterr().out
     assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
+    assert "layout=q,k,v,out=BSHD" in text
 
 
 def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused(optimized) -> None:

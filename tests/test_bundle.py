@@ -548,8 +548,10 @@ def test_zero_output_flag_is_refused(core) -> None:
     assert data[flags_at] == 0
     data[flags_at] = FLAG_ZERO_OUTPUT
     _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
-    data[flags_at] = 4
-    _refused(core, bytes(data), "flags 4 invalid")
+    data[flags_at] = 64  # past the attention layout bits 2..5
+    _refused(core, bytes(data), "flags 64 invalid")
+    data[flags_at] = 4  # bit 2 (Q's layout) is known, but only attention kernels take it
+    _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 2  # bit 1 (causal) is known, but only attention kernels take it
     _refused(core, bytes(data), "causal applies to attention kernels only")
 

@@ -249,7 +249,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     split's Reshape output before its Transpose), K_BSHD reads K as [batch, seq_k, heads, HEAD_DIM] (the
     Reshape output before the Transpose that makes Kt; the kernel reads it transposed), V_BSHD V as [batch,
     seq_k, heads, HEAD_DIM], O_BSHD writes out as [batch, seq_q, heads, HEAD_DIM] (the merge Reshape's input);
-    batch = z // heads. Every offset is int64 (the head's base and the row offsets)."""
+    batch = z // heads. The head's base is int64, the offsets inside it int32 (rows of heads * HEAD_DIM: the
+    caller keeps seq * heads * HEAD_DIM below 2^31, dc_kernel_fit's check)."""
     pid_m = tl.program_id(0)
     z = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -258,7 +259,7 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     d_ok = offs_d < HEAD_DIM
     if Q_BSHD:  # [batch, seq_q, heads, d]: head h of batch b starts at (b * seq_q * heads + h) * d
         q_tile = tl.load(q + ((z // heads) * seq_q * heads + z % heads) * HEAD_DIM
-                         + offs_m[:, None].to(tl.int64) * (heads * HEAD_DIM) + offs_d[None, :],
+                         + (offs_m[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
                          mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
@@ -280,8 +281,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seq_k
-        if K_BSHD:  # Kt[d, n] = K[n, d], rows of heads * d elements
-            kt = tl.load(k_base + offs_d[:, None] + offs_n[None, :].to(tl.int64) * (heads * HEAD_DIM),
+        if K_BSHD:  # Kt[d, n] = K[n, d], rows of heads * d elements (int32 offsets inside the head)
+            kt = tl.load(k_base + (offs_d[:, None] + offs_n[None, :] * (heads * HEAD_DIM)),
                          mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         else:
             kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
@@ -306,7 +307,7 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_BSHD:
-            vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * (heads * HEAD_DIM) + offs_d[None, :],
+            vt = tl.load(v_base + (offs_n[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
@@ -318,7 +319,7 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         acc = tl.where((l_i > 0.0)[:, None], acc, 0.0)
     if O_BSHD:
         o_ptrs = (out + ((z // heads) * seq_q * heads + z % heads) * HEAD_DIM
-                  + offs_m[:, None].to(tl.int64) * (heads * HEAD_DIM) + offs_d[None, :])
+                  + (offs_m[:, None] * (heads * HEAD_DIM) + offs_d[None, :]))
     else:
         o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
