@@ -125,7 +125,6 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert inspect_command(str(out), as_json=False) == 0
     text = capsys.readouterr().out
     assert "attention(Q, Kt," in text and "head_dim=64" in text and n["configs"][0] in text
-    assert "layout=q,k,v,out=BSHD" in text
 
 
 def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused(optimized) -> None:
