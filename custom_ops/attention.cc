@@ -686,6 +686,10 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
     dietcode::SetError(error);
     return -1;
   }
+  if (out_shape != nullptr && rq == 4) {  // also when the view below cannot express the call (it returns 0)
+    const std::vector<int64_t> y = dietcode::AttentionOutputShape(plan, layout);
+    for (size_t i = 0; i < 4; ++i) out_shape[i] = y[i];
+  }
   if (rq > 4) {
     dietcode::SetError("rank " + std::to_string(rq) + " above 4: the attention view has batch and heads only");
     return 0;
@@ -723,10 +727,6 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   out->stride_mask_h = static_cast<int32_t>(stride_h);
   out->stride_mask_q = static_cast<int32_t>(s[rq - 2]);
   out->stride_mask_k = static_cast<int32_t>(s[rq - 1]);
-  if (out_shape != nullptr && rq == 4) {
-    const std::vector<int64_t> y = dietcode::AttentionOutputShape(plan, layout);
-    for (size_t i = 0; i < 4; ++i) out_shape[i] = y[i];
-  }
   return 1;
 }
 

@@ -161,8 +161,8 @@ int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk,
 // the node's inputs as given (Q [B, T_q, H, d] with bit 0, K [B, T_k, H, d] with bit 1, V [B, T_k, H, d] with
 // bit 2; rank 4 whenever a bit is set); the view's seq/heads/batch are those of the contiguous equivalent, and
 // the kernel derives each operand's strides from them and its layout constexprs. `out_shape` (4 int64, may be
-// NULL) receives the output's shape ([B, T_q, H, d] with bit 3) when the rank is 4. dc_attention_view is this
-// with layout 0.
+// NULL) receives the output's shape ([B, T_q, H, d] with bit 3) when the rank is 4 and the shapes are valid
+// (also when the call cannot be expressed: 0). dc_attention_view is this with layout 0.
 int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v,
                              size_t rv, const int64_t* mask, size_t rm, int64_t head_dim, int layout,
                              int64_t* out_shape, dc_launch_args* out);

@@ -301,17 +301,22 @@ class Core:
         return out if r == 1 else None
 
     def attention_view(self, q: Sequence[int], kt: Sequence[int], v: Sequence[int],
-                       mask: Sequence[int] | None = None, head_dim: int = 0, layout: int = 0) -> LaunchArgs | None:
+                       mask: Sequence[int] | None = None, head_dim: int = 0, layout: int = 0,
+                       out_shape: list[int] | None = None) -> LaunchArgs | None:
         """The launch arguments of an Attention call with these input shapes (``dc_attention_view_layout``):
         seq_q, seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
         call (the reason in ``error()``). DietcodeError for invalid shapes. ``layout``: the node's operand
-        layouts (tuner.attention.LAYOUT_BITS; the shapes are its inputs as given)."""
+        layouts (tuner.attention.LAYOUT_BITS; the shapes are its inputs as given). ``out_shape`` (a list) receives
+        the node's output shape for rank-4 inputs, also when the call cannot be expressed."""
         arr = lambda s: (ctypes.c_int64 * max(1, len(s)))(*s)  # noqa: E731
         out = LaunchArgs()
+        shape = (ctypes.c_int64 * 4)()
         r = self.lib.dc_attention_view_layout(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
                                               arr(mask) if mask is not None else None,
-                                              len(mask) if mask is not None else 0, head_dim, layout, None,
+                                              len(mask) if mask is not None else 0, head_dim, layout, shape,
                                               ctypes.byref(out))
+        if out_shape is not None and len(q) == 4:
+            out_shape[:] = list(shape)
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None

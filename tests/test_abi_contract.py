@@ -62,8 +62,12 @@ def test_attention_view_refuses_head_split_offsets_past_int32() -> None:
     core = load_core()
     rows = 2 ** 31 // (16 * 64)  # rows * 16 heads * d 64 == 2^31
     big = [1, rows, 16, 64]
-    assert core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=1) is None
+    shape: list[int] = []
+    assert core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=9, out_shape=shape) is None
     assert "past int32" in core.error()
+    assert shape == big  # the output's shape all the same (the CUDA node allocates it before refusing)
+    core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=1, out_shape=shape)
+    assert shape == [1, 16, rows, 64]
     assert core.attention_view([1, 16, 8, 64], big, big, head_dim=64, layout=6) is None  # K, V of rows keys
     assert core.attention_view([1, rows - 1, 16, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=9) is not None
     contiguous = core.attention_view([1, 16, rows, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64)
