@@ -348,10 +348,10 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     layout, notes = 0, []
     before: list[onnx.NodeProto] = []
     after: list[onnx.NodeProto] = []
+    through: list[tuple[str, str]] = []
     if len(sq) == 4:
         operands = (("q", q, node, (0, 2, 1, 3)), ("k", kt, node, (0, 2, 3, 1)), ("v", v, second, (0, 2, 1, 3)))
         ins = {"q": q, "k": kt, "v": v}
-        through = []
         for op, value, reader, perm in operands:
             scaled = _scalar_mul(g, value, reader)
             found = _head_split(g, op, scaled.input[0 if scaled.input[0] not in g.inits else 1] if scaled else value,
@@ -373,7 +373,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, output, scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
                          mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes),
-                         through=tuple(through) if len(sq) == 4 else ())
+                         through=tuple(through))
 
 
 _NAMES = {"q": "Q", "k": "Kt", "v": "V"}
