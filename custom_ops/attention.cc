@@ -19,6 +19,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dietcode {
@@ -81,6 +82,49 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
   }
   *plan = std::move(p);
   return true;
+}
+
+bool AttentionCanonical(int layout, std::vector<int64_t>* q, std::vector<int64_t>* k, std::vector<int64_t>* v,
+                        std::string* error) {
+  if (layout == 0) return true;
+  if (layout < 0 || layout > 15) {
+    *error = "operand layout " + std::to_string(layout) + " outside 0..15";
+    return false;
+  }
+  if (q->size() != 4 || k->size() != 4 || v->size() != 4) {
+    *error = "operand layout " + LayoutText(layout) + " needs Q, K and V of rank 4 (Q " + ShapeText(*q) + ", K " +
+             ShapeText(*k) + ", V " + ShapeText(*v) + ")";
+    return false;
+  }
+  auto swap12 = [](std::vector<int64_t>* s) { std::swap((*s)[1], (*s)[2]); };  // [B, S, H, d] <-> [B, H, S, d]
+  if (layout & kLayoutQ) swap12(q);
+  if (layout & kLayoutK) *k = {(*k)[0], (*k)[2], (*k)[3], (*k)[1]};  // K [B, S, H, d] -> Kt [B, H, d, S]
+  if (layout & kLayoutV) swap12(v);
+  return true;
+}
+
+std::vector<int64_t> AttentionOutputShape(const AttentionPlan& plan, int layout) {
+  std::vector<int64_t> y(plan.lead);
+  y.push_back(plan.seq_q);
+  y.push_back(plan.head_dim);
+  if ((layout & kLayoutOut) && y.size() == 4) std::swap(y[1], y[2]);
+  return y;
+}
+
+void Permute4(const float* src, const int64_t dims[4], const int perm[4], float* dst) {
+  int64_t stride[4];
+  stride[3] = 1;
+  for (int a = 2; a >= 0; --a) stride[a] = stride[a + 1] * dims[a + 1];
+  const int64_t n0 = dims[perm[0]], n1 = dims[perm[1]], n2 = dims[perm[2]], n3 = dims[perm[3]];
+  const int64_t s0 = stride[perm[0]], s1 = stride[perm[1]], s2 = stride[perm[2]], s3 = stride[perm[3]];
+  for (int64_t i0 = 0; i0 < n0; ++i0) {
+    for (int64_t i1 = 0; i1 < n1; ++i1) {
+      for (int64_t i2 = 0; i2 < n2; ++i2) {
+        const float* row = src + i0 * s0 + i1 * s1 + i2 * s2;
+        for (int64_t i3 = 0; i3 < n3; ++i3) *dst++ = row[i3 * s3];
+      }
+    }
+  }
 }
 
 void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores) {
@@ -151,6 +195,18 @@ FloatInput ReadFloat(const Ort::ConstValue& value) {
   return t;
 }
 
+// The operand in its contiguous equivalent: `t` ([B, S, H, d]) permuted by `perm` into its own storage.
+void Canonicalize(FloatInput* t, const int perm[4]) {
+  std::vector<float> permuted(t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3]);
+  Permute4(t->data, t->shape.data(), perm, permuted.data());
+  t->shape = {t->shape[perm[0]], t->shape[perm[1]], t->shape[perm[2]], t->shape[perm[3]]};
+  t->storage = std::move(permuted);
+  t->data = t->storage.data();
+}
+
+constexpr int kHeadSplit[4] = {0, 2, 1, 3};  // [B, S, H, d] <-> [B, H, S, d]
+constexpr int kKeySplit[4] = {0, 2, 3, 1};   // K [B, S, H, d] -> Kt [B, H, d, S]
+
 // Two float buffers of n elements each from the kernel context's CPU allocator (the session's arena), freed
 // with it; plain new[] when the context offers none.
 struct ScratchBuffers {
@@ -219,6 +275,10 @@ class AttentionKernel {
     nan_to_zero_ = AttrOr<int64_t>(info, "nan_to_zero", 0) != 0;
     mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
     causal_ = AttrOr<int64_t>(info, "causal", 0) != 0;
+    layout_ = AttrOr<int64_t>(info, "layout", 0);
+    if (layout_ < 0 || layout_ > 15) {
+      Throw("the layout attribute " + std::to_string(layout_) + " is not a bit set of q 1, k 2, v 4, out 8");
+    }
     if (head_dim_ < 0) Throw("negative head_dim attribute");
     const size_t n = info.GetInputCount();
     if (n < 3 || n > kInputs) Throw("expects inputs (Q, Kt, V[, mask][, bundle]), got " + std::to_string(n));
@@ -317,6 +377,8 @@ class AttentionKernel {
     if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
     // on both EPs: the kernels' baked-in SCALE (their alpha) must be the scale the CPU path applies
     if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
+    // the kernels read and write the operands in the layouts compiled into them: the node's must be those
+    if (dc_bundle_check_layout(bundle_.get(), static_cast<int>(layout_)) != 0) Throw(dc_last_error());
     // a causal node's mask is the causal mask (tuner/causal_mask.py): its kernels drop those keys themselves
     // (causal mode) and take no mask, while the CPU path adds the mask as the original graph does
     const bool kernel_mask = has_mask_ && !causal_;
@@ -370,11 +432,18 @@ class AttentionKernel {
       if (i < 3 || has_mask_) ReadShape(in[i], &shapes[i]);
     }
     dc_launch_args args{};
-    const int view = dc_attention_view(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
-                                       shapes[2].data(), shapes[2].size(), has_mask_ ? shapes[3].data() : nullptr,
-                                       has_mask_ ? shapes[3].size() : 0, head_dim_, &args);
+    int64_t layout_shape[4] = {0, 0, 0, 0};
+    const int view = dc_attention_view_layout(
+        shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(), shapes[2].data(), shapes[2].size(),
+        has_mask_ ? shapes[3].data() : nullptr, has_mask_ ? shapes[3].size() : 0, head_dim_,
+        static_cast<int>(layout_), layout_shape, &args);
     if (view < 0) Throw(dc_last_error());
-    const std::vector<int64_t>& out_shape = shapes[0];  // the output has Q's shape
+    thread_local std::vector<int64_t> out_shape;  // Q's shape, or [B, T_q, H, d] with the out layout
+    if (layout_ != 0) {
+      out_shape.assign(layout_shape, layout_shape + 4);
+    } else {
+      out_shape = shapes[0];
+    }
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     int64_t total = 1;
     for (int64_t d : out_shape) total *= d;
@@ -436,13 +505,23 @@ class AttentionKernel {
     if (has_mask) mask = ReadFloat(mask_value);
     AttentionPlan plan;
     std::string error;
-    if (!AttentionPlanMake(q.shape, kt.shape, v.shape, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
-      Throw(error);
+    {  // the shapes' contiguous equivalents, checked before any operand is permuted into them
+      std::vector<int64_t> cq(q.shape), ck(kt.shape), cv(v.shape);
+      if (!AttentionCanonical(static_cast<int>(layout_), &cq, &ck, &cv, &error) ||
+          !AttentionPlanMake(cq, ck, cv, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
+        Throw(error);
+      }
     }
-    std::vector<int64_t> out_shape(plan.lead);
+    // the operands the node takes as [B, S, H, d], permuted to the products' [B, H, S, d] (K: to Kt)
+    if (layout_ & kLayoutQ) Canonicalize(&q, kHeadSplit);
+    if (layout_ & kLayoutK) Canonicalize(&kt, kKeySplit);
+    if (layout_ & kLayoutV) Canonicalize(&v, kHeadSplit);
+    const bool out_bshd = (layout_ & kLayoutOut) != 0;
+    std::vector<int64_t> out_shape(plan.lead);  // the products' output, [B, H, T_q, d] at rank 4
     out_shape.push_back(plan.seq_q);
     out_shape.push_back(plan.head_dim);
-    Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
+    const std::vector<int64_t> node_shape = AttentionOutputShape(plan, static_cast<int>(layout_));
+    Ort::UnownedValue out = ctx.GetOutput(0, node_shape.data(), node_shape.size());
     auto info = out.GetTensorTypeAndShapeInfo();
     const size_t total = info.GetElementCount();
     if (total == 0) return;
@@ -481,7 +560,7 @@ class AttentionKernel {
     }
     std::vector<float> y_storage;
     float* y = nullptr;
-    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+    if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && !out_bshd) {
       y = out.GetTensorMutableData<float>();
     } else {
       y_storage.resize(total);
@@ -491,6 +570,16 @@ class AttentionKernel {
     const OrtValue* second[] = {pv, vv};
     OrtValue* y_out = yv;
     matmul_.Invoke(raw, second, 2, &y_out, 1);
+    if (out_bshd) {  // [B, H, T_q, d] -> the node's [B, T_q, H, d]
+      std::vector<float> merged(total);
+      Permute4(y, out_shape.data(), kHeadSplit, merged.data());
+      if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        std::memcpy(out.GetTensorMutableData<float>(), merged.data(), total * sizeof(float));
+        return;
+      }
+      y_storage = std::move(merged);
+      y = y_storage.data();
+    }
     if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       auto* dst = out.GetTensorMutableData<Ort::Float16_t>();
       for (size_t i = 0; i < total; ++i) dst[i] = Ort::Float16_t(y[i]);
@@ -508,6 +597,7 @@ class AttentionKernel {
   bool nan_to_zero_ = false;
   bool mask_rows_ = true;
   bool causal_ = false;  // the mask is the causal mask: the kernels run in causal mode without it
+  int64_t layout_ = 0;  // the operands taken (written) as [B, S, H, d]: bundle_impl.h kLayout* bits
   bool has_mask_ = false;
   Ort::Op matmul_{nullptr}, softmax_{nullptr};  // CPU only
   std::unique_ptr<dc_bundle, BundleDeleter> bundle_;
@@ -573,17 +663,32 @@ extern "C" {
 
 int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
                       const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out) {
+  return dc_attention_view_layout(q, rq, kt, rk, v, rv, mask, rm, head_dim, 0, nullptr, out);
+}
+
+int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v,
+                             size_t rv, const int64_t* mask, size_t rm, int64_t head_dim, int layout,
+                             int64_t* out_shape, dc_launch_args* out) {
   if (out == nullptr || (rq && !q) || (rk && !kt) || (rv && !v) || (rm && !mask) || rq > 8 || rk > 8 || rv > 8 ||
-      rm > 8) {
-    dietcode::SetError("dc_attention_view: null argument or rank above 8");
+      rm > 8 || layout < 0 || layout > 15) {
+    dietcode::SetError("dc_attention_view: null argument, rank above 8 or layout outside 0..15");
     return -1;
   }
-  const std::vector<int64_t> sq(q, q + rq), sk(kt, kt + rk), sv(v, v + rv), sm(mask, mask + rm);
-  dietcode::AttentionPlan plan;
+  std::vector<int64_t> sq(q, q + rq), sk(kt, kt + rk), sv(v, v + rv);
+  const std::vector<int64_t> sm(mask, mask + rm);
   std::string error;
+  if (!dietcode::AttentionCanonical(layout, &sq, &sk, &sv, &error)) {
+    dietcode::SetError(error);
+    return -1;
+  }
+  dietcode::AttentionPlan plan;
   if (!dietcode::AttentionPlanMake(sq, sk, sv, mask ? &sm : nullptr, head_dim, &plan, &error)) {
     dietcode::SetError(error);
     return -1;
+  }
+  if (out_shape != nullptr && rq == 4) {  // also when the view below cannot express the call (it returns 0)
+    const std::vector<int64_t> y = dietcode::AttentionOutputShape(plan, layout);
+    for (size_t i = 0; i < 4; ++i) out_shape[i] = y[i];
   }
   if (rq > 4) {
     dietcode::SetError("rank " + std::to_string(rq) + " above 4: the attention view has batch and heads only");
@@ -599,6 +704,17 @@ int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk,
   for (int64_t x : values) {
     if (x > 0x7fffffff) {
       dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
+      return 0;
+    }
+  }
+  // the head-split layouts: offsets inside one head are int32 in the template (rows of heads * d elements)
+  const std::pair<int, int64_t> operands[] = {{dietcode::kLayoutQ, plan.seq_q}, {dietcode::kLayoutK, plan.seq_k},
+                                              {dietcode::kLayoutV, plan.seq_k}, {dietcode::kLayoutOut, plan.seq_q}};
+  for (const auto& [bit, rows] : operands) {
+    if ((layout & bit) && heads > 0 && plan.head_dim > 0 && rows > 0x7fffffff / heads / plan.head_dim) {
+      dietcode::SetError("a head-split operand of " + std::to_string(rows) + " x " + std::to_string(heads) + " x " +
+                         std::to_string(plan.head_dim) + " elements needs offsets past int32 (the template's offsets "
+                         "inside one head)");
       return 0;
     }
   }

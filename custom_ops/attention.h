@@ -26,6 +26,17 @@ struct AttentionPlan {
 bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>& kt, const std::vector<int64_t>& v,
                        const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error);
 
+// The shapes of the contiguous equivalents (Q [B, H, T_q, d], Kt [B, H, d, T_k], V [B, H, T_k, d]) of a node's
+// inputs given in operand layout `layout` (bundle_impl.h kLayout*: Q, K, V as [B, S, H, d]); false with a
+// message when a bit is set and the ranks are not 4. The output's shape for the plan in that layout.
+bool AttentionCanonical(int layout, std::vector<int64_t>* q, std::vector<int64_t>* k, std::vector<int64_t>* v,
+                        std::string* error);
+std::vector<int64_t> AttentionOutputShape(const AttentionPlan& plan, int layout);
+
+// dst = src permuted: src has dims `dims` (rank 4), dst[i0, i1, i2, i3] = src at index j with j[perm[a]] = i_a
+// (dst's dims are dims[perm[a]]), as ONNX Transpose computes it.
+void Permute4(const float* src, const int64_t dims[4], const int perm[4], float* dst);
+
 // In place on the scores [z, seq_q, seq_k] (Q @ Kt): scores = scores * scale + mask, the mask read at its
 // broadcast strides (mask: nullptr when absent).
 void AttentionScaleMask(const AttentionPlan& plan, float scale, const float* mask, float* scores);

@@ -83,6 +83,15 @@ inline int32_t ArgInt(const dc_launch_args& a, uint32_t p) {
 
 enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
 
+// An attention kernel's operand layouts (tuner.attention.LAYOUT_BITS, docs/abi.md "attention layouts"): a set
+// bit reads (writes) that operand as [batch, seq, heads, d]; clear, the contiguous [z, seq, d] ([z, d, seq_k]
+// for Kt).
+enum Layout : uint8_t { kLayoutQ = 1, kLayoutK = 2, kLayoutV = 4, kLayoutOut = 8 };
+inline std::string LayoutText(int layout) {
+  return std::string("q=") + (layout & kLayoutQ ? "BSHD" : "BHSD") + ",k=" + (layout & kLayoutK ? "BSHD" : "BHDS") +
+         ",v=" + (layout & kLayoutV ? "BSHD" : "BHSD") + ",out=" + (layout & kLayoutOut ? "BSHD" : "BHSD");
+}
+
 enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2, kViewAttention = 3 };
 
 // What made an image (a cubin or the PTX) and the oldest CUDA driver that loads it (docs/bundle.md, format
@@ -111,6 +120,7 @@ struct Kernel {
   uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
   bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
+  uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,

@@ -96,6 +96,11 @@ int dc_bundle_kernel_tf32(const dc_bundle* b, int32_t k) {
   return kernel == nullptr ? -1 : kernel->tf32 ? 1 : 0;
 }
 
+int dc_bundle_kernel_layout(const dc_bundle* b, int32_t k) {
+  const dietcode::Kernel* kernel = KernelAt(b, k);
+  return kernel == nullptr ? -1 : kernel->layout;
+}
+
 const uint8_t* dc_bundle_kernel_image(const dc_bundle* b, int32_t k, int32_t i, uint32_t* cc, int32_t* specific,
                                       uint32_t* shared, size_t* size) {
   const dietcode::Kernel* kernel = KernelAt(b, k);

@@ -24,6 +24,8 @@ constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
 constexpr uint32_t kFlagCausal = 2;  // attention kernels compiled in causal mode
 constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
+// bits 3..6: an attention kernel's operand layouts (Q, K, V, out as [batch, seq, heads, d]; docs/abi.md)
+constexpr uint32_t kFlagLayoutShift = 3, kFlagLayoutMask = 0xF << kFlagLayoutShift;
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -203,7 +205,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || !k.ptx_toolchain.empty() ||
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || k.layout || !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
@@ -242,6 +244,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
   if (k.tf32 && k.dtype != 0) Fail(where + ": tf32 applies to float32 kernels only");
+  if (k.layout && !seen[kSeqQ]) Fail(where + ": operand layouts apply to attention kernels only");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -296,7 +299,7 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       Fail("kernel " + std::to_string(index) + ": flag zero_output (split-K by atomics into the output, bundle "
            "format 5) is gone: split-K kernels take a workspace");
     }
-    if (kind > kVendor || (flags & ~(kFlagCausal | kFlagTf32)) != 0) {
+    if (kind > kVendor || (flags & ~(kFlagCausal | kFlagTf32 | kFlagLayoutMask)) != 0) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
@@ -304,6 +307,7 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.kind = static_cast<KernelKind>(kind);
     k.causal = flags & kFlagCausal;
     k.tf32 = flags & kFlagTf32;
+    k.layout = static_cast<uint8_t>((flags & kFlagLayoutMask) >> kFlagLayoutShift);
     k.num_warps = sub.Get<uint32_t>("num_warps");
     k.shared = sub.Get<uint32_t>("shared");
     k.block_m = sub.Get<uint32_t>("block_m");
@@ -1139,6 +1143,22 @@ int dc_bundle_check_scale(const dc_bundle* b, float scale) {
     char values[96];
     std::snprintf(values, sizeof(values), "alpha %.9g, the node's scale is %.9g", kernel.alpha, scale);
     SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled with " + values +
+             "; optimize the model again");
+    return -1;
+  }
+  return 0;
+}
+
+int dc_bundle_check_layout(const dc_bundle* b, int layout) {
+  if (b == nullptr || layout < 0 || layout > 15) {
+    SetError("dc_bundle_check_layout: null bundle or layout outside 0..15");
+    return -1;
+  }
+  for (size_t k = 0; k < b->kernels.size(); ++k) {
+    const dietcode::Kernel& kernel = b->kernels[k];
+    if (kernel.kind == dietcode::kVendor || kernel.layout == layout) continue;
+    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled for operand layout " +
+             dietcode::LayoutText(kernel.layout) + ", the node has " + dietcode::LayoutText(layout) +
              "; optimize the model again");
     return -1;
   }

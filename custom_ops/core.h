@@ -96,6 +96,14 @@ int dc_bundle_kernel_causal(const dc_bundle* bundle, int32_t k);
 // products): 1 or 0; -1 for an out-of-range kernel id.
 int dc_bundle_kernel_tf32(const dc_bundle* bundle, int32_t k);
 
+// Kernel k's operand layouts (bundle flags bits 3..6: bit 0 Q, 1 K, 2 V, 3 out read/written as [batch, seq,
+// heads, d]; docs/abi.md "attention layouts"): 0..15; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_layout(const dc_bundle* bundle, int32_t k);
+
+// Whether every compiled kernel was compiled for the node's operand layouts `layout` (its `layout`
+// attribute). 0 if so, -1 with a message naming the first kernel and both layouts.
+int dc_bundle_check_layout(const dc_bundle* bundle, int layout);
+
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);
 
@@ -153,6 +161,15 @@ int64_t dc_kernel_workspace_bytes(const dc_bundle* bundle, int32_t k, const dc_l
 // in dc_last_error). Pointers in `out` are left 0.
 int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
                       const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out);
+// The same for a node with operand layouts `layout` (0..15, docs/abi.md "attention layouts"): the shapes are
+// the node's inputs as given (Q [B, T_q, H, d] with bit 0, K [B, T_k, H, d] with bit 1, V [B, T_k, H, d] with
+// bit 2; rank 4 whenever a bit is set); the view's seq/heads/batch are those of the contiguous equivalent, and
+// the kernel derives each operand's strides from them and its layout constexprs. `out_shape` (4 int64, may be
+// NULL) receives the output's shape ([B, T_q, H, d] with bit 3) when the rank is 4 and the shapes are valid
+// (also when the call cannot be expressed: 0). dc_attention_view is this with layout 0.
+int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v,
+                             size_t rv, const int64_t* mask, size_t rm, int64_t head_dim, int layout,
+                             int64_t* out_shape, dc_launch_args* out);
 
 int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b, size_t rb, const int64_t* c, size_t rc,
                 const int64_t* ints, size_t n_ints, const float* floats, size_t n_floats, int batched,

@@ -60,6 +60,10 @@ VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
 FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
 FLAG_TF32 = 4  # a float32 kernel compiled with TF32 dots (DOT_PRECISION="tf32"); clear: ieee float32 products
+# bits 3..6: an attention kernel's operand layouts (tuner.attention.LAYOUT_BITS shifted left by 3: Q, K, V, out
+# read/written as [batch, seq, heads, d]; constexprs Q_BSHD, K_BSHD, V_BSHD, O_BSHD)
+FLAG_LAYOUT_SHIFT = 3
+LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD")  # bit 0..3 of ``layout``
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -154,6 +158,9 @@ class BundleKernel:
     split_k: int = 1
     causal: bool = False  # attention kernels only: compiled with CAUSAL (the Attention node's `causal` attribute)
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
+    # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
+    # node's `layout` attribute must equal it)
+    layout: int = 0
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -249,6 +256,8 @@ class BundleKernel:
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k),
                    causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
+                   layout=sum(1 << i for i, name in enumerate(LAYOUT_CONSTEXPRS)
+                              if dict(getattr(first, "constants", ())).get(name, False)),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
 
@@ -262,7 +271,8 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.tf32 or self.image_toolchains or self.image_scratch or self.ptx_scratch != (0, 1)
+                    or self.tf32 or self.layout or self.image_toolchains or self.image_scratch
+                    or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
             return
@@ -277,6 +287,10 @@ class BundleKernel:
             raise _fail(f"{where}: causal applies to attention kernels only")
         if self.tf32 and self.dtype != "float32":
             raise _fail(f"{where}: tf32 applies to float32 kernels only, not {self.dtype}")
+        if not isinstance(self.layout, int) or not 0 <= self.layout < 1 << len(LAYOUT_CONSTEXPRS):
+            raise _fail(f"{where}: layout {self.layout!r} is not a bit set of {LAYOUT_CONSTEXPRS}")
+        if self.layout and "seq_q" not in self.params:
+            raise _fail(f"{where}: operand layouts apply to attention kernels only")
         if not 0 <= self.shared <= LIMITS["shared"]:
             raise _fail(f"{where}: shared {self.shared} bytes outside 0..{LIMITS['shared']}")
         if len(self.image_shared) != len(self.images):
@@ -714,7 +728,7 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0)
+            flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0) | k.layout << FLAG_LAYOUT_SHIFT
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)

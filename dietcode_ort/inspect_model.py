@@ -79,7 +79,12 @@ def _attention(node: onnx.NodeProto) -> dict:
     inputs = [name for name, value in zip(["Q", "Kt", "V", "mask"], node.input) if value]
     return {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
             "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1)),
-            "causal": bool(attrs.get("causal", 0))}
+            "causal": bool(attrs.get("causal", 0)), "layout": int(attrs.get("layout", 0))}
+
+
+def _layout_text(layout: int) -> str:
+    """The operands an Attention node reads/writes as [batch, seq, heads, d] (docs/abi.md "Attention layouts")."""
+    return ",".join(op for op, bit in (("q", 1), ("k", 2), ("v", 4), ("out", 8)) if layout & bit) + "=BSHD"
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:
@@ -203,7 +208,8 @@ def inspect_command(path: str, as_json: bool) -> int:
             baked = ",".join(f"{x:.6g}" for x in a["kernel_scale"])
             work = (f"attention({', '.join(a['inputs'])}) scale={a['scale']:.6g} (kernels {baked}) "
                     f"head_dim={a['head_dim']}"
-                    + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else ""))
+                    + (" nan_to_zero" if a["nan_to_zero"] else "") + (" causal" if a["causal"] else "")
+                    + (f" layout={_layout_text(a['layout'])}" if a["layout"] else ""))
         names = list(n["configs"] or [k["name"] for k in n["kernels"]])
         if len(names) == len(n["kernels"]):  # one line per kernel: its precision and which MMA its PTX uses
             names = [name + _kernel_facts(k) for name, k in zip(names, n["kernels"])]

@@ -288,6 +288,9 @@ class Core:
                                     ctypes.POINTER(LaunchArgs)]
         lib.dc_attention_view.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
                                           ctypes.POINTER(LaunchArgs)]
+        lib.dc_attention_view_layout.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
+                                                 ctypes.c_int, i64p, ctypes.POINTER(LaunchArgs)]
+        lib.dc_bundle_check_layout.argtypes = [vp, ctypes.c_int]
         _bind_reading(lib)
         _bind_vendor(lib)
         self.lib = lib
@@ -330,15 +333,22 @@ class Core:
         return out if r == 1 else None
 
     def attention_view(self, q: Sequence[int], kt: Sequence[int], v: Sequence[int],
-                       mask: Sequence[int] | None = None, head_dim: int = 0) -> LaunchArgs | None:
-        """The launch arguments of an Attention call with these input shapes (``dc_attention_view``): seq_q,
-        seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
-        call (the reason in ``error()``). DietcodeError for invalid shapes."""
+                       mask: Sequence[int] | None = None, head_dim: int = 0, layout: int = 0,
+                       out_shape: list[int] | None = None) -> LaunchArgs | None:
+        """The launch arguments of an Attention call with these input shapes (``dc_attention_view_layout``):
+        seq_q, seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
+        call (the reason in ``error()``). DietcodeError for invalid shapes. ``layout``: the node's operand
+        layouts (tuner.attention.LAYOUT_BITS; the shapes are its inputs as given). ``out_shape`` (a list) receives
+        the node's output shape for rank-4 inputs, also when the call cannot be expressed."""
         arr = lambda s: (ctypes.c_int64 * max(1, len(s)))(*s)  # noqa: E731
         out = LaunchArgs()
-        r = self.lib.dc_attention_view(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
-                                       arr(mask) if mask is not None else None, len(mask) if mask is not None else 0,
-                                       head_dim, ctypes.byref(out))
+        shape = (ctypes.c_int64 * 4)()
+        r = self.lib.dc_attention_view_layout(arr(q), len(q), arr(kt), len(kt), arr(v), len(v),
+                                              arr(mask) if mask is not None else None,
+                                              len(mask) if mask is not None else 0, head_dim, layout, shape,
+                                              ctypes.byref(out))
+        if out_shape is not None and len(q) == 4:
+            out_shape[:] = list(shape)
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None
@@ -480,6 +490,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_alpha.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_float)]
     lib.dc_bundle_kernel_causal.argtypes = [vp, i32]
     lib.dc_bundle_kernel_tf32.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_layout.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_layout.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -598,14 +610,15 @@ class CoreBundle:
         if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
             raise DietcodeError(self.core.error())
         causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
-        if causal < 0 or tf32 < 0:
+        layout = lib.dc_bundle_kernel_layout(h, k)
+        if causal < 0 or tf32 < 0 or layout < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32),
+            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout,
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
@@ -670,6 +683,12 @@ class CoreBundle:
         """Whether every compiled kernel's alpha is a node's ``scale`` (what both EPs check at session
         creation); DietcodeError naming the first kernel that differs and both values."""
         if self.core.lib.dc_bundle_check_scale(self.handle, scale):
+            raise DietcodeError(self.core.error())
+
+    def check_layout(self, layout: int) -> None:
+        """Whether every compiled kernel was compiled for a node's operand ``layout`` (what both EPs check at
+        session creation); DietcodeError naming the first kernel that differs and both layouts."""
+        if self.core.lib.dc_bundle_check_layout(self.handle, layout):
             raise DietcodeError(self.core.error())
 
     def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AbiCase", "CASES", "main"]
+__all__ = ["AbiCase", "CASES", "AttentionAbiCase", "ATTENTION_CASES", "main"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,74 @@ CASES: tuple[AbiCase, ...] = (
             tma=True, expect_kernel=False),
 )
 TMA_SCRATCH = (256, 128)  # what Triton 3.9 asks of the TMA templates per program on sm_90 (tests/test_tma.py)
+
+
+@dataclass(frozen=True)
+class AttentionAbiCase:
+    """An ai.dietcode::Attention call: the node's inputs in its operand layout (tuner.attention.LAYOUT_BITS)."""
+
+    name: str
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    layout: int
+    mask: tuple[int, ...] | None = None
+    scale: float = 1.0
+    config: tuple[int, int, int, int] = (16, 16, 2, 1)
+
+
+ATTENTION_CASES: tuple[AttentionAbiCase, ...] = (
+    AttentionAbiCase("attention_contiguous_bert_mask", 2, 3, 17, 17, 16, 0, mask=(2, 1, 1, 17), scale=0.25),
+    AttentionAbiCase("attention_bshd_all_bert_mask", 2, 3, 17, 17, 16, 15, mask=(2, 1, 1, 17), scale=0.25),
+    AttentionAbiCase("attention_bshd_q_k_rows_mask", 2, 2, 5, 19, 16, 3, mask=(2, 2, 5, 19)),
+    AttentionAbiCase("attention_bshd_v_out_decode", 3, 2, 1, 17, 32, 12, scale=0.5),
+)
+
+
+def run_attention_case(case: AttentionAbiCase) -> dict[str, Any]:
+    """dc_attention_view_layout's arguments for the node's input shapes drive attention_kernel (the ABI's
+    parameter order and grid), compiled with the layout's constexprs; compared with the float64 chain."""
+    import torch
+    import triton
+
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import load_core
+    from tuner import templates
+    from tuner.attention import AttentionConfig, attention_constexprs, reference_attention
+
+    torch.manual_seed(0)
+    b, h, tq, tk, d = case.batch, case.heads, case.seq_q, case.seq_k, case.head_dim
+    q, kt, v = torch.randn(b, h, tq, d), torch.randn(b, h, d, tk), torch.randn(b, h, tk, d)
+    mask = torch.randn(case.mask) if case.mask else None
+    given = {"q": q.transpose(1, 2).contiguous() if case.layout & 1 else q,
+             "k": kt.permute(0, 3, 1, 2).contiguous() if case.layout & 2 else kt,
+             "v": v.transpose(1, 2).contiguous() if case.layout & 4 else v}
+    core = load_core()
+    args = core.attention_view(list(given["q"].shape), list(given["k"].shape), list(given["v"].shape),
+                               list(case.mask) if case.mask else None, head_dim=d, layout=case.layout)
+    if args is None:
+        return {"view": "vendor"}
+    out = torch.full((b, tq, h, d) if case.layout & 8 else (b, h, tq, d), float("nan"))
+    config = AttentionConfig(*case.config)
+    params = tuple(p for p in templates.ATTENTION_PARAMS if p != "mask" or mask is not None)
+    kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=params, block_m=config.block_m,
+                          block_n=config.block_n, layout=case.layout)
+    bundle = core.parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    bundle.check_layout(case.layout)
+    fit, why = bundle.fit(0, args)
+    assert fit == "fits", why
+    pointers = {**given, "mask": mask.contiguous() if mask is not None else None, "out": out}
+    values = [pointers[p] if p in pointers else getattr(args, p) for p in templates.ATTENTION_PARAMS]
+    meta = attention_constexprs(config, d, scale=case.scale, has_mask=mask is not None,
+                                mask_rows=args.stride_mask_q != 0, layout=case.layout)
+    grid = (triton.cdiv(args.seq_q, config.block_m), 1, args.batch)  # the attention view's grid rule
+    templates.attention_kernel[grid](*values, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+    want = reference_attention(q, kt, v, mask=mask, scale=case.scale).double()
+    got = out.transpose(1, 2) if case.layout & 8 else out
+    return {"view": "kernel", "max_err": float((got.double() - want).abs().max()), "scale": float(want.abs().max()),
+            "workspace_bytes": 0}
 
 
 def _view(core: Any, case: AbiCase, batched: bool) -> Any:
@@ -216,6 +284,11 @@ def main() -> int:
             out[case.name] = run_case(case)
         except Exception as exc:  # reported per case
             out[case.name] = {"view": "error", "error": f"{type(exc).__name__}: {exc}"}
+    for acase in ATTENTION_CASES:
+        try:
+            out[acase.name] = run_attention_case(acase)
+        except Exception as exc:  # reported per case
+            out[acase.name] = {"view": "error", "error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out))
     return 0
 

@@ -25,6 +25,7 @@ class Case:
     masked_cols: int = 0  # the last keys of batch item 0 get -10000 (BERT's extended mask)
     dead_rows: int = 0  # the first query rows of batch item 0 get -inf for every key
     nan_to_zero: bool = False
+    layout: int = 0  # tuner.attention.LAYOUT_BITS: operands given as [batch, seq, heads, d] (K: the keys)
 
 
 CASES: tuple[Case, ...] = (
@@ -43,6 +44,17 @@ CASES: tuple[Case, ...] = (
     Case("t5_d24_padded_head", (1, 2), 5, 5, 24, ((16, 16, 2, 1),), scale=0.3),
     Case("t17_dead_rows_nan_to_zero", (2, 2), 17, 17, 16, ((16, 16, 2, 1),), mask=(2, 1, 17, 17), dead_rows=3,
          nan_to_zero=True),
+    # the head-split layouts (the Transposes around the node absorbed): every operand, each alone, mixed, with
+    # ragged sequences (17 keys over 16-key blocks), a decode step, masks, causal and float16
+    Case("bshd_all_bert_mask", (2, 3), 17, 17, 32, ((16, 16, 2, 1), (32, 32, 4, 2)), mask=(2, 1, 1, 17),
+         scale=1 / 32 ** 0.5, masked_cols=6, layout=15),
+    Case("bshd_q_only", (2, 3), 5, 17, 16, ((16, 16, 2, 1),), scale=0.5, layout=1),
+    Case("bshd_k_only_rows_mask", (2, 3), 17, 5, 16, ((16, 16, 2, 1),), mask=(2, 3, 17, 5), layout=2),
+    Case("bshd_v_out", (1, 2), 17, 17, 24, ((16, 16, 2, 1),), scale=0.3, layout=12),
+    Case("bshd_all_decode", (2, 2), 1, 17, 16, ((16, 16, 2, 1),), mask=(2, 1, 1, 17), layout=15),
+    Case("bshd_all_causal", (1, 3), 17, 17, 16, ((16, 16, 2, 1),), causal=True, layout=15),
+    Case("bshd_all_fp16_rows_mask", (2, 2), 17, 17, 32, ((16, 16, 2, 1),), dtype="float16", mask=(2, 2, 17, 17),
+         scale=0.25, layout=15),
 )
 
 # bfloat16 is left to the GPU tests: the interpreter computes through numpy, which has no bfloat16.
@@ -72,9 +84,16 @@ def main() -> None:
         want = reference_attention(q, kt, v, mask=mask, scale=case.scale, causal=case.causal,
                                    nan_to_zero=case.nan_to_zero).double()
         errors = []
+        # the operands as the layout gives them: [batch, seq, heads, d] (K: the keys, Kt's dims (0, 3, 1, 2))
+        given = (q.transpose(1, 2).contiguous() if case.layout & 1 else q,
+                 kt.permute(0, 3, 1, 2).contiguous() if case.layout & 2 else kt,
+                 v.transpose(1, 2).contiguous() if case.layout & 4 else v)
         for fields in case.configs:
-            got = run_attention(AttentionConfig(*fields), q, kt, v, mask=mask, scale=case.scale,
-                                causal=case.causal, nan_to_zero=case.nan_to_zero)
+            got = run_attention(AttentionConfig(*fields), *given, mask=mask, scale=case.scale,
+                                causal=case.causal, nan_to_zero=case.nan_to_zero, layout=case.layout)
+            if case.layout & 8:  # the output as [batch, seq_q, heads, d]
+                assert got.shape == (want.shape[0], want.shape[2], want.shape[1], want.shape[3]), got.shape
+                got = got.transpose(1, 2)
             assert got.shape == want.shape and got.dtype == q.dtype, (got.shape, got.dtype)
             if case.nan_to_zero:
                 assert torch.equal(got[0, :, :case.dead_rows], torch.zeros_like(got[0, :, :case.dead_rows]))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from _abi_cases import CASES
+from _abi_cases import ATTENTION_CASES, CASES
 from _interpreter import run_interpreted
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,15 @@ def test_runtime_view_drives_the_template(outcomes: dict[str, Any], case) -> Non
             assert got["counters"] and set(got["counters"]) == {0}, got
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c.name for c in ATTENTION_CASES])
+def test_attention_view_drives_the_template_in_each_layout(outcomes: dict[str, Any], case) -> None:
+    """dc_attention_view_layout's arguments for the node's inputs as given (Q, K, V, out as [B, S, H, d] where
+    the layout says so) drive the interpreted attention kernel compiled with the layout's constexprs."""
+    got = outcomes[case.name]
+    assert got["view"] == "kernel", got.get("error")
+    assert got["max_err"] <= 1e-4 * max(1.0, got["scale"]), got
+
+
 def test_view_errors_are_clear() -> None:
     from dietcode_ort.errors import DietcodeError
     from dietcode_ort.runtime import load_core
@@ -47,3 +56,23 @@ def test_view_errors_are_clear() -> None:
     with pytest.raises(DietcodeError, match="allowed: MatMul, Gemm, Conv"):
         core.abi_view("Add", (3, 4), (4, 6))
     assert core.abi_view("Conv", (1, 4, 8, 8), (4, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2)) is None  # grouped
+
+
+def test_attention_view_refuses_head_split_offsets_past_int32() -> None:
+    """With a head-split layout the template's offsets inside one head (rows of heads x d elements) are int32:
+    the view refuses an operand of 2^31 elements or more there (the contiguous layout computes them in int64)."""
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    rows = 2 ** 31 // (16 * 64)  # rows * 16 heads * d 64 == 2^31
+    big = [1, rows, 16, 64]
+    shape: list[int] = []
+    assert core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=9, out_shape=shape) is None
+    assert "past int32" in core.error()
+    assert shape == big  # the output's shape all the same (the CUDA node allocates it before refusing)
+    core.attention_view(big, [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=1, out_shape=shape)
+    assert shape == [1, 16, rows, 64]
+    assert core.attention_view([1, 16, 8, 64], big, big, head_dim=64, layout=6) is None  # K, V of rows keys
+    assert core.attention_view([1, rows - 1, 16, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64, layout=9) is not None
+    contiguous = core.attention_view([1, 16, rows, 64], [1, 16, 64, 8], [1, 16, 8, 64], head_dim=64)
+    assert contiguous is not None and contiguous.seq_q == rows

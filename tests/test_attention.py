@@ -35,6 +35,10 @@ def test_cases_cover_the_brief() -> None:
     assert {c.dtype for c in CASES} >= {"float32", "float16"}
     # keys spanning several BLOCK_N steps, so the online rescaling runs
     assert any(c.seq_k > min(cfg[1] for cfg in c.configs) for c in CASES)
+    # each operand's head-split layout alone and all together, with masks and ragged sequences
+    layouts = {c.layout for c in CASES}
+    assert {1, 2, 15} <= layouts and any(c.layout & 4 and c.layout & 8 for c in CASES)
+    assert any(c.layout == 15 and c.mask is not None and c.seq_k % 16 for c in CASES)
 
 
 def test_mask_strides_follow_onnx_broadcasting() -> None:
@@ -95,6 +99,40 @@ def test_aot_compiles_bert_configs_within_limits(target: str) -> None:
         assert dict(kernel.constants)["SCALE"] == 0.125 and dict(kernel.constants)["MASK_ROWS"] is False
     unmasked = compile_attention(AttentionConfig(32, 32, 4, 1), "float32", target, 32, scale=1.0, has_mask=False)
     assert "mask" not in unmasked.params and unmasked.n_spills == 0
+
+
+def _code(ptx: str) -> list[str]:
+    """The PTX's instructions: debug line records and sections dropped (they carry template line numbers)."""
+    import re
+
+    out, debug = [], False
+    for line in ptx.splitlines():
+        if line.lstrip().startswith(".section"):
+            debug = ".debug" in line
+        if debug or re.match(r"\s*(\.loc|\.file|\$L__)", line):
+            continue
+        out.append(line)
+    return out
+
+
+def test_aot_layouts_compile_and_are_recorded_in_the_bundle_kernel() -> None:
+    """The head-split layouts compile ahead of time within the same limits, to other code than the contiguous
+    layout (which stays the default and takes no new params), and the bundle kernel records them."""
+    from dietcode_ort import bundle as fmt
+    from tuner.attention import compile_attention
+
+    config = AttentionConfig(64, 64, 4, 2)
+    default = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False)
+    explicit = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False,
+                                 layout=0)
+    strided = compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, mask_rows=False,
+                                layout=15)
+    assert _code(default.ptx) == _code(explicit.ptx) != _code(strided.ptx)
+    assert strided.params == default.params and strided.n_spills == 0
+    assert fmt.BundleKernel.from_compiled([default]).layout == 0
+    assert fmt.BundleKernel.from_compiled([strided]).layout == 15
+    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+        compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, layout=16)
 
 
 def test_aot_refuses_configs_outside_the_space() -> None:

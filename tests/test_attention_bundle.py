@@ -117,7 +117,7 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
                               "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125],
-                              "causal": False}
+                              "causal": False, "layout": 15}
     assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
     assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
@@ -197,14 +197,16 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
     bundle = core.parse(payload)
     decoded = read_bundle(payload)
     heads = 2
+    # the node takes Q, K, V as the head split's Reshape outputs [B, S, H, d] (layout 15: its Transposes absorbed)
+    assert {k.layout for k in decoded.kernels} == {15}
     for batch, seq in ((1, 1), (4, 449), (2, 100)):
-        q, kt, v, mask = [batch, heads, seq, 64], [batch, heads, 64, seq], [batch, heads, seq, 64], [batch, 1, 1, seq]
-        features = bundle.features([q, kt, v, mask])
+        q, k_, v, mask = [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, 1, 1, seq]
+        features = bundle.features([q, k_, v, mask])
         assert features == [seq, seq, batch * heads]
         k = bundle.select(features)
         assert k == decoded.tree.evaluate(features)
         assert info["kernels"][k].startswith("am")
-        args = core.attention_view(q, kt, v, mask, head_dim=64)
+        args = core.attention_view(q, k_, v, mask, head_dim=64, layout=15)
         assert args is not None
         assert (args.seq_q, args.seq_k, args.heads, args.batch) == (seq, seq, heads, batch * heads)
         assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
@@ -212,6 +214,11 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
         assert bundle.fit(k, args)[0] == "fits"
     with pytest.raises(DietcodeError, match="head dim 32 differs"):
         core.attention_view([1, 2, 3, 32], [1, 2, 32, 3], [1, 2, 3, 32], None, head_dim=64)
+    # the same shapes in the contiguous layout disagree (Kt's d is not Q's): the view reads the layouts
+    with pytest.raises(DietcodeError, match="expected Q"):
+        core.attention_view([2, 5, 2, 64], [2, 5, 2, 64], [2, 5, 2, 64], None, head_dim=64)
+    with pytest.raises(DietcodeError, match="needs Q, K and V of rank 4"):
+        core.attention_view([4, 5, 64], [4, 5, 64], [4, 5, 64], None, head_dim=64, layout=2)
 
 
 def _with_node(model: onnx.ModelProto, op_type: str, edit) -> onnx.ModelProto:
@@ -249,6 +256,24 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         gemm.check_node("float32", "Attention", activation=gemm.decode().kernels[0].activation)
     with pytest.raises(DietcodeError, match="another element type"):
         attention.check_node("float16", "Attention")
+    # the kernels were compiled for the node's layouts (Q, K, V and out as [B, S, H, d]); any other is refused
+    attention.check_layout(15)
+    with pytest.raises(DietcodeError, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the "
+                                            r"node has q=BSHD,k=BHDS,v=BSHD,out=BSHD; optimize the model again"):
+        attention.check_layout(13)
+
+    def relayout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        next(a for a in node.attribute if a.name == "layout").i = 0
+
+    with pytest.raises(Exception, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the node "
+                                        r"has q=BHSD,k=BHDS,v=BHSD,out=BHSD"):
+        _session(_with_node(model, "Attention", relayout))
+
+    def bad_layout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        next(a for a in node.attribute if a.name == "layout").i = 16
+
+    with pytest.raises(Exception, match="layout attribute 16 is not a bit set"):
+        _session(_with_node(model, "Attention", bad_layout))
 
     def drop_mask(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         node.input[3] = ""
@@ -576,3 +601,34 @@ def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: 
                                                               cache_dir=tmp_path / "k", progress=False),
                  log=lambda line: None)
     assert isinstance(seen.value.args[0], LocalExecutor)
+
+
+def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_attention() -> None:
+    """Each attention kernel's operand layouts (flags bits 3..6) survive the C core's parser; the Python writer
+    and the C reader refuse them on kernels that are not attention kernels, and unknown flag bits."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import load_core
+    from tuner import templates
+
+    core = load_core()
+    ptx = ".version 8.0\n.target sm_80\n"
+    for layout in (0, 1, 6, 15):
+        kernel = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16,
+                              layout=layout)
+        payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
+        parsed = core.parse(payload)
+        assert parsed.decode().kernels[0].layout == layout
+        parsed.check_layout(layout)
+        with pytest.raises(DietcodeError, match="compiled for operand layout"):
+            parsed.check_layout(layout ^ 8)
+    gemm = BundleKernel(name="g", ptx=ptx, params=templates.ABI_PARAMS["gemm"][:7], block_m=16, block_n=16, layout=2)
+    with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
+        Bundle((), (gemm,), DispatchTree.single(0)).validate()
+    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16).validate(0)
+    # the same kernels written past the Python checks: the C reader refuses them too
+    with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
+        core.parse(Bundle((), (gemm,), DispatchTree.single(0)).to_bytes(validate=False))
+    bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
+    with pytest.raises(DietcodeError, match="flags 128 invalid"):  # layout bit 4 lands past flags bit 6
+        core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))

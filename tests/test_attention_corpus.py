@@ -50,3 +50,57 @@ def test_corpus_attention_fuses_and_matches_stock_ort(name: str, tmp_path) -> No
     got = ort.InferenceSession(fused.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     tol = 2e-2 if want.dtype == np.float16 else 1e-5
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)
+
+
+# case -> (Transpose nodes in the export, after fusing): the head-split Transposes the Attention nodes absorb
+# (tuner/attention_graph.py; Q's and K's through the Mul that scales them). Kept (site.layout_notes): in the
+# TorchScript exports Q's and V's Transposes are read by a Shape too and the output goes through a Reshape before
+# its Transpose; the dynamo exports make Kt through a rank-3 Transpose (0, 2, 1); LLaMA applies the rotary
+# embedding after Q's and K's Transposes and repeats K and V (Expand) after them.
+TRANSPOSES = {
+    "bert-torchscript": (8, 6), "gpt2-torchscript": (8, 6), "llama-torchscript": (10, 10),
+    "bert-dynamo": (10, 4), "gpt2-dynamo": (10, 4), "llama-dynamo": (10, 8),
+}
+
+
+def g_op(model: onnx.ModelProto, value: str) -> str:
+    return next(n.op_type for n in model.graph.node if value in n.output)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSES))
+def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
+    """The fused graph has the Transposes counted above, each node's layout says which it absorbed, and the
+    library's CPU kernel reading those layouts matches stock ORT on the original."""
+    from tuner.attention import LAYOUT_BITS
+
+    built = build_case(CASES_BY_NAME[name], tmp_path)
+    model = onnx.load(str(built.path))
+    found = find_attention(model, base_dir=built.path.parent)
+    fused, _ = fuse_attention(model, found.sites)
+    count = lambda m: [n.op_type for n in m.graph.node].count("Transpose")  # noqa: E731
+    before, after = TRANSPOSES[name]
+    assert (count(model), count(fused)) == (before, after)
+    absorbed = sum(bin(s.layout).count("1") for s in found.sites)
+    assert before - after == absorbed
+    for site in found.sites:
+        layout = next(a.i for n in fused.graph.node if n.output[0] == site.output for a in n.attribute
+                      if a.name == "layout")
+        assert layout == site.layout
+        # what each absorbed operand now is: the Reshape output (K: the keys) and the merge Reshape's input
+        if site.layout & LAYOUT_BITS["q"]:
+            assert g_op(model, site.q) in ("Reshape", "Mul")
+        if site.layout & LAYOUT_BITS["out"]:
+            assert any(n.op_type == "Reshape" and n.input[0] == site.output for n in fused.graph.node)
+    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "height": 32, "width": 32})
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    opts = ort.SessionOptions()
+    register(opts)
+    got = ort.InferenceSession(fused.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=1e-5, rtol=1e-5)
+    # stock ORT without the library runs the fallback functions, which keep the absorbed Transposes: the same
+    # values (with its graph optimizations off: they fuse a scaling Mul into a MatMul in one graph only)
+    off = ort.SessionOptions()
+    off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = [ort.InferenceSession(m.SerializeToString(), off, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+             for m in (fused, model)]
+    np.testing.assert_array_equal(*plain)

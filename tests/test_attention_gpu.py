@@ -35,6 +35,26 @@ def test_jit_attention_matches_torch(dtype: str, seq: int) -> None:
         assert (got - want).abs().max().item() <= _TOL[dtype], config.key()
 
 
+@pytest.mark.parametrize("layout", [1, 2, 12, 15])
+def test_jit_attention_reads_the_head_split_layouts(layout: int) -> None:
+    """Q, K, V given as [batch, seq, heads, d] (the Reshape outputs before the head-split Transposes) and the
+    output written so, as the layout bits say, on the GPU against the float64 chain."""
+    from tuner.attention import AttentionConfig, reference_attention, run_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(layout)
+    batch, heads, seq, d = 2, 3, 77, 64
+    q, kt, v = (torch.randn(*s, device="cuda", generator=gen).half()
+                for s in ((batch, heads, seq, d), (batch, heads, d, seq), (batch, heads, seq, d)))
+    mask = torch.zeros(batch, 1, 1, seq, device="cuda", dtype=torch.half)
+    mask[1:, ..., seq // 2:] = -10000.0
+    want = reference_attention(q.cpu(), kt.cpu(), v.cpu(), mask=mask.cpu(), scale=0.125).double()
+    given = (q.transpose(1, 2).contiguous() if layout & 1 else q, kt.permute(0, 3, 1, 2).contiguous() if layout & 2
+             else kt, v.transpose(1, 2).contiguous() if layout & 4 else v)
+    got = run_attention(AttentionConfig(64, 64, 4, 2), *given, mask=mask, scale=0.125, layout=layout)
+    got = (got.transpose(1, 2) if layout & 8 else got).double().cpu()
+    assert (got - want).abs().max().item() <= _TOL["float16"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_optimized_bert_attention_launches_on_cuda_ep_and_matches_stock_ort(dtype: str, tmp_path) -> None:
     """optimize (fused attention by default, analytic tuning for this GPU's target) -> the CUDA EP launches the
@@ -54,6 +74,11 @@ def test_optimized_bert_attention_launches_on_cuda_ep_and_matches_stock_ort(dtyp
     optimize(src, out, OptimizeOptions(targets=default_targets(), dims=("batch=1:4", "seq=1:128:16"), budget=8,
                                        max_kernels=2, measure="analytic", db=tmp_path / "t.db",
                                        cache_dir=tmp_path / "k", progress=False), log=lambda _: None)
+    import onnx
+
+    # the head-split and head-merge Transposes are absorbed: the Attention nodes read and write [B, S, H, d]
+    assert [n.op_type for n in model.graph.node].count("Transpose") == 4 * PRESETS["tiny"].layers
+    assert "Transpose" not in [n.op_type for n in onnx.load(str(out)).graph.node]
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     stock = ort.InferenceSession(model.SerializeToString(), providers=providers)
     opts = ort.SessionOptions()

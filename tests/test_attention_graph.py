@@ -40,19 +40,28 @@ def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str
     heads = PRESETS["tiny"].heads
     assert (site.seq_q, site.seq_k, site.batch) == ("seq", "seq", f"{heads}*batch")
     assert site.scale == pytest.approx(1 / PRESETS["tiny"].head_dim ** 0.5)
-    assert [n.rsplit("/", 1)[-1] for n in site.nodes] == ["MatMul_output_0", "Div_output_0", "Add_output_0",
-                                                          "Softmax_output_0", "MatMul_1_output_0"]
+    # the head-split Transposes of Q, K, V and the head merge's Transpose of the output are absorbed
+    assert [n.split("/")[-2:] for n in site.nodes] == [
+        ["query", "Transpose_output_0"], ["key", "Transpose_output_0"], ["value", "Transpose_output_0"],
+        ["self", "MatMul_output_0"], ["self", "Div_output_0"], ["self", "Add_output_0"],
+        ["self", "Softmax_output_0"], ["self", "MatMul_1_output_0"], ["self", "Transpose_output_0"]]
+    assert site.layout == 15 and site.layout_notes == ()
+    assert site.q.endswith("query/Reshape_output_0") and site.kt.endswith("key/Reshape_output_0")
+    assert site.v.endswith("value/Reshape_output_0") and site.output.endswith("self/Transpose_output_0")
     fused, outputs = fuse_attention(model)
     onnx.checker.check_model(fused, full_check=True)
     ops = [n.op_type for n in fused.graph.node]
     assert ops.count(OP_TYPE) == layers and "Softmax" not in ops
-    assert len(ops) == len(model.graph.node) - 4 * layers
+    assert [n.op_type for n in model.graph.node].count("Transpose") == 4 * layers and "Transpose" not in ops
+    assert len(ops) == len(model.graph.node) - 8 * layers
     assert outputs == tuple(s.output for s in found.sites)
     (fn,) = fused.functions
     assert (fn.domain, fn.name, list(fn.input)) == (DOMAIN, OP_TYPE, ["Q", "Kt", "V", "mask"])
-    assert [n.op_type for n in fn.node] == ["MatMul", "Constant", "Div", "Add", "Softmax", "MatMul"]
+    assert [n.op_type for n in fn.node] == ["Transpose"] * 3 + ["MatMul", "Constant", "Div", "Add", "Softmax",
+                                                                "MatMul", "Transpose"]
     node = next(n for n in fused.graph.node if n.op_type == OP_TYPE)
-    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["head_dim"] == 64
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["head_dim"] == 64 and attrs["layout"] == 15
     for batch, seq in ((1, 1), (3, 5), (2, 17)):
         feeds = _bert_feeds(batch, seq)
         np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))  # the same nodes run
@@ -313,3 +322,117 @@ def test_scale_behind_an_identity_stays() -> None:
     assert found.sites == () and "one-element constant" in found.skipped[0][1]
     fused, outputs = fuse_attention(model)  # nothing to fuse, and no error
     assert outputs == ()
+
+
+_H, _D = 2, 8
+
+
+def _head_split_model(*, q_perm: tuple[int, ...] = (0, 2, 1, 3), q_also_output: bool = False,
+                      merge: bool = True, scaled: bool = False) -> onnx.ModelProto:
+    """x_q, x_k, x_v [B, S, H*d] -> Reshape [B, S, H, d] -> Transpose (K: 0,2,3,1) -> the chain with a mask
+    [B, 1, 1, S] -> Transpose (0,2,1,3) -> Reshape [B, S, H*d] (``merge``; else the Transpose is the output).
+    ``q_perm`` (0,2,3,1) makes Q from a graph input [B, d, H, S] instead (a perm that is not the head split);
+    ``scaled`` multiplies Q and K after their Transposes by a constant (torch's SDPA export)."""
+    split = numpy_helper.from_array(np.array([0, 0, _H, _D], np.int64), "split")
+    joined = numpy_helper.from_array(np.array([0, 0, _H * _D], np.int64), "joined")
+    scale = numpy_helper.from_array(np.array(_D ** 0.5, np.float32), "c")
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "S", _H * _D]) for n in ("x_k", "x_v")]
+    nodes = []
+    if q_perm == (0, 2, 1, 3):
+        inputs.append(helper.make_tensor_value_info("x_q", TensorProto.FLOAT, ["B", "S", _H * _D]))
+        nodes.append(helper.make_node("Reshape", ["x_q", "split"], ["q4"]))
+    else:
+        inputs.append(helper.make_tensor_value_info("q4", TensorProto.FLOAT, ["B", _D, _H, "S"]))
+    inputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["B", 1, 1, "S"]))
+    nodes += [helper.make_node("Reshape", ["x_k", "split"], ["k4"]), helper.make_node("Reshape", ["x_v", "split"], ["v4"]),
+              helper.make_node("Transpose", ["q4"], ["q0" if scaled else "q"], perm=list(q_perm)),
+              helper.make_node("Transpose", ["k4"], ["kt0" if scaled else "kt"], perm=[0, 2, 3, 1]),
+              helper.make_node("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["s1"]),
+              helper.make_node("Add", ["s1", "mask"], ["s2"]), helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["o"]),
+              helper.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3])]
+    if scaled:  # right after the Transposes, before the chain
+        at = next(i for i, n in enumerate(nodes) if n.op_type == "MatMul")
+        nodes[at:at] = [helper.make_node("Mul", ["q0", "root"], ["q"]), helper.make_node("Mul", ["root", "kt0"], ["kt"])]
+    outputs = [helper.make_tensor_value_info("ot", TensorProto.FLOAT, ["B", "S", _H, _D])]
+    if merge:
+        nodes.append(helper.make_node("Reshape", ["ot", "joined"], ["y"]))
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", _H * _D])]
+    if q_also_output:
+        outputs.append(helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", _H, "S", _D]))
+    root = numpy_helper.from_array(np.array(0.7, np.float32), "root")
+    graph = helper.make_graph(nodes, "heads", inputs, outputs, [split, joined, scale, root])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _head_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seq)
+    feeds = {}
+    for vi in model.graph.input:
+        dims = [batch if d.dim_param == "B" else seq if d.dim_param == "S" else d.dim_value
+                for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.standard_normal(dims).astype(np.float32)
+    feeds["mask"][0, ..., seq // 2 + 1:] = -10000.0
+    return feeds
+
+
+def _library_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    from dietcode_ort.runtime import register
+
+    opts = ort.SessionOptions()
+    register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("kind", ["all", "q_other_perm", "q_read_twice", "no_merge", "scaled"])
+def test_head_split_transposes_absorbed_exactly_when_they_are_the_head_split(kind: str) -> None:
+    """The Transposes of the head split (Q, V perm 0,2,1,3 and K 0,2,3,1 after a Reshape splitting heads x d)
+    and of the head merge are absorbed into the node's layout; a Transpose with another perm, read by another
+    node too, or not followed by a merge Reshape stays, with the reason in layout_notes. The library's CPU
+    kernel (reading the layouts) matches stock ORT on the original; stock ORT runs the fallback exactly."""
+    model = {"all": lambda: _head_split_model(), "q_other_perm": lambda: _head_split_model(q_perm=(0, 2, 3, 1)),
+             "q_read_twice": lambda: _head_split_model(q_also_output=True),
+             "no_merge": lambda: _head_split_model(merge=False),
+             "scaled": lambda: _head_split_model(scaled=True)}[kind]()
+    (site,) = find_attention(model).sites
+    layout, note = {"all": (15, None), "q_other_perm": (14, "Q's Transpose 'q' kept: has perm [0, 2, 3, 1], not "
+                                                             "the head split [0, 2, 1, 3]"),
+                    "q_read_twice": (14, "Q's Transpose 'q' kept: is read by other nodes too"),
+                    "no_merge": (7, "the output's Transpose 'ot' kept: no Reshape merging its heads"),
+                    "scaled": (15, None)}[kind]
+    assert site.layout == layout
+    assert (site.layout_notes == ()) if note is None else (len(site.layout_notes) == 1
+                                                           and site.layout_notes[0].startswith(note))
+    fused, _ = fuse_attention(model)
+    onnx.checker.check_model(fused, full_check=True)
+    if kind == "scaled":  # the scaling Muls stay, moved before the absorbed Transposes; the node reads them
+        assert site.through == (("q0", "q"), ("kt0", "kt")) and (site.q, site.kt) == ("q", "kt")
+        muls = {n.output[0]: list(n.input) for n in fused.graph.node if n.op_type == "Mul"}
+        assert muls == {"q": ["q4", "root"], "kt": ["root", "k4"]}
+    transposes = [n.op_type for n in fused.graph.node].count("Transpose")
+    assert transposes == 4 - bin(layout).count("1")
+    for batch, seq in ((1, 1), (2, 5), (3, 17)):
+        feeds = _head_feeds(model, batch, seq)
+        want = _run(model, feeds)
+        if kind == "scaled":  # the same values, but ORT's optimizer fuses a scale into a MatMul in one graph only
+            plain = ort.SessionOptions()
+            plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            unopt = [ort.InferenceSession(m.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+                     .run(None, feeds)[0] for m in (fused, model)]
+            np.testing.assert_array_equal(*unopt)
+            np.testing.assert_allclose(_run(fused, feeds), want, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(_run(fused, feeds), want)  # the fallback keeps the Transposes
+        np.testing.assert_allclose(_library_run(fused, feeds)[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_scan_reports_layouts_and_the_transposes_kept(tmp_path: Path) -> None:
+    from tuner.scan import attention_report
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_head_split_model(q_perm=(0, 2, 3, 1)), str(path))
+    (fused,) = attention_report(path)["fused"]
+    assert fused["layout"] == "q=BHSD,k=BSHD,v=BSHD,out=BSHD"
+    assert fused["transposes_kept"] == ["Q's Transpose 'q' kept: has perm [0, 2, 3, 1], not the head split "
+                                        "[0, 2, 1, 3]"]

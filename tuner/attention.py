@@ -40,7 +40,7 @@ __all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DT
            "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
            "reference_attention", "CompiledAttention", "compile_attention", "AttentionCompileJob",
            "CompiledAttentionSpace",
-           "compile_attention_space"]
+           "compile_attention_space", "LAYOUT_BITS", "check_layout", "layout_text", "bshd_layout"]
 
 ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_AXES: dict[str, tuple[int, ...]] = {
@@ -52,6 +52,30 @@ ATTENTION_AXES: dict[str, tuple[int, ...]] = {
 ATTENTION_RULES = ("threads", "warp_rows", "shared_memory", "registers")
 _REG_OVERHEAD = 40
 MAX_HEAD_DIM = 256
+# The operands' layouts as a bit set (the node's ``layout`` attribute, the bundle kernel's flags bits 2..5,
+# docs/abi.md "attention layouts"): a set bit reads (writes) that operand as [batch, seq, heads, d], the head
+# split's Reshape output before its Transpose (K: the keys before the Transpose making Kt); a clear bit the
+# contiguous [z, seq, d] (Kt: [z, d, seq_k]). 0 is the default and compiles as before the layouts existed.
+LAYOUT_BITS = {"q": 1, "k": 2, "v": 4, "out": 8}
+_LAYOUT_CONSTEXPRS = {"q": "Q_BSHD", "k": "K_BSHD", "v": "V_BSHD", "out": "O_BSHD"}
+
+
+def check_layout(layout: int) -> int:
+    """``layout`` if it is a bit set of LAYOUT_BITS, else DietcodeError."""
+    if not isinstance(layout, int) or isinstance(layout, bool) or not 0 <= layout < 16:
+        raise DietcodeError(f"attention: layout {layout!r} is not a bit set of {LAYOUT_BITS}")
+    return layout
+
+
+def layout_text(layout: int) -> str:
+    """``q=BSHD,k=BHDS,...``: each operand's layout in words (Kt's contiguous layout is [z, d, seq_k])."""
+    check_layout(layout)
+    return ",".join(f"{op}={'BSHD' if layout & bit else ('BHDS' if op == 'k' else 'BHSD')}"
+                    for op, bit in LAYOUT_BITS.items())
+
+
+def bshd_layout(layout: int, op: str) -> bool:
+    return bool(check_layout(layout) & LAYOUT_BITS[op])
 
 
 @dataclass(frozen=True, order=True)
@@ -124,15 +148,18 @@ def attention_prune_report(dtype: str, target: str, head_dim: int) -> dict[str, 
 
 def attention_constexprs(config: AttentionConfig, head_dim: int, *, scale: float, has_mask: bool,
                          mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
-                         dot_precision: str = "ieee") -> dict[str, object]:
+                         dot_precision: str = "ieee", layout: int = 0) -> dict[str, object]:
     """The constexprs of ``attention_kernel`` for one workload and config. ``mask_rows``: the mask varies
-    along the queries (False: one row for all, BERT's ``[batch, 1, 1, T_k]``, a cheaper vector load)."""
+    along the queries (False: one row for all, BERT's ``[batch, 1, 1, T_k]``, a cheaper vector load);
+    ``layout``: the operands' layouts (LAYOUT_BITS)."""
+    check_layout(layout)
     if not math.isfinite(scale):
         raise DietcodeError(f"attention: scale {scale} is not finite")
     return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "SCALE": float(scale), "HAS_MASK": has_mask,
             "MASK_ROWS": has_mask and mask_rows,
             "CAUSAL": causal, "NAN_TO_ZERO": nan_to_zero, "DOT_PRECISION": dot_precision, "BLOCK_M": config.block_m,
-            "BLOCK_N": config.block_n}
+            "BLOCK_N": config.block_n,
+            **{name: bool(layout & LAYOUT_BITS[op]) for op, name in _LAYOUT_CONSTEXPRS.items()}}
 
 
 def mask_strides(mask_shape: tuple[int, ...], batch: int, heads: int, seq_q: int,
@@ -157,15 +184,26 @@ def mask_strides(mask_shape: tuple[int, ...], batch: int, heads: int, seq_q: int
 
 def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
                   mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
-                  nan_to_zero: bool = False, allow_tf32: bool = False) -> "torch.Tensor":
+                  nan_to_zero: bool = False, allow_tf32: bool = False, layout: int = 0) -> "torch.Tensor":
     """Launch ``attention_kernel`` through Triton's JIT: q [..., T_q, d], kt [..., d, T_k], v [..., T_k, d]
     with equal leading dims (``[batch, heads]`` or one batch dim), ``mask`` broadcastable to
-    ``[batch, heads, T_q, T_k]``. Returns ``[..., T_q, d]`` in q's dtype."""
+    ``[batch, heads, T_q, T_k]``. Returns ``[..., T_q, d]`` in q's dtype. With ``layout`` bits (LAYOUT_BITS)
+    the operands they name are given (and the output returned) as ``[batch, seq, heads, d]`` (K: the keys
+    ``[batch, T_k, heads, d]``, not Kt), all of rank 4."""
     import torch
     import triton
 
     from tuner.templates import attention_kernel
 
+    check_layout(layout)
+    given = (q, kt, v)
+    if layout:
+        if any(t.dim() != 4 for t in given):
+            raise DietcodeError(f"attention: layout {layout_text(layout)} needs rank-4 q, k, v")
+        # the contiguous views the checks below and the grid speak of; the kernel reads the given tensors
+        q = q.transpose(1, 2) if layout & LAYOUT_BITS["q"] else q
+        kt = kt.permute(0, 2, 3, 1) if layout & LAYOUT_BITS["k"] else kt
+        v = v.transpose(1, 2) if layout & LAYOUT_BITS["v"] else v
     if q.dim() < 3 or kt.dim() != q.dim() or v.dim() != q.dim():
         raise DietcodeError(f"attention: q, kt, v must have one rank >= 3, got {q.dim()}, {kt.dim()}, {v.dim()}")
     lead = tuple(q.shape[:-2])
@@ -178,9 +216,11 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
     heads = lead[-1] if len(lead) >= 2 else 1
     z = math.prod(lead)
     batch = z // heads if heads else 0
+    out_bshd = bool(layout & LAYOUT_BITS["out"])
+    out_shape = (lead[0], seq_q, lead[1], head_dim) if out_bshd else tuple(q.shape)
     if z == 0 or seq_q == 0 or seq_k == 0:  # no keys: an empty softmax times an empty V is 0, as in ONNX
-        return torch.zeros_like(q)
-    out = torch.empty_like(q)
+        return q.new_zeros(out_shape)
+    out = q.new_empty(out_shape)
     strides = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.contiguous()
@@ -190,9 +230,10 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
     precision = "tf32" if (q.dtype == torch.float32 and allow_tf32) else "ieee"
     meta = attention_constexprs(config, head_dim, scale=scale, has_mask=mask is not None,
                                 mask_rows=strides[2] != 0, causal=causal, nan_to_zero=nan_to_zero,
-                                dot_precision=precision)
+                                dot_precision=precision, layout=layout)
     grid = (triton.cdiv(seq_q, config.block_m), 1, z)
-    attention_kernel[grid](q.contiguous(), kt.contiguous(), v.contiguous(), mask, out, seq_q, seq_k, heads,
+    q, kt, v = (t.contiguous() for t in given)
+    attention_kernel[grid](q, kt, v, mask, out, seq_q, seq_k, heads,
                            *strides, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -253,7 +294,8 @@ class CompiledAttention:
 
 def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
                       has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
-                      toolchain: "CompileToolchain | None" = None, allow_tf32: bool = False) -> CompiledAttention:
+                      toolchain: "CompileToolchain | None" = None, allow_tf32: bool = False,
+                      layout: int = 0) -> CompiledAttention:
     """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
     needed); ``allow_tf32``: a float32 kernel's two dots in TF32 (tuner.aot's precision). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
     plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
@@ -272,7 +314,7 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     constants: dict[str, object] = attention_constexprs(config, head_dim, scale=scale, has_mask=has_mask,
                                                          mask_rows=mask_rows, causal=causal,
                                                          nan_to_zero=nan_to_zero,
-                                                         dot_precision="tf32" if allow_tf32 else "ieee")
+                                                         dot_precision="tf32" if allow_tf32 else "ieee", layout=layout)
     if not has_mask:
         constants["mask"] = None
     pointer = "*" + {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
@@ -314,11 +356,13 @@ class AttentionCompileJob:
     nan_to_zero: bool = False
     toolchain: "CompileToolchain | None" = None
     allow_tf32: bool = False
+    layout: int = 0  # LAYOUT_BITS
 
     def compile(self) -> CompiledAttention:
         return compile_attention(self.config, self.dtype, self.target, self.head_dim, scale=self.scale,
                                  has_mask=self.has_mask, mask_rows=self.mask_rows, causal=self.causal,
-                                 nan_to_zero=self.nan_to_zero, toolchain=self.toolchain, allow_tf32=self.allow_tf32)
+                                 nan_to_zero=self.nan_to_zero, toolchain=self.toolchain, allow_tf32=self.allow_tf32,
+                                 layout=self.layout)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,19 @@ Anything else (scores replaced by a Where, Softmax over another axis) stays as i
 ``AttentionScan.skipped``. A scale applied to Q and K before the first MatMul (LLaMA's exports) is no part of
 the chain: those Muls stay in the graph and the chain fuses with scale 1.
 
+Head-split layouts: at rank 4, a Transpose making Q or V with perm (0, 2, 1, 3), or Kt with perm (0, 2, 3, 1),
+from a Reshape that splits the last dim into heads x d ([B, S, H*d] -> [B, S, H, d]) and read by the chain
+alone, is absorbed: the node takes the Reshape's output ([B, S, H, d]; for K the keys, which the kernel reads
+transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
+[B, S, H*d], or [B*S, H*d] as GPT-2's dynamo export has it) is absorbed too: the node writes the Transpose's output. The node's ``layout`` attribute says which
+(tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
+keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
+with any other perm, or read by other nodes as well, stays in the graph (nothing absorbed for that operand),
+with the reason in ``AttentionSite.layout_notes``. A Transpose of Q or K followed by a Mul by a one-element
+constant (torch's scaled_dot_product_attention export scales both so) is absorbed through it: the Mul stays,
+rewired to scale the Reshape's output (elementwise, so the same values), and the node takes its output. On a
+GPU each absorbed Transpose is one copy kernel less.
+
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
 effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
 probabilities become 0 (``nan_to_zero``) as attributes.
@@ -47,6 +60,7 @@ from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
+from tuner.attention import LAYOUT_BITS
 from tuner.causal_mask import is_causal_mask
 from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
                            copy_into_body)
@@ -88,6 +102,14 @@ class AttentionSite:
     # the mask is provably the causal mask (tuner/causal_mask.py, seq_q == seq_k): the kernels run in causal
     # mode without loading it; the node still takes it for the CPU kernel and the fallback body
     causal: bool = False
+    # the operands the node takes (writes) as [batch, seq, heads, d], their Transposes absorbed
+    # (tuner.attention.LAYOUT_BITS); 0: Q, Kt, V and the output as the chain's MatMuls have them
+    layout: int = 0
+    layout_notes: tuple[str, ...] = ()  # why a Transpose next to the chain was not absorbed
+    # (Transpose output, Mul output): an absorbed Transpose read by a Mul by a one-element constant (the
+    # exporters' scale of Q and K before the MatMul): the Mul stays in the graph, rewired to the Transpose's
+    # input (an elementwise scale commutes with the permutation), and the node takes its output
+    through: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -322,9 +344,127 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
         sizes = [scan_mod._expr([x]) for x in (sq[-2], sk[-1])] + [scan_mod._expr(list(sq[:-2]) or [1])]
     except Exception as exc:  # a dim outside tuner.shape_expr's grammar
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
-    return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, second.output[0], scale, d, dtype,
+    output = second.output[0]
+    layout = 0
+    notes: list[str] = []
+    before: list[onnx.NodeProto] = []
+    after: list[onnx.NodeProto] = []
+    through: list[tuple[str, str]] = []
+    if len(sq) == 4:
+        operands = (("q", q, node, (0, 2, 1, 3)), ("k", kt, node, (0, 2, 3, 1)), ("v", v, second, (0, 2, 1, 3)))
+        ins = {"q": q, "k": kt, "v": v}
+        for op, value, reader, perm in operands:
+            mul_node = _scalar_mul(g, value, reader)
+            source = mul_node.input[0 if mul_node.input[0] not in g.inits else 1] if mul_node else value
+            split_node = _head_split(g, op, source, mul_node or reader, perm, notes)
+            if split_node is not None:
+                before.append(split_node)
+                if mul_node is not None:  # the node takes the Mul's output, the Mul reads the head split
+                    through.append((split_node.output[0], value))
+                else:
+                    ins[op] = split_node.input[0]
+                layout |= LAYOUT_BITS[op]
+        q, kt, v = ins["q"], ins["k"], ins["v"]
+        merge = _head_merge(g, output, notes)
+        if merge is not None:
+            after.append(merge)
+            output = merge.output[0]
+            layout |= LAYOUT_BITS["out"]
+    chain = before + chain + after
+    return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, output, scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
-                         mask_dtype=mask_dtype, causal=causal)
+                         mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes),
+                         through=tuple(through))
+
+
+_NAMES = {"q": "Q", "k": "Kt", "v": "V"}
+
+
+def _scalar_mul(g: scan_mod._Graph, value: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Mul making ``value`` (read by ``reader`` alone) from one tensor and a one-element constant, else
+    None: torch's scaled_dot_product_attention export scales Q and K so after their Transposes."""
+    mul = g.producers.get(value)
+    if not _is(mul, "Mul") or g.exclusive_consumer(value) is not reader:
+        return None
+    assert mul is not None
+    consts = [x for x in mul.input if x in g.inits]
+    if len(mul.input) != 2 or len(consts) != 1:
+        return None
+    c = _const(g, consts[0])
+    if c is None or c.size != 1 or not _is(g.producers.get(mul.input[1] if mul.input[0] == consts[0]
+                                                           else mul.input[0]), "Transpose"):
+        return None
+    return mul
+
+
+def _perm(node: onnx.NodeProto) -> tuple[int, ...] | None:
+    for a in node.attribute:
+        if a.name == "perm":
+            return tuple(int(x) for x in a.ints)
+    return None
+
+
+def _splits_heads(g: scan_mod._Graph, value: str) -> str | None:
+    """Why ``value`` is not made by a Reshape splitting the last dim into heads x d ([B, S, H*d] -> [B, S, H,
+    d]), or None when it is."""
+    reshape = g.producers.get(value)
+    if not _is(reshape, "Reshape"):
+        return "its input is not made by a Reshape"
+    assert reshape is not None
+    src, dst = g.shapes.get(reshape.input[0]), g.shapes.get(value)
+    if src is None or dst is None or len(src) != 3 or len(dst) != 4:
+        return "its Reshape is not known to go from rank 3 to rank 4"
+    heads, d = dst[2], dst[3]
+    if (src[0] != dst[0] or src[1] != dst[1] or not isinstance(heads, int) or not isinstance(d, int)
+            or src[2] != heads * d):
+        return f"its Reshape {list(src)} -> {list(dst)} does not split the last dim into heads x d"
+    return None
+
+
+def _head_split(g: scan_mod._Graph, op: str, value: str, reader: onnx.NodeProto, perm: tuple[int, ...],
+                notes: list[str]) -> onnx.NodeProto | None:
+    """The Transpose making operand ``value`` when the node can read its input instead (the head split), else
+    None, with a note when a Transpose is there but stays."""
+    t = g.producers.get(value)
+    if not _is(t, "Transpose"):
+        return None
+    assert t is not None
+    what = f"{_NAMES[op]}'s Transpose {value!r}"
+    got = _perm(t)
+    why = None
+    if got != perm:
+        why = f"has perm {list(got) if got is not None else None}, not the head split {list(perm)}"
+    elif g.exclusive_consumer(value) is not reader:
+        why = "is read by other nodes too"
+    else:
+        split = _splits_heads(g, t.input[0])
+        why = None if split is None else split
+    if why is not None:
+        notes.append(f"{what} kept: {why}")
+        return None
+    return t
+
+
+def _head_merge(g: scan_mod._Graph, output: str, notes: list[str]) -> onnx.NodeProto | None:
+    """The Transpose (0, 2, 1, 3) of the output before a Reshape merging the heads, when the node can write
+    its output instead, else None (with a note when a Transpose is there but stays)."""
+    t = g.exclusive_consumer(output)
+    if not _is(t, "Transpose") or output in g.graph_outputs:
+        return None
+    assert t is not None
+    what = f"the output's Transpose {t.output[0]!r}"
+    if _perm(t) != (0, 2, 1, 3):
+        notes.append(f"{what} kept: perm {_perm(t)} is not the head merge [0, 2, 1, 3]")
+        return None
+    merged = t.output[0]
+    for r in g.consumers.get(merged, []):
+        src, dst = g.shapes.get(merged), g.shapes.get(r.output[0]) if r.output else None
+        if (_is(r, "Reshape") and r.input[0] == merged and src is not None and dst is not None and len(src) == 4
+                and len(dst) in (2, 3) and isinstance(src[2], int) and isinstance(src[3], int)
+                and dst[-1] == src[2] * src[3]):
+            return t
+    notes.append(f"{what} kept: no Reshape merging its heads ([B, S, H, d] -> [B, S, H*d] or [B*S, H*d]) reads it")
+    return None
 
 
 def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str, mask: str | None,
@@ -390,9 +530,16 @@ def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
         names[x] = f"c{len(names)}"
         return names[x]
 
+    # a Transpose absorbed through a Mul: the body's Transpose reads the node's input (the Mul, moved before
+    # it), and the chain reads the body's Transpose where it read the Mul
+    moved = dict(site.through)
+    for t_out, mul_out in site.through:
+        names[links.node(t_out, "attention node")[1].input[0]] = names.pop(mul_out)
     for key in site.nodes:
         copy_into_body(links, links.node(key, "attention node")[1], body, names.get, new_constant,
                        lambda o: names.setdefault(o, f"t{len(names)}") if o else "")
+        if key in moved:
+            names[moved[key]] = names[key]
     return body
 
 
@@ -429,6 +576,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         {o for n in graph.node for o in n.output}
     new_initializers: list[onnx.TensorProto] = []
     mask_casts: dict[tuple[str, str], str] = {}  # (mask, dtype) -> the mask cast to the chain's dtype
+    stale: set[str] = set()  # values whose recorded shape no longer holds (a Mul moved before a Transpose)
     for site in sites:
         if bundles is not None and site.output not in bundles:
             raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
@@ -462,14 +610,15 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             taken.add(overload)
             bodies[key] = overload
             out.functions.append(helper.make_function(DOMAIN, OP_TYPE, formal, ["Y"], body, opsets,
-                                                      attributes=["scale", "head_dim", "nan_to_zero"]
+                                                      attributes=["scale", "head_dim", "nan_to_zero", "layout"]
                                                       + (["mask_rows", "causal", "info"] if bundles is not None
                                                          else []),
                                                       overload=overload or None))
-        last = graph.node[members[-1]]
-        node = helper.make_node(OP_TYPE, inputs, [site.output], name=last.name, domain=DOMAIN,
+        # named as the chain's second MatMul (the last member may be an absorbed Transpose), placed at the last
+        named = next(graph.node[m] for m in reversed(members) if graph.node[m].op_type == "MatMul")
+        node = helper.make_node(OP_TYPE, inputs, [site.output], name=named.name, domain=DOMAIN,
                                 scale=float(site.scale), head_dim=int(site.head_dim),
-                                nan_to_zero=int(site.nan_to_zero))
+                                nan_to_zero=int(site.nan_to_zero), layout=int(site.layout))
         if bundles is not None:
             node.attribute.extend([helper.make_attribute("mask_rows", int(site.mask_rows)),
                                    helper.make_attribute("causal", int(site.causal)),
@@ -477,12 +626,22 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = [*before_node, node]
+        for t_out, mul_out in site.through:  # the Mul now scales the head split's Reshape output
+            t_node = graph.node[links.node(t_out, "attention node")[0]]
+            mul = next(n for n in graph.node if mul_out in n.output)
+            for i, x in enumerate(mul.input):
+                if x == t_out:
+                    mul.input[i] = t_node.input[0]
+            stale.add(mul_out)
     if not replace:
         return out, ()
     drop = claimed - set(replace)
     kept = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
     del graph.node[:]
     graph.node.extend(kept)
+    kept_info = [vi for vi in graph.value_info if vi.name not in stale]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
     _drop_unread(graph, before)
     graph.initializer.extend(new_initializers)
     out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)

@@ -69,10 +69,11 @@ class AttentionWorkload:
     seq_q: str
     seq_k: str
     batch: str
+    layout: int = 0  # the node's operand layouts (tuner.attention.LAYOUT_BITS), constexprs of its kernels
 
     def key(self) -> tuple:
         return (self.dtype, self.head_dim, self.has_mask, self.mask_rows, self.causal, self.nan_to_zero,
-                self.scale, self.rank, self.seq_q, self.seq_k, self.batch)
+                self.scale, self.rank, self.seq_q, self.seq_k, self.batch, self.layout)
 
     def dynamic(self) -> tuple[str, ...]:
         """The feature names whose expression is not a constant (the dispatch tree splits on these)."""
@@ -91,12 +92,17 @@ def attention_workload(site: "AttentionSite") -> AttentionWorkload:
     kernel_mask = site.mask is not None and not site.causal  # a causal mask is the kernels' causal mode
     return AttentionWorkload(site.dtype, site.head_dim, kernel_mask, kernel_mask and site.mask_rows, site.causal,
                              site.nan_to_zero, float(site.scale),
-                             site.rank, site.seq_q, site.seq_k, site.batch)
+                             site.rank, site.seq_q, site.seq_k, site.batch, site.layout)
 
 
 def attention_features(w: AttentionWorkload) -> tuple[Feature, ...]:
-    """The dispatch features as products of the node's input dims (Q [..., Tq, d], Kt [..., d, Tk])."""
-    terms = {"seq_q": ((0, -2),), "seq_k": ((1, -1),), "batch": tuple((0, d) for d in range(w.rank - 2))}
+    """The dispatch features as products of the node's input dims (Q [..., Tq, d], Kt [..., d, Tk]; with the
+    head-split layouts Q [B, Tq, H, d] and K [B, Tk, H, d])."""
+    from tuner.attention import LAYOUT_BITS
+
+    q_bshd, k_bshd = w.layout & LAYOUT_BITS["q"], w.layout & LAYOUT_BITS["k"]
+    terms = {"seq_q": ((0, -3),) if q_bshd else ((0, -2),), "seq_k": ((1, -3),) if k_bshd else ((1, -1),),
+             "batch": ((0, 0), (0, 2)) if q_bshd else tuple((0, d) for d in range(w.rank - 2))}
     return tuple(Feature(n, terms[n]) for n in w.dynamic())
 
 
@@ -205,7 +211,7 @@ def one_kernel_bundle(config: AttentionConfig, w: AttentionWorkload, target: str
     try:
         compiled = compile_attention(config, w.dtype, target, w.head_dim, scale=w.scale, has_mask=w.has_mask,
                                      mask_rows=w.mask_rows, causal=w.causal, nan_to_zero=w.nan_to_zero,
-                                     toolchain=toolchain, allow_tf32=allow_tf32)
+                                     toolchain=toolchain, allow_tf32=allow_tf32, layout=w.layout)
     except DietcodeError as exc:
         return f"compile error: {exc}"[:2000]
     return Bundle((), (BundleKernel.from_compiled([compiled]),), DispatchTree.single(0)).to_bytes()
@@ -218,7 +224,8 @@ def timing_family(w: AttentionWorkload, target: str) -> tuple["Family", str]:
 
     mask = "none" if not w.has_mask else "rows" if w.mask_rows else "row"
     return (Family("attention", w.dtype, target),
-            f"d={w.head_dim};mask={mask};causal={int(w.causal)};nan_to_zero={int(w.nan_to_zero)};scale={w.scale!r}")
+            f"d={w.head_dim};mask={mask};causal={int(w.causal)};nan_to_zero={int(w.nan_to_zero)};scale={w.scale!r}"
+            + (f";layout={w.layout}" if w.layout else ""))
 
 
 def timing_context(toolchain: Any, settings: Any) -> str:
@@ -401,7 +408,8 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
-                                w.nan_to_zero, chain, tuned.allow_tf32) for config in tuned.kernels for t in targets]
+                                w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout) for config in tuned.kernels
+                 for t in targets]
     # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
     results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
     kernels = []
@@ -438,7 +446,7 @@ def info_json(tuned: TunedAttention) -> str:
         "workload": {"op": "attention", "seq_q": w.seq_q, "seq_k": w.seq_k, "batch": w.batch,
                      "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
                      "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale,
-                     "precision": "tf32" if tuned.allow_tf32 else "ieee"},
+                     "precision": "tf32" if tuned.allow_tf32 else "ieee", "layout": w.layout},
         "kernels": [c.key() for c in tuned.kernels],
         "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
         "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,

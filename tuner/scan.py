@@ -742,11 +742,15 @@ def attention_report(path: str | Path) -> dict:
     """The attention chains ``optimize`` fuses by default (tuner/attention_graph.py), each with its mask kind
     (``causal``: the kernels' causal mode replaces a provably causal mask), and the Softmaxes left unfused with
     the reason."""
+    from tuner.attention import layout_text
     from tuner.attention_graph import find_attention
 
     found = find_attention(load_model(path, load_external_data=False), Path(path).parent)
     return {"fused": [{"output": s.output, "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
-                       "mask": "causal" if s.causal else "none" if s.mask is None else "additive"}
+                       "mask": "causal" if s.causal else "none" if s.mask is None else "additive",
+                       # the operands the node reads/writes as [B, S, H, d] (their Transposes absorbed) and why
+                       # a Transpose next to the chain stays
+                       "layout": layout_text(s.layout), "transposes_kept": list(s.layout_notes)}
                       for s in found.sites],
             "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped]}
 
@@ -759,10 +763,11 @@ def _print_attention(report: dict) -> None:
     console = Console(width=max(Console().width, 140))
     if report["fused"]:
         fused = Table(title=f"{len(report['fused'])} attention chains fused (ai.dietcode::Attention)")
-        for col in ("output", "dtype", "head_dim", "scale", "mask"):
+        for col in ("output", "dtype", "head_dim", "scale", "mask", "layout", "transposes kept"):
             fused.add_column(col, overflow="fold")
         for f in report["fused"]:
-            fused.add_row(Text(f["output"]), f["dtype"], str(f["head_dim"]), f"{f['scale']:.6g}", f["mask"])
+            fused.add_row(Text(f["output"]), f["dtype"], str(f["head_dim"]), f"{f['scale']:.6g}", f["mask"],
+                          f["layout"], Text("; ".join(f["transposes_kept"]) or "-"))
         console.print(fused)
     if report["unfused"]:
         unfused = Table(title=f"{len(report['unfused'])} attention chains left unfused")

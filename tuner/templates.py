@@ -266,7 +266,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
                      HAS_MASK: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                      NAN_TO_ZERO: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     Q_BSHD: tl.constexpr, K_BSHD: tl.constexpr, V_BSHD: tl.constexpr, O_BSHD: tl.constexpr):
     """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
     query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
     operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
@@ -276,17 +277,35 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32 statistics and
     accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q. A row
     with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
-    (torch's export: Where(IsNaN(P), 0, P))."""
+    (torch's export: Where(IsNaN(P), 0, P)).
+
+    Layouts (docs/abi.md "attention layouts"): Q_BSHD reads Q as [batch, seq_q, heads, HEAD_DIM] (the head
+    split's Reshape output before its Transpose), K_BSHD reads K as [batch, seq_k, heads, HEAD_DIM] (the
+    Reshape output before the Transpose that makes Kt; the kernel reads it transposed), V_BSHD V as [batch,
+    seq_k, heads, HEAD_DIM], O_BSHD writes out as [batch, seq_q, heads, HEAD_DIM] (the merge Reshape's input);
+    batch = z // heads. The head's base is int64, the offsets inside it int32 (rows of heads * HEAD_DIM: the
+    caller keeps seq * heads * HEAD_DIM below 2^31, dc_kernel_fit's check)."""
     pid_m = tl.program_id(0)
     z = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
-    q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = k + z * HEAD_DIM * seq_k
-    v_base = v + z * seq_k * HEAD_DIM
+    if Q_BSHD:  # [batch, seq_q, heads, d]: head h of batch b starts at (b * seq_q * heads + h) * d
+        q_tile = tl.load(q + ((z // heads) * seq_q * heads + z % heads) * HEAD_DIM
+                         + (offs_m[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
+                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if K_BSHD:
+        k_base = k + ((z // heads) * seq_k * heads + z % heads) * HEAD_DIM
+    else:
+        k_base = k + z * HEAD_DIM * seq_k
+    if V_BSHD:
+        v_base = v + ((z // heads) * seq_k * heads + z % heads) * HEAD_DIM
+    else:
+        v_base = v + z * seq_k * HEAD_DIM
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -296,8 +315,12 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seq_k
-        kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        if K_BSHD:  # Kt[d, n] = K[n, d], rows of heads * d elements (int32 offsets inside the head)
+            kt = tl.load(k_base + (offs_d[:, None] + offs_n[None, :] * (heads * HEAD_DIM)),
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION) * SCALE
         if HAS_MASK:
             # int64 base per (batch, head), int32 offsets inside it (the caller keeps them below 2^31)
@@ -317,14 +340,22 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if V_BSHD:
+            vt = tl.load(v_base + (offs_n[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     if NAN_TO_ZERO:
         acc = tl.where((l_i > 0.0)[:, None], acc, 0.0)
-    o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    if O_BSHD:
+        o_ptrs = (out + ((z // heads) * seq_q * heads + z % heads) * HEAD_DIM
+                  + (offs_m[:, None] * (heads * HEAD_DIM) + offs_d[None, :]))
+    else:
+        o_ptrs = out + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
