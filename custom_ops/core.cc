@@ -1244,18 +1244,30 @@ int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char
   return 0;
 }
 
-int dc_kernel_scratch_pointer(const dc_bundle* b, int32_t k, int32_t image, const dc_launch_args* args,
-                              uint64_t* pointer) {
-  if (b == nullptr || args == nullptr || pointer == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle / arguments / pointer or kernel id " + std::to_string(k) + " out of range");
-    return -1;
+// Kernel k of `b` if `image` names one of its images (-1: its PTX), else null with the error set.
+static const dietcode::Kernel* KernelImage(const dc_bundle* b, int32_t k, int32_t image) {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
+    return nullptr;
   }
   const dietcode::Kernel& kernel = b->kernels[k];
   if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
       (image == -1 && kernel.ptx.empty())) {
     SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));
+    return nullptr;
+  }
+  return &kernel;
+}
+
+int dc_kernel_scratch_pointer(const dc_bundle* b, int32_t k, int32_t image, const dc_launch_args* args,
+                              uint64_t* pointer) {
+  if (args == nullptr || pointer == nullptr) {
+    SetError("null arguments or pointer");
     return -1;
   }
+  const dietcode::Kernel* found = KernelImage(b, k, image);
+  if (found == nullptr) return -1;
+  const dietcode::Kernel& kernel = *found;
   std::string why;
   if (!dietcode::ScratchPointer(kernel, image, *args, pointer, &why)) {
     SetError("kernel '" + kernel.name + "': " + why);
@@ -1265,17 +1277,9 @@ int dc_kernel_scratch_pointer(const dc_bundle* b, int32_t k, int32_t image, cons
 }
 
 int dc_bundle_image_scratch(const dc_bundle* b, int32_t k, int32_t image, uint32_t* size, uint32_t* align) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
-  if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
-      (image == -1 && kernel.ptx.empty())) {
-    SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));
-    return -1;
-  }
-  const auto [bytes, alignment] = dietcode::ImageScratch(kernel, image);
+  const dietcode::Kernel* kernel = KernelImage(b, k, image);
+  if (kernel == nullptr) return -1;
+  const auto [bytes, alignment] = dietcode::ImageScratch(*kernel, image);
   if (size) *size = bytes;
   if (align) *align = alignment;
   return 0;

@@ -536,36 +536,16 @@ def _device_family(w: AttentionWorkload, store) -> tuple:
 
 def test_optimize_hands_its_database_to_attention_tuning(tmp_path: Path, monkeypatch) -> None:
     """optimize --db applies to attention as to GEMMs: tune_sites gets the database file."""
-    import models
-    from tuner import attention_tune
-    from tuner.optimize import OptimizeOptions, optimize
-
-    class Seen(Exception):
-        pass
-
-    def spy(*args, **kw):
-        raise Seen(kw.get("db"))
-
-    monkeypatch.setattr(attention_tune, "tune_sites", spy)
-    src = tmp_path / "bert.onnx"
-    models.save_model(models.build("bert", "tiny"), src)
-    with pytest.raises(Seen) as seen:
-        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
-                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
-                                                              cache_dir=tmp_path / "k", progress=False),
-                 log=lambda line: None)
-    assert seen.value.args == (tmp_path / "t.db",)
+    assert _what_optimize_hands_attention(tmp_path, monkeypatch, "db") == tmp_path / "t.db"
 
 
 def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: Path, monkeypatch) -> None:
     """The chosen attention configs are compile jobs of the executor (a Ray cluster's CPU tasks under --ray,
     as the GEMM kernels'): every config x target goes through it, and optimize hands tune_sites its own."""
-    import models
     from tuner import attention_tune
     from tuner.attention import AttentionCompileJob
     from tuner.attention_graph import AttentionSite
     from tuner.executor import LocalExecutor
-    from tuner.optimize import OptimizeOptions, optimize
 
     class Recording(LocalExecutor):
         jobs: list = []
@@ -585,22 +565,7 @@ def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: 
     assert len(executor.jobs) == 2 * len(kernels)
     assert {j.target for j in executor.jobs} == {"sm_80", "sm_90"}
     assert all(sorted(a for a, _ in k.images) == ["sm_80", "sm_90a"] for k in kernels)
-
-    class Seen(Exception):
-        pass
-
-    def spy(*args, **kw):
-        raise Seen(kw.get("executor"))
-
-    monkeypatch.setattr(attention_tune, "tune_sites", spy)
-    src = tmp_path / "bert.onnx"
-    models.save_model(models.build("bert", "tiny"), src)
-    with pytest.raises(Seen) as seen:
-        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
-                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
-                                                              cache_dir=tmp_path / "k", progress=False),
-                 log=lambda line: None)
-    assert isinstance(seen.value.args[0], LocalExecutor)
+    assert isinstance(_what_optimize_hands_attention(tmp_path, monkeypatch, "executor"), LocalExecutor)
 
 
 def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_attention() -> None:
@@ -632,3 +597,27 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
     bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
     with pytest.raises(DietcodeError, match="flags 128 invalid"):  # layout bit 4 lands past flags bit 6
         core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))
+
+
+def _what_optimize_hands_attention(tmp_path: Path, monkeypatch, keyword: str) -> object:
+    """Optimize tiny BERT (analytic, --db in tmp_path) and return the ``keyword`` argument optimize passes to
+    attention tuning (tune_sites is stopped there)."""
+    import models
+    from tuner import attention_tune
+    from tuner.optimize import OptimizeOptions, optimize
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, **kw):
+        raise Seen(kw.get(keyword))
+
+    monkeypatch.setattr(attention_tune, "tune_sites", spy)
+    src = tmp_path / "bert.onnx"
+    models.save_model(models.build("bert", "tiny"), src)
+    with pytest.raises(Seen) as seen:
+        optimize(src, tmp_path / "out.onnx", OptimizeOptions(dims=("batch=1:2", "seq=16:32:16"), budget=2,
+                                                              max_kernels=1, measure="analytic", db=tmp_path / "t.db",
+                                                              cache_dir=tmp_path / "k", progress=False),
+                 log=lambda line: None)
+    return seen.value.args[0]
