@@ -291,3 +291,24 @@ def test_the_launch_passes_the_scratch_past_the_split_k_part_aligned() -> None:
         assert bundle.scratch_pointer(0, -1, args) == 0  # the PTX records no scratch
     with pytest.raises(DietcodeError, match="has no image 1"):
         bundle.scratch_pointer(0, 1, args)
+
+
+@pytest.mark.parametrize("n, k, trans_b, tma", [("768", "768", False, True), ("768", "100", False, False),
+                                                 ("50257", "768", True, False), ("seq", "64", False, False)])
+def test_tma_configs_are_tuned_only_where_k_and_n_keep_tma_launchable(n: str, k: str, trans_b: bool,
+                                                                      tma: bool) -> None:
+    """A TMA kernel is compiled assuming K and N are multiples of 16 (aot.tma_div16): a workload whose K or N is
+    another constant, or symbolic, would run every (or some) call on the vendor path, so its candidates hold
+    no TMA config; the rest of the sm_90 space stays."""
+    from tuner.optimize import OptimizeOptions, candidate_space
+    from tuner.space import Family, enumerate_space
+    from tuner.workload import Workload
+
+    w = Workload(op="gemm", onnx_op="MatMul", nodes=("mm",), m="batch*seq", n=n, k=k, dtype="float16",
+                 symbols=("batch", "seq"), trans_b=trans_b)
+    space = candidate_space(w, OptimizeOptions(targets=("sm_90",)))
+    full = enumerate_space(Family("gemm", "float16", "sm_90"))
+    assert any(c.tma for c in space) is tma
+    assert [c for c in full if not c.tma] == [c for c in space if not c.tma]
+    # two targets: only configs both have, so no TMA (sm_80 has none)
+    assert not any(c.tma for c in candidate_space(w, OptimizeOptions(targets=("sm_90", "sm_80"))))

@@ -24,9 +24,11 @@ from tuner.workload import Problem, Workload
 if TYPE_CHECKING:
     import onnx
 
+    from tuner.space import MicroKernel
+
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport",
            "OptimizeReport", "features_for", "problem_features", "check_output", "merge_problems", "optimize",
-           "optimize_many", "output_paths", "make_executor"]
+           "optimize_many", "output_paths", "make_executor", "candidate_space"]
 
 
 @dataclass(frozen=True)
@@ -551,6 +553,20 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
     return measurer, label
 
 
+def candidate_space(w: Workload, options: OptimizeOptions) -> list[MicroKernel]:
+    """The configs ``w`` is tuned over: a bundle carries every kernel for every target, so only configs valid on
+    all of them (split-K takes every epilogue: the last split of a tile applies it); TMA configs only where the
+    workload's K and N are constant multiples of 16, which TMA's row strides need on every call (a TMA kernel is
+    compiled assuming them, aot.tma_div16: with another K or N every call would run the vendor path)."""
+    from tuner.space import enumerate_space
+
+    others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
+    space = [c for c in enumerate_space(_family(w, options.targets[0])) if all(c in other for other in others)]
+    if not {"K", "N"} <= set(_div16(w)):
+        space = [c for c in space if not c.tma]
+    return space
+
+
 def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeOptions,
           log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
     import numpy as np
@@ -558,7 +574,6 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     from tuner.dispatch import build_dispatch
     from tuner.hardware import get_profile
     from tuner.search import SearchOptions, tune_joint
-    from tuner.space import enumerate_space
     from tuner.workload import Instance
 
     if options.budget <= 0:
@@ -566,10 +581,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     family = _family(w, options.targets[0])
     profile = get_profile(options.targets[0])
     measurer, label = make_measurer(options, w, executor)
-    # a bundle carries every kernel for every target: only configs valid on all of them (split-K takes every
-    # epilogue: the last split of a tile applies it)
-    others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
-    space = [c for c in enumerate_space(family) if all(c in other for other in others)]
+    space = candidate_space(w, options)
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed,
                                       progress=options.progress and not (executor and executor.shows_progress)),
