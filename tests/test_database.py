@@ -209,3 +209,27 @@ def ReplayMeasurerDevice(path: Path) -> str:  # noqa: N802 (reads like the measu
     from tuner.measure import ReplayMeasurer
 
     return ReplayMeasurer(path).device_key()
+
+
+def test_busy_answers_sqlite_gives_without_waiting_are_retried(tmp_path):
+    """SQLite returns SQLITE_BUSY at once (no busy handler) in some two-process WAL cases, e.g. while the
+    other process switches a new file to WAL: such a step is retried until the timeout, other errors are not."""
+    db = Database(tmp_path / "m.db", timeout_s=2.0)
+    answers = [sqlite3.OperationalError("database is locked"), sqlite3.OperationalError("database is busy"), None]
+    calls = []
+
+    def step():
+        calls.append(1)
+        answer = answers[len(calls) - 1]
+        if answer is not None:
+            raise answer
+
+    db._retry_busy(step)
+    assert len(calls) == 3
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        db._retry_busy(lambda: (calls.append(1), db._conn.execute("SELECT * FROM nowhere")))
+    assert len(calls) == 4  # not retried
+    db.timeout_s = 0.05
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        db._retry_busy(lambda: (_ for _ in ()).throw(sqlite3.OperationalError("database is locked")))
+    db.close()

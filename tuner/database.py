@@ -66,14 +66,32 @@ class Database:
         if self.path.is_dir():
             raise DietcodeError(f"measurement database {self.path} is a folder; give --db a file path")
         writable_dir(self.path.parent, "measurement database", "--db FILE")
+        self.timeout_s = timeout_s
         try:
             self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._retry_busy(lambda: self._conn.execute("PRAGMA journal_mode=WAL"))
             self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(_SCHEMA)
+            self._retry_busy(lambda: self._conn.executescript(_SCHEMA))
             self._conn.execute("SELECT count(*) FROM measurements LIMIT 1").fetchone()
         except sqlite3.Error as exc:
             raise self._error(exc) from None
+
+    def _retry_busy(self, step: Callable[[], object]) -> None:
+        """Run ``step``, retrying while the file is busy for up to ``timeout_s``. SQLite's busy timeout does not
+        cover every case of two processes on one WAL file: a connection that finds another one switching the
+        new file to WAL, running recovery or holding a stale snapshot gets SQLITE_BUSY at once."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.01
+        while True:
+            try:
+                step()
+                return
+            except sqlite3.OperationalError as exc:
+                text = str(exc)
+                if ("locked" not in text and "busy" not in text) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     def _error(self, exc: sqlite3.Error) -> DietcodeError:
         text = str(exc)
@@ -128,10 +146,13 @@ class Database:
         fam = family_signature(family, context)
         rows = [(device, fam, *row_key(_config_key(c), p), r.seconds if math.isfinite(r.seconds) else None, r.error, now)
                 for (c, p), r in zip(pairs, results) if not r.transient]
-        try:
+        def write() -> None:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
                 self._conn.executemany("INSERT OR REPLACE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+
+        try:
+            self._retry_busy(write)
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
