@@ -554,6 +554,12 @@ class DietcodeKernel {
     // The workspace of a split-K kernel or of one with global scratch (TMA descriptors), from ORT's scratch
     // allocator on this stream; given back when `workspace`
     // goes out of scope, after the launch is enqueued (ScratchBuffer says why that is safe).
+    // a call the compiled kernel cannot take: warned once per reason, counted, run by the vendor path
+    auto fall_back = [&](int reason, const char* why) {
+      WarnOnce(reason, why);
+      dc_node_count_fallback(counter_, why);
+      VendorCuda(raw, in, shapes, n_in, residual, out, why);
+    };
     ScratchBuffer workspace;
     const int64_t workspace_bytes = dc_kernel_workspace_bytes(bundle_.get(), k, &args);
     if (workspace_bytes != 0) {
@@ -564,9 +570,7 @@ class DietcodeKernel {
         const std::string why = workspace_bytes < 0 ? std::string(dc_last_error())
                                                     : "no kernel workspace (" + std::to_string(workspace_bytes) +
                                                           " bytes): " + error;
-        WarnOnce(reason, why.c_str());
-        dc_node_count_fallback(counter_, why.c_str());
-        VendorCuda(raw, in, shapes, n_in, residual, out, why.c_str());
+        fall_back(reason, why.c_str());
         return;
       }
       args.workspace = workspace.address();
@@ -582,9 +586,7 @@ class DietcodeKernel {
     if (fit < 0) Throw(dc_last_error());
     char why[512];  // copied: the vendor path may set the core's message
     std::snprintf(why, sizeof(why), "%s", dc_last_error());
-    WarnOnce(fit, why);
-    dc_node_count_fallback(counter_, why);
-    VendorCuda(raw, in, shapes, n_in, residual, out, why);
+    fall_back(fit, why);
   }
 
   // NVIDIA_TF32_OVERRIDE=0 makes cuBLAS and cuDNN, hence ORT's own float32 kernels and the vendor path,
@@ -596,34 +598,32 @@ class DietcodeKernel {
     if (env == nullptr || std::string(env) != "0") return;
     for (int32_t k = 0; k < n_kernels_; ++k) {
       if (dc_bundle_kernel_tf32(bundle_.get(), k) != 1) continue;
-      const std::string text = where_ + ": NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS/cuDNN, but this node's "
-                               "compiled float32 kernels compute in TF32 (optimize with --fp32-precision ieee for "
-                               "exact float32 products)";
-      try {
-        ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
-      } catch (const Ort::Exception&) {
-      }
+      Warn(where_ + ": NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS/cuDNN, but this node's compiled float32 "
+           "kernels compute in TF32 (optimize with --fp32-precision ieee for exact float32 products)");
       return;
     }
   }
 
   // One warning per node for a note of the vendor path itself (kNote*), not per call.
   void NoteOnce(int note, const std::string& message) {
-    const uint32_t bit = 1u << (note & 31);
-    if (warned_.fetch_or(bit) & bit) return;
-    const std::string text = where_ + ": " + message + " (said once per node)";
-    try {
-      ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
-    } catch (const Ort::Exception&) {
-    }
+    if (FirstTime(note)) Warn(where_ + ": " + message + " (said once per node)");
   }
 
   // One warning per node and reason (a dc_kernel_fit code, or a code of this file above those), not per call.
   void WarnOnce(int reason, const char* message) {
-    const uint32_t bit = 1u << (reason & 31);
-    if (warned_.fetch_or(bit) & bit) return;
-    const std::string text = where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " +
-                             message + " (warned once per node and reason)";
+    if (!FirstTime(reason)) return;
+    Warn(where_ + ": runs the vendor path (cuBLAS/cuDNN) instead of the compiled kernel: " + message +
+         " (warned once per node and reason)");
+  }
+
+  // Whether `code` (a bit of warned_: a reason or a note) comes up for the first time on this node.
+  bool FirstTime(int code) {
+    const uint32_t bit = 1u << (code & 31);
+    return !(warned_.fetch_or(bit) & bit);
+  }
+
+  // A warning in ORT's log; a logger that fails does not fail the call.
+  void Warn(const std::string& text) {
     try {
       ORT_CXX_LOG(logger_, OrtLoggingLevel::ORT_LOGGING_LEVEL_WARNING, text.c_str());
     } catch (const Ort::Exception&) {
