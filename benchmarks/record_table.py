@@ -24,8 +24,10 @@ A documented sample when time is short: ``--budget-s S`` shares S seconds among 
 the time left over the sets left, so what one set leaves unused flows to the next) and measures a set's
 configs in a seeded random order until its share is spent (checked between groups); ``--max-configs N``
 caps each set at N configs; ``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs
-of the space were measured (``done``). ``--measure analytic`` (no GPU; rehearsals only) fills the table from
-the roofline model, the vendor rows with the roofline floor: never report its figures.
+of the space were measured (``done``) and what that cost (``cost``: wall seconds compiling, configs
+compiled, wall seconds timing, launches timed; the units of report_table.py's tuning-cost figure).
+``--measure analytic`` (no GPU; rehearsals only) fills the table from the roofline model, the vendor rows
+with the roofline floor: never report its figures.
 """
 from __future__ import annotations
 
@@ -240,7 +242,11 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             finally:
                 if isinstance(measurer, GpuMeasurer):
                     measurer.close()
-            meta["done"].append({"tag": s.tag, "configs": measured, "space": len(full)})
+            done: dict = {"tag": s.tag, "configs": measured, "space": len(full)}
+            if isinstance(measurer, GpuMeasurer):  # the tuning cost's units (report_table.py)
+                done["cost"] = {"compile_s": measurer.compile_seconds, "compiled": measurer.compiled,
+                                "timing_s": measurer.timing_seconds, "timed": measurer.timed}
+            meta["done"].append(done)
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return table
 

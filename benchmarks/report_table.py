@@ -9,6 +9,15 @@ Per workload (the table's ``family`` tag), against the vendor library's time on 
 - DietCode by replay: joint search with ``--budget`` measurements (``tuner.search.tune_joint`` on a
   ``ReplayMeasurer``), then the dispatcher (``tuner.dispatch.build_dispatch``, vendor leaves allowed):
   the dispatched kernels' geomean speed vs vendor, and their regret against the oracle.
+- the roofline fraction (dense and attention sets): per instance, min-time bound / measured time, where the
+  bound is max(2*M*N*K*batch / peak, bytes / bandwidth) with bytes = (M*K + K*N + M*N) * batch * 2 (fp16,
+  each operand moved once); the median over the instances with M >= 512, for the dispatched kernels and the
+  oracle. Peaks are the datasheet figures of the table's device (``DEVICE_PEAKS``; else ``--target``'s
+  profile), or ``--peak-tflops`` / ``--bandwidth-gbs``.
+- the tuning cost: the joint search's measurements and distinct configs against per-shape autotuning over
+  the same configs (every config on every instance, each config compiled once). With the recorder's cost
+  units in table.json beside the CSV (seconds per compiled config and per timed launch), the ratio of
+  compile-plus-measure seconds; else the ratio of measurements alone.
 Speeds are unweighted geometric means of vendor_seconds / seconds (> 1: faster than the vendor).
 """
 from __future__ import annotations
@@ -31,7 +40,15 @@ sys.path.insert(0, str(ROOT))
 from dietcode_ort.errors import DietcodeError  # noqa: E402
 from tuner.workload import Problem  # noqa: E402
 
-__all__ = ["TagTable", "load_table", "WorkloadFigures", "report", "main"]
+__all__ = ["TagTable", "load_table", "WorkloadFigures", "report", "main", "DEVICE_PEAKS", "Peaks", "CostUnits",
+           "device_peaks", "cost_units", "roofline_fraction"]
+
+# Dense fp16 tensor-core TFLOP/s and DRAM GB/s by device name (NVIDIA datasheets: H100 SXM5 989.4 and 3350,
+# H100 PCIe 756.5 and 2000, H100 NVL 835.5 and 3900, H200 989.4 and 4800; the sparse figures halved). The
+# first key contained in the table's device name wins, so the specific names come first.
+DEVICE_PEAKS = {"H100 PCIe": (756.5, 2000.0), "H100 NVL": (835.5, 3900.0), "H200": (989.4, 4800.0),
+                "H100": (989.4, 3350.0)}
+ROOFLINE_MIN_M = 512
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,83 @@ class WorkloadFigures:
     dispatched_vs_vendor: float | None = None
     dispatched_kernels: int | None = None
     regret: float | None = None
+    roofline_instances: int = 0  # instances with M >= ROOFLINE_MIN_M
+    roofline_dispatched: float | None = None  # median fraction of the bound there, dispatched kernels
+    roofline_oracle: float | None = None  # the same for the per-instance oracle
+    joint_measurements: int | None = None  # (config, instance) timings the joint search made
+    joint_configs: int | None = None  # distinct configs among them (each compiled once)
+    per_shape_measurements: int | None = None  # every config on every instance
+    tuning_cost_ratio: float | None = None  # joint / per-shape, in seconds where table.json has the units
+    tuning_cost_unit: str | None = None  # "seconds" or "measurements"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    tflops: float
+    bandwidth_gbs: float
+    source: str
+
+
+@dataclass(frozen=True)
+class CostUnits:
+    """The recorder's cost of one compiled config and one timed launch of a set (wall seconds)."""
+
+    compile_s: float
+    timing_s: float
+
+
+def device_peaks(table: Path, target: str, tflops: float | None = None, bandwidth_gbs: float | None = None
+                 ) -> Peaks:
+    """The roofline's peaks: the overrides, else the datasheet figures of table.json's device, else the
+    ``target`` profile's (tuner.hardware)."""
+    from tuner.hardware import get_profile
+
+    meta = _metadata(table)
+    device = str(meta.get("device", ""))
+    named = next(((key, v) for key, v in DEVICE_PEAKS.items() if key in device), None)
+    if named is not None:
+        base = Peaks(named[1][0], named[1][1], f"datasheet for {named[0]} ({device})")
+    else:
+        profile = get_profile(target)
+        base = Peaks(profile.fp16_tensor_tflops, profile.dram_bandwidth_gbs, f"profile {profile.name}")
+    if tflops is None and bandwidth_gbs is None:
+        return base
+    if (tflops is not None and not tflops > 0) or (bandwidth_gbs is not None and not bandwidth_gbs > 0):
+        raise DietcodeError(f"--peak-tflops and --bandwidth-gbs must be positive, got {tflops}, {bandwidth_gbs}")
+    return Peaks(tflops or base.tflops, bandwidth_gbs or base.bandwidth_gbs, "given")
+
+
+def roofline_fraction(p: Problem, seconds: float, peaks: Peaks) -> float:
+    """The min-time bound of ``p`` in fp16 over ``seconds`` (1.0: at the roof)."""
+    flops = 2.0 * p.m * p.n * p.k * p.batch
+    moved = 2.0 * (p.m * p.k + p.k * p.n + p.m * p.n) * p.batch
+    return max(flops / (peaks.tflops * 1e12), moved / (peaks.bandwidth_gbs * 1e9)) / seconds
+
+
+def _metadata(table: Path) -> dict:
+    """table.json beside the CSV (record_table.py), or {} when there is none or it is not JSON."""
+    try:
+        meta = json.loads((table.parent / "table.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def cost_units(table: Path) -> dict[str, CostUnits]:
+    """Per set tag, the recorder's cost units from table.json's ``done`` entries (runs appended to one
+    table add up); tags without them (an analytic rehearsal, an older table) are left out."""
+    totals: dict[str, list[float]] = {}
+    for done in _metadata(table).get("done", []):
+        cost = done.get("cost") if isinstance(done, dict) else None
+        if not isinstance(cost, dict):
+            continue
+        try:
+            values = [float(cost[k]) for k in ("compile_s", "compiled", "timing_s", "timed")]
+        except (KeyError, TypeError, ValueError):
+            continue
+        t = totals.setdefault(str(done.get("tag")), [0.0] * 4)
+        totals[str(done.get("tag"))] = [a + b for a, b in zip(t, values)]
+    return {tag: CostUnits(c / n, s / m) for tag, (c, n, s, m) in totals.items() if n > 0 and m > 0}
 
 
 def _geomean(x: np.ndarray) -> float:
@@ -132,18 +226,52 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
     oracle = np.minimum(t.times[[row[p] for p in result.problems]].min(axis=1), vendor)
     order = np.argsort([row[p] for p in result.problems])
     return replace(fig, search_trials=result.trials, dispatched_vs_vendor=_geomean(vendor / real),
-                   dispatched_kernels=len(dispatch.kernels), regret=_geomean(real / oracle)), real[order]
+                   dispatched_kernels=len(dispatch.kernels), regret=_geomean(real / oracle),
+                   joint_measurements=len(result.measurements),
+                   joint_configs=len({m.config for m in result.measurements})), real[order]
 
 
-def report(path: Path, *, target: str = "sm_90", budget: int = 512, seed: int = 0, plot: Path | None = None
-           ) -> list[WorkloadFigures]:
+def _roofline(t: TagTable, fig: WorkloadFigures, oracle: np.ndarray, dispatched: np.ndarray | None, peaks: Peaks
+              ) -> WorkloadFigures:
+    from dataclasses import replace
+
+    rows = [i for i, p in enumerate(t.problems) if p.m >= ROOFLINE_MIN_M]
+    if not rows:
+        return fig
+
+    def median(seconds: np.ndarray) -> float:
+        return float(np.median([roofline_fraction(t.problems[i], float(seconds[i]), peaks) for i in rows]))
+
+    return replace(fig, roofline_instances=len(rows), roofline_oracle=median(np.minimum(oracle, t.vendor)),
+                   roofline_dispatched=None if dispatched is None else median(dispatched))
+
+
+def _tuning_cost(t: TagTable, fig: WorkloadFigures, units: CostUnits | None) -> WorkloadFigures:
+    from dataclasses import replace
+
+    if fig.joint_measurements is None or fig.joint_configs is None:
+        return fig
+    configs, per_shape = len(t.configs), len(t.configs) * len(t.problems)
+    if units is None:
+        ratio, unit = fig.joint_measurements / per_shape, "measurements"
+    else:
+        joint = units.compile_s * fig.joint_configs + units.timing_s * fig.joint_measurements
+        ratio, unit = joint / (units.compile_s * configs + units.timing_s * per_shape), "seconds"
+    return replace(fig, per_shape_measurements=per_shape, tuning_cost_ratio=ratio, tuning_cost_unit=unit)
+
+
+def report(path: Path, *, target: str = "sm_90", budget: int = 512, seed: int = 0, plot: Path | None = None,
+           peaks: Peaks | None = None) -> list[WorkloadFigures]:
     tables = load_table(path)
+    peaks = peaks or device_peaks(path, target)
+    units = cost_units(path)
     figures, curves = [], {}
     for tag, t in sorted(tables.items()):
         fig, oracle = _figures(t)
         dispatched = None
         if not tag.startswith("conv"):  # conv rows lack the layer geometry a replay search needs
             fig, dispatched = _replay(path, t, fig, target, budget, seed)
+            fig = _tuning_cost(t, _roofline(t, fig, oracle, dispatched, peaks), units.get(tag))
         figures.append(fig)
         curves[tag] = (t, oracle, dispatched)
     if plot is not None:
@@ -190,6 +318,19 @@ def _print(figures: Sequence[WorkloadFigures]) -> None:
                       f"{fmt(f.best_single_vs_vendor)} ({f.best_single})", fmt(f.dispatched_vs_vendor),
                       fmt(f.dispatched_kernels, "d"), fmt(f.regret), fmt(f.search_trials, "d"))
     Console(width=160).print(table)
+    extra = Table(title=f"roofline (median fraction of the bound, M >= {ROOFLINE_MIN_M}) and tuning cost "
+                        "(joint search / per-shape autotuning over the same configs)")
+    for col in ("workload", "inst M>=512", "DietCode", "oracle", "joint meas.", "joint configs", "per-shape meas.",
+                "cost ratio"):
+        extra.add_column(col)
+    for f in figures:
+        if f.joint_measurements is None and not f.roofline_instances:
+            continue
+        ratio = "-" if f.tuning_cost_ratio is None else f"1/{1 / f.tuning_cost_ratio:.0f} ({f.tuning_cost_unit})"
+        extra.add_row(f.tag, str(f.roofline_instances), fmt(f.roofline_dispatched), fmt(f.roofline_oracle),
+                      fmt(f.joint_measurements, "d"), fmt(f.joint_configs, "d"), fmt(f.per_shape_measurements, "d"),
+                      ratio)
+    Console(width=160).print(extra)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,16 +341,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="PNG of speed vs M per workload")
     p.add_argument("--json", type=Path, help="write the figures as JSON")
+    p.add_argument("--peak-tflops", type=float, help="the roofline's fp16 tensor-core TFLOP/s (default: by device)")
+    p.add_argument("--bandwidth-gbs", type=float, help="the roofline's DRAM GB/s (default: by device)")
     args = p.parse_args(argv)
     try:
-        figures = report(args.table, target=args.target, budget=args.budget, seed=args.seed, plot=args.plot)
+        peaks = device_peaks(args.table, args.target, args.peak_tflops, args.bandwidth_gbs)
+        figures = report(args.table, target=args.target, budget=args.budget, seed=args.seed, plot=args.plot,
+                         peaks=peaks)
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _print(figures)
+    print(f"roofline peaks: {peaks.tflops} TFLOP/s fp16, {peaks.bandwidth_gbs} GB/s ({peaks.source})")
     if args.json:
-        args.json.write_text(json.dumps({"table": str(args.table), "figures": [asdict(f) for f in figures]},
-                                        indent=2) + "\n")
+        args.json.write_text(json.dumps({"table": str(args.table), "peaks": asdict(peaks),
+                                         "figures": [asdict(f) for f in figures]}, indent=2) + "\n")
     return 0
 
 

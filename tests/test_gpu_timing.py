@@ -109,11 +109,14 @@ def test_database_never_stores_transient_failures(tmp_path, monkeypatch):
         cached = CachingMeasurer(inner, db)
         first = cached.measure(family, pairs)
         assert first[0].ok and not first[1].ok and first[1].transient
+        # the cost the recorder reports (record_table's table.json): both configs compiled and timed
+        assert (inner.compiled, inner.timed) == (2, 2) and inner.compile_seconds > 0 and inner.timing_seconds > 0
         assert len(db.rows(inner.device_key(), family, inner.context())) == 1
         monkeypatch.setenv("DIETCODE_FAKE_TIMING", "{}")
         inner.close()  # the next child reads the new plan
         second = cached.measure(family, pairs)
     assert second[0].seconds == first[0].seconds and second[1].ok
+    assert (inner.compiled, inner.timed) == (3, 3)  # only the crashed pair again
     assert cached.hits == 1 and cached.misses == 3
 
 
@@ -245,7 +248,10 @@ def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
     qk = record_table.attention_sets(2)[:1]
     assert record_table.shipped_div16(qk[0]) == ("a", "b", "c", "K")
     table = record_table.record(qk, tmp_path / "out", max_configs=2, repeats=4)
-    timing = json.loads((tmp_path / "out" / "table.json").read_text())["timing"]
+    meta = json.loads((tmp_path / "out" / "table.json").read_text())
+    timing = meta["timing"]
+    cost = meta["done"][0]["cost"]  # report_table.py's tuning-cost units: 2 configs compiled, 2 x 2 launches timed
+    assert (cost["compiled"], cost["timed"]) == (2, 4) and cost["compile_s"] > 0 and cost["timing_s"] > 0
     assert timing["repeats"] == 4 and timing["warmup"] >= 1 and "AOT cubins" in timing["kernels"]
     rows = list(csv.DictReader(table.open()))
     timed = [r for r in rows if r["config"] != "vendor"]

@@ -124,3 +124,67 @@ def test_recorder_follows_the_fp32_precision(tmp_path):
     assert seconds["tf32"]["vendor"] == seconds["ieee"]["vendor"]
     configs = [c for c in seconds["tf32"] if c != "vendor"]
     assert configs and all(seconds["tf32"][c] < seconds["ieee"][c] for c in configs)
+
+
+def test_roofline_fraction_and_device_peaks(tmp_path):
+    """The bound is max(flops / peak, bytes / bandwidth); the peaks follow table.json's device name (the
+    specific names first), then --target's profile, and the overrides win."""
+    peaks = report_table.Peaks(1000.0, 2000.0, "given")
+    big, small = Problem(4096, 4096, 4096), Problem(1, 4096, 4096)
+    assert math.isclose(report_table.roofline_fraction(big, 2 * 4096 ** 3 / 1e15, peaks), 1.0)
+    moved = 2 * (4096 + 4096 * 4096 + 4096)
+    assert math.isclose(report_table.roofline_fraction(small, 2 * moved / 2e12, peaks), 0.5)
+    table = tmp_path / "table.csv"
+    profile = get_profile("sm_90")
+    assert report_table.device_peaks(table, "sm_90").tflops == profile.fp16_tensor_tflops
+    for device, want in (("NVIDIA H200", (989.4, 4800.0)), ("NVIDIA H100 PCIe", (756.5, 2000.0)),
+                         ("NVIDIA H100 80GB HBM3", (989.4, 3350.0))):
+        (tmp_path / "table.json").write_text(json.dumps({"device": device}))
+        got = report_table.device_peaks(table, "sm_90")
+        assert (got.tflops, got.bandwidth_gbs) == want and device in got.source
+    assert report_table.device_peaks(table, "sm_90", bandwidth_gbs=1.0).bandwidth_gbs == 1.0
+    with pytest.raises(report_table.DietcodeError, match="must be positive"):
+        report_table.device_peaks(table, "sm_90", tflops=-1.0)
+
+
+def test_roofline_medians_cover_large_m_only():
+    t = report_table.TagTable("dense-x", (Problem(16, 768, 768), Problem(512, 768, 768), Problem(1024, 768, 768)),
+                              ("a",), np.array([[1e-3], [2e-5], [4e-5]]), np.array([1e-3, 1e-5, 1e-4]))
+    peaks = report_table.Peaks(1000.0, 3000.0, "given")
+    fig, oracle = report_table._figures(t)
+    out = report_table._roofline(t, fig, oracle, np.array([1e-3, 2e-5, 5e-5]), peaks)
+    assert out.roofline_instances == 2
+    frac = lambda p, s: report_table.roofline_fraction(p, s, peaks)  # noqa: E731
+    # the oracle takes the vendor where it is faster (the vendor leaf)
+    assert math.isclose(out.roofline_oracle, np.median([frac(t.problems[1], 1e-5), frac(t.problems[2], 4e-5)]))
+    assert math.isclose(out.roofline_dispatched, np.median([frac(t.problems[1], 2e-5), frac(t.problems[2], 5e-5)]))
+
+
+def test_tuning_cost_uses_the_recorders_units(table, tmp_path):
+    """Without table.json the ratio counts measurements; with the recorder's cost units it weighs compiles
+    and timed launches in seconds (runs appended to one table add up)."""
+    plain = {f.tag: f for f in report_table.report(table, budget=64)}["dense-768x768"]
+    tables = report_table.load_table(table)
+    t = tables["dense-768x768"]
+    assert plain.per_shape_measurements == len(t.configs) * len(t.problems)
+    assert plain.tuning_cost_unit == "measurements"
+    assert math.isclose(plain.tuning_cost_ratio, plain.joint_measurements / plain.per_shape_measurements)
+    assert 0 < plain.joint_configs <= min(plain.joint_measurements, len(t.configs))
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    copy = folder / "table.csv"
+    copy.write_bytes(table.read_bytes())
+    done = [{"tag": "dense-768x768", "configs": 4, "cost": {"compile_s": 6.0, "compiled": 4, "timing_s": 0.5,
+                                                            "timed": 50}},
+            {"tag": "dense-768x768", "configs": 4, "cost": {"compile_s": 2.0, "compiled": 4, "timing_s": 0.5,
+                                                            "timed": 50}},
+            {"tag": "attention-qk", "configs": 4}]
+    (folder / "table.json").write_text(json.dumps({"device": "synthetic", "done": done}))
+    units = report_table.cost_units(copy)
+    assert set(units) == {"dense-768x768"} and units["dense-768x768"] == report_table.CostUnits(1.0, 0.01)
+    figs = {f.tag: f for f in report_table.report(copy, budget=64)}
+    f = figs["dense-768x768"]
+    want = (1.0 * f.joint_configs + 0.01 * f.joint_measurements) / (1.0 * len(t.configs) + 0.01 * f.per_shape_measurements)
+    assert f.tuning_cost_unit == "seconds" and math.isclose(f.tuning_cost_ratio, want)
+    assert figs["attention-qk"].tuning_cost_unit == "measurements"

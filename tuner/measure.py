@@ -290,6 +290,9 @@ class GpuMeasurer(Measurer):
         self._device = self._timer.device_key()  # DietcodeError without a driver or GPU
         self._torch: Any = None
         self._flush: Any = None
+        # what this measurer spent, for reports of the tuning cost (benchmarks/record_table.py): wall seconds
+        # compiling (``compiled`` configs, in parallel, cached ones included) and timing (``timed`` launches)
+        self.compile_seconds, self.compiled, self.timing_seconds, self.timed = 0.0, 0, 0.0, 0
 
     def device_key(self) -> str:
         return self._device
@@ -341,7 +344,11 @@ class GpuMeasurer(Measurer):
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
         from tuner.gpu_timing import TimingItem
 
-        built = self._compile(family, list(dict.fromkeys(c for c, _ in configs_and_problems)))
+        configs = list(dict.fromkeys(c for c, _ in configs_and_problems))
+        started = time.perf_counter()
+        built = self._compile(family, configs)
+        self.compile_seconds += time.perf_counter() - started
+        self.compiled += len(configs)
         out: list[MeasureResult | None] = [None] * len(configs_and_problems)
         items = []
         for i, (config, problem) in enumerate(configs_and_problems):
@@ -352,8 +359,11 @@ class GpuMeasurer(Measurer):
             items.append(TimingItem(i, config.key(), bundle, family.op, family.dtype, problem,
                                     bias=self.epilogue.bias, trans_b=self.trans_b, conv=self.conv,
                                     residual=self.epilogue.residual))
+        started = time.perf_counter()
         for item, result in zip(items, self._timer.time(items)):
             out[item.index] = result
+        self.timing_seconds += time.perf_counter() - started
+        self.timed += len(items)
         missing = [i for i, r in enumerate(out) if r is None]
         if missing:  # cannot happen: the timer answers every item
             raise DietcodeError(f"GpuMeasurer: {len(missing)} measurements came back without a result")
