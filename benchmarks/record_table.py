@@ -225,7 +225,7 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             writer.writerow(COLUMNS)
         for index, s in enumerate(sets):
             family = Family(s.op, s.dtype, target)
-            full = enumerate_space(family)  # every config, split-K too (it takes any epilogue)
+            full = enumerate_space(family, fp32_precision)  # every config, split-K too (it takes any epilogue)
             space = list(full)
             random.Random(seed).shuffle(space)  # a run cut off still covers the space evenly
             space = space[:max_configs] if max_configs else space

@@ -128,7 +128,7 @@ def _cmd_space(args: argparse.Namespace) -> int:
     if compile_:
         aot.ensure_cache_dir(cache_dir)
     return space.space_command(args.target, args.op, args.dtype, as_json=args.json, compile_=compile_,
-                               workers=args.workers, cache_dir=cache_dir)
+                               workers=args.workers, cache_dir=cache_dir, fp32_precision=args.fp32_precision)
 
 
 def _add_space(sub: argparse._SubParsersAction) -> None:
@@ -143,6 +143,9 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="GPU target: sm_80, sm_89 or sm_90")
     p.add_argument("--op", required=True, help="gemm, bmm or conv")
     p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
+    p.add_argument("--fp32-precision", choices=("tf32", "ieee"), default="tf32",
+                   help="how float32 dots are computed, as optimize's option: tf32 (default; tensor cores, so "
+                        "sm_90's float32 space gets the wgmma rule and TMA configs) or ieee (FMA units)")
     p.add_argument("--json", action="store_true",
                    help="print JSON instead of tables; shared_bytes are the compiled kernels' (each candidate is "
                         "compiled on demand and cached) unless --estimate is given")

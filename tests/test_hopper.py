@@ -81,6 +81,32 @@ def test_compiled_kernels_record_their_mma(tmp_path: Path) -> None:
     assert got == {("sm_90", 4): "wgmma", ("sm_90", 2): "mma.sync", ("sm_80", 4): "mma.sync"}
 
 
+def test_tf32_space_compiles_to_wgmma_on_sm90(tmp_path: Path) -> None:
+    """A real sm_90 AOT compile of configs of the float32 space in tf32 precision (optimize's default): the PTX
+    uses wgmma on tf32 operands exactly where ``wgmma_eligible`` says so: a warpgroup tile with pointer loads,
+    its TMA twin and a fifth-stage tile (which only the tf32 space holds), as B [K, N] and as B^T; the decode
+    tile the space keeps on mma.sync stays there."""
+    from tuner.aot import tma_div16
+    from tuner.space import enumerate_space
+
+    family = Family("gemm", "float32", "sm_90")
+    space = set(enumerate_space(family, "tf32"))
+    wg, decode = MicroKernel(64, 64, 32, 4, 3), MicroKernel(16, 64, 32, 2, 3)
+    cases = [(wg, False), (wg, True), (dataclasses.replace(wg, tma=1), False), (MicroKernel(64, 128, 32, 4, 5), False),
+             (decode, False)]
+    for config, trans_b in cases:
+        assert config in space, config.key()
+        kernel = compile_kernel(family, config, trans_b=trans_b, cache_dir=tmp_path, allow_tf32=True,
+                                div16=tma_div16("gemm") if config.tma else ())
+        wgmma = wgmma_eligible(config, "float32", H100, tf32=True)
+        assert kernel.mma == ("wgmma" if wgmma else "mma.sync"), (config.key(), trans_b, kernel.mma)
+        if wgmma:
+            assert "wgmma.mma_async" in kernel.ptx and ".tf32.tf32" in kernel.ptx, config.key()
+        if config.tma:
+            assert "cp.async.bulk.tensor" in kernel.ptx
+    assert not wgmma_eligible(decode, "float32", H100, tf32=True)
+
+
 def test_cost_model_tells_wgmma_kernels_apart() -> None:
     col = FEATURE_NAMES.index("wgmma")
     assert kernel_features([W4, W2], H100, "float16")[:, col].tolist() == [1.0, 0.0]
@@ -99,13 +125,16 @@ def test_cost_model_tells_wgmma_kernels_apart() -> None:
 
 
 def test_analytic_measurer_uses_the_mma_sync_rate() -> None:
-    # Its bytes count each tile's operand re-reads from DRAM, so at the H100's bandwidth every tile is memory
-    # bound; with ample bandwidth the compute term shows the mma.sync config at 2/3 of the wgmma rate.
+    # The compute term is the MMAs plus the loop's load issue (tuner/roofline.py); with ample bandwidth the call is
+    # compute bound, its MMA term shows the mma.sync config at 2/3 of the wgmma rate and the call is slower.
     big = Problem(4096, 4096, 4096)
     fast = dataclasses.replace(H100, dram_bandwidth_gbs=1e6)
-    w4, w2 = (r.seconds - 3e-6 for r in AnalyticMeasurer(fast, "float16").measure(
-        Family("gemm", "float16", "sm_90"), [(W4, big), (W2, big)]))
-    assert w2 == pytest.approx(w4 * 1.5)
+    m = AnalyticMeasurer(fast, "float16")
+    w4, w2 = (m.terms(c, big) for c in (W4, W2))
+    assert w4 is not None and w2 is not None
+    assert w2.mma == pytest.approx(w4.mma * 1.5)
+    slow, quick = (r.seconds for r in m.measure(Family("gemm", "float16", "sm_90"), [(W2, big), (W4, big)]))
+    assert slow > 1.4 * quick
     assert "mma.sync=" in AnalyticMeasurer(H100, "float16").device_key()
     assert "mma.sync" not in AnalyticMeasurer(A100, "float16").device_key()  # other targets' records stay valid
 

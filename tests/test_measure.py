@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import gzip
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,6 +90,89 @@ def test_analytic_measurer_is_a_roofline():
     assert "analytic" in m.device_key()
     space = enumerate_space(FAMILY)
     assert all(r.ok for r in m.measure(FAMILY, [(c, PROBLEMS[0]) for c in space[:20]]))
+
+
+def _analytic_best(family: Family, problem: Problem, tf32: bool = False) -> MicroKernel:
+    space = enumerate_space(family)
+    results = AnalyticMeasurer(get_profile(family.target), family.dtype, tf32=tf32).measure(
+        family, [(c, problem) for c in space])
+    return min(zip((r.seconds for r in results), space))[1]
+
+
+def test_analytic_choice_splits_k_only_where_few_tiles_fill_the_gpu():
+    """BERT-base fp16 on an H100: at M = 16 the 768-wide output makes 12 tiles of 64x64 (24 of 32x32) for 132
+    SMs, and a call on that few SMs gets their share of DRAM bandwidth only: splitting K (more programs, more
+    busy SMs) wins despite its fp32 workspace, its reduction and its counter memset. At M = 4096 the tiles fill
+    the GPU many times over and the split only adds traffic."""
+    decode = _analytic_best(FAMILY, Problem(16, 768, 768))
+    assert decode.split_k > 1, decode.key()
+    assert _analytic_best(FAMILY, Problem(4096, 3072, 768)).split_k == 1
+    m = AnalyticMeasurer(H100, "float16")
+    split, whole = m.terms(decode, Problem(16, 768, 768)), m.terms(replace(decode, split_k=1), Problem(16, 768, 768))
+    assert split is not None and whole is not None
+    assert split.busy_sms == decode.split_k * whole.busy_sms <= H100.num_sms and split.seconds < whole.seconds
+
+
+def test_analytic_split_k_pays_workspace_reduction_and_memset():
+    from tuner.roofline import LAUNCH_SECONDS, MEMSET_SECONDS, SM_BANDWIDTH_FACTOR
+
+    m = AnalyticMeasurer(H100, "float16")
+    problem = Problem(16, 768, 3072)
+    base, split = MicroKernel(16, 64, 64, 2, 3), MicroKernel(16, 64, 64, 2, 3, split_k=8)
+    t1, t8 = m.terms(base, problem), m.terms(split, problem)
+    assert t1 is not None and t8 is not None
+    assert (t1.programs, t8.programs, t1.k_steps, t8.k_steps) == (12, 96, 48, 6)
+    bandwidth = H100.dram_bandwidth_gbs * 1e9
+    cap = SM_BANDWIDTH_FACTOR * bandwidth / H100.num_sms
+    operands = (16 * 3072 + 3072 * 768 + 16 * 768) * 2
+    assert t1.dram == pytest.approx(operands / bandwidth)
+    workspace = 2 * 12 * 8 * 16 * 64 * 4  # each split writes its fp32 partial, the last split reads all 8
+    assert t8.dram == pytest.approx((operands + workspace) / bandwidth)
+    assert t1.reduce == 0 and t8.reduce == pytest.approx((8 * 16 * 64 * 4 + 16 * 64 * 2) / cap)
+    assert (t1.launch, t8.launch) == (LAUNCH_SECONDS, LAUNCH_SECONDS + MEMSET_SECONDS)
+    assert MEMSET_SECONDS < LAUNCH_SECONDS  # the counters' memset is a stream command, not another launch
+    # 12 busy SMs pull at most 12 per-SM shares: the unsplit call's loads take their time at that rate
+    assert t1.sm_memory == pytest.approx((48 * (16 + 64) * 64 * 2 + 16 * 64 * 2) / cap)
+    assert t1.sm_memory > t1.dram * 5
+
+
+def test_analytic_time_is_monotone_in_m():
+    m = AnalyticMeasurer(H100, "float16")
+    sizes = list(range(1, 300, 5)) + [512, 1000, 2048, 4096, 8192]
+    for config in enumerate_space(FAMILY)[::9]:
+        for n, k, batch in ((768, 768, 1), (3072, 768, 1), (64, 64, 12)):
+            times = [r.seconds for r in m.measure(FAMILY, [(config, Problem(x, n, k, batch)) for x in sizes])]
+            assert all(b >= a for a, b in zip(times, times[1:])), (config.key(), n, k, batch)
+
+
+def test_tma_twins_are_modestly_faster_on_sm90_and_absent_on_sm80():
+    m = AnalyticMeasurer(H100, "float16")
+    twins = [c for c in enumerate_space(FAMILY) if c.tma]
+    assert twins
+    for problem in (Problem(16, 768, 768), Problem(512, 768, 768), Problem(4096, 3072, 768)):
+        pairs = [(p, problem) for c in twins for p in (replace(c, tma=0), c)]
+        times = [r.seconds for r in m.measure(FAMILY, pairs)]
+        for base, twin in zip(times[::2], times[1::2]):
+            assert twin <= base
+    big = Problem(4096, 3072, 768)
+    config = MicroKernel(128, 256, 64, 8, 3)
+    base, twin = (m.terms(c, big) for c in (config, replace(config, tma=1)))
+    assert base is not None and twin is not None
+    assert twin.issue < base.issue and 0.95 * base.seconds < twin.seconds < base.seconds  # modest
+    # sm_80 has no TMA: the space offers none and the model gives a tma config no advantage there
+    a100 = get_profile("sm_80")
+    assert not any(c.tma for c in enumerate_space(Family("gemm", "float16", "sm_80")))
+    am = AnalyticMeasurer(a100, "float16")
+    assert [r.seconds for r in am.measure(Family("gemm", "float16", "sm_80"), [(config, big), (replace(config, tma=1), big)])] \
+        == [am.measure(Family("gemm", "float16", "sm_80"), [(config, big)])[0].seconds] * 2
+
+
+def test_analytic_device_key_names_the_model_version():
+    """Answers of an older analytic model in a tuning database are never reused by this one."""
+    from tuner.roofline import MODEL_VERSION
+
+    assert f"analytic-v{MODEL_VERSION}:" in AnalyticMeasurer(H100, "float16").device_key()
+    assert MODEL_VERSION >= 2
 
 
 def test_gpu_measurer_refuses_without_cuda():

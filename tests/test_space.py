@@ -35,7 +35,8 @@ def _workload(instances: tuple[Instance, ...]) -> Workload:
 
 
 def test_space_does_not_depend_on_shapes() -> None:
-    assert list(inspect.signature(enumerate_space).parameters) == ["family"]
+    # the family and the float32 precision (which shapes the float32 spaces), never a shape
+    assert list(inspect.signature(enumerate_space).parameters) == ["family", "fp32_precision"]
     small = _workload((Instance.of({"batch": 1, "seq": 1}), Instance.of({"batch": 1, "seq": 7})))
     large = _workload(tuple(Instance.of({"batch": b, "seq": s}) for b in (8, 32) for s in (128, 512)))
     assert small.problems() != large.problems()
@@ -51,7 +52,8 @@ def test_pruning_counts_add_up_and_respect_limits(family: Family) -> None:
     assert report["total"] == math.prod(len(v) for v in axes_for(get_profile(family.target)).values())
     assert sum(report[rule] for rule in RULES) + report["kept"] == report["total"]
     assert report["kept"] == len(configs)
-    assert 80 <= len(configs) <= 1100  # explorable: about a hundred (16-bit conv) to hundreds (sm_90 16-bit gemm: 1007 with its TMA twins)
+    assert 80 <= len(configs) <= 1200  # explorable: about a hundred (16-bit conv) to hundreds (sm_90 16-bit gemm: 1007
+    # with its TMA twins; sm_90 float32 gemm in tf32, the default precision: 1109)
     p = get_profile(family.target)
     for c in configs:
         assert c.threads <= p.max_threads_per_block
@@ -95,11 +97,14 @@ def test_limits_shape_the_space() -> None:
 
 
 def test_docstring_sizes_are_measured() -> None:
-    rows = re.findall(r"^\s+(sm_\d+)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)$", space.__doc__ or "", re.M)
+    rows = re.findall(r"^\s+(sm_\d+)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", space.__doc__ or "", re.M)
     assert len(rows) == 9
+    columns = (("float32", "tf32"), ("float32", "ieee"), ("float16", "tf32"), ("bfloat16", "tf32"))
     for target, op, *sizes in rows:
-        for dtype, size in zip(("float32", "float16", "bfloat16"), sizes):
-            assert len(enumerate_space(Family(op, dtype, target))) == int(size), (target, op, dtype)
+        for (dtype, precision), size in zip(columns, sizes):
+            assert len(enumerate_space(Family(op, dtype, target), precision)) == int(size), (target, op, dtype, precision)
+    assert enumerate_space(Family("gemm", "float32", "sm_90")) == enumerate_space(Family("gemm", "float32", "sm_90"),
+                                                                                  "tf32")  # optimize's default
 
 
 def test_validate_names_allowed_values() -> None:
@@ -172,7 +177,7 @@ def test_space_command_json_compiles_on_demand(capsys: pytest.CaptureFixture[str
 
     family = Family("gemm", "float16", "sm_90")
     sample = enumerate_space(family)[:2]
-    monkeypatch.setattr(space_mod, "enumerate_space", lambda f: list(sample))  # keep the compile short
+    monkeypatch.setattr(space_mod, "enumerate_space", lambda f, precision="tf32": list(sample))  # a short compile
     assert main(["space", "--target", "sm_90", "--op", "gemm", "--json", "--cache-dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["shared_source"] == "compiled"
@@ -199,29 +204,75 @@ def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
 
 def test_only_sm90_has_the_wgmma_rule_and_fifth_stage() -> None:
     """Hopper's extra stage and its wgmma rule leave the other targets' axes and spaces as they were
-    (the docstring table pins their sizes) and leave sm_90's float32 space without a fifth stage."""
+    (the docstring table pins their sizes) and leave sm_90's ieee float32 space without a fifth stage."""
     for target in ("sm_80", "sm_89"):
         assert axes_for(get_profile(target)) == AXES
-        for op, dtype in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16")):
-            assert prune_report(Family(op, dtype, target))["wgmma"] == 0
+        for op, dtype, precision in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16"),
+                                                      ("tf32", "ieee")):
+            assert prune_report(Family(op, dtype, target), precision)["wgmma"] == 0
+            assert enumerate_space(Family(op, dtype, target), precision) == enumerate_space(Family(op, dtype, target))
     assert axes_for(get_profile("sm_90"))["num_stages"] == (2, 3, 4, 5)
-    assert all(c.num_stages <= 4 for c in enumerate_space(Family("gemm", "float32", "sm_90")))
+    assert all(c.num_stages <= 4 for c in enumerate_space(Family("gemm", "float32", "sm_90"), "ieee"))
 
 
 def test_only_sm90_has_the_tma_axis() -> None:
-    """TMA configs exist on sm_90 only, for wgmma gemm / bmm configs of 16-bit types (the ``tma`` rule); the
-    other targets' axes keep tma = 0 only, so their spaces and keys are unchanged."""
+    """TMA configs exist on sm_90 only, for wgmma gemm / bmm configs of 16-bit types and of float32 in tf32
+    precision (the ``tma`` rule); the other targets' axes keep tma = 0 only, so their spaces and keys are
+    unchanged, and ieee float32 (no tensor cores) has none."""
     for target in ("sm_80", "sm_89"):
         assert axes_for(get_profile(target))["tma"] == (0,)
         for op, dtype in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16")):
             assert prune_report(Family(op, dtype, target))["tma"] == 0
     assert axes_for(get_profile("sm_90"))["tma"] == (0, 1)
     profile = get_profile("sm_90")
-    for op, dtype in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16")):
-        tma = [c for c in enumerate_space(Family(op, dtype, "sm_90")) if c.tma]
-        assert all(wgmma_eligible(c, dtype, profile) for c in tma)
-        assert bool(tma) == (op != "conv" and dtype != "float32"), (op, dtype)
+    for op, dtype, precision in itertools.product(("gemm", "bmm", "conv"), ("float32", "float16", "bfloat16"),
+                                                  ("tf32", "ieee")):
+        tf32 = dtype == "float32" and precision == "tf32"
+        tma = [c for c in enumerate_space(Family(op, dtype, "sm_90"), precision) if c.tma]
+        assert all(wgmma_eligible(c, dtype, profile, tf32=tf32) for c in tma)
+        assert bool(tma) == (op != "conv" and (dtype != "float32" or tf32)), (op, dtype, precision)
         assert all(c.key().endswith("t") for c in tma)
+
+
+def test_sm90_float32_space_follows_the_precision() -> None:
+    """tf32 dots use wgmma on sm_90 (``wgmma_eligible``), so the tf32 float32 space gets the 16-bit spaces'
+    rules: mma.sync configs only as decode tiles, the fifth stage and a TMA twin for wgmma configs; the ieee
+    space is today's (FMA units: no wgmma pruning, no TMA). Checked against the compiled PTX in
+    test_tf32_space_compiles_to_wgmma_on_sm90 (tests/test_hopper.py)."""
+    profile = get_profile("sm_90")
+    family = Family("gemm", "float32", "sm_90")
+    tf32, ieee = enumerate_space(family, "tf32"), enumerate_space(family, "ieee")
+    for c in tf32:
+        assert wgmma_eligible(c, "float32", profile, tf32=True) or (c.block_m <= 32 and c.num_stages <= 4), c.key()
+    wgmma = {c for c in tf32 if not c.tma and wgmma_eligible(c, "float32", profile, tf32=True)}
+    assert {replace_tma(c) for c in tf32 if c.tma} == wgmma and len(wgmma) == 319
+    assert any(c.num_stages == 5 for c in wgmma)
+    assert not any(c.tma or c.num_stages == 5 for c in ieee)
+    assert MicroKernel(64, 64, 32, 2, 3) in ieee and MicroKernel(64, 64, 32, 2, 3) not in tf32  # mma.sync, 64 rows
+    validate(family, MicroKernel(64, 64, 32, 4, 3, tma=1))
+    with pytest.raises(DietcodeError, match=r"float32/sm_90 \(ieee\) space by rule 'tma'"):
+        validate(family, MicroKernel(64, 64, 32, 4, 3, tma=1), "ieee")
+    with pytest.raises(DietcodeError, match=r"\(tf32\) space by rule 'wgmma'"):
+        validate(family, MicroKernel(64, 64, 32, 2, 3))
+    with pytest.raises(DietcodeError, match="allowed: tf32, ieee"):
+        enumerate_space(family, "fp32")
+
+
+def replace_tma(config: MicroKernel) -> MicroKernel:
+    return dataclasses.replace(config, tma=0)
+
+
+def test_space_command_takes_the_fp32_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    for precision, size in (("tf32", 1109), ("ieee", 811)):
+        assert main(["space", "--target", "sm_90", "--op", "gemm", "--dtype", "float32", "--json", "--estimate",
+                     "--fp32-precision", precision]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["fp32_precision"] == precision and len(out["configs"]) == size
+    assert main(["space", "--target", "sm_90", "--op", "gemm", "--dtype", "float32"]) == 0
+    text = capsys.readouterr().out
+    assert "float32 (tf32 dots)" in text and "1109 of 9600" in text
+    with pytest.raises(SystemExit):
+        main(["space", "--target", "sm_90", "--op", "gemm", "--fp32-precision", "fp64"])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

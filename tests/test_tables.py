@@ -122,8 +122,22 @@ def test_recorder_follows_the_fp32_precision(tmp_path):
         seconds[precision] = {r["config"]: float(r["seconds"]) for r in rows}
         assert json.loads((out / "table.json").read_text())["fp32_precision"] == precision
     assert seconds["tf32"]["vendor"] == seconds["ieee"]["vendor"]
-    configs = [c for c in seconds["tf32"] if c != "vendor"]
-    assert configs and all(seconds["tf32"][c] < seconds["ieee"][c] for c in configs)
+    # each precision records configs of its own space (tuner.space: sm_90's tf32 space has wgmma / TMA configs
+    # the ieee one lacks), so compare a config's recorded TF32 time with its ieee time from the same model
+    from tuner.hardware import get_profile
+    from tuner.measure import AnalyticMeasurer
+    from tuner.space import Family, MicroKernel, enumerate_space
+
+    family = Family("gemm", "float32", "sm_90")
+    for precision, tf32 in (("tf32", True), ("ieee", False)):
+        configs = [MicroKernel.from_key(c) for c in seconds[precision] if c != "vendor"]
+        assert configs and set(configs) <= set(enumerate_space(family, precision))
+        same, other = (AnalyticMeasurer(get_profile("sm_90"), "float32", tf32=t) for t in (tf32, not tf32))
+        for config in configs:  # the MMAs run at the TF32 rate; a memory-bound call takes as long either way
+            mine, theirs = same.terms(config, s.problems[0]), other.terms(config, s.problems[0])
+            assert mine is not None and theirs is not None and seconds[precision][config.key()] == mine.seconds
+            assert (mine.mma < theirs.mma) is tf32
+            assert mine.seconds <= theirs.seconds if tf32 else mine.seconds >= theirs.seconds
 
 
 def test_roofline_fraction_and_device_peaks(tmp_path):

@@ -214,3 +214,20 @@ def test_attention_kernels_follow_the_precision(tmp_path):
         for timer in list(gpu_timing._SHARED.values()):
             timer.close()
     assert contexts[True] == contexts[False] + ";dot=tf32"
+
+
+def test_candidate_space_follows_the_fp32_precision():
+    """optimize tunes a float32 workload over the space of its --fp32-precision: on sm_90, tf32 dots get the
+    wgmma configs' TMA twins and fifth stage (K and N multiples of 16 here), ieee dots today's FMA space."""
+    from tuner.optimize import OptimizeOptions, candidate_space
+    from tuner.space import enumerate_space
+    from tuner.workload import Workload
+
+    w = Workload(op="gemm", onnx_op="MatMul", nodes=("mm",), m="batch*seq", n="768", k="768", dtype="float32",
+                 symbols=("batch", "seq"))
+    tf32 = candidate_space(w, OptimizeOptions(targets=("sm_90",)))
+    ieee = candidate_space(w, OptimizeOptions(targets=("sm_90",), fp32_precision="ieee"))
+    family = Family("gemm", "float32", "sm_90")
+    assert tf32 == enumerate_space(family, "tf32") and ieee == enumerate_space(family, "ieee")
+    assert any(c.tma for c in tf32) and any(c.num_stages == 5 for c in tf32)
+    assert not any(c.tma or c.num_stages == 5 for c in ieee)

@@ -60,7 +60,8 @@ def test_only_sm90_wgmma_gemm_and_bmm_configs_get_tma() -> None:
             assert {MicroKernel(**{**c.to_dict(), "tma": 0}) for c in tma} == {c for c in plain
                                                                              if wgmma_eligible(c, dtype, h100)}
             assert len(tma) == 294 and len(space) == 1007
-        assert not any(c.tma for c in enumerate_space(Family(op, "float32", "sm_90")))  # ieee: no wgmma
+        assert not any(c.tma for c in enumerate_space(Family(op, "float32", "sm_90"), "ieee"))  # ieee: no wgmma
+        assert any(c.tma for c in enumerate_space(Family(op, "float32", "sm_90"), "tf32"))  # tf32 dots use wgmma
     assert not any(c.tma for c in enumerate_space(Family("conv", "float16", "sm_90")))
     assert prune_report(Family("conv", "float16", "sm_90"))["tma"] > 0
     with pytest.raises(DietcodeError, match="tma=1 is outside the space"):

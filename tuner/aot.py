@@ -45,7 +45,8 @@ from dietcode_ort.bundle import LIMITS
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import MMA_KINDS, ptx_mma, ptx_mma_shapes
 from tuner import templates
-from tuner.space import Family, MicroKernel, check_family
+from tuner.space import (DEFAULT_FP32_PRECISION, FP32_PRECISIONS, Family, MicroKernel, check_family,
+                         check_fp32_precision, uses_tf32)
 from tuner.workload import ConvParams, Epilogue
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
@@ -57,29 +58,10 @@ GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, 
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
-# How float32 dots are computed: "tf32" (tensor cores, operands rounded to TF32) or "ieee" (FMA units, exact
-# float32 products). ONNX Runtime's CUDA EP computes float32 MatMul/Gemm (cuBLAS) and Conv (cuDNN) in TF32
-# unless its provider option use_tf32 is 0: TF32 was already its default (microsoft/onnxruntime issue #15407,
-# 2023), and the option to turn it off came with ONNX Runtime 1.18 (PRs #19357 for GEMMs, #19426 for Conv),
-# default 1: `bool use_tf32{true}` in onnxruntime/core/providers/cuda/cuda_execution_provider_info.h. The tuned
-# kernels follow the same default.
-FP32_PRECISIONS: tuple[str, ...] = ("tf32", "ieee")
-DEFAULT_FP32_PRECISION = "tf32"
+# How float32 dots are computed (FP32_PRECISIONS, DEFAULT_FP32_PRECISION, check_fp32_precision, uses_tf32): the
+# precision shapes the float32 search space too, so tuner.space owns them (and says why tf32 is the default).
 _FORMAT = 4  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
 # 4: split-K takes a workspace, no zero_output)
-
-
-def check_fp32_precision(precision: str) -> str:
-    """``precision`` when it is one of FP32_PRECISIONS, else a DietcodeError naming the allowed values."""
-    if precision not in FP32_PRECISIONS:
-        raise DietcodeError(f"unknown float32 precision {precision!r}; allowed: {', '.join(FP32_PRECISIONS)}")
-    return precision
-
-
-def uses_tf32(dtype: str, precision: str) -> bool:
-    """Whether a ``dtype`` kernel is compiled with TF32 dots (``allow_tf32``) under ``precision``: float32
-    kernels in "tf32" precision; 16-bit kernels use their own tensor-core type either way."""
-    return dtype == "float32" and check_fp32_precision(precision) == "tf32"
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -52,6 +52,14 @@ class HardwareProfile:
     mma_sync_fraction: float = 1.0  # share of fp16_tensor_tflops a warp-level mma.sync kernel can reach
     smem_reserved_per_block: int = 1 * KIB  # [CG] 16.6/16.7: 1 KB of shared memory per block is reserved
     reg_alloc_unit: int = 256  # [CG] register allocation unit size (per warp), cc 8.x and 9.0
+    # dense fp16 tensor-core FLOP per clock per SM: with num_sms and fp16_tensor_tflops it gives the clock the
+    # datasheet peak is quoted at (``tensor_clock_hz``), which turns instruction-issue cycles into seconds
+    fp16_flops_per_clk_sm: int = 2048
+
+    @property
+    def tensor_clock_hz(self) -> float:
+        """The SM clock the dense fp16 tensor peak is quoted at: peak / (SMs x FLOP per clock per SM)."""
+        return self.fp16_tensor_tflops * 1e12 / (self.num_sms * self.fp16_flops_per_clk_sm)
 
     def limits(self) -> dict[str, int]:
         """The integer limits the space is pruned by, for reports and JSON."""
@@ -80,6 +88,8 @@ PROFILES: dict[str, HardwareProfile] = {
         fp16_tensor_tflops=312.0,  # [A100] datasheet: FP16/BF16 Tensor Core 312 TFLOPS (dense)
         tf32_tensor_tflops=156.0,  # [A100] datasheet: TF32 Tensor Core 156 TFLOPS (dense)
         fp32_tflops=19.5,  # [A100] datasheet: FP32 19.5 TFLOPS
+        # [A100] whitepaper: 4 tensor cores per SM x 256 dense FP16 FMA per clock; 312 TFLOPS at 1,410 MHz
+        fp16_flops_per_clk_sm=2048,
     ),
     "sm_89": HardwareProfile(
         name="NVIDIA L4",
@@ -99,6 +109,9 @@ PROFILES: dict[str, HardwareProfile] = {
         fp16_tensor_tflops=121.0,  # [L4] datasheet: FP16/BF16 Tensor Core 242 TFLOPS with sparsity
         tf32_tensor_tflops=60.0,  # [L4] datasheet: TF32 Tensor Core 120 TFLOPS with sparsity
         fp32_tflops=30.3,  # [L4] datasheet: FP32 30.3 TFLOPS
+        # Ada's tensor cores run half the A100's dense FP16 rate per SM: 121 TFLOPS over 58 SMs is 1,024 FLOP
+        # per clock per SM at the L4's 2,040 MHz boost clock
+        fp16_flops_per_clk_sm=1024,
     ),
     "sm_90": HardwareProfile(
         name="NVIDIA H100 SXM5",
@@ -123,6 +136,9 @@ PROFILES: dict[str, HardwareProfile] = {
         # peak (it cites the microbenchmarks of [Luo]); the profile keeps one fp16 peak and scales it for
         # configs Triton lowers to mma.sync (cost_model.config_peak_flops).
         mma_sync_fraction=2 / 3,
+        # [H100] whitepaper: twice the A100's dense MMA rate per SM, clock for clock; 989.4 TFLOPS over 132 SMs
+        # is 4,096 FLOP per clock per SM at the 1,830 MHz boost clock its table 3 gives for tensor-core work
+        fp16_flops_per_clk_sm=4096,
     ),
 }
 

@@ -11,7 +11,7 @@ tuning run.
   conv2d on the same problems, with TF32 for float32 as ONNX Runtime's CUDA EP uses it
   (``ORT_CUDA_USES_TF32``).
 - ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
-- ``AnalyticMeasurer`` needs no hardware: a roofline estimate scaled by f_adapt.
+- ``AnalyticMeasurer`` needs no hardware: a roofline with occupancy (``tuner.roofline``).
 
 ``MeasurerSpec`` names a measurer without building it (a small picklable value), so a measurer can be
 built where the batch runs: in this process, or on a cluster worker with the GPU (tuner.distributed).
@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.space import DTYPE_BYTES, Family, MicroKernel
+from tuner.space import Family, MicroKernel
 from tuner.workload import ConvParams, Epilogue, Problem
 
 if TYPE_CHECKING:
     from tuner.aot import CompileToolchain
+    from tuner.roofline import RooflineTerms
 
 __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
            "problem_key", "VENDOR_KEY"]
@@ -203,46 +204,46 @@ class ReplayMeasurer(Measurer):
 
 
 class AnalyticMeasurer(Measurer):
-    """No hardware: seconds = max(padded FLOPs / peak, bytes / bandwidth) / occupancy + 3 us launch.
-
-    The compute term is ``useful FLOPs / (peak x f_adapt)`` (f_adapt covers padding and waves; the peak is
-    the config's, ``cost_model.config_peak_flops``: sm_90's mma.sync configs run below its wgmma rate); bytes
-    count A re-read once per tile column and B once per tile row, plus C. It ranks tiles sensibly but
-    knows nothing of the real kernel's efficiency: use it on machines without a GPU, never to report speed.
-    ``tf32``: float32 kernels run their dots in TF32 on the tensor cores (the peak is the TF32 rate), and the
-    database keeps those answers apart (``context``).
+    """No hardware: a roofline with occupancy (``tuner.roofline``): the busiest SM's MMAs at its share of the
+    config's peak (sm_90's mma.sync configs below its wgmma rate, ``cost_model.config_peak_flops``) and its
+    loads at a per-SM share of DRAM bandwidth, the bytes that cross DRAM at the device's, split-K's fp32
+    workspace and its last split's reduction, TMA's cheaper load issue on sm_90, and a launch (plus split-K's
+    counter memset). It ranks configs sensibly but knows nothing of the real kernel's efficiency: use it on
+    machines without a GPU, never to report speed. ``tf32``: float32 kernels run their dots in TF32 on the
+    tensor cores (the peak is the TF32 rate), and the database keeps those answers apart (``context``).
     """
 
-    def __init__(self, profile: Any, dtype: str, alpha: float = 0.0, tf32: bool = False) -> None:
+    def __init__(self, profile: Any, dtype: str, tf32: bool = False) -> None:
         self.profile = profile
         self.dtype = dtype
-        self.alpha = alpha
         self.tf32 = tf32 and dtype == "float32"
 
     def context(self) -> str:
         return "dot=tf32" if self.tf32 else ""
 
     def device_key(self) -> str:
+        """Names the model's version (``roofline.MODEL_VERSION``): a database never answers from another's."""
+        from tuner.roofline import MODEL_VERSION
+
         rates = f";mma.sync={self.profile.mma_sync_fraction:g}" if self.profile.mma_sync_fraction != 1.0 else ""
-        return make_device_key(f"analytic:{self.profile.name}{rates}", f"sm_{self.profile.arch}", "none", "none")
+        return make_device_key(f"analytic-v{MODEL_VERSION}:{self.profile.name}{rates}", f"sm_{self.profile.arch}",
+                               "none", "none")
+
+    def terms(self, config: MicroKernel, problem: Problem) -> "RooflineTerms | None":
+        """The prediction's terms (``tuner.roofline``); None when ``config`` cannot launch."""
+        from tuner.cost_model import blocks_per_sm, config_peak_flops
+        from tuner.roofline import roofline
+
+        return roofline(config, problem, self.profile, self.dtype,
+                        config_peak_flops(config, self.profile, self.dtype, self.tf32),
+                        blocks_per_sm(config, self.profile, self.dtype))
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
-        from tuner.cost_model import (blocks_per_sm, config_peak_flops, f_adapt, launches, useful_flops,
-                                      workspace_bytes_moved)
-
-        bandwidth = self.profile.dram_bandwidth_gbs * 1e9
-        elem = DTYPE_BYTES[self.dtype]
         out = []
         for config, p in configs_and_problems:
-            bps = blocks_per_sm(config, self.profile, self.dtype)
-            adapt = f_adapt(config, p, self.profile, bps, self.alpha, self.dtype)
-            if adapt <= 0:
-                out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM"))
-                continue
-            compute = useful_flops(p) / (config_peak_flops(config, self.profile, self.dtype, self.tf32) * adapt)
-            moved = (p.m * p.k * -(-p.n // config.block_n) + p.k * p.n * -(-p.m // config.block_m)
-                     + p.m * p.n) * elem * p.batch + workspace_bytes_moved(config, p)
-            out.append(MeasureResult(max(compute, moved / bandwidth) + 3e-6 * launches(config)))
+            terms = self.terms(config, p)
+            out.append(MeasureResult(math.inf, "cannot launch: 0 resident blocks per SM") if terms is None
+                       else MeasureResult(terms.seconds))
         return out
 
 

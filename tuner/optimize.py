@@ -554,14 +554,16 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
 
 
 def candidate_space(w: Workload, options: OptimizeOptions) -> list[MicroKernel]:
-    """The configs ``w`` is tuned over: a bundle carries every kernel for every target, so only configs valid on
-    all of them (split-K takes every epilogue: the last split of a tile applies it); TMA configs only where the
+    """The configs ``w`` is tuned over (the space of ``--fp32-precision`` for float32 workloads): a bundle carries
+    every kernel for every target, so only configs valid on all of them (split-K takes every epilogue: the last split of a tile applies it); TMA configs only where the
     workload's K and N are constant multiples of 16, which TMA's row strides need on every call (a TMA kernel is
     compiled assuming them, aot.tma_div16: with another K or N every call would run the vendor path)."""
     from tuner.space import enumerate_space
 
-    others = [set(enumerate_space(_family(w, t))) for t in options.targets[1:]]
-    space = [c for c in enumerate_space(_family(w, options.targets[0])) if all(c in other for other in others)]
+    precision = options.fp32_precision  # shapes the float32 spaces (tf32 dots use sm_90's wgmma and TMA)
+    others = [set(enumerate_space(_family(w, t), precision)) for t in options.targets[1:]]
+    space = [c for c in enumerate_space(_family(w, options.targets[0]), precision)
+             if all(c in other for other in others)]
     if not {"K", "N"} <= set(_div16(w)):
         space = [c for c in space if not c.tma]
     return space

@@ -54,15 +54,16 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   otherwise it emits mma.sync, which reaches about 2/3 of the
   H100's tensor-core peak (tuner/hardware.py). In the 16-bit spaces a config that cannot use wgmma is kept
   only as a decode tile (BLOCK_M <= 32, which a 64-row wgmma tile would mostly pad): this drops the 2-warp
-  configs with BLOCK_M >= 64. num_stages 5 is kept only for wgmma configs (so the float32 spaces, compiled
-  in ieee precision without tensor cores, keep the other targets' stages). Compiled with the compile
+  configs with BLOCK_M >= 64; the float32 spaces in tf32 precision (tensor cores, wgmma) follow the same rule.
+  num_stages 5 is kept only for wgmma configs (so the float32 spaces in ieee precision, without tensor
+  cores, keep the other targets' stages). Compiled with the compile
   filter's bias + gelu epilogue (benchmarks/results/compile/sm90-mma-space.csv), 47 of the 341 unsplit float16
   configs spill: 38 wgmma tiles whose accumulator takes 128 registers per thread (128x128, 64x256, 256x64
   on 4 warps; 128x256, 256x128 on 8), which compile without spills under a bias alone (the erf costs the
   registers: sm90-spills-bias-only.txt), so the space keeps them for the GEMMs without gelu, and 9
   mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
-- ``tma`` (sm_90 only): tma = 1 only on a gemm or bmm config that uses wgmma (``wgmma_eligible``; so only
-  16-bit types, the float32 spaces being compiled in ieee precision).
+- ``tma`` (sm_90 only): tma = 1 only on a gemm or bmm config that uses wgmma (``wgmma_eligible``; so 16-bit
+  types and float32 in tf32 precision, never ieee float32).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
@@ -73,18 +74,25 @@ this table against the code). Before split-K went to every dtype (and before the
 591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's
 float16 gemm space is 1007 configs (713 before the tma axis): 294 wgmma configs with pointer loads, their 294
 TMA twins and 419 mma.sync decode tiles (BLOCK_M <= 32); 444 are split-K, 72 + 72 of them wgmma (64x64 tiles
-on 4 warps). The float32 and conv spaces have no TMA configs:
+on 4 warps). The float32 spaces depend on ``fp32_precision`` (``enumerate_space``), on sm_90 only: an ieee dot
+runs on the FMA units, so its space keeps every target's rules (no fifth stage, no TMA: 811 configs); a tf32 dot
+(optimize's default, as ONNX Runtime's CUDA EP) uses wgmma like a 16-bit one, so its space follows the same
+``wgmma`` and ``tma`` rules: 1109 configs, 319 wgmma configs with pointer loads (66 of them with the fifth
+stage), their 319 TMA twins and 471 mma.sync decode tiles; 507 are split-K, 84 + 84 of them wgmma. fp32's
+4-byte elements leave BLOCK_K = 16 in (k_bytes) and fill shared memory sooner, so its counts differ from
+float16's. A tf32 conv space gets the wgmma rule but no TMA (441 configs against ieee's 429). Elsewhere the
+precision changes nothing (sm_80 and sm_89 have neither wgmma nor TMA). The conv spaces have no TMA configs:
 
-    target  op    float32  float16  bfloat16
-    sm_80   gemm      770      710       710
-    sm_80   bmm       770      710       710
-    sm_80   conv      424      273       273
-    sm_89   gemm      605      587       587
-    sm_89   bmm       605      587       587
-    sm_89   conv      374      246       246
-    sm_90   gemm      811     1007      1007
-    sm_90   bmm       811     1007      1007
-    sm_90   conv      429      283       283
+    target  op    f32-tf32  f32-ieee  float16  bfloat16
+    sm_80   gemm       770       770      710       710
+    sm_80   bmm        770       770      710       710
+    sm_80   conv       424       424      273       273
+    sm_89   gemm       605       605      587       587
+    sm_89   bmm        605       605      587       587
+    sm_89   conv       374       374      246       246
+    sm_90   gemm      1109       811     1007      1007
+    sm_90   bmm       1109       811     1007      1007
+    sm_90   conv       441       429      283       283
 """
 from __future__ import annotations
 
@@ -104,9 +112,18 @@ if TYPE_CHECKING:
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
            "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
-           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
+           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command",
+           "FP32_PRECISIONS", "DEFAULT_FP32_PRECISION", "check_fp32_precision", "uses_tf32"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# How float32 dots are computed: "tf32" (tensor cores, operands rounded to TF32) or "ieee" (FMA units, exact
+# float32 products). ONNX Runtime's CUDA EP computes float32 MatMul/Gemm (cuBLAS) and Conv (cuDNN) in TF32
+# unless its provider option use_tf32 is 0: TF32 was already its default (microsoft/onnxruntime issue #15407,
+# 2023), and the option to turn it off came with ONNX Runtime 1.18 (PRs #19357 for GEMMs, #19426 for Conv),
+# default 1: `bool use_tf32{true}` in onnxruntime/core/providers/cuda/cuda_execution_provider_info.h. The tuned
+# kernels (tuner.aot compiles them) and the float32 spaces follow the same default.
+FP32_PRECISIONS: tuple[str, ...] = ("tf32", "ieee")
+DEFAULT_FP32_PRECISION = "tf32"
 
 AXES: dict[str, tuple[int, ...]] = {
     "block_m": (16, 32, 64, 128, 256),
@@ -201,6 +218,19 @@ def check_family(family: Family) -> HardwareProfile:
     return get_profile(family.target)
 
 
+def check_fp32_precision(precision: str) -> str:
+    """``precision`` when it is one of FP32_PRECISIONS, else a DietcodeError naming the allowed values."""
+    if precision not in FP32_PRECISIONS:
+        raise DietcodeError(f"unknown float32 precision {precision!r}; allowed: {', '.join(FP32_PRECISIONS)}")
+    return precision
+
+
+def uses_tf32(dtype: str, precision: str) -> bool:
+    """Whether a ``dtype`` kernel is compiled with TF32 dots (``allow_tf32``) under ``precision``: float32
+    kernels in "tf32" precision; 16-bit kernels use their own tensor-core type either way."""
+    return dtype == "float32" and check_fp32_precision(precision) == "tf32"
+
+
 def estimate_shared(config: MicroKernel, dtype: str) -> int:
     """Pipelined operand buffers in shared memory: stages x (A tile + B tile) x element size."""
     tile = config.block_m * config.block_k + config.block_k * config.block_n
@@ -241,7 +271,7 @@ def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
     return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA}
 
 
-def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -> str | None:
+def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, tf32: bool = False) -> str | None:
     mma_m, mma_n, mma_k = p.mma_min_tile
     k_min = max(16, mma_k * 2 // DTYPE_BYTES[dtype])
     if config.num_warps * p.warp_size > p.max_threads_per_block:
@@ -258,10 +288,11 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
         return "registers"
     if config.split_k > 1 and (config.block_m > config.block_n or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
         return "split_k"
-    if p.wgmma and not wgmma_eligible(config, dtype, p) and (
-            config.num_stages in _WGMMA_STAGES or (DTYPE_BYTES[dtype] == 2 and config.block_m > _DECODE_BLOCK_M)):
+    tensor_cores = DTYPE_BYTES[dtype] == 2 or tf32
+    if p.wgmma and not wgmma_eligible(config, dtype, p, tf32) and (
+            config.num_stages in _WGMMA_STAGES or (tensor_cores and config.block_m > _DECODE_BLOCK_M)):
         return "wgmma"
-    if config.tma and (op not in _TMA_OPS or not wgmma_eligible(config, dtype, p)):
+    if config.tma and (op not in _TMA_OPS or not wgmma_eligible(config, dtype, p, tf32)):
         return "tma"
     return None
 
@@ -270,20 +301,26 @@ def _product(profile: HardwareProfile) -> list[MicroKernel]:
     return [MicroKernel(*values) for values in itertools.product(*axes_for(profile).values())]
 
 
-def enumerate_space(family: Family) -> list[MicroKernel]:
-    """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic)."""
+def enumerate_space(family: Family, fp32_precision: str = DEFAULT_FP32_PRECISION) -> list[MicroKernel]:
+    """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic).
+
+    ``fp32_precision`` (how float32 dots are computed, ``FP32_PRECISIONS``) shapes the float32 spaces only: a
+    tf32 dot runs on the tensor cores, so on sm_90 its space follows the 16-bit spaces' ``wgmma`` and ``tma``
+    rules; an ieee one keeps the FMA units' space. It is not a shape: every shape still shares the space."""
     profile = check_family(family)
-    return sorted(c for c in _product(profile) if _failed_rule(c, family.op, family.dtype, profile) is None)
+    tf32 = uses_tf32(family.dtype, fp32_precision)
+    return sorted(c for c in _product(profile) if _failed_rule(c, family.op, family.dtype, profile, tf32) is None)
 
 
-def prune_report(family: Family) -> dict[str, int]:
+def prune_report(family: Family, fp32_precision: str = DEFAULT_FP32_PRECISION) -> dict[str, int]:
     """How many configs each rule removed, plus ``total`` (the axes' product) and ``kept``."""
     profile = check_family(family)
+    tf32 = uses_tf32(family.dtype, fp32_precision)
     counts = {rule: 0 for rule in RULES}
     kept = 0
     configs = _product(profile)
     for config in configs:
-        rule = _failed_rule(config, family.op, family.dtype, profile)
+        rule = _failed_rule(config, family.op, family.dtype, profile, tf32)
         if rule is None:
             kept += 1
         else:
@@ -291,18 +328,21 @@ def prune_report(family: Family) -> dict[str, int]:
     return {"total": len(configs), **counts, "kept": kept}
 
 
-def validate(family: Family, config: MicroKernel) -> None:
-    """Raise DietcodeError unless ``config`` belongs to ``family``'s space, naming the allowed values."""
+def validate(family: Family, config: MicroKernel, fp32_precision: str = DEFAULT_FP32_PRECISION) -> None:
+    """Raise DietcodeError unless ``config`` belongs to ``family``'s space (under ``fp32_precision``), naming
+    the allowed values."""
     profile = check_family(family)
+    tf32 = uses_tf32(family.dtype, fp32_precision)
     for name, allowed in axes_for(profile).items():
         value = getattr(config, name)
         if value not in allowed:
             raise DietcodeError(f"{config.key()}: {name}={value} is outside the space; allowed: "
                                 f"{', '.join(map(str, allowed))}")
-    rule = _failed_rule(config, family.op, family.dtype, profile)
+    rule = _failed_rule(config, family.op, family.dtype, profile, tf32)
     if rule is not None:
+        precision = f" ({fp32_precision})" if family.dtype == "float32" else ""
         raise DietcodeError(
-            f"{config.key()} is pruned from the {family.op}/{family.dtype}/{family.target} space by rule "
+            f"{config.key()} is pruned from the {family.op}/{family.dtype}/{family.target}{precision} space by rule "
             f"{rule!r} (shared estimate {estimate_shared(config, family.dtype)} B of "
             f"{profile.smem_per_block_optin} B, registers estimate "
             f"{estimate_registers(config, family.dtype, profile.warp_size, family.op)} of {profile.regs_per_thread}, "
@@ -339,20 +379,23 @@ class CompiledSpace:
 
 
 def compile_filter(family: Family, configs: list[MicroKernel] | None = None, *, workers: int | None = None,
-                   cache_dir: Path | None = None, conv: ConvParams | None = None) -> CompiledSpace:
+                   cache_dir: Path | None = None, conv: ConvParams | None = None,
+                   fp32_precision: str = DEFAULT_FP32_PRECISION) -> CompiledSpace:
     """Compile ``configs`` (default: the whole space) with their heaviest epilogue and the pipelined
     (div16) variant, and drop those whose metadata breaks the profile: shared > smem_per_block_optin,
     spills > 0, or a compile error. Conv families compile against ``conv`` (default a 3x3 64->64 layer);
-    tile resources do not depend on the layer's geometry."""
+    tile resources do not depend on the layer's geometry. float32 kernels are compiled in ``fp32_precision``."""
     from tuner.aot import CompileJob, aligned_params, compile_many
 
     profile = check_family(family)
-    configs = enumerate_space(family) if configs is None else configs
+    configs = enumerate_space(family, fp32_precision) if configs is None else configs
     for config in configs:
-        validate(family, config)
+        validate(family, config, fp32_precision)
     layer = (conv or REFERENCE_CONV) if family.op == "conv" else None
+    tf32 = uses_tf32(family.dtype, fp32_precision)
     jobs = [CompileJob(family, c, representative_epilogue(c, family.op), conv=layer,
-                       div16=aligned_params(family.op, residual=family.op == "gemm"), cache_dir=cache_dir)
+                       div16=aligned_params(family.op, residual=family.op == "gemm"), allow_tf32=tf32,
+                       cache_dir=cache_dir)
             for c in configs]
     start = time.perf_counter()
     results = compile_many(jobs, workers)
@@ -372,24 +415,29 @@ def compile_filter(family: Family, configs: list[MicroKernel] | None = None, *, 
 
 
 def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, compile_: bool = False,
-                  workers: int | None = None, cache_dir: Path | None = None) -> int:
+                  workers: int | None = None, cache_dir: Path | None = None,
+                  fp32_precision: str = DEFAULT_FP32_PRECISION) -> int:
     """``dietcode-ort space``: the family's space for people (rich tables) or as JSON.
 
     Without ``compile_`` the shared bytes are the estimate (``shared_source`` says which); with it every
     candidate is compiled (cached) and ``shared_bytes`` is the compiled kernel's, after the compile filter.
+    ``fp32_precision``: the float32 dots' (``FP32_PRECISIONS``; it shapes the float32 spaces only).
     """
     import json
 
     family = Family(op, dtype, target)
     profile = check_family(family)
-    configs = enumerate_space(family)
-    report = prune_report(family)
-    compiled = compile_filter(family, configs, workers=workers, cache_dir=cache_dir) if compile_ else None
+    check_fp32_precision(fp32_precision)
+    configs = enumerate_space(family, fp32_precision)
+    report = prune_report(family, fp32_precision)
+    compiled = (compile_filter(family, configs, workers=workers, cache_dir=cache_dir, fp32_precision=fp32_precision)
+                if compile_ else None)
     rows = ([(c, k.shared, k.n_regs, k.n_spills, k.mma) for c, k in compiled.kept] if compiled is not None
             else [(c, estimate_shared(c, dtype), estimate_registers(c, dtype, op=op), None, None) for c in configs])
     kinds = {kind: sum(row[4] == kind for row in rows) for kind in sorted({row[4] for row in rows if row[4]})}
     if as_json:
-        out: dict[str, object] = {"target": target, "op": op, "dtype": dtype, "limits": profile.limits(),
+        out: dict[str, object] = {"target": target, "op": op, "dtype": dtype,
+               **({"fp32_precision": fp32_precision} if dtype == "float32" else {}), "limits": profile.limits(),
                "axes": {k: list(v) for k, v in axes_for(profile).items()}, "prune": report,
                "shared_source": "compiled" if compiled is not None else "estimate",
                "configs": [{**c.to_dict(), "shared_bytes": shared,
@@ -405,7 +453,8 @@ def space_command(target: str, op: str, dtype: str, *, as_json: bool = False, co
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]{op}/{dtype} on {target}[/] ({profile.name}): {report['kept']} of {report['total']} "
+    precision = f" ({fp32_precision} dots)" if dtype == "float32" else ""
+    console.print(f"[bold]{op}/{dtype}{precision} on {target}[/] ({profile.name}): {report['kept']} of {report['total']} "
                   f"configs kept by the profile rules" + (f", {len(rows)} after compiling" if compiled else ""))
     rules = Table("rule", "pruned", title="pruning (a config counts under the first rule it fails)")
     for rule in RULES:
