@@ -96,7 +96,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dietcode_ort.errors import DietcodeError
-from tuner.hardware import HardwareProfile, TARGETS, get_profile
+from tuner.hardware import HardwareProfile, TARGETS, get_profile, resident_blocks
 from tuner.workload import DTYPES, OPS, ConvParams, Epilogue
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
            "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
-           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
+           "wgmma_eligible", "persistent_programs", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -117,18 +117,22 @@ AXES: dict[str, tuple[int, ...]] = {
     "group_m": (8,),
     "split_k": (1, 2, 4, 8),
     "tma": (0,),
+    "persistent": (0,),
 }
 
-RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma", "tma")
+RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma", "tma",
+         "persistent")
 _WGMMA_STAGES = (5,)  # added on GPUs with wgmma, for wgmma configs only
 _TMA = (0, 1)  # the tma axis on GPUs with wgmma: TMA operand loads, for wgmma gemm / bmm configs only
 _TMA_OPS = ("gemm", "bmm")  # the templates with a TMA loop (conv gathers its rows: no tensor descriptor)
+_PERSISTENT = (0, 1, 2)  # the persistent axis on GPUs with wgmma: programs per SM, for TMA configs only
+_PERSISTENT_MAX = _PERSISTENT[-1]
 _DECODE_BLOCK_M = 32  # tiles this short serve decode-size M: kept on mma.sync
 _SPLIT_K_MAX_TILE = 64 * 64
 _REG_OVERHEAD = 32
 _MMA_PER_WARP = 4
 _MIN_K_BYTES = 64
-_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)(t?)")
+_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)(t?)(?:p([1-9]\d*))?")
 
 
 @dataclass(frozen=True, order=True)
@@ -143,27 +147,31 @@ class MicroKernel:
     group_m: int = 8
     split_k: int = 1
     tma: int = 0  # 1: A and B read through TMA tensor descriptors (sm_90 wgmma gemm / bmm configs)
+    persistent: int = 0  # n > 0: a persistent kernel launched as n programs per SM, each looping over tiles
 
     def key(self) -> str:
         """A stable short name, e.g. ``m64n64k32w4s3g8k1`` (the trailing k is split_k), with a ``t`` suffix
-        for a TMA config (``m64n64k64w4s3g8k1t``): the keys of configs without TMA keep their names."""
+        for a TMA config (``m64n64k64w4s3g8k1t``) and ``p<n>`` for a persistent one of n programs per SM
+        (``m128n128k64w8s4g8k1tp1``): the keys of the other configs keep their names."""
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-                f"g{self.group_m}k{self.split_k}" + ("t" if self.tma else ""))
+                f"g{self.group_m}k{self.split_k}" + ("t" if self.tma else "")
+                + (f"p{self.persistent}" if self.persistent else ""))
 
     @classmethod
     def from_key(cls, key: str) -> "MicroKernel":
         match = _KEY.fullmatch(key)
         if match is None:
             raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1 (a trailing "
-                                "t for TMA)")
-        *numbers, tma = match.groups()
-        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"))
+                                "t for TMA, then p<n> for persistent)")
+        *numbers, tma, persistent = match.groups()
+        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"), persistent=int(persistent or 0))
 
     def to_dict(self) -> dict[str, int]:
-        """The fields, ``tma`` only when set (records of configs without TMA keep their form)."""
+        """The fields, ``tma`` and ``persistent`` only when set (records of other configs keep their form)."""
         data = asdict(self)
-        if not self.tma:
-            del data["tma"]
+        for name in ("tma", "persistent"):
+            if not data[name]:
+                del data[name]
         return data
 
     @classmethod
@@ -238,7 +246,15 @@ def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
     of shared memory per block holds a fifth stage of the 64-row-multiple tiles the warpgroup MMA wants)."""
     if not profile.wgmma:
         return AXES
-    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA}
+    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA, "persistent": _PERSISTENT}
+
+
+def persistent_programs(config: MicroKernel, dtype: str, profile: HardwareProfile) -> int:
+    """The programs per SM of ``config``'s persistent twin: as many of its blocks as the register and shared
+    memory estimates fit on one SM, at least 1 and at most 2 (rule ``persistent``)."""
+    resident = resident_blocks(profile, config.threads, estimate_registers(config, dtype, profile.warp_size),
+                               estimate_shared(config, dtype))
+    return max(1, min(_PERSISTENT_MAX, resident))
 
 
 def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -> str | None:
@@ -263,6 +279,9 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile) -
         return "wgmma"
     if config.tma and (op not in _TMA_OPS or not wgmma_eligible(config, dtype, p)):
         return "tma"
+    if config.persistent and (not config.tma or config.split_k != 1
+                              or config.persistent != persistent_programs(config, dtype, p)):
+        return "persistent"
     return None
 
 
