@@ -32,6 +32,20 @@ cover in a handful of rounds):
   twin and the tuner measures which loads a shape prefers. A TMA kernel is compiled assuming a, b, K and N (and
   the batch strides) divisible by 16 (``aot.tma_div16``: TMA needs 16-byte aligned bases and row strides), so a
   call breaking one runs the vendor path. Its key ends in ``t`` (``m64n64k64w4s3g8k1t``); other keys are as before.
+- persistent in {0, 1, 2} on sm_90 (0 elsewhere): n > 0 is a persistent kernel (``templates.gemm_kernel``'s
+  PERSISTENT): the launcher runs min(tiles x batch, SMs x n) programs (n programs per SM, from the device's SM
+  count at run time) and each loops over tiles pid, pid + programs, ... in the grouped order, instead of one
+  program per tile. What that saves is per-tile work outside the K loop: launching and retiring a CTA, its
+  prologue (for a TMA config, making its two tensor descriptors in global scratch and fencing them, once per
+  program instead of once per tile, and 256 B of scratch per program instead of per tile), and part of the
+  last wave's tail, since a program starts its next tile as soon as its own previous one ends. Rule
+  ``persistent`` keeps exactly one persistent twin of each TMA config without split-K (split-K exists to make
+  *more* programs; a persistent kernel makes fewer): the TMA configs are where the per-tile prologue is largest
+  (descriptor creation) and the wgmma tiles are large (few tiles per wave), and twinning only them keeps the
+  sm_90 16-bit spaces at +222 configs (twins of the pointer-load wgmma configs too would add 444). Its n is the
+  number of its blocks the register and shared memory estimates fit on one SM, capped at 2
+  (``persistent_programs``): one for the big tiles that fill an SM, two for smaller ones, so that one program's
+  epilogue overlaps the other's main loop. Its key adds ``p<n>`` (``m128n128k64w8s4g8k1tp1``).
 
 Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
@@ -63,17 +77,20 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
 - ``tma`` (sm_90 only): tma = 1 only on a gemm or bmm config that uses wgmma (``wgmma_eligible``; so only
   16-bit types, the float32 spaces being compiled in ieee precision).
+- ``persistent`` (sm_90 only): persistent = n > 0 only on a TMA config with split_k 1 and n =
+  ``persistent_programs`` (see the axis above).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 9600 on sm_90 with its fifth
-stage and the tma axis; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks
+Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 28800 on sm_90 with its fifth
+stage and the tma and persistent axes; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks
 this table against the code). Before split-K went to every dtype (and before the ``wgmma`` rule) they were
 591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's
-float16 gemm space is 1007 configs (713 before the tma axis): 294 wgmma configs with pointer loads, their 294
-TMA twins and 419 mma.sync decode tiles (BLOCK_M <= 32); 444 are split-K, 72 + 72 of them wgmma (64x64 tiles
-on 4 warps). The float32 and conv spaces have no TMA configs:
+float16 gemm space is 1229 configs (713 before the tma axis, 1007 before the persistent one): 294 wgmma configs
+with pointer loads, their 294 TMA twins, the 222 persistent twins of the TMA ones without split-K (77 with one
+program per SM, 145 with two) and 419 mma.sync decode tiles (BLOCK_M <= 32); 444 are split-K, 72 + 72 of them
+wgmma (64x64 tiles on 4 warps). The float32 and conv spaces have no TMA or persistent configs:
 
     target  op    float32  float16  bfloat16
     sm_80   gemm      770      710       710
@@ -82,8 +99,8 @@ on 4 warps). The float32 and conv spaces have no TMA configs:
     sm_89   gemm      605      587       587
     sm_89   bmm       605      587       587
     sm_89   conv      374      246       246
-    sm_90   gemm      811     1007      1007
-    sm_90   bmm       811     1007      1007
+    sm_90   gemm      811     1229      1229
+    sm_90   bmm       811     1229      1229
     sm_90   conv      429      283       283
 """
 from __future__ import annotations
