@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,37 @@ def test_keys_and_records() -> None:
     for bad in ("m64n64k64w4s3g8k1p0", "m64n64k64w4s3g8k1p", "m64n64k64w4s3g8k1pt1"):
         with pytest.raises(DietcodeError, match="bad micro-kernel key"):
             MicroKernel.from_key(bad)
+
+
+# ---- the cost model and the analytic measurer ----
+
+def test_cost_model_credits_half_the_tail_to_persistent_configs() -> None:
+    from tuner.cost_model import (FEATURE_NAMES, adapt_terms, blocks_per_sm, f_adapt_matrix, kernel_features,
+                                  tail_alpha)
+    from tuner.measure import AnalyticMeasurer
+    from tuner.workload import Problem
+
+    h100 = get_profile("sm_90")
+    twin = MicroKernel(128, 128, 64, 8, 4, tma=1)
+    persistent = MicroKernel(128, 128, 64, 8, 4, tma=1, persistent=1)
+    assert blocks_per_sm(twin, h100, "float16") == 1
+    assert tail_alpha(twin, 0.2) == 0.2 and tail_alpha(persistent, 0.2) == 0.6
+    partial = Problem(m=128 * 12, n=128 * 16, k=1024)  # 192 tiles: one full wave of 132 and 60 more
+    full = Problem(m=128 * 12, n=128 * 11, k=1024)  # 132 tiles: one full wave
+    for problem, better in ((partial, True), (full, False)):
+        a = adapt_terms(twin, problem, h100, 1, 0.2)
+        b = adapt_terms(persistent, problem, h100, 1, 0.2)
+        assert (b.occupancy > a.occupancy) is better and b.occupancy >= a.occupancy and b.waves == a.waves
+    matrix = f_adapt_matrix([twin, persistent], [partial, full], h100, "float16", 0.2)
+    for i, config in enumerate((twin, persistent)):
+        for j, problem in enumerate((partial, full)):
+            assert math.isclose(matrix[i, j], adapt_terms(config, problem, h100, 1, 0.2).value)
+    features = kernel_features([twin, persistent], h100, "float16")
+    assert FEATURE_NAMES[-1] == "persistent" and list(features[:, -1]) == [0.0, 1.0]
+    # the compute term carries f_adapt (the bandwidth term has no waves): a GPU whose DRAM never limits
+    measurer = AnalyticMeasurer(replace(h100, dram_bandwidth_gbs=1e9), "float16", alpha=0.2)
+    slow, fast = measurer.measure(Family("gemm", "float16", "sm_90"), [(twin, partial), (persistent, partial)])
+    assert fast.seconds < slow.seconds
 
 
 # ---- ahead-of-time compilation ----

@@ -210,7 +210,10 @@ class AnalyticMeasurer(Measurer):
     count A re-read once per tile column and B once per tile row, plus C. It ranks tiles sensibly but
     knows nothing of the real kernel's efficiency: use it on machines without a GPU, never to report speed.
     ``tf32``: float32 kernels run their dots in TF32 on the tensor cores (the peak is the TF32 rate), and the
-    database keeps those answers apart (``context``).
+    database keeps those answers apart (``context``). A persistent config (``MicroKernel.persistent``) runs
+    min(tiles, SMs x n) programs: f_adapt counts its waves over those slots and credits half the partial-wave
+    saving (``cost_model.tail_alpha``), since its programs pay no per-tile launch or prologue but still
+    finish whole tiles.
     """
 
     def __init__(self, profile: Any, dtype: str, alpha: float = 0.0, tf32: bool = False) -> None:
