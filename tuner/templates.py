@@ -9,7 +9,9 @@ scalars (the gemm template then takes the ``residual`` pointer, added to the ABI
 last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
 ``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``.
-The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 program
+The grid is ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``, except for a PERSISTENT gemm or bmm kernel
+(SPLIT_K 1): ``(min(tiles x batch, SMs x n), 1, 1)`` programs (``programs``; n per SM, from the bundle), each
+looping over tiles pid, pid + num_programs, ... in the same grouped order. With SPLIT_K > 1 program
 (tile, s, z) sums every SPLIT_K-th BLOCK_K slice of K from slice s (a split whose slices all lie past K sums
 zeros) and the splits of a tile meet in the ``workspace`` (``_split_k_reduce``): each stores its fp32
 partial tile there, and the split that arrives last adds the partials in split order 0..SPLIT_K-1 and
