@@ -243,7 +243,7 @@ def _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace,
 
 
 @triton.jit
-def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, batch,
+def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, workspace,
                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
@@ -422,7 +422,7 @@ KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_
 # kernels take a workspace); bmm's "batch" only when persistent (the others have it as the constexpr 1).
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace"),
-    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch", "workspace", "batch"),
+    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch", "workspace"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "workspace"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                   "stride_mask_q", "stride_mask_k"),
@@ -644,6 +644,6 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, z)
     if config.persistent:
         grid = (programs(m, n, z, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
-    kernel[grid](a, b, bias, out, m, n, k, sa, sb, split_workspace(m, n, z), z, TRANS_B=trans_b,
+    kernel[grid](a, b, bias, out, m, n, k, z, sa, sb, split_workspace(m, n, z), TRANS_B=trans_b,
                  ALPHA=epilogue.alpha, **meta)
     return out
