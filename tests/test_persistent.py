@@ -414,3 +414,33 @@ def test_persistent_matches_its_twin_through_the_launcher(op: str, config: Micro
         if residual is not None:
             ref = ref + residual.double()
         assert float((outs[0].double() - ref).abs().max()) <= 2e-2 * max(1.0, float(ref.abs().max())), (m, n, k)
+
+
+def test_gpu_timer_sizes_the_workspace_for_the_launched_grid() -> None:
+    """The GPU timer asks the core for its stream's SM count before sizing a persistent kernel's workspace (as
+    the custom op does), so dc_time_kernel's dc_launch runs the runtime's grid with the scratch it carves; a
+    kernel launched one program per tile does not ask. The driver is faked: the timer's own code runs."""
+    from types import SimpleNamespace
+
+    from dietcode_ort.runtime import LaunchArgs, load_core
+    from tuner.gpu_timing import CudaBackend, TimingSettings
+
+    core = load_core()
+    seen: list[tuple[int, int]] = []
+
+    def time_kernel(handle: Any, k: int, args: Any, stream: Any, warmup: int, repeat: int, flush: int,
+                    flush_bytes: int, times: Any) -> int:
+        launch = args._obj
+        seen.append((launch.sm_count, launch.workspace_bytes))
+        for i in range(repeat):
+            times[i] = 0.5
+        return 0
+
+    backend = CudaBackend(TimingSettings(repeats=3, flush_bytes=0))
+    backend._core = SimpleNamespace(lib=SimpleNamespace(dc_time_kernel=time_kernel), sm_count=lambda stream: 7,
+                                    error=core.error)
+    backend._buffer = lambda name, size, fill_dtype=None: 0x10000  # type: ignore[method-assign]
+    for persistent, want in ((2, (7, (128 - 16) + 14 * 256)), (0, (0, (128 - 16) + 256 * 256))):
+        bundle = core.parse(_payload(_bundle_kernel(div16=("a", "b"), persistent=persistent)))
+        result = backend._launch_timed(bundle, LaunchArgs(M=1024, N=1024, K=64, batch=1))
+        assert result.ok and seen[-1] == want, (result, seen)
