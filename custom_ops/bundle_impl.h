@@ -121,6 +121,7 @@ struct Kernel {
   bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
+  uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,
@@ -223,6 +224,9 @@ bool SplitKBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* byte
 bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
                     std::string* why);
 inline constexpr int64_t kWorkspaceAlign = 16;
+// The launch grid of one call that fits (CallFit): the ABI's grid rule (dc_kernel_grid), a persistent kernel's
+// from args.sm_count (0: one program per tile).
+void LaunchGrid(const Kernel& kernel, const dc_launch_args& args, uint32_t grid[3]);
 
 // Whether one call fits compiled kernel k: sizes the launch can express (no empty output, K > 0, batch
 // within grid z, tiles within grid x, every operand's element offsets within int32 as the templates compute

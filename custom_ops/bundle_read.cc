@@ -101,6 +101,11 @@ int dc_bundle_kernel_layout(const dc_bundle* b, int32_t k) {
   return kernel == nullptr ? -1 : kernel->layout;
 }
 
+int dc_bundle_kernel_persistent(const dc_bundle* b, int32_t k) {
+  const dietcode::Kernel* kernel = KernelAt(b, k);
+  return kernel == nullptr ? -1 : kernel->persistent;
+}
+
 const uint8_t* dc_bundle_kernel_image(const dc_bundle* b, int32_t k, int32_t i, uint32_t* cc, int32_t* specific,
                                       uint32_t* shared, size_t* size) {
   const dietcode::Kernel* kernel = KernelAt(b, k);

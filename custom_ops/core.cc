@@ -17,7 +17,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 6;  // 4: toolchain records, 5: alpha, 6: the split-K workspace (docs/bundle.md)
+constexpr uint32_t kVersion = 7;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -35,6 +35,7 @@ constexpr uint64_t kMaxImageBytes = 64ull << 20, kMaxPtxBytes = 64ull << 20, kMa
 constexpr uint32_t kMaxBlock = 4096, kMaxSplitK = 1024, kMaxShared = 1u << 20;
 constexpr uint32_t kMaxToolchainName = 64, kMaxPtxIsa = 999, kMaxDriver = 999999;
 constexpr uint32_t kMaxScratch = 1u << 16, kMaxScratchAlign = 1024;  // global scratch per program
+constexpr uint32_t kMaxPersistent = 8;  // programs per SM of a persistent kernel
 
 const char* const kSectionNames[] = {"", "features", "kernels", "tree"};
 
@@ -205,7 +206,8 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || k.layout || !k.ptx_toolchain.empty() ||
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || k.layout || k.persistent ||
+        !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
@@ -243,6 +245,14 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
+  // persistent kernels: gemm and bmm without split-K (a persistent bmm loops over the batch: it takes it)
+  if (k.persistent && (k.split_k != 1 || seen[kSeqQ] || seen[kImgH])) {
+    Fail(where + ": persistent applies to gemm and bmm kernels with split_k 1 (split_k " + std::to_string(k.split_k) +
+         (seen[kSeqQ] ? ", an attention kernel" : seen[kImgH] ? ", a conv kernel" : "") + ")");
+  }
+  if (k.persistent && seen[kStrideABatch] && !seen[kBatch]) {
+    Fail(where + ": a persistent bmm kernel takes the 'batch' param (it loops over the batch)");
+  }
   if (k.tf32 && k.dtype != 0) Fail(where + ": tf32 applies to float32 kernels only");
   if (k.layout && !seen[kSeqQ]) Fail(where + ": operand layouts apply to attention kernels only");
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
@@ -316,9 +326,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.dtype = sub.Get<uint8_t>("dtype");
     k.activation = sub.Get<uint8_t>("activation");
     k.trans_b = sub.Get<uint8_t>("trans_b");
-    if (sub.Get<uint8_t>("reserved") != 0 || k.dtype > 2 || k.activation > 2 || k.trans_b > 1) {
+    k.persistent = sub.Get<uint8_t>("persistent");
+    if (k.dtype > 2 || k.activation > 2 || k.trans_b > 1) {
       Fail("kernel " + std::to_string(index) + ": dtype " + std::to_string(k.dtype) + " / activation " +
-           std::to_string(k.activation) + " / trans_b " + std::to_string(k.trans_b) + " / reserved invalid");
+           std::to_string(k.activation) + " / trans_b " + std::to_string(k.trans_b) + " invalid");
+    }
+    if (k.persistent > kMaxPersistent) {
+      Fail("kernel " + std::to_string(index) + ": persistent " + std::to_string(k.persistent) +
+           " programs per SM outside 0.." + std::to_string(kMaxPersistent));
     }
     for (uint32_t& v : k.conv) v = sub.Get<uint32_t>("conv geometry");
     const uint32_t alpha_bits = sub.Get<uint32_t>("alpha");
@@ -718,6 +733,11 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
       }
     }
   }
+  // A persistent kernel's loop index runs to tiles x batch plus the grid (int32 in the template).
+  if (kernel.persistent && tiles * batch > int64_t{0x7fffffff} / 2) {
+    return refuse(kFitGrid, std::to_string(tiles) + " tiles x batch " + std::to_string(batch) +
+                                " above 2^30 (a persistent kernel's int32 tile loop)");
+  }
   if (kernel.split_k > 1 || KernelScratch(kernel).first > 0) {
     int64_t bytes = 0;
     std::string detail;
@@ -745,8 +765,11 @@ bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* b
                         ((int64_t{args.N} + kernel.block_n - 1) / kernel.block_n);
   const int64_t pad = align > kWorkspaceAlign ? align - kWorkspaceAlign : 0;  // the workspace is 16-byte aligned
   int64_t programs = 0, scratch = 0, total = 0;
-  if (__builtin_mul_overflow(tiles, batch, &programs) ||
-      __builtin_mul_overflow(programs, int64_t{kernel.split_k}, &programs) ||
+  const bool overflow = __builtin_mul_overflow(tiles, batch, &programs);
+  if (!overflow && kernel.persistent && args.sm_count > 0) {  // a persistent grid: min(tiles x batch, SMs x n)
+    programs = std::min(programs, int64_t{args.sm_count} * kernel.persistent);
+  }
+  if (overflow || __builtin_mul_overflow(programs, int64_t{kernel.split_k}, &programs) ||
       __builtin_mul_overflow(programs, int64_t{size}, &scratch) || __builtin_add_overflow(*bytes, pad, &total) ||
       __builtin_add_overflow(total, scratch, &total) || total > INT64_MAX - kWorkspaceAlign) {
     *why = std::to_string(tiles) + " tiles x batch " + std::to_string(batch) + " x split_k " +
@@ -756,6 +779,28 @@ bool WorkspaceBytes(const Kernel& kernel, const dc_launch_args& args, int64_t* b
   }
   *bytes = (total + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
   return true;
+}
+
+void LaunchGrid(const Kernel& kernel, const dc_launch_args& args, uint32_t grid[3]) {
+  const int64_t batch = args.batch > 0 ? args.batch : 1;
+  if (KernelView(kernel) == kViewAttention) {
+    grid[0] = static_cast<uint32_t>((int64_t{args.seq_q} + kernel.block_m - 1) / kernel.block_m);
+    grid[1] = 1;
+    grid[2] = static_cast<uint32_t>(batch);
+    return;
+  }
+  const int64_t tiles = ((int64_t{args.M} + kernel.block_m - 1) / kernel.block_m) *
+                        ((int64_t{args.N} + kernel.block_n - 1) / kernel.block_n);
+  if (kernel.persistent) {  // CallFit keeps tiles x batch below 2^30
+    const int64_t all = tiles * batch;
+    const int64_t slots = args.sm_count > 0 ? int64_t{args.sm_count} * kernel.persistent : all;
+    grid[0] = static_cast<uint32_t>(std::min(all, slots));
+    grid[1] = grid[2] = 1;
+    return;
+  }
+  grid[0] = static_cast<uint32_t>(tiles);
+  grid[1] = kernel.split_k;
+  grid[2] = static_cast<uint32_t>(batch);
 }
 
 bool ScratchPointer(const Kernel& kernel, int image_index, const dc_launch_args& args, uint64_t* pointer,
@@ -1004,6 +1049,25 @@ int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
   const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
   if (fit != dietcode::kFits) SetError(why);
   return fit;
+}
+
+int dc_kernel_grid(const dc_bundle* b, int32_t k, const dc_launch_args* args, uint32_t* grid3) {
+  if (b == nullptr || args == nullptr || grid3 == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError("null bundle / arguments / grid or kernel id " + std::to_string(k) + " out of range");
+    return -1;
+  }
+  const dietcode::Kernel& kernel = b->kernels[k];
+  if (kernel.kind == dietcode::kVendor) {
+    SetError("kernel '" + kernel.name + "' is the vendor kind and has no grid");
+    return -1;
+  }
+  std::string why;
+  if (dietcode::CallFit(kernel, *args, &why) != dietcode::kFits) {
+    SetError(why);
+    return -1;
+  }
+  dietcode::LaunchGrid(kernel, *args, grid3);
+  return 0;
 }
 
 int64_t dc_kernel_workspace_bytes(const dc_bundle* b, int32_t k, const dc_launch_args* args) {

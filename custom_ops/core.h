@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 7  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch)
+#define DC_ABI_VERSION 8  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -22,6 +22,10 @@ typedef struct dc_bundle dc_bundle;
 // with no keys). residual: a second tensor of the output's shape, added last (kernels of op types with a
 // Residual suffix). workspace: device memory of workspace_bytes bytes, 16-byte aligned, for split-K kernels
 // (dc_kernel_workspace_bytes says how much a call needs; dc_launch_fit zeroes its counters and passes it).
+// sm_count: the multiprocessor count of the device the call runs on, which sizes a persistent kernel's grid
+// (dc_kernel_grid) and so its global scratch; 0: unknown, dc_launch_fit asks the stream's device
+// (dc_cuda_sm_count) and the pure functions (dc_kernel_grid, dc_kernel_workspace_bytes) assume one program per
+// tile, the most a persistent grid launches, so a workspace sized with 0 is large enough for any device.
 typedef struct dc_launch_args {
   uint64_t a, b, bias, c, residual;
   uint64_t c_bytes;
@@ -31,6 +35,7 @@ typedef struct dc_launch_args {
   uint64_t q, k, v, mask, out;
   int32_t seq_q, seq_k, heads, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k;
   uint64_t workspace, workspace_bytes;
+  int32_t sm_count;
 } dc_launch_args;
 
 int dc_abi_version(void);
@@ -95,6 +100,18 @@ int dc_bundle_kernel_causal(const dc_bundle* bundle, int32_t k);
 // Whether kernel k is a float32 kernel compiled with TF32 dots (bundle flags bit 2; clear: exact float32
 // products): 1 or 0; -1 for an out-of-range kernel id.
 int dc_bundle_kernel_tf32(const dc_bundle* bundle, int32_t k);
+
+// Kernel k's programs per SM (the kernel record's persistent byte, docs/abi.md): n > 0 for a persistent gemm or
+// bmm kernel launched as min(tiles x batch, SMs x n) programs that loop over the tiles, 0 for one program per
+// tile; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_persistent(const dc_bundle* bundle, int32_t k);
+
+// The launch grid of one call of compiled kernel k with args (the ABI's grid rule, docs/abi.md): (cdiv(M,
+// BLOCK_M) x cdiv(N, BLOCK_N), SPLIT_K, batch) for gemm, bmm and conv kernels, (cdiv(seq_q, BLOCK_M), 1, batch)
+// for attention, and for a persistent kernel (min(tiles x batch, args->sm_count x n), 1, 1) with n its programs
+// per SM (args->sm_count 0: one program per tile). 0 on success; -1 with a message for a bad id, the vendor kind
+// or a call that does not fit (dc_kernel_fit).
+int dc_kernel_grid(const dc_bundle* bundle, int32_t k, const dc_launch_args* args, uint32_t* grid3);
 
 // Kernel k's operand layouts (bundle flags bits 3..6: bit 0 Q, 1 K, 2 V, 3 out read/written as [batch, seq,
 // heads, d]; docs/abi.md "attention layouts"): 0..15; -1 for an out-of-range kernel id.
@@ -211,6 +228,11 @@ int dc_bundle_image_scratch(const dc_bundle* bundle, int32_t k, int32_t image, u
 // a bad id or image, or a split-K part past int64.
 int dc_kernel_scratch_pointer(const dc_bundle* bundle, int32_t k, int32_t image, const dc_launch_args* args,
                               uint64_t* pointer);
+
+// The multiprocessor count of the device of `stream`'s context (NULL: the current context), which sizes
+// persistent kernels' grids: queried once per context (cuDeviceGetAttribute MULTIPROCESSOR_COUNT) and cached.
+// 0 on success, -1 with a message (no driver, no context). Never aborts.
+int dc_cuda_sm_count(void* stream, int* count);
 
 // The CUDA driver's version (cuDriverGetVersion: 13000 = CUDA 13.0) into *version. 0 on success, -1 with a
 // message when libcuda does not load. Never aborts.

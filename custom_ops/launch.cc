@@ -189,6 +189,28 @@ bool StreamContext(const Driver& d, CUstream s, CUcontext* ctx, std::string* err
   return true;
 }
 
+// The multiprocessor count of `ctx`'s device, queried once per context and cached (persistent grids).
+bool ContextSmCount(const Driver& d, CUcontext ctx, int32_t* count, std::string* error) {
+  static std::mutex mutex;
+  static std::map<CUcontext, int32_t> counts;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = counts.find(ctx);
+    if (it != counts.end()) return *count = it->second, true;
+  }
+  ContextScope scope(d, ctx);
+  CUdevice dev = 0;
+  CUresult rc = d.CtxGetDevice(&dev);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuCtxGetDevice"), false;
+  int sms = 0;
+  rc = d.DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuDeviceGetAttribute (multiprocessor count)"), false;
+  if (sms <= 0) return *error = "the device reports " + std::to_string(sms) + " multiprocessors", false;
+  std::lock_guard<std::mutex> lock(mutex);
+  counts[ctx] = sms;
+  return *count = sms, true;
+}
+
 }  // namespace
 
 void* DriverSymbol(const char* name, std::string* error) {
@@ -273,6 +295,18 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
   return 0;
 }
 
+int dc_cuda_sm_count(void* stream, int* count) {
+  const dietcode::Driver& d = dietcode::GetDriver();
+  if (!d.ok) return dietcode::Fail(d.error);
+  CUcontext ctx = nullptr;
+  std::string why;
+  if (!dietcode::StreamContext(d, static_cast<CUstream>(stream), &ctx, &why)) return dietcode::Fail(why);
+  int32_t sms = 0;
+  if (!dietcode::ContextSmCount(d, ctx, &sms, &why)) return dietcode::Fail(why);
+  if (count) *count = sms;
+  return 0;
+}
+
 int dc_cuda_driver_version(int* version) {
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return dietcode::Fail(d.error);
@@ -320,23 +354,28 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   }
   // A split-K kernel meets its splits in the caller's workspace, and a kernel with global scratch (TMA
   // descriptors) writes it there too (abi.md): it must be there, large enough and 16-byte aligned (the kernels
-  // are compiled assuming so), or the kernel would write past it.
-  int64_t workspace = 0;
-  {
+  // are compiled assuming so), or the kernel would write past it. A persistent kernel's scratch follows its grid,
+  // which follows the device's SM count: without args->sm_count it is checked once the device is known.
+  dc_launch_args call = *args;
+  auto check_workspace = [&]() -> bool {
+    int64_t workspace = 0;
     std::string why;
-    if (!dietcode::WorkspaceBytes(kernel, *args, &workspace, &why)) return Fail("kernel '" + kernel.name + "': " + why);
-    if (workspace > 0 && (args->workspace == 0 || args->workspace % dietcode::kWorkspaceAlign != 0 ||
-                          args->workspace_bytes < static_cast<uint64_t>(workspace))) {
-      return Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ", global scratch " +
-                  std::to_string(dietcode::KernelScratch(kernel).first) + " B per program) needs a workspace of " +
-                  std::to_string(workspace) + " bytes, 16-byte aligned; the call gives " +
-                  std::to_string(args->workspace_bytes) + " bytes at 0x" + [&] {
-                    char hex[32];
-                    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(args->workspace));
-                    return std::string(hex);
-                  }());
+    if (!dietcode::WorkspaceBytes(kernel, call, &workspace, &why)) return Fail("kernel '" + kernel.name + "': " + why), false;
+    if (workspace > 0 && (call.workspace == 0 || call.workspace % dietcode::kWorkspaceAlign != 0 ||
+                          call.workspace_bytes < static_cast<uint64_t>(workspace))) {
+      char hex[32];
+      std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(call.workspace));
+      Fail("kernel '" + kernel.name + "' (split_k " + std::to_string(kernel.split_k) + ", global scratch " +
+           std::to_string(dietcode::KernelScratch(kernel).first) + " B per program" +
+           (kernel.persistent ? ", " + std::to_string(call.sm_count) + " SMs" : std::string()) +
+           ") needs a workspace of " + std::to_string(workspace) + " bytes, 16-byte aligned; the call gives " +
+           std::to_string(call.workspace_bytes) + " bytes at 0x" + hex);
+      return false;
     }
-  }
+    return true;
+  };
+  const bool needs_sms = kernel.persistent && call.sm_count <= 0;
+  if (!needs_sms && !check_workspace()) return -1;
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return Fail(d.error);
 
@@ -346,6 +385,10 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   if (!dietcode::StreamContext(d, s, &ctx, &why)) return Fail(why);
   dietcode::ContextScope scope(d, ctx);
   CUresult rc = CUDA_SUCCESS;
+  if (needs_sms) {
+    if (!dietcode::ContextSmCount(d, ctx, &call.sm_count, &why)) return Fail(why);
+    if (!check_workspace()) return -1;
+  }
 
   CUfunction fn = nullptr;
   uint32_t shared = 0;
@@ -365,14 +408,12 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
     image_index = it->second.image_index;
   }
 
-  // Grid rule of the ABI: (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention kernels
-  // (ceil(seq_q/BLOCK_M), 1, batch heads); CallFit (above) has checked that it is within the grid limits and
-  // that the sizes are positive.
+  // Grid rule of the ABI (LaunchGrid): (ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch), for attention
+  // kernels (ceil(seq_q/BLOCK_M), 1, batch heads), for persistent kernels (min(tiles x batch, SMs x n), 1, 1);
+  // CallFit (above) has checked that it is within the grid limits and that the sizes are positive.
   const int64_t batch = args->batch > 0 ? args->batch : 1;
-  const bool attention = dietcode::KernelView(kernel) == dietcode::kViewAttention;
-  const int64_t tiles = attention ? (int64_t{args->seq_q} + kernel.block_m - 1) / kernel.block_m
-                                  : ((int64_t{args->M} + kernel.block_m - 1) / kernel.block_m) *
-                                        ((int64_t{args->N} + kernel.block_n - 1) / kernel.block_n);
+  uint32_t grid[3] = {1, 1, 1};
+  dietcode::LaunchGrid(kernel, call, grid);
 
   uint64_t ptrs[dietcode::kParamCount] = {};
   int32_t ints[dietcode::kParamCount] = {};
@@ -390,7 +431,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   }
   {  // global scratch (TMA descriptors): after the split-K part, aligned up (abi.md); null for an image without
     std::string why;
-    if (!dietcode::ScratchPointer(kernel, image_index, *args, &scratch[0], &why)) {
+    if (!dietcode::ScratchPointer(kernel, image_index, call, &scratch[0], &why)) {
       return Fail("kernel '" + kernel.name + "': " + why);
     }
   }
@@ -398,13 +439,12 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   params[n_params++] = &scratch[1];
 
   if (kernel.split_k > 1) {  // the counters (one int32 per tile and batch) follow the partial tiles
-    const uint64_t counters = static_cast<uint64_t>(tiles) * static_cast<uint64_t>(batch);
+    const uint64_t counters = static_cast<uint64_t>(grid[0]) * static_cast<uint64_t>(batch);
     const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
     rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, s);
     if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the split-K counters)"));
   }
-  rc = d.LaunchKernel(fn, static_cast<unsigned>(tiles), kernel.split_k, static_cast<unsigned>(batch),
-                      kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);
+  rc = d.LaunchKernel(fn, grid[0], grid[1], grid[2], kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");
   return 0;
 }

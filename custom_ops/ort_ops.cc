@@ -561,6 +561,13 @@ class DietcodeKernel {
       VendorCuda(raw, in, shapes, n_in, residual, out, why);
     };
     ScratchBuffer workspace;
+    // A persistent kernel's grid, hence its global scratch, follows the device's SM count (cached per context):
+    // the workspace is sized for the grid dc_launch_fit launches. Without it (no driver answer) the workspace is
+    // sized for one program per tile, the most any grid takes.
+    if (dc_bundle_kernel_persistent(bundle_.get(), k) > 0) {
+      int sms = 0;
+      if (dc_cuda_sm_count(ctx.GetGPUComputeStream(), &sms) == 0) args.sm_count = sms;
+    }
     const int64_t workspace_bytes = dc_kernel_workspace_bytes(bundle_.get(), k, &args);
     if (workspace_bytes != 0) {
       std::string error;

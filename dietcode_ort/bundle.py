@@ -28,8 +28,9 @@ DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
 MAGIC = b"DCBUNDLE"
 # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
 # 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX; 5: alpha;
-# 6: split-K kernels take a workspace (param 28), the zero_output flag is refused
-VERSION = 6
+# 6: split-K kernels take a workspace (param 28), the zero_output flag is refused; 7: the kernel record's byte
+# after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile)
+VERSION = 7
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -71,7 +72,7 @@ LIMITS: dict[str, int] = {
     "features": 64, "terms": 8, "inputs": 8, "dim": 8, "name": 256, "kernels": 1024, "params": 32,
     "images": 16, "image_bytes": 64 << 20, "ptx_bytes": 64 << 20, "nodes": 1 << 16, "block": 4096,
     "split_k": 1024, "shared": 1 << 20, "total_bytes": 1 << 30, "toolchain_name": 64, "ptx_isa": 999,
-    "driver": 999999, "scratch": 1 << 16, "scratch_align": 1024,
+    "driver": 999999, "scratch": 1 << 16, "scratch_align": 1024, "persistent": 8,
 }
 
 
@@ -161,6 +162,9 @@ class BundleKernel:
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
     layout: int = 0
+    # gemm / bmm kernels only: n > 0 for a persistent kernel, launched as min(tiles x batch, SMs x n) programs
+    # that loop over the tiles (docs/abi.md); 0: one program per tile and split
+    persistent: int = 0
     # params the kernel was compiled to assume 16-byte aligned (pointers) or multiples of 16 (ints);
     # the runtime checks them per call and runs ORT's kernel instead when one does not hold
     div16: tuple[str, ...] = ()
@@ -256,6 +260,7 @@ class BundleKernel:
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k),
                    causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
+                   persistent=int(getattr(getattr(first, "config", None), "persistent", 0)),
                    layout=sum(1 << i for i, name in enumerate(LAYOUT_CONSTEXPRS)
                               if dict(getattr(first, "constants", ())).get(name, False)),
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
@@ -271,7 +276,7 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.tf32 or self.layout or self.image_toolchains or self.image_scratch
+                    or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -283,6 +288,13 @@ class BundleKernel:
                 raise _fail(f"{where}: {attr} {getattr(self, attr)} outside 1..{LIMITS['block']}")
         if not 1 <= self.split_k <= LIMITS["split_k"]:
             raise _fail(f"{where}: split_k {self.split_k} outside 1..{LIMITS['split_k']}")
+        if not isinstance(self.persistent, int) or not 0 <= self.persistent <= LIMITS["persistent"]:
+            raise _fail(f"{where}: persistent {self.persistent!r} programs per SM outside 0..{LIMITS['persistent']}")
+        if self.persistent and (self.split_k != 1 or "seq_q" in self.params or "img_h" in self.params):
+            raise _fail(f"{where}: persistent applies to gemm and bmm kernels with split_k 1 (split_k "
+                        f"{self.split_k}, params {', '.join(self.params)})")
+        if self.persistent and "stride_a_batch" in self.params and "batch" not in self.params:
+            raise _fail(f"{where}: a persistent bmm kernel takes the 'batch' param (it loops over the batch)")
         if self.causal and "seq_q" not in self.params:
             raise _fail(f"{where}: causal applies to attention kernels only")
         if self.tf32 and self.dtype != "float32":
@@ -733,7 +745,7 @@ class Bundle:
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
             body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),
-                                int(k.trans_b), 0, *(k.conv or (0,) * len(CONV_FIELDS)), k.alpha)
+                                int(k.trans_b), k.persistent, *(k.conv or (0,) * len(CONV_FIELDS)), k.alpha)
             body += struct.pack("<I", len(name)) + name
             body += struct.pack("<I", len(k.params)) + bytes(PARAM_NAMES.index(p) for p in k.params)
             body += struct.pack("<I", len(k.images))

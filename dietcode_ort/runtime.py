@@ -158,7 +158,7 @@ class LaunchArgs(ctypes.Structure):
         (n, ctypes.c_uint64) for n in ("q", "k", "v", "mask", "out")] + [
         (n, ctypes.c_int32) for n in ("seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
                                       "stride_mask_k")] + [
-        (n, ctypes.c_uint64) for n in ("workspace", "workspace_bytes")]
+        (n, ctypes.c_uint64) for n in ("workspace", "workspace_bytes")] + [("sm_count", ctypes.c_int32)]
 
 
 class KernelMeta(ctypes.Structure):
@@ -261,6 +261,8 @@ class Core:
         lib.dc_kernel_fit.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
         lib.dc_kernel_workspace_bytes.restype = ctypes.c_int64
         lib.dc_kernel_workspace_bytes.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs)]
+        lib.dc_kernel_grid.argtypes = [vp, i32, ctypes.POINTER(LaunchArgs), ctypes.POINTER(ctypes.c_uint32)]
+        lib.dc_cuda_sm_count.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
         lib.dc_fit_name.restype = ctypes.c_char_p
         lib.dc_bundle_image_shared.restype = ctypes.c_int64
         lib.dc_bundle_image_shared.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int]
@@ -471,6 +473,14 @@ class Core:
             raise DietcodeError(self.error())
         return version.value
 
+    def sm_count(self, stream: int | None = None) -> int:
+        """The multiprocessor count of ``stream``'s device (None: the current context's), which sizes persistent
+        kernels' grids (``dc_cuda_sm_count``, cached per context); DietcodeError without a driver or context."""
+        count = ctypes.c_int()
+        if self.lib.dc_cuda_sm_count(stream, ctypes.byref(count)):
+            raise DietcodeError(self.error())
+        return count.value
+
 
 def _bind_reading(lib: ctypes.CDLL) -> None:
     """Signatures of the reading accessors (custom_ops/bundle_read.cc)."""
@@ -492,6 +502,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_tf32.argtypes = [vp, i32]
     lib.dc_bundle_kernel_layout.argtypes = [vp, i32]
     lib.dc_bundle_kernel_layout.restype = i32
+    lib.dc_bundle_kernel_persistent.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_persistent.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -610,15 +622,15 @@ class CoreBundle:
         if lib.dc_bundle_kernel_alpha(h, k, ctypes.byref(alpha)):
             raise DietcodeError(self.core.error())
         causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
-        layout = lib.dc_bundle_kernel_layout(h, k)
-        if causal < 0 or tf32 < 0 or layout < 0:
+        layout, persistent = lib.dc_bundle_kernel_layout(h, k), lib.dc_bundle_kernel_persistent(h, k)
+        if causal < 0 or tf32 < 0 or layout < 0 or persistent < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
-            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout,
+            split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout, persistent=persistent,
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
@@ -714,6 +726,22 @@ class CoreBundle:
         if r < 0:
             raise DietcodeError(self.core.error())
         return int(r)
+
+    def persistent(self, k: int) -> int:
+        """Kernel k's programs per SM (``dc_bundle_kernel_persistent``): 0 for one program per tile."""
+        r = self.core.lib.dc_bundle_kernel_persistent(self.handle, k)
+        if r < 0:
+            raise DietcodeError(self.core.error())
+        return int(r)
+
+    def grid(self, k: int, args: LaunchArgs) -> tuple[int, int, int]:
+        """The launch grid of one call of kernel k with ``args`` (``dc_kernel_grid``: the ABI's grid rule; a
+        persistent kernel's follows ``args.sm_count``, 0 for one program per tile); DietcodeError for a call
+        that does not fit or the vendor kind."""
+        grid = (ctypes.c_uint32 * 3)()
+        if self.core.lib.dc_kernel_grid(self.handle, k, ctypes.byref(args), grid):
+            raise DietcodeError(self.core.error())
+        return grid[0], grid[1], grid[2]
 
     def image_shared(self, k: int, major: int, minor: int) -> int:
         """The shared memory bytes kernel k launches with on a device of compute capability major.minor

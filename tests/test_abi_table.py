@@ -81,14 +81,14 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     first, attention, last = core_names[:16], core_names[16:28], core_names[28:]
     assert fields == ([p for p in first if p in POINTERS] + ["c_bytes"] + [p for p in first if p not in POINTERS]
                       + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS]
-                      + list(last) + ["workspace_bytes"])
+                      + list(last) + ["workspace_bytes", "sm_count"])
     for name, ctype in LaunchArgs._fields_:
         assert ctype is (ctypes.c_uint64 if name in POINTERS or name in ("c_bytes", "workspace_bytes")
                          else ctypes.c_int32), name
     # 4 added the residual pointer, 5 the attention fields: each grew the struct, so the ABI version says so
     # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace and the kernel causal
-    # accessor)
-    assert load_core().lib.dc_abi_version() == 7
+    # accessor; 8 the device's SM count for persistent grids, last)
+    assert load_core().lib.dc_abi_version() == 8
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

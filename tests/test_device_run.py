@@ -239,7 +239,7 @@ def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> No
     from tuner.space import Family, enumerate_space
 
     space = len(enumerate_space(Family("gemm", "float16", "sm_90")))  # every config, split-K ones too
-    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == space == 1007  # 713 + 294 TMA twins
+    assert [d["configs"] for d in meta["done"]] == [1, 1] and meta["done"][0]["space"] == space == 1229  # 713 + 294 TMA twins + 222 persistent
     record_table.record(record_table.attention_sets(2)[:1], tmp_path, measure="analytic", max_configs=2,
                         command="second")
     meta = json.loads((tmp_path / "table.json").read_text())

@@ -48,6 +48,12 @@ def _seeds() -> list[bytes]:
                       DispatchTree.single(0)).to_bytes())
     out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64),),
                       DispatchTree.single(0)).to_bytes())
+    # persistent kernels (the record's programs-per-SM byte): a gemm, and a TMA bmm, which takes the batch
+    bmm = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")
+    out.append(Bundle((Feature("M", ((0, 0),)),),
+                      (_kernel("pg", persistent=2), _kernel("pb", persistent=1, params=bmm, div16=("a", "b"),
+                                                            image_scratch=((256, 128), (0, 1)))),
+                      DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
 

@@ -49,12 +49,14 @@ from tuner.space import (DEFAULT_FP32_PRECISION, FP32_PRECISIONS, Family, MicroK
                          check_fp32_precision, uses_tf32)
 from tuner.workload import ConvParams, Epilogue
 
-__all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "compile_kernel", "compile_many",
+__all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "PERSISTENT_GRID_RULE", "compile_kernel", "compile_many",
            "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash", "aot_hash",
            "shipped_div16", "tma_div16", "check_scratch", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes", "FP32_PRECISIONS",
            "DEFAULT_FP32_PRECISION", "check_fp32_precision", "uses_tf32"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
+# a persistent kernel (MicroKernel.persistent = n programs per SM): grid = (min(tiles_mn * batch, SMs * n), 1, 1)
+PERSISTENT_GRID_RULE = "min(tiles_mn*batch,sms*persistent),1,1"
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
@@ -296,6 +298,9 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
         constants["HAS_RESIDUAL"] = epilogue.residual
     if family.op in ("gemm", "bmm"):
         constants["USE_TMA"] = bool(config.tma)
+        constants["PERSISTENT"] = bool(config.persistent)
+    if family.op == "bmm" and not config.persistent:  # a persistent bmm loops over the batch: it takes it
+        constants["batch"] = 1
     if not epilogue.bias:
         constants["bias"] = None
     if "residual" in fn.arg_names and not epilogue.residual:
@@ -459,7 +464,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         scratch_params=True, num_warps=md.num_warps, shared=md.shared,
         global_scratch_size=md.global_scratch_size, profile_scratch_size=md.profile_scratch_size,
         global_scratch_align=scratch_align if md.global_scratch_size else 1,
-        config=config, family=family, grid=GRID_RULE,
+        config=config, family=family, grid=PERSISTENT_GRID_RULE if config.persistent else GRID_RULE,
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,

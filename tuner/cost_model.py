@@ -11,6 +11,9 @@
   filled to fraction r, costs ``r ** alpha`` of a full wave. alpha = 0 is the plain formula above (a
   partial wave costs a whole wave), alpha = 1 ignores wave quantization. alpha is *fitted per device* from
   measurements (``calibrate_device``) and stored with the model; it is never a copied constant.
+  A persistent config (n programs per SM, each looping over tiles) fills num_SMs x min(n, resident blocks)
+  slots and its partial last round costs ``r ** tail_alpha``, halfway from alpha to 1 (``tail_alpha``): no
+  per-tile launch or prologue, but whole tiles still.
 - A fixed per-launch latency (seconds, also fitted per device) is added to every prediction: small
   problems on a fast GPU are dominated by it, and leaving it in the label would make f_MK depend on the
   shape.
@@ -39,14 +42,30 @@ from tuner.hardware import HardwareProfile, resident_blocks
 from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared, wgmma_eligible
 from tuner.workload import Problem
 
-__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "useful_flops", "launches",
+__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "tail_alpha", "useful_flops", "launches",
            "workspace_bytes_moved", "operand_bytes_moved",
            "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
            "AnalyticCostModel", "LearnedCostModel", "load_model"]
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
-_MODEL_MAGIC = "dietcode-cost-model-v2"  # v2: kernel_features gained "wgmma" (older regressors take 13)
+_MODEL_MAGIC = "dietcode-cost-model-v3"  # v2: kernel_features gained "wgmma" (older regressors take 13); v3:
+# "persistent" (they take 14)
+
+
+def tail_alpha(config: MicroKernel, alpha: float) -> float:
+    """The partial-wave exponent of ``config``: ``alpha`` (fitted per device), or for a persistent config
+    (n programs per SM looping over tiles) halfway from it to 1 (no quantization at all). A persistent program
+    starts its next tile as soon as its own previous one ends, with no CTA to retire and launch and no
+    per-tile prologue (a TMA program makes its descriptors once), so the last round's tail is partly
+    hidden; but it still computes whole tiles, ceil(tiles / programs) of them for the busiest program, so
+    the tail is not gone: only half of what the fitted exponent says a partial wave saves is credited."""
+    return (1.0 + alpha) / 2.0 if config.persistent else alpha
+
+
+def _slots_per_sm(config: MicroKernel, blocks_per_sm: int) -> int:
+    """Programs one SM runs at once: its resident blocks, or a persistent config's n if fewer."""
+    return min(blocks_per_sm, config.persistent) if config.persistent else blocks_per_sm
 
 
 def _roundup(value: int, multiple: int) -> int:
@@ -131,10 +150,10 @@ def adapt_terms(config: MicroKernel, problem: Problem, profile: HardwareProfile,
     padding = (problem.m / _roundup(problem.m, bm)) * (problem.n / _roundup(problem.n, bn)) \
         * (problem.k / _roundup(problem.k, bk))
     tiles = (-(-problem.m // bm)) * (-(-problem.n // bn)) * problem.batch * config.split_k
-    slots = profile.num_sms * blocks_per_sm
+    slots = profile.num_sms * _slots_per_sm(config, blocks_per_sm)
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)  # fill of the last wave, in (0, 1]
-    occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
+    occupancy = (tiles / slots) / ((waves - 1) + last ** tail_alpha(config, alpha))
     operands = operand_bytes_moved(config, problem, dtype)
     reduction = operands / (operands + workspace_bytes_moved(config, problem))
     return AdaptTerms(padding, tiles, waves, occupancy, padding * occupancy * reduction, reduction)
@@ -153,16 +172,18 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
     cfg = np.array([[c.block_m, c.block_n, c.block_k * c.split_k, c.split_k] for c in configs],
                    dtype=np.float64).reshape(-1, 4)
     bps = np.array([blocks_per_sm(c, profile, dtype) for c in configs], dtype=np.float64)
+    per_sm = np.array([_slots_per_sm(c, blocks_per_sm(c, profile, dtype)) for c in configs], dtype=np.float64)
+    tail = np.array([tail_alpha(c, alpha) for c in configs], dtype=np.float64)[:, None]
     prb = np.array([[p.m, p.n, p.k, p.batch] for p in problems], dtype=np.float64).reshape(-1, 4)
     bm, bn, bk, sk = (cfg[:, i:i + 1] for i in range(4))
     m, n, k, b = (prb[:, i][None, :] for i in range(4))
     tm, tn, tk = np.ceil(m / bm), np.ceil(n / bn), np.ceil(k / bk)
     padding = (m / (tm * bm)) * (n / (tn * bn)) * (k / (tk * bk))
     tiles = tm * tn * b * sk
-    slots = np.maximum(profile.num_sms * bps, 1.0)[:, None]
+    slots = np.maximum(profile.num_sms * per_sm, 1.0)[:, None]
     waves = np.ceil(tiles / slots)
     last = tiles / slots - (waves - 1)
-    occupancy = (tiles / slots) / ((waves - 1) + last ** alpha)
+    occupancy = (tiles / slots) / ((waves - 1) + last ** tail)
     operands = tm * tn * b * (bm + bn) * tk * bk * DTYPE_BYTES[dtype]  # operand_bytes_moved
     moved = np.where(sk > 1, tm * tn * b * (2 * sk - 1) * bm * bn * 4.0, 0.0)  # workspace_bytes_moved
     reduction = operands / (operands + moved)
@@ -171,7 +192,7 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
 
 FEATURE_NAMES = ("log2_block_m", "log2_block_n", "log2_block_k", "num_warps", "num_stages", "log2_group_m",
                  "log2_split_k", "threads", "log2_shared", "registers", "tile_intensity",
-                 "acc_per_thread", "blocks_per_sm", "wgmma")
+                 "acc_per_thread", "blocks_per_sm", "wgmma", "persistent")
 
 
 def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dtype: str,
@@ -181,7 +202,8 @@ def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dt
     tile_intensity is the FLOPs per byte of one BLOCK_K step of the tile (2*BM*BN*BK over the A and B
     tile bytes); acc_per_thread is the fp32 accumulator share of each thread; wgmma is 1 when Triton
     lowers the config's dot to Hopper's warpgroup MMA on this target (``space.wgmma_eligible``), 0 for
-    mma.sync or no tensor core: on sm_90 the two run at different peak rates.
+    mma.sync or no tensor core: on sm_90 the two run at different peak rates; persistent is the programs per
+    SM of a persistent config (0: one program per tile), whose tiles skip the per-CTA launch and prologue.
     """
     rows = []
     for c in configs:
@@ -193,7 +215,7 @@ def kernel_features(configs: Sequence[MicroKernel], profile: HardwareProfile, dt
                      estimate_registers(c, dtype, profile.warp_size),
                      2.0 * c.block_m * c.block_n * c.block_k / tile_bytes,
                      c.block_m * c.block_n / threads, blocks_per_sm(c, profile, dtype),
-                     float(wgmma_eligible(c, dtype, profile, tf32=tf32))])
+                     float(wgmma_eligible(c, dtype, profile, tf32=tf32)), float(c.persistent)])
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURE_NAMES))
 
 
@@ -205,8 +227,9 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
     f_MK depends on the config only, so for the right (alpha, latency) the label
     useful FLOPs / (seconds - latency) / f_adapt of one config is the same on every problem: pick the pair
     on a grid (alpha over [0, 1], latency over [0, 0.95 x the fastest measurement per launch]) that minimizes the
-    within-config variance of log(label). Returns None when fewer than ``min_configs`` configs were
-    measured on two or more problems (not enough evidence; keep the previous values).
+    within-config variance of log(label), over the configs without persistence when at least ``min_configs`` of
+    them qualify. Returns None when fewer than ``min_configs`` configs were measured on two or more problems
+    (not enough evidence; keep the previous values).
     """
     by_config: dict[MicroKernel, list[tuple[Problem, float]]] = {}
     for (config, problem), sec in zip(pairs, seconds):
@@ -215,6 +238,11 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
     groups = {c: rows for c, rows in by_config.items() if len({p for p, _ in rows}) >= 2}
     if len(groups) < min_configs:
         return None
+    # alpha is fitted where the tail shows whole: on one-program-per-tile configs when there are enough (a
+    # persistent config's exponent, tail_alpha, moves half as much with alpha, so its noise would dominate)
+    plain = {c: rows for c, rows in groups.items() if not c.persistent}
+    if len(plain) >= min_configs:
+        groups = plain
     fastest = min(s / launches(c) for c, rows in groups.items() for _, s in rows)
     latencies = np.linspace(0.0, 0.95 * fastest, 20)
     loss = np.zeros((len(_ALPHA_GRID), len(latencies)))
@@ -224,11 +252,12 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
         secs = np.array([s for _, s in rows])
         flops = np.array([useful_flops(p) for p, _ in rows])
         terms = [adapt_terms(config, p, profile, bps, dtype=dtype) for p, _ in rows]
-        fill = np.array([t.tiles / (profile.num_sms * bps) for t in terms])  # fractional waves
+        fill = np.array([t.tiles / (profile.num_sms * _slots_per_sm(config, bps)) for t in terms])  # fractional waves
         waves = np.array([t.waves for t in terms], dtype=np.float64)
         padding = np.array([t.padding * t.reduction for t in terms])
         last = fill - (waves - 1)
-        occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** _ALPHA_GRID[:, None])  # [alpha, row]
+        exponents = (1.0 + _ALPHA_GRID) / 2.0 if config.persistent else _ALPHA_GRID  # tail_alpha over the grid
+        occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** exponents[:, None])  # [alpha, row]
         busy = secs[None, :] - launches(config) * latencies[:, None]  # [latency, row]
         logs = (np.log(flops)[None, None, :] - np.log(busy)[None, :, :]
                 - np.log(np.maximum(padding[None, :] * occupancy, 1e-12))[:, None, :])  # [alpha, latency, row]

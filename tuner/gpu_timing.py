@@ -297,6 +297,8 @@ class CudaBackend(TimingBackend):
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":
             return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
+        if bundle.persistent(0):  # the grid dc_launch runs, its scratch sized as the custom op sizes it
+            args.sm_count = core.sm_count(self._stream)
         workspace = bundle.workspace_bytes(0, args)  # split-K, TMA scratch: what the custom op allocates per call
         if workspace:
             args.workspace, args.workspace_bytes = self._buffer("workspace", workspace), workspace

@@ -30,6 +30,11 @@ BLOCK_K x SPLIT_K). The call takes
   SPLIT_K of them, tuner/templates.py ``_split_k_reduce``) at the device's bandwidth.
 - ``reduce``: split-K's last split of a tile reads the SPLIT_K partials and writes the output after every split
   has stored its partial, on one SM at the per-SM cap: a serial tail no other program hides.
+- persistent configs (``MicroKernel.persistent``, sm_90): the same tiles on the same SMs, so the same terms,
+  except that the busiest SM's partial last round is credited half its saving: it runs
+  ceil(T) - ``PERSISTENT_TAIL_CREDIT`` x (ceil(T) - T) tiles' worth of MMAs, issue and bytes for T = G / SMs,
+  since its programs load their next tile while others finish (no per-tile launch or prologue) but still
+  finish whole tiles. An assumption, as the learned model's ``cost_model.tail_alpha`` credit is.
 - ``launch``: ``LAUNCH_SECONDS`` per call, plus ``MEMSET_SECONDS`` under split-K for zeroing the tile counters
   (the launcher's cuMemsetD8Async of 4 bytes per tile on the kernel's stream), which is one more command the
   GPU's front end dispatches, not another kernel launch.
@@ -58,13 +63,14 @@ from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
 __all__ = ["RooflineTerms", "roofline", "SM_BANDWIDTH_FACTOR", "LAUNCH_SECONDS", "MEMSET_SECONDS",
-           "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION"]
+           "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION", "PERSISTENT_TAIL_CREDIT"]
 
-MODEL_VERSION = 2  # part of the analytic measurer's device key: answers of another version are not reused
+MODEL_VERSION = 3  # part of the analytic measurer's device key: answers of another version are not reused
 SM_BANDWIDTH_FACTOR = 2.0
 LAUNCH_SECONDS = 3e-6
 MEMSET_SECONDS = 0.5e-6
 POINTER_LOAD_INSTRUCTIONS = 2  # warp instructions per 16-byte chunk a warp copies: cp.async + pointer add
+PERSISTENT_TAIL_CREDIT = 0.5  # share of the partial last round a persistent config saves (an assumption)
 TMA_LOAD_INSTRUCTIONS = 2  # per BLOCK_K step: one cp.async.bulk.tensor for A and one for B, from one thread
 _SCHEDULERS = 4  # warp schedulers (partitions, one tensor core each) per SM: [CG], cc 8.x and 9.0
 _CHUNK = 16  # bytes per cp.async
@@ -105,6 +111,9 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     programs = tiles * split
     busy = min(programs, sms)
     per_sm = math.ceil(programs / sms)
+    rounds: float = per_sm  # the busiest SM's tiles' worth of work
+    if config.persistent:
+        rounds = per_sm - PERSISTENT_TAIL_CREDIT * (per_sm - programs / sms)
     k_steps = math.ceil(problem.k / (bk * split))
     concurrent = min(per_sm, blocks_per_sm)
     warps = config.num_warps * concurrent
@@ -116,15 +125,15 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     pointer_issue = POINTER_LOAD_INSTRUCTIONS * step_bytes / (_CHUNK * profile.warp_size) / min(_SCHEDULERS, warps)
     tma = config.tma and profile.wgmma  # TMA is sm_90's (the space offers it nowhere else)
     issue_cycles = min(pointer_issue, float(TMA_LOAD_INSTRUCTIONS)) if tma else pointer_issue
-    mma = per_sm * k_steps * mma_cycles / clock
-    issue = per_sm * k_steps * issue_cycles / clock
+    mma = rounds * k_steps * mma_cycles / clock
+    issue = rounds * k_steps * issue_cycles / clock
 
     cap = SM_BANDWIDTH_FACTOR * profile.dram_bandwidth_gbs * 1e9 / sms
     partial = bm * bn * 4.0  # an fp32 partial tile in the split-K workspace
     program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)
     reduce_bytes = split * partial + bm * bn * elem if split > 1 else 0.0
     reductions = math.ceil(tiles / sms) if split > 1 else 0  # on the busiest SM
-    sm_memory = (per_sm * program_bytes + max(reductions - 1, 0) * reduce_bytes) / cap
+    sm_memory = (rounds * program_bytes + max(reductions - 1, 0) * reduce_bytes) / cap
 
     operands = (problem.m * problem.k + problem.k * problem.n + problem.m * problem.n) * elem * problem.batch
     workspace = 2.0 * tiles * split * partial if split > 1 else 0.0

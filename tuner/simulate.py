@@ -11,7 +11,8 @@ The model, deterministic under ``seed``:
   returns (num_stages), BLOCK_K of 16 or 128 is slightly worse than 32/64, and each kernel has its own log-normal "implementation luck" (sigma 0.12);
 - per-problem time: the tiles run in waves of num_SMs x resident blocks; a partial last wave filled to
   fraction r costs r ** 0.55 of a full one (the true partial-wave exponent the cost model should
-  recover); K is padded to BLOCK_K x SPLIT_K; each split-K program also moves its share of the fp32
+  recover; a persistent config's tail costs r ** ((1 + 0.55) / 2), cost_model.tail_alpha, over SMs x min(its
+  programs per SM, resident blocks) slots); K is padded to BLOCK_K x SPLIT_K; each split-K program also moves its share of the fp32
   workspace (its partial tile written, and (SPLIT_K - 1) / SPLIT_K partials read on average) at its SM's
   share of DRAM bandwidth; a memory roofline with operand re-reads per tile row/column (L2 absorbs most of
   them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's counter memset is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.cost_model import blocks_per_sm, peak_flops
+from tuner.cost_model import blocks_per_sm, peak_flops, tail_alpha
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
@@ -87,10 +88,10 @@ def simulate_seconds(config: MicroKernel, problem: Problem, profile: HardwarePro
         if config.split_k > 1 else 0.0  # bytes per program
     wave = bps * (2.0 * config.block_m * config.block_n * kpad / per_sm
                   + workspace * profile.num_sms / (profile.dram_bandwidth_gbs * 1e9))
-    slots = profile.num_sms * bps
+    slots = profile.num_sms * (min(bps, config.persistent) if config.persistent else bps)
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)
-    compute = wave * ((waves - 1) + last ** TRUE_WAVE_ALPHA)
+    compute = wave * ((waves - 1) + last ** tail_alpha(config, TRUE_WAVE_ALPHA))
     elem = DTYPE_BYTES[dtype]
     reads = (problem.m * problem.k * -(-problem.n // config.block_n)
              + problem.k * problem.n * -(-problem.m // config.block_m)) / _L2_REUSE

@@ -32,6 +32,20 @@ cover in a handful of rounds):
   twin and the tuner measures which loads a shape prefers. A TMA kernel is compiled assuming a, b, K and N (and
   the batch strides) divisible by 16 (``aot.tma_div16``: TMA needs 16-byte aligned bases and row strides), so a
   call breaking one runs the vendor path. Its key ends in ``t`` (``m64n64k64w4s3g8k1t``); other keys are as before.
+- persistent in {0, 1, 2} on sm_90 (0 elsewhere): n > 0 is a persistent kernel (``templates.gemm_kernel``'s
+  PERSISTENT): the launcher runs min(tiles x batch, SMs x n) programs (n programs per SM, from the device's SM
+  count at run time) and each loops over tiles pid, pid + programs, ... in the grouped order, instead of one
+  program per tile. What that saves is per-tile work outside the K loop: launching and retiring a CTA, its
+  prologue (for a TMA config, making its two tensor descriptors in global scratch and fencing them, once per
+  program instead of once per tile, and 256 B of scratch per program instead of per tile), and part of the
+  last wave's tail, since a program starts its next tile as soon as its own previous one ends. Rule
+  ``persistent`` keeps exactly one persistent twin of each TMA config without split-K (split-K exists to make
+  *more* programs; a persistent kernel makes fewer): the TMA configs are where the per-tile prologue is largest
+  (descriptor creation) and the wgmma tiles are large (few tiles per wave), and twinning only them keeps the
+  sm_90 16-bit spaces at +222 configs (twins of the pointer-load wgmma configs too would add 444). Its n is the
+  number of its blocks the register and shared memory estimates fit on one SM, capped at 2
+  (``persistent_programs``): one for the big tiles that fill an SM, two for smaller ones, so that one program's
+  epilogue overlaps the other's main loop. Its key adds ``p<n>`` (``m128n128k64w8s4g8k1tp1``).
 
 Pruning rules, each counted in ``prune_report`` (a config is charged to the first rule it fails):
 - ``threads``: num_warps * warp_size <= max_threads_per_block.
@@ -64,24 +78,29 @@ Pruning rules, each counted in ``prune_report`` (a config is charged to the firs
   mma.sync decode tiles with BLOCK_N = 256 that spill under any epilogue.
 - ``tma`` (sm_90 only): tma = 1 only on a gemm or bmm config that uses wgmma (``wgmma_eligible``; so 16-bit
   types and float32 in tf32 precision, never ieee float32).
+- ``persistent`` (sm_90 only): persistent = n > 0 only on a TMA config with split_k 1 and n =
+  ``persistent_programs`` (see the axis above).
 
 ``compile_filter`` then compiles candidates (``tuner.aot``) and drops those whose real metadata breaks a
 limit (``shared`` > smem_per_block_optin, register spills > 0).
 
-Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 9600 on sm_90 with its fifth
-stage and the tma axis; gemm and bmm share a space, conv's gather costs registers; tests/test_space.py checks
-this table against the code). Before split-K went to every dtype (and before the ``wgmma`` rule) they were
-591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and 624 / 350 / 91 (sm_90). sm_90's
-float16 gemm space is 1007 configs (713 before the tma axis): 294 wgmma configs with pointer loads, their 294
-TMA twins and 419 mma.sync decode tiles (BLOCK_M <= 32); 444 are split-K, 72 + 72 of them wgmma (64x64 tiles
-on 4 warps). The float32 spaces depend on ``fp32_precision`` (``enumerate_space``), on sm_90 only: an ieee dot
-runs on the FMA units, so its space keeps every target's rules (no fifth stage, no TMA: 811 configs); a tf32 dot
-(optimize's default, as ONNX Runtime's CUDA EP) uses wgmma like a 16-bit one, so its space follows the same
-``wgmma`` and ``tma`` rules: 1109 configs, 319 wgmma configs with pointer loads (66 of them with the fifth
-stage), their 319 TMA twins and 471 mma.sync decode tiles; 507 are split-K, 84 + 84 of them wgmma. fp32's
-4-byte elements leave BLOCK_K = 16 in (k_bytes) and fill shared memory sooner, so its counts differ from
-float16's. A tf32 conv space gets the wgmma rule but no TMA (441 configs against ieee's 429). Elsewhere the
-precision changes nothing (sm_80 and sm_89 have neither wgmma nor TMA). The conv spaces have no TMA configs:
+Measured sizes of ``enumerate_space`` per family (of 3600 axis combinations, 28800 on sm_90 with its fifth
+stage and the tma and persistent axes; gemm and bmm share a space, conv's gather costs registers;
+tests/test_space.py checks this table against the code). Before split-K went to every dtype (and before the
+``wgmma`` rule) they were 591 / 335 / 90 (sm_80 gemm f32 / f16 / conv f16), 460 / 269 / 81 (sm_89) and
+624 / 350 / 91 (sm_90). sm_90's float16 gemm space is 1229 configs (713 before the tma axis, 1007 before the
+persistent one): 294 wgmma configs with pointer loads, their 294 TMA twins, the 222 persistent twins of the TMA
+ones without split-K (77 with one program per SM, 145 with two) and 419 mma.sync decode tiles (BLOCK_M <= 32);
+444 are split-K, 72 + 72 of them wgmma (64x64 tiles on 4 warps). The float32 spaces depend on
+``fp32_precision`` (``enumerate_space``), on sm_90 only: an ieee dot runs on the FMA units, so its space keeps
+every target's rules (no fifth stage, no TMA, no persistent twins: 811 configs); a tf32 dot (optimize's
+default, as ONNX Runtime's CUDA EP) uses wgmma like a 16-bit one, so its space follows the same ``wgmma``,
+``tma`` and ``persistent`` rules: 1344 configs, 319 wgmma configs with pointer loads (66 of them with the fifth
+stage), their 319 TMA twins, 235 persistent twins (89 with one program per SM) and 471 mma.sync decode tiles;
+507 are split-K, 84 + 84 of them wgmma. fp32's 4-byte elements leave BLOCK_K = 16 in (k_bytes) and fill shared
+memory sooner, so its counts differ from float16's. A tf32 conv space gets the wgmma rule but no TMA (441
+configs against ieee's 429). Elsewhere the precision changes nothing (sm_80 and sm_89 have neither wgmma nor
+TMA). The conv spaces have no TMA or persistent configs:
 
     target  op    f32-tf32  f32-ieee  float16  bfloat16
     sm_80   gemm       770       770      710       710
@@ -90,8 +109,8 @@ precision changes nothing (sm_80 and sm_89 have neither wgmma nor TMA). The conv
     sm_89   gemm       605       605      587       587
     sm_89   bmm        605       605      587       587
     sm_89   conv       374       374      246       246
-    sm_90   gemm      1109       811     1007      1007
-    sm_90   bmm       1109       811     1007      1007
+    sm_90   gemm      1344       811     1229      1229
+    sm_90   bmm       1344       811     1229      1229
     sm_90   conv       441       429      283       283
 """
 from __future__ import annotations
@@ -104,7 +123,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dietcode_ort.errors import DietcodeError
-from tuner.hardware import HardwareProfile, TARGETS, get_profile
+from tuner.hardware import HardwareProfile, TARGETS, get_profile, resident_blocks
 from tuner.workload import DTYPES, OPS, ConvParams, Epilogue
 
 if TYPE_CHECKING:
@@ -112,7 +131,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MicroKernel", "Family", "FAMILIES", "AXES", "RULES", "DTYPE_BYTES", "enumerate_space",
            "prune_report", "validate", "check_family", "estimate_shared", "estimate_registers",
-           "wgmma_eligible", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter", "representative_epilogue", "space_command",
+           "wgmma_eligible", "persistent_programs", "axes_for", "COMPILE_RULES", "REFERENCE_CONV", "CompiledSpace", "compile_filter",
+           "representative_epilogue", "space_command",
            "FP32_PRECISIONS", "DEFAULT_FP32_PRECISION", "check_fp32_precision", "uses_tf32"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -134,18 +154,22 @@ AXES: dict[str, tuple[int, ...]] = {
     "group_m": (8,),
     "split_k": (1, 2, 4, 8),
     "tma": (0,),
+    "persistent": (0,),
 }
 
-RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma", "tma")
+RULES = ("threads", "mma_tile", "k_bytes", "warp_tile", "shared_memory", "registers", "split_k", "wgmma", "tma",
+         "persistent")
 _WGMMA_STAGES = (5,)  # added on GPUs with wgmma, for wgmma configs only
 _TMA = (0, 1)  # the tma axis on GPUs with wgmma: TMA operand loads, for wgmma gemm / bmm configs only
 _TMA_OPS = ("gemm", "bmm")  # the templates with a TMA loop (conv gathers its rows: no tensor descriptor)
+_PERSISTENT = (0, 1, 2)  # the persistent axis on GPUs with wgmma: programs per SM, for TMA configs only
+_PERSISTENT_MAX = _PERSISTENT[-1]
 _DECODE_BLOCK_M = 32  # tiles this short serve decode-size M: kept on mma.sync
 _SPLIT_K_MAX_TILE = 64 * 64
 _REG_OVERHEAD = 32
 _MMA_PER_WARP = 4
 _MIN_K_BYTES = 64
-_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)(t?)")
+_KEY = re.compile(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)g(\d+)k(\d+)(t?)(?:p([1-9]\d*))?")
 
 
 @dataclass(frozen=True, order=True)
@@ -160,27 +184,31 @@ class MicroKernel:
     group_m: int = 8
     split_k: int = 1
     tma: int = 0  # 1: A and B read through TMA tensor descriptors (sm_90 wgmma gemm / bmm configs)
+    persistent: int = 0  # n > 0: a persistent kernel launched as n programs per SM, each looping over tiles
 
     def key(self) -> str:
         """A stable short name, e.g. ``m64n64k32w4s3g8k1`` (the trailing k is split_k), with a ``t`` suffix
-        for a TMA config (``m64n64k64w4s3g8k1t``): the keys of configs without TMA keep their names."""
+        for a TMA config (``m64n64k64w4s3g8k1t``) and ``p<n>`` for a persistent one of n programs per SM
+        (``m128n128k64w8s4g8k1tp1``): the keys of the other configs keep their names."""
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-                f"g{self.group_m}k{self.split_k}" + ("t" if self.tma else ""))
+                f"g{self.group_m}k{self.split_k}" + ("t" if self.tma else "")
+                + (f"p{self.persistent}" if self.persistent else ""))
 
     @classmethod
     def from_key(cls, key: str) -> "MicroKernel":
         match = _KEY.fullmatch(key)
         if match is None:
             raise DietcodeError(f"bad micro-kernel key {key!r}; expected the form m64n64k32w4s3g8k1 (a trailing "
-                                "t for TMA)")
-        *numbers, tma = match.groups()
-        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"))
+                                "t for TMA, then p<n> for persistent)")
+        *numbers, tma, persistent = match.groups()
+        return replace(cls(*(int(g) for g in numbers)), tma=int(tma == "t"), persistent=int(persistent or 0))
 
     def to_dict(self) -> dict[str, int]:
-        """The fields, ``tma`` only when set (records of configs without TMA keep their form)."""
+        """The fields, ``tma`` and ``persistent`` only when set (records of other configs keep their form)."""
         data = asdict(self)
-        if not self.tma:
-            del data["tma"]
+        for name in ("tma", "persistent"):
+            if not data[name]:
+                del data[name]
         return data
 
     @classmethod
@@ -268,7 +296,15 @@ def axes_for(profile: HardwareProfile) -> dict[str, tuple[int, ...]]:
     of shared memory per block holds a fifth stage of the 64-row-multiple tiles the warpgroup MMA wants)."""
     if not profile.wgmma:
         return AXES
-    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA}
+    return {**AXES, "num_stages": AXES["num_stages"] + _WGMMA_STAGES, "tma": _TMA, "persistent": _PERSISTENT}
+
+
+def persistent_programs(config: MicroKernel, dtype: str, profile: HardwareProfile) -> int:
+    """The programs per SM of ``config``'s persistent twin: as many of its blocks as the register and shared
+    memory estimates fit on one SM, at least 1 and at most 2 (rule ``persistent``)."""
+    resident = resident_blocks(profile, config.threads, estimate_registers(config, dtype, profile.warp_size),
+                               estimate_shared(config, dtype))
+    return max(1, min(_PERSISTENT_MAX, resident))
 
 
 def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, tf32: bool = False) -> str | None:
@@ -294,6 +330,9 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, t
         return "wgmma"
     if config.tma and (op not in _TMA_OPS or not wgmma_eligible(config, dtype, p, tf32)):
         return "tma"
+    if config.persistent and (not config.tma or config.split_k != 1
+                              or config.persistent != persistent_programs(config, dtype, p)):
+        return "persistent"
     return None
 
 

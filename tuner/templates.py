@@ -9,7 +9,9 @@ scalars (the gemm template then takes the ``residual`` pointer, added to the ABI
 last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
 ``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``.
-The grid is always ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``. With SPLIT_K > 1 program
+The grid is ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``, except for a PERSISTENT gemm or bmm kernel
+(SPLIT_K 1): ``(min(tiles x batch, SMs x n), 1, 1)`` programs (``programs``; n per SM, from the bundle), each
+looping over tiles pid, pid + num_programs, ... in the same grouped order. With SPLIT_K > 1 program
 (tile, s, z) sums every SPLIT_K-th BLOCK_K slice of K from slice s (a split whose slices all lie past K sums
 zeros) and the splits of a tile meet in the ``workspace`` (``_split_k_reduce``): each stores its fp32
 partial tile there, and the split that arrives last adds the partials in split order 0..SPLIT_K-1 and
@@ -36,13 +38,15 @@ if TYPE_CHECKING:  # torch is only needed by callers that launch
     from tuner.space import MicroKernel
 
 __all__ = ["gemm_kernel", "bmm_kernel", "conv_kernel", "attention_kernel", "KERNELS", "ABI_PARAMS", "ATTENTION_PARAMS", "kernel_for", "conv_geometry",
-           "conv_out_size", "run", "check_epilogue", "workspace_bytes", "WORKSPACE_ALIGN"]
+           "conv_out_size", "run", "check_epilogue", "workspace_bytes", "WORKSPACE_ALIGN", "programs"]
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map program_id(0) to a (tile row, tile col) pair, GROUP_M tile rows at a time (L2 reuse)."""
-    pid = tl.program_id(0)
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, pid=None):
+    """Map tile index ``pid`` (default program_id(0)) to a (tile row, tile col) pair, GROUP_M tile rows at a
+    time (L2 reuse)."""
+    if pid is None:
+        pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -115,21 +119,28 @@ def _finish(acc, bias, c_ptrs, residual, offs_c, offs_n, N, c_mask, ALPHA: tl.co
 
 
 @triton.jit
-def _tma_loop(a_base, b_base, M, N, K, pid_m, pid_n, pid_k, TRANS_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The K loop of one tile with A and B read through tensor descriptors made on the device
-    (``tl.make_tensor_descriptor``): on sm_90 each load is a Tensor Memory Accelerator copy into shared memory
-    (``cp.async.bulk.tensor``, completed on an mbarrier), and the hardware zero-fills rows and columns past
-    the operand's edge, so the loop has no masks; split s reads its slices (k0 * SPLIT_K + s) * BLOCK_K, a
-    slice past K reading zeros. The descriptors live in the kernel's global scratch (128 bytes each per
-    program, which the launcher passes). TMA needs both bases 16-byte aligned and every row stride (K, and N
-    for a [K, N] B) a multiple of 16 bytes: the kernels are compiled with div16 on a, b, K and N, which the
-    runtime checks per call."""
+def _tma_descs(a_base, b_base, M, N, K, TRANS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Tensor descriptors of A [M, K] and B ([K, N], or [N, K] when TRANS_B) made on the device
+    (``tl.make_tensor_descriptor``). They live in the kernel's global scratch (128 bytes each per program,
+    which the launcher passes). TMA needs both bases 16-byte aligned and every row stride (K, and N for a
+    [K, N] B) a multiple of 16 bytes: the kernels are compiled with div16 on a, b, K and N, which the runtime
+    checks per call."""
     a_desc = tl.make_tensor_descriptor(a_base, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     if TRANS_B:
         b_desc = tl.make_tensor_descriptor(b_base, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     else:
         b_desc = tl.make_tensor_descriptor(b_base, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
+    return a_desc, b_desc
+
+
+@triton.jit
+def _tma_loop(a_desc, b_desc, K, pid_m, pid_n, pid_k, TRANS_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K loop of one tile with A and B read through tensor descriptors (``_tma_descs``): on sm_90 each load
+    is a Tensor Memory Accelerator copy into shared memory (``cp.async.bulk.tensor``, completed on an
+    mbarrier), and the hardware zero-fills rows and columns past the operand's edge, so the loop has no masks;
+    split s reads its slices (k0 * SPLIT_K + s) * BLOCK_K, a slice past K reading zeros."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
         k = (k0 * SPLIT_K + pid_k) * BLOCK_K
@@ -143,21 +154,21 @@ def _tma_loop(a_base, b_base, M, N, K, pid_m, pid_n, pid_k, TRANS_B: tl.constexp
 
 
 @triton.jit
-def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K,
+def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, tile, pid_k, a_desc, b_desc,
                  TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """One C tile of A[M, K] @ B (B [K, N], or [N, K] when TRANS_B), contiguous row-major views. Row offsets
-    are int64 (once per tile), so an operand may hold 2^31 elements or more (e.g. a 65536 x 50257 LM head).
-    With USE_TMA the operands are read through tensor descriptors made on the device (``_tma_loop``)."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
+    """C tile ``tile`` (in the grouped order of ``_tile_ids``), split ``pid_k``, of A[M, K] @ B (B [K, N], or
+    [N, K] when TRANS_B), contiguous row-major views. Row offsets are int64 (once per tile), so an operand may
+    hold 2^31 elements or more (e.g. a 65536 x 50257 LM head). With USE_TMA the operands are read through the
+    tensor descriptors ``a_desc`` and ``b_desc`` (``_tma_descs``; unused otherwise)."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M, tile)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if USE_TMA:
-        acc = _tma_loop(a_base, b_base, M, N, K, pid_m, pid_n, pid_k, TRANS_B, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                        BLOCK_K, SPLIT_K)
+        acc = _tma_loop(a_desc, b_desc, K, pid_m, pid_n, pid_k, TRANS_B, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                        SPLIT_K)
     else:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         a_ptrs = a_base + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
@@ -192,24 +203,68 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
                 TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False):
-    """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]."""
-    _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
-                 DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
+                PERSISTENT: tl.constexpr = False):
+    """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]. PERSISTENT (SPLIT_K 1): each program
+    computes tiles program_id(0), + num_programs(0), ... of the grouped order, for any grid size; a TMA
+    program makes its descriptors once."""
+    a_desc = a
+    b_desc = b
+    if USE_TMA:
+        a_desc, b_desc = _tma_descs(a, b, M, N, K, TRANS_B, BLOCK_M, BLOCK_N, BLOCK_K)
+    if PERSISTENT:
+        tl.static_assert(SPLIT_K == 1, "persistent kernels take no split-K")
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tile, 0, a_desc, b_desc, TRANS_B, ALPHA,
+                         HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                         SPLIT_K, USE_TMA)
+    else:
+        _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tl.program_id(0), tl.program_id(1), a_desc,
+                     b_desc, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                     BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
 
 
 @triton.jit
-def bmm_kernel(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace,
+def _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, z, tile, pid_k,
+              TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile ``tile`` of matrix ``z`` (int64); with USE_TMA the descriptors are made from the matrices' bases."""
+    a_base = a + z * stride_a_batch
+    b_base = b + z * stride_b_batch
+    a_desc = a_base
+    b_desc = b_base
+    if USE_TMA:
+        a_desc, b_desc = _tma_descs(a_base, b_base, M, N, K, TRANS_B, BLOCK_M, BLOCK_N, BLOCK_K)
+    _matmul_tile(a_base, b_base, bias, c + z * M * N, c, workspace, M, N, K, tile, pid_k, a_desc, b_desc, TRANS_B,
+                 ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K,
+                 USE_TMA)
+
+
+@triton.jit
+def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, workspace,
                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
+               PERSISTENT: tl.constexpr = False):
     """C[z] = act(ALPHA * A[z] @ B[z] + bias) for z = program_id(2); a batch stride of 0 broadcasts an
     operand (attention's scores: ALPHA = 1/sqrt(head_dim)). With USE_TMA each program makes its descriptors
-    from its matrices' bases (the batch strides div16 keep them 16-byte aligned)."""
-    z = tl.program_id(2).to(tl.int64)
-    _matmul_tile(a + z * stride_a_batch, b + z * stride_b_batch, bias, c + z * M * N, c, workspace, M, N, K,
-                 TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                 SPLIT_K, USE_TMA)
+    from its matrices' bases (the batch strides div16 keep them 16-byte aligned). PERSISTENT (SPLIT_K 1, grid
+    z 1): each program computes tiles program_id(0), + num_programs(0), ... of the BATCH x tiles sequence,
+    matrix by matrix (``batch``: the batch size, the ABI param; the AOT compile of a non-persistent kernel makes
+    it the constexpr 1, so that kernel takes no such parameter)."""
+    if PERSISTENT:
+        tl.static_assert(SPLIT_K == 1, "persistent kernels take no split-K")
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for t in range(tl.program_id(0), tiles * batch, tl.num_programs(0)):
+            _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, (t // tiles).to(tl.int64),
+                      t % tiles, 0, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, SPLIT_K, USE_TMA)
+    else:
+        _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, tl.program_id(2).to(tl.int64),
+                  tl.program_id(0), tl.program_id(1), TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M,
+                  BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
 
 
 @triton.jit
@@ -364,10 +419,10 @@ KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_
 
 # Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias", "residual" and "workspace"
 # only when it has one (a kernel without is compiled with the pointer as a None constexpr; only split-K
-# kernels take a workspace).
+# kernels take a workspace); bmm's "batch" only when persistent (the others have it as the constexpr 1).
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace"),
-    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch", "workspace"),
+    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch", "workspace"),
     "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "workspace"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                   "stride_mask_q", "stride_mask_k"),
@@ -402,13 +457,24 @@ def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
 WORKSPACE_ALIGN = 16  # bytes: the launcher's workspace pointer and its size are multiples of this
 
 
+def programs(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int = 1, persistent: int = 0,
+             sm_count: int = 0) -> int:
+    """Programs the launch of one call runs: tiles x batch x split_k, or for a persistent kernel (``persistent``
+    programs per SM) min(tiles x batch, ``sm_count`` x persistent), one program per tile when ``sm_count`` is 0
+    (unknown: the most a persistent grid launches). The C core's grid rule (dc_kernel_grid) is the same."""
+    tiles = -(-m // block_m) * -(-n // block_n) * max(1, batch)
+    if persistent:
+        return min(tiles, sm_count * persistent) if sm_count > 0 else tiles
+    return tiles * split_k
+
+
 def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int,
-                    scratch_size: int = 0, scratch_align: int = 1) -> int:
+                    scratch_size: int = 0, scratch_align: int = 1, persistent: int = 0, sm_count: int = 0) -> int:
     """Bytes of the workspace one call needs (0 when neither part is needed): the split-K part (an fp32 partial
     tile per (batch, tile, split) and an int32 counter per (batch, tile), rounded up to WORKSPACE_ALIGN), then
     for a kernel with ``scratch_size`` bytes of global scratch per program (TMA descriptors) room to align it
-    up from the 16-byte aligned workspace (``scratch_align`` - 16) and one scratch per program of the grid,
-    the whole rounded up to WORKSPACE_ALIGN. The C core's dc_kernel_workspace_bytes computes the same
+    up from the 16-byte aligned workspace (``scratch_align`` - 16) and one scratch per program of the grid
+    (``programs``: a persistent kernel's grid follows ``sm_count``), the whole rounded up to WORKSPACE_ALIGN. The C core's dc_kernel_workspace_bytes computes the same
     (tests/test_abi_contract.py and tests/test_tma.py compare them); the launcher passes the scratch at the
     first ``scratch_align`` multiple past the split-K part."""
     tiles = -(-m // block_m) * -(-n // block_n) * max(1, batch)
@@ -416,7 +482,8 @@ def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, spli
     if split_k > 1:
         size = -(-(tiles * split_k * block_m * block_n * 4 + tiles * 4) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
     if scratch_size:
-        size += max(0, scratch_align - WORKSPACE_ALIGN) + tiles * split_k * scratch_size
+        size += max(0, scratch_align - WORKSPACE_ALIGN) + programs(
+            m, n, batch, block_m, block_n, split_k, persistent, sm_count) * scratch_size
     return -(-size // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
@@ -474,7 +541,8 @@ def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Te
 def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         bias: "torch.Tensor | None" = None, residual: "torch.Tensor | None" = None,
         epilogue: Epilogue = Epilogue(), trans_b: bool = False, conv: ConvParams | None = None,
-        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None) -> "torch.Tensor":
+        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None,
+        sm_count: int | None = None) -> "torch.Tensor":
     """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
@@ -482,7 +550,9 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
     (gemm: the output's shape [M, N]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
     of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
-    one); the kernel leaves its counters at zero again.
+    one); the kernel leaves its counters at zero again. A persistent config (gemm, bmm) launches
+    min(tiles x batch, ``sm_count`` x config.persistent) programs (``programs``); ``sm_count`` defaults to the
+    GPU's multiprocessor count and must be given on the CPU (the interpreter).
     """
     import torch
 
@@ -515,6 +585,17 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                                 f"(split_k={config.split_k}), got {given.dtype} of {given.numel() * 4} bytes")
         return given
 
+    if config.persistent:
+        if op == "conv" or config.split_k != 1:
+            raise DietcodeError(f"{op}: persistent kernels exist for gemm and bmm with split_k 1, got "
+                                f"{config.key()}")
+        if sm_count is None:
+            if not a.is_cuda:
+                raise DietcodeError(f"{op}: a persistent config off the GPU needs sm_count (its grid is per SM)")
+            sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+        if sm_count < 1:
+            raise DietcodeError(f"{op}: sm_count must be at least 1, got {sm_count}")
+        meta["PERSISTENT"] = True
     if config.tma:
         if op == "conv":
             raise DietcodeError("conv: the conv template has no TMA loads (tma applies to gemm and bmm)")
@@ -550,6 +631,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                                 f"{tuple(residual.shape)}")
         residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
+        if config.persistent:
+            grid = (programs(m, n, 1, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
         kernel[grid](a, b, bias, out, m, n, k, residual, split_workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
                      HAS_RESIDUAL=residual is not None, **meta)
         return out
@@ -557,8 +640,10 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     a, sa = _batch_operand(a, batch)
     b, sb = _batch_operand(b, batch)
     out = torch.empty((*batch, m, n), dtype=a.dtype, device=a.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k,
-            max(1, math.prod(batch)))
-    kernel[grid](a, b, bias, out, m, n, k, sa, sb, split_workspace(m, n, max(1, math.prod(batch))), TRANS_B=trans_b,
+    z = max(1, math.prod(batch))
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, z)
+    if config.persistent:
+        grid = (programs(m, n, z, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
+    kernel[grid](a, b, bias, out, m, n, k, z, sa, sb, split_workspace(m, n, z), TRANS_B=trans_b,
                  ALPHA=epilogue.alpha, **meta)
     return out

@@ -64,6 +64,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (dc_bundle_kernel_alpha(b, k, &alpha) != 0 || !(alpha == alpha) || alpha == 0.0f) __builtin_trap();
     dc_bundle_check_scale(b, alpha);  // compiled kernels may disagree with each other: only must not crash
     if (dc_bundle_kernel_causal(b, k) < 0 || dc_bundle_kernel_tf32(b, k) < 0) __builtin_trap();
+    const int persistent = dc_bundle_kernel_persistent(b, k);  // programs per SM: the parser allows 0..8
+    if (persistent < 0 || persistent > 8) __builtin_trap();
+    if (dc_bundle_kernel_is_vendor(b, k) == 0) {  // the grid rule stays within the call's tiles
+      dc_launch_args args{};
+      args.M = 300, args.N = 200, args.K = 64, args.batch = 3, args.stride_a_batch = 300 * 64;
+      args.seq_q = 300, args.seq_k = 200, args.heads = 3, args.img_n = 1, args.img_h = 20, args.img_w = 15;
+      args.out_h = 20, args.out_w = 15;
+      for (int sms : {0, 1, 132}) {
+        args.sm_count = sms;
+        uint32_t grid[3] = {0, 0, 0};
+        if (dc_kernel_grid(b, k, &args, grid) == 0 && (grid[0] == 0 || grid[1] == 0 || grid[2] == 0)) __builtin_trap();
+        if (dc_kernel_workspace_bytes(b, k, &args) < -1) __builtin_trap();
+      }
+    }
   }
   for (int32_t j = 0; j < n_features; ++j) {
     int32_t inputs[8], dims_out[8];
