@@ -577,7 +577,7 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
 
     core = load_core()
     ptx = ".version 8.0\n.target sm_80\n"
-    for layout in (0, 1, 6, 15):
+    for layout in (0, 1, 6, 15, 23, 31):
         kernel = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16,
                               layout=layout)
         payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
@@ -589,13 +589,15 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
     gemm = BundleKernel(name="g", ptx=ptx, params=templates.ABI_PARAMS["gemm"][:7], block_m=16, block_n=16, layout=2)
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         Bundle((), (gemm,), DispatchTree.single(0)).validate()
-    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+    with pytest.raises(DietcodeError, match="layout 32 is not a bit set"):
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=32).validate(0)
+    with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):
         BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16).validate(0)
     # the same kernels written past the Python checks: the C reader refuses them too
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         core.parse(Bundle((), (gemm,), DispatchTree.single(0)).to_bytes(validate=False))
     bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
-    with pytest.raises(DietcodeError, match="flags 128 invalid"):  # layout bit 4 lands past flags bit 6
+    with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):  # flags bit 7 without 3..5
         core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))
 
 

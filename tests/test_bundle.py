@@ -548,8 +548,8 @@ def test_zero_output_flag_is_refused(core) -> None:
     assert data[flags_at] == 0
     data[flags_at] = FLAG_ZERO_OUTPUT
     _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
-    data[flags_at] = 128  # past the attention layout bits 3..6 (bit 2, 4, is tf32, read in test_tf32.py)
-    _refused(core, bytes(data), "flags 128 invalid")
+    data[flags_at] = 128  # bit 7 (the packed QKV layout) is known, but only attention kernels take it
+    _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 8  # bit 3 (Q's layout) is known, but only attention kernels take it
     _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 2  # bit 1 (causal) is known, but only attention kernels take it
