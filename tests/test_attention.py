@@ -236,3 +236,18 @@ def test_attention_view_of_a_packed_projection() -> None:
     assert "offsets past int32" in core.error()
     split = [1, 1 << 20, 16, 64]
     assert core.attention_view(split, split, split, head_dim=64, layout=7) is not None
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_aot_packed_layout_compiles_without_more_spills_than_the_head_split_layout(target: str) -> None:
+    """The packed layout (Q, K, V read from one [B, S, 3*H*d] projection) compiles ahead of time to its own
+    code, recorded in the bundle kernel (flags bit 7), spilling no more than the head-split layout (none)."""
+    from dietcode_ort import bundle as fmt
+    from tuner.attention import compile_attention
+
+    config = AttentionConfig(64, 64, 4, 2)
+    split = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False, layout=15)
+    packed = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False, layout=31)
+    assert _code(packed.ptx) != _code(split.ptx) and packed.params == split.params
+    assert packed.n_spills == split.n_spills == 0
+    assert fmt.BundleKernel.from_compiled([packed]).layout == 31

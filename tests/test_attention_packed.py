@@ -217,3 +217,53 @@ def test_scan_reports_packing_and_why_not(tmp_path) -> None:
     layer0, layer1 = (by_output[f"/encoder/layer.{i}/attention/self/Transpose_output_0"] for i in (0, 1))
     assert layer1["packed_qkv"] and layer1["merged_projections"] and layer1["layout"].endswith(",packed")
     assert not layer0["packed_qkv"] and "projections of different inputs" in layer0["pack_notes"][0]
+
+
+def _packed_node(a_dims: list, b_dims: list, head_dim: int, layout: int = 23) -> onnx.ModelProto:
+    """One CPU-form Attention node taking ``a`` as Q and V and ``b`` as K in the packed layout."""
+    from tuner.rewrite import DOMAIN, DOMAIN_VERSION
+
+    node = helper.make_node(OP_TYPE, ["a", "b", "a"], ["y"], domain=DOMAIN, scale=1.0, head_dim=head_dim,
+                            nan_to_zero=0, layout=layout)
+    graph = helper.make_graph([node], "packed", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims),
+                                                 helper.make_tensor_value_info("b", TensorProto.FLOAT, b_dims)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid(DOMAIN, DOMAIN_VERSION)], ir_version=8)
+
+
+@pytest.mark.parametrize("a, b, head_dim, layout, message", [
+    ((2, 5, 96), (2, 5, 96), 12, 23, "last dim that is not a positive multiple of 3 \\* head_dim = 36"),
+    ((2, 5, 90), (2, 5, 90), 16, 23, "not a positive multiple of 3 \\* head_dim = 48"),
+    ((2, 5, 96), (2, 4, 96), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
+    ((2, 5, 96), (2, 5, 48), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
+    ((2, 5, 96), (2, 5, 96), 0, 23, "packed layout needs the head_dim attribute"),
+    ((2, 5, 96), (2, 5, 96), 16, 16, "layout attribute 16 is not a bit set"),
+])
+def test_cpu_kernel_refuses_bad_packed_calls_clearly(a: tuple, b: tuple, head_dim: int, layout: int,
+                                                     message: str) -> None:
+    model = _packed_node(["A", "S", "C"], ["A2", "S2", "C2"], head_dim, layout)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal(a).astype(np.float32), "b": rng.standard_normal(b).astype(np.float32)}
+    with pytest.raises(Exception, match=message):
+        _library(model, feeds)
+
+
+def test_cpu_kernel_reads_part_i_of_input_i() -> None:
+    """The packed node reads Q from part 0 of input 0, K from part 1 of input 1, V from part 2 of input 2 (the
+    fallback body's semantics): with Q, V from one tensor and K from another, the result is that attention."""
+    from tuner.attention import reference_attention
+
+    import torch
+
+    model = _packed_node(["A", "S", "C"], ["A", "S", "C"], _D)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 5, 3 * _E)).astype(np.float32)
+    b = rng.standard_normal((2, 5, 3 * _E)).astype(np.float32)
+    got = _library(model, {"a": a, "b": b})
+
+    def part(x: np.ndarray, i: int) -> torch.Tensor:
+        return torch.from_numpy(x.reshape(2, 5, 3, _H, _D)[:, :, i]).transpose(1, 2)
+
+    want = reference_attention(part(a, 0), part(b, 1).transpose(-1, -2), part(a, 2))
+    np.testing.assert_allclose(got, want.numpy(), atol=2e-6, rtol=1e-5)
