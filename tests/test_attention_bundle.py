@@ -117,7 +117,7 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
                               "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125],
-                              "causal": False, "layout": 15}
+                              "causal": False, "layout": 31}  # Q, K, V packed
     assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
     assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}

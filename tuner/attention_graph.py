@@ -391,10 +391,10 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
     heads = 0
     if len(transposes) == 3:
         splits = tuple(transposes[op].input[0] for op in ("q", "k", "v"))
-        found = _packed_source(g, splits, tuple(transposes[op] for op in ("q", "k", "v")), opset, pack_notes,
-                               bool(through))
-        if found is not None:
-            source, packed_nodes, heads, packed_shapes = found
+        packed_from = _packed_source(g, splits, tuple(transposes[op] for op in ("q", "k", "v")), opset,
+                                     pack_notes, bool(through))
+        if packed_from is not None:
+            source, packed_nodes, heads, packed_shapes = packed_from
             packed = (source, *splits)
             q = kt = v = source
             layout |= LAYOUT_BITS["packed"]
@@ -495,6 +495,8 @@ def _head_merge(g: scan_mod._Graph, output: str, notes: list[str]) -> onnx.NodeP
     return None
 
 
+# (the packed projection, the absorbed nodes, heads, the Shape nodes rewired to the projection)
+_PackedSource = tuple[str, tuple[str, ...], int, tuple[str, ...]]
 _PACK_OPSET = 10  # the packed fallback body splits with Slice's starts/ends/axes inputs (opset 10)
 
 
@@ -546,7 +548,7 @@ def _thirds(g: scan_mod._Graph, makers: list[onnx.NodeProto], parts: tuple[str, 
 
 
 def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tuple[onnx.NodeProto, ...], opset: int,
-                   notes: list[str], scaled: bool) -> tuple[str, tuple[str, ...], int, tuple[str, ...]] | None:
+                   notes: list[str], scaled: bool) -> _PackedSource | None:
     """The packed projection [B, S, 3*H*d] that Q's, K's and V's head splits (``splits``: Reshape outputs [B, S,
     H, d], each read by its absorbed Transpose) come from through one Split or three Slices along the last axis
     in equal thirds, Q's first, with the nodes the node absorbs (the Split or Slices, the Reshapes) and H; None,
@@ -559,8 +561,9 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
         return None  # not split from one tensor (BERT's three MatMuls: pack_projections merges them first)
     makers_ = [m for m in makers if m is not None]
 
-    def keep(why: str) -> None:
+    def keep(why: str) -> _PackedSource | None:
         notes.append(f"Q, K and V not read packed: {why}")
+        return None
 
     if scaled:
         return keep("a Mul scales Q or K between its head split and the chain (the node would read it unscaled)")
@@ -803,8 +806,8 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
                 if x == t_out:
                     mul.input[i] = t_node.input[0]
             stale.add(mul_out)
-        for key in site.packed_shapes:  # Shape(third) -> Shape(projection): dims 0 and 1 are the same
-            graph.node[links.node(key, "attention node")[0]].input[0] = site.packed[0]
+        for shape_key in site.packed_shapes:  # Shape(third) -> Shape(projection): dims 0 and 1 are the same
+            graph.node[links.node(shape_key, "attention node")[0]].input[0] = site.packed[0]
     if not replace:
         return out, ()
     drop = claimed - set(replace)
