@@ -533,9 +533,10 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output)
+    # 4: before the kernels' alpha; 5: split-K by atomics (zero_output); 6: before the packed QKV layout bit
+    for version in (2, 4, 5, 6):
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 6")
+        _refused(core, bytes(data), f"version {version}, this reader knows 7")
 
 
 def test_zero_output_flag_is_refused(core) -> None:
