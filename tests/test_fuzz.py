@@ -48,6 +48,9 @@ def _seeds() -> list[bytes]:
                       DispatchTree.single(0)).to_bytes())
     out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64),),
                       DispatchTree.single(0)).to_bytes())
+    # an attention kernel in the packed QKV layout (flags bits 3..7 all set): mutants flip the layout bits
+    out.append(Bundle((), (_kernel("attp", params=ATTENTION_PARAMS, div16=(), block_n=64, layout=31),),
+                      DispatchTree.single(0)).to_bytes())
     return out
 
 
