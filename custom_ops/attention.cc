@@ -84,12 +84,35 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
   return true;
 }
 
-bool AttentionCanonical(int layout, std::vector<int64_t>* q, std::vector<int64_t>* k, std::vector<int64_t>* v,
-                        std::string* error) {
+bool AttentionCanonical(int layout, int64_t head_dim, std::vector<int64_t>* q, std::vector<int64_t>* k,
+                        std::vector<int64_t>* v, std::string* error) {
   if (layout == 0) return true;
-  if (layout < 0 || layout > 15) {
-    *error = "operand layout " + std::to_string(layout) + " outside 0..15";
+  if (!LayoutValid(layout)) {
+    *error = "operand layout " + std::to_string(layout) + " is not a bit set of q 1, k 2, v 4, out 8, packed 16 "
+             "(packed only with q, k and v)";
     return false;
+  }
+  if (layout & kLayoutPacked) {  // one [B, T, 3 * H * d] projection as Q, K and V: each part as [B, T, H, d]
+    const std::string shapes = "Q " + ShapeText(*q) + ", K " + ShapeText(*k) + ", V " + ShapeText(*v);
+    if (q->size() != 3 || *k != *q || *v != *q) {
+      *error = "the packed layout takes one [batch, seq, 3 * heads * head_dim] projection as each of Q, K and V (" +
+               shapes + ")";
+      return false;
+    }
+    if (head_dim <= 0) {
+      *error = "the packed layout needs the node's head_dim attribute (" + shapes + ")";
+      return false;
+    }
+    const int64_t b = (*q)[0], t = (*q)[1], c = (*q)[2];
+    if (b < 0 || t < 0 || c <= 0 || c % (3 * head_dim) != 0) {
+      *error = "the packed projection " + ShapeText(*q) + " has a negative dim or a last dim that is not a positive "
+               "multiple of 3 * head_dim = " + std::to_string(3 * head_dim);
+      return false;
+    }
+    const std::vector<int64_t> part = {b, t, c / (3 * head_dim), head_dim};
+    *q = part;
+    *k = part;
+    *v = part;
   }
   if (q->size() != 4 || k->size() != 4 || v->size() != 4) {
     *error = "operand layout " + LayoutText(layout) + " needs Q, K and V of rank 4 (Q " + ShapeText(*q) + ", K " +
@@ -109,6 +132,12 @@ std::vector<int64_t> AttentionOutputShape(const AttentionPlan& plan, int layout)
   y.push_back(plan.head_dim);
   if ((layout & kLayoutOut) && y.size() == 4) std::swap(y[1], y[2]);
   return y;
+}
+
+void UnpackPart(const float* src, int64_t rows, int64_t width, int part, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(dst + i * width, src + (i * 3 + part) * width, static_cast<size_t>(width) * sizeof(float));
+  }
 }
 
 void Permute4(const float* src, const int64_t dims[4], const int perm[4], float* dst) {
@@ -204,6 +233,16 @@ void Canonicalize(FloatInput* t, const int perm[4]) {
   t->data = t->storage.data();
 }
 
+// Part `part` of the packed projection `t` ([B, T, 3 * H * d]) as [B, T, H, d] in its own storage.
+void Unpack(FloatInput* t, int part, int64_t head_dim) {
+  const int64_t b = t->shape[0], s = t->shape[1], width = t->shape[2] / 3;
+  std::vector<float> own(static_cast<size_t>(b * s * width));
+  UnpackPart(t->data, b * s, width, part, own.data());
+  t->shape = {b, s, width / head_dim, head_dim};
+  t->storage = std::move(own);
+  t->data = t->storage.data();
+}
+
 constexpr int kHeadSplit[4] = {0, 2, 1, 3};  // [B, S, H, d] <-> [B, H, S, d]
 constexpr int kKeySplit[4] = {0, 2, 3, 1};   // K [B, S, H, d] -> Kt [B, H, d, S]
 
@@ -276,10 +315,15 @@ class AttentionKernel {
     mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
     causal_ = AttrOr<int64_t>(info, "causal", 0) != 0;
     layout_ = AttrOr<int64_t>(info, "layout", 0);
-    if (layout_ < 0 || layout_ > 15) {
-      Throw("the layout attribute " + std::to_string(layout_) + " is not a bit set of q 1, k 2, v 4, out 8");
+    if (layout_ < 0 || layout_ > kLayoutMax || !LayoutValid(static_cast<int>(layout_))) {
+      Throw("the layout attribute " + std::to_string(layout_) + " is not a bit set of q 1, k 2, v 4, out 8, packed "
+            "16 (packed only with q, k and v)");
     }
     if (head_dim_ < 0) Throw("negative head_dim attribute");
+    if ((layout_ & kLayoutPacked) && head_dim_ == 0) {
+      Throw("the packed layout needs the head_dim attribute (the packed projection's last dim is 3 * heads * "
+            "head_dim)");
+    }
     const size_t n = info.GetInputCount();
     if (n < 3 || n > kInputs) Throw("expects inputs (Q, Kt, V[, mask][, bundle]), got " + std::to_string(n));
     for (size_t i = 0; i < 3; ++i) {
@@ -507,10 +551,15 @@ class AttentionKernel {
     std::string error;
     {  // the shapes' contiguous equivalents, checked before any operand is permuted into them
       std::vector<int64_t> cq(q.shape), ck(kt.shape), cv(v.shape);
-      if (!AttentionCanonical(static_cast<int>(layout_), &cq, &ck, &cv, &error) ||
+      if (!AttentionCanonical(static_cast<int>(layout_), head_dim_, &cq, &ck, &cv, &error) ||
           !AttentionPlanMake(cq, ck, cv, has_mask ? &mask.shape : nullptr, head_dim_, &plan, &error)) {
         Throw(error);
       }
+    }
+    if (layout_ & kLayoutPacked) {  // each input is the packed projection: Q its part 0, K part 1, V part 2
+      Unpack(&q, 0, head_dim_);
+      Unpack(&kt, 1, head_dim_);
+      Unpack(&v, 2, head_dim_);
     }
     // the operands the node takes as [B, S, H, d], permuted to the products' [B, H, S, d] (K: to Kt)
     if (layout_ & kLayoutQ) Canonicalize(&q, kHeadSplit);
@@ -670,14 +719,15 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
                              size_t rv, const int64_t* mask, size_t rm, int64_t head_dim, int layout,
                              int64_t* out_shape, dc_launch_args* out) {
   if (out == nullptr || (rq && !q) || (rk && !kt) || (rv && !v) || (rm && !mask) || rq > 8 || rk > 8 || rv > 8 ||
-      rm > 8 || layout < 0 || layout > 15) {
-    dietcode::SetError("dc_attention_view: null argument, rank above 8 or layout outside 0..15");
+      rm > 8 || !dietcode::LayoutValid(layout)) {
+    dietcode::SetError("dc_attention_view: null argument, rank above 8 or layout " + std::to_string(layout) +
+                       " not a valid bit set (0..31, packed only with q, k and v)");
     return -1;
   }
   std::vector<int64_t> sq(q, q + rq), sk(kt, kt + rk), sv(v, v + rv);
   const std::vector<int64_t> sm(mask, mask + rm);
   std::string error;
-  if (!dietcode::AttentionCanonical(layout, &sq, &sk, &sv, &error)) {
+  if (!dietcode::AttentionCanonical(layout, head_dim, &sq, &sk, &sv, &error)) {
     dietcode::SetError(error);
     return -1;
   }
@@ -686,21 +736,22 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
     dietcode::SetError(error);
     return -1;
   }
-  if (out_shape != nullptr && rq == 4) {  // also when the view below cannot express the call (it returns 0)
+  const size_t r = sq.size();  // the contiguous equivalent's rank (4 for the packed projection's rank 3)
+  if (out_shape != nullptr && r == 4) {  // also when the view below cannot express the call (it returns 0)
     const std::vector<int64_t> y = dietcode::AttentionOutputShape(plan, layout);
     for (size_t i = 0; i < 4; ++i) out_shape[i] = y[i];
   }
-  if (rq > 4) {
-    dietcode::SetError("rank " + std::to_string(rq) + " above 4: the attention view has batch and heads only");
+  if (r > 4) {
+    dietcode::SetError("rank " + std::to_string(r) + " above 4: the attention view has batch and heads only");
     return 0;
   }
   int64_t z = 1;
   for (int64_t d : plan.lead) z *= d;
-  const int64_t heads = rq == 4 ? plan.lead[1] : 1;
+  const int64_t heads = r == 4 ? plan.lead[1] : 1;
   const std::vector<int64_t>& s = plan.mask_strides;  // per axis of [lead..., seq_q, seq_k]
   const int64_t stride_b = plan.lead.empty() ? 0 : s[0];
-  const int64_t stride_h = rq == 4 ? s[1] : 0;
-  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[rq - 2], s[rq - 1]};
+  const int64_t stride_h = r == 4 ? s[1] : 0;
+  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[r - 2], s[r - 1]};
   for (int64_t x : values) {
     if (x > 0x7fffffff) {
       dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
@@ -711,8 +762,10 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   const std::pair<int, int64_t> operands[] = {{dietcode::kLayoutQ, plan.seq_q}, {dietcode::kLayoutK, plan.seq_k},
                                               {dietcode::kLayoutV, plan.seq_k}, {dietcode::kLayoutOut, plan.seq_q}};
   for (const auto& [bit, rows] : operands) {
-    if ((layout & bit) && heads > 0 && plan.head_dim > 0 && rows > 0x7fffffff / heads / plan.head_dim) {
-      dietcode::SetError("a head-split operand of " + std::to_string(rows) + " x " + std::to_string(heads) + " x " +
+    // a packed operand's rows are 3 * heads * d elements (the three projections side by side)
+    const int64_t row = (layout & dietcode::kLayoutPacked) && bit != dietcode::kLayoutOut ? 3 * heads : heads;
+    if ((layout & bit) && heads > 0 && plan.head_dim > 0 && rows > 0x7fffffff / row / plan.head_dim) {
+      dietcode::SetError("a head-split operand of " + std::to_string(rows) + " x " + std::to_string(row) + " x " +
                          std::to_string(plan.head_dim) + " elements needs offsets past int32 (the template's offsets "
                          "inside one head)");
       return 0;
@@ -725,8 +778,8 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   out->batch = static_cast<int32_t>(z);
   out->stride_mask_b = static_cast<int32_t>(stride_b);
   out->stride_mask_h = static_cast<int32_t>(stride_h);
-  out->stride_mask_q = static_cast<int32_t>(s[rq - 2]);
-  out->stride_mask_k = static_cast<int32_t>(s[rq - 1]);
+  out->stride_mask_q = static_cast<int32_t>(s[r - 2]);
+  out->stride_mask_k = static_cast<int32_t>(s[r - 1]);
   return 1;
 }
 

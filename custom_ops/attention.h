@@ -27,11 +27,18 @@ bool AttentionPlanMake(const std::vector<int64_t>& q, const std::vector<int64_t>
                        const std::vector<int64_t>* mask, int64_t head_dim, AttentionPlan* plan, std::string* error);
 
 // The shapes of the contiguous equivalents (Q [B, H, T_q, d], Kt [B, H, d, T_k], V [B, H, T_k, d]) of a node's
-// inputs given in operand layout `layout` (bundle_impl.h kLayout*: Q, K, V as [B, S, H, d]); false with a
-// message when a bit is set and the ranks are not 4. The output's shape for the plan in that layout.
-bool AttentionCanonical(int layout, std::vector<int64_t>* q, std::vector<int64_t>* k, std::vector<int64_t>* v,
-                        std::string* error);
+// inputs given in operand layout `layout` (bundle_impl.h kLayout*: Q, K, V as [B, S, H, d]; packed: Q, K and V
+// each the one projection [B, T, 3 * H * d] with H = its last dim / (3 * head_dim)); false with a message when
+// the layout is no valid bit set, a bit is set and the ranks are not 4, or a packed call's three shapes differ,
+// are not rank 3, or its last dim is not a positive multiple of 3 * head_dim (head_dim > 0 required). The
+// output's shape for the plan in that layout.
+bool AttentionCanonical(int layout, int64_t head_dim, std::vector<int64_t>* q, std::vector<int64_t>* k,
+                        std::vector<int64_t>* v, std::string* error);
 std::vector<int64_t> AttentionOutputShape(const AttentionPlan& plan, int layout);
+
+// Part `part` (0 Q, 1 K, 2 V) of a packed projection [rows, 3 * width] (rows = B * T, width = H * d) copied to
+// dst [rows, width] ([B, T, H, d]).
+void UnpackPart(const float* src, int64_t rows, int64_t width, int part, float* dst);
 
 // dst = src permuted: src has dims `dims` (rank 4), dst[i0, i1, i2, i3] = src at index j with j[perm[a]] = i_a
 // (dst's dims are dims[perm[a]]), as ONNX Transpose computes it.

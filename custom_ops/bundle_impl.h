@@ -85,11 +85,18 @@ enum KernelKind : uint8_t { kTriton = 0, kVendor = 1 };
 
 // An attention kernel's operand layouts (tuner.attention.LAYOUT_BITS, docs/abi.md "attention layouts"): a set
 // bit reads (writes) that operand as [batch, seq, heads, d]; clear, the contiguous [z, seq, d] ([z, d, seq_k]
-// for Kt).
-enum Layout : uint8_t { kLayoutQ = 1, kLayoutK = 2, kLayoutV = 4, kLayoutOut = 8 };
+// for Kt). kLayoutPacked (with Q, K and V): the three are parts 0, 1, 2 of one packed projection [batch, seq,
+// 3 * heads * d] that the node takes as each of its first three inputs. kLayoutMax: the highest valid value.
+enum Layout : uint8_t { kLayoutQ = 1, kLayoutK = 2, kLayoutV = 4, kLayoutOut = 8, kLayoutPacked = 16 };
+constexpr int kLayoutMax = 31, kLayoutPackedQkv = kLayoutQ | kLayoutK | kLayoutV | kLayoutPacked;
+// Whether `layout` is a valid bit set: within 0..31, packed only with Q, K and V.
+inline bool LayoutValid(int layout) {
+  return layout >= 0 && layout <= kLayoutMax && (!(layout & kLayoutPacked) || (layout & kLayoutPackedQkv) == kLayoutPackedQkv);
+}
 inline std::string LayoutText(int layout) {
   return std::string("q=") + (layout & kLayoutQ ? "BSHD" : "BHSD") + ",k=" + (layout & kLayoutK ? "BSHD" : "BHDS") +
-         ",v=" + (layout & kLayoutV ? "BSHD" : "BHSD") + ",out=" + (layout & kLayoutOut ? "BSHD" : "BHSD");
+         ",v=" + (layout & kLayoutV ? "BSHD" : "BHSD") + ",out=" + (layout & kLayoutOut ? "BSHD" : "BHSD") +
+         (layout & kLayoutPacked ? ",packed" : "");
 }
 
 enum View : int { kViewGemm = 0, kViewBmm = 1, kViewConv = 2, kViewAttention = 3 };

@@ -17,15 +17,17 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 7;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent (docs/bundle.md)
+constexpr uint32_t kVersion = 7;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+                                  // packed QKV layout flag (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
 constexpr uint32_t kFlagCausal = 2;  // attention kernels compiled in causal mode
 constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
-// bits 3..6: an attention kernel's operand layouts (Q, K, V, out as [batch, seq, heads, d]; docs/abi.md)
-constexpr uint32_t kFlagLayoutShift = 3, kFlagLayoutMask = 0xF << kFlagLayoutShift;
+// bits 3..7: an attention kernel's operand layouts (Q, K, V, out as [batch, seq, heads, d]; bit 7: Q, K, V packed
+// in one projection; docs/abi.md)
+constexpr uint32_t kFlagLayoutShift = 3, kFlagLayoutMask = 0x1F << kFlagLayoutShift;
 constexpr uint32_t kArchSpecific = 1;
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -255,6 +257,10 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (k.tf32 && k.dtype != 0) Fail(where + ": tf32 applies to float32 kernels only");
   if (k.layout && !seen[kSeqQ]) Fail(where + ": operand layouts apply to attention kernels only");
+  if (!LayoutValid(k.layout)) {
+    Fail(where + ": operand layout " + std::to_string(k.layout) + " is packed without Q, K and V all [batch, seq, "
+         "heads, d]");
+  }
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
   if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
     Fail(where + ": params name a residual, which only gemm-view kernels take");
@@ -1214,8 +1220,9 @@ int dc_bundle_check_scale(const dc_bundle* b, float scale) {
 }
 
 int dc_bundle_check_layout(const dc_bundle* b, int layout) {
-  if (b == nullptr || layout < 0 || layout > 15) {
-    SetError("dc_bundle_check_layout: null bundle or layout outside 0..15");
+  if (b == nullptr || !dietcode::LayoutValid(layout)) {
+    SetError("dc_bundle_check_layout: null bundle or layout " + std::to_string(layout) + " not a valid bit set "
+             "(0..31, packed only with q, k and v)");
     return -1;
   }
   for (size_t k = 0; k < b->kernels.size(); ++k) {

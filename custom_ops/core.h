@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 8  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count)
+#define DC_ABI_VERSION 8  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -113,8 +113,9 @@ int dc_bundle_kernel_persistent(const dc_bundle* bundle, int32_t k);
 // or a call that does not fit (dc_kernel_fit).
 int dc_kernel_grid(const dc_bundle* bundle, int32_t k, const dc_launch_args* args, uint32_t* grid3);
 
-// Kernel k's operand layouts (bundle flags bits 3..6: bit 0 Q, 1 K, 2 V, 3 out read/written as [batch, seq,
-// heads, d]; docs/abi.md "attention layouts"): 0..15; -1 for an out-of-range kernel id.
+// Kernel k's operand layouts (bundle flags bits 3..7: bit 0 Q, 1 K, 2 V, 3 out read/written as [batch, seq,
+// heads, d], 4 Q, K and V packed in one projection; docs/abi.md "attention layouts"): 0..31; -1 for an
+// out-of-range kernel id.
 int dc_bundle_kernel_layout(const dc_bundle* bundle, int32_t k);
 
 // Whether every compiled kernel was compiled for the node's operand layouts `layout` (its `layout`
@@ -178,12 +179,14 @@ int64_t dc_kernel_workspace_bytes(const dc_bundle* bundle, int32_t k, const dc_l
 // in dc_last_error). Pointers in `out` are left 0.
 int dc_attention_view(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v, size_t rv,
                       const int64_t* mask, size_t rm, int64_t head_dim, dc_launch_args* out);
-// The same for a node with operand layouts `layout` (0..15, docs/abi.md "attention layouts"): the shapes are
+// The same for a node with operand layouts `layout` (0..31, docs/abi.md "attention layouts"): the shapes are
 // the node's inputs as given (Q [B, T_q, H, d] with bit 0, K [B, T_k, H, d] with bit 1, V [B, T_k, H, d] with
-// bit 2; rank 4 whenever a bit is set); the view's seq/heads/batch are those of the contiguous equivalent, and
-// the kernel derives each operand's strides from them and its layout constexprs. `out_shape` (4 int64, may be
-// NULL) receives the output's shape ([B, T_q, H, d] with bit 3) when the rank is 4 and the shapes are valid
-// (also when the call cannot be expressed: 0). dc_attention_view is this with layout 0.
+// bit 2; rank 4 whenever a bit is set; with bit 4, packed (bits 0..2 set too), Q, K and V are each the packed
+// projection [B, T, 3 * H * d], one shape, its last dim a multiple of 3 * head_dim, head_dim > 0); the view's
+// seq/heads/batch are those of the contiguous equivalent, and the kernel derives each operand's strides from
+// them and its layout constexprs. `out_shape` (4 int64, may be NULL) receives the output's shape ([B, T_q, H,
+// d] with bit 3) when the output has rank 4 and the shapes are valid (also when the call cannot be expressed:
+// 0). dc_attention_view is this with layout 0.
 int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, size_t rk, const int64_t* v,
                              size_t rv, const int64_t* mask, size_t rm, int64_t head_dim, int layout,
                              int64_t* out_shape, dc_launch_args* out);

@@ -40,7 +40,7 @@ __all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_di
            "prebuilt_library", "LibraryNeeds", "library_needs", "build_packaged"]
 
 C_ABI_VERSION = 8  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
-# 8: persistent kernels: dc_launch_args.sm_count, dc_kernel_grid, dc_cuda_sm_count)
+# 8: persistent kernels: dc_launch_args.sm_count, dc_kernel_grid, dc_cuda_sm_count; the packed QKV attention layout)
 _REPO = Path(__file__).resolve().parents[1]
 # Where a platform wheel carries the library (setup.py builds it there); absent in a source checkout.
 PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"

@@ -29,7 +29,8 @@ MAGIC = b"DCBUNDLE"
 # 2: the kernel record's 16-bit field is the div16 mask (was reserved, 0); 3: shared memory bytes per image;
 # 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX; 5: alpha;
 # 6: split-K kernels take a workspace (param 28), the zero_output flag is refused; 7: the kernel record's byte
-# after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile)
+# after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile), and
+# kernel flags bit 7 is the packed QKV attention layout
 VERSION = 7
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
@@ -61,10 +62,12 @@ VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
 FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
 FLAG_TF32 = 4  # a float32 kernel compiled with TF32 dots (DOT_PRECISION="tf32"); clear: ieee float32 products
-# bits 3..6: an attention kernel's operand layouts (tuner.attention.LAYOUT_BITS shifted left by 3: Q, K, V, out
-# read/written as [batch, seq, heads, d]; constexprs Q_BSHD, K_BSHD, V_BSHD, O_BSHD)
+# bits 3..7: an attention kernel's operand layouts (tuner.attention.LAYOUT_BITS shifted left by 3: Q, K, V, out
+# read/written as [batch, seq, heads, d], bit 7 Q, K and V packed in one projection; constexprs Q_BSHD, K_BSHD,
+# V_BSHD, O_BSHD, QKV_PACKED)
 FLAG_LAYOUT_SHIFT = 3
-LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD")  # bit 0..3 of ``layout``
+LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD", "QKV_PACKED")  # bit 0..4 of ``layout``
+_PACKED_QKV = 0b10111  # packed (bit 4) comes with Q, K and V (bits 0..2)
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
 
 # Upper bounds shared with the C++ reader; anything larger is refused as absurd.
@@ -301,6 +304,8 @@ class BundleKernel:
             raise _fail(f"{where}: tf32 applies to float32 kernels only, not {self.dtype}")
         if not isinstance(self.layout, int) or not 0 <= self.layout < 1 << len(LAYOUT_CONSTEXPRS):
             raise _fail(f"{where}: layout {self.layout!r} is not a bit set of {LAYOUT_CONSTEXPRS}")
+        if self.layout & 16 and self.layout & _PACKED_QKV != _PACKED_QKV:
+            raise _fail(f"{where}: layout {self.layout} is packed without Q, K and V all [batch, seq, heads, d]")
         if self.layout and "seq_q" not in self.params:
             raise _fail(f"{where}: operand layouts apply to attention kernels only")
         if not 0 <= self.shared <= LIMITS["shared"]:

@@ -84,7 +84,8 @@ def _attention(node: onnx.NodeProto) -> dict:
 
 def _layout_text(layout: int) -> str:
     """The operands an Attention node reads/writes as [batch, seq, heads, d] (docs/abi.md "Attention layouts")."""
-    return ",".join(op for op, bit in (("q", 1), ("k", 2), ("v", 4), ("out", 8)) if layout & bit) + "=BSHD"
+    return (",".join(op for op, bit in (("q", 1), ("k", 2), ("v", 4), ("out", 8)) if layout & bit) + "=BSHD"
+            + (",qkv=packed" if layout & 16 else ""))
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:

@@ -341,7 +341,8 @@ class Core:
         seq_q, seq_k, heads, batch (= batch x heads) and the mask strides; None when the ABI cannot express the
         call (the reason in ``error()``). DietcodeError for invalid shapes. ``layout``: the node's operand
         layouts (tuner.attention.LAYOUT_BITS; the shapes are its inputs as given). ``out_shape`` (a list) receives
-        the node's output shape for rank-4 inputs, also when the call cannot be expressed."""
+        the node's output shape for rank-4 inputs (or the packed layout's rank-3 projection), also when the call
+        cannot be expressed."""
         arr = lambda s: (ctypes.c_int64 * max(1, len(s)))(*s)  # noqa: E731
         out = LaunchArgs()
         shape = (ctypes.c_int64 * 4)()
@@ -349,7 +350,7 @@ class Core:
                                               arr(mask) if mask is not None else None,
                                               len(mask) if mask is not None else 0, head_dim, layout, shape,
                                               ctypes.byref(out))
-        if out_shape is not None and len(q) == 4:
+        if out_shape is not None and (len(q) == 4 or layout & 16):  # rank 4, or the packed projection's output
             out_shape[:] = list(shape)
         if r < 0:
             raise DietcodeError(self.error())

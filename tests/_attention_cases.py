@@ -55,6 +55,14 @@ CASES: tuple[Case, ...] = (
     Case("bshd_all_causal", (1, 3), 17, 17, 16, ((16, 16, 2, 1),), causal=True, layout=15),
     Case("bshd_all_fp16_rows_mask", (2, 2), 17, 17, 32, ((16, 16, 2, 1),), dtype="float16", mask=(2, 2, 17, 17),
          scale=0.25, layout=15),
+    # the packed projection (layout 16 | q | k | v): Q, K, V read in place from one [batch, seq, 3 * heads * d]
+    # tensor, alone and with the output head-split, BERT's mask, ragged keys, causal, float16 and a padded head
+    Case("packed_bert_mask_out", (2, 3), 17, 17, 32, ((16, 16, 2, 1), (32, 32, 4, 2)), mask=(2, 1, 1, 17),
+         scale=1 / 32 ** 0.5, masked_cols=6, layout=31),
+    Case("packed_only", (1, 2), 5, 5, 16, ((16, 16, 2, 1),), scale=0.5, layout=23),
+    Case("packed_causal_d24", (1, 2), 17, 17, 24, ((16, 16, 2, 1),), causal=True, scale=0.3, layout=31),
+    Case("packed_fp16_rows_mask", (2, 2), 17, 17, 16, ((16, 16, 2, 1),), dtype="float16", mask=(2, 2, 17, 17),
+         scale=0.25, layout=31),
 )
 
 # bfloat16 is left to the GPU tests: the interpreter computes through numpy, which has no bfloat16.
@@ -88,9 +96,13 @@ def main() -> None:
         given = (q.transpose(1, 2).contiguous() if case.layout & 1 else q,
                  kt.permute(0, 3, 1, 2).contiguous() if case.layout & 2 else kt,
                  v.transpose(1, 2).contiguous() if case.layout & 4 else v)
+        if case.layout & 16:  # one [batch, seq, 3 * heads * d] tensor: q, k, v concatenated on the last axis
+            packed = torch.cat([t.flatten(2) for t in given], dim=-1).contiguous()
+            given = (packed, packed, packed)
         for fields in case.configs:
             got = run_attention(AttentionConfig(*fields), *given, mask=mask, scale=case.scale,
-                                causal=case.causal, nan_to_zero=case.nan_to_zero, layout=case.layout)
+                                causal=case.causal, nan_to_zero=case.nan_to_zero, layout=case.layout,
+                                head_dim=case.head_dim)
             if case.layout & 8:  # the output as [batch, seq_q, heads, d]
                 assert got.shape == (want.shape[0], want.shape[2], want.shape[1], want.shape[3]), got.shape
                 got = got.transpose(1, 2)

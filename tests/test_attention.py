@@ -131,7 +131,9 @@ def test_aot_layouts_compile_and_are_recorded_in_the_bundle_kernel() -> None:
     assert strided.params == default.params and strided.n_spills == 0
     assert fmt.BundleKernel.from_compiled([default]).layout == 0
     assert fmt.BundleKernel.from_compiled([strided]).layout == 15
-    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+    with pytest.raises(DietcodeError, match="layout 32 is not a bit set"):
+        compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, layout=32)
+    with pytest.raises(DietcodeError, match="layout 16 is packed without q, k and v"):
         compile_attention(config, "float16", "sm_80", 64, scale=0.125, has_mask=True, layout=16)
 
 
@@ -199,3 +201,53 @@ def test_compile_filter_drops_spilling_configs() -> None:
     assert [k.config for k in space.kept] == [small]
     ((config, why),) = space.dropped
     assert config == large and why.startswith("spills ")
+
+
+def test_attention_view_of_a_packed_projection() -> None:
+    """The packed layout: Q, K and V each the one [B, T, 3 * H * d] projection; H from its last dim and the
+    head_dim attribute; every size checked before use."""
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    packed = [2, 17, 3 * 4 * 16]
+    out_shape: list[int] = []
+    args = core.attention_view(packed, packed, packed, [2, 1, 1, 17], head_dim=16, layout=31, out_shape=out_shape)
+    assert args is not None and (args.seq_q, args.seq_k, args.heads, args.batch) == (17, 17, 4, 8)
+    assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == (17, 0, 0, 1)
+    assert out_shape == [2, 17, 4, 16]  # the out bit: [B, T, H, d]
+    core.attention_view(packed, packed, packed, head_dim=16, layout=23, out_shape=out_shape)
+    assert out_shape == [2, 4, 17, 16]  # [B, H, T, d]
+    refusals = (
+        (([2, 17, 3 * 4 * 16 + 16],) * 3, 16, 31, "not a positive multiple of 3 \\* head_dim = 48"),
+        (([2, 17, 0],) * 3, 16, 31, "not a positive multiple"),
+        (([2, 17, 192], [2, 16, 192], [2, 17, 192]), 16, 31, "one \\[batch, seq, 3 \\* heads \\* head_dim\\]"),
+        (([2, 17, 192], [2, 17, 192], [2, 17, 96]), 16, 31, "one \\[batch, seq, 3 \\* heads \\* head_dim\\]"),
+        (([2, 17, 4, 48],) * 3, 16, 31, "one \\[batch, seq"),
+        (([2, 17, 192],) * 3, 0, 31, "needs the node's head_dim attribute"),
+        (([2, 17, 192],) * 3, 16, 16, "layout 16 not a valid bit set"),
+        (([2, 17, 192],) * 3, 16, 32, "layout 32 not a valid bit set"),
+    )
+    for shapes, head_dim, layout, message in refusals:
+        with pytest.raises(DietcodeError, match=message):
+            core.attention_view(*shapes, head_dim=head_dim, layout=layout)
+    # offsets inside one head are int32: a packed row is 3 * heads * d elements
+    big = [1, 1 << 20, 3 * 16 * 64]  # 2^20 rows of 3 * 1024 elements: past 2^31 packed, within it unpacked
+    assert core.attention_view(big, big, big, head_dim=64, layout=23) is None
+    assert "offsets past int32" in core.error()
+    split = [1, 1 << 20, 16, 64]
+    assert core.attention_view(split, split, split, head_dim=64, layout=7) is not None
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_aot_packed_layout_compiles_without_more_spills_than_the_head_split_layout(target: str) -> None:
+    """The packed layout (Q, K, V read from one [B, S, 3*H*d] projection) compiles ahead of time to its own
+    code, recorded in the bundle kernel (flags bit 7), spilling no more than the head-split layout (none)."""
+    from dietcode_ort import bundle as fmt
+    from tuner.attention import compile_attention
+
+    config = AttentionConfig(64, 64, 4, 2)
+    split = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False, layout=15)
+    packed = compile_attention(config, "float16", target, 64, scale=0.125, has_mask=True, mask_rows=False, layout=31)
+    assert _code(packed.ptx) != _code(split.ptx) and packed.params == split.params
+    assert packed.n_spills == split.n_spills == 0
+    assert fmt.BundleKernel.from_compiled([packed]).layout == 31

@@ -117,10 +117,11 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
     assert n["attention"] == {"inputs": ["Q", "Kt", "V", "mask"], "scale": 0.125, "head_dim": 64,
                               "nan_to_zero": False, "mask_rows": False, "kernel_scale": [0.125],
-                              "causal": False, "layout": 15}
+                              "causal": False, "layout": 31}  # Q, K, V packed
     assert all(k["alpha"] == 0.125 for k in n["kernels"])
     assert all(c.startswith("am") for c in n["configs"]) and len(n["configs"]) == len(n["kernels"])
-    assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [2, 8]}
+    # packed Q, K, V: the batch feature is B (the projection [B, S, 3 * H * d] has no heads dim)
+    assert n["ranges"] == {"seq_q": [1, 449], "seq_k": [1, 449], "batch": [1, 4]}
     assert "->" in n["tree"]["if_chain"]
     assert inspect_command(str(out), as_json=False) == 0
     text = capsys.readouterr().out
@@ -197,16 +198,19 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
     bundle = core.parse(payload)
     decoded = read_bundle(payload)
     heads = 2
-    # the node takes Q, K, V as the head split's Reshape outputs [B, S, H, d] (layout 15: its Transposes absorbed)
-    assert {k.layout for k in decoded.kernels} == {15}
+    # the node takes Q, K, V packed in the merged projection [B, S, 3 * H * d] (layout 31: the Split, the head
+    # split's Reshapes and Transposes absorbed)
+    assert {k.layout for k in decoded.kernels} == {31}
+    assert node.input[0] == node.input[1] == node.input[2]
     for batch, seq in ((1, 1), (4, 449), (2, 100)):
-        q, k_, v, mask = [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, seq, heads, 64], [batch, 1, 1, seq]
+        q = k_ = v = [batch, seq, 3 * heads * 64]
+        mask = [batch, 1, 1, seq]
         features = bundle.features([q, k_, v, mask])
-        assert features == [seq, seq, batch * heads]
+        assert features == [seq, seq, batch]
         k = bundle.select(features)
         assert k == decoded.tree.evaluate(features)
         assert info["kernels"][k].startswith("am")
-        args = core.attention_view(q, k_, v, mask, head_dim=64, layout=15)
+        args = core.attention_view(q, k_, v, mask, head_dim=64, layout=31)
         assert args is not None
         assert (args.seq_q, args.seq_k, args.heads, args.batch) == (seq, seq, heads, batch * heads)
         assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
@@ -257,16 +261,16 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
     with pytest.raises(DietcodeError, match="another element type"):
         attention.check_node("float16", "Attention")
     # the kernels were compiled for the node's layouts (Q, K, V and out as [B, S, H, d]); any other is refused
-    attention.check_layout(15)
-    with pytest.raises(DietcodeError, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the "
-                                            r"node has q=BSHD,k=BHDS,v=BSHD,out=BSHD; optimize the model again"):
-        attention.check_layout(13)
+    attention.check_layout(31)
+    with pytest.raises(DietcodeError, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD,packed, "
+                                            r"the node has q=BSHD,k=BSHD,v=BSHD,out=BSHD; optimize the model again"):
+        attention.check_layout(15)
 
     def relayout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         next(a for a in node.attribute if a.name == "layout").i = 0
 
-    with pytest.raises(Exception, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD, the node "
-                                        r"has q=BHSD,k=BHDS,v=BHSD,out=BHSD"):
+    with pytest.raises(Exception, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD,packed, the "
+                                        r"node has q=BHSD,k=BHDS,v=BHSD,out=BHSD"):
         _session(_with_node(model, "Attention", relayout))
 
     def bad_layout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
@@ -577,7 +581,7 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
 
     core = load_core()
     ptx = ".version 8.0\n.target sm_80\n"
-    for layout in (0, 1, 6, 15):
+    for layout in (0, 1, 6, 15, 23, 31):
         kernel = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16,
                               layout=layout)
         payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
@@ -589,13 +593,15 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
     gemm = BundleKernel(name="g", ptx=ptx, params=templates.ABI_PARAMS["gemm"][:7], block_m=16, block_n=16, layout=2)
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         Bundle((), (gemm,), DispatchTree.single(0)).validate()
-    with pytest.raises(DietcodeError, match="layout 16 is not a bit set"):
+    with pytest.raises(DietcodeError, match="layout 32 is not a bit set"):
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=32).validate(0)
+    with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):
         BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16).validate(0)
     # the same kernels written past the Python checks: the C reader refuses them too
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         core.parse(Bundle((), (gemm,), DispatchTree.single(0)).to_bytes(validate=False))
     bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
-    with pytest.raises(DietcodeError, match="flags 128 invalid"):  # layout bit 4 lands past flags bit 6
+    with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):  # flags bit 7 without 3..5
         core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))
 
 

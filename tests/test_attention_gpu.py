@@ -98,3 +98,58 @@ def test_optimized_bert_attention_launches_on_cuda_ep_and_matches_stock_ort(dtyp
     attention = [name for name in stats if name.endswith("attention/self/MatMul_1")]
     assert len(attention) == PRESETS["tiny"].layers
     assert all(stats[name]["launches"] == 3 and stats[name]["fallbacks"] == 0 for name in attention)
+
+
+@pytest.mark.parametrize("layout", [23, 31])
+def test_jit_attention_reads_the_packed_projection(layout: int) -> None:
+    """The packed layout on the GPU: Q, K, V parts 0, 1, 2 of one [B, S, 3*H*d] projection, against float64."""
+    from tuner.attention import AttentionConfig, reference_attention, run_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(layout)
+    batch, heads, seq, d = 2, 3, 77, 64
+    packed = torch.randn(batch, seq, 3 * heads * d, device="cuda", generator=gen).half()
+    q, k, v = (t.transpose(1, 2) for t in packed.view(batch, seq, 3, heads, d).unbind(2))
+    mask = torch.zeros(batch, 1, 1, seq, device="cuda").half()
+    mask[0, ..., -9:] = -10000.0
+    want = reference_attention(q.cpu(), k.transpose(-1, -2).cpu(), v.cpu(), mask=mask.cpu(), scale=0.125).double()
+    got = run_attention(AttentionConfig(64, 64, 4, 2), packed, packed, packed, mask=mask, scale=0.125, layout=layout,
+                        head_dim=d)
+    got = (got.transpose(1, 2) if layout & 8 else got).double().cpu()
+    assert (got - want).abs().max() < 2e-2
+
+
+def test_optimized_bert_reads_packed_qkv_on_cuda_ep_like_the_cpu_ep(tmp_path) -> None:
+    """optimize merges tiny BERT's Q/K/V projections into one GEMM read packed by the Attention nodes; the CUDA
+    EP's outputs equal the CPU EP's (the library's CPU kernels) on the optimized model."""
+    import onnx
+    import onnxruntime as ort
+
+    import models
+    from dietcode_ort.runtime import provider_usable, register
+    from models.bert import PRESETS, build_graph
+    from tuner.optimize import OptimizeOptions, default_targets, optimize
+
+    if not provider_usable("CUDAExecutionProvider"):
+        pytest.skip("ORT's CUDA EP is not usable here")
+    model = build_graph(PRESETS["tiny"], "float16", 0)
+    src, out = tmp_path / "bert.onnx", tmp_path / "bert.opt.onnx"
+    models.save_model(model, src)
+    optimize(src, out, OptimizeOptions(targets=default_targets(), dims=("batch=1:4", "seq=1:128:16"), budget=8,
+                                       max_kernels=2, measure="analytic", db=tmp_path / "t.db",
+                                       cache_dir=tmp_path / "k", progress=False), log=lambda _: None)
+    nodes = onnx.load(str(out)).graph.node
+    assert all(next(a.i for a in n.attribute if a.name == "layout") == 31 for n in nodes if n.op_type == "Attention")
+    assert not any(n.op_type in ("Split", "Transpose") for n in nodes)
+    opts = ort.SessionOptions()
+    register(opts)
+    cuda = ort.InferenceSession(str(out), opts, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    register(opts)
+    cpu = ort.InferenceSession(str(out), opts, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for batch, seq in ((1, 1), (4, 33), (2, 128)):
+        mask = np.ones((batch, seq), np.int64)
+        mask[1:, seq // 2:] = 0
+        feeds = {"input_ids": rng.integers(0, 100, size=(batch, seq), dtype=np.int64), "attention_mask": mask}
+        np.testing.assert_allclose(cuda.run(None, feeds)[0].astype(np.float64),
+                                   cpu.run(None, feeds)[0].astype(np.float64), atol=2e-2, rtol=2e-2)

@@ -534,7 +534,7 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
     for version in (2, 4, 5, 6):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output); 6: before
-        # the persistent byte
+        # the persistent byte and the packed QKV layout bit
         struct.pack_into("<I", data, 8, version)
         _refused(core, bytes(data), f"version {version}, this reader knows 7")
 
@@ -549,8 +549,8 @@ def test_zero_output_flag_is_refused(core) -> None:
     assert data[flags_at] == 0
     data[flags_at] = FLAG_ZERO_OUTPUT
     _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
-    data[flags_at] = 128  # past the attention layout bits 3..6 (bit 2, 4, is tf32, read in test_tf32.py)
-    _refused(core, bytes(data), "flags 128 invalid")
+    data[flags_at] = 128  # bit 7 (the packed QKV layout) is known, but only attention kernels take it
+    _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 8  # bit 3 (Q's layout) is known, but only attention kernels take it
     _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 2  # bit 1 (causal) is known, but only attention kernels take it

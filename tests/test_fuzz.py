@@ -54,6 +54,9 @@ def _seeds() -> list[bytes]:
                       (_kernel("pg", persistent=2), _kernel("pb", persistent=1, params=bmm, div16=("a", "b"),
                                                             image_scratch=((256, 128), (0, 1)))),
                       DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    # an attention kernel in the packed QKV layout (flags bits 3..7 all set): mutants flip the layout bits
+    out.append(Bundle((), (_kernel("attp", params=ATTENTION_PARAMS, div16=(), block_n=64, layout=31),),
+                      DispatchTree.single(0)).to_bytes())
     return out
 
 

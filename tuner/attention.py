@@ -40,7 +40,7 @@ __all__ = ["AttentionConfig", "ATTENTION_AXES", "ATTENTION_RULES", "ATTENTION_DT
            "attention_space", "attention_prune_report", "attention_constexprs", "mask_strides", "run_attention",
            "reference_attention", "CompiledAttention", "compile_attention", "AttentionCompileJob",
            "CompiledAttentionSpace",
-           "compile_attention_space", "LAYOUT_BITS", "check_layout", "layout_text", "bshd_layout"]
+           "compile_attention_space", "LAYOUT_BITS", "PACKED_QKV", "check_layout", "layout_text", "bshd_layout"]
 
 ATTENTION_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_AXES: dict[str, tuple[int, ...]] = {
@@ -56,22 +56,30 @@ MAX_HEAD_DIM = 256
 # docs/abi.md "attention layouts"): a set bit reads (writes) that operand as [batch, seq, heads, d], the head
 # split's Reshape output before its Transpose (K: the keys before the Transpose making Kt); a clear bit the
 # contiguous [z, seq, d] (Kt: [z, d, seq_k]). 0 is the default and compiles as before the layouts existed.
-LAYOUT_BITS = {"q": 1, "k": 2, "v": 4, "out": 8}
-_LAYOUT_CONSTEXPRS = {"q": "Q_BSHD", "k": "K_BSHD", "v": "V_BSHD", "out": "O_BSHD"}
+# "packed" (with q, k and v): the three are read in place from ONE projection [batch, seq, 3 * heads * d] (the q,
+# k, v projections concatenated on the last axis, each head-split): q (b, s, h, j) at ((b * seq + s) * 3 + 0) *
+# heads * d + h * d + j, k at part 1, v at part 2; the node takes that tensor as each of its first three inputs.
+LAYOUT_BITS = {"q": 1, "k": 2, "v": 4, "out": 8, "packed": 16}
+_LAYOUT_CONSTEXPRS = {"q": "Q_BSHD", "k": "K_BSHD", "v": "V_BSHD", "out": "O_BSHD", "packed": "QKV_PACKED"}
+PACKED_QKV = LAYOUT_BITS["q"] | LAYOUT_BITS["k"] | LAYOUT_BITS["v"] | LAYOUT_BITS["packed"]
 
 
 def check_layout(layout: int) -> int:
-    """``layout`` if it is a bit set of LAYOUT_BITS, else DietcodeError."""
-    if not isinstance(layout, int) or isinstance(layout, bool) or not 0 <= layout < 16:
+    """``layout`` if it is a bit set of LAYOUT_BITS (packed only with q, k and v), else DietcodeError."""
+    if not isinstance(layout, int) or isinstance(layout, bool) or not 0 <= layout < 32:
         raise DietcodeError(f"attention: layout {layout!r} is not a bit set of {LAYOUT_BITS}")
+    if layout & LAYOUT_BITS["packed"] and layout & PACKED_QKV != PACKED_QKV:
+        raise DietcodeError(f"attention: layout {layout} is packed without q, k and v all [batch, seq, heads, d]")
     return layout
 
 
 def layout_text(layout: int) -> str:
-    """``q=BSHD,k=BHDS,...``: each operand's layout in words (Kt's contiguous layout is [z, d, seq_k])."""
+    """``q=BSHD,k=BHDS,...``: each operand's layout in words (Kt's contiguous layout is [z, d, seq_k]), and
+    ``,packed`` when q, k and v are the parts of one packed projection."""
     check_layout(layout)
     return ",".join(f"{op}={'BSHD' if layout & bit else ('BHDS' if op == 'k' else 'BHSD')}"
-                    for op, bit in LAYOUT_BITS.items())
+                    for op, bit in LAYOUT_BITS.items() if op != "packed") + \
+        (",packed" if layout & LAYOUT_BITS["packed"] else "")
 
 
 def bshd_layout(layout: int, op: str) -> bool:
@@ -184,12 +192,14 @@ def mask_strides(mask_shape: tuple[int, ...], batch: int, heads: int, seq_q: int
 
 def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor", v: "torch.Tensor", *,
                   mask: "torch.Tensor | None" = None, scale: float = 1.0, causal: bool = False,
-                  nan_to_zero: bool = False, allow_tf32: bool = False, layout: int = 0) -> "torch.Tensor":
+                  nan_to_zero: bool = False, allow_tf32: bool = False, layout: int = 0,
+                  head_dim: int = 0) -> "torch.Tensor":
     """Launch ``attention_kernel`` through Triton's JIT: q [..., T_q, d], kt [..., d, T_k], v [..., T_k, d]
     with equal leading dims (``[batch, heads]`` or one batch dim), ``mask`` broadcastable to
     ``[batch, heads, T_q, T_k]``. Returns ``[..., T_q, d]`` in q's dtype. With ``layout`` bits (LAYOUT_BITS)
     the operands they name are given (and the output returned) as ``[batch, seq, heads, d]`` (K: the keys
-    ``[batch, T_k, heads, d]``, not Kt), all of rank 4."""
+    ``[batch, T_k, heads, d]``, not Kt), all of rank 4. With the packed layout, q, kt and v are one contiguous
+    packed projection ``[batch, seq, 3 * heads * head_dim]`` (``head_dim`` given)."""
     import torch
     import triton
 
@@ -197,8 +207,17 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
 
     check_layout(layout)
     given = (q, kt, v)
+    packed = bool(layout & LAYOUT_BITS["packed"])
+    if packed:
+        if any(t is not q for t in given) or q.dim() != 3 or head_dim < 1 or q.shape[-1] % (3 * head_dim):
+            raise DietcodeError(f"attention: the packed layout takes one [batch, seq, 3 * heads * d] tensor as q, "
+                                f"kt and v, got {tuple(q.shape)} with head_dim {head_dim}")
+        if not q.is_contiguous():
+            raise DietcodeError("attention: the packed projection must be contiguous")
+        parts = q.view(q.shape[0], q.shape[1], 3, q.shape[2] // (3 * head_dim), head_dim).unbind(2)
+        q, kt, v = parts  # the [batch, seq, heads, d] views the checks below speak of; the kernel reads the tensor
     if layout:
-        if any(t.dim() != 4 for t in given):
+        if any(t.dim() != 4 for t in (q, kt, v)):
             raise DietcodeError(f"attention: layout {layout_text(layout)} needs rank-4 q, k, v")
         # the contiguous views the checks below and the grid speak of; the kernel reads the given tensors
         q = q.transpose(1, 2) if layout & LAYOUT_BITS["q"] else q
@@ -232,7 +251,7 @@ def run_attention(config: AttentionConfig, q: "torch.Tensor", kt: "torch.Tensor"
                                 mask_rows=strides[2] != 0, causal=causal, nan_to_zero=nan_to_zero,
                                 dot_precision=precision, layout=layout)
     grid = (triton.cdiv(seq_q, config.block_m), 1, z)
-    q, kt, v = (t.contiguous() for t in given)
+    q, kt, v = (t.contiguous() for t in given)  # the packed tensor: checked contiguous above, passed thrice
     attention_kernel[grid](q, kt, v, mask, out, seq_q, seq_k, heads,
                            *strides, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -110,6 +110,17 @@ class AttentionSite:
     # exporters' scale of Q and K before the MatMul): the Mul stays in the graph, rewired to the Transpose's
     # input (an elementwise scale commutes with the permutation), and the node takes its output
     through: tuple[tuple[str, str], ...] = ()
+    # the packed layout (LAYOUT_BITS["packed"]): (the packed projection [B, S, 3 * H * d] the node takes as Q, Kt
+    # and V, Q's, K's and V's head-split values [B, S, H, d] the absorbed Transposes read); () otherwise
+    packed: tuple[str, ...] = ()
+    packed_heads: int = 0  # H of the packed projection
+    # the nodes between the packed projection and the head-split Transposes (one Split or three Slices, three
+    # Reshapes), by first output: left out of the main graph, rebuilt as Slice + Reshape in the fallback body
+    packed_nodes: tuple[str, ...] = ()
+    # Shape nodes (by output) reading a third whose readers use its batch and seq dims alone (the exporters'
+    # Shape -> Gather -> Concat head-split shapes): rewired to read the packed projection, whose dims 0, 1 they are
+    packed_shapes: tuple[str, ...] = ()
+    pack_notes: tuple[str, ...] = ()  # why Q, K and V are not read packed from one projection
 
 
 @dataclass(frozen=True)
@@ -241,7 +252,7 @@ def _softmax_axis(node: onnx.NodeProto) -> int | None:
     return None
 
 
-def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
+def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> AttentionSite:
     if _softmax_axis(softmax) != -1:
         raise _Skip("Softmax is not over axis=-1")
     chain = [softmax]
@@ -350,6 +361,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
     before: list[onnx.NodeProto] = []
     after: list[onnx.NodeProto] = []
     through: list[tuple[str, str]] = []
+    transposes: dict[str, onnx.NodeProto] = {}
     if len(sq) == 4:
         operands = (("q", q, node, (0, 2, 1, 3)), ("k", kt, node, (0, 2, 3, 1)), ("v", v, second, (0, 2, 1, 3)))
         ins = {"q": q, "k": kt, "v": v}
@@ -359,6 +371,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
             split_node = _head_split(g, op, source, mul_node or reader, perm, notes)
             if split_node is not None:
                 before.append(split_node)
+                transposes[op] = split_node
                 if mul_node is not None:  # the node takes the Mul's output, the Mul reads the head split
                     through.append((split_node.output[0], value))
                 else:
@@ -371,10 +384,25 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto) -> AttentionSite:
             output = merge.output[0]
             layout |= LAYOUT_BITS["out"]
     chain = before + chain + after
+    packed: tuple[str, ...] = ()
+    packed_nodes: tuple[str, ...] = ()
+    packed_shapes: tuple[str, ...] = ()
+    pack_notes: list[str] = []
+    heads = 0
+    if len(transposes) == 3:
+        splits = tuple(transposes[op].input[0] for op in ("q", "k", "v"))
+        packed_from = _packed_source(g, splits, tuple(transposes[op] for op in ("q", "k", "v")), opset,
+                                     pack_notes, bool(through))
+        if packed_from is not None:
+            source, packed_nodes, heads, packed_shapes = packed_from
+            packed = (source, *splits)
+            q = kt = v = source
+            layout |= LAYOUT_BITS["packed"]
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, output, scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
                          mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes),
-                         through=tuple(through))
+                         through=tuple(through), packed=packed, packed_heads=heads, packed_nodes=packed_nodes,
+                         packed_shapes=packed_shapes, pack_notes=tuple(pack_notes))
 
 
 _NAMES = {"q": "Q", "k": "Kt", "v": "V"}
@@ -467,6 +495,124 @@ def _head_merge(g: scan_mod._Graph, output: str, notes: list[str]) -> onnx.NodeP
     return None
 
 
+# (the packed projection, the absorbed nodes, heads, the Shape nodes rewired to the projection)
+_PackedSource = tuple[str, tuple[str, ...], int, tuple[str, ...]]
+_PACK_OPSET = 10  # the packed fallback body splits with Slice's starts/ends/axes inputs (opset 10)
+
+
+def _ints(g: scan_mod._Graph, name: str) -> list[int] | None:
+    value = _const(g, name) if name else None
+    return None if value is None or value.ndim > 1 else [int(x) for x in value.reshape(-1)]
+
+
+def _attr(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
+    return next((a for a in node.attribute if a.name == name), None)
+
+
+def _thirds(g: scan_mod._Graph, makers: list[onnx.NodeProto], parts: tuple[str, ...], width: int) -> str | None:
+    """Why ``makers`` (the producers of ``parts``, Q's, K's and V's [B, S, H*d] values) are not one Split or three
+    Slices of one tensor along its last axis (rank 3) in equal thirds of ``width`` = H*d, Q first, or None."""
+    if all(_is(m, "Split") for m in makers):
+        split = makers[0]
+        if any(m is not split for m in makers) or list(split.output) != list(parts):
+            return "the Split's outputs are not Q, K and V in this order"
+        axis = _attr(split, "axis")
+        if (axis.i if axis is not None else 0) not in (-1, 2):
+            return "the Split is not along the last axis"
+        sizes = _attr(split, "split")
+        given = list(sizes.ints) if sizes is not None else (
+            _ints(g, split.input[1]) if len(split.input) > 1 and split.input[1] else [])
+        if given is None:
+            return "the Split's sizes are not a constant"
+        if given and given != [width] * 3:
+            return f"the Split's sizes {given} are not three equal thirds of {3 * width}"
+        return None
+    if all(_is(m, "Slice") for m in makers):
+        if len({id(m) for m in makers}) != 3:
+            return "the Slices are not three"
+        for part, m in enumerate(makers):
+            if len(m.input) < 4:
+                return "a Slice has no constant axes"
+            starts, ends, axes = (_ints(g, x) for x in m.input[1:4])
+            steps = _ints(g, m.input[4]) if len(m.input) > 4 and m.input[4] else [1]
+            if starts is None or ends is None or axes is None or steps is None:
+                return "a Slice's starts, ends, axes or steps are not constants"
+            if axes not in ([-1], [2]) or steps != [1]:
+                return "a Slice is not one step-1 slice along the last axis"
+            end = ends[0] if ends else 0
+            if starts != [part * width] or not (end == (part + 1) * width or (part == 2 and end >= 3 * width)):
+                return (f"the Slice making {'QKV'[part]}'s part takes [{starts}, {ends}), not third {part} "
+                        f"[{part * width}, {(part + 1) * width}) of the projection")
+        return None
+    return "Q, K and V are not split from one tensor by one Split or three Slices"
+
+
+def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tuple[onnx.NodeProto, ...], opset: int,
+                   notes: list[str], scaled: bool) -> _PackedSource | None:
+    """The packed projection [B, S, 3*H*d] that Q's, K's and V's head splits (``splits``: Reshape outputs [B, S,
+    H, d], each read by its absorbed Transpose) come from through one Split or three Slices along the last axis
+    in equal thirds, Q's first, with the nodes the node absorbs (the Split or Slices, the Reshapes) and H; None,
+    with a note in ``notes`` when such a Split or Slices is there but the node cannot read the projection (a
+    value between read by other nodes, a Mul scaling one of them, unequal thirds)."""
+    reshapes = [g.producers[s] for s in splits]
+    parts = tuple(r.input[0] for r in reshapes)
+    makers = [g.producers.get(p) for p in parts]
+    if not all(_is(m, "Split", "Slice") for m in makers):
+        return None  # not split from one tensor (BERT's three MatMuls: pack_projections merges them first)
+    makers_ = [m for m in makers if m is not None]
+
+    def keep(why: str) -> _PackedSource | None:
+        notes.append(f"Q, K and V not read packed: {why}")
+        return None
+
+    if scaled:
+        return keep("a Mul scales Q or K between its head split and the chain (the node would read it unscaled)")
+    if opset < _PACK_OPSET:
+        return keep(f"the model's opset {opset} is below {_PACK_OPSET} (the fallback body's Slice)")
+    for value, reshape, t in zip(splits, reshapes, transposes):
+        if g.exclusive_consumer(value) is not t:
+            return keep(f"the head split {value!r} is read by other nodes too")
+    shape_reads: list[onnx.NodeProto] = []
+    for value, reshape in zip(parts, reshapes):
+        others = [r for r in g.consumers.get(value, []) if r is not reshape]
+        if value in g.graph_outputs or not all(_leading_dims_only(g, r) for r in others):
+            return keep(f"the third {value!r} is read by other nodes too")
+        shape_reads += others
+    sources = {m.input[0] for m in makers_}
+    if len(sources) != 1:
+        return keep("Q, K and V are not split from one tensor")
+    source = sources.pop()
+    dst = g.shapes.get(splits[0])
+    assert dst is not None  # _splits_heads checked the head splits' shapes
+    heads, d = int(dst[2]), int(dst[3])
+    width = heads * d
+    shape = g.shapes.get(source)
+    if shape is None or len(shape) != 3 or shape[-1] != 3 * width:
+        return keep(f"the projection {source!r} of shape {list(shape) if shape is not None else None} is not "
+                    f"[batch, seq, {3 * width}]")
+    why = _thirds(g, makers_, parts, width)
+    if why is not None:
+        return keep(why)
+    nodes = list({id(m): m for m in makers_}.values()) + reshapes
+    return source, tuple(n.output[0] for n in nodes), heads, tuple(n.output[0] for n in shape_reads)
+
+
+def _leading_dims_only(g: scan_mod._Graph, node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a Shape (of the whole shape) whose readers are all Gathers of dim 0 or 1 (from the
+    front or the back of a rank-3 shape): what it gives them is the same for the packed projection."""
+    if not _is(node, "Shape") or any(a.name in ("start", "end") for a in node.attribute):
+        return False
+    if node.output[0] in g.graph_outputs:
+        return False
+    for r in g.consumers.get(node.output[0], []):
+        axis = _attr(r, "axis")
+        index = _ints(g, r.input[1]) if _is(r, "Gather") and len(r.input) == 2 and r.input[0] == node.output[0] \
+            else None
+        if index is None or len(index) != 1 or index[0] not in (0, 1, -3, -2) or (axis is not None and axis.i != 0):
+            return False
+    return True
+
+
 def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str, mask: str | None,
                  dtype: str) -> str:
     """Whether the chain's Casts keep it within the fused kernel's arithmetic (scores, mask and softmax in
@@ -506,21 +652,47 @@ def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -
     base = None if base_dir is None else Path(base_dir)
     inferred = scan_mod._infer(scan_mod._inference_copy(model, base))
     g = scan_mod._Graph(inferred, list(inferred.graph.initializer))
+    opset = _default_opset(model)
     sites, skipped = [], []
     for node in model.graph.node:
         if not _is(node, "Softmax"):
             continue
         try:
-            sites.append(_match(g, node))
+            sites.append(_match(g, node, opset))
         except _Skip as why:
             skipped.append((node.output[0], str(why)))
     return AttentionScan(tuple(sites), tuple(skipped))
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _int64s(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(values, np.int64)))
+
+
+def _unpack_body(site: AttentionSite, names: dict[str, str]) -> list[onnx.NodeProto]:
+    """The packed layout's part of the fallback body: part i of input i (Q, Kt, V: each the packed projection)
+    sliced along the last axis and reshaped to [B, S, H, d] under the name the chain's Transpose reads."""
+    heads, d = site.packed_heads, site.head_dim
+    width = heads * d
+    body = [_int64s("pk_axes", [-1]), _int64s("pk_shape", [0, 0, heads, d])]
+    for part, (formal, value) in enumerate(zip(("Q", "Kt", "V"), site.packed[1:])):
+        body += [_int64s(f"pk_start{part}", [part * width]), _int64s(f"pk_end{part}", [(part + 1) * width]),
+                 helper.make_node("Slice", [formal, f"pk_start{part}", f"pk_end{part}", "pk_axes"], [f"pk{part}"]),
+                 helper.make_node("Reshape", [f"pk{part}", "pk_shape"], [f"pk_split{part}"])]
+        names[value] = f"pk_split{part}"
+    return body
 
 
 def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
     """The chain's nodes copied, values renamed (Q, Kt, V, mask in; Y out), constants as Constant nodes."""
     names = {site.q: "Q", site.kt: "Kt", site.v: "V", site.output: "Y"}
     body: list[onnx.NodeProto] = []
+    if site.packed:
+        names = {site.output: "Y"}
+        body = _unpack_body(site, names)
     if site.mask is not None:
         names[site.mask] = "mask"
         if site.mask_dtype:  # the node takes the mask in the chain's dtype; the chain adds it as it was (exact)
@@ -581,9 +753,10 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         if bundles is not None and site.output not in bundles:
             raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
         members = [links.node(key, "attention node")[0] for key in site.nodes]
-        if claimed & set(members):
+        absorbed = [links.node(key, "attention node")[0] for key in site.packed_nodes]  # not in the body
+        if claimed & (set(members) | set(absorbed)):
             raise DietcodeError(f"attention chains making {site.output!r} and another overlap")
-        claimed |= set(members)
+        claimed |= set(members) | set(absorbed)
         body = _body(links, site)
         before_node: list[onnx.NodeProto] = []
         mask = site.mask
@@ -633,6 +806,8 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
                 if x == t_out:
                     mul.input[i] = t_node.input[0]
             stale.add(mul_out)
+        for shape_key in site.packed_shapes:  # Shape(third) -> Shape(projection): dims 0 and 1 are the same
+            graph.node[links.node(shape_key, "attention node")[0]].input[0] = site.packed[0]
     if not replace:
         return out, ()
     drop = claimed - set(replace)
@@ -643,11 +818,29 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     del graph.value_info[:]
     graph.value_info.extend(kept_info)
     _drop_unread(graph, before)
+    _drop_dead(graph, before)
     graph.initializer.extend(new_initializers)
     out.ir_version = max(out.ir_version, 10 if any(f.overload for f in out.functions) else 8)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return out, tuple(s.output for s in sites)
+
+
+def _drop_dead(graph: onnx.GraphProto, before: set[str]) -> None:
+    """Remove the standard-domain nodes the rewrite left without a reader (a packed site's head-split shape
+    computations: Shape, Gather, Concat), transitively: nodes none of whose outputs is read any more by a node,
+    a subgraph or the graph's outputs, and one of which was read before."""
+    while True:
+        after = _graph_reads(graph)
+        dead = [i for i, n in enumerate(graph.node) if n.domain in ("", "ai.onnx") and n.output
+                and not any(o in after for o in n.output if o) and any(o in before for o in n.output if o)]
+        if not dead:
+            return
+        gone = set(dead)
+        kept = [n for i, n in enumerate(graph.node) if i not in gone]
+        del graph.node[:]
+        graph.node.extend(kept)
+        _drop_unread(graph, before)
 
 
 def without_attention(workloads: tuple[Workload, ...], sites: tuple[AttentionSite, ...]) -> tuple[Workload, ...]:

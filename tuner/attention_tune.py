@@ -70,10 +70,11 @@ class AttentionWorkload:
     seq_k: str
     batch: str
     layout: int = 0  # the node's operand layouts (tuner.attention.LAYOUT_BITS), constexprs of its kernels
+    heads: int = 0  # the packed layout's heads (its inputs [B, T, 3 * heads * d] have no heads dim); else 0
 
     def key(self) -> tuple:
         return (self.dtype, self.head_dim, self.has_mask, self.mask_rows, self.causal, self.nan_to_zero,
-                self.scale, self.rank, self.seq_q, self.seq_k, self.batch, self.layout)
+                self.scale, self.rank, self.seq_q, self.seq_k, self.batch, self.layout, self.heads)
 
     def dynamic(self) -> tuple[str, ...]:
         """The feature names whose expression is not a constant (the dispatch tree splits on these)."""
@@ -92,22 +93,25 @@ def attention_workload(site: "AttentionSite") -> AttentionWorkload:
     kernel_mask = site.mask is not None and not site.causal  # a causal mask is the kernels' causal mode
     return AttentionWorkload(site.dtype, site.head_dim, kernel_mask, kernel_mask and site.mask_rows, site.causal,
                              site.nan_to_zero, float(site.scale),
-                             site.rank, site.seq_q, site.seq_k, site.batch, site.layout)
+                             site.rank, site.seq_q, site.seq_k, site.batch, site.layout, site.packed_heads)
 
 
 def attention_features(w: AttentionWorkload) -> tuple[Feature, ...]:
     """The dispatch features as products of the node's input dims (Q [..., Tq, d], Kt [..., d, Tk]; with the
-    head-split layouts Q [B, Tq, H, d] and K [B, Tk, H, d])."""
+    head-split layouts Q [B, Tq, H, d] and K [B, Tk, H, d]; packed, Q and K [B, T, 3 * H * d], whose batch
+    feature is B alone: ``problem_values`` gives it as batch x heads / heads)."""
     from tuner.attention import LAYOUT_BITS
 
     q_bshd, k_bshd = w.layout & LAYOUT_BITS["q"], w.layout & LAYOUT_BITS["k"]
     terms = {"seq_q": ((0, -3),) if q_bshd else ((0, -2),), "seq_k": ((1, -3),) if k_bshd else ((1, -1),),
              "batch": ((0, 0), (0, 2)) if q_bshd else tuple((0, d) for d in range(w.rank - 2))}
+    if w.layout & LAYOUT_BITS["packed"]:
+        terms = {"seq_q": ((0, 1),), "seq_k": ((1, 1),), "batch": ((0, 0),)}
     return tuple(Feature(n, terms[n]) for n in w.dynamic())
 
 
 def problem_values(w: AttentionWorkload, p: AttentionProblem) -> tuple[int, ...]:
-    values = {"seq_q": p.seq_q, "seq_k": p.seq_k, "batch": p.batch}
+    values = {"seq_q": p.seq_q, "seq_k": p.seq_k, "batch": p.batch // w.heads if w.heads else p.batch}
     return tuple(values[n] for n in w.dynamic())
 
 

@@ -281,7 +281,8 @@ class CudaBackend(TimingBackend):
             return MeasureResult(math.inf, "the attention view cannot express this problem's node call")
         elem = _DTYPE_BYTES[item.dtype]
         shapes = [call["q"], call["kt"], call["v"]] + ([call["mask"]] if call["mask"] is not None else [])
-        sizes = [math.prod(s) * elem for s in shapes]
+        # Q, K and V get three times their size: a packed-layout kernel reads rows of 3 * heads * d from each
+        sizes = [math.prod(s) * elem * (3 if i < 3 else 1) for i, s in enumerate(shapes)]
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + -(-size // 256) * 256)

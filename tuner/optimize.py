@@ -147,6 +147,8 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     each takes the --dim options that name its symbols)."""
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
+    if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
+        model = _pack_projections(model_path, model, options.targets)
     scanned = scan_model(model, model_path.parent)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
     scanned = attach_instances(scanned, dims, options.shapes_file)
@@ -156,6 +158,17 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
     return model, scanned
+
+
+def _pack_projections(model_path: Path, model: "onnx.ModelProto", targets: Sequence[str]) -> "onnx.ModelProto":
+    """The model with the Q/K/V projections of each attention chain that gets tuned kernels merged into one
+    MatMul (tuner/attention_pack.py), which the fused node then reads packed."""
+    from tuner.attention_graph import find_attention
+    from tuner.attention_pack import pack_projections
+    from tuner.attention_tune import unfit_reason
+
+    sites = tuple(s for s in find_attention(model, model_path.parent).sites if unfit_reason(s, targets) is None)
+    return pack_projections(model, model_path.parent, sites, copy=False)[0] if sites else model
 
 
 def _split_attention(model_path: Path, model: "onnx.ModelProto", scanned: ScanResult, targets: Sequence[str],

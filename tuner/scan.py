@@ -744,13 +744,20 @@ def attention_report(path: str | Path) -> dict:
     the reason."""
     from tuner.attention import layout_text
     from tuner.attention_graph import find_attention
+    from tuner.attention_pack import pack_projections
 
-    found = find_attention(load_model(path, load_external_data=False), Path(path).parent)
+    # as optimize sees them: Q/K/V projections merged where exact (then read packed), or why not
+    packed, pack = pack_projections(load_model(path, load_external_data=False), Path(path).parent, copy=False)
+    found = find_attention(packed, Path(path).parent)
+    pack_notes = dict(pack.notes)
     return {"fused": [{"output": s.output, "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
                        "mask": "causal" if s.causal else "none" if s.mask is None else "additive",
                        # the operands the node reads/writes as [B, S, H, d] (their Transposes absorbed) and why
                        # a Transpose next to the chain stays
-                       "layout": layout_text(s.layout), "transposes_kept": list(s.layout_notes)}
+                       "layout": layout_text(s.layout), "transposes_kept": list(s.layout_notes),
+                       # Q, K and V read in place from one projection [B, S, 3*H*d], and why not
+                       "packed_qkv": bool(s.packed), "merged_projections": s.output in pack.packed,
+                       "pack_notes": list(s.pack_notes) + ([pack_notes[s.output]] if s.output in pack_notes else [])}
                       for s in found.sites],
             "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped]}
 
@@ -763,11 +770,12 @@ def _print_attention(report: dict) -> None:
     console = Console(width=max(Console().width, 140))
     if report["fused"]:
         fused = Table(title=f"{len(report['fused'])} attention chains fused (ai.dietcode::Attention)")
-        for col in ("output", "dtype", "head_dim", "scale", "mask", "layout", "transposes kept"):
+        for col in ("output", "dtype", "head_dim", "scale", "mask", "layout", "transposes kept", "qkv not packed"):
             fused.add_column(col, overflow="fold")
         for f in report["fused"]:
             fused.add_row(Text(f["output"]), f["dtype"], str(f["head_dim"]), f"{f['scale']:.6g}", f["mask"],
-                          f["layout"], Text("; ".join(f["transposes_kept"]) or "-"))
+                          f["layout"], Text("; ".join(f["transposes_kept"]) or "-"),
+                          Text("; ".join(f["pack_notes"]) or "-"))
         console.print(fused)
     if report["unfused"]:
         unfused = Table(title=f"{len(report['unfused'])} attention chains left unfused")

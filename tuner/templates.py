@@ -322,7 +322,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      HAS_MASK: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                      NAN_TO_ZERO: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     Q_BSHD: tl.constexpr, K_BSHD: tl.constexpr, V_BSHD: tl.constexpr, O_BSHD: tl.constexpr):
+                     Q_BSHD: tl.constexpr, K_BSHD: tl.constexpr, V_BSHD: tl.constexpr, O_BSHD: tl.constexpr,
+                     QKV_PACKED: tl.constexpr = False):
     """out[z] = softmax(Q[z] @ Kt[z] * SCALE + mask) @ V[z], flash style, for z = program_id(2) and the
     query rows of tile program_id(0). Q [z, seq_q, HEAD_DIM], Kt [z, HEAD_DIM, seq_k] (the MatMul's second
     operand as the graph has it), V [z, seq_k, HEAD_DIM], out like Q, all contiguous; z = batch * heads. The
@@ -339,26 +340,36 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     Reshape output before the Transpose that makes Kt; the kernel reads it transposed), V_BSHD V as [batch,
     seq_k, heads, HEAD_DIM], O_BSHD writes out as [batch, seq_q, heads, HEAD_DIM] (the merge Reshape's input);
     batch = z // heads. The head's base is int64, the offsets inside it int32 (rows of heads * HEAD_DIM: the
-    caller keeps seq * heads * HEAD_DIM below 2^31, dc_kernel_fit's check)."""
+    caller keeps seq * heads * HEAD_DIM below 2^31, dc_kernel_fit's check). QKV_PACKED (with Q_BSHD, K_BSHD and
+    V_BSHD): q, k and v each point at one packed projection [batch, seq, 3, heads, HEAD_DIM] (the q, k, v
+    projections concatenated on the last axis): Q is its part 0, K part 1, V part 2, rows of 3 * heads *
+    HEAD_DIM elements (seq_q == seq_k; the caller keeps seq * 3 * heads * HEAD_DIM below 2^31)."""
     pid_m = tl.program_id(0)
     z = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
-    if Q_BSHD:  # [batch, seq_q, heads, d]: head h of batch b starts at (b * seq_q * heads + h) * d
-        q_tile = tl.load(q + ((z // heads) * seq_q * heads + z % heads) * HEAD_DIM
-                         + (offs_m[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
+    row = heads * HEAD_DIM  # a head-split operand's row: heads * d elements, 3 * heads * d when packed
+    if QKV_PACKED:
+        row = 3 * heads * HEAD_DIM
+    if Q_BSHD:  # [batch, seq_q, heads, d]: head h of batch b starts at b * seq_q * row + h * d
+        q_tile = tl.load(q + ((z // heads) * seq_q * row + (z % heads) * HEAD_DIM)
+                         + (offs_m[:, None] * row + offs_d[None, :]),
                          mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         q_tile = tl.load(q + z * seq_q * HEAD_DIM + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
                          mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if K_BSHD:
-        k_base = k + ((z // heads) * seq_k * heads + z % heads) * HEAD_DIM
+        k_base = k + ((z // heads) * seq_k * row + (z % heads) * HEAD_DIM)
+        if QKV_PACKED:  # part 1 of the packed row
+            k_base += heads * HEAD_DIM
     else:
         k_base = k + z * HEAD_DIM * seq_k
     if V_BSHD:
-        v_base = v + ((z // heads) * seq_k * heads + z % heads) * HEAD_DIM
+        v_base = v + ((z // heads) * seq_k * row + (z % heads) * HEAD_DIM)
+        if QKV_PACKED:  # part 2
+            v_base += 2 * heads * HEAD_DIM
     else:
         v_base = v + z * seq_k * HEAD_DIM
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -371,7 +382,7 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seq_k
         if K_BSHD:  # Kt[d, n] = K[n, d], rows of heads * d elements (int32 offsets inside the head)
-            kt = tl.load(k_base + (offs_d[:, None] + offs_n[None, :] * (heads * HEAD_DIM)),
+            kt = tl.load(k_base + (offs_d[:, None] + offs_n[None, :] * row),
                          mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         else:
             kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
@@ -396,7 +407,7 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_BSHD:
-            vt = tl.load(v_base + (offs_n[:, None] * (heads * HEAD_DIM) + offs_d[None, :]),
+            vt = tl.load(v_base + (offs_n[:, None] * row + offs_d[None, :]),
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
