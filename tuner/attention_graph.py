@@ -63,7 +63,7 @@ from tuner import scan as scan_mod
 from tuner.attention import LAYOUT_BITS
 from tuner.causal_mask import is_causal_mask
 from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
-                           copy_into_body)
+                           copy_into_body, model_to_edit)
 from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
@@ -727,11 +727,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     the fallback function run."""
     if sites is None:
         sites = find_attention(model, base_dir).sites
-    out = onnx.ModelProto()
-    if copy:
-        out.CopyFrom(model)
-    else:
-        out = model
+    out = model_to_edit(model, copy)
     graph = out.graph
     links = _Links(graph, None if base_dir is None else Path(base_dir))
     before = _graph_reads(graph)

@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper
 
 from tuner.attention_graph import AttentionSite, find_attention
 from tuner.model_file import inline_tensor, is_external
-from tuner.rewrite import _drop_unread, _graph_reads, _Links
+from tuner.rewrite import _drop_unread, _graph_reads, _Links, model_to_edit
 
 __all__ = ["PackResult", "pack_projections"]
 
@@ -149,11 +149,7 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
     base = None if base_dir is None else Path(base_dir)
     if sites is None:
         sites = find_attention(model, base).sites
-    out = onnx.ModelProto()
-    if copy:
-        out.CopyFrom(model)
-    else:
-        out = model
+    out = model_to_edit(model, copy)
     graph = out.graph
     before = _graph_reads(graph)
     taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \

@@ -33,7 +33,7 @@ from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import node_reads
 from tuner.workload import Workload
 
-__all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model"]
+__all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model", "model_to_edit"]
 
 DOMAIN = bundle_format.DOMAIN
 DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
@@ -361,6 +361,16 @@ def _opsets(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:
     return [helper.make_opsetid(domain, version) for domain, version in opsets.items()]
 
 
+def model_to_edit(model: onnx.ModelProto, copy: bool) -> onnx.ModelProto:
+    """The model a graph rewrite edits: a copy of ``model``, or ``model`` itself (rewritten in place, which
+    spares a copy of its weights) when ``copy`` is False."""
+    if not copy:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
 def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Mapping[str, bytes],
                   info: Mapping[str, str] | None = None, base_dir: str | Path | None = None,
                   copy: bool = True) -> RewriteResult:
@@ -373,11 +383,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     model's external data, for a model loaded without it (constants the fallback bodies copy are read
     from there; the weights stay external, for ``save_model`` to write).
     """
-    if copy:
-        out = onnx.ModelProto()
-        out.CopyFrom(model)
-    else:
-        out = model
+    out = model_to_edit(model, copy)
     graph = out.graph
     sites = plan_rewrite(out, workloads, set(bundles), base_dir)
     before = _graph_reads(graph)
