@@ -7,8 +7,6 @@ than, as many as, or more than the programs. Importing it imports neither triton
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
@@ -106,21 +104,9 @@ def _refusals() -> dict[str, Any]:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    from _splitk_cases import _exact_bf16_dot
+    from _interpreter import case_main
 
-    _exact_bf16_dot()
-    out: dict[str, Any] = {}
-    for name, case in CASES.items():
-        try:
-            out[name] = _run(*case)
-        except Exception as exc:  # noqa: BLE001 - reported per case to the parent test
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    out["refusals"] = _refusals()
-    print(json.dumps(out))
-    return 0
+    return case_main(CASES, _run, {"refusals": _refusals})
 
 
 if __name__ == "__main__":
