@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.cost_model import blocks_per_sm, peak_flops, persistent_loops, split_k_partials, tail_alpha
+from tuner.cost_model import (blocks_per_sm, peak_flops, persistent_loops, slots_per_sm, split_k_partials,
+                              tail_alpha)
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
@@ -89,7 +90,7 @@ def simulate_seconds(config: MicroKernel, problem: Problem, profile: HardwarePro
     workspace = (written + read) / config.split_k * config.block_m * config.block_n * 4  # bytes per program
     wave = bps * (2.0 * config.block_m * config.block_n * kpad / per_sm
                   + workspace * profile.num_sms / (profile.dram_bandwidth_gbs * 1e9))
-    slots = profile.num_sms * (min(bps, config.persistent) if config.persistent else bps)
+    slots = profile.num_sms * slots_per_sm(config, bps)
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)
     loops = persistent_loops(config.persistent, tiles, profile.num_sms)
