@@ -1,8 +1,10 @@
-"""The analytic roofline (tuner/roofline.py) against what the kernels and the launcher do, its agreement with the
-learned model's accounting (tuner/cost_model.py), and sanity checks on the dense BERT-base GEMMs (fp16, sm_90).
+"""The analytic roofline (tuner/roofline.py) against what the kernels and the launcher do, its agreement with
+the learned model's accounting (tuner/cost_model.py), and sanity checks on the dense BERT-base GEMMs (fp16,
+sm_90).
 
-Nothing here is a GPU measurement: these check the model's structure (split-K traffic, the launcher's commands,
-the persistent grid, the pipeline's latency hiding) and that its choices stay physically sensible."""
+Nothing here is a GPU measurement: these check the model's structure (split-K traffic, the launcher's
+commands, the persistent grid, the pipeline's latency hiding) and that its choices stay physically
+sensible."""
 from __future__ import annotations
 
 import math
@@ -10,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from tuner.cost_model import (LAUNCH_SECONDS, AnalyticCostModel, adapt_terms, blocks_per_sm, config_peak_flops,
-                              f_adapt, launch_weight, peak_flops, persistent_loops, split_k_partials, useful_flops,
-                              workspace_bytes_moved)
+from tuner.cost_model import (LAUNCH_SECONDS, AnalyticCostModel, adapt_terms, blocks_per_sm,
+                              config_peak_flops, f_adapt, launch_weight, peak_flops, persistent_loops,
+                              split_k_partials, useful_flops, workspace_bytes_moved)
 from tuner.hardware import get_profile
 from tuner.measure import AnalyticMeasurer
 from tuner.roofline import DRAM_LATENCY_SECONDS, SM_BANDWIDTH_FACTOR
@@ -39,6 +41,10 @@ def bert_times(space: list[MicroKernel]) -> dict[Problem, list[float]]:
     return {p: [r.seconds for r in measurer.measure(FAMILY, [(c, p) for c in space])] for p in problems}
 
 
+def _tiles(config: MicroKernel, problem: Problem) -> int:
+    return math.ceil(problem.m / config.block_m) * math.ceil(problem.n / config.block_n) * problem.batch
+
+
 def _best(space: list[MicroKernel], times: list[float], keep=lambda c: True) -> tuple[float, MicroKernel]:
     return min((t, c) for t, c in zip(times, space) if keep(c))
 
@@ -57,10 +63,11 @@ def test_split_k_workspace_is_written_and_read_in_full_in_both_models(space: lis
         for problem in (Problem(16, 768, 3072), Problem(100, 3072, 768), Problem(48, 64, 64, batch=12)):
             terms = measurer.terms(config, problem)
             assert terms is not None
-            tiles = math.ceil(problem.m / config.block_m) * math.ceil(problem.n / config.block_n) * problem.batch
+            tiles = _tiles(config, problem)
             partial = config.block_m * config.block_n * 4
             assert workspace_bytes_moved(config, problem) == tiles * 2 * config.split_k * partial
-            operands = (problem.m * problem.k + problem.k * problem.n + problem.m * problem.n) * 2 * problem.batch
+            p = problem
+            operands = (p.m * p.k + p.k * p.n + p.m * p.n) * 2 * p.batch
             assert terms.dram * bandwidth == pytest.approx(operands + workspace_bytes_moved(config, problem))
             written, read = split_k_partials(config.split_k)
             assert written == read == config.split_k
@@ -87,16 +94,18 @@ def test_the_counter_memset_weighs_the_same_in_both_models() -> None:
     got = model.predict([(plain, problem), (split, problem)])
     fmk = model.f_mk([plain, split])
     for i, config in enumerate((plain, split)):
-        through = fmk[i] * f_adapt(config, problem, H100, blocks_per_sm(config, H100, "float16"), 0.0, "float16")
-        assert got[i] - useful_flops(problem) / through == pytest.approx(model.latency * launch_weight(config))
+        bps = blocks_per_sm(config, H100, "float16")
+        through = fmk[i] * f_adapt(config, problem, H100, bps, 0.0, "float16")
+        fixed = got[i] - useful_flops(problem) / through
+        assert fixed == pytest.approx(model.latency * launch_weight(config))
 
 
 # ---- the pipeline's latency hiding (Little's law) ----
 
 def test_shallow_pipelines_are_charged_on_load_bound_tiles() -> None:
-    """BERT's FFN2 at 16 tokens: 12 tiles of 16x64, one program per busy SM and 48 BLOCK_K steps of 10 KiB. Two
-    stages keep one step in flight, so each step waits a DRAM round trip: the pipeline term binds. Four stages
-    keep 30 KiB in flight, more than latency x the per-SM cap (25 KB), so the bandwidth binds instead."""
+    """BERT's FFN2 at 16 tokens: 12 tiles of 16x64, one program per busy SM and 48 BLOCK_K steps of 10 KiB.
+    Two stages keep one step in flight, so each step waits a DRAM round trip: the pipeline term binds. Four
+    stages keep 30 KiB in flight, more than latency x the per-SM cap (25 KB): the bandwidth binds instead."""
     measurer = AnalyticMeasurer(H100, "float16")
     problem = Problem(16, 768, 3072)
     shallow, deep = (measurer.terms(MicroKernel(16, 64, 64, 2, s), problem) for s in (2, 4))
@@ -114,8 +123,8 @@ def test_shallow_pipelines_are_charged_on_load_bound_tiles() -> None:
 
 
 def test_the_pipeline_term_binds_only_below_the_littles_law_threshold(space: list[MicroKernel]) -> None:
-    """With at least latency x per-SM cap bytes in flight (resident programs x (stages - 1) x step bytes) and a
-    loop as long as the prefetch depth, the latency bound stays within the bandwidth bound."""
+    """With at least latency x per-SM cap bytes in flight (resident programs x (stages - 1) x step bytes) and
+    a loop as long as the prefetch depth, the latency bound stays within the bandwidth bound."""
     measurer = AnalyticMeasurer(H100, "float16")
     checked = 0
     for config in space[::3]:
@@ -148,7 +157,7 @@ def test_persistent_models_follow_the_launchers_grid(space: list[MicroKernel]) -
         assert 1 <= config.persistent <= bps  # the space's rule: n is what fits, so all n are resident
         for problem in (Problem(64, 768, 768), Problem(1000, 3072, 768), Problem(4096, 768, 3072),
                         Problem(128, 64, 64, batch=96)):
-            tiles = math.ceil(problem.m / config.block_m) * math.ceil(problem.n / config.block_n) * problem.batch
+            tiles = _tiles(config, problem)
             grid = programs(problem.m, problem.n, problem.batch, config.block_m, config.block_n, 1,
                             config.persistent, H100.num_sms)
             assert grid == min(tiles, H100.num_sms * config.persistent)
@@ -191,7 +200,8 @@ def test_bert_predictions_never_exceed_the_peak(space: list[MicroKernel], bert_t
     for problem, times in bert_times.items():
         for config, seconds in zip(space, times):
             if math.isfinite(seconds):
-                assert useful_flops(problem) / seconds <= config_peak_flops(config, H100, "float16") <= device_peak
+                peak = config_peak_flops(config, H100, "float16")
+                assert useful_flops(problem) / seconds <= peak <= device_peak
 
 
 def test_bert_best_throughput_grows_with_m(space: list[MicroKernel], bert_times) -> None:
@@ -199,8 +209,10 @@ def test_bert_best_throughput_grows_with_m(space: list[MicroKernel], bert_times)
     2048-token call runs far closer to the peak than a 16-token one (still below half of it: analytic, memory
     bound at the per-SM cap)."""
     for n, k in BERT:
-        flops = [useful_flops(Problem(m, n, k)) / _best(space, bert_times[Problem(m, n, k)])[0] for m in BERT_M]
-        assert all(b >= 0.97 * a for a, b in zip(flops, flops[1:])), (n, k, [f"{f / 1e12:.0f}" for f in flops])
+        problems = [Problem(m, n, k) for m in BERT_M]
+        flops = [useful_flops(p) / _best(space, bert_times[p])[0] for p in problems]
+        shown = [f"{f / 1e12:.0f}" for f in flops]
+        assert all(b >= 0.97 * a for a, b in zip(flops, flops[1:])), (n, k, shown)
         assert flops[-1] > 10 * flops[0] and flops[-1] < 0.5 * peak_flops(H100, "float16")
 
 

@@ -44,11 +44,11 @@ from tuner.hardware import HardwareProfile, resident_blocks
 from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared, wgmma_eligible
 from tuner.workload import Problem
 
-__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "tail_alpha", "useful_flops", "launch_weight",
-           "slots_per_sm", "persistent_loops", "split_k_partials", "workspace_bytes_moved", "PERSISTENT_TAIL_CREDIT", "LAUNCH_SECONDS",
-           "MEMSET_SECONDS", "operand_bytes_moved",
-           "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
-           "AnalyticCostModel", "LearnedCostModel", "load_model"]
+__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "tail_alpha",
+           "useful_flops", "launch_weight", "slots_per_sm", "persistent_loops", "split_k_partials",
+           "workspace_bytes_moved", "operand_bytes_moved", "PERSISTENT_TAIL_CREDIT", "LAUNCH_SECONDS",
+           "MEMSET_SECONDS", "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES",
+           "calibrate_device", "CostModel", "AnalyticCostModel", "LearnedCostModel", "load_model"]
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
@@ -56,8 +56,8 @@ _MODEL_MAGIC = "dietcode-cost-model-v3"  # v2: kernel_features gained "wgmma" (o
 # "persistent" (they take 14)
 
 
-PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (an assumption)
-LAUNCH_SECONDS = 3e-6  # the analytic fixed cost of one kernel launch (tuner/roofline.py; attention's analytic cost)
+PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (assumed)
+LAUNCH_SECONDS = 3e-6  # the analytic fixed cost of one kernel launch (tuner/roofline.py, attention's cost)
 MEMSET_SECONDS = 0.5e-6  # the analytic cost of split-K's counter memset: a stream command, not a launch
 
 
@@ -70,15 +70,15 @@ def persistent_loops(persistent: Any, tiles: Any, num_sms: int) -> Any:
 
 
 def tail_alpha(config: MicroKernel, alpha: float, loops: bool) -> float:
-    """The partial-wave exponent of ``config``: ``alpha`` (fitted per device), or for a persistent config whose
-    programs loop over tiles (``loops``: ``persistent_loops``) ``PERSISTENT_TAIL_CREDIT`` of the way from it
-    to 1 (no quantization at all). A persistent program starts its next tile as soon as its own previous one
-    ends, with no CTA to retire and launch and no per-tile prologue (a TMA program makes its descriptors once),
-    so the last round's tail is partly hidden; but it still computes whole tiles, ceil(tiles / programs) of them
-    for the busiest program, so the tail is not gone: only half of what the fitted exponent says a partial
-    wave saves is credited. A persistent config that does not loop (no more tiles than its grid of SMs x n)
-    launches one program per tile like a plain one and gets no credit. The analytic roofline
-    (tuner/roofline.py) uses the same exponent at alpha = 0, its own partial-round rule."""
+    """The partial-wave exponent of ``config``: ``alpha`` (fitted per device), or for a persistent config
+    whose programs loop over tiles (``loops``: ``persistent_loops``) ``PERSISTENT_TAIL_CREDIT`` of the way
+    from it to 1 (no quantization at all). A persistent program starts its next tile as soon as its own
+    previous one ends, with no CTA to retire and launch and no per-tile prologue (a TMA program makes its
+    descriptors once), so the last round's tail is partly hidden; but it still computes whole tiles,
+    ceil(tiles / programs) of them for the busiest program, so the tail is not gone: only half of what the
+    fitted exponent says a partial wave saves is credited. A persistent config that does not loop (no more
+    tiles than its grid of SMs x n) launches one program per tile like a plain one and gets no credit. The
+    analytic roofline (tuner/roofline.py) uses the same exponent at alpha = 0, its own partial-round rule."""
     return alpha + PERSISTENT_TAIL_CREDIT * (1.0 - alpha) if config.persistent and loops else alpha
 
 
@@ -104,10 +104,11 @@ def launch_weight(config: MicroKernel) -> float:
 
 
 def split_k_partials(split_k: Any) -> Any:
-    """fp32 partial tiles (written, read) through the split-K workspace per output tile, for a split_k (an int,
-    or an array of them): each of the SPLIT_K splits writes its partial and the split that arrives last reads
-    all SPLIT_K back in split order, its own included (``templates._split_k_reduce``: ld.global.cg, so the sum
-    does not depend on which split came last; docs/abi.md "The split-K workspace"). (0, 0) without split-K."""
+    """fp32 partial tiles (written, read) through the split-K workspace per output tile, for a split_k (an
+    int, or an array of them): each of the SPLIT_K splits writes its partial and the split that arrives last
+    reads all SPLIT_K back in split order, its own included (``templates._split_k_reduce``: ld.global.cg, so
+    the sum does not depend on which split came last; docs/abi.md "The split-K workspace"). (0, 0) without
+    split-K."""
     moved = split_k * (split_k > 1)
     return moved, moved
 
@@ -291,7 +292,7 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
         secs = np.array([s for _, s in rows])
         flops = np.array([useful_flops(p) for p, _ in rows])
         terms = [adapt_terms(config, p, profile, bps, dtype=dtype) for p, _ in rows]
-        fill = np.array([t.tiles / (profile.num_sms * slots_per_sm(config, bps)) for t in terms])  # fractional waves
+        fill = np.array([t.tiles / (profile.num_sms * slots_per_sm(config, bps)) for t in terms])  # in waves
         waves = np.array([t.waves for t in terms], dtype=np.float64)
         padding = np.array([t.padding * t.reduction for t in terms])
         last = fill - (waves - 1)

@@ -30,11 +30,11 @@ SPLIT_K). The call takes
   (``cp.async`` groups or TMA copies with their barriers), so the busiest SM has R x (num_stages - 1) x step
   bytes in flight and pulls at most that many bytes per ``DRAM_LATENCY_SECONDS``. Below latency x the per-SM
   cap (about 25 KB on the H100: 50.8 GB/s x 500 ns), the loads, not the bandwidth, bound the call: each
-  program's loop takes a round trip per num_stages - 1 steps (per step when its loop is shorter), and the
-  SM runs max(1, rounds / R) such loops back to back. So a shallow pipeline on a load-bound tile (few resident
-  programs: the small-M calls, or large tiles at one block per SM) is charged, and a deeper one, or more
-  resident programs, hides the latency; on compute-bound calls the term stays below ``mma``. Without it the
-  stage count entered only through shared memory, where fewer stages always looked better (more residency).
+  program's loop takes a round trip per num_stages - 1 steps (one for the whole loop when it is shorter), and
+  the SM runs max(1, rounds / R) such loops back to back. So a shallow pipeline on a load-bound tile (few
+  resident programs: the small-M calls, or large tiles at one block per SM) is charged, and a deeper one, or
+  more resident programs, hides the latency; on compute-bound calls the term stays below ``mma``. The stage
+  count's other effect is through shared memory: more stages, fewer resident blocks.
 - ``dram``: the bytes that must cross DRAM, A, B and C once (operand re-reads across tiles hit the L2: 40 MB
   on the A100, 48 MB on the L4 and 50 MB on the H100 hold the project's GEMM operands) plus, under split-K,
   the fp32 workspace (``cost_model.workspace_bytes_moved``: each split writes its partial and the last split
@@ -78,8 +78,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, PERSISTENT_TAIL_CREDIT, launch_weight, persistent_loops,
-                              slots_per_sm, split_k_partials, tail_alpha, workspace_bytes_moved)
+from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, PERSISTENT_TAIL_CREDIT, launch_weight,
+                              persistent_loops, slots_per_sm, split_k_partials, tail_alpha,
+                              workspace_bytes_moved)
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
@@ -111,12 +112,13 @@ class RooflineTerms:
     dram: float
     reduce: float
     launch: float
-    resident: int = 1  # programs the busiest SM runs at once: min(P, resident blocks, a persistent config's n)
+    resident: int = 1  # programs the busiest SM runs at once: min(P, resident blocks, a persistent one's n)
     pipeline: float = 0.0  # the busiest SM's loads at the rate its pipelines' bytes in flight allow
 
     @property
     def seconds(self) -> float:
-        return max(self.mma, self.sm_memory, self.dram, self.pipeline) + self.issue + self.reduce + self.launch
+        bound = max(self.mma, self.sm_memory, self.dram, self.pipeline)
+        return bound + self.issue + self.reduce + self.launch
 
 
 def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dtype: str, peak_flops: float,
@@ -154,7 +156,7 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     cap = SM_BANDWIDTH_FACTOR * profile.dram_bandwidth_gbs * 1e9 / sms
     partial = bm * bn * 4.0  # an fp32 partial tile in the split-K workspace
     _, read = split_k_partials(split)  # the last split of a tile reads all SPLIT_K partials
-    program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)  # its partial, or its C tile
+    program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)  # its partial or C tile
     reduce_bytes = read * partial + bm * bn * elem if split > 1 else 0.0
     reductions = math.ceil(tiles / sms) if split > 1 else 0  # on the busiest SM
     sm_memory = (rounds * program_bytes + max(reductions - 1, 0) * reduce_bytes) / cap
@@ -168,5 +170,5 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
 
     reduce = reduce_bytes / cap
     launch = LAUNCH_SECONDS * launch_weight(config)
-    return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch, concurrent,
-                         pipeline)
+    return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch,
+                         concurrent, pipeline)

@@ -12,8 +12,8 @@ The model, deterministic under ``seed``:
 - per-problem time: the tiles run in waves of num_SMs x resident blocks; a partial last wave filled to
   fraction r costs r ** 0.55 of a full one (the true partial-wave exponent the cost model should
   recover; a persistent config's tail costs r ** ((1 + 0.55) / 2), cost_model.tail_alpha, over SMs x min(its
-  programs per SM, resident blocks) slots, once its programs loop over tiles); K is padded to BLOCK_K x SPLIT_K;
-  each split-K program also moves its share of the fp32
+  programs per SM, resident blocks) slots, once its programs loop over tiles); K is padded to BLOCK_K x
+  SPLIT_K; each split-K program also moves its share of the fp32
   workspace (its partial tile written, and one partial read on average: the last split reads all) at its SM's
   share of DRAM bandwidth; a memory roofline with operand re-reads per tile row/column (L2 absorbs most of
   them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's counter memset is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
