@@ -43,17 +43,21 @@ def test_f_adapt_hand_computed():
 
 def test_split_k_costs_are_in_f_adapt():
     """Split-K's programs (tiles x splits), its K per program and its workspace traffic (each split writes its
-    fp32 partial, the last reads the others) are in f_adapt, and its counter memset is a second launch."""
-    from tuner.cost_model import blocks_per_sm, launches, workspace_bytes_moved
+    fp32 partial, the last reads all of them back, its own too) are in f_adapt, and its counter memset is a
+    stream command before the launch, weighed as a fraction of a launch."""
+    from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, blocks_per_sm, launch_weight,
+                                  split_k_partials, workspace_bytes_moved)
 
     base, split = MicroKernel(16, 64, 64, 2, 3), MicroKernel(16, 64, 64, 2, 3, split_k=8)
     bert = Problem(16, 768, 3072)  # BERT-base FFN2 at 16 tokens: 12 tiles of 16x64
     t1, t8 = (adapt_terms(c, bert, H100, 1, dtype="float16") for c in (base, split))
     assert (t1.tiles, t8.tiles) == (12, 96)
-    assert workspace_bytes_moved(split, bert) == 12 * (2 * 8 - 1) * 16 * 64 * 4 and workspace_bytes_moved(base, bert) == 0
+    assert split_k_partials(8) == (8, 8) and split_k_partials(1) == (0, 0)
+    assert workspace_bytes_moved(split, bert) == 12 * 2 * 8 * 16 * 64 * 4
+    assert workspace_bytes_moved(base, bert) == 0
     operands = 12 * (16 + 64) * 3072 * 2  # each tile's A and B slices over all of K, fp16
     assert t1.reduction == 1.0
-    assert t8.reduction == pytest.approx(operands / (operands + 12 * 15 * 16 * 64 * 4))
+    assert t8.reduction == pytest.approx(operands / (operands + 12 * 16 * 16 * 64 * 4))
     assert adapt_terms(split, bert, H100, 1, dtype="float32").reduction > t8.reduction  # fp32 operands weigh more
     assert t8.value == pytest.approx(t8.padding * t8.occupancy * t8.reduction)
     assert t8.value > 4 * t1.value  # 96 programs fill an H100 far better than 12, traffic included
@@ -61,7 +65,9 @@ def test_split_k_costs_are_in_f_adapt():
     assert f_adapt(split, many, H100, 1, dtype="float16") < f_adapt(base, many, H100, 1, dtype="float16")
     # K per program: K = 3000 pads to 64 x 8 steps (3072) under split 8, to 64 (3008) without
     assert adapt_terms(split, Problem(16, 768, 3000), H100, 1).padding == pytest.approx(3000 / 3072)
-    assert (launches(base), launches(split)) == (1, 2)
+    assert launch_weight(base) == 1.0
+    assert launch_weight(split) == pytest.approx(1.0 + MEMSET_SECONDS / LAUNCH_SECONDS)
+    assert launch_weight(split) < 2  # the memset is a stream command, not a second launch
     mat = f_adapt_matrix([base, split], [bert, many], H100, "float16")
     bps = blocks_per_sm(split, H100, "float16")
     assert mat[1].tolist() == pytest.approx([f_adapt(split, p, H100, bps, dtype="float16") for p in (bert, many)])

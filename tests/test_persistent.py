@@ -133,7 +133,8 @@ def test_cost_model_credits_half_the_tail_to_persistent_configs() -> None:
     twin = MicroKernel(128, 128, 64, 8, 4, tma=1)
     persistent = MicroKernel(128, 128, 64, 8, 4, tma=1, persistent=1)
     assert blocks_per_sm(twin, h100, "float16") == 1
-    assert tail_alpha(twin, 0.2) == 0.2 and tail_alpha(persistent, 0.2) == 0.6
+    assert tail_alpha(twin, 0.2, True) == 0.2 and tail_alpha(persistent, 0.2, True) == pytest.approx(0.6)
+    assert tail_alpha(persistent, 0.2, False) == 0.2  # programs that do not loop: a plain launch, no credit
     partial = Problem(m=128 * 12, n=128 * 16, k=1024)  # 192 tiles: one full wave of 132 and 60 more
     full = Problem(m=128 * 12, n=128 * 11, k=1024)  # 132 tiles: one full wave
     for problem, better in ((partial, True), (full, False)):

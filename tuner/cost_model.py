@@ -5,18 +5,20 @@
   number of programs (tiles x batch x SPLIT_K; each split covers ceil(K / SPLIT_K) of K in whole BLOCK_K
   steps) times, under split-K, the share of the programs' memory traffic that is their operand tiles rather
   than the fp32 workspace (each split writes its BLOCK_M x BLOCK_N partial, the last split of a tile reads
-  the SPLIT_K - 1 others). Traffic, not FLOPs, because split-K tiles (at most 64x64) are load-bound: a 64x64
-  fp16 tile does 32 FLOPs per operand byte, far below any target's ridge point (about 300 on an H100). A partial last wave runs faster than a full one (its blocks do not share
-  their SM with as many others), so the occupancy carries a correction exponent ``alpha``: the last wave,
-  filled to fraction r, costs ``r ** alpha`` of a full wave. alpha = 0 is the plain formula above (a
-  partial wave costs a whole wave), alpha = 1 ignores wave quantization. alpha is *fitted per device* from
-  measurements (``calibrate_device``) and stored with the model; it is never a copied constant.
+  all SPLIT_K back, its own too: ``split_k_partials``). Traffic, not FLOPs, because split-K tiles (at most
+  64x64) are load-bound: a 64x64 fp16 tile does 32 FLOPs per operand byte, far below any target's ridge point
+  (about 300 on an H100). A partial last wave runs faster than a full one (its blocks do not share their SM
+  with as many others), so the occupancy carries a correction exponent ``alpha``: the last wave, filled to
+  fraction r, costs ``r ** alpha`` of a full wave. alpha = 0 is the plain formula above (a partial wave costs
+  a whole wave), alpha = 1 ignores wave quantization. alpha is *fitted per device* from measurements
+  (``calibrate_device``) and stored with the model; it is never a copied constant.
   A persistent config (n programs per SM, each looping over tiles) fills num_SMs x min(n, resident blocks)
-  slots and its partial last round costs ``r ** tail_alpha``, halfway from alpha to 1 (``tail_alpha``): no
-  per-tile launch or prologue, but whole tiles still.
-- A fixed per-launch latency (seconds, also fitted per device) is added to every prediction: small
-  problems on a fast GPU are dominated by it, and leaving it in the label would make f_MK depend on the
-  shape.
+  slots (``slots_per_sm``) and its partial last round costs ``r ** tail_alpha``, halfway from alpha to 1
+  (``tail_alpha``): no per-tile launch or prologue, but whole tiles still.
+- A fixed per-launch latency (seconds, also fitted per device) times ``launch_weight`` (1 kernel launch, plus
+  under split-K the counter memset the launcher issues first, weighed as a fraction of a launch) is added to
+  every prediction: small problems on a fast GPU are dominated by it, and leaving it in the label would make
+  f_MK depend on the shape.
 - ``f_MK`` depends on the micro-kernel only. ``LearnedCostModel`` learns it with scikit-learn's gradient
   boosting from micro-kernel features; its label is the measured throughput (after the latency) divided by f_adapt, so a
   measurement on any shape teaches the model about every shape.
@@ -33,7 +35,7 @@ import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -42,10 +44,11 @@ from tuner.hardware import HardwareProfile, resident_blocks
 from tuner.space import DTYPE_BYTES, MicroKernel, estimate_registers, estimate_shared, wgmma_eligible
 from tuner.workload import Problem
 
-__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "tail_alpha", "useful_flops", "launches",
-           "workspace_bytes_moved", "operand_bytes_moved",
-           "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES", "calibrate_device", "CostModel",
-           "AnalyticCostModel", "LearnedCostModel", "load_model"]
+__all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per_sm", "tail_alpha",
+           "useful_flops", "launch_weight", "slots_per_sm", "persistent_loops", "split_k_partials",
+           "workspace_bytes_moved", "operand_bytes_moved", "PERSISTENT_TAIL_CREDIT", "LAUNCH_SECONDS",
+           "MEMSET_SECONDS", "peak_flops", "config_peak_flops", "kernel_features", "FEATURE_NAMES",
+           "calibrate_device", "CostModel", "AnalyticCostModel", "LearnedCostModel", "load_model"]
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
@@ -53,18 +56,36 @@ _MODEL_MAGIC = "dietcode-cost-model-v3"  # v2: kernel_features gained "wgmma" (o
 # "persistent" (they take 14)
 
 
-def tail_alpha(config: MicroKernel, alpha: float) -> float:
+PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (assumed)
+LAUNCH_SECONDS = 3e-6  # the analytic fixed cost of one kernel launch (tuner/roofline.py, attention's cost)
+MEMSET_SECONDS = 0.5e-6  # the analytic cost of split-K's counter memset: a stream command, not a launch
+
+
+def persistent_loops(persistent: Any, tiles: Any, num_sms: int) -> Any:
+    """Whether a persistent config's programs loop over more than one tile: the launcher's grid
+    min(tiles x batch, SMs x n) (``templates.programs``, dc_kernel_grid) is smaller than the tiles x batch.
+    Otherwise it launches one program per tile, as a plain config does. ``persistent`` (n, 0 for a plain
+    config) and ``tiles`` (tiles x batch) are ints or arrays."""
+    return (persistent > 0) & (tiles > num_sms * persistent)
+
+
+def tail_alpha(config: MicroKernel, alpha: float, loops: bool) -> float:
     """The partial-wave exponent of ``config``: ``alpha`` (fitted per device), or for a persistent config
-    (n programs per SM looping over tiles) halfway from it to 1 (no quantization at all). A persistent program
-    starts its next tile as soon as its own previous one ends, with no CTA to retire and launch and no
-    per-tile prologue (a TMA program makes its descriptors once), so the last round's tail is partly
-    hidden; but it still computes whole tiles, ceil(tiles / programs) of them for the busiest program, so
-    the tail is not gone: only half of what the fitted exponent says a partial wave saves is credited."""
-    return (1.0 + alpha) / 2.0 if config.persistent else alpha
+    whose programs loop over tiles (``loops``: ``persistent_loops``) ``PERSISTENT_TAIL_CREDIT`` of the way
+    from it to 1 (no quantization at all). A persistent program starts its next tile as soon as its own
+    previous one ends, with no CTA to retire and launch and no per-tile prologue (a TMA program makes its
+    descriptors once), so the last round's tail is partly hidden; but it still computes whole tiles,
+    ceil(tiles / programs) of them for the busiest program, so the tail is not gone: only half of what the
+    fitted exponent says a partial wave saves is credited. A persistent config that does not loop (no more
+    tiles than its grid of SMs x n) launches one program per tile like a plain one and gets no credit. The
+    analytic roofline (tuner/roofline.py) uses the same exponent at alpha = 0, its own partial-round rule."""
+    return alpha + PERSISTENT_TAIL_CREDIT * (1.0 - alpha) if config.persistent and loops else alpha
 
 
-def _slots_per_sm(config: MicroKernel, blocks_per_sm: int) -> int:
-    """Programs one SM runs at once: its resident blocks, or a persistent config's n if fewer."""
+def slots_per_sm(config: MicroKernel, blocks_per_sm: int) -> int:
+    """Programs one SM runs at once: its resident blocks, or a persistent config's n if fewer (the launcher's
+    persistent grid is min(tiles x batch, SMs x n), ``templates.programs`` / dc_kernel_grid, so no SM is given
+    more than n programs)."""
     return min(blocks_per_sm, config.persistent) if config.persistent else blocks_per_sm
 
 
@@ -72,18 +93,33 @@ def _roundup(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def launches(config: MicroKernel) -> int:
-    """Launches per call: split-K zeroes its workspace counters first (a cuMemsetD8Async in dc_launch_fit)."""
-    return 2 if config.split_k > 1 else 1
+def launch_weight(config: MicroKernel) -> float:
+    """A call's fixed cost in kernel launches. The launcher (dc_launch_fit, custom_ops/launch.cc) issues one
+    kernel launch per call and, before a split-K kernel, one cuMemsetD8Async of its tile counters (4 bytes per
+    tile and batch) on the same stream: a command the GPU's front end runs, not a second kernel, weighed as
+    ``MEMSET_SECONDS`` / ``LAUNCH_SECONDS`` of a launch (an assumption until a GPU run times the two). The
+    learned model's fitted per-launch latency and the analytic roofline's ``LAUNCH_SECONDS`` are both
+    multiplied by it."""
+    return 1.0 + (MEMSET_SECONDS / LAUNCH_SECONDS if config.split_k > 1 else 0.0)
+
+
+def split_k_partials(split_k: Any) -> Any:
+    """fp32 partial tiles (written, read) through the split-K workspace per output tile, for a split_k (an
+    int, or an array of them): each of the SPLIT_K splits writes its partial and the split that arrives last
+    reads all SPLIT_K back in split order, its own included (``templates._split_k_reduce``: ld.global.cg, so
+    the sum does not depend on which split came last; docs/abi.md "The split-K workspace"). (0, 0) without
+    split-K."""
+    moved = split_k * (split_k > 1)
+    return moved, moved
 
 
 def workspace_bytes_moved(config: MicroKernel, problem: Problem) -> float:
-    """Split-K workspace traffic of one call: each (batch, tile, split) writes its fp32 partial tile and the
-    last split of each tile reads the other SPLIT_K - 1 (0 without split-K)."""
-    if config.split_k <= 1:
-        return 0.0
+    """Split-K workspace traffic of one call: ``split_k_partials`` fp32 partial tiles written and read per
+    (batch, tile), 2 x SPLIT_K of them (0 without split-K). The counters' atomics and reset (4 bytes each) and
+    the memset are not counted here (``launch_weight``)."""
+    written, read = split_k_partials(config.split_k)
     tiles = (-(-problem.m // config.block_m)) * (-(-problem.n // config.block_n)) * problem.batch
-    return float(tiles * (2 * config.split_k - 1) * config.block_m * config.block_n * 4)
+    return float(tiles * (written + read) * config.block_m * config.block_n * 4)
 
 
 def useful_flops(problem: Problem) -> float:
@@ -150,10 +186,11 @@ def adapt_terms(config: MicroKernel, problem: Problem, profile: HardwareProfile,
     padding = (problem.m / _roundup(problem.m, bm)) * (problem.n / _roundup(problem.n, bn)) \
         * (problem.k / _roundup(problem.k, bk))
     tiles = (-(-problem.m // bm)) * (-(-problem.n // bn)) * problem.batch * config.split_k
-    slots = profile.num_sms * _slots_per_sm(config, blocks_per_sm)
+    slots = profile.num_sms * slots_per_sm(config, blocks_per_sm)
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)  # fill of the last wave, in (0, 1]
-    occupancy = (tiles / slots) / ((waves - 1) + last ** tail_alpha(config, alpha))
+    loops = persistent_loops(config.persistent, tiles, profile.num_sms)
+    occupancy = (tiles / slots) / ((waves - 1) + last ** tail_alpha(config, alpha, loops))
     operands = operand_bytes_moved(config, problem, dtype)
     reduction = operands / (operands + workspace_bytes_moved(config, problem))
     return AdaptTerms(padding, tiles, waves, occupancy, padding * occupancy * reduction, reduction)
@@ -172,8 +209,9 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
     cfg = np.array([[c.block_m, c.block_n, c.block_k * c.split_k, c.split_k] for c in configs],
                    dtype=np.float64).reshape(-1, 4)
     bps = np.array([blocks_per_sm(c, profile, dtype) for c in configs], dtype=np.float64)
-    per_sm = np.array([_slots_per_sm(c, blocks_per_sm(c, profile, dtype)) for c in configs], dtype=np.float64)
-    tail = np.array([tail_alpha(c, alpha) for c in configs], dtype=np.float64)[:, None]
+    per_sm = np.array([slots_per_sm(c, blocks_per_sm(c, profile, dtype)) for c in configs], dtype=np.float64)
+    persistent = np.array([c.persistent for c in configs], dtype=np.float64)[:, None]
+    credited = np.array([tail_alpha(c, alpha, True) for c in configs], dtype=np.float64)[:, None]
     prb = np.array([[p.m, p.n, p.k, p.batch] for p in problems], dtype=np.float64).reshape(-1, 4)
     bm, bn, bk, sk = (cfg[:, i:i + 1] for i in range(4))
     m, n, k, b = (prb[:, i][None, :] for i in range(4))
@@ -183,9 +221,11 @@ def f_adapt_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], 
     slots = np.maximum(profile.num_sms * per_sm, 1.0)[:, None]
     waves = np.ceil(tiles / slots)
     last = tiles / slots - (waves - 1)
+    tail = np.where(persistent_loops(persistent, tiles, profile.num_sms), credited, alpha)  # tail_alpha
     occupancy = (tiles / slots) / ((waves - 1) + last ** tail)
     operands = tm * tn * b * (bm + bn) * tk * bk * DTYPE_BYTES[dtype]  # operand_bytes_moved
-    moved = np.where(sk > 1, tm * tn * b * (2 * sk - 1) * bm * bn * 4.0, 0.0)  # workspace_bytes_moved
+    written, read = split_k_partials(sk)
+    moved = tm * tn * b * (written + read) * bm * bn * 4.0  # workspace_bytes_moved
     reduction = operands / (operands + moved)
     return np.where(bps[:, None] > 0, padding * occupancy * reduction, 0.0)
 
@@ -243,7 +283,7 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
     plain = {c: rows for c, rows in groups.items() if not c.persistent}
     if len(plain) >= min_configs:
         groups = plain
-    fastest = min(s / launches(c) for c, rows in groups.items() for _, s in rows)
+    fastest = min(s / launch_weight(c) for c, rows in groups.items() for _, s in rows)
     latencies = np.linspace(0.0, 0.95 * fastest, 20)
     loss = np.zeros((len(_ALPHA_GRID), len(latencies)))
     count = 0
@@ -252,13 +292,15 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
         secs = np.array([s for _, s in rows])
         flops = np.array([useful_flops(p) for p, _ in rows])
         terms = [adapt_terms(config, p, profile, bps, dtype=dtype) for p, _ in rows]
-        fill = np.array([t.tiles / (profile.num_sms * _slots_per_sm(config, bps)) for t in terms])  # fractional waves
+        fill = np.array([t.tiles / (profile.num_sms * slots_per_sm(config, bps)) for t in terms])  # in waves
         waves = np.array([t.waves for t in terms], dtype=np.float64)
         padding = np.array([t.padding * t.reduction for t in terms])
         last = fill - (waves - 1)
-        exponents = (1.0 + _ALPHA_GRID) / 2.0 if config.persistent else _ALPHA_GRID  # tail_alpha over the grid
-        occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** exponents[:, None])  # [alpha, row]
-        busy = secs[None, :] - launches(config) * latencies[:, None]  # [latency, row]
+        exponents = np.array([[tail_alpha(config, float(a), persistent_loops(config.persistent, t.tiles,
+                                                                             profile.num_sms)) for t in terms]
+                              for a in _ALPHA_GRID])  # [alpha, row]
+        occupancy = fill[None, :] / ((waves - 1)[None, :] + last[None, :] ** exponents)  # [alpha, row]
+        busy = secs[None, :] - launch_weight(config) * latencies[:, None]  # [latency, row]
         logs = (np.log(flops)[None, None, :] - np.log(busy)[None, :, :]
                 - np.log(np.maximum(padding[None, :] * occupancy, 1e-12))[:, None, :])  # [alpha, latency, row]
         loss += ((logs - logs.mean(axis=2, keepdims=True)) ** 2).sum(axis=2)
@@ -299,7 +341,7 @@ class CostModel(ABC):
             adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
                             self.alpha, self.dtype)
             through = fmk[index[config]] * adapt
-            out[j] = self.latency * launches(config) + useful_flops(problem) / through if through > 0 \
+            out[j] = self.latency * launch_weight(config) + useful_flops(problem) / through if through > 0 \
                 else math.inf
         return out
 
@@ -387,7 +429,7 @@ class LearnedCostModel(CostModel):
         for (config, problem), sec in zip(self._pairs, self._seconds):
             adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
                             self.alpha, self.dtype)
-            busy = max(sec - self.latency * launches(config), 1e-3 * sec)
+            busy = max(sec - self.latency * launch_weight(config), 1e-3 * sec)
             logs.setdefault(config, []).append(math.log(useful_flops(problem) / busy / max(adapt, 1e-12)))
         self._known = {c: float(np.mean(v)) for c, v in logs.items()}
         if not self._known:

@@ -206,8 +206,9 @@ class ReplayMeasurer(Measurer):
 class AnalyticMeasurer(Measurer):
     """No hardware: a roofline with occupancy (``tuner.roofline``): the busiest SM's MMAs at its share of the
     config's peak (sm_90's mma.sync configs below its wgmma rate, ``cost_model.config_peak_flops``) and its
-    loads at a per-SM share of DRAM bandwidth, the bytes that cross DRAM at the device's, split-K's fp32
-    workspace and its last split's reduction, TMA's cheaper load issue on sm_90, and a launch (plus split-K's
+    loads at a per-SM share of DRAM bandwidth or at the rate its pipelines' bytes in flight allow over a DRAM
+    round trip (Little's law), the bytes that cross DRAM at the device's, split-K's fp32 workspace and its last
+    split's reduction, TMA's cheaper load issue on sm_90, persistent kernels' grid, and a launch (plus split-K's
     counter memset). It ranks configs sensibly but knows nothing of the real kernel's efficiency: use it on
     machines without a GPU, never to report speed. ``tf32``: float32 kernels run their dots in TF32 on the
     tensor cores (the peak is the TF32 rate), and the database keeps those answers apart (``context``).

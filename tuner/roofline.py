@@ -2,10 +2,11 @@
 
 Nothing here is measured; it ranks configs where no GPU can time them (``--measure analytic``). The call's
 G = tiles x batch x SPLIT_K programs spread over the SMs, one per SM first, so B = min(G, SMs) SMs are busy
-and the busiest runs P = ceil(G / SMs) programs; each program makes ``k_steps`` BLOCK_K steps (K padded to
-BLOCK_K x SPLIT_K). The call takes
+and the busiest runs P = ceil(G / SMs) programs, R = min(P, resident blocks, a persistent config's n) of them
+at once (``cost_model.slots_per_sm``); each program makes ``k_steps`` BLOCK_K steps (K padded to BLOCK_K x
+SPLIT_K). The call takes
 
-    max(mma, sm_memory, dram) + issue + reduce + launch (+ memset under split-K)
+    max(mma, sm_memory, dram, pipeline) + issue + reduce + launch
 
 - ``mma``: the busiest SM's MMAs at its share of the config's peak (``cost_model.config_peak_flops``:
   sm_90's mma.sync configs at 2/3 of the wgmma rate), so tensor-core throughput scales with busy SMs and tile
@@ -24,31 +25,50 @@ BLOCK_K x SPLIT_K). The call takes
   split-K, its fp32 partial) at a per-SM cap of ``SM_BANDWIDTH_FACTOR`` x its even share of DRAM bandwidth.
   So the achievable bandwidth is min(DRAM bandwidth, B x cap): a call on few SMs cannot use the whole
   device's, which is why split-K (more programs, more busy SMs) pays for small-M calls.
+- ``pipeline``: latency hiding, by Little's law (bytes in flight = bandwidth x latency). Triton's software
+  pipeline keeps num_stages - 1 BLOCK_K steps of loads in flight per program while it computes on one more
+  (``cp.async`` groups or TMA copies with their barriers), so the busiest SM has R x (num_stages - 1) x step
+  bytes in flight and pulls at most that many bytes per ``DRAM_LATENCY_SECONDS``. Below latency x the per-SM
+  cap (about 25 KB on the H100: 50.8 GB/s x 500 ns), the loads, not the bandwidth, bound the call: each
+  program's loop takes a round trip per num_stages - 1 steps (one for the whole loop when it is shorter), and
+  the SM runs max(1, rounds / R) such loops back to back. So a shallow pipeline on a load-bound tile (few
+  resident programs: the small-M calls, or large tiles at one block per SM) is charged, and a deeper one, or
+  more resident programs, hides the latency; on compute-bound calls the term stays below ``mma``. The stage
+  count's other effect is through shared memory: more stages, fewer resident blocks.
 - ``dram``: the bytes that must cross DRAM, A, B and C once (operand re-reads across tiles hit the L2: 40 MB
   on the A100, 48 MB on the L4 and 50 MB on the H100 hold the project's GEMM operands) plus, under split-K,
-  the fp32 workspace written (SPLIT_K partials per tile) and read back (the last split of a tile reads all
-  SPLIT_K of them, tuner/templates.py ``_split_k_reduce``) at the device's bandwidth.
+  the fp32 workspace (``cost_model.workspace_bytes_moved``: each split writes its partial and the last split
+  of a tile reads all SPLIT_K back, its own included, 2 x SPLIT_K partials per tile, tuner/templates.py
+  ``_split_k_reduce``) at the device's bandwidth.
 - ``reduce``: split-K's last split of a tile reads the SPLIT_K partials and writes the output after every split
   has stored its partial, on one SM at the per-SM cap: a serial tail no other program hides.
-- persistent configs (``MicroKernel.persistent``, sm_90): the same tiles on the same SMs, so the same terms,
-  except that the busiest SM's partial last round is credited half its saving: it runs
-  ceil(T) - ``PERSISTENT_TAIL_CREDIT`` x (ceil(T) - T) tiles' worth of MMAs, issue and bytes for T = G / SMs,
-  since its programs load their next tile while others finish (no per-tile launch or prologue) but still
-  finish whole tiles. An assumption, as the learned model's ``cost_model.tail_alpha`` credit is.
-- ``launch``: ``LAUNCH_SECONDS`` per call, plus ``MEMSET_SECONDS`` under split-K for zeroing the tile counters
-  (the launcher's cuMemsetD8Async of 4 bytes per tile on the kernel's stream), which is one more command the
-  GPU's front end dispatches, not another kernel launch.
+- persistent configs (``MicroKernel.persistent`` = n, sm_90): the launcher runs min(tiles x batch, SMs x n)
+  programs (``templates.programs``, dc_kernel_grid), so an SM runs at most n of them at once (R above) and the
+  same tiles land on the same SMs. When the programs loop (more tiles than that grid,
+  ``cost_model.persistent_loops``), the busiest SM's partial last round, filled to r, costs
+  r ** ``cost_model.tail_alpha`` (the learned model's exponent at alpha = 0: ``PERSISTENT_TAIL_CREDIT`` of
+  the way to no quantization) instead of a whole round, since its programs load their next tile while
+  others finish (no per-tile launch or prologue) but still finish whole tiles. An assumption, shared with the
+  learned model. A persistent config that does not loop launches one program per tile and gets no credit.
+- ``launch``: ``LAUNCH_SECONDS`` x ``cost_model.launch_weight``: one kernel launch per call, plus under
+  split-K the launcher's cuMemsetD8Async of the tile counters (4 bytes per tile) on the kernel's stream, one
+  more command the GPU's front end runs (``MEMSET_SECONDS``), not another kernel launch. The learned model
+  weighs its fitted latency the same way.
 
 Each term is non-decreasing in M, N, K and batch for a fixed config, so the predicted time is too.
 
 Constants (all but the first two are assumptions, named so a GPU run can replace them):
 - ``SM_BANDWIDTH_FACTOR`` = 2: one SM can pull at most twice its even share of DRAM bandwidth (H100: 2 x 3.35
   TB/s / 132 = 51 GB/s), so half the SMs saturate DRAM. The L2 bounds it from above: the A100 whitepaper
-  quotes 5,120 B/clk of L2 read bandwidth, 7.2 TB/s at 1,410 MHz, 3.5x its 2,039 GB/s of DRAM; below that, a
-  block keeps only its pipeline's 2-4 stages of a small tile (16-48 KB) in flight over a DRAM round trip of
-  several hundred ns (Little's law), which is what limits the small-M calls split-K serves.
+  quotes 5,120 B/clk of L2 read bandwidth, 7.2 TB/s at 1,410 MHz, 3.5x its 2,039 GB/s of DRAM.
+- ``DRAM_LATENCY_SECONDS`` = 500 ns: a load's round trip to DRAM while the memory system is busy. An assumed
+  figure of the order published pointer-chasing microbenchmarks give for HBM GPUs (several hundred ns; a
+  loaded system adds queueing), the same for every target, not measured here. Only the ratio of bytes in
+  flight to latency x bandwidth matters, so a GPU run that times one load-bound tile at two stage counts
+  fixes it.
 - ``LAUNCH_SECONDS`` = 3 us per kernel launch (the figure the analytic measurer always used and attention's
-  analytic cost uses); ``MEMSET_SECONDS`` = 0.5 us for split-K's counter memset.
+  analytic cost uses); ``MEMSET_SECONDS`` = 0.5 us for split-K's counter memset (both in tuner/cost_model.py,
+  which owns the launch accounting).
 - The clock that turns issue cycles into seconds is the profile's (``HardwareProfile.tensor_clock_hz``: the
   clock its datasheet peak is quoted at, 1,830 MHz on the H100 SXM5), the peaks and bandwidths are the
   datasheets' (tuner/hardware.py: H100 SXM5 989.4 TFLOP/s dense fp16, 3.35 TB/s, 132 SMs).
@@ -58,19 +78,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, PERSISTENT_TAIL_CREDIT, launch_weight,
+                              persistent_loops, slots_per_sm, split_k_partials, tail_alpha,
+                              workspace_bytes_moved)
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
 __all__ = ["RooflineTerms", "roofline", "SM_BANDWIDTH_FACTOR", "LAUNCH_SECONDS", "MEMSET_SECONDS",
-           "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION", "PERSISTENT_TAIL_CREDIT"]
+           "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION", "PERSISTENT_TAIL_CREDIT",
+           "DRAM_LATENCY_SECONDS"]
 
-MODEL_VERSION = 3  # part of the analytic measurer's device key: answers of another version are not reused
+MODEL_VERSION = 4  # part of the analytic measurer's device key: answers of another version are not reused
 SM_BANDWIDTH_FACTOR = 2.0
-LAUNCH_SECONDS = 3e-6
-MEMSET_SECONDS = 0.5e-6
+DRAM_LATENCY_SECONDS = 500e-9  # a load's round trip to DRAM under load (an assumption, see the docstring)
 POINTER_LOAD_INSTRUCTIONS = 2  # warp instructions per 16-byte chunk a warp copies: cp.async + pointer add
-PERSISTENT_TAIL_CREDIT = 0.5  # share of the partial last round a persistent config saves (an assumption)
 TMA_LOAD_INSTRUCTIONS = 2  # per BLOCK_K step: one cp.async.bulk.tensor for A and one for B, from one thread
 _SCHEDULERS = 4  # warp schedulers (partitions, one tensor core each) per SM: [CG], cc 8.x and 9.0
 _CHUNK = 16  # bytes per cp.async
@@ -80,7 +102,7 @@ _CHUNK = 16  # bytes per cp.async
 class RooflineTerms:
     """The pieces of one prediction (seconds unless named otherwise), for tests and reports."""
 
-    programs: int  # G = tiles x batch x SPLIT_K
+    programs: int  # G = tiles x batch x SPLIT_K: the tiles' work units (a persistent grid runs them in fewer)
     busy_sms: int  # B = min(G, SMs)
     programs_per_sm: int  # P = ceil(G / SMs), on the busiest SM
     k_steps: int  # BLOCK_K steps per program
@@ -90,10 +112,13 @@ class RooflineTerms:
     dram: float
     reduce: float
     launch: float
+    resident: int = 1  # programs the busiest SM runs at once: min(P, resident blocks, a persistent one's n)
+    pipeline: float = 0.0  # the busiest SM's loads at the rate its pipelines' bytes in flight allow
 
     @property
     def seconds(self) -> float:
-        return max(self.mma, self.sm_memory, self.dram) + self.issue + self.reduce + self.launch
+        bound = max(self.mma, self.sm_memory, self.dram, self.pipeline)
+        return bound + self.issue + self.reduce + self.launch
 
 
 def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dtype: str, peak_flops: float,
@@ -111,11 +136,11 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     programs = tiles * split
     busy = min(programs, sms)
     per_sm = math.ceil(programs / sms)
-    rounds: float = per_sm  # the busiest SM's tiles' worth of work
-    if config.persistent:
-        rounds = per_sm - PERSISTENT_TAIL_CREDIT * (per_sm - programs / sms)
+    last = programs / sms - (per_sm - 1)  # the busiest SM's last round, filled to this share, in (0, 1]
+    loops = persistent_loops(config.persistent, programs, sms)
+    rounds = (per_sm - 1) + last ** tail_alpha(config, 0.0, loops)  # tiles' worth of work on the busiest SM
     k_steps = math.ceil(problem.k / (bk * split))
-    concurrent = min(per_sm, blocks_per_sm)
+    concurrent = min(per_sm, slots_per_sm(config, blocks_per_sm))
     warps = config.num_warps * concurrent
     clock = profile.tensor_clock_hz
 
@@ -130,15 +155,20 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
 
     cap = SM_BANDWIDTH_FACTOR * profile.dram_bandwidth_gbs * 1e9 / sms
     partial = bm * bn * 4.0  # an fp32 partial tile in the split-K workspace
-    program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)
-    reduce_bytes = split * partial + bm * bn * elem if split > 1 else 0.0
+    _, read = split_k_partials(split)  # the last split of a tile reads all SPLIT_K partials
+    program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)  # its partial or C tile
+    reduce_bytes = read * partial + bm * bn * elem if split > 1 else 0.0
     reductions = math.ceil(tiles / sms) if split > 1 else 0  # on the busiest SM
     sm_memory = (rounds * program_bytes + max(reductions - 1, 0) * reduce_bytes) / cap
+    # Little's law: a program keeps at most num_stages - 1 BLOCK_K steps in flight (the pipeline's prefetch
+    # depth, no more than its loop has), so its loop takes at least one DRAM round trip per that many steps
+    depth = max(1, min(config.num_stages - 1, k_steps))
+    pipeline = max(1.0, rounds / concurrent) * k_steps / depth * DRAM_LATENCY_SECONDS
 
     operands = (problem.m * problem.k + problem.k * problem.n + problem.m * problem.n) * elem * problem.batch
-    workspace = 2.0 * tiles * split * partial if split > 1 else 0.0
-    dram = (operands + workspace) / (profile.dram_bandwidth_gbs * 1e9)
+    dram = (operands + workspace_bytes_moved(config, problem)) / (profile.dram_bandwidth_gbs * 1e9)
 
     reduce = reduce_bytes / cap
-    launch = LAUNCH_SECONDS + (MEMSET_SECONDS if split > 1 else 0.0)
-    return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch)
+    launch = LAUNCH_SECONDS * launch_weight(config)
+    return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch,
+                         concurrent, pipeline)

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from dietcode_ort.errors import DietcodeError
-from tuner.cost_model import CostModel, LearnedCostModel, f_adapt_matrix, launches, useful_flops
+from tuner.cost_model import CostModel, LearnedCostModel, f_adapt_matrix, launch_weight, useful_flops
 from tuner.hardware import HardwareProfile
 from tuner.measure import Measurer
 from tuner.space import Family, MicroKernel
@@ -149,7 +149,7 @@ class _Search:
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.model, self.profile, self.dtype, self.opts, self.rng = model, profile, dtype, options, rng
         self.flops = np.array([useful_flops(p) for p in problems])
-        self.launches = np.array([launches(c) for c in self.space], dtype=np.float64)
+        self.launches = np.array([launch_weight(c) for c in self.space], dtype=np.float64)
         self.measured = np.full((len(self.space), len(problems)), np.nan)
         self.failed = np.zeros(len(self.space), dtype=bool)
         self._alpha = model.alpha

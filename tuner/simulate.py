@@ -12,8 +12,9 @@ The model, deterministic under ``seed``:
 - per-problem time: the tiles run in waves of num_SMs x resident blocks; a partial last wave filled to
   fraction r costs r ** 0.55 of a full one (the true partial-wave exponent the cost model should
   recover; a persistent config's tail costs r ** ((1 + 0.55) / 2), cost_model.tail_alpha, over SMs x min(its
-  programs per SM, resident blocks) slots); K is padded to BLOCK_K x SPLIT_K; each split-K program also moves its share of the fp32
-  workspace (its partial tile written, and (SPLIT_K - 1) / SPLIT_K partials read on average) at its SM's
+  programs per SM, resident blocks) slots, once its programs loop over tiles); K is padded to BLOCK_K x
+  SPLIT_K; each split-K program also moves its share of the fp32
+  workspace (its partial tile written, and one partial read on average: the last split reads all) at its SM's
   share of DRAM bandwidth; a memory roofline with operand re-reads per tile row/column (L2 absorbs most of
   them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's counter memset is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
 - a failure: configs that cannot launch (0 resident blocks) have seconds = inf and an error;
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.cost_model import blocks_per_sm, peak_flops, tail_alpha
+from tuner.cost_model import (blocks_per_sm, peak_flops, persistent_loops, slots_per_sm, split_k_partials,
+                              tail_alpha)
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
@@ -84,14 +86,15 @@ def simulate_seconds(config: MicroKernel, problem: Problem, profile: HardwarePro
     kpad = -(-problem.k // (config.block_k * config.split_k)) * config.block_k
     tiles = (-(-problem.m // config.block_m)) * (-(-problem.n // config.block_n)) * problem.batch * config.split_k
     per_sm = peak_flops(profile, dtype) / profile.num_sms * _efficiency(config, seed)
-    workspace = (2 * config.split_k - 1) / config.split_k * config.block_m * config.block_n * 4 \
-        if config.split_k > 1 else 0.0  # bytes per program
+    written, read = split_k_partials(config.split_k)  # per tile: each split writes, the last reads all
+    workspace = (written + read) / config.split_k * config.block_m * config.block_n * 4  # bytes per program
     wave = bps * (2.0 * config.block_m * config.block_n * kpad / per_sm
                   + workspace * profile.num_sms / (profile.dram_bandwidth_gbs * 1e9))
-    slots = profile.num_sms * (min(bps, config.persistent) if config.persistent else bps)
+    slots = profile.num_sms * slots_per_sm(config, bps)
     waves = -(-tiles // slots)
     last = tiles / slots - (waves - 1)
-    compute = wave * ((waves - 1) + last ** tail_alpha(config, TRUE_WAVE_ALPHA))
+    loops = persistent_loops(config.persistent, tiles, profile.num_sms)
+    compute = wave * ((waves - 1) + last ** tail_alpha(config, TRUE_WAVE_ALPHA, loops))
     elem = DTYPE_BYTES[dtype]
     reads = (problem.m * problem.k * -(-problem.n // config.block_n)
              + problem.k * problem.n * -(-problem.m // config.block_m)) / _L2_REUSE
