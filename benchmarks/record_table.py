@@ -22,7 +22,9 @@ Compress the CSV (gzip) to commit it.
 
 A documented sample when time is short: ``--budget-s S`` shares S seconds among the sets (each set gets
 the time left over the sets left, so what one set leaves unused flows to the next) and measures a set's
-configs in a seeded random order until its share is spent (checked between groups); ``--max-configs N``
+configs in a seeded random order while the next group fits its share: a group is started only if the last
+group measured (this set's, else the run's) would have ended within it, so a set does not overrun into the
+sets after it (and the step's hard limit) by a group; ``--max-configs N``
 caps each set at N configs; ``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs
 of the space were measured (``done``) and what that cost (``cost``: wall seconds compiling, configs
 compiled, wall seconds timing, launches timed; the units of report_table.py's tuning-cost figure).
@@ -54,6 +56,7 @@ __all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "SETS", "COL
 
 COLUMNS = ["config", "m", "n", "k", "batch", "seconds", "device", "error", "family"]
 GROUP = 16  # configs per measurement call: compiled in parallel, then timed in one batch
+_clock = time.monotonic  # the recorder's clock (tests step it)
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
     else:
         env = _environment(command)
     target = "sm_90" if env["arch"].startswith("sm_9") else "sm_89" if env["arch"] == "sm_89" else "sm_80"
-    started = time.monotonic()
+    started = _clock()
     timing: object = "analytic model"
     if measure != "analytic":
         from dataclasses import asdict
@@ -219,6 +222,7 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
         meta["earlier_runs"] = earlier.get("earlier_runs", []) + [
             {k: earlier.get(k) for k in ("command", "date", "budget_s", "max_configs", "device", "driver")}]
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    group_s: list[float] = []  # wall seconds of each full group measured so far (the next one's estimate)
     with table.open("a", newline="") as fh, Progress() as bar:
         writer = csv.writer(fh)
         if new:
@@ -231,14 +235,14 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             space = space[:max_configs] if max_configs else space
             deadline = None
             if budget_s is not None:  # this set's share of the time left
-                deadline = time.monotonic() + (budget_s - (time.monotonic() - started)) / (len(sets) - index)
+                deadline = _clock() + (budget_s - (_clock() - started)) / (len(sets) - index)
             if measure == "analytic":
                 measurer = _AnalyticTable(target, s.dtype, uses_tf32(s.dtype, fp32_precision))
             else:
                 measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue, div16=shipped_div16(s),
                                        allow_tf32=uses_tf32(s.dtype, fp32_precision))
             try:
-                measured = _record_set(s, family, space, measurer, writer, fh, bar, deadline)
+                measured = _record_set(s, family, space, measurer, writer, fh, bar, deadline, group_s)
             finally:
                 if isinstance(measurer, GpuMeasurer):
                     measurer.close()
@@ -251,9 +255,12 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
     return table
 
 
-def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, deadline: float | None) -> int:
+def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, deadline: float | None,
+                group_s: list[float]) -> int:
     """The vendor rows, then the configs of ``space``: the first alone (so every set can be reported, whatever
-    the deadline), the others in groups of GROUP until ``deadline``; how many configs were measured."""
+    the deadline), the others in groups of GROUP while the next group is expected to end by ``deadline`` (the
+    last full group's time, this set's or an earlier set's, appended to ``group_s``; before any, while
+    ``deadline`` is ahead); how many configs were measured."""
     device = measurer.device_key()
     task = bar.add_task(s.tag, total=len(space) + 1)
     for r, p in zip(measurer.measure_vendor(family, s.problems), s.problems):
@@ -262,13 +269,16 @@ def _record_set(s: TableSet, family, space: list, measurer, writer, fh, bar, dea
     bar.advance(task)
     measured = 0
     for group in [space[:1]] + [space[i:i + GROUP] for i in range(1, len(space), GROUP)]:
-        if deadline is not None and measured and time.monotonic() > deadline:
+        if deadline is not None and measured and _clock() + (group_s[-1] if group_s else 0.0) > deadline:
             break
+        started = _clock()
         results = measurer.measure(family, [(config, p) for config in group for p in s.problems])
         for i, config in enumerate(group):
             for r, p in zip(results[i * len(s.problems):(i + 1) * len(s.problems)], s.problems):
                 writer.writerow([config.key(), p.m, p.n, p.k, p.batch, repr(r.seconds), device, r.error or "", s.tag])
         fh.flush()
+        if len(group) == GROUP:
+            group_s.append(_clock() - started)
         measured += len(group)
         bar.advance(task, len(group))
     return measured

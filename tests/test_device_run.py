@@ -229,12 +229,7 @@ def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: P
 def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> None:
     """--budget-s: a set whose share of the time is spent stops after one config (every set stays
     reportable); a second run appends to the table and keeps the first run's sets in table.json."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("record_table", ROOT / "benchmarks" / "record_table.py")
-    record_table = importlib.util.module_from_spec(spec)
-    sys.modules["record_table"] = record_table  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
+    record_table = _load_record_table()
     dense = record_table.dense_sets(2)
     path = record_table.record(dense[:2], tmp_path, measure="analytic", budget_s=1e-6, command="first")
     meta = json.loads((tmp_path / "table.json").read_text())
@@ -251,6 +246,39 @@ def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> No
     assert meta["command"] == "second" and meta["earlier_runs"][0]["command"] == "first"
     rows = list(csv.DictReader(path.open()))
     assert rows[0].keys() == set(record_table.COLUMNS) and len(rows) == 2 * (2 + 2) + 2 * (1 + 2)
+
+
+def _load_record_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_table", ROOT / "benchmarks" / "record_table.py")
+    record_table = importlib.util.module_from_spec(spec)
+    sys.modules["record_table"] = record_table  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
+    return record_table
+
+
+def test_record_table_starts_a_group_only_where_the_last_one_would_fit(tmp_path: Path, monkeypatch) -> None:
+    """On a stepped clock (a lone config costs 0.1 s, a group of GROUP 4 s): the first set, with no group
+    measured yet, runs one past its share; later sets start a group only where the last group's time fits
+    what is left of theirs, so the time they leave flows on to the last set, and the table ends within
+    --budget-s (measuring a group per set as they came would end at 12.4 s of 10)."""
+    record_table = _load_record_table()
+    now = [0.0]
+    monkeypatch.setattr(record_table, "_clock", lambda: now[0])
+
+    class Stepped(record_table._AnalyticTable):  # type: ignore[name-defined]
+        def measure(self, family, pairs):
+            now[0] += 0.1 if len({c for c, _ in pairs}) == 1 else 4.0
+            return super().measure(family, pairs)
+
+    monkeypatch.setattr(record_table, "_AnalyticTable", Stepped)
+    sets = record_table.dense_sets(2) + record_table.attention_sets(2)[:1]
+    record_table.record(sets, tmp_path, measure="analytic", budget_s=10.0)
+    meta = json.loads((tmp_path / "table.json").read_text())
+    group = 1 + record_table.GROUP
+    assert [d["configs"] for d in meta["done"]] == [group, 1, 1, group]
+    assert now[0] == pytest.approx(8.4) and now[0] <= 10.0
 
 
 @pytest.mark.slow

@@ -239,7 +239,8 @@ def test_optimize_refuses_a_ptxas_that_does_not_run(tmp_path: Path, capsys) -> N
 @pytest.mark.slow
 def test_aot_caps_the_ptx_isa_at_the_drivers(tmp_path: Path) -> None:
     """A real compile: Triton 3.9's ptxas-blackwell (CUDA 13.4) would write PTX ISA 9.4, which driver 13.0
-    does not JIT; the default cap writes 9.0, and the bundle records it."""
+    does not JIT; the default cap writes 9.0, and the bundle records it. Triton 3.6 (the GPU image's) carries
+    CUDA 12.8's ptxas, which writes ISA 8.7 under the default cap: a cap at driver 12.6 writes 8.5 (12.5's)."""
     pytest.importorskip("triton")
     from tuner.aot import CompileToolchain, compile_kernel
     from tuner.space import Family, MicroKernel
@@ -247,6 +248,16 @@ def test_aot_caps_the_ptx_isa_at_the_drivers(tmp_path: Path) -> None:
     config = MicroKernel(32, 32, 32, 4, 2)
     version = re.compile(r"^\.version (\d+\.\d+)$", re.MULTILINE)
     capped = compile_kernel(Family("gemm", "float16", "sm_90"), config, cache_dir=tmp_path)
+    if capped.ptxas_version.startswith("12."):  # Triton 3.6: the default cap does not bind
+        assert version.search(capped.ptx).group(1) == "8.7" and capped.ptx_isa == 87  # type: ignore[union-attr]
+        assert (capped.cubin_min_driver, capped.ptx_min_driver) == (12000, 12080)
+        lower = compile_kernel(Family("gemm", "float16", "sm_90"), config, cache_dir=tmp_path,
+                               toolchain=CompileToolchain(min_driver=12060))
+        assert version.search(lower.ptx).group(1) == "8.5" and lower.ptx_min_driver == 12050  # type: ignore[union-attr]
+        kernel = BundleKernel.from_compiled([capped])
+        assert kernel.image_toolchains[0].min_driver == 12000 and kernel.ptx_toolchain.ptx_isa == 87
+        assert select_image(kernel, 9, 0, 12000).kind == "cubin"
+        return
     assert version.search(capped.ptx).group(1) == "9.0"  # type: ignore[union-attr]
     assert capped.ptxas_version.startswith("13.") and capped.ptx_isa == 90
     assert (capped.cubin_min_driver, capped.ptx_min_driver) == (13000, 13000)
