@@ -557,6 +557,34 @@ def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
         sess.run(None, feeds | {"R": r[0]})
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual"])
+def test_conv_vendor_leaf_with_the_residual_on_cuda(op_type, dtype) -> None:
+    """ResNet's block end through the vendor path: cuDNN's conv, then the PTX epilogue adds B and the residual
+    before the Relu (ConvBiasResidualRelu) or after it; a residual of another shape fails naming both shapes."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _conv3x3_f64, _model, bundle_initializer
+
+    rng = np.random.default_rng(13)
+    x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+    b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
+    node = helper.make_node(op_type, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0",
+                            pads=[1, 1, 1, 1])
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["X", "W", "B", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    feeds = {"X": x, "W": w, "B": b, "R": r}
+    (got,) = sess.run(None, feeds)
+    y = _conv3x3_f64(x, w, b)
+    want = np.maximum(y + r, 0.0) if op_type == "ConvBiasResidualRelu" else np.maximum(y, 0.0) + r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+    with pytest.raises(Exception, match=r"residual input has shape \[2, 4, 6, 4\], not the output's"):
+        sess.run(None, feeds | {"R": r[:, :, :, :4]})
+
+
 GPU_CONV_CASES = [
     ("Conv", [(2, 3, 9, 10), (4, 3, 3, 3)], {"strides": [2, 1], "pads": [1, 1, 1, 1], "dilations": [1, 2]}, 4),
     ("Conv", [(1, 4, 7, 7), (6, 2, 3, 3)], {"group": 2, "auto_pad": "SAME_UPPER"}, 6),
