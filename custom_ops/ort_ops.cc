@@ -487,8 +487,8 @@ class DietcodeKernel {
       for (int64_t i = 0; i < total; ++i) y[i] *= scale_;
     }
     if (spec_.bias && spec_.base == BaseOp::kMatMul) AddBias(y, out_shape, f[2]);
-    FloatTensor r;
-    if (spec_.residual) r = AsFloat(residual, residual_shape, dtype_);  // the output's shape (checked above)
+    // the output's shape (checked above); its data may live in its own storage: made in place, never copied
+    const FloatTensor r = spec_.residual ? AsFloat(residual, residual_shape, dtype_) : FloatTensor{};
     if (spec_.residual_first) {
       for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
     }

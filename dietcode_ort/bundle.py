@@ -269,7 +269,6 @@ class BundleKernel:
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k),
                    causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
-                   residual_first=bool(dict(getattr(first, "constants", ())).get("RESIDUAL_FIRST", False)),
                    persistent=int(getattr(getattr(first, "config", None), "persistent", 0)),
                    layout=sum(1 << i for i, name in enumerate(LAYOUT_CONSTEXPRS)
                               if dict(getattr(first, "constants", ())).get(name, False)),
@@ -416,9 +415,12 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     epilogue = getattr(compiled, "epilogue", None)
     if epilogue is not None:
         out["activation"] = epilogue.activation
+    constants = dict(getattr(compiled, "constants", ()))
+    # the residual before the activation: the RESIDUAL_FIRST constexpr, or the epilogue of a compile cached without
+    # its constexprs
+    out["residual_first"] = bool(constants.get("RESIDUAL_FIRST", getattr(epilogue, "residual_first", False)))
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
-    constants = dict(getattr(compiled, "constants", ()))
     # the dot precision: tuner/aot's allow_tf32, or the constexpr an attention kernel was compiled with
     out["tf32"] = bool(getattr(compiled, "allow_tf32", False)) or constants.get("DOT_PRECISION") == "tf32"
     alpha = constants.get("ALPHA", constants.get("SCALE"))  # SCALE: an attention kernel's softmax scale
