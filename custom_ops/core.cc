@@ -17,12 +17,13 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 7;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
-                                  // packed QKV layout flag (docs/bundle.md)
+constexpr uint32_t kVersion = 8;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+                                  // packed QKV layout flag, 8: residual_first, conv kernels taking the residual
+                                  // (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
-constexpr uint32_t kFlagZeroOutput = 1;  // format 5's atomic split-K: refused since format 6
+constexpr uint32_t kFlagResidualFirst = 1;  // the residual added before the activation (format 5: zero_output)
 constexpr uint32_t kFlagCausal = 2;  // attention kernels compiled in causal mode
 constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
 // bits 3..7: an attention kernel's operand layouts (Q, K, V, out as [batch, seq, heads, d]; bit 7: Q, K, V packed
@@ -208,7 +209,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.tf32 || k.layout || k.persistent ||
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.tf32 || k.layout || k.persistent ||
         !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
@@ -262,8 +263,12 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
          "heads, d]");
   }
   if (seen[kImgH] && seen[kStrideABatch]) Fail(where + ": params name both a conv and a bmm view");
-  if (seen[kResidual] && (seen[kImgH] || seen[kStrideABatch])) {
-    Fail(where + ": params name a residual, which only gemm-view kernels take");
+  if (seen[kResidual] && seen[kStrideABatch]) {
+    Fail(where + ": params name a residual, which only gemm-view and conv kernels take");
+  }
+  if (k.residual_first && (!seen[kResidual] || k.activation == 0)) {
+    Fail(where + ": residual_first orders a residual before an activation, and the kernel takes " +
+         (seen[kResidual] ? "no activation" : "no residual"));
   }
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
@@ -311,17 +316,14 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     uint8_t kind = sub.Get<uint8_t>("kind");
     uint8_t flags = sub.Get<uint8_t>("flags");
     uint16_t div16 = sub.Get<uint16_t>("div16 mask");
-    if (flags == kFlagZeroOutput) {
-      Fail("kernel " + std::to_string(index) + ": flag zero_output (split-K by atomics into the output, bundle "
-           "format 5) is gone: split-K kernels take a workspace");
-    }
-    if (kind > kVendor || (flags & ~(kFlagCausal | kFlagTf32 | kFlagLayoutMask)) != 0) {
+    if (kind > kVendor || (flags & ~(kFlagResidualFirst | kFlagCausal | kFlagTf32 | kFlagLayoutMask)) != 0) {
       Fail("kernel " + std::to_string(index) + ": kind " + std::to_string(kind) + " / flags " +
            std::to_string(flags) + " invalid");
     }
     k.div16 = div16;
     k.kind = static_cast<KernelKind>(kind);
     k.causal = flags & kFlagCausal;
+    k.residual_first = flags & kFlagResidualFirst;
     k.tf32 = flags & kFlagTf32;
     k.layout = static_cast<uint8_t>((flags & kFlagLayoutMask) >> kFlagLayoutShift);
     k.num_warps = sub.Get<uint32_t>("num_warps");

@@ -1,8 +1,10 @@
 // ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
 //
-// One kernel class serves all 24 op types (MatMul|Gemm|Conv x epilogue, MatMul x epilogue x Residual), configured
-// from the op type name; a MatMul's `scale` attribute (default 1) is the fused alpha: y = act(scale * A B + bias)
-// + residual. Compiled kernels have their scale baked in; the CPU and vendor paths read the attribute.
+// One kernel class serves all 38 op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
+// before the activation), configured from the op type name; a MatMul's `scale` attribute (default 1) is the fused
+// alpha: y = act(scale * A B + bias) + residual, or y = act(scale * A B + bias + residual) for an op type naming
+// the residual before the activation (ConvBiasResidualRelu). Compiled kernels have their scale baked in; the CPU
+// and vendor paths read the attribute.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
 // takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue
@@ -299,6 +301,15 @@ class DietcodeKernel {
         Throw("bundle kernel " + std::to_string(k) + (spec_.residual ? " takes no residual but the op type has one"
                                                                       : " takes a residual but the op type has none"));
       }
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          (dc_bundle_kernel_residual_first(bundle_.get(), k) == 1) != spec_.residual_first) {
+        Throw("bundle kernel " + std::to_string(k) +
+              (spec_.residual_first ? " adds its residual after the activation but the op type " + spec_.name +
+                                          " adds it before"
+                                    : " adds its residual before the activation but the op type " + spec_.name +
+                                          " does not") +
+              ": optimize the original model again");
+      }
     }
   }
 
@@ -428,6 +439,14 @@ class DietcodeKernel {
     thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
     for (size_t i = 0; i < n_in; ++i) ReadShape(in[i], &shapes[i]);
     OutputShape(shapes[0], shapes[1], &out_shape);
+    Ort::ConstValue residual{nullptr};
+    thread_local Shape residual_shape;
+    if (spec_.residual) {  // its shape checked before anything is computed or read
+      residual = ctx.GetInput(ResidualInput(spec_));
+      ReadShape(residual, &residual_shape);
+      const std::string mismatch = ResidualMismatch(residual_shape, out_shape);
+      if (!mismatch.empty()) Throw(mismatch);
+    }
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     const int64_t total = NumElements(out_shape);
     if (total == 0) return;
@@ -468,14 +487,13 @@ class DietcodeKernel {
       for (int64_t i = 0; i < total; ++i) y[i] *= scale_;
     }
     if (spec_.bias && spec_.base == BaseOp::kMatMul) AddBias(y, out_shape, f[2]);
+    // the output's shape (checked above); its data may live in its own storage: made in place, never copied
+    const FloatTensor r = spec_.residual ? AsFloat(residual, residual_shape, dtype_) : FloatTensor{};
+    if (spec_.residual_first) {
+      for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
+    }
     ApplyActivation(y, total, spec_.activation);
-    if (spec_.residual) {
-      const Ort::ConstValue residual = ctx.GetInput(ResidualInput(spec_));
-      thread_local Shape residual_shape;
-      ReadShape(residual, &residual_shape);
-      const std::string mismatch = ResidualMismatch(residual_shape, out_shape);
-      if (!mismatch.empty()) Throw(mismatch);
-      const FloatTensor r = AsFloat(residual, residual_shape, dtype_);
+    if (spec_.residual && !spec_.residual_first) {
       for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
     }
     if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
@@ -697,9 +715,12 @@ class DietcodeKernel {
           algo.math_type = plan.math_type;
         }
       }
+      plan.epilogue.has_residual = spec_.residual ? 1 : 0;  // its shape is the output's (checked by the caller)
+      plan.epilogue.residual_first = spec_.residual_first ? 1 : 0;
+      const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
       if (dc_vendor_conv(&plan, &algo, reinterpret_cast<void*>(workspace.address()), in[0].GetTensorRawData(),
                          in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
-          dc_vendor_epilogue(&plan.epilogue, y, bias, nullptr, stream) != 0) {
+          dc_vendor_epilogue(&plan.epilogue, y, bias, res, stream) != 0) {
         Throw(dc_last_error());
       }
       return;
@@ -713,6 +734,7 @@ class DietcodeKernel {
                                           static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
     if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
     plan.epilogue.has_residual = spec_.residual ? 1 : 0;
+    plan.epilogue.residual_first = spec_.residual_first ? 1 : 0;
     const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
     void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
     if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0 ||

@@ -32,18 +32,34 @@ Shape PadBatch(const Shape& s, size_t rank) {
 
 }  // namespace
 
-bool ParseOpType(const std::string& op_type, OpSpec* spec) {
+namespace {
+
+// The op type of base b (0 MatMul, 1 Gemm, 2 Conv), bias, activation a (0 none, 1 Relu, 2 Gelu) and residual r
+// (0 none, 1 after the activation, 2 before it): "ConvBiasReluResidual", "ConvBiasResidualRelu". Empty for the
+// combinations no op type has (a residual on Gemm; r 2 without an activation, which r 1 already names).
+std::string OpTypeName(int b, bool bias, int a, int r) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
-  static const char* const kSuffixes[] = {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"};
-  static const std::string kResidual = "Residual";  // MatMul only (the gemm template adds it)
-  for (int b = 0; b < 3; ++b) {
-    for (int s = 0; s < 6; ++s) {
-      for (int r = 0; r < (b == 0 ? 2 : 1); ++r) {
-        if (op_type == std::string(kBases[b]) + kSuffixes[s] + (r ? kResidual : std::string())) {
+  static const char* const kActivations[] = {"", "Relu", "Gelu"};
+  if ((r != 0 && b == 1) || (r == 2 && a == 0)) return "";
+  const std::string head = std::string(kBases[b]) + (bias ? "Bias" : "");
+  if (r == 2) return head + "Residual" + kActivations[a];
+  return head + kActivations[a] + (r == 1 ? "Residual" : "");
+}
+
+}  // namespace
+
+bool ParseOpType(const std::string& op_type, OpSpec* spec) {
+  for (int r = 0; r < 3; ++r) {
+    for (int b = 0; b < 3; ++b) {
+      for (int a = 0; a < 3; ++a) {
+        for (int bias = 0; bias < 2; ++bias) {
+          const std::string name = OpTypeName(b, bias == 1, a, r);
+          if (name.empty() || name != op_type) continue;
           spec->base = static_cast<BaseOp>(b);
-          spec->bias = s == 1 || s == 3 || s == 5;
-          spec->activation = s >= 4 ? Activation::kGelu : (s >= 2 ? Activation::kRelu : Activation::kNone);
-          spec->residual = r == 1;
+          spec->bias = bias == 1;
+          spec->activation = static_cast<Activation>(a);
+          spec->residual = r != 0;
+          spec->residual_first = r == 2;
           spec->name = op_type;
           return true;
         }
@@ -55,11 +71,15 @@ bool ParseOpType(const std::string& op_type, OpSpec* spec) {
 
 std::vector<std::string> AllOpTypes() {
   std::vector<std::string> out;
-  for (const char* base : {"MatMul", "Gemm", "Conv"}) {
-    for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) out.push_back(std::string(base) + suffix);
-  }
-  for (const char* suffix : {"", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu"}) {
-    out.push_back(std::string("MatMul") + suffix + "Residual");
+  for (int r = 0; r < 3; ++r) {
+    for (int b = 0; b < 3; ++b) {
+      for (int a : {0, 1, 2}) {
+        for (bool bias : {false, true}) {
+          const std::string name = OpTypeName(b, bias, a, r);
+          if (!name.empty()) out.push_back(name);
+        }
+      }
+    }
   }
   return out;
 }

@@ -22,20 +22,23 @@ std::string ShapeText(const Shape& s);
 enum class BaseOp { kMatMul, kGemm, kConv };
 enum class Activation { kNone, kRelu, kGelu };
 
-// What a node's op type says: the base op and the fused epilogue ("GemmBiasGelu", "MatMulBiasResidual"
-// etc.), applied as y = act(scale * product + bias) + residual (scale: the node's `scale` attribute).
+// What a node's op type says: the base op and the fused epilogue in its order ("GemmBiasGelu",
+// "MatMulBiasResidual", "ConvBiasResidualRelu" etc.), applied as y = act(scale * product + bias) + residual, or
+// with residual_first y = act(scale * product + bias + residual) (scale: the node's `scale` attribute).
 struct OpSpec {
   BaseOp base = BaseOp::kMatMul;
   bool bias = false;
   Activation activation = Activation::kNone;
-  bool residual = false;  // one more input: a tensor of the output's shape, added last
+  bool residual = false;  // one more input: a tensor of the output's shape, added after the activation
+  bool residual_first = false;  // ... or before it (the op type names "Residual" before "Relu"/"Gelu")
   std::string name;
 };
 
-// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]" and "MatMul[Bias][Relu|Gelu]Residual"; false for anything else.
+// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]", "<MatMul|Conv>[Bias][Relu|Gelu]Residual" and
+// "<MatMul|Conv>[Bias]Residual<Relu|Gelu>"; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 24 op type names, in registration order.
+// The 38 op type names, in registration order: the 18 without a residual first.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {

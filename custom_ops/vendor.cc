@@ -315,7 +315,8 @@ const Cublas* LoadCublas(const char* path, std::string* error) {
   return t;
 }
 
-// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32.
+// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32,
+// or with p_first != 0 y = act(y + scale * bias[index] + residual[i]).
 // GELU is the erf form ONNX specifies (approximate="none"): erf by Abramowitz & Stegun 7.1.26 (absolute
 // error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)).
 std::string EpiloguePtx(int dtype) {
@@ -339,13 +340,15 @@ std::string EpiloguePtx(int dtype) {
   ptx += ".address_size 64\n\n";
   ptx += ".visible .entry dc_epilogue(\n"
          "  .param .u64 p_y, .param .u64 p_bias, .param .u64 p_total, .param .u64 p_cols, .param .u64 p_brows,\n"
-         "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act, .param .u64 p_res)\n{\n";
+         "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act, .param .u64 p_res,\n"
+         "  .param .u32 p_first)\n{\n";
   ptx += "  .reg .pred %p<8>;\n  .reg .b16 %h<4>;\n  .reg .b32 %r<8>;\n  .reg .f32 %f<24>;\n  .reg .b64 %rd<24>;\n\n";
   ptx += "  ld.param.u64 %rd1, [p_y];\n  ld.param.u64 %rd2, [p_bias];\n  ld.param.u64 %rd3, [p_total];\n"
          "  ld.param.u64 %rd4, [p_cols];\n  ld.param.u64 %rd5, [p_brows];\n  ld.param.u64 %rd6, [p_brs];\n"
          "  ld.param.u64 %rd7, [p_bcs];\n  ld.param.f32 %f1, [p_scale];\n  ld.param.u32 %r1, [p_act];\n";
   ptx += "  setp.ne.u64 %p2, %rd2, 0;\n  cvta.to.global.u64 %rd1, %rd1;\n  cvta.to.global.u64 %rd2, %rd2;\n";
   ptx += "  ld.param.u64 %rd17, [p_res];\n  setp.ne.u64 %p5, %rd17, 0;\n  cvta.to.global.u64 %rd17, %rd17;\n";
+  ptx += "  ld.param.u32 %r7, [p_first];\n  setp.ne.u32 %p6, %r7, 0;\n";  // the residual before the activation
   ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mov.u32 %r5, %nctaid.x;\n"
          "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd8, %rd8, %rd9;\n"
          "  mul.wide.u32 %rd10, %r5, %r3;\n";
@@ -359,7 +362,11 @@ std::string EpiloguePtx(int dtype) {
   ptx += std::string("  shl.b64 %rd15, %rd15, ") + shift + ";\n  add.u64 %rd15, %rd2, %rd15;\n";
   ptx += "  " + sub(load, "%f3", "%rd15");
   ptx += "  fma.rn.f32 %f2, %f3, %f1, %f2;\n";
-  ptx += "$Lact:\n  setp.eq.u32 %p3, %r1, 1;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
+  // p_first: the residual, laid out as the output (the same byte offset %rd11), before the activation
+  ptx += "$Lact:\n  @!%p5 bra $Lapply;\n  @!%p6 bra $Lapply;\n  add.u64 %rd18, %rd17, %rd11;\n";
+  ptx += "  " + sub(load, "%f15", "%rd18");
+  ptx += "  add.f32 %f2, %f2, %f15;\n";
+  ptx += "$Lapply:\n  setp.eq.u32 %p3, %r1, 1;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
          "  setp.eq.u32 %p4, %r1, 2;\n  @!%p4 bra $Lstore;\n";
   // gelu(x) = 0.5 x (1 + erf(x / sqrt(2)))
   ptx += "  mul.f32 %f4, %f2, 0f3F3504F3;\n"           // z = x / sqrt(2)
@@ -380,8 +387,8 @@ std::string EpiloguePtx(int dtype) {
          "  add.f32 %f13, %f12, 0f3F800000;\n"
          "  mul.f32 %f14, %f2, 0f3F000000;\n"
          "  mul.f32 %f2, %f14, %f13;\n";
-  // the residual, laid out as the output: the same byte offset %rd11
-  ptx += "$Lstore:\n  @!%p5 bra $Lput;\n  add.u64 %rd18, %rd17, %rd11;\n";
+  // otherwise the residual after it
+  ptx += "$Lstore:\n  @!%p5 bra $Lput;\n  @%p6 bra $Lput;\n  add.u64 %rd18, %rd17, %rd11;\n";
   ptx += "  " + sub(load, "%f15", "%rd18");
   ptx += "  add.f32 %f2, %f2, %f15;\n";
   ptx += "$Lput:\n  " + store;
@@ -461,7 +468,8 @@ int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, const vo
   uint64_t brs = static_cast<uint64_t>(p->bias_rs), bcs = static_cast<uint64_t>(p->bias_cs);
   float scale = p->bias_scale;
   uint32_t act = static_cast<uint32_t>(p->activation);
-  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr};
+  uint32_t first = p->has_residual && p->residual_first ? 1u : 0u;
+  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr, &first};
   constexpr unsigned kBlock = 256;
   const uint64_t blocks = std::min<uint64_t>((total + kBlock - 1) / kBlock, 65536);  // the loop covers the rest
   std::string error;

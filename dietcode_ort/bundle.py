@@ -30,8 +30,9 @@ MAGIC = b"DCBUNDLE"
 # 4: a toolchain record (Triton, ptxas, PTX ISA, minimum driver) per cubin and for the PTX; 5: alpha;
 # 6: split-K kernels take a workspace (param 28), the zero_output flag is refused; 7: the kernel record's byte
 # after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile), and
-# kernel flags bit 7 is the packed QKV attention layout
-VERSION = 7
+# kernel flags bit 7 is the packed QKV attention layout; 8: kernel flags bit 0 (format 5's zero_output) is
+# residual_first, and conv kernels may take the residual (param 15)
+VERSION = 8
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -59,7 +60,9 @@ ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
 CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", "PAD_H", "PAD_W", "DIL_H", "DIL_W")
 _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
-FLAG_ZERO_OUTPUT = 1  # format 5's atomic split-K into a zeroed output: refused since format 6
+# a kernel taking the residual that adds it before the activation (RESIDUAL_FIRST: act(alpha * acc + bias +
+# residual)); clear: after it. Bit 0 was format 5's zero_output (atomic split-K into a zeroed output).
+FLAG_RESIDUAL_FIRST = 1
 FLAG_CAUSAL = 2  # an attention kernel compiled in causal mode (CAUSAL): keys past the query's diagonal dropped
 FLAG_TF32 = 4  # a float32 kernel compiled with TF32 dots (DOT_PRECISION="tf32"); clear: ieee float32 products
 # bits 3..7: an attention kernel's operand layouts (tuner.attention.LAYOUT_BITS shifted left by 3: Q, K, V, out
@@ -161,6 +164,9 @@ class BundleKernel:
     block_n: int = 1
     split_k: int = 1
     causal: bool = False  # attention kernels only: compiled with CAUSAL (the Attention node's `causal` attribute)
+    # kernels taking the residual, with an activation: compiled with RESIDUAL_FIRST, act(alpha * acc + bias +
+    # residual) (a node whose op type names the residual before the activation, ConvBiasResidualRelu)
+    residual_first: bool = False
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
@@ -279,7 +285,7 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
+                    or self.residual_first or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -339,8 +345,11 @@ class BundleKernel:
             raise _fail(f"{where}: takes a 'workspace' but has split_k 1")
         if "img_h" in self.params and "stride_a_batch" in self.params:
             raise _fail(f"{where}: params name both a conv and a bmm view")
-        if "residual" in self.params and ("img_h" in self.params or "stride_a_batch" in self.params):
-            raise _fail(f"{where}: params name a residual, which only gemm-view kernels take")
+        if "residual" in self.params and "stride_a_batch" in self.params:
+            raise _fail(f"{where}: params name a residual, which only gemm-view and conv kernels take")
+        if self.residual_first and ("residual" not in self.params or self.activation == "none"):
+            raise _fail(f"{where}: residual_first orders a residual before an activation, and the kernel takes "
+                        f"{'no residual' if 'residual' not in self.params else 'no activation'}")
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
@@ -406,9 +415,12 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     epilogue = getattr(compiled, "epilogue", None)
     if epilogue is not None:
         out["activation"] = epilogue.activation
+    constants = dict(getattr(compiled, "constants", ()))
+    # the residual before the activation: the RESIDUAL_FIRST constexpr, or the epilogue of a compile cached without
+    # its constexprs
+    out["residual_first"] = bool(constants.get("RESIDUAL_FIRST", getattr(epilogue, "residual_first", False)))
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
-    constants = dict(getattr(compiled, "constants", ()))
     # the dot precision: tuner/aot's allow_tf32, or the constexpr an attention kernel was compiled with
     out["tf32"] = bool(getattr(compiled, "allow_tf32", False)) or constants.get("DOT_PRECISION") == "tf32"
     alpha = constants.get("ALPHA", constants.get("SCALE"))  # SCALE: an attention kernel's softmax scale
@@ -745,7 +757,8 @@ class Bundle:
         out = [struct.pack("<I", len(self.kernels))]
         for k in self.kernels:
             name, ptx = k.name.encode(), k.ptx.encode()
-            flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0) | k.layout << FLAG_LAYOUT_SHIFT
+            flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0) | k.layout << FLAG_LAYOUT_SHIFT \
+                | (FLAG_RESIDUAL_FIRST if k.residual_first else 0)
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
                                sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)

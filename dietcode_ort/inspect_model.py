@@ -89,21 +89,24 @@ def _layout_text(layout: int) -> str:
 
 
 def epilogue_of(node: onnx.NodeProto) -> dict:
-    """What the node fuses after its product, as the library reads it: the op type's suffixes and the
-    ``scale`` attribute, applied as act(alpha * product + bias) + residual."""
+    """What the node fuses after its product, as the library reads it: the op type's suffixes in their order
+    and the ``scale`` attribute, applied as act(alpha * product + bias) + residual, or with ``residual_first``
+    (``ConvBiasResidualRelu``) act(alpha * product + bias + residual)."""
     import re
 
-    m = re.fullmatch(r"(MatMul|Gemm|Conv)(Bias)?(Relu|Gelu)?(Residual)?", node.op_type)
+    m = re.fullmatch(r"(MatMul|Gemm|Conv)(Bias)?(?:(Relu|Gelu)?(Residual)?|(Residual)(Relu|Gelu))", node.op_type)
     scale = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 1.0)
     if m is None:
         return {"alpha": float(scale)}
-    return {"alpha": float(scale), "bias": bool(m.group(2)), "activation": (m.group(3) or "none").lower(),
-            "residual": bool(m.group(4))}
+    first = m.group(5) is not None
+    return {"alpha": float(scale), "bias": bool(m.group(2)), "activation": (m.group(6 if first else 3) or "none").lower(),
+            "residual": first or bool(m.group(4)), "residual_first": first}
 
 
 def _epilogue_text(e: dict) -> str:
-    parts = [f"alpha={e['alpha']:.6g}" if e.get("alpha", 1.0) != 1.0 else "", "bias" if e.get("bias") else "",
-             e["activation"] if e.get("activation", "none") != "none" else "", "residual" if e.get("residual") else ""]
+    act = e["activation"] if e.get("activation", "none") != "none" else ""
+    steps = ["residual", act] if e.get("residual_first") else [act, "residual" if e.get("residual") else ""]
+    parts = [f"alpha={e['alpha']:.6g}" if e.get("alpha", 1.0) != 1.0 else "", "bias" if e.get("bias") else "", *steps]
     return "+".join(p for p in parts if p) or "-"
 
 

@@ -35,7 +35,8 @@ class AbiCase:
     dtype: str = "float32"
     expect_kernel: bool = True  # False: the ABI cannot express it and ORT's kernel runs
     alpha: float = 1.0  # a MatMul's fused scale (the node's `scale`, the kernel's ALPHA constexpr)
-    residual: bool = False  # MatMul...Residual: a tensor of the output's shape, the pointer after the ints
+    residual: bool = False  # MatMul/Conv...Residual: a tensor of the output's shape, the pointer after the ints
+    residual_first: bool = False  # ...Residual<Act>: added before the activation (RESIDUAL_FIRST)
     tma: bool = False  # a TMA config (USE_TMA): the bundle kernel records 256 B of global scratch per program and
     # the TMA div16 set, so a call breaking it runs the vendor path (dc_kernel_fit)
 
@@ -65,6 +66,16 @@ CASES: tuple[AbiCase, ...] = (
             attrs={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
     AbiCase("conv_dilated_asymmetric", "Conv", (1, 4, 12, 11), (6, 4, 3, 2),
             attrs={"pads": (0, 1, 2, 1), "dilations": (2, 1)}),
+    # ResNet's ConvBiasResidualRelu (the shortcut added before the Relu), also split-K; and the residual after
+    AbiCase("conv_bias_residual_first_relu", "Conv", (2, 8, 9, 7), (16, 8, 1, 1), bias=(16,), activation="relu",
+            residual=True, residual_first=True),
+    AbiCase("conv_split_k_residual_first_relu_fp16", "Conv", (2, 3, 9, 8), (8, 3, 3, 3), bias=(8,),
+            activation="relu", attrs={"strides": (2, 2), "pads": (1, 1, 1, 1)}, residual=True, residual_first=True,
+            config=(16, 16, 16, 2, 2, 8, 3), dtype="float16"),
+    AbiCase("conv_gelu_residual", "Conv", (1, 4, 6, 6), (5, 4, 3, 3), activation="gelu",
+            attrs={"pads": (1, 1, 1, 1)}, residual=True),
+    AbiCase("matmul_bias_residual_first_gelu", "MatMul", (2, 7, 24), (24, 20), bias=(20,), activation="gelu",
+            alpha=0.5, residual=True, residual_first=True),
     AbiCase("tma_matmul_bias_gelu_residual_fp16", "MatMul", (2, 9, 32), (32, 48), bias=(48,), activation="gelu",
             alpha=0.5, residual=True, config=(16, 16, 16, 4, 2), dtype="float16", tma=True),
     AbiCase("tma_matmul_split_k_fp16", "MatMul", (5, 64), (64, 32), config=(16, 16, 16, 4, 2, 8, 4), dtype="float16",
@@ -175,11 +186,13 @@ def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any, residual: A
         bias = None
     if bias is not None:
         y = y + bias.float()
+    if residual is not None and case.residual_first:
+        y = y + residual.float()
     if case.activation == "relu":
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
-    if residual is not None:
+    if residual is not None and not case.residual_first:
         y = y + residual.float()
     return y
 
@@ -211,6 +224,9 @@ def run_case(case: AbiCase) -> dict[str, Any]:
                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
     if case.tma:
         meta["USE_TMA"] = True
+    if op in ("gemm", "conv"):
+        meta["HAS_RESIDUAL"] = case.residual
+        meta["RESIDUAL_FIRST"] = case.residual_first
     if op == "conv":
         at = case.attrs
         oc, c, kh, kw = case.b
@@ -221,8 +237,6 @@ def run_case(case: AbiCase) -> dict[str, Any]:
     else:
         meta["TRANS_B"] = bool(case.attrs.get("trans_b", 0))
         meta["ALPHA"] = case.alpha
-        if op == "gemm":
-            meta["HAS_RESIDUAL"] = case.residual
         out_shape = tuple(torch.matmul(torch.empty(case.a, device="meta"), torch.empty(case.b, device="meta").mT
                                        if meta["TRANS_B"] else torch.empty(case.b, device="meta")).shape)
     c_out = torch.full(out_shape, float("nan"), dtype=dtype)  # every element must be written

@@ -31,7 +31,8 @@ class Case:
     allow_tf32: bool = False
     conv: dict[str, Any] = field(default_factory=dict)  # ConvParams fields besides the channel counts
     alpha: float = 1.0  # the fused scale: act(alpha * acc + bias) + residual
-    residual: bool = False  # add a second tensor of the output's shape last (gemm)
+    residual: bool = False  # add a second tensor of the output's shape last (gemm, conv)
+    residual_first: bool = False  # ... before the activation instead: act(alpha * acc + bias + residual)
 
 
 CASES: tuple[Case, ...] = (
@@ -56,6 +57,9 @@ CASES: tuple[Case, ...] = (
     Case("gemm_alpha_bias_gelu_residual_fp16", "gemm", (9, 24), (24, 33), ((16, 32, 16, 2, 2),), dtype="float16",
          bias=True, activation="gelu", alpha=-0.5, residual=True),
     Case("gemm_splitk_residual", "gemm", (5, 48), (48, 17), ((16, 16, 16, 2, 2, 8, 3),), alpha=2.0, residual=True),
+    # the residual before the activation: act(alpha * acc + bias + residual) (Add then Relu/Gelu in the graph)
+    Case("gemm_bias_residual_first_gelu_fp16", "gemm", (13, 24), (24, 21), ((16, 16, 16, 2, 2),),
+         dtype="float16", bias=True, activation="gelu", alpha=0.5, residual=True, residual_first=True),
     # bmm: broadcast of either operand, partial broadcast, trans_b, epilogue, split-K.
     Case("bmm_broadcast_b", "bmm", (2, 3, 5, 12), (12, 7), ((16, 16, 16, 2, 2), (32, 32, 32, 4, 2, 1))),
     Case("bmm_broadcast_a_bias_relu_fp16", "bmm", (1, 9, 20), (4, 20, 6), ((16, 16, 16, 2, 2),),
@@ -75,6 +79,16 @@ CASES: tuple[Case, ...] = (
     Case("conv_1x1_nobias", "conv", (1, 4, 5, 3), (7, 4, 1, 1), ((16, 16, 16, 2, 2),)),
     Case("conv_splitk", "conv", (2, 5, 6, 6), (4, 5, 3, 3), ((16, 16, 16, 2, 2, 8, 2),), bias=True,
          conv={"pads": (1, 1, 1, 1)}),
+    # ResNet's Conv -> Add(shortcut) -> Relu: act(conv + bias + residual), the residual [n, OC, OH, OW] read at
+    # the output's offsets (ragged tiles, strided, split-K); and the residual after the activation
+    Case("conv_bias_residual_first_relu", "conv", (2, 6, 7, 5), (9, 6, 1, 1),
+         ((16, 16, 16, 2, 2), (32, 16, 32, 2, 2, 8, 3)), bias=True, activation="relu", residual=True,
+         residual_first=True),
+    Case("conv_stride2_residual_first_relu_fp16", "conv", (2, 3, 9, 8), (5, 3, 3, 3), ((16, 16, 16, 2, 2),),
+         dtype="float16", bias=True, activation="relu", residual=True, residual_first=True,
+         conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
+    Case("conv_gelu_residual_after", "conv", (1, 4, 6, 6), (3, 4, 3, 3), ((16, 16, 16, 2, 2),), bias=True,
+         activation="gelu", residual=True, conv={"pads": (1, 1, 1, 1)}),
 )
 
 
@@ -92,11 +106,13 @@ def _reference(case: Case, a: Any, b: Any, bias: Any, residual: Any = None) -> A
         y = case.alpha * torch.matmul(a64, b64.transpose(-1, -2) if case.trans_b else b64)
         if bias64 is not None:
             y = y + bias64
+    if residual is not None and case.residual_first:
+        y = y + residual.double()
     if case.activation == "relu":
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = F.gelu(y)
-    if residual is not None:
+    if residual is not None and not case.residual_first:
         y = y + residual.double()
     return y
 
@@ -117,8 +133,14 @@ def _run_case(case: Case) -> dict[str, Any]:
     conv = None
     if case.op == "conv":
         conv = ConvParams(in_channels=case.b[1], out_channels=case.b[0], kernel=(case.b[2], case.b[3]), **case.conv)
-    m = case.a[-2]
-    residual = torch.randn(m, n_out, generator=gen).to(dtype) if case.residual else None
+    residual = None
+    if case.residual and conv is not None:  # the output's [n, OC, OH, OW]
+        top, left, bottom, right = conv.pads
+        out_h = (case.a[2] + top + bottom - conv.dilations[0] * (conv.kernel[0] - 1) - 1) // conv.strides[0] + 1
+        out_w = (case.a[3] + left + right - conv.dilations[1] * (conv.kernel[1] - 1) - 1) // conv.strides[1] + 1
+        residual = torch.randn(case.a[0], n_out, out_h, out_w, generator=gen).to(dtype)
+    elif case.residual:
+        residual = torch.randn(case.a[-2], n_out, generator=gen).to(dtype)
     ref = _reference(case, a, b, bias, residual)
     rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2)}[case.dtype]
     if case.allow_tf32:
@@ -127,7 +149,8 @@ def _run_case(case: Case) -> dict[str, Any]:
     for fields_ in case.configs:
         config = MicroKernel(*fields_)
         y = run(case.op, config, a, b, bias=bias, residual=residual,
-                epilogue=Epilogue(case.bias, case.activation, case.alpha, case.residual), trans_b=case.trans_b,
+                epilogue=Epilogue(case.bias, case.activation, case.alpha, case.residual, case.residual_first),
+                trans_b=case.trans_b,
                 conv=conv, allow_tf32=case.allow_tf32)
         excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()
         results.append({"config": config.key(), "shape_ok": tuple(y.shape) == tuple(ref.shape),

@@ -191,3 +191,27 @@ def test_launch_features_beyond_a_plain_launch_are_refused():
     assert launch_features(SimpleNamespace(cluster_dims=(2, 1, 1))) == ["cluster_dims=(2, 1, 1)"]
     assert launch_features(SimpleNamespace(launch_pdl=True, launch_cooperative_grid=True)) == [
         "programmatic dependent launch", "a cooperative grid"]
+
+
+def test_conv_with_the_residual_before_the_relu_compiles_for_sm80_and_sm90(cache: Path) -> None:
+    """ResNet's ConvBiasResidualRelu kernel: the conv template takes the residual pointer after out_w (ABI param
+    15, before the split-K workspace), RESIDUAL_FIRST baked in; the bundle records it (flags bit 0) and the C
+    reader reads it back."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, read_bundle
+
+    epilogue = Epilogue(True, "relu", residual=True, residual_first=True)
+    jobs = [CompileJob(Family("conv", "float16", "sm_80"), TILE, epilogue, conv=CONV, cache_dir=cache,
+                       div16=aligned_params("conv", residual=True)),
+            CompileJob(Family("conv", "float32", "sm_90"), SPLIT, epilogue, conv=CONV, cache_dir=cache)]
+    for result in compile_many(jobs, workers=2):
+        assert result.ok, result.error
+        kernel = result.kernel
+        assert kernel is not None and kernel.cubin[:4] == b"\x7fELF"
+        want = ["a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual"]
+        assert list(kernel.params) == want + (["workspace"] if result.job.config.split_k > 1 else [])
+        assert dict(kernel.constants)["RESIDUAL_FIRST"] is True and dict(kernel.constants)["HAS_RESIDUAL"] is True
+        if result.job.config.split_k == 1:
+            assert "residual" in kernel.div16
+        bundled = BundleKernel.from_compiled([kernel])
+        assert bundled.residual_first and bundled.activation == "relu" and bundled.view == "conv"
+        assert read_bundle(Bundle((), (bundled,), DispatchTree.single(0)).to_bytes()).kernels[0] == bundled

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from dietcode_ort.bundle import (ATTENTION_PARAMS, FLAG_ZERO_OUTPUT, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
+from dietcode_ort.bundle import (ATTENTION_PARAMS, FLAG_RESIDUAL_FIRST, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
                                  read_bundle, select_image)
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
@@ -533,22 +533,46 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output); 6: before
-        # the persistent byte and the packed QKV layout bit
+    for version in (2, 4, 5, 6, 7):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output, flag bit
+        # 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv residual
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 7")
+        _refused(core, bytes(data), f"version {version}, this reader knows 8")
 
 
-def test_zero_output_flag_is_refused(core) -> None:
-    """Format 5's split-K (atomics into a zeroed output, flag bit 0) is gone: a kernel record carrying the
-    flag is refused with the reason, not read as a plain kernel."""
+def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:
+    """Flag bit 0 (format 8; format 5's zero_output before) marks a kernel adding its residual before the
+    activation. It round trips on a gemm or conv kernel taking the residual with an activation; a kernel
+    without either is refused by the reader and the writer alike."""
+    conv = dict(params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual"),
+                conv=(8, 3, 3, 1, 1, 1, 1, 1, 1), div16=("a", "b", "c", "residual"))
+    for kw in ({"params": ("a", "b", "bias", "c", "M", "N", "K", "residual")}, conv):
+        kernel = _kernel("k", residual_first=True, activation="relu", **kw)  # type: ignore[arg-type]
+        bundle = Bundle((), (kernel,), DispatchTree.single(0))
+        back = read_bundle(bundle.to_bytes()).kernels[0]
+        assert back.residual_first and back.params == kernel.params and back == kernel
+        parsed = core.parse(bundle.to_bytes())
+        assert core.lib.dc_bundle_kernel_residual_first(parsed.handle, 0) == 1
+    plain = Bundle((), (_kernel("k", activation="relu"),), DispatchTree.single(0))
+    data = bytearray(plain.to_bytes())
+    _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
+    flags_at = k_off + 4 + 4 + 1  # kernel count, record size, kind
+    assert data[flags_at] == 0
+    data[flags_at] = FLAG_RESIDUAL_FIRST
+    _refused(core, bytes(data), "residual_first orders a residual before an activation, and the kernel takes no "
+                                "residual")
+    with pytest.raises(DietcodeError, match="takes no activation"):
+        Bundle((), (_kernel("k", residual_first=True, params=("a", "b", "bias", "c", "M", "N", "K", "residual")),),
+               DispatchTree.single(0)).to_bytes()
+    with pytest.raises(DietcodeError, match="only gemm-view and conv kernels take"):
+        Bundle((), (_kernel("k", params=("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "residual")),),
+               DispatchTree.single(0)).to_bytes()
+
+
+def test_attention_and_causal_flags_need_their_kernels(core) -> None:
     bundle = Bundle((), (_kernel("k"),), DispatchTree.single(0))
     data = bytearray(bundle.to_bytes())
     _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
     flags_at = k_off + 4 + 4 + 1  # kernel count, record size, kind
-    assert data[flags_at] == 0
-    data[flags_at] = FLAG_ZERO_OUTPUT
-    _refused(core, bytes(data), "zero_output .*is gone: split-K kernels take a workspace")
     data[flags_at] = 128  # bit 7 (the packed QKV layout) is known, but only attention kernels take it
     _refused(core, bytes(data), "operand layouts apply to attention kernels only")
     data[flags_at] = 8  # bit 3 (Q's layout) is known, but only attention kernels take it

@@ -322,3 +322,86 @@ def test_scale_must_be_the_compiled_kernels_alpha_on_the_cpu_ep() -> None:
         dietcode_ort.InferenceSession(model(1.0), providers=CPU)
     (got,) = dietcode_ort.InferenceSession(model(0.125), providers=CPU).run(None, feeds)
     np.testing.assert_allclose(got, 0.125 * (feeds["A"] @ feeds["B"]) + feeds["R"], rtol=1e-5, atol=1e-5)
+
+
+def _conv_residual_payload(activation: str, residual_first: bool, channels: int = 3) -> bytes:
+    """A vendor leaf and a compiled conv kernel taking the residual pointer, added before the activation when
+    ``residual_first`` (the conv template's RESIDUAL_FIRST) for a 3x3 stride-1 pad-1 layer."""
+    params = ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual")
+    conv = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64,
+                        block_n=64, activation=activation, residual_first=residual_first,
+                        conv=(channels, 3, 3, 1, 1, 1, 1, 1, 1))
+    tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), conv), tree).to_bytes()
+
+
+def _conv3x3_f64(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """NCHW 3x3 convolution, stride 1, pads 1, in float64 (the reference)."""
+    x64 = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    n, _, h, wd = x.shape
+    y = np.zeros((n, w.shape[0], h, wd))
+    for i in range(3):
+        for j in range(3):
+            y += np.einsum("nchw,oc->nohw", x64[:, :, i:i + h, j:j + wd], w[:, :, i, j].astype(np.float64))
+    return y + b.astype(np.float64)[None, :, None, None]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual", "ConvBiasResidual",
+                                     "ConvBiasResidualGelu"])
+def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
+    """ResNet's Conv -> Add(shortcut) -> Relu as one node: y = act(conv(X, W) + B + residual) for an op type
+    naming the residual before the activation, act(conv(X, W) + B) + residual after it, checked against a
+    float64 reference; a residual of another shape is refused naming both shapes, before anything runs."""
+    import math
+
+    first = op_type.index("Residual") < max(op_type.find("Relu"), op_type.find("Gelu"))
+    activation = "relu" if "Relu" in op_type else "gelu" if "Gelu" in op_type else "none"
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+    b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
+    node = helper.make_node(op_type, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="conv_res",
+                            pads=[1, 1, 1, 1], strides=[1, 1], kernel_shape=[3, 3])
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["X", "W", "B", "R"], elem,
+                   initializers=[bundle_initializer(_conv_residual_payload(activation, first))])
+    sess = dietcode_ort.InferenceSession(model, providers=CPU)
+    feeds = {"X": x, "W": w, "B": b, "R": r}
+    (got,) = sess.run(None, feeds)
+    act = {"none": lambda v: v, "relu": lambda v: np.maximum(v, 0.0),
+           "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0)))}[activation]
+    y = _conv3x3_f64(x, w, b)
+    want = act(y + r) if first else act(y) + r
+    assert not np.allclose(act(y + r), act(y) + r, atol=0.1) or activation == "none"  # the order shows
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    for bad in (r[:1], r[:, :, :, :4], r.reshape(2, 4, 30)):
+        with pytest.raises(Exception, match=r"conv_res.*residual input has shape \[.*\], not the output's "
+                                            r"\[2, 4, 6, 5\] \(the fused Add takes a residual of the output's"):
+            sess.run(None, feeds | {"R": bad})
+
+
+def test_residual_order_must_be_the_kernels() -> None:
+    """A bundle whose kernels add the residual after the activation on a node whose op type adds it before (or
+    the other way round) is refused at session creation, naming both, as a residual the kernel does not take is."""
+    for op_type, first in (("ConvBiasResidualRelu", False), ("ConvBiasReluResidual", True)):
+        node = helper.make_node(op_type, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0",
+                                pads=[1, 1, 1, 1])
+        model = _model([node], ["X", "W", "B", "R"], TensorProto.FLOAT,
+                       initializers=[bundle_initializer(_conv_residual_payload("relu", first))])
+        want = "adds its residual after the activation but the op type ConvBiasResidualRelu adds it before" if not \
+            first else "adds its residual before the activation but the op type ConvBiasReluResidual does not"
+        with pytest.raises(DietcodeError, match=want):
+            dietcode_ort.InferenceSession(model, providers=CPU)
+    node = helper.make_node("ConvBiasRelu", ["X", "W", "B", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
+    model = _model([node], ["X", "W", "B"], TensorProto.FLOAT,
+                   initializers=[bundle_initializer(_conv_residual_payload("relu", True))])
+    with pytest.raises(DietcodeError, match="takes a residual but the op type has none"):
+        dietcode_ort.InferenceSession(model, providers=CPU)
+    # the op types are the library's: a residual-first name without an activation, or on Gemm, is none
+    for name in ("ConvBiasResidualResidual", "GemmBiasResidualRelu", "GemmResidual", "ConvResidualBias"):
+        node = helper.make_node(name, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
+        model = _model([node], ["X", "W", "B", "R"], TensorProto.FLOAT,
+                       initializers=[bundle_initializer(_conv_residual_payload("relu", True))])
+        with pytest.raises(DietcodeError, match=f"ai.dietcode:{name}.* is not a registered function/op"):
+            dietcode_ort.InferenceSession(model, providers=CPU)

@@ -57,6 +57,13 @@ def _seeds() -> list[bytes]:
     # an attention kernel in the packed QKV layout (flags bits 3..7 all set): mutants flip the layout bits
     out.append(Bundle((), (_kernel("attp", params=ATTENTION_PARAMS, div16=(), block_n=64, layout=31),),
                       DispatchTree.single(0)).to_bytes())
+    # a conv kernel taking the residual (15) before its Relu (flags bit 0, format 8), next to a gemm one adding
+    # it after: mutants flip the flag onto kernels without a residual or an activation
+    conv_params = ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual")
+    out.append(Bundle((Feature("N", ((0, 0),)),),
+                      (_conv_kernel(params=conv_params, residual_first=True, div16=("a", "residual")),
+                       _kernel("ra", params=("a", "b", "c", "M", "N", "K", "residual"), activation="gelu")),
+                      DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
 

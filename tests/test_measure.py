@@ -14,7 +14,7 @@ from tuner.hardware import get_profile
 from tuner.measure import AnalyticMeasurer, GpuMeasurer, MeasureResult, ReplayMeasurer
 from tuner.simulate import simulate_table, synthetic_table_name, write_synthetic_table
 from tuner.space import Family, MicroKernel, enumerate_space
-from tuner.workload import Epilogue, Problem
+from tuner.workload import ConvParams, Epilogue, Problem
 
 FAMILY = Family("gemm", "float16", "sm_90")
 H100 = get_profile("sm_90")
@@ -283,3 +283,29 @@ def test_gpu_timings_are_keyed_by_template_source_and_timing_settings(monkeypatc
     assert len({base, context(warmup=2), context(repeats=5), context(vendor_tf32=False)}) == 4
     monkeypatch.setattr(aot, "template_hash", lambda: "0" * 64)
     assert context() != base
+
+
+@pytest.mark.parametrize("op", ["gemm", "conv"])
+@pytest.mark.parametrize("first", [False, True], ids=["after", "first"])
+def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, first):
+    """The vendor baseline of a residual epilogue adds it where the node does: before the Relu for
+    residual_first (ResNet's ConvBiasResidualRelu), after it otherwise; conv's residual comes as the output's
+    [n, OC, OH*OW] (how _operands makes it) and is added as the output's shape."""
+    torch = pytest.importorskip("torch")
+    conv = ConvParams(3, 4, (3, 3), pads=(1, 1, 1, 1)) if op == "conv" else None
+    m = GpuMeasurer(backend="_fake_timing:FakeBackend", conv=conv,
+                    epilogue=Epilogue(bias=True, activation="relu", residual=True, residual_first=first))
+    rng = np.random.default_rng(1)
+    if op == "conv":
+        a, b = rng.standard_normal((2, 3, 5, 6)), rng.standard_normal((4, 3, 3, 3))
+        c, r = rng.standard_normal(4), rng.standard_normal((2, 4, 30))
+        y = torch.nn.functional.conv2d(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c),
+                                       padding=1).numpy()
+        res = r.reshape(y.shape)
+    else:
+        a, b, c, r = (rng.standard_normal(s) for s in ((5, 7), (7, 6), (6,), (5, 6)))
+        y, res = a @ b + c, r
+    t = lambda x: torch.from_numpy(x.astype(np.float32))  # noqa: E731
+    got = m.vendor_call(Family(op, "float32", "sm_90"), t(a), t(b), t(c), t(r))().numpy()
+    want = np.maximum(y + res, 0) if first else np.maximum(y, 0) + res
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

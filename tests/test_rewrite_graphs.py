@@ -242,12 +242,13 @@ def _residual_of_x(name: str = "r") -> onnx.NodeProto:
 
 
 def scale_bias_residual() -> Case:
-    """MatMul -> Div(4) -> Add(bias) -> Add(residual first) -> LayerNorm-like reader: all fuse, alpha 1/4."""
+    """MatMul -> Div(4) -> Add(bias) -> Add(residual first) -> Relu: all fuse, alpha 1/4, the residual added
+    before the Relu (act(alpha * acc + bias + residual))."""
     nodes = [_residual_of_x(), helper.make_node("MatMul", ["x", "w"], ["h"]),
              helper.make_node("Div", ["h", "four"], ["hs"]), helper.make_node("Add", ["hs", "b"], ["hb"]),
              helper.make_node("Add", ["r", "hb"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
     return Case(_model(nodes, [_x()], [_out("z")], [_t("w", (K, N)), _t("four", (), 4.0), _t("b", (N,))]),
-                [Epilogue(True, "none", 0.25, True)])
+                [Epilogue(True, "relu", 0.25, True, residual_first=True)])
 
 
 def scale_mul_gelu_residual() -> Case:
@@ -285,6 +286,51 @@ def broadcast_residual() -> Case:
                 ["residual not fused: 'rm' has shape [1, 32], not the output's"])
 
 
+C, HW = 4, (6, 5)  # the conv cases' channels and image: x [n, C, 6, 5]
+
+
+def _conv(x: str, y: str, p: str, c_out: int = C, k: int = 3, bias: bool = True) -> tuple[onnx.NodeProto, list]:
+    """A stride-1 'same' conv from C to ``c_out`` channels (ResNet's BN folded into its bias)."""
+    inits = [_t(f"{p}_w", (c_out, C, k, k))] + ([_t(f"{p}_b", (c_out,))] if bias else [])
+    return (helper.make_node("Conv", [x, f"{p}_w"] + ([f"{p}_b"] if bias else []), [y], pads=[k // 2] * 4),
+            inits)
+
+
+def conv_identity_shortcut_relu() -> Case:
+    """ResNet's block end with the identity shortcut: Conv -> Add(x) -> Relu, one ConvBiasResidualRelu."""
+    conv, inits = _conv("x", "h", "a")
+    nodes = [conv, helper.make_node("Add", ["h", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return Case(_model(nodes, [_x(("n", C, *HW))], [_out("y")], inits),
+                [Epilogue(True, "relu", 1.0, True, residual_first=True)], x_shape=lambda n: (n, C, *HW))
+
+
+def conv_projection_shortcut_relu() -> Case:
+    """The projection shortcut adds two conv outputs: the first conv (graph order) takes Add and Relu, the
+    second (no bias) stays a plain conv whose output is the first's residual input."""
+    a, a_inits = _conv("x", "ha", "a", c_out=8)
+    b, b_inits = _conv("x", "hb", "b", c_out=8, k=1, bias=False)
+    nodes = [a, b, helper.make_node("Add", ["hb", "ha"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return Case(_model(nodes, [_x(("n", C, *HW))], [_out("y")], a_inits + b_inits),
+                [Epilogue(True, "relu", 1.0, True, residual_first=True), Epilogue()], x_shape=lambda n: (n, C, *HW))
+
+
+def conv_relu_then_residual() -> Case:
+    """Conv -> Relu -> Add(x) (a pre-activation block's order): the residual after the Relu."""
+    conv, inits = _conv("x", "h", "a", bias=False)
+    nodes = [conv, helper.make_node("Relu", ["h"], ["r"]), helper.make_node("Add", ["x", "r"], ["y"])]
+    return Case(_model(nodes, [_x(("n", C, *HW))], [_out("y")], inits),
+                [Epilogue(False, "relu", 1.0, True)], x_shape=lambda n: (n, C, *HW))
+
+
+def conv_broadcast_add_stays() -> Case:
+    """Conv -> Add of a [n, C, 1, 1] tensor (a broadcast, no residual) -> Relu: neither fuses, with the reason."""
+    conv, inits = _conv("x", "h", "a")
+    nodes = [conv, helper.make_node("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=1),
+             helper.make_node("Add", ["h", "m"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return Case(_model(nodes, [_x(("n", C, *HW))], [_out("y")], inits), [Epilogue(True)],
+                ["residual not fused: 'm' has shape [n, 4, 1, 1], not the output's"], x_shape=lambda n: (n, C, *HW))
+
+
 def scale_not_a_scalar() -> Case:
     """MatMul -> Mul by a [N] constant: no scale to absorb; nothing after it fuses."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Mul", ["h", "c"], ["hs"]),
@@ -304,7 +350,8 @@ def attention_scores_scaled() -> Case:
 
 CASES = {f.__name__: f for f in (
     scale_bias_residual, scale_mul_gelu_residual, residual_made_after_the_matmul, residual_input_read_elsewhere,
-    broadcast_residual, scale_not_a_scalar, attention_scores_scaled,
+    broadcast_residual, scale_not_a_scalar, attention_scores_scaled, conv_identity_shortcut_relu,
+    conv_projection_shortcut_relu, conv_relu_then_residual, conv_broadcast_add_stays,
     gelu_intermediate_read_elsewhere, gelu_intermediate_read_in_a_subgraph, gelu_intermediate_is_graph_output,
     gelu_input_is_graph_output,
     bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
@@ -483,11 +530,11 @@ def test_fused_scale_and_residual_nodes():
     _, _, workloads = _workload_epilogues(case.model)
     result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
     custom = next(n for n in result.model.graph.node if n.domain == DOMAIN)
-    assert custom.op_type == "MatMulBiasResidual" and list(custom.input[:-1]) == ["x", "w", "b", "r"]
+    assert custom.op_type == "MatMulBiasResidualRelu" and list(custom.input[:-1]) == ["x", "w", "b", "r"]
     assert [(a.name, a.f) for a in custom.attribute if a.name == "scale"] == [("scale", 0.25)]
-    fn = next(f for f in result.model.functions if f.name == "MatMulBiasResidual")
+    fn = next(f for f in result.model.functions if f.name == "MatMulBiasResidualRelu")
     assert list(fn.input) == ["A", "B", "bias", "residual", "bundle"] and "scale" in fn.attribute
-    assert [n.op_type for n in fn.node if n.op_type != "Constant"] == ["MatMul", "Div", "Add", "Add"]
+    assert [n.op_type for n in fn.node if n.op_type != "Constant"] == ["MatMul", "Div", "Add", "Add", "Relu"]
     assert [n.input[0] for n in fn.node if n.op_type == "Add"][-1] == "residual"  # the graph's order kept
     late = residual_made_after_the_matmul()
     _, _, workloads = _workload_epilogues(late.model)
@@ -507,7 +554,8 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "old_ir_initializers_as_inputs",
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
        "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
-       "attention_scores_scaled"]
+       "attention_scores_scaled", "conv_identity_shortcut_relu", "conv_projection_shortcut_relu",
+       "conv_relu_then_residual"]
 
 
 @pytest.mark.parametrize("name", E2E)
@@ -532,3 +580,22 @@ def test_optimize_writes_a_model_that_matches(work, tmp_path, name):
             for a, b in zip(want, got):
                 assert a.shape == b.shape
                 np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_shortcut_nodes_take_the_residual_before_the_relu():
+    """Each conv block end becomes one node whose op type names the residual before the Relu, reads the
+    shortcut as its input after the bias and sits where the Relu was; with the projection shortcut the other
+    conv is a node of its own before it, and the fallback body is the Conv, the Add and the Relu."""
+    for make, inputs, ops in ((conv_identity_shortcut_relu, ["x", "a_w", "a_b", "x"], ["ConvBiasResidualRelu"]),
+                              (conv_projection_shortcut_relu, ["x", "a_w", "a_b", "hb"], ["Conv", "ConvBiasResidualRelu"]),
+                              (conv_relu_then_residual, ["x", "a_w", "x"], ["ConvReluResidual"])):
+        case = make()
+        _, _, workloads = _workload_epilogues(case.model)
+        result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+        assert [n.op_type for n in result.model.graph.node] == ops
+        custom = result.model.graph.node[-1]
+        assert list(custom.input[:-1]) == inputs and list(custom.output) == ["y"]
+        fn = next(f for f in result.model.functions if f.name == ops[-1])
+        assert list(fn.input) == ["A", "B"] + (["bias"] if "Bias" in ops[-1] else []) + ["residual", "bundle"]
+        body = [n.op_type for n in fn.node if n.op_type != "Constant"]
+        assert body == (["Conv", "Relu", "Add"] if ops[-1] == "ConvReluResidual" else ["Conv", "Add", "Relu"])

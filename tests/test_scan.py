@@ -273,6 +273,21 @@ def test_resnet50_tiny_workloads():
     # the stem's output is 112x112 at 224x224, so M = batch * 112 * 112
     assert stem.problem(Instance.of({"batch": 2, "height": 224, "width": 224})).m == 2 * 112 * 112
     assert sum(len(w.nodes) for w in convs) == 17  # stem + 4 stages x (3 convs + 1 projection)
+    # each block's Conv -> Add(shortcut) -> Relu is one conv: the residual added before the Relu; the
+    # projection conv feeding the same Add stays plain (one node takes the Add)
+    ends = [w for w in convs if w.epilogue.residual]
+    assert len(ends) == 4 and all(w.epilogue == Epilogue(True, "relu", residual=True, residual_first=True)
+                                  and w.conv.kernel == (1, 1) for w in ends)
+    assert all(len(f) == 2 and f[0].endswith("/Add_output_0") and f[1].endswith("/Relu_output_0")
+               for w in ends for f in w.fused_nodes)
+    projections = [w for w in convs if w.epilogue == Epilogue(True)]
+    assert len(projections) == 4 and result.unfused == ()
+    fused = {o for w in result.workloads for f in w.fused_nodes for o in f}
+    import models
+
+    model = models.build("resnet50", "tiny")
+    left = [n.op_type for n in model.graph.node if n.output[0] not in fused and n.op_type in ("Add", "Relu")]
+    assert left == []  # 4 Adds and 13 Relus, all absorbed
 
 
 def test_mlp_tiny_workloads_group_gate_and_up():

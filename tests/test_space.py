@@ -198,6 +198,7 @@ def test_representative_epilogue_is_the_heaviest_under_split_k_too() -> None:
     split = MicroKernel(16, 64, 64, 2, 2, 8, 8)
     assert representative_epilogue(split, "gemm") == Epilogue(True, "gelu", residual=True)
     assert representative_epilogue(split, "bmm") == Epilogue(True, "gelu")
+    assert representative_epilogue(split, "conv") == Epilogue(True, "gelu", residual=True)  # ResNet's shortcut
     for op in ("gemm", "bmm", "conv"):
         check_epilogue(op, representative_epilogue(split, op), split.split_k)
 

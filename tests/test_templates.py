@@ -39,6 +39,10 @@ def test_cases_cover_the_brief() -> None:
     assert any(case.op == "conv" and case.conv.get("dilations", (1, 1)) != (1, 1) for case in CASES)
     assert any(case.residual and case.activation == "gelu" for case in CASES)  # act(alpha*acc+bias)+residual
     assert any(case.residual and len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
+    # act(acc + bias + residual): ResNet's Conv -> Add -> Relu, also under split-K, and on gemm
+    assert any(case.op == "conv" and case.residual_first and case.activation == "relu" and len(cfg) == 7
+               and cfg[6] > 1 for case in CASES for cfg in case.configs)
+    assert any(case.op == "gemm" and case.residual_first for case in CASES)
     assert any(case.op == "bmm" and case.alpha != 1.0 for case in CASES)
 
 
@@ -60,9 +64,15 @@ def test_launcher_rejects_bad_epilogues() -> None:
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(residual=True))
     with pytest.raises(DietcodeError, match="the output's shape"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, residual=torch.zeros(1, 4), epilogue=Epilogue(residual=True))
-    with pytest.raises(DietcodeError, match="only the gemm template adds a residual"):
+    with pytest.raises(DietcodeError, match="only the gemm and conv templates add a residual"):
         run("bmm", MicroKernel(16, 16, 16, 2, 2), a[None], b[None], residual=torch.zeros(1, 4, 4),
             epilogue=Epilogue(residual=True))
+    with pytest.raises(DietcodeError, match="residual_first orders a residual before an activation: it needs both"):
+        run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, residual=torch.zeros(4, 4),
+            epilogue=Epilogue(residual=True, residual_first=True))
+    with pytest.raises(DietcodeError, match=r"conv: the residual must have the output's shape \(1, 4, 3, 3\)"):
+        run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 5, 5), torch.zeros(4, 3, 3, 3),
+            conv=ConvParams(3, 4, (3, 3)), residual=torch.zeros(1, 4, 9), epilogue=Epilogue(residual=True))
     with pytest.raises(DietcodeError, match="finite, non-zero float"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(alpha=float("inf")))
     with pytest.raises(DietcodeError, match="allowed: gemm, bmm, conv"):

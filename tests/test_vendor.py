@@ -390,14 +390,15 @@ EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
 ]
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("residual", ["", "after", "first"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
 def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype, residual) -> None:
     """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
     the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation, the residual added last
-    (act(y + bias) + residual) and the dtype's loads, stores and rounding."""
+    (act(y + bias) + residual) or, p_first, before the activation (act(y + bias + residual)), and the dtype's
+    loads, stores and rounding."""
     from tests import _ptx_run
 
     _, make, out_shape, bias_shape, scale = case
@@ -415,18 +416,22 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         bias = _to_dtype_bits(rng.standard_normal(bias_shape).astype(np.float32), dtype)
         bias_addr = memory.place(bias)
         ref = ref + scale * np.broadcast_to(_from_dtype_bits(bias, dtype).astype(np.float64), out_shape)
+    res_addr, res64 = 0, 0.0
+    if residual:
+        res = _to_dtype_bits((rng.standard_normal(out_shape) * 3).astype(np.float32), dtype)
+        res_addr = memory.place(res)
+        res64 = _from_dtype_bits(res, dtype).astype(np.float64)
+    if residual == "first":
+        ref = ref + res64
     if activation == "relu":
         ref = np.maximum(ref, 0.0)
     elif activation == "gelu":
         ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0)))
-    res_addr = 0
-    if residual:
-        res = _to_dtype_bits((rng.standard_normal(out_shape) * 3).astype(np.float32), dtype)
-        res_addr = memory.place(res)
-        ref = ref + _from_dtype_bits(res, dtype).astype(np.float64)
+    if residual == "after":
+        ref = ref + res64
     params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
               "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
-              "p_act": e.activation, "p_res": res_addr}
+              "p_act": e.activation, "p_res": res_addr, "p_first": int(residual == "first")}
     _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
     got = _from_dtype_bits(y, dtype)
     want = ref.astype(np.float32)
@@ -550,6 +555,34 @@ def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
     with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's"):
         sess.run(None, feeds | {"R": r[0]})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual"])
+def test_conv_vendor_leaf_with_the_residual_on_cuda(op_type, dtype) -> None:
+    """ResNet's block end through the vendor path: cuDNN's conv, then the PTX epilogue adds B and the residual
+    before the Relu (ConvBiasResidualRelu) or after it; a residual of another shape fails naming both shapes."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _conv3x3_f64, _model, bundle_initializer
+
+    rng = np.random.default_rng(13)
+    x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+    b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
+    node = helper.make_node(op_type, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0",
+                            pads=[1, 1, 1, 1])
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["X", "W", "B", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    feeds = {"X": x, "W": w, "B": b, "R": r}
+    (got,) = sess.run(None, feeds)
+    y = _conv3x3_f64(x, w, b)
+    want = np.maximum(y + r, 0.0) if op_type == "ConvBiasResidualRelu" else np.maximum(y, 0.0) + r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+    with pytest.raises(Exception, match=r"residual input has shape \[2, 4, 6, 4\], not the output's"):
+        sess.run(None, feeds | {"R": r[:, :, :, :4]})
 
 
 GPU_CONV_CASES = [

@@ -294,8 +294,9 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
     else:
         constants["TRANS_B"] = trans_b
         constants["ALPHA"] = float(epilogue.alpha)  # a model constant, baked in: the ABI is unchanged
-    if family.op == "gemm":
+    if family.op in ("gemm", "conv"):
         constants["HAS_RESIDUAL"] = epilogue.residual
+        constants["RESIDUAL_FIRST"] = epilogue.residual_first
     if family.op in ("gemm", "bmm"):
         constants["USE_TMA"] = bool(config.tma)
         constants["PERSISTENT"] = bool(config.persistent)

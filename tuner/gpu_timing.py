@@ -86,7 +86,7 @@ class TimingItem:
     bias: bool = False
     trans_b: bool = False
     conv: ConvParams | None = None
-    residual: bool = False  # the kernel adds a second [M, N] tensor (gemm only)
+    residual: bool = False  # the kernel adds a second tensor of the output's shape (gemm, conv)
     # attention (op "attention"): the problem is m = seq_q, n = seq_k, k = head dim, batch = z (batch x heads);
     # the mask: None (no mask), "row" (one row for every query, [z, 1, seq_k]) or "rows" ([z, seq_q, seq_k])
     mask: str | None = None

@@ -318,7 +318,8 @@ class GpuMeasurer(Measurer):
         conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
                                      f"p{c.pads}d{c.dilations}")
         e = self.epilogue
-        scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "")
+        scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "") \
+            + (";residual_first=1" if e.residual_first else "")
         return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
                 f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor=addmm"
@@ -395,7 +396,9 @@ class GpuMeasurer(Measurer):
                 raise DietcodeError("GpuMeasurer: conv problems need ConvParams and Problem.image")
             n_img, h, w = p.image
             c = self.conv
-            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias, None
+            # the output's [n, OC, OH, OW] with its spatial dims as one (M = n * OH * OW): vendor_call views it
+            residual = make(n_img, c.out_channels, p.m // n_img) if self.epilogue.residual else None
+            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias, residual
         b_shape = (p.n, p.k) if self.trans_b else (p.k, p.n)
         residual = make(p.batch, p.m, p.n) if family.op == "bmm" else make(p.m, p.n)
         residual = residual if self.epilogue.residual else None
@@ -404,33 +407,40 @@ class GpuMeasurer(Measurer):
         return make(p.m, p.k), make(*b_shape), bias, residual
 
     def vendor_call(self, family: Family, a: Any, b: Any, bias: Any, residual: Any) -> Callable[[], Any]:
-        """What the vendor baseline times: ``act(alpha * A @ B + bias) + residual`` as the CUDA vendor path
-        runs it (custom_ops/vendor.h: one cuBLAS call carrying alpha, then the epilogue), here as torch's
-        addmm/baddbmm (alpha and the bias in the cuBLAS call) then the activation and the residual Add;
-        conv: cuDNN's conv2d with the bias, then the activation."""
+        """What the vendor baseline times: ``act(alpha * A @ B + bias) + residual`` (with residual_first
+        ``act(alpha * A @ B + bias + residual)``) as the CUDA vendor path runs it (custom_ops/vendor.h: one cuBLAS
+        call carrying alpha, then the epilogue), here as torch's addmm/baddbmm (alpha and the bias in the cuBLAS
+        call) then the activation and the residual Add; conv: cuDNN's conv2d with the bias, then the residual
+        and the activation in the epilogue's order."""
         import torch
 
         fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
         act = fn_act[self.epilogue.activation]
+        first = self.epilogue.residual_first
+
+        def finish(y: Any) -> Any:
+            if residual is None:
+                return act(y)
+            res = residual.view(y.shape) if family.op == "conv" else residual
+            return act(y.add_(res)) if first else act(y).add_(res)
+
         if family.op == "conv":
             c = self.conv
             if c is None:
                 raise DietcodeError("GpuMeasurer: conv problems need ConvParams")
             top, left, bottom, right = c.pads
             if (top, left) == (bottom, right):
-                return lambda: act(torch.nn.functional.conv2d(a, b, bias, stride=c.strides, padding=(top, left),
-                                                              dilation=c.dilations))
+                return lambda: finish(torch.nn.functional.conv2d(a, b, bias, stride=c.strides, padding=(top, left),
+                                                                 dilation=c.dilations))
             # conv2d pads symmetrically: pad the input explicitly, as ORT does
-            return lambda: act(torch.nn.functional.conv2d(torch.nn.functional.pad(a, (left, right, top, bottom)), b,
-                                                          bias, stride=c.strides, dilation=c.dilations))
+            return lambda: finish(torch.nn.functional.conv2d(torch.nn.functional.pad(a, (left, right, top, bottom)),
+                                                             b, bias, stride=c.strides, dilation=c.dilations))
         bb = b.transpose(-1, -2) if self.trans_b else b
         alpha = self.epilogue.alpha
         # beta=0 ignores the (broadcast) input: no bias costs no read
         base, beta = (bias, 1) if bias is not None else (torch.zeros(1, dtype=a.dtype, device=a.device), 0)
         mm = torch.baddbmm if family.op == "bmm" else torch.addmm
-        if residual is None:
-            return lambda: act(mm(base, a, bb, beta=beta, alpha=alpha))
-        return lambda: act(mm(base, a, bb, beta=beta, alpha=alpha)).add_(residual)
+        return lambda: finish(mm(base, a, bb, beta=beta, alpha=alpha))
 
     def _time(self, fn: Callable[[], Any]) -> float:
         torch = self._torch

@@ -1,8 +1,9 @@
 """Rewrite: workloads + bundles -> a model whose nodes are ``ai.dietcode`` custom ops.
 
 Each scanned node (with the scalar Mul/Div, Add(bias), Relu/Gelu and residual Add it absorbs) becomes one
-custom node whose op type names the fused epilogue (``MatMulBiasGelu``, ``ConvBiasRelu``,
-``MatMulBiasResidual``, ...; the node contract is in docs/bundle.md); a MatMul's absorbed scale is its
+custom node whose op type names the fused epilogue in its order (``MatMulBiasGelu``, ``ConvBiasRelu``,
+``MatMulBiasResidual``, ``ConvBiasResidualRelu``: the residual before the Relu, ...; the node contract is in
+docs/bundle.md); a MatMul's absorbed scale is its
 ``scale`` attribute (the compiled kernels have it baked in). The custom node takes the place of the last node
 it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the last node it replaces; its last input is its kernel
 bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
@@ -41,11 +42,13 @@ _TWO_GB = TWO_GB  # the protobuf size from which save_model puts inline tensors 
 
 
 def op_type(workload: Workload) -> str:
-    """The custom op type for a workload: the ONNX op plus its fused epilogue."""
-    bias = "Bias" if workload.epilogue.bias else ""
-    act = {"none": "", "relu": "Relu", "gelu": "Gelu"}[workload.epilogue.activation]
-    residual = "Residual" if workload.epilogue.residual else ""
-    return f"{workload.onnx_op}{bias}{act}{residual}"
+    """The custom op type for a workload: the ONNX op plus its fused epilogue in the order it is applied
+    (``ConvBiasReluResidual``: the residual after the Relu; ``ConvBiasResidualRelu``: before it)."""
+    e = workload.epilogue
+    bias = "Bias" if e.bias else ""
+    act = {"none": "", "relu": "Relu", "gelu": "Gelu"}[e.activation]
+    residual = "Residual" if e.residual else ""
+    return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: l
               overload: str) -> onnx.FunctionProto:
     """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias][, residual],
     output Y; the last input, the kernel bundle, is read by the custom op and ignored here."""
-    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if op.endswith("Residual") else []) \
+    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if "Residual" in op else []) \
         + ["bundle"]
     return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
                                 attributes=["info"] + list(_FORWARDED[onnx_op]),
@@ -210,13 +213,18 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         if not bias:
             raise DietcodeError(f"workload node making {key!r} has no bias input")
         inputs.append(bias)
-    residual = None
+    residual, at = None, -1
     if w.epilogue.residual:
-        last = absorbed[-1][1] if absorbed else None
-        before = absorbed[-2][1].output[0] if len(absorbed) > 1 else node.output[0]
-        if last is None or last.op_type != "Add" or len(last.input) != 2 or before not in last.input:
-            raise DietcodeError(f"workload node making {key!r}: its residual Add is not the last fused node")
-        residual = last.input[1] if last.input[0] == before else last.input[0]
+        # the residual Add: the last fused node, or with residual_first the one after the scale and bias (the
+        # scanner's order: [scale], [bias Add], residual Add, activation)
+        at = int(scaled) + int(bias is not None and node.op_type == "MatMul") if w.epilogue.residual_first \
+            else len(absorbed) - 1
+        radd = absorbed[at][1] if 0 <= at < len(absorbed) else None
+        before = absorbed[at - 1][1].output[0] if at > 0 else node.output[0]
+        if radd is None or radd.op_type != "Add" or len(radd.input) != 2 or before not in radd.input:
+            where = "right before the activation" if w.epilogue.residual_first else "the last fused node"
+            raise DietcodeError(f"workload node making {key!r}: its residual Add is not {where}")
+        residual = radd.input[1] if radd.input[0] == before else radd.input[0]
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
@@ -231,11 +239,11 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
                 raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
                                     f"{where}")
     return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output,
-                 _body(links, node, [f for _, f in absorbed], bias, output, residual), w.epilogue.alpha)
+                 _body(links, node, [f for _, f in absorbed], bias, output, residual, at), w.epilogue.alpha)
 
 
 def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], bias: str | None,
-          output: str, residual: str | None = None) -> tuple[onnx.NodeProto, ...]:
+          output: str, residual: str | None = None, at: int = -1) -> tuple[onnx.NodeProto, ...]:
     """The fallback body: the original op (its attributes referring to the custom node's), then the
     absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
     equal computations give equal bodies."""
@@ -255,10 +263,10 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         return consts[x]
 
     for j, f in enumerate(absorbed):
-        def known(x: str, last: bool = j == len(absorbed) - 1) -> str | None:
+        def known(x: str, is_add: bool = j == (at if at >= 0 else len(absorbed) - 1)) -> str | None:
             if not x or x in names:
                 return names.get(x, "")
-            if residual is not None and x == residual and last:
+            if residual is not None and x == residual and is_add:  # the residual Add's other input
                 return "residual"
             if x == bias and node.op_type == "MatMul":
                 return "bias"

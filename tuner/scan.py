@@ -15,7 +15,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import numpy as np
 import onnx
@@ -436,13 +436,14 @@ def _scale(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, float, str | None]
     return node, alpha, None
 
 
-def _residual(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, str | None]:
+def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tuple[onnx.NodeProto | None, str | None]:
     """An Add of ``x`` and a second tensor of exactly ``x``'s shape and dtype (the skip connection before a
-    LayerNorm), as (node, None); (node, why) when a kernel cannot absorb it; (None, None) when no Add of a
-    tensor follows."""
+    LayerNorm, ResNet's shortcut), as (node, None); (node, why) when a kernel cannot absorb it; (None, None)
+    when no Add of a tensor follows or the Add is in ``claimed`` (node ids another workload already absorbed:
+    ResNet's projection shortcut adds two conv outputs, and only one conv can take the Add)."""
     users = g.consumers.get(x, [])
     add = next((u for u in users if _default_domain(u, "Add") and _other_input(u, x)), None)
-    if add is None:
+    if add is None or id(add) in claimed:
         return None, None
     other = _other_input(add, x)
     assert other is not None
@@ -457,19 +458,39 @@ def _residual(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, str | None]:
     if sx is None or so is None or any(d is None or isinstance(d, _Unreadable) for d in sx + so):
         return add, f"the shape of {x!r} or {other!r} is unknown after shape inference"
     if [str(d) for d in so] != [str(d) for d in sx] or (sy is not None and [str(d) for d in sy] != [str(d) for d in sx]):
-        return add, f"{other!r} has shape {list(so)}, not the output's {list(sx)} (a broadcast Add is no residual)"
+        text = lambda dims: "[" + ", ".join(str(d) for d in dims) + "]"  # noqa: E731
+        return add, f"{other!r} has shape {text(so)}, not the output's {text(sx)} (a broadcast Add is no residual)"
     if g.dtypes.get(other) != g.dtypes.get(x):
         return add, f"{other!r} has another dtype than the product"
     return add, None
 
 
+def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
+    """The Relu or Gelu (its erf form) right after ``x`` that a kernel can absorb, as (activation, its
+    nodes); ("none", []) when there is none. A Gelu that cannot be absorbed is added to ``refused``."""
+    nxt = g.exclusive_consumer(x)
+    if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
+        return "relu", [nxt]
+    gelu = _match_gelu(g, x)
+    if gelu is not None:
+        nodes, consts = gelu
+        why = _absorbable(g, nodes, x) or _rank_grows(g, x, consts)
+        if why:
+            refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
+        else:
+            return "gelu", nodes
+    return "none", []
+
+
 def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_scale: bool = False,
-              allow_residual: bool = False) -> tuple[Epilogue, tuple[str, ...], list[Skipped]]:
+              allow_residual: bool = False, claimed: AbstractSet[int] = frozenset()
+              ) -> tuple[Epilogue, tuple[onnx.NodeProto, ...], list[Skipped]]:
     """The scalar Mul/Div (``allow_scale``), Add(bias), Relu/Gelu and residual Add (``allow_residual``) after
-    ``node`` that a kernel can absorb, in the kernel's order act(alpha * acc + bias) + residual, as
-    (epilogue, the first outputs of the absorbed nodes in graph order, the candidates refused with the
-    reason). A node the order does not fit (a bias Add after the Relu, a Mul after the bias) is left as it
-    is."""
+    ``node`` that a kernel can absorb, in one of the kernel's orders: act(alpha * acc + bias) + residual
+    (the activation right after the product or bias), or act(alpha * acc + bias + residual) (an Add of a
+    tensor right after them, then the activation: residual_first), as (epilogue, the absorbed nodes in graph
+    order, the candidates refused with the reason). A node the orders do not fit (a bias Add after the Relu, a
+    Mul after the bias) is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
     out, chain, bias, refused = node.output[0], [], False, []
     alpha = 1.0
     if allow_scale:
@@ -486,29 +507,22 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
             refused.append(Skipped(_label(add), "Add", f"bias not fused: {why}"))
         else:
             bias, out, chain = True, add.output[0], chain + [add]
-    activation, act_nodes = "none", []
-    nxt = g.exclusive_consumer(out)
-    if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
-        activation, act_nodes = "relu", [nxt]
-    else:
-        gelu = _match_gelu(g, out)
-        if gelu is not None:
-            nodes, consts = gelu
-            why = _absorbable(g, nodes, out) or _rank_grows(g, out, consts)
-            if why:
-                refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
-            else:
-                activation, act_nodes = "gelu", nodes
-    chain = chain + act_nodes
-    residual = False
+    activation, act_nodes = _activation(g, out, refused)
+    residual = residual_first = False
     if allow_residual:
-        last = chain[-1].output[0] if chain else out
-        add, why = _residual(g, last)
+        last = act_nodes[-1].output[0] if act_nodes else out
+        add, why = _residual(g, last, claimed)
         if add is not None and why:
             refused.append(Skipped(_label(add), "Add", f"residual not fused: {why}"))
         elif add is not None:
-            residual, chain = True, chain + [add]
-    return Epilogue(bias, activation, alpha, residual), tuple(f.output[0] for f in chain), refused
+            residual, chain = True, chain + act_nodes + [add]
+            if not act_nodes:  # Add then (maybe) the activation: the residual goes in before it
+                activation, act_nodes = _activation(g, add.output[0], refused)
+                residual_first = activation != "none"
+            else:
+                act_nodes = []
+    chain = chain + act_nodes
+    return Epilogue(bias, activation, alpha, residual, residual_first), tuple(chain), refused
 
 
 def _dtype(g: _Graph, name: str) -> str:
@@ -605,6 +619,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped, unfused = [], []
+    claimed: set[int] = set()  # ids of the nodes absorbed so far (a shortcut Add between two convs: one takes it)
     for node in model.graph.node:
         if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
             continue
@@ -622,14 +637,20 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             skipped.append(Skipped(name, node.op_type, str(refusal)))
             continue
         n_const = int(info["n"]) if info["n"].isdigit() else -1
-        if info.get("bias"):  # Gemm's C / Conv's bias: the op carries it; only an activation can follow
-            act_epi, fused, refused = _epilogue(g, node, n_const, allow_bias=False)
-            epilogue = Epilogue(True, act_epi.activation)
+        matmul = node.op_type == "MatMul"
+        # a residual Add: gemm-view MatMuls and Convs (ResNet's Conv -> Add(shortcut) -> Relu)
+        allow_residual = (matmul and info["op"] == "gemm") or info["op"] == "conv"
+        if info.get("bias"):  # Gemm's C / Conv's bias: the op carries it; an activation and a residual can follow
+            epilogue, absorbed, refused = _epilogue(g, node, n_const, allow_bias=False,
+                                                    allow_residual=allow_residual, claimed=claimed)
+            epilogue = replace(epilogue, bias=True)
         else:
-            matmul = node.op_type == "MatMul"
-            epilogue, fused, refused = _epilogue(g, node, n_const,
-                                                 allow_bias=info["op"] != "conv" and n_const > 0,
-                                                 allow_scale=matmul, allow_residual=matmul and info["op"] == "gemm")
+            epilogue, absorbed, refused = _epilogue(g, node, n_const,
+                                                    allow_bias=info["op"] != "conv" and n_const > 0,
+                                                    allow_scale=matmul, allow_residual=allow_residual,
+                                                    claimed=claimed)
+        claimed.update(id(f) for f in absorbed)
+        fused = tuple(f.output[0] for f in absorbed)
         unfused.extend(refused)
         const = tuple(j for j, inp in enumerate(node.input) if inp and inp in g.inits)
         wl = Workload(op=info["op"], onnx_op=node.op_type, nodes=(), m=info["m"], n=info["n"], k=info["k"],
@@ -689,7 +710,8 @@ def to_json(result: ScanResult) -> dict:
             "batch": w.batch, "dtype": w.dtype, "symbols": list(w.symbols),
             "const_operands": list(w.const_operands), "trans_b": w.trans_b,
             "epilogue": {"bias": w.epilogue.bias, "activation": w.epilogue.activation,
-                         "alpha": w.epilogue.alpha, "residual": w.epilogue.residual},
+                         "alpha": w.epilogue.alpha, "residual": w.epilogue.residual,
+                         "residual_first": w.epilogue.residual_first},
             "fused_nodes": [list(f) for f in w.fused_nodes],
             "conv": None if w.conv is None else {
                 "in_channels": w.conv.in_channels, "out_channels": w.conv.out_channels,
@@ -713,9 +735,10 @@ def _print_table(result: ScanResult) -> None:
         table.add_column(col, overflow="fold")
     for i, w in enumerate(result.workloads):
         e = w.epilogue
+        act = e.activation if e.activation != "none" else ""
+        steps = ("residual", act) if e.residual_first else (act, "residual" if e.residual else "")
         epi = "+".join(p for p in (f"alpha={e.alpha:.6g}" if e.alpha != 1.0 else "", "bias" if e.bias else "",
-                                   e.activation if e.activation != "none" else "",
-                                   "residual" if e.residual else "") if p) or "-"
+                                   *steps) if p) or "-"
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,

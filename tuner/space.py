@@ -395,10 +395,10 @@ REFERENCE_CONV = ConvParams(in_channels=64, out_channels=64, kernel=(3, 3), stri
 
 
 def representative_epilogue(config: MicroKernel, op: str = "gemm") -> Epilogue:
-    """The heaviest epilogue ``config`` admits: bias, gelu and (gemm) the residual. The same for every config
+    """The heaviest epilogue ``config`` admits: bias, gelu and (gemm, conv) the residual. The same for every config
     since split-K takes any epilogue (the last split of a tile applies it); ``config`` stays a parameter so
     that a rule per config has one place to live."""
-    return Epilogue(bias=True, activation="gelu", residual=op == "gemm")
+    return Epilogue(bias=True, activation="gelu", residual=op in ("gemm", "conv"))
 
 
 @dataclass(frozen=True)
@@ -433,7 +433,7 @@ def compile_filter(family: Family, configs: list[MicroKernel] | None = None, *, 
     layer = (conv or REFERENCE_CONV) if family.op == "conv" else None
     tf32 = uses_tf32(family.dtype, fp32_precision)
     jobs = [CompileJob(family, c, representative_epilogue(c, family.op), conv=layer,
-                       div16=aligned_params(family.op, residual=family.op == "gemm"), allow_tf32=tf32,
+                       div16=aligned_params(family.op, residual=family.op in ("gemm", "conv")), allow_tf32=tf32,
                        cache_dir=cache_dir)
             for c in configs]
     start = time.perf_counter()

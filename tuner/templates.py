@@ -5,10 +5,11 @@ shape: this is DietCode's micro-kernel. Every load past a tensor edge is masked 
 store is masked, so no shape needs padding. Accumulation is fp32; the output has the input dtype.
 
 Kernel parameters follow the shared kernel ABI (see ``ABI_PARAMS``): pointers ``a, b, [bias], c`` then int32
-scalars (the gemm template then takes the ``residual`` pointer, added to the ABI later), and split-K kernels
-last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
+scalars (the gemm and conv templates then take the ``residual`` pointer, added to the ABI later), and split-K
+kernels last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
-``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``.
+``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``, or with
+``RESIDUAL_FIRST`` ``out = act(ALPHA * acc + bias + residual)`` (ResNet's Conv -> Add -> Relu).
 The grid is ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``, except for a PERSISTENT gemm or bmm kernel
 (SPLIT_K 1): ``(min(tiles x batch, SMs x n), 1, 1)`` programs (``programs``; n per SM, from the bundle), each
 looping over tiles pid, pid + num_programs, ... in the same grouped order. With SPLIT_K > 1 program
@@ -59,13 +60,17 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _epilogue(acc, bias, offs_n, N, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Scale by ALPHA, add the bias (broadcast along N) and apply the activation."""
+def _epilogue(acc, bias, offs_n, N, residual, offs_c, c_mask, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
+              ACTIVATION: tl.constexpr, RESIDUAL_FIRST: tl.constexpr):
+    """Scale by ALPHA, add the bias (broadcast along N), with RESIDUAL_FIRST the residual (laid out as C, at
+    ``offs_c``), and apply the activation."""
     if ALPHA != 1.0:
         acc = acc * ALPHA
     if HAS_BIAS:
         bias_v = tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc = acc + bias_v[None, :]
+    if RESIDUAL_FIRST:
+        acc = acc + tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
     elif ACTIVATION == "gelu":
@@ -110,10 +115,12 @@ def _split_k_reduce(acc, workspace, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit
 def _finish(acc, bias, c_ptrs, residual, offs_c, offs_n, N, c_mask, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
-            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The epilogue on the full sum and the store of C in its dtype."""
-    acc = _epilogue(acc, bias, offs_n, N, ALPHA, HAS_BIAS, ACTIVATION)
-    if HAS_RESIDUAL:  # a full [M, N] tensor laid out as C, added after the activation
+            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESIDUAL_FIRST: tl.constexpr = False):
+    """The epilogue on the full sum and the store of C in its dtype. The residual (a full tensor laid out as
+    C) is added after the activation, or before it with RESIDUAL_FIRST."""
+    acc = _epilogue(acc, bias, offs_n, N, residual, offs_c, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
+                    HAS_RESIDUAL and RESIDUAL_FIRST)
+    if HAS_RESIDUAL and not RESIDUAL_FIRST:
         acc = acc + tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=c_mask)
 
@@ -158,7 +165,8 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
                  TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
+                 RESIDUAL_FIRST: tl.constexpr = False):
     """C tile ``tile`` (in the grouped order of ``_tile_ids``), split ``pid_k``, of A[M, K] @ B (B [K, N], or
     [N, K] when TRANS_B), contiguous row-major views. Row offsets are int64 (once per tile), so an operand may
     hold 2^31 elements or more (e.g. a 65536 x 50257 LM head). With USE_TMA the operands are read through the
@@ -192,10 +200,10 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
             _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
-                    HAS_RESIDUAL)
+                    HAS_RESIDUAL, RESIDUAL_FIRST)
     else:
         _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
-                HAS_RESIDUAL)
+                HAS_RESIDUAL, RESIDUAL_FIRST)
 
 
 @triton.jit
@@ -204,8 +212,9 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
-                PERSISTENT: tl.constexpr = False):
-    """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N]. PERSISTENT (SPLIT_K 1): each program
+                PERSISTENT: tl.constexpr = False, RESIDUAL_FIRST: tl.constexpr = False):
+    """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N], with RESIDUAL_FIRST act(ALPHA * A[M, K] @ B
+    + bias + residual[M, N]). PERSISTENT (SPLIT_K 1): each program
     computes tiles program_id(0), + num_programs(0), ... of the grouped order, for any grid size; a TMA
     program makes its descriptors once."""
     a_desc = a
@@ -218,11 +227,11 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tile, 0, a_desc, b_desc, TRANS_B, ALPHA,
                          HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                         SPLIT_K, USE_TMA)
+                         SPLIT_K, USE_TMA, RESIDUAL_FIRST)
     else:
         _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tl.program_id(0), tl.program_id(1), a_desc,
                      b_desc, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                     BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
+                     BLOCK_K, GROUP_M, SPLIT_K, USE_TMA, RESIDUAL_FIRST)
 
 
 @triton.jit
@@ -268,15 +277,18 @@ def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, wo
 
 
 @triton.jit
-def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, workspace,
+def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
                 CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                 STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
                 DIL_H: tl.constexpr, DIL_W: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Y = act(conv2d(X, W) + bias), NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc,
-    reduction (c, kh, kw). X [img_n, C, img_h, img_w], W [N=OC, K=C*KH*KW], Y [img_n, OC, out_h, out_w]."""
+                GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
+                RESIDUAL_FIRST: tl.constexpr = False):
+    """Y = act(conv2d(X, W) + bias) + residual, with RESIDUAL_FIRST act(conv2d(X, W) + bias + residual) (ResNet's
+    Conv -> Add(shortcut) -> Relu), NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc, reduction
+    (c, kh, kw). X [img_n, C, img_h, img_w], W [N=OC, K=C*KH*KW], Y and the residual [img_n, OC, out_h, out_w]
+    (the residual read at Y's offsets)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -305,14 +317,16 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, workspace,
         x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    y_ptrs = c + (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
+    offs_y = (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
-            _finish(acc, bias, y_ptrs, c, offs_n, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION, False)
+            _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
+                    HAS_RESIDUAL, RESIDUAL_FIRST)
     else:
-        _finish(acc, bias, y_ptrs, c, offs_n, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION, False)
+        _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
+                HAS_RESIDUAL, RESIDUAL_FIRST)
 
 
 @triton.jit
@@ -434,7 +448,7 @@ KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
     "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace"),
     "bmm": ("a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch", "workspace"),
-    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "workspace"),
+    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual", "workspace"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                   "stride_mask_q", "stride_mask_k"),
 }
@@ -450,13 +464,16 @@ def kernel_for(op: str) -> Any:
 
 
 def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
-    """Reject epilogues the templates cannot fuse (unknown activation, a residual outside the gemm template,
-    a scale on conv or one that is not a finite float). Split-K takes every epilogue: the last split of a
-    tile applies it to the full sum."""
+    """Reject epilogues the templates cannot fuse (unknown activation, a residual outside the gemm and conv
+    templates, residual_first without a residual and an activation, a scale on conv or one that is not a finite
+    float). Split-K takes every epilogue: the last split of a tile applies it to the full sum."""
     if epilogue.activation not in ACTIVATIONS:
         raise DietcodeError(f"unknown activation {epilogue.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-    if epilogue.residual and op != "gemm":
-        raise DietcodeError(f"{op}: only the gemm template adds a residual (got residual=True for {op})")
+    if epilogue.residual and op not in ("gemm", "conv"):
+        raise DietcodeError(f"{op}: only the gemm and conv templates add a residual (got residual=True for {op})")
+    if epilogue.residual_first and (not epilogue.residual or epilogue.activation == "none"):
+        raise DietcodeError(f"{op}: residual_first orders a residual before an activation: it needs both (got "
+                            f"residual={epilogue.residual}, activation={epilogue.activation!r})")
     if not isinstance(epilogue.alpha, float) or not math.isfinite(epilogue.alpha) or epilogue.alpha == 0.0:
         raise DietcodeError(f"{op}: the scale alpha must be a finite, non-zero float, got {epilogue.alpha!r}")
     if epilogue.alpha != 1.0 and op == "conv":
@@ -559,7 +576,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
     b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
-    (gemm: the output's shape [M, N]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
+    (the output's shape: gemm [M, N], conv [n, OC, OH, OW]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
     of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
     one); the kernel leaves its counters at zero again. A persistent config (gemm, bmm) launches
     min(tiles x batch, ``sm_count`` x config.persistent) programs (``programs``); ``sm_count`` defaults to the
@@ -626,8 +643,14 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
             raise DietcodeError(f"conv: input {h}x{w} is smaller than the dilated kernel (output {oh}x{ow})")
         m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
         out = torch.empty((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
+        if residual is not None and tuple(residual.shape) != tuple(out.shape):
+            raise DietcodeError(f"conv: the residual must have the output's shape {tuple(out.shape)}, got "
+                                f"{tuple(residual.shape)}")
+        residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, split_workspace(m, n, 1), **conv_geometry(conv), **meta)
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, 1),
+                     HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
+                     **conv_geometry(conv), **meta)
         return out
     m, k = a.shape[-2:]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -645,7 +668,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         if config.persistent:
             grid = (programs(m, n, 1, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
         kernel[grid](a, b, bias, out, m, n, k, residual, split_workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
-                     HAS_RESIDUAL=residual is not None, **meta)
+                     HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first, **meta)
         return out
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     a, sa = _batch_operand(a, batch)
