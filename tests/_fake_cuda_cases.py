@@ -4,8 +4,7 @@ tests/test_fake_cuda.py compiles each case's kernel ahead of time for sm_90 (tun
 PTX), writes one bundle per case and runs this script in a child process whose LD_LIBRARY_PATH puts the
 stand-in first as libcuda.so.1 (the name launch.cc opens), with TRITON_INTERPRET=1. Per case the child makes
 host buffers, launches the bundle's kernel through the C ABI (``CoreBundle.launch``: dc_launch with
-LaunchArgs) on a stream of the stand-in's context and collects what the driver was given (its log). For the
-cases marked ``interpret`` it then maps the launch's recorded parameter bytes back to its buffers and runs
+LaunchArgs) on a stream of the stand-in's context and collects what the driver was given (its log). It then maps the launch's recorded parameter bytes back to its buffers and runs
 the interpreted Triton template with exactly those values, grid and constexprs, compared with float64 torch.
 Launches happen before torch or triton is imported, so no other libcuda can be loaded first. Besides the
 cases: context handling (``contexts``) and the vendor path's epilogue launch (``vendor_epilogue``).
@@ -43,7 +42,6 @@ class FakeCase:
     tma: bool = False
     persistent: int = 0
     conv: tuple[Any, ...] = ()  # ConvParams fields
-    interpret: bool = False
     target: str = "sm_90"
 
     def micro_kernel(self) -> Any:
@@ -55,9 +53,9 @@ class FakeCase:
 CASES: tuple[FakeCase, ...] = (
     # 128x128 tiles: two programs along M; 32 KiB of shared memory, under the 48 KiB default
     FakeCase("gemm_bias_gelu_residual", "gemm", (128, 128, 64, 4, 3), {"a": (150, 40), "b": (40, 24)}, bias=True,
-             activation="gelu", alpha=0.5, residual=True, interpret=True),
+             activation="gelu", alpha=0.5, residual=True),
     FakeCase("gemm_split_k", "gemm", (32, 64, 64, 4, 2, 8, 4), {"a": (40, 256), "b": (256, 70)}, bias=True,
-             activation="gelu", interpret=True),
+             activation="gelu"),
     # TMA: 256 B of global scratch per program, 128-aligned, and 48 KiB + 24 B of shared memory (the attribute)
     FakeCase("gemm_tma", "gemm", (64, 64, 64, 4, 3), {"a": (100, 64), "b": (64, 96)}, bias=True, activation="gelu",
              alpha=0.5, residual=True, tma=True),
@@ -67,15 +65,14 @@ CASES: tuple[FakeCase, ...] = (
     # persistent bmm (takes `batch`): 3 tiles x 3 batches = 9 > 4 SMs x 2 = 8 programs
     FakeCase("bmm_tma_persistent", "bmm", (64, 64, 64, 4, 3), {"a": (3, 130, 64), "b": (3, 64, 64)}, bias=True,
              activation="gelu", tma=True, persistent=2),
-    FakeCase("bmm_broadcast_a", "bmm", (32, 32, 32, 4, 2), {"a": (20, 16), "b": (2, 3, 16, 24)}, interpret=True),
+    FakeCase("bmm_broadcast_a", "bmm", (32, 32, 32, 4, 2), {"a": (20, 16), "b": (2, 3, 16, 24)}),
     FakeCase("conv_stride2_bias_relu", "conv", (32, 32, 32, 4, 2), {"x": (2, 3, 9, 9), "w": (8, 3, 3, 3)}, bias=True,
-             activation="relu", conv=(3, 8, (3, 3), (2, 2), (1, 1, 1, 1)), interpret=True),
+             activation="relu", conv=(3, 8, (3, 3), (2, 2), (1, 1, 1, 1))),
     # compiled for sm_80 only: the sm_90 device JIT-compiles its PTX
-    FakeCase("gemm_ptx_jit", "gemm", (32, 32, 32, 4, 2), {"a": (40, 48), "b": (48, 40)}, bias=True, target="sm_80",
-             interpret=True),
+    FakeCase("gemm_ptx_jit", "gemm", (32, 32, 32, 4, 2), {"a": (40, 48), "b": (48, 40)}, bias=True, target="sm_80"),
     FakeCase("attention_mask", "attention", (64, 64, 4, 2), {"q": (2, 3, 17, 16), "kt": (2, 3, 16, 17),
                                                            "v": (2, 3, 17, 16), "mask": (2, 1, 1, 17)},
-             alpha=0.25, interpret=True),
+             alpha=0.25),
 )
 
 
@@ -167,8 +164,7 @@ def run_case(core: Any, fake: ctypes.CDLL, case: FakeCase, bundle_bytes: bytes, 
     result = {"events": events, "args": fields, "grid": bundle.grid(0, grid_args), "workspace_bytes": size,
               "pointers": {name: int(b.ctypes.data) for name, b in bufs.items()},
               "workspace_after": raw[start:start + size].tobytes().hex(), "stream": stream}
-    if case.interpret:
-        result["_keep"] = (bufs, raw[start:start + size].view(np.float32) if size else None, events)
+    result["_keep"] = (bufs, raw[start:start + size].view(np.float32) if size else None, events)
     del bundle
     return result
 
@@ -260,12 +256,12 @@ def main() -> int:
         out["vendor_epilogue"] = vendor_epilogue(core, fake, stream)
     except Exception as exc:  # reported to the parent
         out["vendor_epilogue"] = {"error": f"{type(exc).__name__}: {exc}"}
-    for case in CASES:  # only now import torch and triton (interpreted)
-        if case.name in kept:
-            try:
-                out[case.name]["interpreted"] = interpret(case, *kept[case.name])
-            except Exception as exc:  # reported per case
-                out[case.name]["interpreted"] = {"error": f"{type(exc).__name__}: {exc}"}
+    for name, keep in kept.items():  # only now import torch and triton (interpreted)
+        case = next(c for c in CASES if c.name == name)
+        try:
+            out[name]["interpreted"] = interpret(case, *keep)
+        except Exception as exc:  # reported per case
+            out[name]["interpreted"] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out))
     return 0
 
@@ -300,6 +296,13 @@ def contexts(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
     bundle.launch(0, args, 0)
     out["null_in_current"] = _events(fake)
     out["null_in_current_depth"] = fake.fake_cuda_context_depth()
+    fake.fake_cuda_log_clear()
+    bundle.launch(0, args, first)  # a stream of context 1 while context 2 is current
+    out["first_over_current"] = _events(fake)
+    out["first_over_current_depth"] = fake.fake_cuda_context_depth()
+    out["probe"] = core.cuda_probe(0)
+    out["sm_count_current"] = core.sm_count(None)
+    out["sm_count_stream"] = core.sm_count(first)
     fake.fake_cuda_set_current(None)
     fake.fake_cuda_log_clear()
     del bundle  # dc_bundle_free unloads each module in its own context

@@ -9,8 +9,8 @@ ABI (tests/_fake_cuda_cases.py). Checked: the parameters match the kernel's PTX 
 and the ABI (docs/abi.md) in value (buffers, sizes, strides, the split-K workspace, the TMA global scratch, the
 two trailing scratch pointers), the grid is dc_kernel_grid's, the block the kernel's warps, the shared memory the
 bundle's with the attribute above 48 KiB, the memset zeroes exactly the split-K counters, the persistent grid
-follows the device's SM count, modules load once per context; and for the gemm, split-K, bmm, conv and
-attention cases the recorded parameters, fed to the interpreted template, compute the node's result.
+follows the device's SM count, modules load once per context, the vendor epilogue's PTX launch; and for every
+case the recorded parameters, fed to the interpreted template, compute the node's result.
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_persistent_grid_follows_the_devices_sm_count(launched: dict[str, Any], 
     assert got["workspace_bytes"] == (128 - 16) + SM_COUNT * case.persistent * 256
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.interpret], ids=[c.name for c in CASES if c.interpret])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_recorded_parameters_drive_the_template_to_the_result(launched: dict[str, Any], case: Any) -> None:
     """The bytes the launcher gave the driver, as the interpreted template's arguments (pointers mapped back to
     the buffers, the split-K counters as the launcher's memset left them), compute the node's result."""
@@ -224,6 +224,9 @@ def test_modules_load_once_per_context_and_the_context_is_restored(launched: dic
     # the null stream: the thread's current context, nothing pushed, the module loaded there reused
     assert [e["event"] for e in ctx["null_in_current"]] == ["launch"] and ctx["null_in_current_depth"] == 1
     assert _of(ctx["null_in_current"], "launch")[0]["stream"] == 0
+    # a stream of another context than the current one: its context pushed, and popped back to the current one
+    assert [(e["event"], e.get("context")) for e in ctx["first_over_current"]] == [
+        ("push", 1), ("launch", None), ("pop", 1)] and ctx["first_over_current_depth"] == 1
     # freeing the bundle unloads each module in its own context
     assert [(e["event"], e.get("context")) for e in ctx["freed"]] == [
         ("push", 1), ("unload", None), ("pop", 1), ("push", 2), ("unload", None), ("pop", 2)]
@@ -252,3 +255,9 @@ def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, A
     assert values["p_act"] == 2 and values["p_scale"] == 0x3F000000  # gelu, 0.5f
     assert launch["grid"] == [1, 1, 1] and launch["block"] == [256, 1, 1] and launch["shared"] == 0
     assert got["max_err"] <= 2e-3 * max(1.0, got["scale"]), got["max_err"]
+
+
+def test_probe_and_sm_count_through_the_driver(launched: dict[str, Any]) -> None:
+    ctx = launched["contexts"]
+    assert ctx["probe"] == {"name": "Fake CUDA device (host memory)", "major": 9, "minor": 0, "driver_version": 13010}
+    assert ctx["sm_count_current"] == ctx["sm_count_stream"] == SM_COUNT
