@@ -240,6 +240,9 @@ def main() -> int:
     from dietcode_ort.runtime import load_core
 
     core = load_core(build=False)
+    if sys.argv[2:] == ["timing"]:
+        print(json.dumps(timing(core, fake, folder)))
+        return 0
     stream = fake.fake_cuda_stream(fake.fake_cuda_context(0))
     out: dict[str, Any] = {}
     kept: dict[str, Any] = {}
@@ -353,6 +356,43 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     return {"events": events, "ptx": ptx, "names": names, "stream": stream,
             "pointers": {"y": y.ctypes.data, "bias": bias.ctypes.data, "residual": residual.ctypes.data},
             "max_err": float(np.abs(y.astype(np.float64) - ref).max()), "scale": float(np.abs(ref).max())}
+
+
+def timing(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
+    """The tuner's GPU timer (custom_ops/timing.cc, as tuner/gpu_timing.py calls it) on an sm_80 device: the
+    primary context and a stream (dc_timing_open), device buffers (dc_mem_alloc, dc_mem_upload), then
+    dc_time_kernel with 2 warm-up and 3 timed launches, each timed one after an L2 flush."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    lib, u64, vp = core.lib, ctypes.c_uint64, ctypes.c_void_p
+    lib.dc_timing_open.argtypes = [ctypes.c_int, ctypes.POINTER(vp)]
+    lib.dc_mem_alloc.argtypes = [u64, ctypes.POINTER(u64)]
+    lib.dc_mem_upload.argtypes = [u64, vp, u64]
+    lib.dc_time_kernel.argtypes = [vp, ctypes.c_int32, ctypes.POINTER(LaunchArgs), vp, ctypes.c_int, ctypes.c_int,
+                                   u64, u64, ctypes.POINTER(ctypes.c_float)]
+    ctypes.c_int.in_dll(fake, "fake_cuda_cc_major").value = 8
+    ctypes.c_int.in_dll(fake, "fake_cuda_cc_minor").value = 0
+    case = next(c for c in CASES if c.target == "sm_80")
+    bundle = core.parse((folder / f"{case.name}.bundle").read_bytes())
+    out: dict[str, Any] = {"driver": core.driver_version()}
+    fake.fake_cuda_log_clear()
+    stream = vp()
+    if lib.dc_timing_open(0, ctypes.byref(stream)):
+        return {**out, "error": core.error(), "events": _events(fake)}
+    bufs = _buffers(case, np.random.default_rng(0))
+    args, out_shape = _args(core, case, bufs)
+    bufs["out"] = np.zeros(out_shape, dtype=np.float16)
+    pointers = {}
+    for name, arr in [*bufs.items(), ("flush", np.zeros(4096, np.uint8))]:
+        ptr = u64()
+        if lib.dc_mem_alloc(arr.nbytes, ctypes.byref(ptr)) or lib.dc_mem_upload(ptr.value, arr.ctypes.data, arr.nbytes):
+            return {**out, "error": core.error(), "events": _events(fake)}
+        pointers[name] = ptr.value
+    args.a, args.b, args.bias, args.c = pointers["a"], pointers["b"], pointers["bias"], pointers["out"]
+    times = (ctypes.c_float * 3)()
+    rc = lib.dc_time_kernel(bundle.handle, 0, ctypes.byref(args), stream, 2, 3, pointers["flush"], 4096, times)
+    return {**out, "rc": rc, "error": core.error() if rc else "", "times": list(times), "events": _events(fake),
+            "stream": stream.value, "pointers": pointers}
 
 
 if __name__ == "__main__":

@@ -16,11 +16,24 @@
  * dynamic shared memory above 48 KiB without cuFuncSetAttribute, a block above 1024 threads, a grid above
  * the limits, a missing kernelParams array, the `extra` form, PTX for a newer SM (or another one with 'a').
  *
+ * The tuner's timer (custom_ops/timing.cc) finds its entry points too: the primary context, a stream, host
+ * allocations for device memory, and events that count launches (an event recorded on a stream holds the number
+ * of launches made so far; the elapsed time between two is their difference in milliseconds).
+ *
  * The log (fake_cuda_log) is one JSON object per line: "load" (module, image kind, size, FNV-1a 64 hash of
  * the image's bytes), "function", "set_attribute", "memset" and "launch" (kernel name, grid, block, shared
  * bytes, stream, each parameter's size and bytes in hex), and "error" for a refused call.
  */
 #include <cuda.h>
+
+/* FAKE_CUDA_DRIVER: the driver release this stand-in plays (cuDriverGetVersion's encoding). A driver before
+ * CUDA 12.8 has no cuEventElapsedTime_v2, which cuda.h maps cuEventElapsedTime to: it exports the original. */
+#ifndef FAKE_CUDA_DRIVER
+#define FAKE_CUDA_DRIVER 13010
+#endif
+#if FAKE_CUDA_DRIVER < 12080
+#undef cuEventElapsedTime
+#endif
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -40,7 +53,7 @@ int fake_cuda_sm_count = 132;
 int fake_cuda_cc_major = 9;
 int fake_cuda_cc_minor = 0;
 int fake_cuda_smem_optin = 232448;
-int fake_cuda_driver_version = 13010;
+int fake_cuda_driver_version = FAKE_CUDA_DRIVER;
 
 struct CUctx_st {
   int id;
@@ -56,6 +69,10 @@ struct CUfunc_st {
   int max_dynamic_shared;
   CUmodule module;
 };
+struct CUevent_st {
+  uint32_t magic;
+  long launches;
+};
 struct CUmod_st {
   int id;
   int loaded;
@@ -67,6 +84,7 @@ struct CUmod_st {
 static struct CUctx_st contexts[2] = {{1}, {2}};
 static struct CUmod_st modules[FAKE_MAX_MODULES];
 static int n_modules = 0;
+static long n_launches = 0;
 static int initialized = 0;
 static __thread CUcontext stack[FAKE_STACK];
 static __thread int depth = 0;
@@ -197,9 +215,10 @@ static int parse_cubin(const unsigned char* b, struct CUmod_st* m, size_t* size,
   memcpy(&shnum, b + 0x3C, 2);
   memcpy(&shstrndx, b + 0x3E, 2);
   if (b[4] != 2 || shentsize != 64 || shstrndx >= shnum) return 0;
-  /* CUDA ELF: e_flags bits 8..15 hold the SM the cubin is for (0x5a: sm_90); it runs on that major
-   * revision at that minor or above */
-  const int sm = (int)((flags >> 8) & 0xff);
+  /* The SM the cubin is for, in e_flags: bits 8..15 in the ELF ABI of CUDA 13's ptxas (OS ABI 0x41; 0x5a:
+   * sm_90), bits 0..7 in CUDA 12's (OS ABI 0x33; 0x50: sm_80). It runs on that major revision at that minor
+   * or above. */
+  const int sm = (int)(b[7] == 0x41 ? (flags >> 8) & 0xff : flags & 0xff);
   *arch_ok = sm / 10 == fake_cuda_cc_major && sm % 10 <= fake_cuda_cc_minor;
   size_t end = shoff + (size_t)shnum * shentsize;
   if (phoff + (size_t)phnum * phentsize > end) end = phoff + (size_t)phnum * phentsize;
@@ -478,9 +497,110 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
     for (int j = 0; j < f->sizes[i]; ++j) at += (size_t)snprintf(text + at, cap - at, "%02x", p[j]);
     at += (size_t)snprintf(text + at, cap - at, "\"}");
   }
+  n_launches++;
   record("{\"event\": \"launch\", \"name\": \"%s\", \"module\": %d, \"grid\": [%u, %u, %u], \"block\": [%u, %u, %u], "
          "\"shared\": %u, \"stream\": %llu, \"params\": [%s]}", f->name, f->module->id, gx, gy, gz, bx, by, bz, shared,
          (unsigned long long)(uintptr_t)s, text);
   free(text);
+  return CUDA_SUCCESS;
+}
+
+/* ---- the timer's entry points (custom_ops/timing.cc) ---- */
+
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (dev != 0 || !ctx) return CUDA_ERROR_INVALID_VALUE;
+  *ctx = &contexts[0];
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (ctx != NULL && ctx != &contexts[0] && ctx != &contexts[1]) return CUDA_ERROR_INVALID_CONTEXT;
+  fake_cuda_set_current(ctx);
+  record("{\"event\": \"set_current\", \"context\": %d}", ctx ? ctx->id : 0);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSynchronize(void) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  return current() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int flags) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (!s || (flags & ~1u)) return CUDA_ERROR_INVALID_VALUE;
+  *s = fake_cuda_stream(current());
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  return check_stream(s, "cuStreamSynchronize");
+}
+
+CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
+  void* mem = NULL;
+  if (!p || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (posix_memalign(&mem, 256, bytes) != 0) return CUDA_ERROR_OUT_OF_MEMORY;  /* the driver aligns to 256 */
+  *p = (CUdeviceptr)(uintptr_t)mem;
+  record("{\"event\": \"alloc\", \"ptr\": %llu, \"bytes\": %zu}", (unsigned long long)*p, bytes);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  free((void*)(uintptr_t)p);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
+  memcpy((void*)(uintptr_t)dst, src, bytes);
+  return CUDA_SUCCESS;
+}
+
+#define EVENT_MAGIC 0xE7E7u
+
+CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int flags) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (!e || flags != CU_EVENT_DEFAULT) return CUDA_ERROR_INVALID_VALUE;  /* timing needs the default flags */
+  struct CUevent_st* ev = (struct CUevent_st*)calloc(1, sizeof(*ev));
+  ev->magic = EVENT_MAGIC;
+  ev->launches = -1;
+  *e = ev;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventDestroy(CUevent e) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  e->magic = 0;
+  free(e);
+  record("{\"event\": \"event_destroy\"}");
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventRecord(CUevent e, CUstream s) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  CUresult rc = check_stream(s, "cuEventRecord");
+  if (rc != CUDA_SUCCESS) return rc;
+  e->launches = n_launches;
+  record("{\"event\": \"event_record\", \"launches\": %ld, \"stream\": %llu}", n_launches,
+         (unsigned long long)(uintptr_t)s);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!ms || !start || !end || start->magic != EVENT_MAGIC || end->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  if (start->launches < 0 || end->launches < 0) return CUDA_ERROR_INVALID_HANDLE;  /* never recorded */
+  *ms = (float)(end->launches - start->launches);
   return CUDA_SUCCESS;
 }

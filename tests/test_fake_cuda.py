@@ -46,19 +46,33 @@ def ptx_param_sizes(ptx: str, name: str) -> list[int]:
     return [SIZES[t] for t in re.findall(r"\.param\s+\.(\w+)", header)]
 
 
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stand-in built as libcuda.so.1 in a folder of its own."""
+def _build_fake(tmp_path_factory: pytest.TempPathFactory, driver: int) -> Path:
+    """The stand-in playing CUDA driver ``driver``, built as libcuda.so.1 in a folder of its own."""
     from dietcode_ort.build import _find_cuda_include
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    folder = tmp_path_factory.mktemp("fake_libcuda")
+    folder = tmp_path_factory.mktemp(f"fake_libcuda_{driver}")
     subprocess.run([cc, "-O1", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{_find_cuda_include()}",
-                    "-Wl,-soname,libcuda.so.1", str(HERE / "_fake_libcuda.c"), "-o", str(folder / "libcuda.so.1"),
-                    "-lpthread"], check=True, capture_output=True)
+                    f"-DFAKE_CUDA_DRIVER={driver}", "-Wl,-soname,libcuda.so.1", str(HERE / "_fake_libcuda.c"),
+                    "-o", str(folder / "libcuda.so.1"), "-lpthread"], check=True, capture_output=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_fake(tmp_path_factory, 13010)
+
+
+def _run_child(fake: Path, folder: Path, *extra: str) -> dict[str, Any]:
+    env = dict(os.environ, TRITON_INTERPRET="1", LD_LIBRARY_PATH=os.pathsep.join(
+        [str(fake), os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep), PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, str(HERE / "_fake_cuda_cases.py"), str(folder), *extra], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +82,23 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def launched(fake_lib: Path, compiled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The child's report (tests/_fake_cuda_cases.py) for bundles of the compiled kernels."""
+def bundles(compiled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of one-kernel bundles, one per case."""
     from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
     from dietcode_ort.runtime import load_core
 
-    load_core()  # built before the child, which only loads it
+    load_core()  # built before the children, which only load it
     folder = tmp_path_factory.mktemp("bundles")
     for name, kernel in compiled.items():
         payload = Bundle((), (BundleKernel.from_compiled([kernel]),), DispatchTree.single(0)).to_bytes()
         (folder / f"{name}.bundle").write_bytes(payload)
-    env = dict(os.environ, TRITON_INTERPRET="1", LD_LIBRARY_PATH=os.pathsep.join(
-        [str(fake_lib), os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep), PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, str(HERE / "_fake_cuda_cases.py"), str(folder)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def launched(fake_lib: Path, bundles: Path) -> dict[str, Any]:
+    """The child's report (tests/_fake_cuda_cases.py) for bundles of the compiled kernels."""
+    return _run_child(fake_lib, bundles)
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +275,27 @@ def test_probe_and_sm_count_through_the_driver(launched: dict[str, Any]) -> None
     ctx = launched["contexts"]
     assert ctx["probe"] == {"name": "Fake CUDA device (host memory)", "major": 9, "minor": 0, "driver_version": 13010}
     assert ctx["sm_count_current"] == ctx["sm_count_stream"] == SM_COUNT
+
+
+@pytest.mark.parametrize("driver", [13010, 12000])
+def test_gpu_timer_runs_on_drivers_the_bundles_target(driver: int, bundles: Path,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """dc_timing_open, dc_mem_alloc/upload and dc_time_kernel through the stand-in, playing a CUDA 13.1 driver and
+    a 12.0 one (the oldest a bundle's cubins target: docs/bundle.md), which has no cuEventElapsedTime_v2 (CUDA
+    12.8), the name cuda.h maps cuEventElapsedTime to. Each timed launch sits between its two events, after its
+    L2 flush."""
+    got = _run_child(_build_fake(tmp_path_factory, driver), bundles, "timing")
+    assert got["driver"] == driver
+    assert got.get("rc") == 0 and not got["error"], got.get("error")
+    events = got["events"]
+    assert not _of(events, "error"), _of(events, "error")
+    assert _of(events, "set_current")[0]["context"] == 1  # the primary context
+    assert len(_of(events, "launch")) == 5 and got["times"] == [1.0, 1.0, 1.0]  # one launch between the events
+    timed = [e for e in events if e["event"] in ("memset", "event_record", "launch")][2:]  # after the warm-up
+    assert [e["event"] for e in timed] == ["memset", "event_record", "launch", "event_record"] * 3
+    assert [(m["ptr"], m["value"], m["bytes"]) for m in _of(timed, "memset")] == [
+        (got["pointers"]["flush"], i, 4096) for i in range(3)]
+    assert {e["stream"] for e in timed} == {got["stream"]}
+    (launch, *_) = _of(events, "launch")
+    assert decode_params(launch)[:4] == [got["pointers"][p] for p in ("a", "b", "bias", "out")]
+    assert len(_of(events, "event_destroy")) == 6
