@@ -9,8 +9,9 @@ ABI (tests/_fake_cuda_cases.py). Checked: the parameters match the kernel's PTX 
 and the ABI (docs/abi.md) in value (buffers, sizes, strides, the split-K workspace, the TMA global scratch, the
 two trailing scratch pointers), the grid is dc_kernel_grid's, the block the kernel's warps, the shared memory the
 bundle's with the attribute above 48 KiB, the memset zeroes exactly the split-K counters, the persistent grid
-follows the device's SM count, modules load once per context, the vendor epilogue's PTX launch; and for every
-case the recorded parameters, fed to the interpreted template, compute the node's result.
+follows the device's SM count, modules load once per context, the vendor epilogue's PTX launch, the tuner's
+GPU timer (custom_ops/timing.cc) on a CUDA 13.1 and a 12.0 driver; and for every case the recorded parameters,
+fed to the interpreted template, compute the node's result.
 """
 from __future__ import annotations
 
