@@ -58,8 +58,12 @@ TimingDriver LoadTimingDriver() {
   DC_SYM(EventCreate, cuEventCreate);
   DC_SYM(EventDestroy, cuEventDestroy);
   DC_SYM(EventRecord, cuEventRecord);
-  DC_SYM(EventElapsedTime, cuEventElapsedTime);
 #undef DC_SYM
+  // cuda.h maps cuEventElapsedTime to cuEventElapsedTime_v2, which came with CUDA 12.8; older drivers (down to
+  // 12.0, the oldest the bundles' cubins target) have only the original entry point, of the same signature.
+  std::string missing;
+  Sym(DC_STR(cuEventElapsedTime), &t.EventElapsedTime, &missing);
+  if (!missing.empty()) Sym("cuEventElapsedTime", &t.EventElapsedTime, &t.error);
   t.ok = t.error.empty();
   return t;
 }

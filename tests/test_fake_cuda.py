@@ -1,0 +1,302 @@
+"""custom_ops/launch.cc without a GPU: the custom-op library's launches through a stand-in CUDA driver.
+
+tests/_fake_libcuda.c, built here against the library's cuda.h and installed as libcuda.so.1 on a child
+process's LD_LIBRARY_PATH, is the driver launch.cc opens: host memory for device memory, a per-thread context
+stack, modules parsed for their kernels' parameter lists, and a log of every module load, function attribute,
+memset and launch with the raw bytes of each kernel parameter. The kernels are compiled ahead of time for sm_90
+(tuner/aot.py and tuner/attention.py, with the local Triton), bundled one per case, and launched through the C
+ABI (tests/_fake_cuda_cases.py). Checked: the parameters match the kernel's PTX .param list in count and size
+and the ABI (docs/abi.md) in value (buffers, sizes, strides, the split-K workspace, the TMA global scratch, the
+two trailing scratch pointers), the grid is dc_kernel_grid's, the block the kernel's warps, the shared memory the
+bundle's with the attribute above 48 KiB, the memset zeroes exactly the split-K counters, the persistent grid
+follows the device's SM count, modules load once per context, the vendor epilogue's PTX launch, the tuner's
+GPU timer (custom_ops/timing.cc) on a CUDA 13.1 and a 12.0 driver; and for every case the recorded parameters,
+fed to the interpreted template, compute the node's result.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _fake_cuda_cases import CASES, FILL, SM_COUNT, compile_case, decode_params
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SIZES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+
+
+def _fnv1a(data: bytes) -> str:
+    h = 1469598103934665603
+    for byte in data:
+        h = ((h ^ byte) * 1099511628211) & (2**64 - 1)
+    return f"{h:016x}"
+
+
+def ptx_param_sizes(ptx: str, name: str) -> list[int]:
+    """The byte size of each .param of entry ``name``, in order."""
+    start = ptx.index(f".entry {name}(")
+    header = ptx[start:ptx.index(")", start)]
+    return [SIZES[t] for t in re.findall(r"\.param\s+\.(\w+)", header)]
+
+
+def _build_fake(tmp_path_factory: pytest.TempPathFactory, driver: int) -> Path:
+    """The stand-in playing CUDA driver ``driver``, built as libcuda.so.1 in a folder of its own."""
+    from dietcode_ort.build import _find_cuda_include
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    folder = tmp_path_factory.mktemp(f"fake_libcuda_{driver}")
+    subprocess.run([cc, "-O1", "-Wall", "-Wextra", "-shared", "-fPIC", f"-I{_find_cuda_include()}",
+                    f"-DFAKE_CUDA_DRIVER={driver}", "-Wl,-soname,libcuda.so.1", str(HERE / "_fake_libcuda.c"),
+                    "-o", str(folder / "libcuda.so.1"), "-lpthread"], check=True, capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_fake(tmp_path_factory, 13010)
+
+
+def _run_child(fake: Path, folder: Path, *extra: str) -> dict[str, Any]:
+    env = dict(os.environ, TRITON_INTERPRET="1", LD_LIBRARY_PATH=os.pathsep.join(
+        [str(fake), os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep), PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, str(HERE / "_fake_cuda_cases.py"), str(folder), *extra], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cache = tmp_path_factory.mktemp("kernels")
+    return {case.name: compile_case(case, cache) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def bundles(compiled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of one-kernel bundles, one per case."""
+    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+    from dietcode_ort.runtime import load_core
+
+    load_core()  # built before the children, which only load it
+    folder = tmp_path_factory.mktemp("bundles")
+    for name, kernel in compiled.items():
+        payload = Bundle((), (BundleKernel.from_compiled([kernel]),), DispatchTree.single(0)).to_bytes()
+        (folder / f"{name}.bundle").write_bytes(payload)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def launched(fake_lib: Path, bundles: Path) -> dict[str, Any]:
+    """The child's report (tests/_fake_cuda_cases.py) for bundles of the compiled kernels."""
+    return _run_child(fake_lib, bundles)
+
+
+@pytest.fixture(scope="module")
+def bundled(compiled: dict[str, Any]) -> dict[str, Any]:
+    from dietcode_ort.bundle import BundleKernel
+
+    return {name: BundleKernel.from_compiled([kernel]) for name, kernel in compiled.items()}
+
+
+def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == kind]
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _expected_params(case: Any, kernel: Any, got: dict[str, Any]) -> list[int]:
+    """The ABI's value of each of the kernel's params for the call, then the global and profile scratch."""
+    args, ptr = got["args"], got["pointers"]
+    pointers = ({"q": ptr["q"], "k": ptr["kt"], "v": ptr["v"], "mask": ptr["mask"], "out": ptr["out"]}
+                if case.op == "attention" else
+                {"a": ptr.get("a", ptr.get("x")), "b": ptr.get("b", ptr.get("w")), "bias": ptr.get("bias"),
+                 "c": ptr["out"], "residual": ptr.get("residual"), "workspace": args["workspace"]})
+    want = [pointers[p] if p in pointers else args[p] & 0xFFFFFFFF for p in kernel.params]
+    split_bytes = 0
+    if kernel.split_k > 1:
+        tiles = _ceil(args["M"], kernel.block_m) * _ceil(args["N"], kernel.block_n) * max(1, args["batch"])
+        split_bytes = _ceil(tiles * (kernel.split_k * kernel.block_m * kernel.block_n * 4 + 4), 16) * 16
+    size, align = kernel.image_scratch[0]
+    scratch = _ceil(args["workspace"] + split_bytes, align) * align if size else 0
+    return [*want, scratch, 0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_launch_passes_what_the_kernel_and_the_abi_expect(launched: dict[str, Any], compiled: dict[str, Any],
+                                                          bundled: dict[str, Any], case: Any) -> None:
+    got = launched[case.name]
+    assert "error" not in got, got.get("error")
+    events, kernel, built = got["events"], bundled[case.name], compiled[case.name]
+    assert not _of(events, "error"), _of(events, "error")
+    # the image: the sm_90 cubin, or the PTX where the bundle has no cubin the device runs
+    (load,) = _of(events, "load")
+    image = kernel.images[0][1] if case.target == "sm_90" else kernel.ptx.encode() + b"\0"
+    assert load["kind"] == ("cubin" if case.target == "sm_90" else "ptx")
+    assert (load["size"], load["fnv1a"]) == (len(image), _fnv1a(image))
+    sizes = ptx_param_sizes(built.ptx, kernel.name)
+    assert len(sizes) == len(kernel.params) + 2  # the ABI's params and Triton's global and profile scratch
+    (function,) = _of(events, "function")
+    assert (function["name"], function["n_params"]) == (kernel.name, len(sizes))  # the image's own count
+    shared = kernel.image_shared[0] if case.target == "sm_90" else kernel.shared
+    assert shared == built.shared
+    attributes = _of(events, "set_attribute")
+    assert [(a["attribute"], a["value"]) for a in attributes] == ([(8, shared)] if shared > 48 * 1024 else [])
+    (launch,) = _of(events, "launch")
+    assert launch["name"] == kernel.name and launch["stream"] == got["stream"]
+    assert launch["grid"] == got["grid"] and launch["block"] == [built.num_warps * 32, 1, 1]
+    assert launch["shared"] == shared
+    assert [p["size"] for p in launch["params"]] == sizes
+    want = _expected_params(case, kernel, got)
+    assert decode_params(launch) == want, dict(zip([*kernel.params, "global_scratch", "profile_scratch"],
+                                                   zip(decode_params(launch), want)))
+    # the stream's context, pushed for the call and popped after
+    assert [e["event"] for e in events if e["event"] in ("push", "pop")] == ["push", "pop"]
+    assert events[0]["event"] == "push" and events[-1]["event"] == "pop"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.tma], ids=[c.name for c in CASES if c.tma])
+def test_tma_scratch_lies_in_the_workspace_128_aligned(launched: dict[str, Any], bundled: dict[str, Any],
+                                                       case: Any) -> None:
+    got, kernel = launched[case.name], bundled[case.name]
+    (launch,) = _of(got["events"], "launch")
+    scratch = decode_params(launch)[-2]
+    grid = launch["grid"]
+    workspace, size = got["args"]["workspace"], got["args"]["workspace_bytes"]
+    assert kernel.image_scratch[0] == (256, 128) and workspace % 128 != 0  # the alignment is the launcher's
+    assert scratch % 128 == 0 and workspace <= scratch and scratch - workspace < 128 + (
+        size - 256 * grid[0] * grid[1] * grid[2])
+    assert scratch + 256 * grid[0] * grid[1] * grid[2] <= workspace + size  # 256 B per program, inside
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.config[5:6] and c.config[6] > 1],
+                         ids=[c.name for c in CASES if c.config[5:6] and c.config[6] > 1])
+def test_split_k_memset_zeroes_exactly_the_counters(launched: dict[str, Any], bundled: dict[str, Any],
+                                                    case: Any) -> None:
+    got, kernel = launched[case.name], bundled[case.name]
+    args = got["args"]
+    tiles = _ceil(args["M"], kernel.block_m) * _ceil(args["N"], kernel.block_n) * max(1, args["batch"])
+    partials = tiles * kernel.split_k * kernel.block_m * kernel.block_n * 4
+    (memset,) = _of(got["events"], "memset")
+    assert (memset["ptr"], memset["value"], memset["bytes"]) == (args["workspace"] + partials, 0, tiles * 4)
+    assert memset["stream"] == got["stream"]
+    events = [e["event"] for e in got["events"]]
+    assert events.index("memset") < events.index("launch")  # on the stream, before the kernel
+    after = bytes.fromhex(got["workspace_after"])
+    assert after[partials:partials + tiles * 4] == bytes(tiles * 4)
+    assert set(after[:partials]) == {FILL} and set(after[partials + tiles * 4:]) <= {FILL}
+
+
+def test_only_split_k_launches_memset(launched: dict[str, Any], bundled: dict[str, Any]) -> None:
+    for case in CASES:
+        assert bool(_of(launched[case.name]["events"], "memset")) == (bundled[case.name].split_k > 1), case.name
+
+
+def test_persistent_grid_follows_the_devices_sm_count(launched: dict[str, Any], bundled: dict[str, Any]) -> None:
+    (case,) = [c for c in CASES if c.persistent]
+    got, kernel = launched[case.name], bundled[case.name]
+    args = got["args"]
+    assert args["sm_count"] == 0  # the launcher asked the device
+    queries = [e for e in _of(got["events"], "device_attribute") if e["attribute"] == 16]  # MULTIPROCESSOR_COUNT
+    assert [q["value"] for q in queries] == [SM_COUNT]
+    tiles = _ceil(args["M"], kernel.block_m) * _ceil(args["N"], kernel.block_n) * args["batch"]
+    (launch,) = _of(got["events"], "launch")
+    assert tiles > SM_COUNT * case.persistent and launch["grid"] == [SM_COUNT * case.persistent, 1, 1]
+    assert got["workspace_bytes"] == (128 - 16) + SM_COUNT * case.persistent * 256
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_recorded_parameters_drive_the_template_to_the_result(launched: dict[str, Any], case: Any) -> None:
+    """The bytes the launcher gave the driver, as the interpreted template's arguments (pointers mapped back to
+    the buffers, the split-K counters as the launcher's memset left them), compute the node's result."""
+    got = launched[case.name]["interpreted"]
+    assert "error" not in got, got
+    assert got["max_err"] <= 2e-3 * max(1.0, got["scale"]), got
+
+
+def test_modules_load_once_per_context_and_the_context_is_restored(launched: dict[str, Any]) -> None:
+    ctx = launched["contexts"]
+    kinds = {name: [e["event"] for e in ctx[name] if e["event"] != "device_attribute"]
+             for name in ("first", "again", "other", "other_again")}
+    assert kinds["first"] == kinds["other"] == ["push", "load", "function", "launch", "pop"]
+    assert kinds["again"] == kinds["other_again"] == ["push", "launch", "pop"]  # loaded once per context
+    assert [e["context"] for e in _of(ctx["other"], "push") + _of(ctx["other"], "load")] == [2, 2]
+    assert all(ctx[f"{name}_depth"] == 0 for name in kinds)  # nothing left current
+    assert _of(ctx["other"], "launch")[0]["stream"] == ctx["streams"]["other"]
+    assert "no CUDA context is current on this thread and no stream was given" in ctx["null_without_context"]
+    # the null stream: the thread's current context, nothing pushed, the module loaded there reused
+    assert [e["event"] for e in ctx["null_in_current"]] == ["launch"] and ctx["null_in_current_depth"] == 1
+    assert _of(ctx["null_in_current"], "launch")[0]["stream"] == 0
+    # a stream of another context than the current one: its context pushed, and popped back to the current one
+    assert [(e["event"], e.get("context")) for e in ctx["first_over_current"]] == [
+        ("push", 1), ("launch", None), ("pop", 1)] and ctx["first_over_current_depth"] == 1
+    # freeing the bundle unloads each module in its own context
+    assert [(e["event"], e.get("context")) for e in ctx["freed"]] == [
+        ("push", 1), ("unload", None), ("pop", 1), ("push", 2), ("unload", None), ("pop", 2)]
+
+
+def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, Any]) -> None:
+    """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's, its
+    .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the recorded values,
+    run as that PTX on the host over the buffers they point at, give act(y + scale * bias) + residual."""
+    got = launched["vendor_epilogue"]
+    assert "error" not in got, got.get("error")
+    events = got["events"]
+    assert not _of(events, "error"), _of(events, "error")
+    (load,) = _of(events, "load")  # the second launch reuses the module
+    image = got["ptx"].encode() + b"\0"
+    assert load["kind"] == "ptx" and (load["size"], load["fnv1a"]) == (len(image), _fnv1a(image))
+    launches = _of(events, "launch")
+    assert len(launches) == 2 and launches[0]["params"] == launches[1]["params"]
+    launch = launches[0]
+    assert launch["name"] == "dc_epilogue" and launch["stream"] == got["stream"]
+    assert [p["size"] for p in launch["params"]] == ptx_param_sizes(got["ptx"], "dc_epilogue")
+    values = dict(zip(got["names"], decode_params(launch)))
+    ptr = got["pointers"]
+    assert (values["p_y"], values["p_bias"], values["p_res"]) == (ptr["y"], ptr["bias"], ptr["residual"])
+    assert (values["p_total"], values["p_cols"], values["p_brows"], values["p_brs"], values["p_bcs"]) == (35, 7, 1, 0, 1)
+    assert values["p_act"] == 2 and values["p_scale"] == 0x3F000000  # gelu, 0.5f
+    assert launch["grid"] == [1, 1, 1] and launch["block"] == [256, 1, 1] and launch["shared"] == 0
+    assert got["max_err"] <= 2e-3 * max(1.0, got["scale"]), got["max_err"]
+
+
+def test_probe_and_sm_count_through_the_driver(launched: dict[str, Any]) -> None:
+    ctx = launched["contexts"]
+    assert ctx["probe"] == {"name": "Fake CUDA device (host memory)", "major": 9, "minor": 0, "driver_version": 13010}
+    assert ctx["sm_count_current"] == ctx["sm_count_stream"] == SM_COUNT
+
+
+@pytest.mark.parametrize("driver", [13010, 12000])
+def test_gpu_timer_runs_on_drivers_the_bundles_target(driver: int, bundles: Path,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """dc_timing_open, dc_mem_alloc/upload and dc_time_kernel through the stand-in, playing a CUDA 13.1 driver and
+    a 12.0 one (the oldest a bundle's cubins target: docs/bundle.md), which has no cuEventElapsedTime_v2 (CUDA
+    12.8), the name cuda.h maps cuEventElapsedTime to. Each timed launch sits between its two events, after its
+    L2 flush."""
+    got = _run_child(_build_fake(tmp_path_factory, driver), bundles, "timing")
+    assert got["driver"] == driver
+    assert got.get("rc") == 0 and not got["error"], got.get("error")
+    events = got["events"]
+    assert not _of(events, "error"), _of(events, "error")
+    assert _of(events, "set_current")[0]["context"] == 1  # the primary context
+    assert len(_of(events, "launch")) == 5 and got["times"] == [1.0, 1.0, 1.0]  # one launch between the events
+    timed = [e for e in events if e["event"] in ("memset", "event_record", "launch")][2:]  # after the warm-up
+    assert [e["event"] for e in timed] == ["memset", "event_record", "launch", "event_record"] * 3
+    assert [(m["ptr"], m["value"], m["bytes"]) for m in _of(timed, "memset")] == [
+        (got["pointers"]["flush"], i, 4096) for i in range(3)]
+    assert {e["stream"] for e in timed} == {got["stream"]}
+    (launch, *_) = _of(events, "launch")
+    assert decode_params(launch)[:4] == [got["pointers"][p] for p in ("a", "b", "bias", "out")]
+    assert len(_of(events, "event_destroy")) == 6
