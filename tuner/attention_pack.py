@@ -73,7 +73,9 @@ def _initializer(links: _Links, name: str) -> onnx.TensorProto | None:
 def _projection(links: _Links, head_split: str, op: str) -> _Projection:
     """The MatMul (and bias Add) making the value that ``head_split``'s Reshape splits into heads."""
     _, reshape = links.node(head_split, "head split")
-    _only_reader(links, head_split, f"{op} head split")
+    readers = [links.graph.node[i] for i in links.readers.get(head_split, [])]
+    if head_split in links.outputs or sum(not _is(r, "Shape") for r in readers) != 1:  # Shapes: find_attention's
+        raise _Keep(f"the {op} head split {head_split!r} is read by other nodes too")
     value = reshape.input[0]  # other readers of it (Shape) still read it: the Split makes it under its name
     node = links.graph.node[links.producer[value]] if value in links.producer else None
     add = None
@@ -162,8 +164,6 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
             continue
         links = _Links(graph, base)  # again per site: the graph changed
         try:
-            if site.through:
-                raise _Keep("a Mul scales Q or K between its head split and the chain")
             if site.layout & 7 != 7:
                 raise _Keep("the head splits of Q, K and V are not all absorbed (see the kept Transposes)")
             if opset < 11:
