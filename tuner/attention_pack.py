@@ -91,7 +91,8 @@ def _projection(links: _Links, head_split: str, op: str) -> _Projection:
         _only_reader(links, made, f"{op} projection's MatMul output")
         node = links.graph.node[links.producer[made]] if made in links.producer else None
     if not _is(node, "MatMul"):
-        raise _Keep(f"the {op} head split is not made by a MatMul (and a bias Add)")
+        made_by = f"a {node.op_type}" if node is not None else "no node (a graph input or initializer)"
+        raise _Keep(f"the {op} head split is not made by a MatMul (and a bias Add) but {made_by}")
     assert node is not None
     weight = _initializer(links, node.input[1])
     if weight is None:
