@@ -109,15 +109,15 @@ def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
 
 # case -> (chains read packed, Transposes left after fusing) as optimize sees the export: the pre-pass
 # (tuner/attention_prepare.py: Shape(Transpose) -> Gather(Shape), dynamo's Kt Reshape -> Transpose -> Reshape ->
-# one Transpose, SDPA's no-op output Reshape dropped), SDPA's Muls of Q and Kt folded into the scale, the Q/K/V
-# projections merged. Kept: ViT's patch-embedding, T5's position-bias and Whisper's conv-output Transposes (no
-# attention's); Whisper scales Q's projection before its head split (not packed); LLaMA's rotary embedding and
-# K/V repeat sit between the head splits and the chain.
+# one Transpose, SDPA's no-op output Reshape dropped, Whisper's scale of the Q projection moved after its head
+# split), the Muls of Q and Kt folded into the scale, the Q/K/V projections merged (Whisper's K, which has no
+# bias, with zeros). Kept: ViT's patch-embedding, T5's position-bias and Whisper's conv-output Transposes (no
+# attention's); LLaMA's rotary embedding and K/V repeat sit between the head splits and the chain.
 PREPARED = {
     "bert-torchscript": (2, 0), "bert-dynamo": (2, 0), "distilbert-torchscript": (2, 0),
     "distilbert-dynamo": (2, 0), "gpt2-torchscript": (2, 0), "gpt2-dynamo": (2, 0), "vit-torchscript": (2, 1),
-    "vit-dynamo": (2, 1), "t5-encoder-torchscript": (2, 1), "whisper-encoder-torchscript": (0, 1),
-    "whisper-encoder-dynamo": (0, 1), "llama-torchscript": (0, 8), "llama-dynamo": (0, 8),
+    "vit-dynamo": (2, 1), "t5-encoder-torchscript": (2, 1), "whisper-encoder-torchscript": (2, 1),
+    "whisper-encoder-dynamo": (2, 1), "llama-torchscript": (0, 8), "llama-dynamo": (0, 8),
 }
 
 

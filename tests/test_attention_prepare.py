@@ -27,21 +27,28 @@ def _i64(name: str, values) -> onnx.TensorProto:
     return numpy_helper.from_array(np.array(values, np.int64), name)
 
 
-def _exported(style: str, *, q_mul: str = "scalar") -> onnx.ModelProto:
+def _exported(style: str, *, q_mul: str = "scalar", projection_scale: bool = False) -> onnx.ModelProto:
     """One attention layer of three projections of x [B, S, E] with biases, as ``style`` ("torchscript" or
     "dynamo") writes it. ``q_mul``: "scalar" (SDPA's), "vector" (a [d] constant: no scale to fold) or
-    "read_twice" (Q's Mul output is a graph output too)."""
+    "read_twice" (Q's Mul output is a graph output too). ``projection_scale``: Q's projection is multiplied by
+    a constant before its head split (Whisper's and BART's attention), and K's projection has no bias (Whisper's)."""
     rng = np.random.default_rng(0)
     inits = [_i64("i0", 0), _i64("i1", 1), _i64("i2", 2), _i64("i3", 3), _i64("ax0", [0]), _i64("hd", [_H, _D]),
              _i64("e", [_E]), _i64("minus1", [-1]),
              numpy_helper.from_array(np.array(_ROOT, np.float32), "root"),
-             numpy_helper.from_array(np.full(_D, _ROOT, np.float32), "root_d")]
+             numpy_helper.from_array(np.full(_D, _ROOT, np.float32), "root_d"),
+             numpy_helper.from_array(np.array([0.3], np.float32), "proj_c")]
     nodes = []
     for p in "qkv":
         inits += [numpy_helper.from_array(rng.standard_normal((_E, _E)).astype(np.float32) * 0.3, f"w{p}"),
                   numpy_helper.from_array(rng.standard_normal(_E).astype(np.float32) * 0.1, f"b{p}")]
+        if projection_scale and p == "k":
+            nodes.append(helper.make_node("MatMul", ["x", f"w{p}"], [f"{p}3"]))
+            continue
         nodes += [helper.make_node("MatMul", ["x", f"w{p}"], [f"{p}m"]),
-                  helper.make_node("Add", [f"{p}m", f"b{p}"], [f"{p}3"])]
+                  helper.make_node("Add", [f"{p}m", f"b{p}"], [f"{p}3" if p != "q" or not projection_scale else "qb"])]
+        if projection_scale and p == "q":
+            nodes.append(helper.make_node("Mul", ["qb", "proj_c"], ["q3"]))
 
     def unsq(src: str, dst: str) -> onnx.NodeProto:
         return helper.make_node("Unsqueeze", [src, "ax0"], [dst])
@@ -110,8 +117,13 @@ def _feeds(batch: int, seq: int) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal((batch, seq, _E)).astype(np.float32), "mask": mask}
 
 
-def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], library: bool = False) -> list[np.ndarray]:
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], library: bool = False,
+         plain: bool = False) -> list[np.ndarray]:
+    """ORT's outputs; ``plain``: with its graph optimizations off (they fuse a scaling Mul into a MatMul in one
+    graph and not in another, which moves the last bit)."""
     opts = ort.SessionOptions()
+    if plain:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if library:
         from dietcode_ort.runtime import register
 
@@ -155,6 +167,28 @@ def test_exported_layers_fuse_absorb_every_transpose_and_pack(style: str) -> Non
         (want,) = _run(model, feeds)
         np.testing.assert_allclose(_run(prepared, feeds)[0], want, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(_run(fused, feeds)[0], want, rtol=1e-5, atol=1e-6)  # the fallback function
+        np.testing.assert_allclose(_run(fused, feeds, library=True)[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["torchscript", "dynamo"])
+def test_a_scaled_projection_moves_after_its_head_split_and_packs(style: str) -> None:
+    """Q's projection times a constant before its head split: the Mul moves after the Transpose (the same
+    values), folds into the scale with SDPA's, and Q packs with K (no bias: zeros in the merged bias) and V."""
+    model = _exported(style, projection_scale=True)
+    prepared, done = prepare_attention(model)
+    assert done.scales == 1
+    packed, result = pack_projections(prepared)
+    (site,) = find_attention(packed).sites
+    assert site.layout == 31 and result.notes == ()
+    assert site.scale == pytest.approx(0.3 * _ROOT * _ROOT, rel=1e-6)
+    fused, _ = fuse_attention(packed)
+    onnx.checker.check_model(fused, full_check=True)
+    assert {n.op_type for n in fused.graph.node} == {"MatMul", "Add", OP_TYPE, "Reshape"} | (
+        {"Shape", "Gather", "Unsqueeze", "Concat"} if style == "torchscript" else {"Shape", "Concat"})
+    for batch, seq in ((1, 1), (2, 9)):
+        feeds = _feeds(batch, seq)
+        (want,) = _run(model, feeds)
+        np.testing.assert_array_equal(_run(prepared, feeds, plain=True)[0], _run(model, feeds, plain=True)[0])
         np.testing.assert_allclose(_run(fused, feeds, library=True)[0], want, rtol=1e-5, atol=1e-5)
 
 

@@ -338,14 +338,16 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
     readers = {"q": node, "k": node, "v": second}
     unfolded: list[str] = []
     for op in ("k", "q"):
-        scaling = _operand_scale(g, kt if op == "k" else q, node)
-        maker = g.producers.get(kt if op == "k" else q)
-        if scaling is None and maker is not None and _is(maker, "Mul", "Div"):
-            t_out = next((x for x in maker.input if _is(g.producers.get(x), "Transpose")), None)
-            if t_out is not None:
-                unfolded.append(f"{_NAMES[op]}'s Transpose {t_out!r} kept: the {maker.op_type} between it and the "
-                                "chain is not one by a one-element constant read by the chain alone")
-        if scaling is not None:
+        for _ in range(3):  # Muls in a row (a projection's scale moved after its head split, then SDPA's)
+            scaling = _operand_scale(g, kt if op == "k" else q, readers[op])
+            maker = g.producers.get(kt if op == "k" else q)
+            if scaling is None and maker is not None and _is(maker, "Mul", "Div"):
+                t_out = next((x for x in maker.input if _is(g.producers.get(x), "Transpose")), None)
+                if t_out is not None:
+                    unfolded.append(f"{_NAMES[op]}'s Transpose {t_out!r} kept: the {maker.op_type} between it and "
+                                    "the chain is not one by a one-element constant read by the chain alone")
+            if scaling is None:
+                break
             mul, factor = scaling
             chain.insert(0, mul)
             readers[op] = mul

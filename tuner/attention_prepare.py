@@ -12,6 +12,9 @@ What real exporters write around the chain, and what this does with it:
 - ``Reshape(Transpose(Reshape(K, [B*H, S, d]), (0, 2, 1)), [B, H, d, S])`` (the dynamo export's Kt, K [B, H, S,
   d]) is ``Transpose(K, (0, 1, 3, 2))``, provided by the inferred shapes (the first Reshape keeps the last two dims,
   the second restores the first two); two Transposes in a row, the first read by the second alone, are one.
+- ``Mul(y, c) -> Reshape -> Transpose -> MatMul`` with c a one-element constant (Whisper's and BART's attention
+  scale the Q projection so) becomes ``Reshape(y) -> Transpose -> Mul(., c) -> MatMul``: the same values, and the
+  Mul then folds into the chain's scale, so the Q projection can be packed with K's and V's.
 - A Reshape of an attention output (a MatMul's) to its own shape, read by a Transpose and Shapes alone (the
   TorchScript export of scaled_dot_product_attention reshapes [B, H, S, d] to [B, -1, S, d] before the head
   merge), is dropped.
@@ -40,6 +43,7 @@ class PrepareResult:
     kt_transposes: int  # Reshape -> Transpose -> Reshape sequences made one Transpose
     merged_transposes: int  # Transpose pairs made one
     reshapes: int  # no-op Reshapes of an attention output dropped
+    scales: int = 0  # Muls of a projection by a constant moved after its head split
 
 
 def _is(node: onnx.NodeProto | None, *ops: str) -> bool:
@@ -253,6 +257,50 @@ def _noop_reshapes(graph: onnx.GraphProto, g: scan_mod._Graph) -> int:
     return count
 
 
+def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names: _Names) -> int:
+    """Mul(y, c) (or Div(y, c)) -> Reshape -> Transpose -> [Mul | Div] -> MatMul, c a one-element constant, each
+    value read by the next alone (Shapes of the Reshape's output aside) -> Reshape(y) -> Transpose -> Mul(., c) ->
+    ...: the same values (each element times c, moved), and the matcher folds the Muls into the chain's scale."""
+    index = _Index(graph)
+    consts = _constants(graph)
+    count = 0
+    for t in list(graph.node):
+        reader = index.only_reader(t.output[0]) if _is(t, "Transpose") else None
+        if reader is not None and _is(reader, "Mul", "Div"):  # SDPA's own scale of Q between
+            reader = reader if _is(index.only_reader(reader.output[0]), "MatMul") else None
+        if reader is None or not _is(reader, "MatMul", "Mul", "Div"):
+            continue
+        reshape = index.producer.get(t.input[0])
+        if reshape is None or not _is(reshape, "Reshape") or reshape.output[0] in index.outputs or not all(
+                r is t or _is(r, "Shape") for r in index.readers.get(reshape.output[0], [])):
+            continue
+        mul = index.producer.get(reshape.input[0])
+        if mul is None or not _is(mul, "Mul", "Div") or len(mul.input) != 2 or \
+                not index.read_by(reshape.input[0], reshape):
+            continue
+        at_c = [i for i, x in enumerate(mul.input) if x in consts]
+        if len(at_c) != 1 or (mul.op_type == "Div" and at_c[0] != 1):
+            continue
+        c = consts[mul.input[at_c[0]]]
+        y = mul.input[1 - at_c[0]]
+        shape = g.shapes.get(y)
+        if c.size != 1 or c.dtype.kind != "f" or shape is None or c.ndim > len(shape):
+            continue
+        scaled = names(f"{t.output[0]}_scaled")
+        inputs = list(mul.input)
+        inputs[1 - at_c[0]] = t.output[0]
+        moved = helper.make_node(mul.op_type, inputs, [scaled], name=names(f"{mul.name or mul.output[0]}_moved"))
+        for i, x in enumerate(reader.input):
+            if x == t.output[0]:
+                reader.input[i] = scaled
+        reshape.input[0] = y  # the Mul, left unread, goes with _drop_dead
+        at = next(i for i, n in enumerate(graph.node) if n is t)
+        graph.node.insert(at + 1, moved)
+        count += 1
+        index = _Index(graph)
+    return count
+
+
 def prepare_attention(model: onnx.ModelProto, base_dir: str | Path | None = None,
                       copy: bool = True) -> tuple[onnx.ModelProto, PrepareResult]:
     """``model`` (a copy unless ``copy`` is False) with the rewrites above applied, and how many of each."""
@@ -262,18 +310,19 @@ def prepare_attention(model: onnx.ModelProto, base_dir: str | Path | None = None
     out = model_to_edit(model, copy)
     graph = out.graph
     if not any(_is(n, "Softmax") for n in graph.node):
-        return out, PrepareResult(0, 0, 0, 0)
+        return out, PrepareResult(0, 0, 0, 0, 0)
     inferred = scan_mod._infer(scan_mod._inference_copy(out, base))
     g = scan_mod._Graph(inferred, list(inferred.graph.initializer))
     before = _graph_reads(graph)
     names = _Names(graph)
     counts = []
     for step in (lambda: _shapes_of_transposes(graph, g, names), lambda: _kt_transposes(graph, g, names),
-                 lambda: _noop_reshapes(graph, g), lambda: _merged_transposes(graph)):
+                 lambda: _noop_reshapes(graph, g), lambda: _merged_transposes(graph),
+                 lambda: _scales_after_head_splits(graph, g, names)):
         counts.append(step())
         if counts[-1]:  # what the step left unread goes before the next looks at the readers
             _drop_unread(graph, before)
             _drop_dead(graph, before)
             before |= _graph_reads(graph)  # values this step made, which a later one may leave unread
-    shapes, kts, reshapes, merged = counts
-    return out, PrepareResult(shapes, kts, merged, reshapes)
+    shapes, kts, reshapes, merged, scales = counts
+    return out, PrepareResult(shapes, kts, merged, reshapes, scales)
