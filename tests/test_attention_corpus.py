@@ -52,11 +52,12 @@ def test_corpus_attention_fuses_and_matches_stock_ort(name: str, tmp_path) -> No
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)
 
 
-# case -> (Transpose nodes in the export, after fusing): the head-split Transposes the Attention nodes absorb
-# (tuner/attention_graph.py; Q's and K's through the Mul that scales them). Kept (site.layout_notes): in the
-# TorchScript exports Q's and V's Transposes are read by a Shape too and the output goes through a Reshape before
-# its Transpose; the dynamo exports make Kt through a rank-3 Transpose (0, 2, 1); LLaMA applies the rotary
-# embedding after Q's and K's Transposes and repeats K and V (Expand) after them.
+# case -> (Transpose nodes in the export, after fusing the export as it is, without the pre-pass of
+# tuner/attention_prepare.py): the head-split Transposes the Attention nodes absorb (tuner/attention_graph.py; Q's
+# and K's through the Mul that scales them, folded into the scale). Kept (site.layout_notes): in the TorchScript
+# exports Q's and V's Transposes are read by a Shape too and the output goes through a Reshape before its
+# Transpose; the dynamo exports make Kt through a rank-3 Transpose (0, 2, 1); LLaMA applies the rotary embedding
+# after Q's and K's Transposes and repeats K and V (Expand) after them. PREPARED below: with the pre-pass.
 TRANSPOSES = {
     "bert-torchscript": (8, 6), "gpt2-torchscript": (8, 6), "llama-torchscript": (10, 10),
     "bert-dynamo": (10, 4), "gpt2-dynamo": (10, 4), "llama-dynamo": (10, 8),
@@ -104,3 +105,42 @@ def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
     plain = [ort.InferenceSession(m.SerializeToString(), off, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
              for m in (fused, model)]
     np.testing.assert_array_equal(*plain)
+
+
+# case -> (chains read packed, Transposes left after fusing) as optimize sees the export: the pre-pass
+# (tuner/attention_prepare.py: Shape(Transpose) -> Gather(Shape), dynamo's Kt Reshape -> Transpose -> Reshape ->
+# one Transpose, SDPA's no-op output Reshape dropped, Whisper's scale of the Q projection moved after its head
+# split), the Muls of Q and Kt folded into the scale, the Q/K/V projections merged (Whisper's K, which has no
+# bias, with zeros). Kept: ViT's patch-embedding, T5's position-bias and Whisper's conv-output Transposes (no
+# attention's); LLaMA's rotary embedding and K/V repeat sit between the head splits and the chain.
+PREPARED = {
+    "bert-torchscript": (2, 0), "bert-dynamo": (2, 0), "distilbert-torchscript": (2, 0),
+    "distilbert-dynamo": (2, 0), "gpt2-torchscript": (2, 0), "gpt2-dynamo": (2, 0), "vit-torchscript": (2, 1),
+    "vit-dynamo": (2, 1), "t5-encoder-torchscript": (2, 1), "whisper-encoder-torchscript": (2, 1),
+    "whisper-encoder-dynamo": (2, 1), "llama-torchscript": (0, 8), "llama-dynamo": (0, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PREPARED))
+def test_corpus_exports_pack_after_the_pre_pass(name: str, tmp_path) -> None:
+    from tuner.attention_pack import pack_projections
+    from tuner.attention_prepare import prepare_attention
+
+    built = build_case(CASES_BY_NAME[name], tmp_path)
+    model = onnx.load(str(built.path))
+    prepared, _ = prepare_attention(model, built.path.parent)
+    packed, _ = pack_projections(prepared, built.path.parent)
+    found = find_attention(packed, built.path.parent)
+    fused, _ = fuse_attention(packed, found.sites)
+    onnx.checker.check_model(fused)
+    assert len(found.sites) == LAYERS and found.skipped == ()
+    kept = [n.op_type for n in fused.graph.node].count("Transpose")
+    assert (sum(bool(s.packed) for s in found.sites), kept) == PREPARED[name]
+    for batch, seq in ((2, 7), (1, 1)):
+        inputs = feeds(built.path, built, {"batch": batch, "sequence": seq, "height": 32, "width": 32})
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+        opts = ort.SessionOptions()
+        register(opts)
+        for m, o in ((fused, opts), (fused, ort.SessionOptions()), (prepared, ort.SessionOptions())):
+            got = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=1e-5, rtol=1e-5)

@@ -3,6 +3,7 @@ into one ``ai.dietcode::Attention`` node.
 
 The chain, as the project's BERT builder and torch.onnx write it::
 
+    Q = Mul(Q, a), Kt = Mul(Kt, b)   optional; a, b one-element float constants (or Div by them)
     S = MatMul(Q, Kt)                Q [..., T_q, d], Kt [..., d, T_k] (equal leading dims)
     S = Div(S, c) | Mul(S, c)        optional; c a one-element float constant (scale 1/c or c)
     S = Add(S, mask)                 optional; mask any value (BERT's [batch, 1, 1, T_k] extended mask)
@@ -23,8 +24,10 @@ A chain is fused only when each intermediate value (S, the scaled and masked S, 
 the chain alone (no other node, subgraph or graph output reads it), Q, Kt and V have one rank (3 or 4), the
 head dim d is one known integer for Q, Kt and V, and the mask, when its rank is known, has at most Q's rank.
 Anything else (scores replaced by a Where, Softmax over another axis) stays as it is, with the reason in
-``AttentionScan.skipped``. A scale applied to Q and K before the first MatMul (LLaMA's exports) is no part of
-the chain: those Muls stay in the graph and the chain fuses with scale 1.
+``AttentionScan.skipped``. A Mul of Q or Kt by a one-element constant (or a Div by one) right before the first
+MatMul and read by it alone (torch's scaled_dot_product_attention export scales both by the root of the scale,
+after their head-split Transposes) is part of the chain: its factor goes into the node's scale, the node reads
+the Mul's input (so the Transpose before it is absorbed like any other), and the fallback body keeps the Mul.
 
 Head-split layouts: at rank 4, a Transpose making Q or V with perm (0, 2, 1, 3), or Kt with perm (0, 2, 3, 1),
 from a Reshape that splits the last dim into heads x d ([B, S, H*d] -> [B, S, H, d]) and read by the chain
@@ -34,14 +37,16 @@ transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging th
 (tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
 keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
 with any other perm, or read by other nodes as well, stays in the graph (nothing absorbed for that operand),
-with the reason in ``AttentionSite.layout_notes``. A Transpose of Q or K followed by a Mul by a one-element
-constant (torch's scaled_dot_product_attention export scales both so) is absorbed through it: the Mul stays,
-rewired to scale the Reshape's output (elementwise, so the same values), and the node takes its output. On a
-GPU each absorbed Transpose is one copy kernel less.
+with the reason in ``AttentionSite.layout_notes``. On a GPU each absorbed Transpose is one copy kernel less.
+Shapes of an absorbed head-split input or of the output may read them too: those of an input only when Q, K
+and V are read packed, and only their leading dims (rewired to the projection, ``packed_shapes``); those of the
+output are rewired to the node's output, their dims picked back by the perm (``out_shapes``). The exporters'
+other forms around the chain (``Shape(Transpose(x))``, the dynamo export's Kt as Reshape -> Transpose ->
+Reshape) are rewritten beforehand by tuner/attention_prepare.py.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
-effective scale (``scale``: 1/c for Div, c for Mul, 1 without), the head dim (``head_dim``) and whether NaN
-probabilities become 0 (``nan_to_zero``) as attributes.
+effective scale (``scale``: 1/c for Div, c for Mul, 1 without, times a * b of Q's and Kt's Muls), the head
+dim (``head_dim``) and whether NaN probabilities become 0 (``nan_to_zero``) as attributes.
 Its model-local function (domain ``ai.dietcode``, one overload per distinct body) is the chain's nodes copied
 verbatim, constants included, so stock onnxruntime without the custom-op library computes exactly what the
 original graph did; the library's CPU kernel runs ORT's MatMul and Softmax with the scale and mask in between
@@ -78,7 +83,8 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 class AttentionSite:
     """One fusable chain: its nodes (by first output, in chain order), its inputs and its output."""
 
-    nodes: tuple[str, ...]  # MatMul, [Div|Mul], [Add], Softmax, [IsNaN, Where], MatMul
+    # [Transposes], [Mul of Q], [Mul of Kt], MatMul, [Div|Mul], [Add], Softmax, [IsNaN, Where], MatMul, [Transpose]
+    nodes: tuple[str, ...]
     q: str
     kt: str
     v: str
@@ -106,10 +112,9 @@ class AttentionSite:
     # (tuner.attention.LAYOUT_BITS); 0: Q, Kt, V and the output as the chain's MatMuls have them
     layout: int = 0
     layout_notes: tuple[str, ...] = ()  # why a Transpose next to the chain was not absorbed
-    # (Transpose output, Mul output): an absorbed Transpose read by a Mul by a one-element constant (the
-    # exporters' scale of Q and K before the MatMul): the Mul stays in the graph, rewired to the Transpose's
-    # input (an elementwise scale commutes with the permutation), and the node takes its output
-    through: tuple[tuple[str, str], ...] = ()
+    # Shape nodes (by output) of the chain's output [B, H, S, d] when the head merge is absorbed: each reads the
+    # node's output [B, S, H, d] instead, its dims picked back by a Gather (perm (0, 2, 1, 3))
+    out_shapes: tuple[str, ...] = ()
     # the packed layout (LAYOUT_BITS["packed"]): (the packed projection [B, S, 3 * H * d] the node takes as Q, Kt
     # and V, Q's, K's and V's head-split values [B, S, H, d] the absorbed Transposes read); () otherwise
     packed: tuple[str, ...] = ()
@@ -328,6 +333,29 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
     chain.insert(0, node)
     chain.append(second)
     q, kt, v = node.input[0], node.input[1], second.input[1]
+    # a Mul (Div) of Q or Kt by a one-element constant (torch's SDPA export scales both by the root of the
+    # scale) is folded into the node's scale: the node reads the Mul's input, the fallback body keeps the Mul
+    readers = {"q": node, "k": node, "v": second}
+    unfolded: list[str] = []
+    for op in ("k", "q"):
+        for _ in range(3):  # Muls in a row (a projection's scale moved after its head split, then SDPA's)
+            scaling = _operand_scale(g, kt if op == "k" else q, readers[op])
+            maker = g.producers.get(kt if op == "k" else q)
+            if scaling is None and maker is not None and _is(maker, "Mul", "Div"):
+                t_out = next((x for x in maker.input if _is(g.producers.get(x), "Transpose")), None)
+                if t_out is not None:
+                    unfolded.append(f"{_NAMES[op]}'s Transpose {t_out!r} kept: the {maker.op_type} between it and "
+                                    "the chain is not one by a one-element constant read by the chain alone")
+            if scaling is None:
+                break
+            mul, factor = scaling
+            chain.insert(0, mul)
+            readers[op] = mul
+            scale *= factor
+            source = mul.input[1] if mul.input[0] in g.inits else mul.input[0]
+            q, kt = (source, kt) if op == "q" else (q, source)
+    if not math.isfinite(scale) or scale == 0.0:
+        raise _Skip(f"the scale {scale} of the chain with the Muls of Q and Kt folded in is not usable")
     shapes = [g.shapes.get(n) for n in (q, kt, v)]
     if any(s is None or any(d is None for d in s) for s in shapes):
         raise _Skip("the shapes of Q, Kt or V are unknown after shape inference")
@@ -357,30 +385,26 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
         raise _Skip(f"a dim of Q or Kt is outside the supported grammar ({exc})") from None
     output = second.output[0]
     layout = 0
-    notes: list[str] = []
+    notes: list[str] = list(reversed(unfolded)) if len(sq) == 4 else []
     before: list[onnx.NodeProto] = []
     after: list[onnx.NodeProto] = []
-    through: list[tuple[str, str]] = []
     transposes: dict[str, onnx.NodeProto] = {}
+    out_shapes: tuple[str, ...] = ()
     if len(sq) == 4:
-        operands = (("q", q, node, (0, 2, 1, 3)), ("k", kt, node, (0, 2, 3, 1)), ("v", v, second, (0, 2, 1, 3)))
+        operands = (("q", q, (0, 2, 1, 3)), ("k", kt, (0, 2, 3, 1)), ("v", v, (0, 2, 1, 3)))
         ins = {"q": q, "k": kt, "v": v}
-        for op, value, reader, perm in operands:
-            mul_node = _scalar_mul(g, value, reader)
-            source = mul_node.input[0 if mul_node.input[0] not in g.inits else 1] if mul_node else value
-            split_node = _head_split(g, op, source, mul_node or reader, perm, notes)
+        for op, value, perm in operands:
+            split_node = _head_split(g, op, value, readers[op], perm, notes)
             if split_node is not None:
                 before.append(split_node)
                 transposes[op] = split_node
-                if mul_node is not None:  # the node takes the Mul's output, the Mul reads the head split
-                    through.append((split_node.output[0], value))
-                else:
-                    ins[op] = split_node.input[0]
+                ins[op] = split_node.input[0]
                 layout |= LAYOUT_BITS[op]
         q, kt, v = ins["q"], ins["k"], ins["v"]
         merge = _head_merge(g, output, notes)
         if merge is not None:
             after.append(merge)
+            out_shapes = tuple(r.output[0] for r in g.consumers.get(output, []) if r is not merge)
             output = merge.output[0]
             layout |= LAYOUT_BITS["out"]
     chain = before + chain + after
@@ -392,7 +416,7 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
     if len(transposes) == 3:
         splits = tuple(transposes[op].input[0] for op in ("q", "k", "v"))
         packed_from = _packed_source(g, splits, tuple(transposes[op] for op in ("q", "k", "v")), opset,
-                                     pack_notes, bool(through))
+                                     pack_notes)
         if packed_from is not None:
             source, packed_nodes, heads, packed_shapes = packed_from
             packed = (source, *splits)
@@ -401,28 +425,34 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> Atten
     return AttentionSite(tuple(n.output[0] for n in chain), q, kt, v, mask, output, scale, d, dtype,
                          len(sq), bool(tail), seq_q=sizes[0], seq_k=sizes[1], batch=sizes[2], mask_rows=mask_rows,
                          mask_dtype=mask_dtype, causal=causal, layout=layout, layout_notes=tuple(notes),
-                         through=tuple(through), packed=packed, packed_heads=heads, packed_nodes=packed_nodes,
+                         out_shapes=out_shapes, packed=packed, packed_heads=heads, packed_nodes=packed_nodes,
                          packed_shapes=packed_shapes, pack_notes=tuple(pack_notes))
 
 
 _NAMES = {"q": "Q", "k": "Kt", "v": "V"}
 
 
-def _scalar_mul(g: scan_mod._Graph, value: str, reader: onnx.NodeProto) -> onnx.NodeProto | None:
-    """The Mul making ``value`` (read by ``reader`` alone) from one tensor and a one-element constant, else
-    None: torch's scaled_dot_product_attention export scales Q and K so after their Transposes."""
+def _operand_scale(g: scan_mod._Graph, value: str, reader: onnx.NodeProto) -> tuple[onnx.NodeProto, float] | None:
+    """The Mul (or Div by) a one-element constant making the first MatMul's operand ``value``, read by that
+    MatMul alone, and the factor it scales by; None when there is none (or the constant would broadcast the
+    operand to a higher rank, or is not a usable factor)."""
     mul = g.producers.get(value)
-    if not _is(mul, "Mul") or g.exclusive_consumer(value) is not reader:
+    if not _is(mul, "Mul", "Div") or g.exclusive_consumer(value) is not reader:
         return None
     assert mul is not None
-    consts = [x for x in mul.input if x in g.inits]
-    if len(mul.input) != 2 or len(consts) != 1:
+    consts = [i for i, x in enumerate(mul.input) if x in g.inits]
+    if len(mul.input) != 2 or len(consts) != 1 or (mul.op_type == "Div" and consts[0] != 1):
         return None
-    c = _const(g, consts[0])
-    if c is None or c.size != 1 or not _is(g.producers.get(mul.input[1] if mul.input[0] == consts[0]
-                                                           else mul.input[0]), "Transpose"):
+    c = _const(g, mul.input[consts[0]])
+    shape = g.shapes.get(value)
+    if c is None or c.size != 1 or shape is None or c.ndim > len(shape):
         return None
-    return mul
+    factor = float(np.asarray(c, dtype=np.float64).reshape(()))
+    if mul.op_type == "Div":
+        factor = 1.0 / factor if factor != 0.0 else math.inf
+    if not math.isfinite(factor) or factor == 0.0:
+        return None
+    return mul, factor
 
 
 def _perm(node: onnx.NodeProto) -> tuple[int, ...] | None:
@@ -475,11 +505,13 @@ def _head_split(g: scan_mod._Graph, op: str, value: str, reader: onnx.NodeProto,
 
 def _head_merge(g: scan_mod._Graph, output: str, notes: list[str]) -> onnx.NodeProto | None:
     """The Transpose (0, 2, 1, 3) of the output before a Reshape merging the heads, when the node can write
-    its output instead, else None (with a note when a Transpose is there but stays)."""
-    t = g.exclusive_consumer(output)
-    if not _is(t, "Transpose") or output in g.graph_outputs:
+    its output instead, else None (with a note when a Transpose is there but stays). Shapes of the output may
+    read it too (the TorchScript export's): ``fuse_attention`` makes each read the Transpose's output, its dims
+    picked back by the perm."""
+    readers = g.consumers.get(output, [])
+    t = next((r for r in readers if _is(r, "Transpose")), None)
+    if t is None or output in g.graph_outputs or not all(r is t or _is(r, "Shape") for r in readers):
         return None
-    assert t is not None
     what = f"the output's Transpose {t.output[0]!r}"
     if _perm(t) != (0, 2, 1, 3):
         notes.append(f"{what} kept: perm {_perm(t)} is not the head merge [0, 2, 1, 3]")
@@ -548,12 +580,12 @@ def _thirds(g: scan_mod._Graph, makers: list[onnx.NodeProto], parts: tuple[str, 
 
 
 def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tuple[onnx.NodeProto, ...], opset: int,
-                   notes: list[str], scaled: bool) -> _PackedSource | None:
+                   notes: list[str]) -> _PackedSource | None:
     """The packed projection [B, S, 3*H*d] that Q's, K's and V's head splits (``splits``: Reshape outputs [B, S,
-    H, d], each read by its absorbed Transpose) come from through one Split or three Slices along the last axis
+    H, d], each read by its absorbed Transpose and Shapes of dims 0, 1 alone) come from through one Split or three Slices along the last axis
     in equal thirds, Q's first, with the nodes the node absorbs (the Split or Slices, the Reshapes) and H; None,
     with a note in ``notes`` when such a Split or Slices is there but the node cannot read the projection (a
-    value between read by other nodes, a Mul scaling one of them, unequal thirds)."""
+    value between read by other nodes, unequal thirds)."""
     reshapes = [g.producers[s] for s in splits]
     parts = tuple(r.input[0] for r in reshapes)
     makers = [g.producers.get(p) for p in parts]
@@ -565,17 +597,17 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
         notes.append(f"Q, K and V not read packed: {why}")
         return None
 
-    if scaled:
-        return keep("a Mul scales Q or K between its head split and the chain (the node would read it unscaled)")
     if opset < _PACK_OPSET:
         return keep(f"the model's opset {opset} is below {_PACK_OPSET} (the fallback body's Slice)")
-    for value, reshape, t in zip(splits, reshapes, transposes):
-        if g.exclusive_consumer(value) is not t:
-            return keep(f"the head split {value!r} is read by other nodes too")
     shape_reads: list[onnx.NodeProto] = []
+    for value, t in zip(splits, transposes):  # [B, S, H, d]: a Shape taking B or S reads the projection's
+        others = [r for r in g.consumers.get(value, []) if r is not t]
+        if value in g.graph_outputs or not all(_leading_dims_only(g, r, 4) for r in others):
+            return keep(f"the head split {value!r} is read by other nodes too")
+        shape_reads += others
     for value, reshape in zip(parts, reshapes):
         others = [r for r in g.consumers.get(value, []) if r is not reshape]
-        if value in g.graph_outputs or not all(_leading_dims_only(g, r) for r in others):
+        if value in g.graph_outputs or not all(_leading_dims_only(g, r, 3) for r in others):
             return keep(f"the third {value!r} is read by other nodes too")
         shape_reads += others
     sources = {m.input[0] for m in makers_}
@@ -597,9 +629,9 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
     return source, tuple(n.output[0] for n in nodes), heads, tuple(n.output[0] for n in shape_reads)
 
 
-def _leading_dims_only(g: scan_mod._Graph, node: onnx.NodeProto) -> bool:
+def _leading_dims_only(g: scan_mod._Graph, node: onnx.NodeProto, rank: int) -> bool:
     """Whether ``node`` is a Shape (of the whole shape) whose readers are all Gathers of dim 0 or 1 (from the
-    front or the back of a rank-3 shape): what it gives them is the same for the packed projection."""
+    front or the back of a shape of ``rank``): what it gives them is the same for the packed projection."""
     if not _is(node, "Shape") or any(a.name in ("start", "end") for a in node.attribute):
         return False
     if node.output[0] in g.graph_outputs:
@@ -608,7 +640,8 @@ def _leading_dims_only(g: scan_mod._Graph, node: onnx.NodeProto) -> bool:
         axis = _attr(r, "axis")
         index = _ints(g, r.input[1]) if _is(r, "Gather") and len(r.input) == 2 and r.input[0] == node.output[0] \
             else None
-        if index is None or len(index) != 1 or index[0] not in (0, 1, -3, -2) or (axis is not None and axis.i != 0):
+        if index is None or len(index) != 1 or index[0] not in (0, 1, -rank, 1 - rank) or \
+                (axis is not None and axis.i != 0):
             return False
     return True
 
@@ -702,16 +735,9 @@ def _body(links: _Links, site: AttentionSite) -> list[onnx.NodeProto]:
         names[x] = f"c{len(names)}"
         return names[x]
 
-    # a Transpose absorbed through a Mul: the body's Transpose reads the node's input (the Mul, moved before
-    # it), and the chain reads the body's Transpose where it read the Mul
-    moved = dict(site.through)
-    for t_out, mul_out in site.through:
-        names[links.node(t_out, "attention node")[1].input[0]] = names.pop(mul_out)
     for key in site.nodes:
         copy_into_body(links, links.node(key, "attention node")[1], body, names.get, new_constant,
                        lambda o: names.setdefault(o, f"t{len(names)}") if o else "")
-        if key in moved:
-            names[moved[key]] = names[key]
     return body
 
 
@@ -733,6 +759,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     before = _graph_reads(graph)
     claimed: set[int] = set()
     replace: dict[int, list[onnx.NodeProto]] = {}
+    inserted: dict[int, list[onnx.NodeProto]] = {}  # after the node at that index
     opsets = _opsets(out)
     bodies: dict[tuple[int, bytes], str] = {}
     functions = [f for f in out.functions if f.domain == DOMAIN and f.name == OP_TYPE]
@@ -744,7 +771,6 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         {o for n in graph.node for o in n.output}
     new_initializers: list[onnx.TensorProto] = []
     mask_casts: dict[tuple[str, str], str] = {}  # (mask, dtype) -> the mask cast to the chain's dtype
-    stale: set[str] = set()  # values whose recorded shape no longer holds (a Mul moved before a Transpose)
     for site in sites:
         if bundles is not None and site.output not in bundles:
             raise DietcodeError(f"attention chain making {site.output!r} has no kernel bundle")
@@ -758,9 +784,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         mask = site.mask
         if mask is not None and site.mask_dtype:
             if (mask, site.dtype) not in mask_casts:
-                name = next(n for n in (f"{mask}_{site.dtype}{i or ''}" for i in range(len(taken_names) + 1))
-                            if n not in taken_names)
-                taken_names.add(name)
+                name = _unique_name(f"{mask}_{site.dtype}", taken_names)
                 mask_casts[(mask, site.dtype)] = name
                 before_node.append(helper.make_node("Cast", [mask], [name], name=name, to=_CODES[site.dtype]))
             mask = mask_casts[(mask, site.dtype)]
@@ -795,24 +819,27 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         if bodies[key]:
             node.overload = bodies[key]
         replace[members[-1]] = [*before_node, node]
-        for t_out, mul_out in site.through:  # the Mul now scales the head split's Reshape output
-            t_node = graph.node[links.node(t_out, "attention node")[0]]
-            mul = next(n for n in graph.node if mul_out in n.output)
-            for i, x in enumerate(mul.input):
-                if x == t_out:
-                    mul.input[i] = t_node.input[0]
-            stale.add(mul_out)
+        for shape_key in site.out_shapes:  # Shape(Y) -> Gather(Shape(Y transposed), perm[start:end])
+            at, shape = links.node(shape_key, "attention node")
+            dims = [0, 2, 1, 3][slice(*(next((int(a.i) for a in shape.attribute if a.name == k), None)
+                                         for k in ("start", "end")))]
+            picked = _unique_name(f"{shape_key}_perm", taken_names)
+            made = _unique_name(f"{shape_key}_transposed", taken_names)
+            new_initializers.append(onnx.numpy_helper.from_array(np.array(dims, np.int64), picked))
+            gather = helper.make_node("Gather", [made, picked], [shape_key], axis=0, name=made)
+            shape.input[0], shape.output[0] = site.output, made
+            del shape.attribute[:]
+            inserted.setdefault(at, []).append(gather)
         for shape_key in site.packed_shapes:  # Shape(third) -> Shape(projection): dims 0 and 1 are the same
             graph.node[links.node(shape_key, "attention node")[0]].input[0] = site.packed[0]
     if not replace:
         return out, ()
     drop = claimed - set(replace)
-    kept = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
+    kept = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n]) + inserted.get(i, [])]
     del graph.node[:]
     graph.node.extend(kept)
-    kept_info = [vi for vi in graph.value_info if vi.name not in stale]
-    del graph.value_info[:]
-    graph.value_info.extend(kept_info)
+    if inserted:  # Shapes of a chain's output may sit before the node now making what they read
+        _sort_nodes(graph)
     _drop_unread(graph, before)
     _drop_dead(graph, before)
     graph.initializer.extend(new_initializers)
@@ -820,6 +847,41 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return out, tuple(s.output for s in sites)
+
+
+def _sort_nodes(graph: onnx.GraphProto) -> None:
+    """Order the nodes so each comes after the makers of what it reads (subgraphs' outer reads included),
+    keeping the current order wherever it already is one."""
+    import heapq
+
+    nodes = list(graph.node)
+    maker = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    needs = [{maker[x] for x in scan_mod.node_reads(n) if x in maker and maker[x] != i} for i, n in enumerate(nodes)]
+    waiting = [len(d) for d in needs]
+    readers: dict[int, list[int]] = {}
+    for i, d in enumerate(needs):
+        for j in d:
+            readers.setdefault(j, []).append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for r in readers.get(i, []):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) != len(nodes):
+        raise DietcodeError("the fused graph has a cycle")
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
+
+
+def _unique_name(base: str, taken: set[str]) -> str:
+    name = next(n for n in (f"{base}{i or ''}" for i in range(len(taken) + 1)) if n not in taken)
+    taken.add(name)
+    return name
 
 
 def _drop_dead(graph: onnx.GraphProto, before: set[str]) -> None:

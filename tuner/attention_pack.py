@@ -11,11 +11,12 @@ epilogue like any MatMul + Add. A site is packed only when the merge is provably
 
     Pq = MatMul(X, Wq) [-> Add(bq)] -> Reshape [B, S, H, d] -> Transpose -> the chain's Q      (K and V alike)
 
-with one X, Wq, Wk, Wv constant [K, H*d] initializers of one dtype, either no bias or constant biases [H*d] of
-that dtype on all three, and the MatMul outputs and head splits read by the next node alone. The projections
-keep their names (as the Split's outputs), so their other readers (the exporters' Shape nodes) read the same
-values; ``find_attention`` decides whether the node can read the packed tensor past them. Anything else stays as it is, with the reason in
-``PackResult.notes`` (``scan`` reports it).
+with one X, Wq, Wk, Wv constant [K, H*d] initializers of one dtype, no bias or constant biases [H*d] of that
+dtype (a projection without one, as Whisper's K, gets zeros in the merged bias: x + 0 == x), and the MatMul
+outputs and head splits read by the next node alone (Shapes of a head split aside). The projections keep their
+names (as the Split's outputs), so their other readers (the exporters' Shape nodes) read the same values;
+``find_attention`` decides whether the node can read the packed tensor past them. Anything else stays as it is,
+with the reason in ``PackResult.notes`` (``scan`` reports it).
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def _initializer(links: _Links, name: str) -> onnx.TensorProto | None:
 def _projection(links: _Links, head_split: str, op: str) -> _Projection:
     """The MatMul (and bias Add) making the value that ``head_split``'s Reshape splits into heads."""
     _, reshape = links.node(head_split, "head split")
-    _only_reader(links, head_split, f"{op} head split")
+    readers = [links.graph.node[i] for i in links.readers.get(head_split, [])]
+    if head_split in links.outputs or sum(not _is(r, "Shape") for r in readers) != 1:  # Shapes: find_attention's
+        raise _Keep(f"the {op} head split {head_split!r} is read by other nodes too")
     value = reshape.input[0]  # other readers of it (Shape) still read it: the Split makes it under its name
     node = links.graph.node[links.producer[value]] if value in links.producer else None
     add = None
@@ -89,7 +92,8 @@ def _projection(links: _Links, head_split: str, op: str) -> _Projection:
         _only_reader(links, made, f"{op} projection's MatMul output")
         node = links.graph.node[links.producer[made]] if made in links.producer else None
     if not _is(node, "MatMul"):
-        raise _Keep(f"the {op} head split is not made by a MatMul (and a bias Add)")
+        made_by = f"a {node.op_type}" if node is not None else "no node (a graph input or initializer)"
+        raise _Keep(f"the {op} head split is not made by a MatMul (and a bias Add) but {made_by}")
     assert node is not None
     weight = _initializer(links, node.input[1])
     if weight is None:
@@ -109,8 +113,6 @@ def _check(projections: list[_Projection], head_dim: int) -> int:
     width = int(q.weight.dims[1])
     if width % head_dim:
         raise _Keep(f"the projections' width {width} is not a multiple of the head dim {head_dim}")
-    if len({p.bias is None for p in projections}) != 1:
-        raise _Keep("some of Q, K and V have a bias Add and others not")
     for p in projections:
         if p.bias is not None and (list(p.bias.dims) != [width] or p.bias.data_type != q.weight.data_type):
             raise _Keep(f"the bias {p.bias.name!r} is not [{width}] of the weights' dtype")
@@ -128,6 +130,12 @@ def _concat(tensors: list[onnx.TensorProto], axis: int, name: str, base_dir: Pat
         raise _Keep(f"the weights' element type {onnx.TensorProto.DataType.Name(tensors[0].data_type)} is not "
                     "concatenated exactly here")
     return helper.make_tensor(name, tensors[0].data_type, list(joined.shape), joined.tobytes(), raw=True)
+
+
+def _zeros(like: onnx.TensorProto, width: int) -> onnx.TensorProto:
+    """[width] zeros of ``like``'s dtype (all bits clear: +0 in every float type)."""
+    size = onnx.helper.tensor_dtype_to_np_dtype(like.data_type).itemsize
+    return helper.make_tensor(f"{like.name}_zeros", like.data_type, [width], bytes(width * size), raw=True)
 
 
 def _unique(base: str, taken: set[str]) -> str:
@@ -162,8 +170,6 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
             continue
         links = _Links(graph, base)  # again per site: the graph changed
         try:
-            if site.through:
-                raise _Keep("a Mul scales Q or K between its head split and the chain")
             if site.layout & 7 != 7:
                 raise _Keep("the head splits of Q, K and V are not all absorbed (see the kept Transposes)")
             if opset < 11:
@@ -175,9 +181,11 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
             prefix = q.matmul.name or q.matmul.output[0]
             weight = _concat([p.weight for p in projections], 1, _unique(f"{q.weight.name}_qkv", taken), base)
             bias = None
-            if q.bias is not None:
-                bias = _concat([p.bias for p in projections if p.bias is not None], 0,
-                               _unique(f"{q.bias.name}_qkv", taken), base)
+            biased = next((p for p in projections if p.bias is not None and p.add is not None), None)
+            if biased is not None:  # a projection without a bias adds zeros (x + 0 == x)
+                assert biased.bias is not None
+                bias = _concat([p.bias if p.bias is not None else _zeros(biased.bias, width) for p in projections],
+                               0, _unique(f"{biased.bias.name}_qkv", taken), base)
         except _Keep as why:
             notes.append((site.output, str(why)))
             continue
@@ -185,10 +193,11 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
         new = [helper.make_node("MatMul", [q.matmul.input[0], weight.name], [product],
                                 name=_unique(f"{prefix}_qkv", taken))]
         joined = product
-        if bias is not None and q.add is not None:
-            joined = _unique(f"{q.add.output[0]}_qkv", taken)
-            operands = [bias.name, product] if q.add.input[0] == q.bias.name else [product, bias.name]  # type: ignore[union-attr]
-            new.append(helper.make_node("Add", operands, [joined], name=_unique(f"{q.add.name or joined}_qkv", taken)))
+        if bias is not None and biased is not None and biased.add is not None and biased.bias is not None:
+            joined = _unique(f"{biased.add.output[0]}_qkv", taken)
+            operands = [bias.name, product] if biased.add.input[0] == biased.bias.name else [product, bias.name]
+            new.append(helper.make_node("Add", operands, [joined],
+                                        name=_unique(f"{biased.add.name or joined}_qkv", taken)))
         outputs = [p.output for p in projections]
         split_name = _unique(f"{prefix}_qkv_split", taken)
         if opset >= 13:

@@ -148,6 +148,9 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
     if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
+        from tuner.attention_prepare import prepare_attention
+
+        model = prepare_attention(model, model_path.parent, copy=False)[0]  # exporters' Shape(Transpose) and Kt
         model = _pack_projections(model_path, model, options.targets)
     scanned = scan_model(model, model_path.parent)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims

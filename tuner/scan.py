@@ -768,9 +768,12 @@ def attention_report(path: str | Path) -> dict:
     from tuner.attention import layout_text
     from tuner.attention_graph import find_attention
     from tuner.attention_pack import pack_projections
+    from tuner.attention_prepare import prepare_attention
 
-    # as optimize sees them: Q/K/V projections merged where exact (then read packed), or why not
-    packed, pack = pack_projections(load_model(path, load_external_data=False), Path(path).parent, copy=False)
+    # as optimize sees them: the exporters' Shape(Transpose) and Kt forms rewritten, Q/K/V projections merged
+    # where exact (then read packed), or why not
+    prepared = prepare_attention(load_model(path, load_external_data=False), Path(path).parent, copy=False)[0]
+    packed, pack = pack_projections(prepared, Path(path).parent, copy=False)
     found = find_attention(packed, Path(path).parent)
     pack_notes = dict(pack.notes)
     return {"fused": [{"output": s.output, "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
