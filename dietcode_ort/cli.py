@@ -177,7 +177,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
-        fp32_precision=args.fp32_precision)
+        fp32_precision=args.fp32_precision, prior=args.prior)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -224,6 +224,11 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "TF32; the default, as ONNX Runtime's CUDA EP runs float32 MatMul/Gemm/Conv unless its "
                         "use_tf32 option is 0) or ieee (exact float32 products on the FMA units, slower)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    p.add_argument("--prior", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the search from the analytic roofline: its first round measures the configs the "
+                        "roofline ranks best, and its predictions are blended with the learned model's until "
+                        "that predicts measurements better (default; --no-prior: a random first round and the "
+                        "learned model alone)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",
                    help="run compiles (CPU tasks) and measurements (one GPU each) on a Ray cluster: auto (the "

@@ -114,3 +114,94 @@ def test_replay_gap_during_search_names_missing_instances(case):
     with pytest.raises(DietcodeError, match=r"no row for .*m=7 n=768 k=768"):
         tune_joint(FAMILY, [(Problem(7, 768, 768), 1.0)], case.configs, measurer, PROFILE,
                    SearchOptions(max_trials=8, progress=False))
+
+
+# the roofline prior ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def roofline_case(tmp_path_factory):
+    """Times the roofline predicts up to a per-kernel log-normal factor (sigma 0.15): a table where the prior
+    is informative (simulate.roofline_table)."""
+    return bert_dense_case(tmp_path_factory.mktemp("roofline"), PROFILE, enumerate_space(FAMILY),
+                           roofline_sigma=0.15)
+
+
+def _roofline(configs, problems):
+    from tuner.roofline import roofline_matrix
+
+    return roofline_matrix(configs, problems, PROFILE, "float16")
+
+
+def test_roofline_matrix_is_the_analytic_measurer():
+    from tuner.measure import AnalyticMeasurer
+    from tuner.workload import Problem
+
+    configs = enumerate_space(FAMILY)[::97]
+    problems = [Problem(16, 768, 768), Problem(1000, 3072, 768), Problem(64, 64, 64, 48)]
+    answers = AnalyticMeasurer(PROFILE, "float16").measure(FAMILY, [(c, p) for c in configs for p in problems])
+    assert _roofline(configs, problems).ravel().tolist() == [a.seconds for a in answers]
+
+
+def test_first_round_holds_the_roofline_top(roofline_case):
+    import numpy as np
+
+    problems = list(roofline_case.problems[:16])
+    weights = [1.0] * 15 + [20.0]  # the last problem is the heaviest: its roofline best comes first
+    configs = list(roofline_case.configs)
+    prior = _roofline(configs, problems)
+    slow = np.log(prior / prior.min(axis=0)) @ (np.array(weights) / sum(weights))
+    overall_best = configs[int(np.argmin(slow))]
+    heaviest_best = configs[int(np.argmin(prior[:, -1]))]
+    measurer = ReplayMeasurer(roofline_case.path)
+    opts = SearchOptions(max_trials=32, round_size=32, progress=False, seed=1)
+    with_prior = tune_joint(FAMILY, list(zip(problems, weights)), configs, measurer, PROFILE, opts)
+    first = [m.config for m in with_prior.measurements]
+    assert len(first) == 32 and overall_best in first and heaviest_best in first
+    without = tune_joint(FAMILY, list(zip(problems, weights)), configs, measurer, PROFILE,
+                         SearchOptions(max_trials=32, round_size=32, progress=False, seed=1, prior=False))
+    index = {c: i for i, c in enumerate(configs)}
+
+    def mean_slowdown(result):
+        return float(np.mean([slow[index[m.config]] for m in result.measurements]))
+
+    # the prior's round is far nearer the roofline's bests than a random one (3 of its 32 stay random)
+    assert mean_slowdown(with_prior) < 0.5 * mean_slowdown(without)
+
+
+def test_prior_reaches_the_oracle_with_fewer_trials(roofline_case):
+    measurer = ReplayMeasurer(roofline_case.path)
+    instances = [(p, 1.0) for p in roofline_case.problems]
+    budget = 256
+    runs = {prior: tune_joint(FAMILY, instances, roofline_case.configs, measurer, PROFILE,
+                              SearchOptions(max_trials=budget, progress=False, seed=0, prior=prior, patience=budget))
+            for prior in (True, False)}
+    with_prior, without = first_within(roofline_case, runs[True]), first_within(roofline_case, runs[False])
+    print(f"within 3% of the oracle: prior after {with_prior} trials, random first round after {without}")
+    assert with_prior is not None and with_prior <= 128
+    assert without is None or without > with_prior
+
+
+def test_prior_with_the_analytic_measurer_stops_at_its_optimum():
+    """With the analytic measurer the prior is the measurer: the first round holds every problem's optimum,
+    nothing is predicted to gain after it, and the search stops early."""
+    import numpy as np
+
+    from tuner.measure import AnalyticMeasurer
+    from tuner.workload import Problem
+
+    space = enumerate_space(FAMILY)[::4]
+    problems = [Problem(16 * t, 768, 768) for t in (1, 3, 8, 20, 64)]
+    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], space, AnalyticMeasurer(PROFILE, "float16"),
+                        PROFILE, SearchOptions(max_trials=640, progress=False))
+    prior = _roofline(space, problems)
+    best = [space[int(i)] for i in np.argmin(prior, axis=0)]
+    assert list(result.choice) == best
+    assert result.history[0].choice == tuple(best)
+    assert result.trials < 640
+
+
+def test_optimize_takes_no_prior():
+    from dietcode_ort.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "out"]).prior is True
+    assert parser.parse_args(["optimize", "m.onnx", "-o", "out", "--no-prior"]).prior is False

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
+from tuner.cost_model import LAUNCH_SECONDS  # one kernel launch, as the GEMM roofline charges it
 from tuner.hardware import HardwareProfile, get_profile
 from tuner.measure import Measurer
 from tuner.workload import Instance, Workload
@@ -51,7 +52,6 @@ __all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "atten
 
 FEATURE_NAMES = ("seq_q", "seq_k", "batch")
 _STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
-_LAUNCH_SECONDS = 3e-6
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionPr
     """Predicted seconds of one launch: the slower of padded tensor-core FLOPs and memory traffic, over whole
     waves of programs, plus the online softmax's serial steps (``tf32``: float32 dots at the TF32 rate)."""
     if p.seq_q <= 0 or p.seq_k <= 0 or p.batch <= 0:
-        return _LAUNCH_SECONDS
+        return LAUNCH_SECONDS
     size = ATTENTION_DTYPES[w.dtype]
     d = block_d(w.head_dim)
     q_blocks = -(-p.seq_q // config.block_m)
@@ -163,7 +163,7 @@ def attention_time(config: AttentionConfig, w: AttentionWorkload, p: AttentionPr
     if w.has_mask:
         traffic += size * p.batch * (p.seq_q if w.mask_rows else q_blocks) * p.seq_k
     memory = traffic / (profile.dram_bandwidth_gbs * 1e9)
-    return _LAUNCH_SECONDS + max(compute, memory) + waves * k_steps * _STEP_SECONDS
+    return LAUNCH_SECONDS + max(compute, memory) + waves * k_steps * _STEP_SECONDS
 
 
 def attention_instances(w: AttentionWorkload, instances: Sequence[Instance]

@@ -52,6 +52,7 @@ class OptimizeOptions:
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
     fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
     fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
+    prior: bool = True  # the search starts from the analytic roofline (tuner/search.py, SearchOptions.prior)
 
 
 @dataclass(frozen=True)
@@ -602,7 +603,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     measurer, label = make_measurer(options, w, executor)
     space = candidate_space(w, options)
     result = tune_joint(family, problems, space, measurer, profile,
-                        SearchOptions(max_trials=options.budget, seed=options.seed,
+                        SearchOptions(max_trials=options.budget, seed=options.seed, prior=options.prior,
                                       progress=options.progress and not (executor and executor.shows_progress)),
                         tf32=_tf32(w, options))
     vendor = None

@@ -77,15 +77,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
-from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, PERSISTENT_TAIL_CREDIT, launch_weight,
-                              persistent_loops, slots_per_sm, split_k_partials, tail_alpha,
-                              workspace_bytes_moved)
+import numpy as np
+
+from tuner.cost_model import (LAUNCH_SECONDS, MEMSET_SECONDS, PERSISTENT_TAIL_CREDIT, blocks_per_sm,
+                              config_peak_flops, launch_weight, persistent_loops, slots_per_sm, split_k_partials,
+                              tail_alpha, workspace_bytes_moved)
 from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
-__all__ = ["RooflineTerms", "roofline", "SM_BANDWIDTH_FACTOR", "LAUNCH_SECONDS", "MEMSET_SECONDS",
+__all__ = ["RooflineTerms", "roofline", "roofline_matrix", "SM_BANDWIDTH_FACTOR", "LAUNCH_SECONDS", "MEMSET_SECONDS",
            "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION", "PERSISTENT_TAIL_CREDIT",
            "DRAM_LATENCY_SECONDS"]
 
@@ -172,3 +175,21 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     launch = LAUNCH_SECONDS * launch_weight(config)
     return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch,
                          concurrent, pipeline)
+
+
+def roofline_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], profile: HardwareProfile,
+                    dtype: str, tf32: bool = False) -> np.ndarray:
+    """Predicted seconds of every (config, problem): array [len(configs), len(problems)], inf where a config
+    cannot launch. The analytic measurer's answers (same peaks and residency), computed once per config for
+    the search's prior (tuner/search.py)."""
+    out = np.full((len(configs), len(problems)), np.inf)
+    for i, config in enumerate(configs):
+        peak = config_peak_flops(config, profile, dtype, tf32)
+        resident = blocks_per_sm(config, profile, dtype)
+        if resident <= 0:
+            continue
+        for j, problem in enumerate(problems):
+            terms = roofline(config, problem, profile, dtype, peak, resident)
+            if terms is not None:
+                out[i, j] = terms.seconds
+    return out

@@ -6,8 +6,27 @@ best (its cleanest label), an already measured one on the instance where it is p
 over that instance's best so far, and the label fed back is throughput / f_adapt, so one measurement
 informs every shape. Candidates come from an evolving population: the model ranks a population drawn
 from the space plus single-field mutations (one field moved to an adjacent value present in the space)
-of the elite, and an epsilon share of every round is spent on random configs. The first round, with
-no data, is all random.
+of the elite, and an epsilon share of every round is spent on random configs.
+
+The roofline prior (``SearchOptions.prior``, on by default): the analytic roofline (tuner/roofline.py, the
+analytic measurer's model) predicts every (config, instance) before anything is measured, and the search
+uses it twice.
+- The first round, with no data, takes the configs it ranks best, in turn from these lists: each instance's
+  best (heaviest instances first); per kind (split-K or not, persistent or not, TMA or not, wgmma or
+  mma.sync) the kind's best on each instance where that is within ``_KIND_SLACK`` (1.25x) of the
+  instance's best; all configs by their weighted mean log slowdown against the instances' bests. An
+  epsilon share of the round stays random, so the learned model sees spread. Without the prior the first
+  round is all random.
+- Every prediction (ranking, gains, the per-instance choice where a pair is not measured) is the geometric
+  blend prior^(1 - w) x learned^w. The prior is scaled to the measurements: a measured config's roofline by
+  its own geometric-mean measured / roofline ratio, an unmeasured one's by that ratio over all
+  measurements. w is 0 for the first two rounds (the learned model has predicted nothing from data yet),
+  then e_prior / (e_prior + e_learned), where each e is the mean squared log error of that model's
+  predictions of the last round's measurements, made before they were recorded: each model is trusted in
+  inverse proportion to its error on data it had not seen. Where the roofline ranks a device's kernels
+  badly the learned model takes over within a few rounds.
+With the analytic measurer the prior is the measurer: the first round measures the instances' optima first,
+w stays 0 (the prior's error is 0), and the search stops when nothing more is predicted to gain.
 
 Per-shape tuning runs the same loop for each instance on its own (its own model, same space and
 measurer), round-robin; it is what a shape-specific auto-tuner (Ansor, MetaSchedule) would do and the
@@ -31,7 +50,8 @@ from dietcode_ort.errors import DietcodeError
 from tuner.cost_model import CostModel, LearnedCostModel, f_adapt_matrix, launch_weight, useful_flops
 from tuner.hardware import HardwareProfile
 from tuner.measure import Measurer
-from tuner.space import Family, MicroKernel
+from tuner.roofline import roofline_matrix
+from tuner.space import Family, MicroKernel, wgmma_eligible
 from tuner.workload import Problem
 
 __all__ = ["SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_joint", "tune_per_shape",
@@ -54,6 +74,7 @@ class SearchOptions:
     min_gain: float = 1e-3
     seed: int = 0
     progress: bool = True
+    prior: bool = True  # the analytic roofline (tuner/roofline.py) picks the first round and is blended in
 
     def check(self) -> None:
         if self.round_size <= 0 or self.max_trials <= 0:
@@ -111,6 +132,9 @@ class TuningResult:
         return self.history[-1].choice if self.history else tuple(None for _ in self.problems)
 
 
+_KIND_SLACK = 1.25  # a kind's best on a problem joins the prior's first round within this factor of the best
+
+
 def _axis_values(space: Sequence[MicroKernel]) -> dict[str, list[int]]:
     return {f.name: sorted({getattr(c, f.name) for c in space}) for f in fields(MicroKernel)}
 
@@ -155,6 +179,8 @@ class _Search:
         self._alpha = model.alpha
         self.adapt = f_adapt_matrix(self.space, problems, profile, dtype, model.alpha)
         self.failed |= self.adapt.max(axis=1) <= 0  # cannot launch at all
+        self.prior = roofline_matrix(self.space, self.problems, profile, dtype, model.tf32) if options.prior \
+            else None
         axes, members = _axis_values(self.space), set(self.space)
         index = {c: i for i, c in enumerate(self.space)}
         self.neigh = [[index[n] for n in neighbours(c, self.space, axes, members)] for c in self.space]
@@ -162,6 +188,8 @@ class _Search:
         self.population = set(int(i) for i in rng.choice(len(self.space), size=size, replace=False))
         self.stale_rounds = 0
         self.log: list[Measurement] = []
+        self.errors: tuple[float, float] | None = None  # (prior, learned) squared log errors, last round
+        self._parts: tuple[np.ndarray, np.ndarray] | None = None  # the last prediction's two models
 
     # knowledge ----------------------------------------------------------------------------------
     def predicted(self) -> np.ndarray:
@@ -171,8 +199,42 @@ class _Search:
         fmk = self.model.f_mk(self.space)
         through = fmk[:, None] * self.adapt
         with np.errstate(divide="ignore"):
-            return np.where(through > 0, self.model.latency * self.launches[:, None]
-                            + self.flops[None, :] / np.maximum(through, 1e-300), np.inf)
+            learned = np.where(through > 0, self.model.latency * self.launches[:, None]
+                               + self.flops[None, :] / np.maximum(through, 1e-300), np.inf)
+        return self._blend(learned)
+
+    def prior_weight(self) -> float:
+        """The learned model's share of a prediction (1 without a prior): 0 until it has predicted a measured
+        round from data, then e_prior / (e_prior + e_learned), each e the mean squared log error of that
+        model's predictions of the last round's measurements, made before they were recorded
+        (inverse-variance weighting)."""
+        if self.prior is None:
+            return 1.0
+        if self.errors is None:
+            return 0.0
+        e_prior, e_learned = self.errors
+        return e_prior / (e_prior + e_learned) if e_prior + e_learned > 0 else 0.5
+
+    def _blend(self, learned: np.ndarray) -> np.ndarray:
+        """The geometric blend of the learned prediction and the roofline's scaled to the measurements,
+        weighted by ``prior_weight``: the roofline of a measured config is scaled by its own measured /
+        roofline seconds (geometric mean), of an unmeasured one by that ratio over all measurements."""
+        if self.prior is None:
+            return learned
+        weight = self.prior_weight()
+        ok = np.isfinite(self.measured) & np.isfinite(self.prior)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.where(ok, np.log(self.measured / self.prior), 0.0)
+        count = ok.sum(axis=1)
+        overall = float(logs.sum() / count.sum()) if count.sum() else 0.0
+        own = np.where(count > 0, logs.sum(axis=1) / np.maximum(count, 1), overall)
+        prior = np.exp(own)[:, None] * self.prior
+        self._parts = (prior, learned)
+        if weight == 0.0:
+            return prior
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            mixed = np.exp((1.0 - weight) * np.log(prior) + weight * np.log(learned))
+        return np.where(np.isfinite(prior) & np.isfinite(learned), mixed, np.inf)
 
     def known(self) -> tuple[np.ndarray, np.ndarray]:
         """(times [C, P]: measured else predicted, mask of configs measured successfully somewhere)."""
@@ -231,19 +293,22 @@ class _Search:
         best_raw = float(raw.max()) if raw.size else 0.0
         self.stale_rounds = self.stale_rounds + 1 if best_raw < self.opts.min_gain else 0
         pairs: list[tuple[int, int]] = []
-        if len(self.log) == 0:  # no data yet: a random first round
-            n_random = n
+        ranked = self._evolve(score)
+        picked: list[int] = []
+        verified: set[int] = set()
+        if len(self.log) == 0:  # no data yet: the prior's picks (a random first round without one)
+            n_random = n if self.prior is None else int(round(self.opts.epsilon * n))
+            picked = self._prior_picks(n - n_random, open_pair)
         else:
             n_random = int(round(self.opts.epsilon * n))
             pairs = self._verification(int(round(self.opts.verify * n)), open_pair)
             n -= len(pairs)
-        verified = {i for i, _ in pairs}
-        picked: list[int] = []
-        for i in self._evolve(score):
-            if len(picked) >= n - n_random:
-                break
-            if np.isfinite(score[i]) and open_pair[i].any() and i not in verified:
-                picked.append(i)
+            verified = {i for i, _ in pairs}
+            for i in ranked:
+                if len(picked) >= n - n_random:
+                    break
+                if np.isfinite(score[i]) and open_pair[i].any() and i not in verified:
+                    picked.append(i)
         taken = set(picked) | verified
         pool = [i for i in fresh if i not in taken] or [i for i in range(len(self.space))
                                                           if open_pair[i].any() and i not in taken]
@@ -257,6 +322,45 @@ class _Search:
                 key = np.where(open_pair[i], smooth[i], -np.inf)
             pairs.append((i, int(np.argmax(np.where(open_pair[i], key, -np.inf)))))
         return pairs
+
+    def _prior_picks(self, n: int, open_pair: np.ndarray) -> list[int]:
+        """Up to n configs the roofline ranks best, in turn from these lists: per problem (heaviest first) its
+        best config; per kind (split-K, persistent, TMA, wgmma or not) the kind's best on each problem where
+        that is within ``_KIND_SLACK`` of the problem's best; every config by its weighted mean log slowdown
+        against the problems' bests."""
+        usable = ~self.failed & open_pair.any(axis=1)
+        if self.prior is None or n <= 0 or not usable.any():
+            return []
+        prior = np.where(usable[:, None], self.prior, np.inf)
+        best = prior.min(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slowdown = np.where(np.isfinite(prior), np.log(prior / best[None, :]), np.inf)
+        overall = slowdown @ self.weights
+        order = [int(p) for p in np.argsort(-self.weights, kind="stable") if np.isfinite(best[p])]
+        lists = [[int(np.argmin(prior[:, p])) for p in order]]
+        kinds: dict[tuple[bool, ...], list[int]] = {}
+        for i in np.flatnonzero(usable):
+            c = self.space[int(i)]
+            kind = (c.split_k > 1, c.persistent > 0, bool(c.tma),
+                    wgmma_eligible(c, self.dtype, self.profile, tf32=self.model.tf32))
+            kinds.setdefault(kind, []).append(int(i))
+        for members_of in (kinds[k] for k in sorted(kinds)):
+            members = np.array(members_of)
+            top = members[np.argmin(prior[members], axis=0)]
+            lists.append([int(top[p]) for p in order if prior[top[p], p] <= _KIND_SLACK * best[p]])
+        lists.append([int(i) for i in np.argsort(overall, kind="stable") if np.isfinite(overall[i])])
+        picked: list[int] = []
+        taken: set[int] = set()
+        cursors = [0] * len(lists)
+        while len(picked) < n and any(cursors[k] < len(lists[k]) for k in range(len(lists))):
+            for k, items in enumerate(lists):
+                while cursors[k] < len(items) and items[cursors[k]] in taken:
+                    cursors[k] += 1
+                if cursors[k] < len(items) and len(picked) < n:
+                    picked.append(items[cursors[k]])
+                    taken.add(items[cursors[k]])
+                    cursors[k] += 1
+        return picked
 
     def _verification(self, n: int, open_pair: np.ndarray) -> list[tuple[int, int]]:
         """Up to n (choice, problem) pairs whose choice rests on a prediction, heaviest problems first."""
@@ -272,12 +376,30 @@ class _Search:
 
     def record(self, pairs: Sequence[tuple[int, int]], seconds: Sequence[float], errors: Sequence[str | None]
                ) -> None:
+        if self.prior is not None:
+            self._score_models(pairs, seconds)
         for (i, p), sec, err in zip(pairs, seconds, errors):
             self.measured[i, p] = sec if math.isfinite(sec) else np.inf
             if not math.isfinite(sec):
                 self.failed[i] = True
             self.log.append(Measurement(self.space[i], self.problems[p], sec, err))
         self.model.update([(self.space[i], self.problems[p]) for i, p in pairs], list(seconds))
+
+    def _score_models(self, pairs: Sequence[tuple[int, int]], seconds: Sequence[float]) -> None:
+        """Set ``errors`` from how well the prior and the learned model predicted these measurements (not
+        the first round's: the learned model had no data to predict them from)."""
+        if not self.log:
+            return
+        self.predicted()  # the two models' predictions before the measurements are recorded
+        if self._parts is None:
+            return
+        prior, learned = self._parts
+        rows = [(math.log(sec), prior[i, p], learned[i, p]) for (i, p), sec in zip(pairs, seconds)
+                if math.isfinite(sec) and sec > 0 and np.isfinite(prior[i, p]) and np.isfinite(learned[i, p])]
+        if rows:
+            logs = np.array(rows)
+            self.errors = (float(np.mean((logs[:, 0] - np.log(logs[:, 1])) ** 2)),
+                           float(np.mean((logs[:, 0] - np.log(logs[:, 2])) ** 2)))
 
     def done(self) -> bool:
         return self.stale_rounds >= self.opts.patience or not (np.isnan(self.measured)

@@ -39,7 +39,8 @@ from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
-__all__ = ["SyntheticRow", "SyntheticCase", "bert_dense_case", "simulate_seconds", "simulate_vendor", "simulate_table", "write_synthetic_table",
+__all__ = ["SyntheticRow", "SyntheticCase", "bert_dense_case", "simulate_seconds", "simulate_vendor", "simulate_table",
+           "roofline_table", "write_synthetic_table",
            "synthetic_table_name", "synthetic_device_key", "TRUE_WAVE_ALPHA", "VENDOR_KEY"]
 
 TRUE_WAVE_ALPHA = 0.55
@@ -177,14 +178,47 @@ class SyntheticCase:
 
 def bert_dense_case(directory: str | Path, profile: HardwareProfile, space: Sequence[MicroKernel],
                     n_configs: int = 200, t_values: Sequence[int] = tuple(range(1, 65)), hidden: int = 768,
-                    dtype: str = "float16", seed: int = 7) -> SyntheticCase:
+                    dtype: str = "float16", seed: int = 7, roofline_sigma: float | None = None) -> SyntheticCase:
     """BERT's dense layer M = 16T, N = K = ``hidden`` over ``t_values``, on a seeded subset of ``space``
-    (``n_configs`` configs), written as a synthetic replay table in ``directory``."""
+    (``n_configs`` configs), written as a synthetic replay table in ``directory``. With ``roofline_sigma``
+    the times are ``roofline_table``'s (the analytic roofline's, each kernel off by a log-normal factor of
+    that sigma) instead of ``simulate_table``'s."""
     import random
 
     rng = random.Random(seed)
     configs = tuple(sorted(rng.sample(list(space), min(n_configs, len(space)))))
     problems = tuple(Problem(16 * t, hidden, hidden) for t in t_values)
-    rows = simulate_table(configs, problems, profile, dtype, seed)
-    path = write_synthetic_table(Path(directory) / synthetic_table_name(profile, dtype, seed), rows, profile, seed)
+    if roofline_sigma is None:
+        rows = simulate_table(configs, problems, profile, dtype, seed)
+        name = synthetic_table_name(profile, dtype, seed)
+    else:
+        rows = roofline_table(configs, problems, profile, dtype, seed, roofline_sigma)
+        name = "roofline-" + synthetic_table_name(profile, dtype, seed)
+    path = write_synthetic_table(Path(directory) / name, rows, profile, seed)
     return SyntheticCase(configs, problems, path, {(r.config, r.problem): r.seconds for r in rows})
+
+
+def roofline_table(configs: Sequence[MicroKernel], problems: Sequence[Problem], profile: HardwareProfile,
+                   dtype: str, seed: int, sigma: float = 0.15) -> list[SyntheticRow]:
+    """Every (config, problem) row, timed by the analytic roofline (tuner/roofline.py) times a per-kernel
+    log-normal factor of ``sigma`` (the kernel's "implementation luck", the same on every problem) and 1.5%
+    per-row noise, plus a vendor row per problem (the best noiseless row x 1.04): a table on which the
+    roofline is informative to a known degree, for testing the search's use of it as a prior."""
+    from tuner.roofline import roofline_matrix
+
+    if not configs or not problems:
+        raise DietcodeError("roofline_table needs at least one config and one problem")
+    base = roofline_matrix(configs, problems, profile, dtype)
+    luck = [math.exp(sigma * _unit_normal(seed, "roofline-kernel", c.key())) for c in configs]
+    rows = []
+    for j, problem in enumerate(problems):
+        best = math.inf
+        for i, config in enumerate(configs):
+            sec = float(base[i, j]) * luck[i]
+            best = min(best, sec)
+            if math.isfinite(sec):
+                sec *= math.exp(0.015 * _unit_normal(seed, "noise", config.key(), problem))
+            rows.append(SyntheticRow(config.key(), problem, sec,
+                                     None if math.isfinite(sec) else "synthetic: cannot launch (0 blocks/SM)"))
+        rows.append(SyntheticRow(VENDOR_KEY, problem, best * 1.04, None))
+    return rows
