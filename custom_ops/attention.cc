@@ -287,14 +287,6 @@ struct ScratchBuffers {
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr size_t kMaskInput = 3, kBundleInput = 4, kInputs = 5;  // (Q, Kt, V, mask, bundle)
 
-struct BundleDeleter {
-  void operator()(dc_bundle* b) const { dc_bundle_release(b); }
-};
-
-int DtypeCode(ONNXTensorElementDataType t) {
-  return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
-}
-
 // Inputs (Q, Kt, V[, mask][, bundle]): the mask slot is empty when the chain adds none. The CPU EP computes
 // with ORT's MatMul and Softmax (the bundle, when there is one, is checked, not used); the CUDA EP launches
 // the bundle's tuned kernels (templates.attention_kernel) on ORT's compute stream and has no other path: a
@@ -371,41 +363,10 @@ class AttentionKernel {
  private:
   [[noreturn]] void Throw(const std::string& msg) const { throw std::runtime_error(where_ + ": " + msg); }
 
-  template <typename T>
-  static T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
-    try {
-      return info.GetAttribute<T>(name);
-    } catch (const Ort::Exception&) {
-      return def;
-    }
-  }
-
-  // The bundle input: a constant 1-D non-empty uint8 initializer in host memory (the op declares it
-  // OrtMemTypeCPUInput), parsed once per distinct bytes (dc_bundle_acquire); every kernel must be a compiled
+  // The bundle input (AcquireBundleInput), parsed once per distinct bytes; every kernel must be a compiled
   // attention kernel for this node's dtype that takes a mask exactly when the node has one.
   void LoadBundle(const Ort::ConstKernelInfo& info) {
-    const std::string name = info.GetInputName(kBundleInput);
-    int is_constant = 0;
-    Ort::ConstValue tensor{nullptr};
-    try {
-      tensor = info.GetTensorConstantInput(kBundleInput, &is_constant);
-    } catch (const Ort::Exception& e) {
-      Throw("cannot read the bundle input '" + name + "': " + e.what());
-    }
-    if (!is_constant || static_cast<const OrtValue*>(tensor) == nullptr || !tensor.IsTensor()) {
-      Throw("the bundle input '" + name + "' is not a constant initializer; it must be a uint8 initializer that "
-            "is not also a graph input");
-    }
-    auto shape_info = tensor.GetTensorTypeAndShapeInfo();
-    if (shape_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || shape_info.GetDimensionsCount() != 1 ||
-        shape_info.GetElementCount() == 0) {
-      Throw("the bundle input '" + name + "' must be a non-empty 1-D uint8 tensor");
-    }
-    if (tensor.GetTensorMemoryInfo().GetDeviceType() != OrtMemoryInfoDeviceType_CPU) {
-      Throw("the bundle input '" + name + "' is not in CPU memory");
-    }
-    bundle_.reset(dc_bundle_acquire(tensor.GetTensorData<uint8_t>(), shape_info.GetElementCount()));
-    if (!bundle_) Throw("bundle input '" + name + "': " + dc_last_error());
+    bundle_ = AcquireBundleInput(info, kBundleInput, where_, BundleInputWording::kGrouped);
     int32_t n_features = 0;
     dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
     features_.resize(n_features);
@@ -649,7 +610,7 @@ class AttentionKernel {
   int64_t layout_ = 0;  // the operands taken (written) as [B, S, H, d]: bundle_impl.h kLayout* bits
   bool has_mask_ = false;
   Ort::Op matmul_{nullptr}, softmax_{nullptr};  // CPU only
-  std::unique_ptr<dc_bundle, BundleDeleter> bundle_;
+  BundlePtr bundle_;
   int32_t n_kernels_ = 0;
   std::vector<int64_t> features_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)

@@ -205,6 +205,16 @@ namespace dietcode {
 // Thread-local error message used by the C ABI.
 void SetError(const std::string& message);
 
+// Kernel k of bundle b (the C ABI's kernel ids); nullptr, with the error "<nulls>kernel id k out of range" set,
+// when b is null or has no kernel k (`nulls` names the null arguments a caller refuses too, "null bundle or ").
+inline const Kernel* KernelAt(const dc_bundle* b, int32_t k, const char* nulls = "") {
+  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+    SetError(nulls + ("kernel id " + std::to_string(k)) + " out of range");
+    return nullptr;
+  }
+  return &b->kernels[k];
+}
+
 // Evaluate the tree; the bundle is validated so this cannot index out of range.
 int32_t Evaluate(const dc_bundle& bundle, const int64_t* features);
 

@@ -8,13 +8,7 @@
 
 namespace {
 
-const dietcode::Kernel* KernelAt(const dc_bundle* b, int32_t k) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    dietcode::SetError("kernel id " + std::to_string(k) + " out of range");
-    return nullptr;
-  }
-  return &b->kernels[k];
-}
+using dietcode::KernelAt;
 
 const dietcode::Feature* FeatureAt(const dc_bundle* b, int32_t j) {
   if (b == nullptr || j < 0 || static_cast<size_t>(j) >= b->features.size()) {

@@ -852,11 +852,9 @@ namespace {
 // Kernel k of a bundle and the image it loads on a device of compute capability major.minor (`index`:
 // into its images, -1 for PTX); nullptr, with the error set, for a bad id, a vendor kernel or no image.
 const dietcode::Kernel* KernelImage(const dc_bundle* b, int32_t k, int major, int minor, int* index) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return nullptr;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
+  const dietcode::Kernel* found = dietcode::KernelAt(b, k);
+  if (found == nullptr) return nullptr;
+  const dietcode::Kernel& kernel = *found;
   if (kernel.kind == dietcode::kVendor) {
     SetError("kernel '" + kernel.name + "' is the vendor kind and has no image");
     return nullptr;
@@ -1030,11 +1028,9 @@ int dc_bundle_features(const dc_bundle* b, const int64_t* const* dims, const siz
 }
 
 int dc_bundle_kernel_is_vendor(const dc_bundle* b, int32_t k) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  return b->kernels[k].kind == dietcode::kVendor ? 1 : 0;
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k);
+  if (kernel == nullptr) return -1;
+  return kernel->kind == dietcode::kVendor ? 1 : 0;
 }
 
 int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
@@ -1099,17 +1095,15 @@ int64_t dc_bundle_image_shared(const dc_bundle* b, int32_t k, int major, int min
 }
 
 int dc_kernel_fit_device(const dc_bundle* b, int32_t k, int major, int minor, int smem_optin, int driver_version) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k, "null bundle or ");
+  if (kernel == nullptr) return -1;
   if (major < 1 || minor < 0 || minor > 9 || smem_optin <= 0) {
     SetError("device sm_" + std::to_string(major) + std::to_string(minor) + " with " + std::to_string(smem_optin) +
              " bytes of opt-in shared memory is not a device");
     return -1;
   }
   std::string why;
-  if (dietcode::FitsDevice(b->kernels[k], major, minor, smem_optin, &why, driver_version)) return 1;
+  if (dietcode::FitsDevice(*kernel, major, minor, smem_optin, &why, driver_version)) return 1;
   SetError(why);
   return 0;
 }
@@ -1139,11 +1133,9 @@ const char* dc_fit_name(int fit) {
 
 int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, int32_t* activation, int32_t* trans_b,
                                int32_t* conv9) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
+  const dietcode::Kernel* found = dietcode::KernelAt(b, k);
+  if (found == nullptr) return -1;
+  const dietcode::Kernel& kernel = *found;
   if (dtype) *dtype = kernel.dtype;
   if (activation) *activation = kernel.activation;
   if (trans_b) *trans_b = kernel.trans_b;
@@ -1262,11 +1254,8 @@ int dc_bundle_kernel_takes_param(const dc_bundle* b, int32_t k, const char* name
 }
 
 int dc_bundle_kernel_view(const dc_bundle* b, int32_t k) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  return dietcode::KernelView(b->kernels[k]);
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k);
+  return kernel == nullptr ? -1 : dietcode::KernelView(*kernel);
 }
 
 int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, char* desc, size_t desc_size) {
@@ -1289,20 +1278,15 @@ int dc_bundle_pick_image(const dc_bundle* b, int32_t k, int major, int minor, ch
 }
 
 int dc_bundle_image_count(const dc_bundle* b, int32_t k) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  return static_cast<int>(b->kernels[k].images.size());
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k);
+  return kernel == nullptr ? -1 : static_cast<int>(kernel->images.size());
 }
 
 int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char* triton, size_t triton_size,
                               char* ptxas, size_t ptxas_size, int32_t* ptx_isa, int32_t* min_driver) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
+  const dietcode::Kernel* found = dietcode::KernelAt(b, k);
+  if (found == nullptr) return -1;
+  const dietcode::Kernel& kernel = *found;
   if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
       (image == -1 && kernel.ptx.empty())) {
     SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image) + " (" +
@@ -1319,11 +1303,9 @@ int dc_bundle_image_toolchain(const dc_bundle* b, int32_t k, int32_t image, char
 
 // Kernel k of `b` if `image` names one of its images (-1: its PTX), else null with the error set.
 static const dietcode::Kernel* KernelImage(const dc_bundle* b, int32_t k, int32_t image) {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle or kernel id " + std::to_string(k) + " out of range");
-    return nullptr;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
+  const dietcode::Kernel* found = dietcode::KernelAt(b, k, "null bundle or ");
+  if (found == nullptr) return nullptr;
+  const dietcode::Kernel& kernel = *found;
   if (image < -1 || (image >= 0 && static_cast<size_t>(image) >= kernel.images.size()) ||
       (image == -1 && kernel.ptx.empty())) {
     SetError("kernel '" + kernel.name + "' has no image " + std::to_string(image));

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -189,6 +190,26 @@ bool StreamContext(const Driver& d, CUstream s, CUcontext* ctx, std::string* err
   return true;
 }
 
+// What a call that enqueues work on the caller's stream does first: resolve the driver, find the stream's
+// context (StreamContext) and make it current for the scope (ContextScope). ok() is false, with the reason in
+// `error`, when the driver cannot be used or the stream has no context.
+struct StreamCall {
+  explicit StreamCall(void* stream) : d(GetDriver()), s(static_cast<CUstream>(stream)) {
+    if (!d.ok) {
+      error = d.error;
+    } else if (StreamContext(d, s, &ctx, &error)) {
+      scope.emplace(d, ctx);
+    }
+  }
+  bool ok() const { return scope.has_value(); }
+
+  const Driver& d;
+  const CUstream s;
+  CUcontext ctx = nullptr;
+  std::string error;
+  std::optional<ContextScope> scope;
+};
+
 // The multiprocessor count of `ctx`'s device, queried once per context and cached (persistent grids).
 bool ContextSmCount(const Driver& d, CUcontext ctx, int32_t* count, std::string* error) {
   static std::mutex mutex;
@@ -224,19 +245,16 @@ void* DriverSymbol(const char* name, std::string* error) {
 // The vendor path's PTX modules (vendor.h), loaded once per (context, module text) and kept for the process.
 bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
                std::string* error) {
-  const Driver& d = GetDriver();
-  if (!d.ok) return *error = d.error, false;
-  CUstream s = static_cast<CUstream>(stream);
-  CUcontext ctx = nullptr;
-  if (!StreamContext(d, s, &ctx, error)) return false;
-  ContextScope scope(d, ctx);
+  const StreamCall on(stream);
+  if (!on.ok()) return *error = on.error, false;
+  const Driver& d = on.d;
   CUresult rc = CUDA_SUCCESS;
   static std::mutex mutex;
   static std::map<std::pair<void*, const char*>, CUfunction> functions;
   CUfunction fn = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_pair(static_cast<void*>(ctx), ptx);
+    auto key = std::make_pair(static_cast<void*>(on.ctx), ptx);
     auto it = functions.find(key);
     if (it == functions.end()) {
       CUmodule module = nullptr;
@@ -251,7 +269,7 @@ bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned blo
     }
     fn = it->second;
   }
-  rc = d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, s, params, nullptr);
+  rc = d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
   if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuLaunchKernel") + " for " + entry, false;
   return true;
 }
@@ -376,17 +394,13 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   };
   const bool needs_sms = kernel.persistent && call.sm_count <= 0;
   if (!needs_sms && !check_workspace()) return -1;
-  const dietcode::Driver& d = dietcode::GetDriver();
-  if (!d.ok) return Fail(d.error);
-
-  CUstream s = static_cast<CUstream>(stream);
-  CUcontext ctx = nullptr;
-  std::string why;
-  if (!dietcode::StreamContext(d, s, &ctx, &why)) return Fail(why);
-  dietcode::ContextScope scope(d, ctx);
+  const dietcode::StreamCall on(stream);
+  if (!on.ok()) return Fail(on.error);
+  const dietcode::Driver& d = on.d;
   CUresult rc = CUDA_SUCCESS;
   if (needs_sms) {
-    if (!dietcode::ContextSmCount(d, ctx, &call.sm_count, &why)) return Fail(why);
+    std::string why;
+    if (!dietcode::ContextSmCount(d, on.ctx, &call.sm_count, &why)) return Fail(why);
     if (!check_workspace()) return -1;
   }
 
@@ -395,7 +409,7 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   int image_index = -1;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
-    auto key = std::make_pair(static_cast<void*>(ctx), k);
+    auto key = std::make_pair(static_cast<void*>(on.ctx), k);
     auto it = b->loaded.find(key);
     if (it == b->loaded.end()) {
       dietcode::LoadedKernel loaded;
@@ -441,10 +455,10 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   if (kernel.split_k > 1) {  // the counters (one int32 per tile and batch) follow the partial tiles
     const uint64_t counters = static_cast<uint64_t>(grid[0]) * static_cast<uint64_t>(batch);
     const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
-    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, s);
+    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, on.s);
     if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the split-K counters)"));
   }
-  rc = d.LaunchKernel(fn, grid[0], grid[1], grid[2], kernel.num_warps * 32, 1, 1, shared, s, params, nullptr);
+  rc = d.LaunchKernel(fn, grid[0], grid[1], grid[2], kernel.num_warps * 32, 1, 1, shared, on.s, params, nullptr);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");
   return 0;
 }
@@ -453,14 +467,10 @@ int dc_zero_async(uint64_t ptr, uint64_t bytes, void* stream) {
   using dietcode::Fail;
   if (bytes == 0) return 0;
   if (ptr == 0) return Fail("dc_zero_async: null pointer");
-  const dietcode::Driver& d = dietcode::GetDriver();
-  if (!d.ok) return Fail(d.error);
-  CUstream s = static_cast<CUstream>(stream);
-  CUcontext ctx = nullptr;
-  std::string why;
-  if (!dietcode::StreamContext(d, s, &ctx, &why)) return Fail(why);
-  dietcode::ContextScope scope(d, ctx);
-  const CUresult rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptr), 0, bytes, s);
+  const dietcode::StreamCall on(stream);
+  if (!on.ok()) return Fail(on.error);
+  const dietcode::Driver& d = on.d;
+  const CUresult rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptr), 0, bytes, on.s);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the output)"));
   return 0;
 }

@@ -4,12 +4,78 @@
 
 #include <cstdint>
 #include <exception>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core.h"
 #include "onnxruntime_cxx_api.h"
 
 namespace dietcode {
+
+// The node's attribute `name`, or `def` when the node does not set it.
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
+  try {
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return def;
+  }
+}
+
+// The core's element type code (dc_bundle_check_node, the vendor plans): 0 float, 1 float16, 2 bfloat16.
+inline int DtypeCode(ONNXTensorElementDataType t) {
+  return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+}
+
+// Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
+struct BundleDeleter {
+  void operator()(dc_bundle* b) const { dc_bundle_release(b); }
+};
+using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
+
+// How AcquireBundleInput words a bundle input of the wrong kind: each problem by itself (the MatMul, Gemm and
+// Conv ops), or a value that is no constant tensor, and a tensor of the wrong type, rank or size, as one each
+// (Attention).
+enum class BundleInputWording { kEach, kGrouped };
+
+// The node's bundle input `index`, parsed once per distinct bytes (dc_bundle_acquire): a constant initializer
+// (not a graph input, not computed by a node), a 1-D non-empty uint8 tensor in CPU memory (the op declares the
+// input OrtMemTypeCPUInput, so ORT keeps it on the host also for a CUDA node). Throws std::runtime_error
+// "<where>: <the problem, naming the input>" otherwise.
+inline BundlePtr AcquireBundleInput(const Ort::ConstKernelInfo& info, size_t index, const std::string& where,
+                                    BundleInputWording wording) {
+  const std::string name = info.GetInputName(index);
+  const std::string input = "the bundle input '" + name + "'";
+  const bool grouped = wording == BundleInputWording::kGrouped;
+  auto fail = [&](const std::string& problem) { throw std::runtime_error(where + ": " + problem); };
+  int is_constant = 0;
+  Ort::ConstValue tensor{nullptr};
+  try {
+    tensor = info.GetTensorConstantInput(index, &is_constant);
+  } catch (const Ort::Exception& e) {
+    fail("cannot read the bundle input '" + name + "': " + e.what());
+  }
+  if (!is_constant || static_cast<const OrtValue*>(tensor) == nullptr || (grouped && !tensor.IsTensor())) {
+    fail(input + " is not a constant initializer" + (grouped ? "" : " (a graph input, or computed by a node)") +
+         "; it must be a uint8 initializer that is not also a graph input");
+  }
+  if (!tensor.IsTensor()) fail(input + " is not a tensor");
+  auto shape_info = tensor.GetTensorTypeAndShapeInfo();
+  const bool is_uint8 = shape_info.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  const size_t rank = shape_info.GetDimensionsCount(), size = shape_info.GetElementCount();
+  if (grouped && (!is_uint8 || rank != 1 || size == 0)) fail(input + " must be a non-empty 1-D uint8 tensor");
+  if (!is_uint8) fail(input + " must be a uint8 tensor");
+  if (rank != 1) fail(input + " must be 1-D, it has rank " + std::to_string(rank));
+  if (size == 0) fail(input + " is empty");
+  if (tensor.GetTensorMemoryInfo().GetDeviceType() != OrtMemoryInfoDeviceType_CPU) {
+    fail(input + " is not in CPU memory");
+  }
+  BundlePtr bundle(dc_bundle_acquire(tensor.GetTensorData<uint8_t>(), size));
+  if (!bundle) fail("bundle input '" + name + "': " + dc_last_error());
+  return bundle;
+}
 
 // The input's shape into `out`, reusing its capacity (the hot paths keep per-thread shape buffers).
 inline void ReadShape(const Ort::ConstValue& v, std::vector<int64_t>* out) {

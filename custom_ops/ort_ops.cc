@@ -57,23 +57,9 @@ constexpr int kCudaResourceCublasHandle = 10002;  // CudaResource::cublas_handle
 // entries carry a provider option, so this stays an assumption.
 constexpr int kOrtCudaUsesTf32 = 1;
 
-// Kernels hold the shared parse of their bundle input (dc_bundle_acquire): one per distinct bundle.
-struct BundleDeleter {
-  void operator()(dc_bundle* b) const { dc_bundle_release(b); }
-};
-using BundlePtr = std::unique_ptr<dc_bundle, BundleDeleter>;
 struct ConvAlgoCacheDeleter {
   void operator()(dc_conv_algo_cache* c) const { dc_conv_algo_cache_free(c); }
 };
-
-template <typename T>
-T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
-  try {
-    return info.GetAttribute<T>(name);
-  } catch (const Ort::Exception&) {
-    return def;
-  }
-}
 
 // Inputs: A, B, [bias], [residual], bundle: the bundle is the last (index 2 to 4).
 size_t ResidualInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
@@ -243,39 +229,9 @@ class DietcodeKernel {
     }
   }
 
-  // The bundle input must be a constant initializer (not a graph input, not computed): a 1-D, non-empty
-  // uint8 tensor in CPU memory (the op declares that input OrtMemTypeCPUInput, so ORT keeps it on the host
-  // also for a CUDA node). Read once here; nodes with the same bytes share one parse (dc_bundle_acquire).
+  // The bundle input (AcquireBundleInput), read once here; nodes with the same bytes share one parse.
   void LoadBundle(const Ort::ConstKernelInfo& info) {
-    const size_t index = BundleInput(spec_);
-    const std::string name = info.GetInputName(index);
-    int is_constant = 0;
-    Ort::ConstValue tensor{nullptr};
-    try {
-      tensor = info.GetTensorConstantInput(index, &is_constant);
-    } catch (const Ort::Exception& e) {
-      Throw("cannot read the bundle input '" + name + "': " + e.what());
-    }
-    if (!is_constant || static_cast<const OrtValue*>(tensor) == nullptr) {
-      Throw("the bundle input '" + name + "' is not a constant initializer (a graph input, or computed by a node); "
-            "it must be a uint8 initializer that is not also a graph input");
-    }
-    if (!tensor.IsTensor()) Throw("the bundle input '" + name + "' is not a tensor");
-    auto shape_info = tensor.GetTensorTypeAndShapeInfo();
-    if (shape_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
-      Throw("the bundle input '" + name + "' must be a uint8 tensor");
-    }
-    if (shape_info.GetDimensionsCount() != 1) {
-      Throw("the bundle input '" + name + "' must be 1-D, it has rank " +
-            std::to_string(shape_info.GetDimensionsCount()));
-    }
-    const size_t size = shape_info.GetElementCount();
-    if (size == 0) Throw("the bundle input '" + name + "' is empty");
-    if (tensor.GetTensorMemoryInfo().GetDeviceType() != OrtMemoryInfoDeviceType_CPU) {
-      Throw("the bundle input '" + name + "' is not in CPU memory");
-    }
-    bundle_.reset(dc_bundle_acquire(tensor.GetTensorData<uint8_t>(), size));
-    if (!bundle_) Throw("bundle input '" + name + "': " + dc_last_error());
+    bundle_ = AcquireBundleInput(info, BundleInput(spec_), where_, BundleInputWording::kEach);
     int32_t n_features = 0;
     dc_bundle_info(bundle_.get(), &n_features, &n_kernels_, nullptr);
     features_.resize(n_features);
@@ -318,7 +274,7 @@ class DietcodeKernel {
   // its inputs. (The CPU EP never launches them.) Per call, ComputeCuda also checks a conv's channels and
   // kernel size against the weight it is given.
   void CheckKernelsBuiltForNode() {
-    const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    const int dtype = DtypeCode(dtype_);
     const int trans_b = spec_.base == BaseOp::kGemm ? static_cast<int>(gemm_.trans_b) : 0;
     auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
     const int64_t conv8[8] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1), at(conv_.pads, 0, 0),
@@ -680,7 +636,7 @@ class DietcodeKernel {
   // then the epilogue, all on ORT's compute stream (vendor.h).
   void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in,
                   const Ort::ConstValue& residual, Ort::UnownedValue& out, const char* why) {
-    const int dtype = dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 0 : dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 1 : 2;
+    const int dtype = DtypeCode(dtype_);
     void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
     void* y = out.GetTensorMutableRawData();
     const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;

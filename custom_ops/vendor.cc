@@ -12,6 +12,8 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "bundle_impl.h"
 #include "shapes.h"
@@ -254,6 +256,51 @@ using GemmStridedBatchedExFn = int (*)(void*, int, int, int, int, int, const voi
 using SetStreamFn = int (*)(void*, void*);
 using GetStreamFn = int (*)(void*, void**);
 
+// A vendor library's function table (Cublas, Cudnn), resolved once and kept for the process (never freed).
+template <typename T>
+struct VendorLibrary {
+  using ResolveFn = const T* (*)(void* lib, const std::string& origin, std::string* error);
+  VendorLibrary(ResolveFn r, std::vector<const char*> names, const char* none)
+      : resolve(r), sonames(std::move(names)), absent(none) {}
+
+  const ResolveFn resolve;
+  const std::vector<const char*> sonames;  // the releases ONNX Runtime's CUDA EP may have loaded, newest first
+  const char* const absent;  // the error when none of them is in the process
+  std::mutex mutex;
+  std::atomic<const T*> table{nullptr};
+};
+
+// The table of the library at `path`, or with path == nullptr of the copy already in the process: the EP links
+// the library, so when it runs one of `sonames` is loaded, and RTLD_NOLOAD never loads a second.
+template <typename T>
+const T* LoadVendorLibrary(VendorLibrary<T>* v, const char* path, std::string* error) {
+  if (path == nullptr) {
+    if (const T* loaded = v->table.load()) return loaded;  // the per-call path: no lock
+  }
+  std::lock_guard<std::mutex> lock(v->mutex);
+  if (path == nullptr) {
+    if (const T* loaded = v->table.load()) return loaded;
+    for (const char* name : v->sonames) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      const T* t = v->resolve(lib, name, error);
+      if (t != nullptr) v->table.store(t);
+      return t;
+    }
+    *error = v->absent;
+    return nullptr;
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
+    return nullptr;
+  }
+  const T* t = v->resolve(lib, path, error);
+  if (t != nullptr) v->table.store(t);
+  return t;
+}
+
 struct Cublas {
   std::string origin;
   GemmExFn gemm_ex = nullptr;
@@ -261,9 +308,6 @@ struct Cublas {
   SetStreamFn set_stream = nullptr;
   GetStreamFn get_stream = nullptr;
 };
-
-std::mutex g_cublas_mutex;
-std::atomic<const Cublas*> g_cublas{nullptr};  // loaded tables are kept for the process (never freed)
 
 const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) {
   auto* t = new Cublas;
@@ -285,35 +329,11 @@ const Cublas* Resolve(void* lib, const std::string& origin, std::string* error) 
   return t;
 }
 
-const Cublas* LoadCublas(const char* path, std::string* error) {
-  if (path == nullptr) {
-    if (const Cublas* loaded = g_cublas.load()) return loaded;  // the per-call path: no lock
-  }
-  std::lock_guard<std::mutex> lock(g_cublas_mutex);
-  if (path == nullptr) {
-    if (const Cublas* loaded = g_cublas.load()) return loaded;
-    // The EP links cuBLAS, so when it runs one of these is in the process; RTLD_NOLOAD never loads a second.
-    for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11"}) {
-      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-      if (lib == nullptr) continue;
-      const Cublas* t = Resolve(lib, name, error);
-      if (t != nullptr) g_cublas.store(t);
-      return t;
-    }
-    *error = "no cuBLAS in this process (libcublas.so.13, .12 or .11): the vendor path calls the cuBLAS that "
-             "ONNX Runtime's CUDA execution provider loads, and it has not loaded one";
-    return nullptr;
-  }
-  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
-    return nullptr;
-  }
-  const Cublas* t = Resolve(lib, path, error);
-  if (t != nullptr) g_cublas.store(t);
-  return t;
-}
+VendorLibrary<Cublas> g_cublas{Resolve, {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11"},
+                                "no cuBLAS in this process (libcublas.so.13, .12 or .11): the vendor path calls the "
+                                "cuBLAS that ONNX Runtime's CUDA execution provider loads, and it has not loaded one"};
+
+const Cublas* LoadCublas(const char* path, std::string* error) { return LoadVendorLibrary(&g_cublas, path, error); }
 
 // The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32,
 // or with p_first != 0 y = act(y + scale * bias[index] + residual[i]).
@@ -524,9 +544,6 @@ struct FwdAlgoPerf {
 };
 constexpr int kFwdAlgoCount = 8;  // CUDNN_CONVOLUTION_FWD_ALGO_COUNT
 
-std::mutex g_cudnn_mutex;
-std::atomic<const Cudnn*> g_cudnn{nullptr};  // loaded tables are kept for the process (never freed)
-
 template <typename F>
 void Sym(void* lib, const char* name, F* fn, std::string* missing) {
   *fn = reinterpret_cast<F>(dlsym(lib, name));
@@ -563,34 +580,11 @@ const Cudnn* ResolveCudnn(void* lib, const std::string& origin, std::string* err
   return t;
 }
 
-const Cudnn* LoadCudnn(const char* path, std::string* error) {
-  if (path == nullptr) {
-    if (const Cudnn* loaded = g_cudnn.load()) return loaded;  // the per-call path: no lock
-  }
-  std::lock_guard<std::mutex> lock(g_cudnn_mutex);
-  if (path == nullptr) {
-    if (const Cudnn* loaded = g_cudnn.load()) return loaded;
-    for (const char* name : {"libcudnn.so.9", "libcudnn.so.8"}) {
-      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-      if (lib == nullptr) continue;
-      const Cudnn* t = ResolveCudnn(lib, name, error);
-      if (t != nullptr) g_cudnn.store(t);
-      return t;
-    }
-    *error = "no cuDNN in this process (libcudnn.so.9 or .8): the vendor path calls the cuDNN that ONNX "
-             "Runtime's CUDA execution provider loads, and it has not loaded one";
-    return nullptr;
-  }
-  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    *error = std::string("cannot load ") + path + ": " + (why ? why : "unknown reason");
-    return nullptr;
-  }
-  const Cudnn* t = ResolveCudnn(lib, path, error);
-  if (t != nullptr) g_cudnn.store(t);
-  return t;
-}
+VendorLibrary<Cudnn> g_cudnn{ResolveCudnn, {"libcudnn.so.9", "libcudnn.so.8"},
+                              "no cuDNN in this process (libcudnn.so.9 or .8): the vendor path calls the cuDNN that "
+                              "ONNX Runtime's CUDA execution provider loads, and it has not loaded one"};
+
+const Cudnn* LoadCudnn(const char* path, std::string* error) { return LoadVendorLibrary(&g_cudnn, path, error); }
 
 // The three descriptors of one call, destroyed with the scope.
 struct ConvDescriptors {
