@@ -354,9 +354,7 @@ class AttentionKernel {
       }
       return nullptr;
     } catch (const std::exception& e) {
-      const std::string what = e.what();
-      const std::string text = what.rfind(where_, 0) == 0 ? what : where_ + ": " + what;
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, text.c_str());
+      return ErrorStatus(where_, e);
     }
   }
 

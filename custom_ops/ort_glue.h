@@ -78,6 +78,14 @@ inline BundlePtr AcquireBundleInput(const Ort::ConstKernelInfo& info, size_t ind
 }
 
 // The input's shape into `out`, reusing its capacity (the hot paths keep per-thread shape buffers).
+// The status a kernel's ComputeV2 returns for an exception: its message prefixed with the node (``where``)
+// once, whether or not the thrower already named it.
+inline OrtStatusPtr ErrorStatus(const std::string& where, const std::exception& e) {
+  const std::string what = e.what();
+  const std::string text = what.rfind(where, 0) == 0 ? what : where + ": " + what;
+  return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, text.c_str());
+}
+
 inline void ReadShape(const Ort::ConstValue& v, std::vector<int64_t>* out) {
   auto info = v.GetTensorTypeAndShapeInfo();
   out->resize(info.GetDimensionsCount());

@@ -200,7 +200,7 @@ class DietcodeKernel {
       }
       return nullptr;
     } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, (where_ + ": " + e.what()).c_str());
+      return ErrorStatus(where_, e);
     }
   }
 

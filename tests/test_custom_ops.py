@@ -288,8 +288,9 @@ def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
     want = want + r
     tol = 1e-5 if dtype == np.float32 else 3e-3
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
-    with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's \[2, 5, 6\]"):
+    with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's \[2, 5, 6\]") as err:
         sess.run(None, feeds | {"R": r[0]})
+    assert str(err.value).count("node 'n0'") == 1, str(err.value)  # the node is named once, not per layer
 
 
 def test_residual_suffix_and_scale_must_fit_the_node(payload) -> None:
