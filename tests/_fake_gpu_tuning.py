@@ -7,8 +7,8 @@ inherits both. Modes:
 - ``measure CACHE``: ``tuner.measure.GpuMeasurer`` with its default backend (``tuner.gpu_timing.CudaBackend``
   through ``ChildTimer``) times a batch of sm_90 configs compiled ahead of time as ``optimize`` ships them;
   prints {"device": ..., "results": [[seconds, error, transient], ...], "started": ..., "vendor": ...}.
-- ``optimize MODEL OUT DB CACHE DIM``: ``dietcode-ort optimize MODEL --measure gpu --target sm_90 --budget 6
-  --max-kernels 2 --dim DIM`` (``dietcode_ort.cli.main``); prints {"rc": ...}.
+- ``optimize MODEL OUT DB CACHE DIM...``: ``dietcode-ort optimize MODEL --measure gpu --target sm_90 --budget 6
+  --max-kernels 2 --dim DIM ...`` (``dietcode_ort.cli.main``); prints {"rc": ...}.
 - ``record OUT CACHE``: ``benchmarks/record_table.py``'s ``record`` (the device runner's stage 2) on one dense set
   of T = 1..2 and 3 configs, through GpuMeasurer; the vendor rows (cuBLAS through torch with CUDA, which cannot
   run against the stand-in) are recorded as failures; prints {"table": CSV path}.
@@ -61,11 +61,11 @@ def measure(cache: Path) -> dict[str, Any]:
             "results": [[r.seconds if math.isfinite(r.seconds) else None, r.error, r.transient] for r in results]}
 
 
-def optimize(model: str, out: str, db: str, cache: str, dim: str) -> dict[str, Any]:
+def optimize(model: str, out: str, db: str, cache: str, *dims: str) -> dict[str, Any]:
     from dietcode_ort.cli import main as cli
 
     rc = cli(["optimize", model, "--measure", "gpu", "--target", "sm_90", "--budget", "6", "--max-kernels", "2",
-              "--dim", dim, "-o", out, "--db", db, "--cache-dir", cache])
+              *[a for dim in dims for a in ("--dim", dim)], "-o", out, "--db", db, "--cache-dir", cache])
     return {"rc": rc}
 
 

@@ -92,25 +92,30 @@ def test_gpu_measurer_times_aot_kernels_per_item_through_the_driver(fake_lib: Pa
     assert "torch" in got["vendor"] and "CUDA" in got["vendor"]
 
 
-def test_optimize_measure_gpu_end_to_end_through_the_driver(fake_lib: Path, tmp_path: Path) -> None:
-    """``dietcode-ort optimize tiny-mlp.onnx --measure gpu --target sm_90`` with the stand-in as the only GPU:
+@pytest.mark.parametrize("name, dims", [("mlp", ["tokens=1:32"]), ("bert", ["batch=1:2", "seq=8:32:8"])])
+def test_optimize_measure_gpu_end_to_end_through_the_driver(fake_lib: Path, tmp_path: Path, name: str,
+                                                            dims: list[str]) -> None:
+    """``dietcode-ort optimize tiny-MODEL.onnx --measure gpu --target sm_90`` with the stand-in as the only GPU:
     the driver counts as a GPU (no torch with CUDA needed to time kernels), every workload is tuned with
-    timings from the timing child, stored under the stand-in's own device key, the model is written, and the
-    missing vendor baseline is said, not hidden."""
+    timings from the timing child (tiny BERT's fused attention chains too: CudaBackend's attention view),
+    stored under the stand-in's own device key, the model is written, and the missing vendor baseline is
+    said, not hidden."""
     import onnx
 
-    model, out, db = tmp_path / "mlp.onnx", tmp_path / "mlp.opt.onnx", tmp_path / "tuning.db"
-    subprocess.run([sys.executable, "-m", "models", "mlp", "--preset", "tiny", "--dtype", "float16", "-o",
+    model, out, db = tmp_path / f"{name}.onnx", tmp_path / f"{name}.opt.onnx", tmp_path / "tuning.db"
+    subprocess.run([sys.executable, "-m", "models", name, "--preset", "tiny", "--dtype", "float16", "-o",
                     str(model)], cwd=ROOT, check=True, capture_output=True)
-    got, stderr = _run(fake_lib, "optimize", str(model), str(out), str(db), str(tmp_path / "kernels"), "tokens=1:32")
+    got, stderr = _run(fake_lib, "optimize", str(model), str(out), str(db), str(tmp_path / "kernels"), *dims)
     assert got["rc"] == 0, stderr[-3000:]
-    assert "trials in" in stderr and " with gpu;" in stderr and "no vendor baseline (the vendor baseline needs torch with CUDA" in stderr
-    ops = [n for n in onnx.load(str(out)).graph.node if n.domain == "ai.dietcode"]
-    assert ops
-    rows = sqlite3.connect(str(db)).execute("SELECT device, config, seconds, error FROM measurements").fetchall()
+    assert "trials in" in stderr and " with gpu;" in stderr
+    assert "no vendor baseline (the vendor baseline needs torch with CUDA" in stderr
+    ops = {n.op_type for n in onnx.load(str(out)).graph.node if n.domain == "ai.dietcode"}
+    assert any(op.startswith("MatMul") for op in ops) and ("Attention" in ops) == (name == "bert"), ops
+    rows = sqlite3.connect(str(db)).execute("SELECT device, family, config, seconds, error FROM measurements").fetchall()
     assert rows and {r[0] for r in rows} == {rows[0][0]} and rows[0][0].startswith(FAKE_DEVICE)
-    assert all(r[1] != "vendor" for r in rows)
-    assert any(r[3] is None and r[2] is not None and math.isfinite(r[2]) and r[2] > 0 for r in rows)
+    assert all(r[2] != "vendor" for r in rows)
+    families = {r[1].split("/")[0] for r in rows if r[4] is None and r[3] is not None and math.isfinite(r[3])}
+    assert families == ({"gemm", "attention"} if name == "bert" else {"gemm"})
 
 
 def test_record_table_stage_two_through_the_driver(fake_lib: Path, tmp_path: Path) -> None:
