@@ -9,6 +9,8 @@ inherits both. Modes:
   prints {"device": ..., "results": [[seconds, error, transient], ...], "started": ..., "vendor": ...}.
 - ``optimize MODEL OUT DB CACHE DIM...``: ``dietcode-ort optimize MODEL --measure gpu --target sm_90 --budget 6
   --max-kernels 2 --dim DIM ...`` (``dietcode_ort.cli.main``); prints {"rc": ...}.
+- ``targets``: what ``optimize`` sees of the device through the driver alone: {"gpu": LocalExecutor's
+  gpu_available, "targets": default_targets()}.
 - ``record OUT CACHE``: ``benchmarks/record_table.py``'s ``record`` (the device runner's stage 2) on one dense set
   of T = 1..2 and 3 configs, through GpuMeasurer; the vendor rows (cuBLAS through torch with CUDA, which cannot
   run against the stand-in) are recorded as failures; prints {"table": CSV path}.
@@ -94,6 +96,13 @@ def record(out: str, cache: str) -> dict[str, Any]:
     return {"table": str(table)}
 
 
+def targets() -> dict[str, Any]:
+    from tuner.executor import LocalExecutor
+    from tuner.optimize import default_targets
+
+    return {"gpu": LocalExecutor().gpu_available(), "targets": list(default_targets())}
+
+
 def main() -> int:
     import ctypes
 
@@ -103,7 +112,7 @@ def main() -> int:
         return 2
     mode, *args = sys.argv[1:]
     out = {"measure": lambda: measure(Path(args[0])), "optimize": lambda: optimize(*args),
-           "record": lambda: record(*args)}[mode]()
+           "record": lambda: record(*args), "targets": targets}[mode]()
     print(json.dumps(out))
     return 0
 

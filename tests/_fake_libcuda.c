@@ -25,7 +25,7 @@
  * database's device key) apart from a real device's.
  *
  * Environment (read by cuInit, for processes a test cannot reach through ctypes, such as the tuner's timing
- * child): FAKE_CUDA_SM_COUNT, FAKE_CUDA_SMEM_OPTIN, FAKE_CUDA_LAUNCH_NS, FAKE_CUDA_THREAD_NS, FAKE_CUDA_PARAM_NS
+ * child): FAKE_CUDA_CC_MAJOR, FAKE_CUDA_CC_MINOR, FAKE_CUDA_SM_COUNT, FAKE_CUDA_SMEM_OPTIN, FAKE_CUDA_LAUNCH_NS, FAKE_CUDA_THREAD_NS, FAKE_CUDA_PARAM_NS
  * (the settings below); FAKE_CUDA_MAX_THREADS=n: a launch of blocks of more than n threads is refused with
  * CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (as the driver refuses a block whose registers exceed the SM's);
  * FAKE_CUDA_FAULT_THREADS=n: a launch of blocks of exactly n threads is accepted and the context then fails
@@ -303,6 +303,8 @@ static void env_double(const char* name, double* value) {
 CUresult CUDAAPI cuInit(unsigned int flags) {
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   if (!initialized) {
+    env_int("FAKE_CUDA_CC_MAJOR", &fake_cuda_cc_major);
+    env_int("FAKE_CUDA_CC_MINOR", &fake_cuda_cc_minor);
     env_int("FAKE_CUDA_SM_COUNT", &fake_cuda_sm_count);
     env_int("FAKE_CUDA_SMEM_OPTIN", &fake_cuda_smem_optin);
     env_double("FAKE_CUDA_LAUNCH_NS", &fake_cuda_launch_ns);

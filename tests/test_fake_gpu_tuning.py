@@ -118,6 +118,14 @@ def test_optimize_measure_gpu_end_to_end_through_the_driver(fake_lib: Path, tmp_
     assert families == ({"gemm", "attention"} if name == "bert" else {"gemm"})
 
 
+@pytest.mark.parametrize("cc, want", [((9, 0), ["sm_90"]), ((8, 9), ["sm_89"]), ((8, 6), ["sm_80"])])
+def test_the_driver_alone_makes_a_gpu_visible_and_picks_the_target(fake_lib: Path, cc: tuple[int, int],
+                                                                   want: list[str]) -> None:
+    """No torch with CUDA here: the driver's device is the GPU ``--measure auto`` and the default --target see."""
+    env = {"FAKE_CUDA_CC_MAJOR": str(cc[0]), "FAKE_CUDA_CC_MINOR": str(cc[1])}
+    assert _run(fake_lib, "targets", env=env)[0] == {"gpu": True, "targets": want}
+
+
 def test_record_table_stage_two_through_the_driver(fake_lib: Path, tmp_path: Path) -> None:
     """benchmarks/record_table.py's ``record`` (the device runner's stage 2) through GpuMeasurer and the stand-in:
     every config gets a row per instance keyed by the stand-in's device, and table.json names the device the
