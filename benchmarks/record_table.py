@@ -162,22 +162,31 @@ class _AnalyticTable:
 
 
 def _environment(command: str) -> dict:
+    """The device as the CUDA driver names it (the rows' device key comes from the same probe,
+    ``tuner.gpu_timing.CudaBackend.device_key``), and the library versions."""
+    import ctypes
     import platform
 
-    import torch
     import triton
 
-    props = torch.cuda.get_device_properties(0)
-    try:
-        from torch._C import _cuda_getDriverVersion  # type: ignore[attr-defined]
-        driver = str(_cuda_getDriverVersion())
-    except (ImportError, RuntimeError):
-        driver = "unknown"
-    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}", "measure": "gpu",
-            "sms": props.multi_processor_count,
-            "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    from dietcode_ort.runtime import load_core
+
+    probe = load_core().cuda_probe(0)  # DietcodeError naming what is missing (driver, device)
+    sms = ctypes.c_int()
+    cuda = ctypes.CDLL("libcuda.so.1")  # loaded by the probe
+    if cuda.cuDeviceGetAttribute(ctypes.byref(sms), 16, 0):  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        sms.value = 0
+    env = {"device": probe["name"], "arch": f"sm_{probe['major']}{probe['minor']}", "measure": "gpu",
+           "sms": sms.value, "driver": str(probe["driver_version"]), "triton": triton.__version__,
+           "python": platform.python_version(), "command": command,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:  # the vendor rows' library
+        import torch
+
+        env.update(cuda=torch.version.cuda, torch=torch.__version__)
+    except ImportError:
+        pass
+    return env
 
 
 def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_configs: int | None = None,

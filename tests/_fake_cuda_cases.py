@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FakeCase", "CASES", "SM_COUNT", "WORKSPACE_OFFSET", "FILL", "compile_case", "decode_params", "main"]
+__all__ = ["FakeCase", "CASES", "SM_COUNT", "WORKSPACE_OFFSET", "FILL", "build_fake_driver", "compile_case",
+           "decode_params", "main"]
 
 SM_COUNT = 4  # the stand-in's multiprocessor count (a persistent grid of 2 programs per SM: 8 < 9 tiles)
 WORKSPACE_OFFSET = 16  # workspaces start 16 bytes past a 256-byte boundary: aligned as the ABI asks, not to 128
@@ -74,6 +75,28 @@ CASES: tuple[FakeCase, ...] = (
                                                            "v": (2, 3, 17, 16), "mask": (2, 1, 1, 17)},
              alpha=0.25),
 )
+
+
+def build_fake_driver(folder: Path, driver: int = 13010) -> str:
+    """Builds the stand-in playing CUDA driver ``driver`` as folder/libcuda.so.1 (against the cuda.h the
+    custom-op library is built with); "" when built, else why it cannot be (no C compiler, no cuda.h)."""
+    import shutil
+    import subprocess
+
+    from dietcode_ort.build import _find_cuda_include
+    from dietcode_ort.errors import DietcodeError
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler"
+    try:
+        include = _find_cuda_include()
+    except DietcodeError as exc:
+        return str(exc)
+    subprocess.run([cc, "-O1", "-Wall", "-Wextra", "-shared", "-fPIC", f"-I{include}", f"-DFAKE_CUDA_DRIVER={driver}",
+                    "-Wl,-soname,libcuda.so.1", str(Path(__file__).resolve().parent / "_fake_libcuda.c"),
+                    "-o", str(folder / "libcuda.so.1"), "-lpthread"], check=True, capture_output=True)
+    return ""
 
 
 def compile_case(case: FakeCase, cache_dir: Path) -> Any:

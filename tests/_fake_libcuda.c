@@ -17,8 +17,20 @@
  * the limits, a missing kernelParams array, the `extra` form, PTX for a newer SM (or another one with 'a').
  *
  * The tuner's timer (custom_ops/timing.cc) finds its entry points too: the primary context, a stream, host
- * allocations for device memory, and events that count launches (an event recorded on a stream holds the number
- * of launches made so far; the elapsed time between two is their difference in milliseconds).
+ * allocations for device memory, and events on a made-up clock: each launch advances it by a deterministic
+ * model of its size, fake_cuda_launch_ns + fake_cuda_thread_ns x (grid x block threads) + fake_cuda_param_ns x
+ * (its parameters' bytes) nanoseconds; an event recorded on a stream holds the clock, and the elapsed time
+ * between two is their difference in milliseconds. These are no GPU's timings: they exist to exercise code
+ * paths, and the device's name ("Fake CUDA device (host memory)") keeps any row keyed by it (the tuning
+ * database's device key) apart from a real device's.
+ *
+ * Environment (read by cuInit, for processes a test cannot reach through ctypes, such as the tuner's timing
+ * child): FAKE_CUDA_CC_MAJOR, FAKE_CUDA_CC_MINOR, FAKE_CUDA_SM_COUNT, FAKE_CUDA_SMEM_OPTIN, FAKE_CUDA_LAUNCH_NS, FAKE_CUDA_THREAD_NS, FAKE_CUDA_PARAM_NS
+ * (the settings below); FAKE_CUDA_MAX_THREADS=n: a launch of blocks of more than n threads is refused with
+ * CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (as the driver refuses a block whose registers exceed the SM's);
+ * FAKE_CUDA_FAULT_THREADS=n: a launch of blocks of exactly n threads is accepted and the context then fails
+ * as after an illegal address: every later synchronize, event record or query and launch returns
+ * CUDA_ERROR_ILLEGAL_ADDRESS.
  *
  * The log (fake_cuda_log) is one JSON object per line: "load" (module, image kind, size, FNV-1a 64 hash of
  * the image's bytes), "function", "set_attribute", "memset" and "launch" (kernel name, grid, block, shared
@@ -54,6 +66,9 @@ int fake_cuda_cc_major = 9;
 int fake_cuda_cc_minor = 0;
 int fake_cuda_smem_optin = 232448;
 int fake_cuda_driver_version = FAKE_CUDA_DRIVER;
+double fake_cuda_launch_ns = 1000.0;
+double fake_cuda_thread_ns = 1.0;
+double fake_cuda_param_ns = 0.0;
 
 struct CUctx_st {
   int id;
@@ -71,7 +86,7 @@ struct CUfunc_st {
 };
 struct CUevent_st {
   uint32_t magic;
-  long launches;
+  double clock_ns;  /* the made-up clock when recorded; < 0: never recorded */
 };
 struct CUmod_st {
   int id;
@@ -85,7 +100,11 @@ static struct CUctx_st contexts[2] = {{1}, {2}};
 static struct CUmod_st modules[FAKE_MAX_MODULES];
 static int n_modules = 0;
 static long n_launches = 0;
+static double clock_ns = 0.0;  /* the made-up device clock (see the top) */
 static int initialized = 0;
+static int max_threads = 1024;
+static int fault_threads = 0;
+static int faulted = 0;  /* a FAKE_CUDA_FAULT launch ran: the context is lost */
 static __thread CUcontext stack[FAKE_STACK];
 static __thread int depth = 0;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -271,8 +290,29 @@ static int parse_cubin(const unsigned char* b, struct CUmod_st* m, size_t* size,
   return m->n_kernels > 0;
 }
 
+static void env_int(const char* name, int* value) {
+  const char* v = getenv(name);
+  if (v && *v) *value = atoi(v);
+}
+
+static void env_double(const char* name, double* value) {
+  const char* v = getenv(name);
+  if (v && *v) *value = atof(v);
+}
+
 CUresult CUDAAPI cuInit(unsigned int flags) {
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!initialized) {
+    env_int("FAKE_CUDA_CC_MAJOR", &fake_cuda_cc_major);
+    env_int("FAKE_CUDA_CC_MINOR", &fake_cuda_cc_minor);
+    env_int("FAKE_CUDA_SM_COUNT", &fake_cuda_sm_count);
+    env_int("FAKE_CUDA_SMEM_OPTIN", &fake_cuda_smem_optin);
+    env_double("FAKE_CUDA_LAUNCH_NS", &fake_cuda_launch_ns);
+    env_double("FAKE_CUDA_THREAD_NS", &fake_cuda_thread_ns);
+    env_double("FAKE_CUDA_PARAM_NS", &fake_cuda_param_ns);
+    env_int("FAKE_CUDA_MAX_THREADS", &max_threads);
+    env_int("FAKE_CUDA_FAULT_THREADS", &fault_threads);
+  }
   initialized = 1;
   return CUDA_SUCCESS;
 }
@@ -294,6 +334,8 @@ CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** s) {
     case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
     case CUDA_ERROR_INVALID_IMAGE: *s = "device kernel image is invalid"; break;
     case CUDA_ERROR_NO_BINARY_FOR_GPU: *s = "no kernel image is available for execution on the device"; break;
+    case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "too many resources requested for launch"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered"; break;
     default: *s = "fake driver error"; break;
   }
   return CUDA_SUCCESS;
@@ -473,6 +515,7 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
                                 unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
   if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
   if (!f || !f->module->loaded) return CUDA_ERROR_INVALID_HANDLE;
+  if (faulted) return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, "cuLaunchKernel", "the context is lost");
   CUresult rc = check_stream(s, "cuLaunchKernel");
   if (rc != CUDA_SUCCESS) return rc;
   if (f->module->ctx != current()) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuLaunchKernel", "function of another context");
@@ -487,6 +530,9 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
   if (shared > 48 * 1024 && (int)shared > f->max_dynamic_shared) {
     return refuse(CUDA_ERROR_INVALID_VALUE, "cuLaunchKernel", "dynamic shared memory above 48 KiB without the attribute");
   }
+  if ((uint64_t)bx * by * bz > (uint64_t)max_threads) {
+    return refuse(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "cuLaunchKernel", "FAKE_CUDA_MAX_THREADS");
+  }
   size_t cap = 64;
   for (int i = 0; i < f->n_params; ++i) cap += 32 + 2 * (size_t)f->sizes[i];
   char* text = (char*)malloc(cap);
@@ -498,6 +544,14 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
     at += (size_t)snprintf(text + at, cap - at, "\"}");
   }
   n_launches++;
+  long param_bytes = 0;
+  for (int i = 0; i < f->n_params; ++i) param_bytes += f->sizes[i];
+  const double threads = (double)gx * gy * gz * bx * by * bz;
+  const double cost_ns = fake_cuda_launch_ns + fake_cuda_thread_ns * threads + fake_cuda_param_ns * (double)param_bytes;
+  pthread_mutex_lock(&lock);
+  clock_ns += cost_ns;
+  pthread_mutex_unlock(&lock);
+  if (fault_threads > 0 && (uint64_t)bx * by * bz == (uint64_t)fault_threads) faulted = 1;
   record("{\"event\": \"launch\", \"name\": \"%s\", \"module\": %d, \"grid\": [%u, %u, %u], \"block\": [%u, %u, %u], "
          "\"shared\": %u, \"stream\": %llu, \"params\": [%s]}", f->name, f->module->id, gx, gy, gz, bx, by, bz, shared,
          (unsigned long long)(uintptr_t)s, text);
@@ -524,7 +578,8 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 
 CUresult CUDAAPI cuCtxSynchronize(void) {
   if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
-  return current() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+  if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
+  return faulted ? refuse(CUDA_ERROR_ILLEGAL_ADDRESS, "cuCtxSynchronize", "the context is lost") : CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int flags) {
@@ -537,7 +592,9 @@ CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int flags) {
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
   if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
-  return check_stream(s, "cuStreamSynchronize");
+  CUresult rc = check_stream(s, "cuStreamSynchronize");
+  if (rc != CUDA_SUCCESS) return rc;
+  return faulted ? refuse(CUDA_ERROR_ILLEGAL_ADDRESS, "cuStreamSynchronize", "the context is lost") : CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
@@ -572,7 +629,7 @@ CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int flags) {
   if (!e || flags != CU_EVENT_DEFAULT) return CUDA_ERROR_INVALID_VALUE;  /* timing needs the default flags */
   struct CUevent_st* ev = (struct CUevent_st*)calloc(1, sizeof(*ev));
   ev->magic = EVENT_MAGIC;
-  ev->launches = -1;
+  ev->clock_ns = -1.0;
   *e = ev;
   return CUDA_SUCCESS;
 }
@@ -591,16 +648,18 @@ CUresult CUDAAPI cuEventRecord(CUevent e, CUstream s) {
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   CUresult rc = check_stream(s, "cuEventRecord");
   if (rc != CUDA_SUCCESS) return rc;
-  e->launches = n_launches;
-  record("{\"event\": \"event_record\", \"launches\": %ld, \"stream\": %llu}", n_launches,
-         (unsigned long long)(uintptr_t)s);
+  if (faulted) return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, "cuEventRecord", "the context is lost");
+  e->clock_ns = clock_ns;
+  record("{\"event\": \"event_record\", \"launches\": %ld, \"clock_ns\": %.1f, \"stream\": %llu}", n_launches,
+         clock_ns, (unsigned long long)(uintptr_t)s);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
   if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
   if (!ms || !start || !end || start->magic != EVENT_MAGIC || end->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-  if (start->launches < 0 || end->launches < 0) return CUDA_ERROR_INVALID_HANDLE;  /* never recorded */
-  *ms = (float)(end->launches - start->launches);
+  if (start->clock_ns < 0 || end->clock_ns < 0) return CUDA_ERROR_INVALID_HANDLE;  /* never recorded */
+  if (faulted) return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, "cuEventElapsedTime", "the context is lost");
+  *ms = (float)((end->clock_ns - start->clock_ns) / 1e6);
   return CUDA_SUCCESS;
 }
