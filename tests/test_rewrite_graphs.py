@@ -205,6 +205,18 @@ def _opset_case(opset: int) -> Case:
                 [Epilogue(True, "gelu"), Epilogue(True, "relu")])
 
 
+def gelu_op_of_opset_20() -> Case:
+    """Opset 20's Gelu op (both torch exporters' default opset): approximate="none" fuses (the kernels' erf
+    form); the tanh approximation stays after the product, with the reason."""
+    mm, inits = _mm_bias("x", "hb", "a")
+    gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"], transB=1)
+    return Case(_model(mm + [helper.make_node("Gelu", ["hb"], ["y1"]), gemm,
+                             helper.make_node("Gelu", ["gg"], ["y2"], approximate="tanh")],
+                       [_x()], [_out("y1"), _out("y2")], inits + [_t("gw", (N, K)), _t("gc", (N,))], opset=20),
+                [Epilogue(True, "gelu"), Epilogue(True, "none")],
+                ["Gelu not fused: approximate='tanh' (the kernels compute the erf form only)"])
+
+
 def identity_deduplicated_zero_bias() -> Case:
     """TorchScript's export: one zero bias behind an Identity, read by several Adds and another node."""
     nodes = [helper.make_node("Identity", ["zero"], ["zero_id"])]
@@ -357,7 +369,7 @@ CASES = {f.__name__: f for f in (
     bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
     repeated_node_names, name_like_a_made_up_one, old_ir_initializers_as_inputs,
     overridable_initializer_inputs,
-    identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis)}
+    identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20)}
 CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
 
 
@@ -555,7 +567,7 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
        "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
        "attention_scores_scaled", "conv_identity_shortcut_relu", "conv_projection_shortcut_relu",
-       "conv_relu_then_residual"]
+       "conv_relu_then_residual", "gelu_op_of_opset_20"]
 
 
 @pytest.mark.parametrize("name", E2E)

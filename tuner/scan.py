@@ -466,11 +466,20 @@ def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tup
 
 
 def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
-    """The Relu or Gelu (its erf form) right after ``x`` that a kernel can absorb, as (activation, its
-    nodes); ("none", []) when there is none. A Gelu that cannot be absorbed is added to ``refused``."""
+    """The Relu or Gelu right after ``x`` that a kernel can absorb, as (activation, its nodes); ("none", [])
+    when there is none. Gelu is the Erf form exporters write up to opset 19 or opset 20's ``Gelu`` op with
+    ``approximate="none"`` (what both torch exporters emit at their default opset); the kernels compute the erf
+    form, so a ``Gelu`` with ``approximate="tanh"``, or a Gelu that cannot be absorbed, goes to ``refused``."""
     nxt = g.exclusive_consumer(x)
     if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
         return "relu", [nxt]
+    if nxt is not None and nxt.op_type == "Gelu" and nxt.domain in ("", "ai.onnx"):
+        approximate = next((a.s.decode() for a in nxt.attribute if a.name == "approximate"), "none")
+        if approximate == "none":
+            return "gelu", [nxt]
+        refused.append(Skipped(_label(nxt), "Gelu", f"Gelu not fused: approximate={approximate!r} (the kernels "
+                                                    "compute the erf form only)"))
+        return "none", []
     gelu = _match_gelu(g, x)
     if gelu is not None:
         nodes, consts = gelu
