@@ -189,10 +189,23 @@ class _Search:
         self.stale_rounds = 0
         self.log: list[Measurement] = []
         self.errors: tuple[float, float] | None = None  # (prior, learned) squared log errors, last round
-        self._parts: tuple[np.ndarray, np.ndarray] | None = None  # the last prediction's two models
 
     # knowledge ----------------------------------------------------------------------------------
     def predicted(self) -> np.ndarray:
+        """Seconds per (config, problem): the learned model's, blended with the scaled roofline's by
+        ``prior_weight`` where there is a prior."""
+        learned = self._learned()
+        if self.prior is None:
+            return learned
+        prior, weight = self._scaled_prior(), self.prior_weight()
+        if weight == 0.0:
+            return prior
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            mixed = np.exp((1.0 - weight) * np.log(prior) + weight * np.log(learned))
+        return np.where(np.isfinite(prior) & np.isfinite(learned), mixed, np.inf)
+
+    def _learned(self) -> np.ndarray:
+        """The learned model's seconds per (config, problem): launches x latency + FLOPs / (f_MK x f_adapt)."""
         if self.model.alpha != self._alpha:
             self._alpha = self.model.alpha
             self.adapt = f_adapt_matrix(self.space, self.problems, self.profile, self.dtype, self._alpha)
@@ -201,7 +214,7 @@ class _Search:
         with np.errstate(divide="ignore"):
             learned = np.where(through > 0, self.model.latency * self.launches[:, None]
                                + self.flops[None, :] / np.maximum(through, 1e-300), np.inf)
-        return self._blend(learned)
+        return learned
 
     def prior_weight(self) -> float:
         """The learned model's share of a prediction (1 without a prior): 0 until it has predicted a measured
@@ -215,26 +228,17 @@ class _Search:
         e_prior, e_learned = self.errors
         return e_prior / (e_prior + e_learned) if e_prior + e_learned > 0 else 0.5
 
-    def _blend(self, learned: np.ndarray) -> np.ndarray:
-        """The geometric blend of the learned prediction and the roofline's scaled to the measurements,
-        weighted by ``prior_weight``: the roofline of a measured config is scaled by its own measured /
-        roofline seconds (geometric mean), of an unmeasured one by that ratio over all measurements."""
-        if self.prior is None:
-            return learned
-        weight = self.prior_weight()
+    def _scaled_prior(self) -> np.ndarray:
+        """The roofline scaled to the measurements: a measured config's by its own measured / roofline seconds
+        (geometric mean), an unmeasured one's by that ratio over all measurements."""
+        assert self.prior is not None
         ok = np.isfinite(self.measured) & np.isfinite(self.prior)
         with np.errstate(divide="ignore", invalid="ignore"):
             logs = np.where(ok, np.log(self.measured / self.prior), 0.0)
         count = ok.sum(axis=1)
         overall = float(logs.sum() / count.sum()) if count.sum() else 0.0
         own = np.where(count > 0, logs.sum(axis=1) / np.maximum(count, 1), overall)
-        prior = np.exp(own)[:, None] * self.prior
-        self._parts = (prior, learned)
-        if weight == 0.0:
-            return prior
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            mixed = np.exp((1.0 - weight) * np.log(prior) + weight * np.log(learned))
-        return np.where(np.isfinite(prior) & np.isfinite(learned), mixed, np.inf)
+        return np.exp(own)[:, None] * self.prior
 
     def known(self) -> tuple[np.ndarray, np.ndarray]:
         """(times [C, P]: measured else predicted, mask of configs measured successfully somewhere)."""
@@ -388,12 +392,9 @@ class _Search:
     def _score_models(self, pairs: Sequence[tuple[int, int]], seconds: Sequence[float]) -> None:
         """Set ``errors`` from how well the prior and the learned model predicted these measurements (not
         the first round's: the learned model had no data to predict them from)."""
-        if not self.log:
+        if not self.log or self.prior is None:
             return
-        self.predicted()  # the two models' predictions before the measurements are recorded
-        if self._parts is None:
-            return
-        prior, learned = self._parts
+        prior, learned = self._scaled_prior(), self._learned()  # before the measurements are recorded
         rows = [(math.log(sec), prior[i, p], learned[i, p]) for (i, p), sec in zip(pairs, seconds)
                 if math.isfinite(sec) and sec > 0 and np.isfinite(prior[i, p]) and np.isfinite(learned[i, p])]
         if rows:
