@@ -18,26 +18,34 @@ from dietcode_ort import __version__
 if TYPE_CHECKING:
     from dietcode_ort.bench import BenchReport, ShapeResult
 
-__all__ = ["device_name", "environment", "write_json", "write_plot", "print_report"]
+__all__ = ["cuda_device", "device_name", "environment", "write_json", "write_plot", "print_report"]
 
 
-def _cuda_device_name() -> str:
+def cuda_device(device: int = 0) -> tuple[str, int, int] | None:
+    """(name, major, minor) of CUDA device ``device`` as the driver (libcuda.so.1) reports them, or None
+    without a driver or that device. It needs neither torch nor the custom-op library: the tuner asks it
+    whether a GPU is there to time kernels on (``tuner.executor``), the benchmarks for the device's name."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
-        name = ctypes.create_string_buffer(256)
-        dev = ctypes.c_int()
-        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0 \
-                and cuda.cuDeviceGetName(name, 256, dev) == 0:
-            return name.value.decode()
     except OSError:
-        pass
-    return "unknown CUDA GPU"
+        return None
+    name = ctypes.create_string_buffer(256)
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    try:
+        ok = (cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), device) == 0
+              and cuda.cuDeviceGetName(name, 256, dev) == 0
+              and cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) == 0  # COMPUTE_CAPABILITY_MAJOR
+              and cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) == 0)  # COMPUTE_CAPABILITY_MINOR
+    except AttributeError:  # a libcuda.so.1 without these entry points
+        return None
+    return (name.value.decode(errors="replace"), major.value, minor.value) if ok else None
 
 
 def device_name(provider: str) -> str:
     """The GPU's name for cuda, the CPU model (from /proc/cpuinfo) for cpu."""
     if provider == "cuda":
-        return _cuda_device_name()
+        found = cuda_device()
+        return found[0] if found else "unknown CUDA GPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

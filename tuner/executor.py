@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Sequence
 
+from dietcode_ort.bench_report import cuda_device
+
 if TYPE_CHECKING:  # tuner.aot imports triton: only the compiling paths load it
     from tuner.aot import CompileJob, CompileResult
     from tuner.measure import Measurer, MeasurerSpec
@@ -20,23 +22,11 @@ __all__ = ["Executor", "LocalExecutor", "cuda_capability"]
 
 
 def cuda_capability(device: int = 0) -> tuple[int, int] | None:
-    """The compute capability of CUDA device ``device`` as the driver (libcuda.so.1) reports it, or None
+    """The compute capability of CUDA device ``device`` as the driver reports it (``cuda_device``), or None
     without a driver or that device. The tuner's GPU timing needs only the driver (``tuner.gpu_timing``), not
     torch: a GPU counts as visible when the driver sees it, whether or not torch was built with CUDA."""
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    try:
-        ok = (cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), device) == 0
-              and cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) == 0  # COMPUTE_CAPABILITY_MAJOR
-              and cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) == 0)  # COMPUTE_CAPABILITY_MINOR
-    except AttributeError:  # a libcuda.so.1 without these entry points
-        return None
-    return (major.value, minor.value) if ok else None
+    found = cuda_device(device)
+    return None if found is None else (found[1], found[2])
 
 
 class Executor(ABC):
