@@ -68,7 +68,7 @@ from tuner import scan as scan_mod
 from tuner.attention import LAYOUT_BITS
 from tuner.causal_mask import is_causal_mask
 from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
-                           copy_into_body, model_to_edit)
+                           copy_into_body, model_to_edit, unique_name)
 from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
@@ -784,7 +784,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
         mask = site.mask
         if mask is not None and site.mask_dtype:
             if (mask, site.dtype) not in mask_casts:
-                name = _unique_name(f"{mask}_{site.dtype}", taken_names)
+                name = unique_name(f"{mask}_{site.dtype}", taken_names)
                 mask_casts[(mask, site.dtype)] = name
                 before_node.append(helper.make_node("Cast", [mask], [name], name=name, to=_CODES[site.dtype]))
             mask = mask_casts[(mask, site.dtype)]
@@ -823,8 +823,8 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
             at, shape = links.node(shape_key, "attention node")
             dims = [0, 2, 1, 3][slice(*(next((int(a.i) for a in shape.attribute if a.name == k), None)
                                          for k in ("start", "end")))]
-            picked = _unique_name(f"{shape_key}_perm", taken_names)
-            made = _unique_name(f"{shape_key}_transposed", taken_names)
+            picked = unique_name(f"{shape_key}_perm", taken_names)
+            made = unique_name(f"{shape_key}_transposed", taken_names)
             new_initializers.append(onnx.numpy_helper.from_array(np.array(dims, np.int64), picked))
             gather = helper.make_node("Gather", [made, picked], [shape_key], axis=0, name=made)
             shape.input[0], shape.output[0] = site.output, made
@@ -876,12 +876,6 @@ def _sort_nodes(graph: onnx.GraphProto) -> None:
         raise DietcodeError("the fused graph has a cycle")
     del graph.node[:]
     graph.node.extend(nodes[i] for i in order)
-
-
-def _unique_name(base: str, taken: set[str]) -> str:
-    name = next(n for n in (f"{base}{i or ''}" for i in range(len(taken) + 1)) if n not in taken)
-    taken.add(name)
-    return name
 
 
 def _drop_dead(graph: onnx.GraphProto, before: set[str]) -> None:

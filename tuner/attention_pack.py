@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from tuner.attention_graph import AttentionSite, find_attention
 from tuner.model_file import inline_tensor, is_external
-from tuner.rewrite import _drop_unread, _graph_reads, _Links, model_to_edit
+from tuner.rewrite import _drop_unread, _graph_reads, _Links, model_to_edit, names_in_use, unique_name
 
 __all__ = ["PackResult", "pack_projections"]
 
@@ -138,12 +138,6 @@ def _zeros(like: onnx.TensorProto, width: int) -> onnx.TensorProto:
     return helper.make_tensor(f"{like.name}_zeros", like.data_type, [width], bytes(width * size), raw=True)
 
 
-def _unique(base: str, taken: set[str]) -> str:
-    name = next(n for n in (f"{base}{i or ''}" for i in range(len(taken) + 1)) if n not in taken)
-    taken.add(name)
-    return name
-
-
 def _opset(model: onnx.ModelProto) -> int:
     return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
@@ -160,8 +154,7 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
     out = model_to_edit(model, copy)
     graph = out.graph
     before = _graph_reads(graph)
-    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
-        {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
+    taken = names_in_use(graph)
     packed: list[str] = []
     notes: list[tuple[str, str]] = []
     opset = _opset(out)
@@ -179,29 +172,29 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
             width = _check(projections, site.head_dim)
             q = projections[0]
             prefix = q.matmul.name or q.matmul.output[0]
-            weight = _concat([p.weight for p in projections], 1, _unique(f"{q.weight.name}_qkv", taken), base)
+            weight = _concat([p.weight for p in projections], 1, unique_name(f"{q.weight.name}_qkv", taken), base)
             bias = None
             biased = next((p for p in projections if p.bias is not None and p.add is not None), None)
             if biased is not None:  # a projection without a bias adds zeros (x + 0 == x)
                 assert biased.bias is not None
                 bias = _concat([p.bias if p.bias is not None else _zeros(biased.bias, width) for p in projections],
-                               0, _unique(f"{biased.bias.name}_qkv", taken), base)
+                               0, unique_name(f"{biased.bias.name}_qkv", taken), base)
         except _Keep as why:
             notes.append((site.output, str(why)))
             continue
-        product = _unique(f"{q.matmul.output[0]}_qkv", taken)
+        product = unique_name(f"{q.matmul.output[0]}_qkv", taken)
         new = [helper.make_node("MatMul", [q.matmul.input[0], weight.name], [product],
-                                name=_unique(f"{prefix}_qkv", taken))]
+                                name=unique_name(f"{prefix}_qkv", taken))]
         joined = product
         if bias is not None and biased is not None and biased.add is not None and biased.bias is not None:
-            joined = _unique(f"{biased.add.output[0]}_qkv", taken)
+            joined = unique_name(f"{biased.add.output[0]}_qkv", taken)
             operands = [bias.name, product] if biased.add.input[0] == biased.bias.name else [product, bias.name]
             new.append(helper.make_node("Add", operands, [joined],
-                                        name=_unique(f"{biased.add.name or joined}_qkv", taken)))
+                                        name=unique_name(f"{biased.add.name or joined}_qkv", taken)))
         outputs = [p.output for p in projections]
-        split_name = _unique(f"{prefix}_qkv_split", taken)
+        split_name = unique_name(f"{prefix}_qkv_split", taken)
         if opset >= 13:
-            sizes = numpy_helper.from_array(np.array([width] * 3, np.int64), _unique(f"{split_name}_sizes", taken))
+            sizes = numpy_helper.from_array(np.array([width] * 3, np.int64), unique_name(f"{split_name}_sizes", taken))
             graph.initializer.append(sizes)
             new.append(helper.make_node("Split", [joined, sizes.name], outputs, name=split_name, axis=-1))
         else:

@@ -24,17 +24,21 @@ left without readers go (``attention_graph._drop_dead``). Running it twice chang
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from tuner import scan as scan_mod
-from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit
+from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
 
 __all__ = ["PrepareResult", "prepare_attention"]
+
+Names = Callable[[str], str]  # a fresh name of the graph from a base (rewrite.unique_name over its names)
 
 
 @dataclass(frozen=True)
@@ -79,17 +83,6 @@ class _Index:
         return id(self.only_reader(value)) == id(node)
 
 
-class _Names:
-    def __init__(self, graph: onnx.GraphProto):
-        self.taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
-            {o for n in graph.node for o in n.output} | {n.name for n in graph.node if n.name}
-
-    def __call__(self, base: str) -> str:
-        name = next(n for n in (f"{base}{i or ''}" for i in range(len(self.taken) + 1)) if n not in self.taken)
-        self.taken.add(name)
-        return name
-
-
 def _const_ints(graph_consts: dict[str, np.ndarray], name: str) -> np.ndarray | None:
     value = graph_consts.get(name)
     if value is None or value.dtype.kind not in "iu" or value.ndim > 1:
@@ -108,7 +101,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     return out
 
 
-def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: _Names) -> int:
+def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Shape(Transpose(x, perm)) -> the same dims read from Shape(x); returns how many Shapes were rewritten."""
     index = _Index(graph)
     consts = _constants(graph)
@@ -184,7 +177,7 @@ def _same(a: object, b: object) -> bool:
     return a is not None and a == b
 
 
-def _kt_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: _Names) -> int:
+def _kt_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Reshape(Transpose(Reshape(k, [X, c, d]), (0, 2, 1)), [a, b, d, c]) with k [a, b, c, d] ->
     Transpose(k, (0, 1, 3, 2)); returns how many."""
     index = _Index(graph)
@@ -257,7 +250,7 @@ def _noop_reshapes(graph: onnx.GraphProto, g: scan_mod._Graph) -> int:
     return count
 
 
-def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names: _Names) -> int:
+def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Mul(y, c) (or Div(y, c)) -> Reshape -> Transpose -> [Mul | Div] -> MatMul, c a one-element constant, each
     value read by the next alone (Shapes of the Reshape's output aside) -> Reshape(y) -> Transpose -> Mul(., c) ->
     ...: the same values (each element times c, moved), and the matcher folds the Muls into the chain's scale."""
@@ -314,7 +307,7 @@ def prepare_attention(model: onnx.ModelProto, base_dir: str | Path | None = None
     inferred = scan_mod._infer(scan_mod._inference_copy(out, base))
     g = scan_mod._Graph(inferred, list(inferred.graph.initializer))
     before = _graph_reads(graph)
-    names = _Names(graph)
+    names: Names = functools.partial(unique_name, taken=names_in_use(graph))
     counts = []
     for step in (lambda: _shapes_of_transposes(graph, g, names), lambda: _kt_transposes(graph, g, names),
                  lambda: _noop_reshapes(graph, g), lambda: _merged_transposes(graph),

@@ -321,6 +321,20 @@ def plan_rewrite(model: onnx.ModelProto, workloads: list[Workload], keys: set[st
     return sites
 
 
+def names_in_use(graph: onnx.GraphProto) -> set[str]:
+    """The names a value or node added to ``graph`` must avoid: its initializers, inputs, node outputs and node
+    names."""
+    return {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
+        {o for n in graph.node for o in n.output} | {n.name for n in graph.node if n.name}
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base`` with the smallest number appended, that is not in ``taken``; added to it."""
+    name = next(n for n in (f"{base}{i or ''}" for i in range(len(taken) + 1)) if n not in taken)
+    taken.add(name)
+    return name
+
+
 def _graph_reads(graph: onnx.GraphProto) -> set[str]:
     """Every value name read by the graph's nodes, subgraphs (If/Loop bodies) included, and its outputs."""
     names = {o.name for o in graph.output}
