@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -193,9 +194,13 @@ struct dc_bundle {
   std::vector<dietcode::Kernel> kernels;
   dietcode::Tree tree;
 
-  // Module cache: (context, kernel id) -> loaded function. Guarded by mutex.
+  // Module cache: (context, kernel id) -> loaded function; the contexts the bundle's cubins were loaded in
+  // eagerly (at its first launch there, launch.cc LoadCubins) and the load errors of kernels that failed then,
+  // each reported at that kernel's next launch. Guarded by mutex.
   std::mutex mutex;
   std::map<std::pair<void*, int32_t>, dietcode::LoadedKernel> loaded;
+  std::set<void*> eager_loaded;
+  std::map<std::pair<void*, int32_t>, std::string> load_errors;
 
   ~dc_bundle();
 };
