@@ -211,9 +211,10 @@ namespace dietcode {
 void SetError(const std::string& message);
 
 // Kernel k of bundle b (the C ABI's kernel ids); nullptr, with the error "<nulls>kernel id k out of range" set,
-// when b is null or has no kernel k (`nulls` names the null arguments a caller refuses too, "null bundle or ").
-inline const Kernel* KernelAt(const dc_bundle* b, int32_t k, const char* nulls = "") {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+// when b is null or has no kernel k, or when `given` is false (another argument the caller needs is null):
+// `nulls` names the null arguments a caller refuses ("null bundle or ", "null bundle / arguments or ").
+inline const Kernel* KernelAt(const dc_bundle* b, int32_t k, const char* nulls = "", bool given = true) {
+  if (b == nullptr || !given || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
     SetError(nulls + ("kernel id " + std::to_string(k)) + " out of range");
     return nullptr;
   }
