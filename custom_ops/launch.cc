@@ -282,35 +282,50 @@ void* DriverSymbol(const char* name, std::string* error) {
   return fn;
 }
 
+namespace {
+
+// Entry `entry` of the vendor path's PTX module `ptx` in the call's context (current), loaded (JIT) the first time
+// and kept for the process, once per (context, module text). False with *error.
+bool PtxFunction(const StreamCall& on, const char* ptx, const char* entry, CUfunction* fn, std::string* error) {
+  const Driver& d = on.d;
+  static std::mutex mutex;
+  static std::map<std::pair<void*, const char*>, CUfunction> functions;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(static_cast<void*>(on.ctx), ptx);
+  auto it = functions.find(key);
+  if (it == functions.end()) {
+    CUmodule module = nullptr;
+    CUresult rc = d.ModuleLoadData(&module, ptx);
+    if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuModuleLoadData (PTX JIT)") + " for " + entry, false;
+    rc = d.ModuleGetFunction(fn, module, entry);
+    if (rc != CUDA_SUCCESS) {
+      d.ModuleUnload(module);
+      return *error = CuError(d, rc, "cuModuleGetFunction") + " for " + entry, false;
+    }
+    it = functions.emplace(key, *fn).first;
+  }
+  *fn = it->second;
+  return true;
+}
+
+}  // namespace
+
 // The vendor path's PTX modules (vendor.h), loaded once per (context, module text) and kept for the process.
+bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* error) {
+  const StreamCall on(stream);
+  if (!on.ok()) return *error = on.error, false;
+  CUfunction fn = nullptr;
+  return PtxFunction(on, ptx, entry, &fn, error);
+}
+
 bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
                std::string* error) {
   const StreamCall on(stream);
   if (!on.ok()) return *error = on.error, false;
-  const Driver& d = on.d;
-  CUresult rc = CUDA_SUCCESS;
-  static std::mutex mutex;
-  static std::map<std::pair<void*, const char*>, CUfunction> functions;
   CUfunction fn = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_pair(static_cast<void*>(on.ctx), ptx);
-    auto it = functions.find(key);
-    if (it == functions.end()) {
-      CUmodule module = nullptr;
-      rc = d.ModuleLoadData(&module, ptx);
-      if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuModuleLoadData (PTX JIT)") + " for " + entry, false;
-      rc = d.ModuleGetFunction(&fn, module, entry);
-      if (rc != CUDA_SUCCESS) {
-        d.ModuleUnload(module);
-        return *error = CuError(d, rc, "cuModuleGetFunction") + " for " + entry, false;
-      }
-      it = functions.emplace(key, fn).first;
-    }
-    fn = it->second;
-  }
-  rc = d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
-  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuLaunchKernel") + " for " + entry, false;
+  if (!PtxFunction(on, ptx, entry, &fn, error)) return false;
+  const CUresult rc = on.d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
+  if (rc != CUDA_SUCCESS) return *error = CuError(on.d, rc, "cuLaunchKernel") + " for " + entry, false;
   return true;
 }
 

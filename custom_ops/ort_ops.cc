@@ -452,6 +452,7 @@ class DietcodeKernel {
 
   void ComputeCuda(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
+    if (has_vendor_kernel_) LoadEpilogueOnce(ctx.GetGPUComputeStream());
     const size_t n_in = has_bias_input_ ? 3 : 2;
     Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
     thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
@@ -559,6 +560,18 @@ class DietcodeKernel {
     char why[512];  // copied: the vendor path may set the core's message
     std::snprintf(why, sizeof(why), "%s", dc_last_error());
     fall_back(fit, why);
+  }
+
+  // A node whose bundle sends shapes to the vendor path (a vendor leaf, a kernel this device cannot run) and whose
+  // op type has an epilogue (bias, activation, residual) loads the epilogue's module (a PTX JIT, once per context
+  // and dtype) at its first call, so that the first call of a shape the tree sends there compiles nothing. A
+  // failure is left for that call to report.
+  void LoadEpilogueOnce(void* stream) {
+    std::call_once(epilogue_once_, [&] {
+      if (spec_.bias || spec_.activation != Activation::kNone || spec_.residual) {
+        dc_vendor_epilogue_load(DtypeCode(dtype_), stream);
+      }
+    });
   }
 
   // NVIDIA_TF32_OVERRIDE=0 makes cuBLAS and cuDNN, hence ORT's own float32 kernels and the vendor path,
@@ -718,6 +731,7 @@ class DietcodeKernel {
   Ort::Op base_op_{nullptr};  // CPU only
   Ort::MemoryInfo cpu_memory_{nullptr};  // CPU only: for the fp32 copies of fp16/bf16 operands
   std::once_flag batched_once_;
+  std::once_flag epilogue_once_;  // CUDA: LoadEpilogueOnce
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
   std::vector<std::string> device_reason_;  // why a kernel does not fit (empty when it does)

@@ -401,7 +401,8 @@ def eager(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
 
 def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]:
     """The vendor path's epilogue kernel (custom_ops/vendor.cc, launched by launch.cc's LaunchPtx) on a
-    float16 [5, 7] output with a per-column bias, gelu and a residual, twice on one stream; the first launch's
+    float16 [5, 7] output with a per-column bias, gelu and a residual: its module loaded first
+    (dc_vendor_epilogue_load, twice), then launched twice on one stream; the first launch's
     recorded parameters, named by its PTX's .param list, then run its PTX on the host (tests/_ptx_run.py) over
     the very buffers (addresses) the launcher passed, compared with float64 numpy."""
     import re
@@ -417,6 +418,11 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     plan = Epilogue(dtype=1, has_bias=1, activation=2, has_residual=1, bias_scale=0.5, rows=rows, cols=cols,
                     bias_rows=1, bias_rs=0, bias_cs=1)
     original = y.copy()
+    fake.fake_cuda_log_clear()
+    for _ in range(2):
+        if core.lib.dc_vendor_epilogue_load(1, ctypes.c_void_p(stream)):
+            raise RuntimeError(core.error())
+    loaded = _events(fake)
     fake.fake_cuda_log_clear()
     for _ in range(2):
         if core.lib.dc_vendor_epilogue(ctypes.byref(plan), ctypes.c_void_p(y.ctypes.data),
@@ -438,7 +444,7 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     run(ptx, params, memory)
     ref = original.astype(np.float64) + 0.5 * bias.astype(np.float64)
     ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0))) + residual.astype(np.float64)
-    return {"events": events, "ptx": ptx, "names": names, "stream": stream,
+    return {"loaded": loaded, "events": events, "ptx": ptx, "names": names, "stream": stream,
             "pointers": {"y": y.ctypes.data, "bias": bias.ctypes.data, "residual": residual.ctypes.data},
             "max_err": float(np.abs(y.astype(np.float64) - ref).max()), "scale": float(np.abs(ref).max())}
 

@@ -310,16 +310,21 @@ def test_each_context_loads_a_bundles_cubins_once(launched: dict[str, Any]) -> N
 
 
 def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, Any]) -> None:
-    """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's, its
-    .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the recorded values,
-    run as that PTX on the host over the buffers they point at, give act(y + scale * bias) + residual."""
+    """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's (by
+    dc_vendor_epilogue_load, which a node that may take the vendor path calls at its first call; the launches
+    reuse it), its .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the
+    recorded values, run as that PTX on the host over the buffers they point at, give act(y + scale * bias) +
+    residual."""
     got = launched["vendor_epilogue"]
     assert "error" not in got, got.get("error")
     events = got["events"]
-    assert not _of(events, "error"), _of(events, "error")
-    (load,) = _of(events, "load")  # the second launch reuses the module
+    assert not _of(events + got["loaded"], "error"), _of(events + got["loaded"], "error")
+    (load,) = _of(got["loaded"], "load")  # the second dc_vendor_epilogue_load finds it loaded
     image = got["ptx"].encode() + b"\0"
     assert load["kind"] == "ptx" and (load["size"], load["fnv1a"]) == (len(image), _fnv1a(image))
+    assert [e["event"] for e in got["loaded"] if e["event"] in ("push", "load", "function", "pop")] == [
+        "push", "load", "function", "pop", "push", "pop"]  # in the stream's context, then nothing
+    assert not _of(events, "load")  # the launches load nothing
     launches = _of(events, "launch")
     assert len(launches) == 2 and launches[0]["params"] == launches[1]["params"]
     launch = launches[0]
