@@ -192,9 +192,9 @@ bool LoadKernel(const Driver& d, const Kernel& k, const DeviceFacts& dev, Loaded
 }
 
 // The eager load of bundle b in context `ctx` (current, b->mutex held), once per (bundle, context) at the first
-// launch of any of its kernels there: every compiled kernel that fits the device with a cubin (a cubin load is
-// cheap) is loaded now, so that a call whose shape picks a kernel not launched before loads nothing. A kernel the
-// device runs from PTX only stays lazy (a JIT compile costs far more than a cubin load), as does one that does not
+// launch of any of its kernels there: every compiled kernel that fits the device with a cubin for it is
+// loaded now, so that a call whose shape picks a kernel not launched before loads nothing. A kernel the
+// device runs from PTX only stays lazy (a JIT compiles it, a cubin load does not), as does one that does not
 // fit the device (its launch says why). A kernel whose cubin fails to load keeps its error in b->load_errors for
 // its own launch; the launch of another kernel does not fail for it.
 void LoadCubins(const Driver& d, dc_bundle* b, void* ctx, const DeviceFacts& dev) {
