@@ -346,16 +346,7 @@ class AttentionKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
-    try {
-      if (cuda_) {
-        ComputeCuda(raw);
-      } else {
-        Compute(raw);
-      }
-      return nullptr;
-    } catch (const std::exception& e) {
-      return ErrorStatus(where_, e);
-    }
+    return ComputeStatus(where_, [&] { cuda_ ? ComputeCuda(raw) : Compute(raw); });
   }
 
  private:
@@ -620,12 +611,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   AttentionOp(ONNXTensorElementDataType dtype, bool cuda) : dtype_(dtype), cuda_(cuda) {}
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new AttentionKernel(info, cuda_, dtype_);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return CreateKernelStatus(api, kernel, [&] { return new AttentionKernel(info, cuda_, dtype_); });
   }
 
   const char* GetName() const { return "Attention"; }

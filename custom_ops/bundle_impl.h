@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -193,9 +194,13 @@ struct dc_bundle {
   std::vector<dietcode::Kernel> kernels;
   dietcode::Tree tree;
 
-  // Module cache: (context, kernel id) -> loaded function. Guarded by mutex.
+  // Module cache: (context, kernel id) -> loaded function; the contexts the bundle's cubins were loaded in
+  // eagerly (at its first launch there, launch.cc LoadCubins) and the load errors of kernels that failed then,
+  // each reported at that kernel's next launch. Guarded by mutex.
   std::mutex mutex;
   std::map<std::pair<void*, int32_t>, dietcode::LoadedKernel> loaded;
+  std::set<void*> eager_loaded;
+  std::map<std::pair<void*, int32_t>, std::string> load_errors;
 
   ~dc_bundle();
 };
@@ -206,9 +211,10 @@ namespace dietcode {
 void SetError(const std::string& message);
 
 // Kernel k of bundle b (the C ABI's kernel ids); nullptr, with the error "<nulls>kernel id k out of range" set,
-// when b is null or has no kernel k (`nulls` names the null arguments a caller refuses too, "null bundle or ").
-inline const Kernel* KernelAt(const dc_bundle* b, int32_t k, const char* nulls = "") {
-  if (b == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
+// when b is null or has no kernel k, or when `given` is false (another argument the caller needs is null):
+// `nulls` names the null arguments a caller refuses ("null bundle or ", "null bundle / arguments or ").
+inline const Kernel* KernelAt(const dc_bundle* b, int32_t k, const char* nulls = "", bool given = true) {
+  if (b == nullptr || !given || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
     SetError(nulls + ("kernel id " + std::to_string(k)) + " out of range");
     return nullptr;
   }

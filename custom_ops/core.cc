@@ -1034,33 +1034,28 @@ int dc_bundle_kernel_is_vendor(const dc_bundle* b, int32_t k) {
 }
 
 int dc_kernel_accepts(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
-  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k, "null bundle / arguments or ", args != nullptr);
+  if (kernel == nullptr) return -1;
   std::string why;
-  if (dietcode::MeetsAssumptions(b->kernels[k], *args, &why)) return 1;
+  if (dietcode::MeetsAssumptions(*kernel, *args, &why)) return 1;
   SetError(why);
   return 0;
 }
 
 int dc_kernel_fit(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
-  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k, "null bundle / arguments or ", args != nullptr);
+  if (kernel == nullptr) return -1;
   std::string why;
-  const dietcode::Fit fit = dietcode::CallFit(b->kernels[k], *args, &why);
+  const dietcode::Fit fit = dietcode::CallFit(*kernel, *args, &why);
   if (fit != dietcode::kFits) SetError(why);
   return fit;
 }
 
 int dc_kernel_grid(const dc_bundle* b, int32_t k, const dc_launch_args* args, uint32_t* grid3) {
-  if (b == nullptr || args == nullptr || grid3 == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle / arguments / grid or kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  const dietcode::Kernel& kernel = b->kernels[k];
+  const dietcode::Kernel* found =
+      dietcode::KernelAt(b, k, "null bundle / arguments / grid or ", args != nullptr && grid3 != nullptr);
+  if (found == nullptr) return -1;
+  const dietcode::Kernel& kernel = *found;
   if (kernel.kind == dietcode::kVendor) {
     SetError("kernel '" + kernel.name + "' is the vendor kind and has no grid");
     return -1;
@@ -1075,14 +1070,12 @@ int dc_kernel_grid(const dc_bundle* b, int32_t k, const dc_launch_args* args, ui
 }
 
 int64_t dc_kernel_workspace_bytes(const dc_bundle* b, int32_t k, const dc_launch_args* args) {
-  if (b == nullptr || args == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("null bundle / arguments or kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k, "null bundle / arguments or ", args != nullptr);
+  if (kernel == nullptr) return -1;
   int64_t bytes = 0;
   std::string why;
-  if (!dietcode::WorkspaceBytes(b->kernels[k], *args, &bytes, &why)) {
-    SetError("kernel '" + b->kernels[k].name + "': workspace size: " + why);
+  if (!dietcode::WorkspaceBytes(*kernel, *args, &bytes, &why)) {
+    SetError("kernel '" + kernel->name + "': workspace size: " + why);
     return -1;
   }
   return bytes;
@@ -1243,11 +1236,9 @@ int dc_bundle_max_feature_input(const dc_bundle* b) {
 }
 
 int dc_bundle_kernel_takes_param(const dc_bundle* b, int32_t k, const char* name) {
-  if (b == nullptr || name == nullptr || k < 0 || static_cast<size_t>(k) >= b->kernels.size()) {
-    SetError("kernel id " + std::to_string(k) + " out of range");
-    return -1;
-  }
-  for (uint8_t p : b->kernels[k].params) {
+  const dietcode::Kernel* kernel = dietcode::KernelAt(b, k, "null bundle / name or ", name != nullptr);
+  if (kernel == nullptr) return -1;
+  for (uint8_t p : kernel->params) {
     if (std::strcmp(dietcode::kParamNames[p], name) == 0) return 1;
   }
   return 0;

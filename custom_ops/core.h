@@ -254,8 +254,9 @@ int dc_cuda_device_limits(int device, int* major, int* minor, int* smem_optin);
 // 0 on success, -1 with a message otherwise (no driver, no device). Never aborts.
 int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* minor, int* driver_version);
 
-// Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context,
-// loading the module on first use per context. For a split-K kernel, args->workspace must hold at least
+// Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context. The
+// bundle's first launch in a context loads every kernel the device runs from a cubin there (docs/abi.md,
+// "Launch"); a kernel run from PTX loads (JIT) at its own first launch in the context. For a split-K kernel, args->workspace must hold at least
 // dc_kernel_workspace_bytes (16-byte aligned): its counters are zeroed on the stream first (cuMemsetD8Async)
 // and it must stay allocated until the launch is done (stream order). 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);

@@ -1,5 +1,6 @@
 // CUDA side of the core: libcuda loaded with dlopen at run time (no toolkit, no link-time dependency),
-// module loading once per (context, kernel), and the launch itself, following the kernel ABI.
+// module loading once per (context, kernel): a bundle's cubins all at its first launch in a context, PTX
+// on first use (LoadCubins), and the launch itself, following the kernel ABI.
 //
 // Symbols are looked up by the exact versioned names the cuda.h in use maps each API to (for example
 // cuCtxPushCurrent -> cuCtxPushCurrent_v2), obtained by stringizing the header's own macros.
@@ -136,22 +137,37 @@ class ContextScope {
 
 constexpr uint32_t kDefaultSharedLimit = 48 * 1024;
 
-bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string* error) {
+// What the current context's device offers a kernel's image choice and load (PickImage, FitsDevice).
+struct DeviceFacts {
+  int major = 0, minor = 0;
+  int64_t smem_optin = kDefaultSharedLimit;
+  int driver = 0;  // cuDriverGetVersion's value; 0: not checked
+};
+
+bool CurrentDevice(const Driver& d, DeviceFacts* facts, std::string* error) {
   CUdevice dev = 0;
-  CUresult rc = d.CtxGetDevice(&dev);
+  const CUresult rc = d.CtxGetDevice(&dev);
   if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuCtxGetDevice"), false;
-  int major = 0, minor = 0, optin = 0;
-  d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
-  d.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  int optin = 0;
+  d.DeviceGetAttribute(&facts->major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.DeviceGetAttribute(&facts->minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
   d.DeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
-  int index = -1, driver = 0;
-  if (d.DriverGetVersion(&driver) != CUDA_SUCCESS) driver = 0;
-  if (!FitsDevice(k, major, minor, optin > 0 ? optin : kDefaultSharedLimit, error, driver)) return false;
-  if (!PickImage(k, major, minor, &index, error, driver)) return false;
+  facts->smem_optin = optin > 0 ? optin : kDefaultSharedLimit;
+  if (d.DriverGetVersion(&facts->driver) != CUDA_SUCCESS) facts->driver = 0;
+  return true;
+}
+
+// Loads kernel k's image for the device (PickImage) into the current context: its module, function and, above
+// 48 KiB, the dynamic shared memory attribute. False with the reason in `error`.
+bool LoadKernel(const Driver& d, const Kernel& k, const DeviceFacts& dev, LoadedKernel* out, std::string* error) {
+  const int major = dev.major, minor = dev.minor;
+  int index = -1;
+  if (!FitsDevice(k, major, minor, dev.smem_optin, error, dev.driver)) return false;
+  if (!PickImage(k, major, minor, &index, error, dev.driver)) return false;
   const void* image = index >= 0 ? static_cast<const void*>(k.images[index].bytes.data())
                                  : static_cast<const void*>(k.ptx.c_str());
   CUmodule module = nullptr;
-  rc = d.ModuleLoadData(&module, image);
+  CUresult rc = d.ModuleLoadData(&module, image);
   if (rc != CUDA_SUCCESS) {
     *error = CuError(d, rc, "cuModuleLoadData") + " for kernel '" + k.name + "' (" +
              (index >= 0 ? "cubin" : "PTX JIT") + " on sm_" + std::to_string(major * 10 + minor) + ")";
@@ -173,6 +189,30 @@ bool LoadKernel(const Driver& d, const Kernel& k, LoadedKernel* out, std::string
   out->function = fn;
   out->shared = shared;
   return true;
+}
+
+// The eager load of bundle b in context `ctx` (current, b->mutex held), once per (bundle, context) at the first
+// launch of any of its kernels there: every compiled kernel that fits the device with a cubin for it is
+// loaded now, so that a call whose shape picks a kernel not launched before loads nothing. A kernel the
+// device runs from PTX only stays lazy (a JIT compiles it, a cubin load does not), as does one that does not
+// fit the device (its launch says why). A kernel whose cubin fails to load keeps its error in b->load_errors for
+// its own launch; the launch of another kernel does not fail for it.
+void LoadCubins(const Driver& d, dc_bundle* b, void* ctx, const DeviceFacts& dev) {
+  for (size_t i = 0; i < b->kernels.size(); ++i) {
+    const Kernel& k = b->kernels[i];
+    const auto key = std::make_pair(ctx, static_cast<int32_t>(i));
+    int index = -1;
+    std::string why;
+    if (k.kind == kVendor || b->loaded.count(key) != 0) continue;
+    if (!FitsDevice(k, dev.major, dev.minor, dev.smem_optin, &why, dev.driver)) continue;  // its launch says why
+    if (!PickImage(k, dev.major, dev.minor, &index, &why, dev.driver) || index < 0) continue;  // PTX: on first use
+    LoadedKernel loaded;
+    if (LoadKernel(d, k, dev, &loaded, &why)) {
+      b->loaded.emplace(key, loaded);
+    } else {
+      b->load_errors[key] = why;
+    }
+  }
 }
 
 int Fail(const std::string& message) {
@@ -242,35 +282,50 @@ void* DriverSymbol(const char* name, std::string* error) {
   return fn;
 }
 
+namespace {
+
+// Entry `entry` of the vendor path's PTX module `ptx` in the call's context (current), loaded (JIT) the first time
+// and kept for the process, once per (context, module text). False with *error.
+bool PtxFunction(const StreamCall& on, const char* ptx, const char* entry, CUfunction* fn, std::string* error) {
+  const Driver& d = on.d;
+  static std::mutex mutex;
+  static std::map<std::pair<void*, const char*>, CUfunction> functions;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(static_cast<void*>(on.ctx), ptx);
+  auto it = functions.find(key);
+  if (it == functions.end()) {
+    CUmodule module = nullptr;
+    CUresult rc = d.ModuleLoadData(&module, ptx);
+    if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuModuleLoadData (PTX JIT)") + " for " + entry, false;
+    rc = d.ModuleGetFunction(fn, module, entry);
+    if (rc != CUDA_SUCCESS) {
+      d.ModuleUnload(module);
+      return *error = CuError(d, rc, "cuModuleGetFunction") + " for " + entry, false;
+    }
+    it = functions.emplace(key, *fn).first;
+  }
+  *fn = it->second;
+  return true;
+}
+
+}  // namespace
+
 // The vendor path's PTX modules (vendor.h), loaded once per (context, module text) and kept for the process.
+bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* error) {
+  const StreamCall on(stream);
+  if (!on.ok()) return *error = on.error, false;
+  CUfunction fn = nullptr;
+  return PtxFunction(on, ptx, entry, &fn, error);
+}
+
 bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
                std::string* error) {
   const StreamCall on(stream);
   if (!on.ok()) return *error = on.error, false;
-  const Driver& d = on.d;
-  CUresult rc = CUDA_SUCCESS;
-  static std::mutex mutex;
-  static std::map<std::pair<void*, const char*>, CUfunction> functions;
   CUfunction fn = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_pair(static_cast<void*>(on.ctx), ptx);
-    auto it = functions.find(key);
-    if (it == functions.end()) {
-      CUmodule module = nullptr;
-      rc = d.ModuleLoadData(&module, ptx);
-      if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuModuleLoadData (PTX JIT)") + " for " + entry, false;
-      rc = d.ModuleGetFunction(&fn, module, entry);
-      if (rc != CUDA_SUCCESS) {
-        d.ModuleUnload(module);
-        return *error = CuError(d, rc, "cuModuleGetFunction") + " for " + entry, false;
-      }
-      it = functions.emplace(key, fn).first;
-    }
-    fn = it->second;
-  }
-  rc = d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
-  if (rc != CUDA_SUCCESS) return *error = CuError(d, rc, "cuLaunchKernel") + " for " + entry, false;
+  if (!PtxFunction(on, ptx, entry, &fn, error)) return false;
+  const CUresult rc = on.d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
+  if (rc != CUDA_SUCCESS) return *error = CuError(on.d, rc, "cuLaunchKernel") + " for " + entry, false;
   return true;
 }
 
@@ -409,13 +464,27 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   int image_index = -1;
   {
     std::lock_guard<std::mutex> lock(b->mutex);
-    auto key = std::make_pair(static_cast<void*>(on.ctx), k);
+    const auto key = std::make_pair(static_cast<void*>(on.ctx), k);
     auto it = b->loaded.find(key);
     if (it == b->loaded.end()) {
-      dietcode::LoadedKernel loaded;
+      dietcode::DeviceFacts dev;
       std::string error;
-      if (!dietcode::LoadKernel(d, kernel, &loaded, &error)) return Fail(error);
-      it = b->loaded.emplace(key, loaded).first;
+      if (!dietcode::CurrentDevice(d, &dev, &error)) return Fail(error);
+      if (b->eager_loaded.insert(on.ctx).second) {  // the bundle's first launch in this context
+        dietcode::LoadCubins(d, b, on.ctx, dev);
+        it = b->loaded.find(key);
+      }
+      if (it == b->loaded.end()) {
+        auto failed = b->load_errors.find(key);
+        if (failed != b->load_errors.end()) {  // the eager load's error, reported once: a later launch loads again
+          error = failed->second;
+          b->load_errors.erase(failed);
+          return Fail(error);
+        }
+        dietcode::LoadedKernel loaded;
+        if (!dietcode::LoadKernel(d, kernel, dev, &loaded, &error)) return Fail(error);
+        it = b->loaded.emplace(key, loaded).first;
+      }
     }
     fn = static_cast<CUfunction>(it->second.function);
     shared = it->second.shared;

@@ -77,15 +77,33 @@ inline BundlePtr AcquireBundleInput(const Ort::ConstKernelInfo& info, size_t ind
   return bundle;
 }
 
-// The input's shape into `out`, reusing its capacity (the hot paths keep per-thread shape buffers).
-// The status a kernel's ComputeV2 returns for an exception: its message prefixed with the node (``where``)
-// once, whether or not the thrower already named it.
-inline OrtStatusPtr ErrorStatus(const std::string& where, const std::exception& e) {
-  const std::string what = e.what();
-  const std::string text = what.rfind(where, 0) == 0 ? what : where + ": " + what;
-  return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, text.c_str());
+// A kernel's ComputeV2: runs `compute`; an exception becomes the status returned, its message prefixed with the
+// node (``where``) once, whether or not the thrower already named it.
+template <typename Compute>
+OrtStatusPtr ComputeStatus(const std::string& where, Compute&& compute) {
+  try {
+    compute();
+    return nullptr;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const std::string text = what.rfind(where, 0) == 0 ? what : where + ": " + what;
+    return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, text.c_str());
+  }
 }
 
+// A custom op's CreateKernelV2: the kernel `make` returns into *kernel; an exception (the node refused at session
+// creation) becomes an INVALID_ARGUMENT status with its message.
+template <typename Make>
+OrtStatusPtr CreateKernelStatus(const OrtApi& api, void** kernel, Make&& make) {
+  try {
+    *kernel = make();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+  }
+}
+
+// The input's shape into `out`, reusing its capacity (the hot paths keep per-thread shape buffers).
 inline void ReadShape(const Ort::ConstValue& v, std::vector<int64_t>* out) {
   auto info = v.GetTensorTypeAndShapeInfo();
   out->resize(info.GetDimensionsCount());

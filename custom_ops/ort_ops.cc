@@ -192,16 +192,7 @@ class DietcodeKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      if (cuda_) {
-        ComputeCuda(context);
-      } else {
-        ComputeCpu(context);
-      }
-      return nullptr;
-    } catch (const std::exception& e) {
-      return ErrorStatus(where_, e);
-    }
+    return ComputeStatus(where_, [&] { cuda_ ? ComputeCuda(context) : ComputeCpu(context); });
   }
 
  private:
@@ -461,6 +452,7 @@ class DietcodeKernel {
 
   void ComputeCuda(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
+    if (has_vendor_kernel_) LoadEpilogueOnce(ctx.GetGPUComputeStream());
     const size_t n_in = has_bias_input_ ? 3 : 2;
     Ort::ConstValue in[3] = {ctx.GetInput(0), ctx.GetInput(1), n_in > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr}};
     thread_local Shape shapes[3], out_shape;  // per thread: a kernel may run on several threads at once
@@ -570,6 +562,18 @@ class DietcodeKernel {
     fall_back(fit, why);
   }
 
+  // A node whose bundle sends shapes to the vendor path (a vendor leaf, a kernel this device cannot run) and whose
+  // op type has an epilogue (bias, activation, residual) loads the epilogue's module (a PTX JIT, once per context
+  // and dtype) at its first call, so that the first call of a shape the tree sends there compiles nothing. A
+  // failure is left for that call to report.
+  void LoadEpilogueOnce(void* stream) {
+    std::call_once(epilogue_once_, [&] {
+      if (spec_.bias || spec_.activation != Activation::kNone || spec_.residual) {
+        dc_vendor_epilogue_load(DtypeCode(dtype_), stream);
+      }
+    });
+  }
+
   // NVIDIA_TF32_OVERRIDE=0 makes cuBLAS and cuDNN, hence ORT's own float32 kernels and the vendor path,
   // compute without TF32; it does not reach a compiled kernel's mma.sync / wgmma TF32 instructions. A node
   // whose bundle holds TF32 kernels then computes with less precision than ORT would: said once, at session
@@ -636,51 +640,63 @@ class DietcodeKernel {
   // then the epilogue, all on ORT's compute stream (vendor.h).
   void VendorCuda(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in,
                   const Ort::ConstValue& residual, Ort::UnownedValue& out, const char* why) {
-    const int dtype = DtypeCode(dtype_);
     void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
     void* y = out.GetTensorMutableRawData();
+    dc_epilogue epilogue = spec_.base == BaseOp::kConv ? VendorConv(raw, in, shapes, n_in, y, stream, why)
+                                                       : VendorGemm(raw, in, shapes, n_in, y, stream, why);
+    // the residual, of the output's shape (checked by the caller), is the epilogue's on either path
+    epilogue.has_residual = spec_.residual ? 1 : 0;
+    epilogue.residual_first = spec_.residual_first ? 1 : 0;
     const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;
-    if (spec_.base == BaseOp::kConv) {
-      auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
-      const int64_t strides[2] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1)};
-      const int64_t dilations[2] = {at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1)};
-      const int64_t pads[4] = {at(conv_.pads, 0, 0), at(conv_.pads, 1, 0), at(conv_.pads, 2, 0), at(conv_.pads, 3, 0)};
-      const int auto_pad = conv_.auto_pad == "SAME_UPPER" ? 1 : conv_.auto_pad == "SAME_LOWER" ? 2
-                           : conv_.auto_pad == "VALID"    ? 3 : 0;
-      dc_conv_plan plan{};
-      if (dc_conv_plan_make(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
-                            n_in > 2 ? shapes[2].data() : nullptr, n_in > 2 ? shapes[2].size() : 0, strides, pads,
-                            dilations, conv_.group, auto_pad, dtype, static_cast<int>(spec_.activation),
-                            kOrtCudaUsesTf32, &plan) != 1) {
-        Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
-      }
-      void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
-      // cuDNN's heuristic, once per shape (the node's cache), then the workspace from ORT's scratch allocator
-      // on this stream (given back after the launch is enqueued: ScratchBuffer says why that is safe)
-      dc_conv_algo algo{};
-      const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, DC_CONV_WORKSPACE_CAP, &algo);
-      if (chosen < 0) Throw(dc_last_error());
-      if (chosen == 0) NoteOnce(kNoteConvAlgo, std::string("Conv runs cuDNN's ") + dc_last_error());
-      ScratchBuffer workspace;
-      if (algo.workspace_bytes != 0) {
-        std::string error;
-        if (!workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(algo.workspace_bytes), &error)) {
-          NoteOnce(kNoteConvWorkspace, "Conv runs cuDNN's IMPLICIT_GEMM without workspace instead of algorithm " +
-                                           std::to_string(algo.algo) + ": " + error);
-          algo = dc_conv_algo{};
-          algo.math_type = plan.math_type;
-        }
-      }
-      plan.epilogue.has_residual = spec_.residual ? 1 : 0;  // its shape is the output's (checked by the caller)
-      plan.epilogue.residual_first = spec_.residual_first ? 1 : 0;
-      const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
-      if (dc_vendor_conv(&plan, &algo, reinterpret_cast<void*>(workspace.address()), in[0].GetTensorRawData(),
-                         in[1].GetTensorRawData(), y, cudnn, stream) != 0 ||
-          dc_vendor_epilogue(&plan.epilogue, y, bias, res, stream) != 0) {
-        Throw(dc_last_error());
-      }
-      return;
+    const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
+    if (dc_vendor_epilogue(&epilogue, y, bias, res, stream) != 0) Throw(dc_last_error());
+  }
+
+  // The cuDNN part of VendorCuda (Conv): the convolution into y on `stream`; returns the epilogue it plans.
+  dc_epilogue VendorConv(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in, void* y,
+                         void* stream, const char* why) {
+    const int dtype = DtypeCode(dtype_);
+    auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
+    const int64_t strides[2] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1)};
+    const int64_t dilations[2] = {at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1)};
+    const int64_t pads[4] = {at(conv_.pads, 0, 0), at(conv_.pads, 1, 0), at(conv_.pads, 2, 0), at(conv_.pads, 3, 0)};
+    const int auto_pad = conv_.auto_pad == "SAME_UPPER" ? 1 : conv_.auto_pad == "SAME_LOWER" ? 2
+                         : conv_.auto_pad == "VALID"    ? 3 : 0;
+    dc_conv_plan plan{};
+    if (dc_conv_plan_make(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
+                          n_in > 2 ? shapes[2].data() : nullptr, n_in > 2 ? shapes[2].size() : 0, strides, pads,
+                          dilations, conv_.group, auto_pad, dtype, static_cast<int>(spec_.activation),
+                          kOrtCudaUsesTf32, &plan) != 1) {
+      Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
     }
+    void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");
+    // cuDNN's heuristic, once per shape (the node's cache), then the workspace from ORT's scratch allocator
+    // on this stream (given back after the launch is enqueued: ScratchBuffer says why that is safe)
+    dc_conv_algo algo{};
+    const int chosen = dc_vendor_conv_algo(conv_algos_.get(), &plan, cudnn, DC_CONV_WORKSPACE_CAP, &algo);
+    if (chosen < 0) Throw(dc_last_error());
+    if (chosen == 0) NoteOnce(kNoteConvAlgo, std::string("Conv runs cuDNN's ") + dc_last_error());
+    ScratchBuffer workspace;
+    if (algo.workspace_bytes != 0) {
+      std::string error;
+      if (!workspace.Allocate(raw, device_memory_->info(), static_cast<size_t>(algo.workspace_bytes), &error)) {
+        NoteOnce(kNoteConvWorkspace, "Conv runs cuDNN's IMPLICIT_GEMM without workspace instead of algorithm " +
+                                         std::to_string(algo.algo) + ": " + error);
+        algo = dc_conv_algo{};
+        algo.math_type = plan.math_type;
+      }
+    }
+    if (dc_vendor_conv(&plan, &algo, reinterpret_cast<void*>(workspace.address()), in[0].GetTensorRawData(),
+                       in[1].GetTensorRawData(), y, cudnn, stream) != 0) {
+      Throw(dc_last_error());
+    }
+    return plan.epilogue;
+  }
+
+  // The cuBLAS part of VendorCuda (MatMul, Gemm): the call into y on `stream`; returns the epilogue it plans.
+  dc_epilogue VendorGemm(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in, void* y,
+                         void* stream, const char* why) {
+    const int dtype = DtypeCode(dtype_);
     const bool gemm = spec_.base == BaseOp::kGemm;
     dc_gemm_plan plan{};
     const int planned = dc_gemm_plan_make(gemm ? 1 : 0, shapes[0].data(), shapes[0].size(), shapes[1].data(),
@@ -689,14 +705,11 @@ class DietcodeKernel {
                                           static_cast<int>(gemm_.trans_b), gemm ? gemm_.alpha : scale_, gemm_.beta, dtype,
                                           static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
     if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
-    plan.epilogue.has_residual = spec_.residual ? 1 : 0;
-    plan.epilogue.residual_first = spec_.residual_first ? 1 : 0;
-    const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
     void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
-    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0 ||
-        dc_vendor_epilogue(&plan.epilogue, y, bias, res, stream) != 0) {
+    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0) {
       Throw(dc_last_error());
     }
+    return plan.epilogue;
   }
 
   OpSpec spec_;
@@ -718,6 +731,7 @@ class DietcodeKernel {
   Ort::Op base_op_{nullptr};  // CPU only
   Ort::MemoryInfo cpu_memory_{nullptr};  // CPU only: for the fp32 copies of fp16/bf16 operands
   std::once_flag batched_once_;
+  std::once_flag epilogue_once_;  // CUDA: LoadEpilogueOnce
   std::vector<bool> batched_;
   std::vector<uint8_t> device_fits_;  // per kernel, CUDA only (see FitDevice)
   std::vector<std::string> device_reason_;  // why a kernel does not fit (empty when it does)
@@ -732,12 +746,7 @@ struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
   }
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new DietcodeKernel(info, spec_, cuda_, dtype_);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return CreateKernelStatus(api, kernel, [&] { return new DietcodeKernel(info, spec_, cuda_, dtype_); });
   }
 
   const char* GetName() const { return spec_.name.c_str(); }

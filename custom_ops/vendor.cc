@@ -471,6 +471,15 @@ const char* dc_vendor_epilogue_ptx(int dtype) {
   return dtype >= 0 && dtype <= 2 ? dietcode::EpiloguePtxFor(dtype).c_str() : nullptr;
 }
 
+int dc_vendor_epilogue_load(int dtype, void* stream) {
+  if (dtype < 0 || dtype > 2) return dietcode::Fail("epilogue dtype " + std::to_string(dtype));
+  std::string error;
+  if (!dietcode::LoadPtx(dc_vendor_epilogue_ptx(dtype), "dc_epilogue", stream, &error)) {
+    return dietcode::Fail("vendor epilogue: " + error);
+  }
+  return 0;
+}
+
 int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, const void* residual, void* stream) {
   using dietcode::Fail;
   if (p == nullptr) return Fail("null epilogue");

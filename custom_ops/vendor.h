@@ -146,6 +146,11 @@ int dc_vendor_epilogue(const dc_epilogue* epilogue, void* c, const void* bias, c
 // The epilogue kernel's PTX for dtype 0/1/2 (entry "dc_epilogue"), NULL for another dtype.
 const char* dc_vendor_epilogue_ptx(int dtype);
 
+// Loads (JIT-compiles) the epilogue module for `dtype` in the context of `stream` now, as the first
+// dc_vendor_epilogue there would: a node that may take the vendor path does it at its first call, so that the
+// first call of a shape routed there later compiles nothing. Nothing when it is loaded. 0, or -1 with a message.
+int dc_vendor_epilogue_load(int dtype, void* stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 
@@ -156,6 +161,8 @@ namespace dietcode {
 // loading the module once per CUDA context (launch.cc, which owns the driver). False with *error on failure.
 bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
                std::string* error);
+// Only the load LaunchPtx does on its first call in the stream's context (nothing when it is done).
+bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* error);
 }  // namespace dietcode
 #endif
 

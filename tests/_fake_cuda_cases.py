@@ -7,7 +7,8 @@ host buffers, launches the bundle's kernel through the C ABI (``CoreBundle.launc
 LaunchArgs) on a stream of the stand-in's context and collects what the driver was given (its log). It then maps the launch's recorded parameter bytes back to its buffers and runs
 the interpreted Triton template with exactly those values, grid and constexprs, compared with float64 torch.
 Launches happen before torch or triton is imported, so no other libcuda can be loaded first. Besides the
-cases: context handling (``contexts``) and the vendor path's epilogue launch (``vendor_epilogue``).
+cases: context handling (``contexts``), a bundle's eager module load (``eager``) and the vendor path's epilogue
+launch (``vendor_epilogue``).
 Prints one JSON object {case: {...}} (see ``run_case``).
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FakeCase", "CASES", "SM_COUNT", "WORKSPACE_OFFSET", "FILL", "build_fake_driver", "compile_case",
-           "decode_params", "main"]
+__all__ = ["FakeCase", "CASES", "SM_COUNT", "WORKSPACE_OFFSET", "FILL", "EAGER_KERNELS", "EAGER_LAUNCHES",
+           "build_fake_driver", "compile_case", "decode_params", "eager_bundle", "main"]
 
 SM_COUNT = 4  # the stand-in's multiprocessor count (a persistent grid of 2 programs per SM: 8 < 9 tiles)
 WORKSPACE_OFFSET = 16  # workspaces start 16 bytes past a 256-byte boundary: aligned as the ABI asks, not to 128
@@ -75,6 +76,27 @@ CASES: tuple[FakeCase, ...] = (
                                                            "v": (2, 3, 17, 16), "mask": (2, 1, 1, 17)},
              alpha=0.25),
 )
+
+
+# The eager-load bundle (eager_bundle): the cases whose kernels it holds, in kernel order. On the sm_90 device
+# kernels 0 and 1 load from their cubins, kernel 2 (compiled for sm_80) from its PTX, and kernel 3, case 2's sm_80
+# cubin labelled sm_90 and without PTX, is refused by the driver (a cubin for another SM).
+EAGER_KERNELS = ("gemm_bias_gelu_residual", "gemm_split_k", "gemm_ptx_jit", "gemm_ptx_jit")
+# Its launches in the child, (context 0 or 1, kernel id), in order (eager).
+EAGER_LAUNCHES = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 3), (0, 0), (1, 1), (1, 3), (1, 0))
+
+
+def eager_bundle(kernels: dict[str, Any]) -> bytes:
+    """The eager-load bundle's payload from the cases' bundle kernels (EAGER_KERNELS)."""
+    from dataclasses import replace
+
+    from dietcode_ort.bundle import Bundle, DispatchTree, Toolchain
+
+    held = [kernels[name] for name in EAGER_KERNELS]
+    (arch, cubin), = held[3].images
+    assert arch == "sm_80", arch
+    held[3] = replace(held[3], images=(("sm_90", cubin),), ptx="", ptx_toolchain=Toolchain(), ptx_scratch=(0, 1))
+    return Bundle((), tuple(held), DispatchTree.single(0)).to_bytes()
 
 
 def build_fake_driver(folder: Path, driver: int = 13010) -> str:
@@ -156,10 +178,8 @@ def _args(core: Any, case: FakeCase, bufs: dict[str, np.ndarray]) -> tuple[Any, 
     return args, out
 
 
-def run_case(core: Any, fake: ctypes.CDLL, case: FakeCase, bundle_bytes: bytes, stream: int) -> dict[str, Any]:
-    """Launch the case's kernel on ``stream``; returns the driver log, the buffers' addresses, the C core's
-    arguments, grid and workspace size for the call, and the workspace after the launch."""
-    rng = np.random.default_rng(0)
+def _bound_args(core: Any, case: FakeCase, rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray]]:
+    """The case's launch arguments pointing at its buffers: seeded inputs, bias and residual, a NaN output."""
     bufs = _buffers(case, rng)
     args, out_shape = _args(core, case, bufs)
     assert args is not None, core.error()
@@ -172,6 +192,13 @@ def run_case(core: Any, fake: ctypes.CDLL, case: FakeCase, bundle_bytes: bytes, 
     for field_name, buf in names.items():
         if buf in bufs:
             setattr(args, field_name, bufs[buf].ctypes.data)
+    return args, bufs
+
+
+def run_case(core: Any, fake: ctypes.CDLL, case: FakeCase, bundle_bytes: bytes, stream: int) -> dict[str, Any]:
+    """Launch the case's kernel on ``stream``; returns the driver log, the buffers' addresses, the C core's
+    arguments, grid and workspace size for the call, and the workspace after the launch."""
+    args, bufs = _bound_args(core, case, np.random.default_rng(0))
     bundle = core.parse(bundle_bytes)
     grid_args = type(args).from_buffer_copy(args)
     grid_args.sm_count = SM_COUNT
@@ -279,6 +306,10 @@ def main() -> int:
             out[case.name] = {"error": f"{type(exc).__name__}: {exc}"}
     out["contexts"] = contexts(core, fake, folder)
     try:
+        out["eager"] = eager(core, fake, folder)
+    except Exception as exc:  # reported to the parent
+        out["eager"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
         out["vendor_epilogue"] = vendor_epilogue(core, fake, stream)
     except Exception as exc:  # reported to the parent
         out["vendor_epilogue"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -337,9 +368,41 @@ def contexts(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
     return out
 
 
+def eager(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
+    """The eager-load bundle's launches (EAGER_LAUNCHES) on a stream of each context, each kernel with its case's
+    arguments (and a workspace where it needs one): per launch the driver log and the launcher's error ("" when it
+    launched); then the log of freeing the bundle."""
+    from dietcode_ort.errors import DietcodeError
+
+    bundle = core.parse((folder / "eager.bundle").read_bytes())
+    rng = np.random.default_rng(0)
+    calls = []
+    for k, name in enumerate(EAGER_KERNELS):
+        args, bufs = _bound_args(core, next(c for c in CASES if c.name == name), rng)
+        size = bundle.workspace_bytes(k, args)
+        raw, start = _aligned(size)
+        if size:
+            args.workspace, args.workspace_bytes = raw.ctypes.data + start, size
+        calls.append((args, bufs, raw))
+    streams = [fake.fake_cuda_stream(fake.fake_cuda_context(i)) for i in (0, 1)]
+    launches = []
+    for context, k in EAGER_LAUNCHES:
+        fake.fake_cuda_log_clear()
+        error = ""
+        try:
+            bundle.launch(k, calls[k][0], streams[context])
+        except DietcodeError as exc:
+            error = str(exc)
+        launches.append({"context": context + 1, "kernel": k, "events": _events(fake), "error": error})
+    fake.fake_cuda_log_clear()
+    del bundle
+    return {"launches": launches, "freed": _events(fake)}
+
+
 def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]:
     """The vendor path's epilogue kernel (custom_ops/vendor.cc, launched by launch.cc's LaunchPtx) on a
-    float16 [5, 7] output with a per-column bias, gelu and a residual, twice on one stream; the first launch's
+    float16 [5, 7] output with a per-column bias, gelu and a residual: its module loaded first
+    (dc_vendor_epilogue_load, twice), then launched twice on one stream; the first launch's
     recorded parameters, named by its PTX's .param list, then run its PTX on the host (tests/_ptx_run.py) over
     the very buffers (addresses) the launcher passed, compared with float64 numpy."""
     import re
@@ -355,6 +418,11 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     plan = Epilogue(dtype=1, has_bias=1, activation=2, has_residual=1, bias_scale=0.5, rows=rows, cols=cols,
                     bias_rows=1, bias_rs=0, bias_cs=1)
     original = y.copy()
+    fake.fake_cuda_log_clear()
+    for _ in range(2):
+        if core.lib.dc_vendor_epilogue_load(1, ctypes.c_void_p(stream)):
+            raise RuntimeError(core.error())
+    loaded = _events(fake)
     fake.fake_cuda_log_clear()
     for _ in range(2):
         if core.lib.dc_vendor_epilogue(ctypes.byref(plan), ctypes.c_void_p(y.ctypes.data),
@@ -376,7 +444,7 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     run(ptx, params, memory)
     ref = original.astype(np.float64) + 0.5 * bias.astype(np.float64)
     ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0))) + residual.astype(np.float64)
-    return {"events": events, "ptx": ptx, "names": names, "stream": stream,
+    return {"loaded": loaded, "events": events, "ptx": ptx, "names": names, "stream": stream,
             "pointers": {"y": y.ctypes.data, "bias": bias.ctypes.data, "residual": residual.ctypes.data},
             "max_err": float(np.abs(y.astype(np.float64) - ref).max()), "scale": float(np.abs(ref).max())}
 

@@ -9,7 +9,8 @@ ABI (tests/_fake_cuda_cases.py). Checked: the parameters match the kernel's PTX 
 and the ABI (docs/abi.md) in value (buffers, sizes, strides, the split-K workspace, the TMA global scratch, the
 two trailing scratch pointers), the grid is dc_kernel_grid's, the block the kernel's warps, the shared memory the
 bundle's with the attribute above 48 KiB, the memset zeroes exactly the split-K counters, the persistent grid
-follows the device's SM count, modules load once per context, the vendor epilogue's PTX launch, the tuner's
+follows the device's SM count, modules load once per context (a bundle's cubins all at its first launch there,
+PTX on first use, a refused cubin failing only its own launch), the vendor epilogue's PTX launch, the tuner's
 GPU timer (custom_ops/timing.cc) on a CUDA 13.1 and a 12.0 driver; and for every case the recorded parameters,
 fed to the interpreted template, compute the node's result.
 """
@@ -26,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from _fake_cuda_cases import CASES, FILL, SM_COUNT, build_fake_driver, compile_case, decode_params
+from _fake_cuda_cases import (CASES, EAGER_KERNELS, EAGER_LAUNCHES, FILL, SM_COUNT, build_fake_driver, compile_case,
+                              decode_params, eager_bundle)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -78,16 +80,16 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bundles(compiled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of one-kernel bundles, one per case."""
-    from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree
+def bundles(bundled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of one-kernel bundles, one per case, and the eager-load bundle of several (eager.bundle)."""
+    from dietcode_ort.bundle import Bundle, DispatchTree
     from dietcode_ort.runtime import load_core
 
     load_core()  # built before the children, which only load it
     folder = tmp_path_factory.mktemp("bundles")
-    for name, kernel in compiled.items():
-        payload = Bundle((), (BundleKernel.from_compiled([kernel]),), DispatchTree.single(0)).to_bytes()
-        (folder / f"{name}.bundle").write_bytes(payload)
+    for name, kernel in bundled.items():
+        (folder / f"{name}.bundle").write_bytes(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    (folder / "eager.bundle").write_bytes(eager_bundle(bundled))
     return folder
 
 
@@ -242,17 +244,87 @@ def test_modules_load_once_per_context_and_the_context_is_restored(launched: dic
         ("push", 1), ("unload", None), ("pop", 1), ("push", 2), ("unload", None), ("pop", 2)]
 
 
+def _driver_calls(step: dict[str, Any]) -> list[str]:
+    """A launch's driver events, without the device attribute queries and the split-K memset."""
+    return [e["event"] for e in step["events"] if e["event"] not in ("device_attribute", "memset")]
+
+
+def test_a_bundles_cubins_load_at_its_first_launch_in_a_context(launched: dict[str, Any],
+                                                                 bundled: dict[str, Any]) -> None:
+    """launch.cc's LoadCubins: the first launch of any kernel of a bundle in a context loads every kernel the
+    device runs from a cubin (kernels 0 and 1), so a shape that picks another of them loads nothing at its
+    first call; the kernel the device runs from PTX only (2) is JIT-compiled at its own first launch."""
+    got = launched["eager"]
+    assert "error" not in got, got.get("error")
+    steps, kernels = got["launches"], [bundled[name] for name in EAGER_KERNELS]
+    assert [(s["context"], s["kernel"]) for s in steps] == [(c + 1, k) for c, k in EAGER_LAUNCHES]
+    first = steps[0]
+    assert first["error"] == ""
+    loads = _of(first["events"], "load")
+    assert sorted((e["kind"], e["context"], e["fnv1a"]) for e in loads) == sorted(
+        ("cubin", 1, _fnv1a(k.images[0][1])) for k in kernels[:2])
+    assert [(e["call"], e["why"]) for e in _of(first["events"], "error")] == [("cuModuleLoadData", "cubin for another SM")]
+    assert [e["name"] for e in _of(first["events"], "launch")] == [kernels[0].name]
+    assert _driver_calls(first)[-2:] == ["launch", "pop"]  # loaded before the launch, in the stream's context
+    # kernel 1's first launch, kernel 0's second: nothing loads; each runs the module loaded for it then
+    for step in (steps[1], steps[5]):
+        assert step["error"] == "" and _driver_calls(step) == ["push", "launch", "pop"], step
+    m0, m1, m0_again = (_of(step["events"], "launch")[0]["module"] for step in (first, steps[1], steps[5]))
+    assert m0 == m0_again != m1 and {m0, m1} == {e["module"] for e in loads}
+    # the PTX-only kernel: loaded (JIT) at its own first launch, not before
+    assert steps[2]["error"] == "" and _driver_calls(steps[2]) == ["push", "load", "function", "launch", "pop"]
+    (ptx,) = _of(steps[2]["events"], "load")
+    assert (ptx["kind"], ptx["fnv1a"]) == ("ptx", _fnv1a(kernels[2].ptx.encode() + b"\0"))
+
+
+def test_a_cubin_that_fails_to_load_fails_only_its_own_launch(launched: dict[str, Any],
+                                                              bundled: dict[str, Any]) -> None:
+    """Kernel 3's cubin, refused by the driver during the eager load, fails no other kernel's launch: its error
+    is kept and reported at its own launch, with the message a load at launch gives; the launch after that
+    loads it again (and is refused again, with the same message)."""
+    steps = launched["eager"]["launches"]
+    message = ("cuModuleLoadData failed: no kernel image is available for execution on the device (code 209) "
+               f"for kernel '{bundled['gemm_ptx_jit'].name}' (cubin on sm_90)")
+    assert [s["error"] for s in steps] == ["", "", "", message, message, "", "", message, ""]
+    assert _driver_calls(steps[3]) == _driver_calls(steps[7]) == ["push", "pop"]  # the kept error
+    assert _driver_calls(steps[4]) == ["push", "error", "pop"]  # tried again, refused again
+    assert _of(steps[4]["events"], "error")[0]["why"] == "cubin for another SM"
+
+
+def test_each_context_loads_a_bundles_cubins_once(launched: dict[str, Any]) -> None:
+    """Two contexts: each loads the bundle's cubins at the bundle's first launch there (whichever kernel it is),
+    once, and freeing the bundle unloads every module in its own context."""
+    got = launched["eager"]
+    loads = [(s["context"], s["kernel"], e["kind"], e["context"]) for s in got["launches"]
+             for e in _of(s["events"], "load")]
+    assert loads == [(1, 0, "cubin", 1), (1, 0, "cubin", 1), (1, 2, "ptx", 1), (2, 1, "cubin", 2), (2, 1, "cubin", 2)]
+    refused = [(s["context"], s["kernel"]) for s in got["launches"] if _of(s["events"], "error")]
+    assert refused == [(1, 0), (1, 3), (2, 1)]  # the eager load in each context, and the retry
+    unloads, context = [], None
+    for e in got["freed"]:
+        if e["event"] == "push":
+            context = e["context"]
+        elif e["event"] == "unload":
+            unloads.append(context)
+    assert unloads == [1, 1, 1, 2, 2]
+
+
 def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, Any]) -> None:
-    """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's, its
-    .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the recorded values,
-    run as that PTX on the host over the buffers they point at, give act(y + scale * bias) + residual."""
+    """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's (by
+    dc_vendor_epilogue_load, which a node that may take the vendor path calls at its first call; the launches
+    reuse it), its .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the
+    recorded values, run as that PTX on the host over the buffers they point at, give act(y + scale * bias) +
+    residual."""
     got = launched["vendor_epilogue"]
     assert "error" not in got, got.get("error")
     events = got["events"]
-    assert not _of(events, "error"), _of(events, "error")
-    (load,) = _of(events, "load")  # the second launch reuses the module
+    assert not _of(events + got["loaded"], "error"), _of(events + got["loaded"], "error")
+    (load,) = _of(got["loaded"], "load")  # the second dc_vendor_epilogue_load finds it loaded
     image = got["ptx"].encode() + b"\0"
     assert load["kind"] == "ptx" and (load["size"], load["fnv1a"]) == (len(image), _fnv1a(image))
+    assert [e["event"] for e in got["loaded"] if e["event"] in ("push", "load", "function", "pop")] == [
+        "push", "load", "function", "pop", "push", "pop"]  # in the stream's context, then nothing
+    assert not _of(events, "load")  # the launches load nothing
     launches = _of(events, "launch")
     assert len(launches) == 2 and launches[0]["params"] == launches[1]["params"]
     launch = launches[0]
