@@ -349,15 +349,18 @@ def _conv3x3_f64(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual", "ConvBiasResidual",
-                                     "ConvBiasResidualGelu"])
+                                     "ConvBiasResidualGelu", "ConvBiasResidualGeluTanh", "ConvBiasGeluTanhResidual",
+                                     "ConvBiasResidualSilu", "ConvBiasRelu6Residual", "ConvBiasResidualRelu6"])
 def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
     """ResNet's Conv -> Add(shortcut) -> Relu as one node: y = act(conv(X, W) + B + residual) for an op type
     naming the residual before the activation, act(conv(X, W) + B) + residual after it, checked against a
     float64 reference; a residual of another shape is refused naming both shapes, before anything runs."""
     import math
 
-    first = op_type.index("Residual") < max(op_type.find("Relu"), op_type.find("Gelu"))
-    activation = "relu" if "Relu" in op_type else "gelu" if "Gelu" in op_type else "none"
+    from dietcode_ort.inspect_model import epilogue_of
+
+    named = epilogue_of(helper.make_node(op_type, [], []))
+    first, activation = named["residual_first"], named["activation"]
     rng = np.random.default_rng(7)
     x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
     b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
@@ -370,7 +373,9 @@ def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
     feeds = {"X": x, "W": w, "B": b, "R": r}
     (got,) = sess.run(None, feeds)
     act = {"none": lambda v: v, "relu": lambda v: np.maximum(v, 0.0),
-           "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0)))}[activation]
+           "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0))),
+           "gelu_tanh": lambda v: 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3))),
+           "silu": lambda v: v / (1.0 + np.exp(-v)), "relu6": lambda v: np.clip(v, 0.0, 6.0)}[activation]
     y = _conv3x3_f64(x, w, b)
     want = act(y + r) if first else act(y) + r
     assert not np.allclose(act(y + r), act(y) + r, atol=0.1) or activation == "none"  # the order shows

@@ -46,7 +46,7 @@ def op_type(workload: Workload) -> str:
     (``ConvBiasReluResidual``: the residual after the Relu; ``ConvBiasResidualRelu``: before it)."""
     e = workload.epilogue
     bias = "Bias" if e.bias else ""
-    act = {"none": "", "relu": "Relu", "gelu": "Gelu"}[e.activation]
+    act = bundle_format.ACTIVATION_OP_NAMES[bundle_format.ACTIVATION_CODES.index(e.activation)]
     residual = "Residual" if e.residual else ""
     return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 
