@@ -262,6 +262,26 @@ def gelu_tanh_intermediate_read_elsewhere() -> Case:
                 [Epilogue(True, "none")], ["Gelu not fused: its intermediate 'g_t' is also used by"])
 
 
+def activation_after_a_reshape() -> Case:
+    """GPT-2's Conv1D: Gemm -> Reshape (to [n, 2, 16]) -> tanh Gelu fuses into the Gemm, the Reshape moved after
+    the fused node; a MatMul + bias -> Reshape -> SiLU too; and a Gelu whose constants are rank 3 stays after
+    the Reshape (on the 2-D product they would grow its rank), with the reason."""
+    shape = numpy_helper.from_array(np.array([0, 2, N // 2], np.int64), "shape")
+    gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"])
+    g1, c1 = _gelu_tanh("gr", "y1", "g")
+    mm, i2 = _mm_bias("x", "hb", "a")
+    silu = [helper.make_node("Sigmoid", ["hr"], ["hs"]), helper.make_node("Mul", ["hr", "hs"], ["y2"])]
+    mm3, i3 = _mm_bias("x", "kb", "c")
+    g3, c3 = _gelu("kr", "y3", "f", shape=(1, 1, 1))
+    nodes = ([gemm, helper.make_node("Reshape", ["gg", "shape"], ["gr"])] + g1
+             + mm + [helper.make_node("Reshape", ["hb", "shape"], ["hr"])] + silu
+             + mm3 + [helper.make_node("Reshape", ["kb", "shape"], ["kr"])] + g3)
+    return Case(_model(nodes, [_x()], [_out("y1"), _out("y2"), _out("y3")],
+                       [_t("gw", (K, N)), _t("gc", (N,)), shape] + c1 + i2 + i3 + c3),
+                [Epilogue(True, "gelu_tanh"), Epilogue(True, "silu"), Epilogue(True)],
+                ["activation after a Reshape not fused: constant 'f_s' has rank 3"])
+
+
 def silu_gate() -> Case:
     """LLaMA's MLP: silu(x @ Wg) * (x @ Wu): the gate MatMul takes Sigmoid and Mul (either operand order),
     the up-projection stays plain; a Sigmoid whose product is with another tensor stays, with the reason."""
@@ -462,7 +482,8 @@ CASES = {f.__name__: f for f in (
     repeated_node_names, name_like_a_made_up_one, old_ir_initializers_as_inputs,
     overridable_initializer_inputs,
     identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20,
-    gelu_tanh_formula, gelu_tanh_intermediate_read_elsewhere, silu_gate, silu_intermediate_is_graph_output)}
+    gelu_tanh_formula, gelu_tanh_intermediate_read_elsewhere, silu_gate, silu_intermediate_is_graph_output,
+    activation_after_a_reshape)}
 CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
 CASES.update({f"clip_opset_{v}": (lambda v=v: _clip_case(v)) for v in (10, 13)})
 
@@ -661,7 +682,7 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
        "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
        "attention_scores_scaled", "conv_identity_shortcut_relu", "conv_projection_shortcut_relu",
-       "conv_relu_then_residual", "gelu_op_of_opset_20", "gelu_tanh_formula", "silu_gate", "clip_opset_10",
+       "conv_relu_then_residual", "gelu_op_of_opset_20", "gelu_tanh_formula", "silu_gate", "clip_opset_10", "activation_after_a_reshape",
        "clip_opset_13"]
 
 
@@ -706,3 +727,18 @@ def test_conv_shortcut_nodes_take_the_residual_before_the_relu():
         assert list(fn.input) == ["A", "B"] + (["bias"] if "Bias" in ops[-1] else []) + ["residual", "bundle"]
         body = [n.op_type for n in fn.node if n.op_type != "Constant"]
         assert body == (["Conv", "Relu", "Add"] if ops[-1] == "ConvReluResidual" else ["Conv", "Add", "Relu"])
+
+
+def test_a_reshape_before_the_activation_moves_after_the_fused_node():
+    """Gemm -> Reshape -> tanh Gelu: the custom node makes the Gemm's 2-D output and the Reshape, right after it,
+    makes the Gelu's output; the fallback body is the Gemm and the Gelu's nodes, no Reshape."""
+    model = activation_after_a_reshape().model
+    _, _, workloads = _workload_epilogues(model)
+    rewritten = rewrite_model(model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes}).model
+    ops = [(n.op_type, list(n.input[:1]), list(n.output)) for n in rewritten.graph.node if n.op_type != "Constant"]
+    at = next(i for i, (op, _, _) in enumerate(ops) if op == "GemmBiasGeluTanh")
+    assert ops[at][2] == ["gg"] and ops[at + 1] == ("Reshape", ["gg"], ["y1"])
+    at = next(i for i, (op, _, _) in enumerate(ops) if op == "MatMulBiasSilu")
+    assert ops[at][2] == ["hb"] and ops[at + 1] == ("Reshape", ["hb"], ["y2"])
+    body = next(f for f in rewritten.functions if f.name == "GemmBiasGeluTanh")
+    assert "Reshape" not in {n.op_type for n in body.node} and "Tanh" in {n.op_type for n in body.node}

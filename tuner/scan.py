@@ -627,16 +627,38 @@ def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[on
     return "none", []
 
 
+def _activation_after_reshape(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
+    """An activation after a Reshape that alone reads ``x`` (GPT-2's Conv1D exports as Reshape -> Gemm ->
+    Reshape, the FFN's Gelu after the second Reshape), as (activation, [the Reshape, the activation's nodes]):
+    an elementwise activation commutes with the Reshape, so the kernel applies it and the rewrite moves the
+    Reshape after the fused node. Its constants must keep ``x``'s rank too (the fused node computes on ``x``)."""
+    reshape = g.exclusive_consumer(x)
+    if not _default_domain(reshape, "Reshape"):
+        return "none", []
+    assert reshape is not None
+    seen: list[Skipped] = []
+    activation, nodes = _activation(g, reshape.output[0], seen)
+    refused.extend(seen)
+    inside = {o for n in nodes for o in n.output} | {reshape.output[0]}
+    consts = [i for n in nodes for i in n.input if i and i not in inside and g.constant_source(i) is not None]
+    why = _rank_grows(g, x, consts) if nodes else None
+    if why:
+        refused.append(Skipped(_label(nodes[-1]), nodes[-1].op_type, f"activation after a Reshape not fused: {why}"))
+        return "none", []
+    return (activation, [reshape] + nodes) if nodes else ("none", [])
+
+
 def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_scale: bool = False,
               allow_residual: bool = False, claimed: AbstractSet[int] = frozenset()
               ) -> tuple[Epilogue, tuple[onnx.NodeProto, ...], list[Skipped]]:
     """The scalar Mul/Div (``allow_scale``), Add(bias), activation (``_activation``) and residual Add
     (``allow_residual``) after ``node`` that a kernel can absorb, in one of the kernel's orders:
-    act(alpha * acc + bias) + residual
-    (the activation right after the product or bias), or act(alpha * acc + bias + residual) (an Add of a
-    tensor right after them, then the activation: residual_first), as (epilogue, the absorbed nodes in graph
-    order, the candidates refused with the reason). A node the orders do not fit (a bias Add after the Relu, a
-    Mul after the bias) is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
+    act(alpha * acc + bias) + residual (the activation right after the product or bias), or
+    act(alpha * acc + bias + residual) (an Add of a tensor right after them, then the activation:
+    residual_first), as (epilogue, the absorbed nodes in graph order, the candidates refused with the reason).
+    An activation behind a Reshape (``_activation_after_reshape``) is absorbed with the Reshape as its first
+    node, and then no residual. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
+    is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
     out, chain, bias, refused = node.output[0], [], False, []
     alpha = 1.0
     if allow_scale:
@@ -654,8 +676,10 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
         else:
             bias, out, chain = True, add.output[0], chain + [add]
     activation, act_nodes = _activation(g, out, refused)
+    if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation
+        activation, act_nodes = _activation_after_reshape(g, out, refused)
     residual = residual_first = False
-    if allow_residual:
+    if allow_residual and not (act_nodes and act_nodes[0].op_type == "Reshape"):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
         if add is not None and why:
