@@ -14,7 +14,8 @@ import dietcode_ort
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 
-SUFFIXES = ("", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu")
+SUFFIXES = ("", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu", "GeluTanh", "BiasGeluTanh", "Silu", "BiasSilu",
+            "Relu6", "BiasRelu6")
 CPU = ["CPUExecutionProvider"]
 PTX80 = ".version 8.0\n.target sm_80\n"
 
@@ -64,17 +65,27 @@ def custom_model(op_type: str, n_inputs: int, attrs: dict, elem: int, payload: b
 
 
 def reference_model(base: str, suffix: str, attrs: dict) -> onnx.ModelProto:
-    """The unfused fp32 graph: base op (Gemm's C / Conv's B as its own input), Add for MatMul's bias, act."""
+    """The unfused fp32 graph: base op (Gemm's C / Conv's B as its own input), Add for MatMul's bias, act (as
+    exporters write it: Gelu approximate="tanh", x * Sigmoid(x), Clip(x, 0, 6))."""
     bias = "Bias" in suffix
-    act = "Relu" if "Relu" in suffix else "Gelu" if "Gelu" in suffix else None
+    act = suffix.removeprefix("Bias")
     ins = ["A", "B"] + (["bias"] if bias and base != "MatMul" else [])
     nodes = [helper.make_node(base, ins, ["t0"], **attrs)]
     last = "t0"
     if bias and base == "MatMul":
         nodes.append(helper.make_node("Add", ["t0", "bias"], ["t1"]))
         last = "t1"
-    nodes.append(helper.make_node(act or "Identity", [last], ["Y"]))
-    return _model(nodes, ["A", "B"] + (["bias"] if bias else []), TensorProto.FLOAT)
+    inits = []
+    if act == "GeluTanh":
+        nodes.append(helper.make_node("Gelu", [last], ["Y"], approximate="tanh"))
+    elif act == "Silu":
+        nodes += [helper.make_node("Sigmoid", [last], ["s"]), helper.make_node("Mul", [last, "s"], ["Y"])]
+    elif act == "Relu6":
+        inits = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("lo", 0.0), ("hi", 6.0))]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["Y"]))
+    else:
+        nodes.append(helper.make_node(act or "Identity", [last], ["Y"]))
+    return _model(nodes, ["A", "B"] + (["bias"] if bias else []), TensorProto.FLOAT, initializers=inits)
 
 
 @pytest.fixture(scope="module")
