@@ -1,12 +1,14 @@
 """Rewrite: workloads + bundles -> a model whose nodes are ``ai.dietcode`` custom ops.
 
-Each scanned node (with the scalar Mul/Div, Add(bias), Relu/Gelu and residual Add it absorbs) becomes one
+Each scanned node (with the scalar Mul/Div, Add(bias), activation and residual Add it absorbs) becomes one
 custom node whose op type names the fused epilogue in its order (``MatMulBiasGelu``, ``ConvBiasRelu``,
 ``MatMulBiasResidual``, ``ConvBiasResidualRelu``: the residual before the Relu, ...; the node contract is in
 docs/bundle.md); a MatMul's absorbed scale is its
 ``scale`` attribute (the compiled kernels have it baked in). The custom node takes the place of the last node
-it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the last node it replaces; its last input is its kernel
-bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
+it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the
+last node it replaces, but for an activation absorbed from behind a Reshape (GPT-2's Gemm -> Reshape -> Gelu):
+the node makes the Reshape's input and the Reshape, moved to right after it, that name. Its last input is its
+kernel bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
 every op type used, the model also gets a model-local function whose body is the original computation
 (it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
 the model; with the library registered, ORT runs the library's kernel instead. The body is the replaced
