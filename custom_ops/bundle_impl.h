@@ -133,8 +133,9 @@ struct Kernel {
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile
   uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
-  // (0 none, 1 relu, 2 gelu), transposed B, and for conv kernels the layer geometry: channels, KH, KW,
-  // stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor kernels).
+  // (0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 relu6), transposed B, and for conv kernels the layer
+  // geometry: channels, KH, KW, stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor
+  // kernels).
   uint8_t dtype = 0, activation = 0, trans_b = 0;
   uint32_t conv[9] = {};
   float alpha = 1.0f;  // the scale baked in: ALPHA of the epilogue, SCALE of attention (1 for conv and vendor kernels)

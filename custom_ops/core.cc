@@ -17,9 +17,9 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 8;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
-                                  // packed QKV layout flag, 8: residual_first, conv kernels taking the residual
-                                  // (docs/bundle.md)
+constexpr uint32_t kVersion = 9;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+                                  // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
+                                  // 9: activations 3 gelu_tanh, 4 silu, 5 relu6 (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -36,6 +36,7 @@ constexpr uint32_t kMaxFeatures = 64, kMaxTerms = 8, kMaxInputs = 8, kMaxDim = 8
 constexpr uint32_t kMaxKernels = 1024, kMaxParams = 32, kMaxImages = 16, kMaxNodes = 1u << 16;
 constexpr uint64_t kMaxImageBytes = 64ull << 20, kMaxPtxBytes = 64ull << 20, kMaxTotal = 1ull << 30;
 constexpr uint32_t kMaxBlock = 4096, kMaxSplitK = 1024, kMaxShared = 1u << 20;
+constexpr uint8_t kMaxActivation = 5;  // 0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 relu6 (format 9)
 constexpr uint32_t kMaxToolchainName = 64, kMaxPtxIsa = 999, kMaxDriver = 999999;
 constexpr uint32_t kMaxScratch = 1u << 16, kMaxScratchAlign = 1024;  // global scratch per program
 constexpr uint32_t kMaxPersistent = 8;  // programs per SM of a persistent kernel
@@ -335,7 +336,7 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.activation = sub.Get<uint8_t>("activation");
     k.trans_b = sub.Get<uint8_t>("trans_b");
     k.persistent = sub.Get<uint8_t>("persistent");
-    if (k.dtype > 2 || k.activation > 2 || k.trans_b > 1) {
+    if (k.dtype > 2 || k.activation > kMaxActivation || k.trans_b > 1) {
       Fail("kernel " + std::to_string(index) + ": dtype " + std::to_string(k.dtype) + " / activation " +
            std::to_string(k.activation) + " / trans_b " + std::to_string(k.trans_b) + " invalid");
     }

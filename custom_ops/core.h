@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 9  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual
+#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -74,7 +74,7 @@ int dc_bundle_features(const dc_bundle* bundle, const int64_t* const* dims, cons
 int dc_bundle_kernel_is_vendor(const dc_bundle* bundle, int32_t k);
 
 // What compiled kernel k was built for: dtype (0 float32, 1 float16, 2 bfloat16), activation (0 none,
-// 1 relu, 2 gelu), trans_b, and for conv kernels conv9 = channels, KH, KW, stride h, stride w, pad top,
+// 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 relu6), trans_b, and for conv kernels conv9 = channels, KH, KW, stride h, stride w, pad top,
 // pad left, dilation h, dilation w (zeros otherwise). Any pointer may be NULL. 0 on success.
 int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtype, int32_t* activation,
                                int32_t* trans_b, int32_t* conv9);

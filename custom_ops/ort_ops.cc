@@ -14,6 +14,7 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -98,11 +99,22 @@ std::vector<int64_t> IntsOr(const Ort::ConstKernelInfo& info, const char* name) 
 
 float Gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); }
 
+// 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): the tanh approximation (ONNX Gelu approximate="tanh")
+float GeluTanh(float x) { return 0.5f * x * (1.0f + std::tanh(0.79788456080286535588f * (x + 0.044715f * x * x * x))); }
+
+float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+
 void ApplyActivation(float* y, int64_t n, Activation act) {
   if (act == Activation::kRelu) {
     for (int64_t i = 0; i < n; ++i) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
   } else if (act == Activation::kGelu) {
     for (int64_t i = 0; i < n; ++i) y[i] = Gelu(y[i]);
+  } else if (act == Activation::kGeluTanh) {
+    for (int64_t i = 0; i < n; ++i) y[i] = GeluTanh(y[i]);
+  } else if (act == Activation::kSilu) {
+    for (int64_t i = 0; i < n; ++i) y[i] = Silu(y[i]);
+  } else if (act == Activation::kRelu6) {
+    for (int64_t i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], 0.0f), 6.0f);
   }
 }
 

@@ -34,12 +34,13 @@ Shape PadBatch(const Shape& s, size_t rank) {
 
 namespace {
 
-// The op type of base b (0 MatMul, 1 Gemm, 2 Conv), bias, activation a (0 none, 1 Relu, 2 Gelu) and residual r
+// The op type of base b (0 MatMul, 1 Gemm, 2 Conv), bias, activation a (0 none, 1 Relu, 2 Gelu, 3 GeluTanh,
+// 4 Silu, 5 Relu6) and residual r
 // (0 none, 1 after the activation, 2 before it): "ConvBiasReluResidual", "ConvBiasResidualRelu". Empty for the
 // combinations no op type has (a residual on Gemm; r 2 without an activation, which r 1 already names).
 std::string OpTypeName(int b, bool bias, int a, int r) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
-  static const char* const kActivations[] = {"", "Relu", "Gelu"};
+  static const char* const kActivations[kActivationCount] = {"", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6"};
   if ((r != 0 && b == 1) || (r == 2 && a == 0)) return "";
   const std::string head = std::string(kBases[b]) + (bias ? "Bias" : "");
   if (r == 2) return head + "Residual" + kActivations[a];
@@ -51,7 +52,7 @@ std::string OpTypeName(int b, bool bias, int a, int r) {
 bool ParseOpType(const std::string& op_type, OpSpec* spec) {
   for (int r = 0; r < 3; ++r) {
     for (int b = 0; b < 3; ++b) {
-      for (int a = 0; a < 3; ++a) {
+      for (int a = 0; a < kActivationCount; ++a) {
         for (int bias = 0; bias < 2; ++bias) {
           const std::string name = OpTypeName(b, bias == 1, a, r);
           if (name.empty() || name != op_type) continue;
@@ -73,7 +74,7 @@ std::vector<std::string> AllOpTypes() {
   std::vector<std::string> out;
   for (int r = 0; r < 3; ++r) {
     for (int b = 0; b < 3; ++b) {
-      for (int a : {0, 1, 2}) {
+      for (int a = 0; a < kActivationCount; ++a) {
         for (bool bias : {false, true}) {
           const std::string name = OpTypeName(b, bias, a, r);
           if (!name.empty()) out.push_back(name);

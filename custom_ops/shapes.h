@@ -20,7 +20,10 @@ using Shape = std::vector<int64_t>;
 std::string ShapeText(const Shape& s);
 
 enum class BaseOp { kMatMul, kGemm, kConv };
-enum class Activation { kNone, kRelu, kGelu };
+// In the bundle's activation code order (docs/bundle.md): Gelu the erf form, GeluTanh the tanh approximation,
+// Silu x * sigmoid(x), Relu6 min(max(x, 0), 6).
+enum class Activation { kNone, kRelu, kGelu, kGeluTanh, kSilu, kRelu6 };
+constexpr int kActivationCount = 6;
 
 // What a node's op type says: the base op and the fused epilogue in its order ("GemmBiasGelu",
 // "MatMulBiasResidual", "ConvBiasResidualRelu" etc.), applied as y = act(scale * product + bias) + residual, or
@@ -30,12 +33,12 @@ struct OpSpec {
   bool bias = false;
   Activation activation = Activation::kNone;
   bool residual = false;  // one more input: a tensor of the output's shape, added after the activation
-  bool residual_first = false;  // ... or before it (the op type names "Residual" before "Relu"/"Gelu")
+  bool residual_first = false;  // ... or before it (the op type names "Residual" before the activation)
   std::string name;
 };
 
-// Parses "<MatMul|Gemm|Conv>[Bias][Relu|Gelu]", "<MatMul|Conv>[Bias][Relu|Gelu]Residual" and
-// "<MatMul|Conv>[Bias]Residual<Relu|Gelu>"; false for anything else.
+// Parses "<MatMul|Gemm|Conv>[Bias][Act]", "<MatMul|Conv>[Bias][Act]Residual" and "<MatMul|Conv>[Bias]Residual<Act>"
+// with Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
 // The 38 op type names, in registration order: the 18 without a residual first.

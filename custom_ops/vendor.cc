@@ -85,7 +85,7 @@ extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int6
   }
   if (op != 0 && op != 1) return Invalid("op " + std::to_string(op) + " has no GEMM form (0 MatMul, 1 Gemm)");
   if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
-  if (activation < 0 || activation > 2) return Invalid("activation " + std::to_string(activation) + " (0, 1, 2)");
+  if (activation < 0 || activation >= kActivationCount) return Invalid("activation " + std::to_string(activation) + " (0..5)");
   const Shape sa(a, a + ra), sb(b, b + rb);
   Shape shape;
   std::string error;
@@ -166,7 +166,7 @@ extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, 
     return Invalid("null argument");
   }
   if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
-  if (activation < 0 || activation > 2) return Invalid("activation " + std::to_string(activation) + " (0, 1, 2)");
+  if (activation < 0 || activation >= kActivationCount) return Invalid("activation " + std::to_string(activation) + " (0..5)");
   if (auto_pad < 0 || auto_pad > 3) return Invalid("auto_pad " + std::to_string(auto_pad) + " (0..3)");
   if (rx != 4 || rw != 4) {
     return Refuse("Conv with X of rank " + std::to_string(rx) + ": the vendor path runs 2-D convolutions only");
@@ -337,8 +337,9 @@ const Cublas* LoadCublas(const char* path, std::string* error) { return LoadVend
 
 // The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32,
 // or with p_first != 0 y = act(y + scale * bias[index] + residual[i]).
-// GELU is the erf form ONNX specifies (approximate="none"): erf by Abramowitz & Stegun 7.1.26 (absolute
-// error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)).
+// Activations by code (dc_epilogue.activation): 1 relu, 2 GELU in the erf form ONNX specifies (approximate="none"):
+// erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)); 3 GELU's
+// tanh approximation and 4 silu through one sigmoid; 5 relu6.
 std::string EpiloguePtx(int dtype) {
   const bool f32 = dtype == 0, bf16 = dtype == 2;
   const char* shift = f32 ? "2" : "1";
@@ -387,7 +388,24 @@ std::string EpiloguePtx(int dtype) {
   ptx += "  " + sub(load, "%f15", "%rd18");
   ptx += "  add.f32 %f2, %f2, %f15;\n";
   ptx += "$Lapply:\n  setp.eq.u32 %p3, %r1, 1;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
-         "  setp.eq.u32 %p4, %r1, 2;\n  @!%p4 bra $Lstore;\n";
+         "  setp.eq.u32 %p3, %r1, 5;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
+         "  @%p3 min.f32 %f2, %f2, 0f40C00000;\n"  // relu6: min(max(x, 0), 6)
+         "  setp.eq.u32 %p4, %r1, 2;\n  @%p4 bra $Lgelu;\n"
+         "  setp.lt.u32 %p4, %r1, 3;\n  @%p4 bra $Lstore;\n  setp.ge.u32 %p4, %r1, 5;\n  @%p4 bra $Lstore;\n";
+  // 3 (gelu tanh) and 4 (silu): x sigmoid(v) = x / (1 + exp(-v)), v = x for silu and for the tanh gelu
+  // v = 2 sqrt(2/pi) (x + 0.044715 x^3), as 0.5 x (1 + tanh(u)) = x sigmoid(2u); exp(-v) = ex2(-v log2(e))
+  ptx += "  setp.eq.u32 %p4, %r1, 3;\n"
+         "  mul.f32 %f18, %f2, 0fBFB8AA3B;\n"               // -x log2(e)
+         "  @%p4 mul.f32 %f17, %f2, %f2;\n"
+         "  @%p4 mul.f32 %f17, %f17, %f2;\n"                // x^3
+         "  @%p4 fma.rn.f32 %f17, %f17, 0f3D372713, %f2;\n" // x + 0.044715 x^3
+         "  @%p4 mul.f32 %f18, %f17, 0fC0135761;\n"         // -2 sqrt(2/pi) log2(e) (x + 0.044715 x^3)
+         "  ex2.approx.f32 %f18, %f18;\n"                   // exp(-v): +inf for large -v, then x * 0
+         "  add.f32 %f18, %f18, 0f3F800000;\n"
+         "  rcp.rn.f32 %f18, %f18;\n"
+         "  mul.f32 %f2, %f2, %f18;\n"
+         "  bra $Lstore;\n";
+  ptx += "$Lgelu:\n";
   // gelu(x) = 0.5 x (1 + erf(x / sqrt(2)))
   ptx += "  mul.f32 %f4, %f2, 0f3F3504F3;\n"           // z = x / sqrt(2)
          "  abs.f32 %f5, %f4;\n"

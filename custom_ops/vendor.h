@@ -35,7 +35,7 @@ extern "C" {
 // (a MatMul's scale is cuBLAS's alpha, so y already holds scale * product when the epilogue runs).
 typedef struct dc_epilogue {
   int32_t dtype;                        // 0 float32, 1 float16, 2 bfloat16
-  int32_t has_bias, activation;         // activation: 0 none, 1 relu, 2 gelu (erf)
+  int32_t has_bias, activation;         // activation: 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu, 5 relu6
   int32_t has_residual;                 // 1: add a tensor of the output's shape last (set by the caller)
   int32_t residual_first;               // 1: add it before the activation instead (set by the caller)
   float bias_scale;                     // 1 for MatMul's bias and Conv's B, beta for Gemm's C
@@ -57,7 +57,7 @@ typedef struct dc_gemm_plan {
 } dc_gemm_plan;
 
 // Plan one call. op 0 = MatMul (c: the fused bias, NULL without; alpha: the node's scale, 1 for none), 1 = Gemm
-// (trans_a, trans_b, alpha, beta; c: Gemm's C, NULL without). dtype 0 float32, 1 float16, 2 bfloat16; activation 0/1/2; tf32 != 0 computes
+// (trans_a, trans_b, alpha, beta; c: Gemm's C, NULL without). dtype 0 float32, 1 float16, 2 bfloat16; activation 0..5 (dc_epilogue); tf32 != 0 computes
 // float32 with TF32 tensor cores (ONNX Runtime's CUDA EP default, use_tf32=1). 1: planned; 0: the call has
 // no cuBLAS form here (mixed batch broadcasting, a bias broadcast the epilogue cannot index, sizes past
 // cuBLAS's int32; message in dc_last_error); -1: the shapes are invalid (message).

@@ -19,7 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "CONV_FIELDS", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS",
 ]
@@ -31,8 +31,9 @@ MAGIC = b"DCBUNDLE"
 # 6: split-K kernels take a workspace (param 28), the zero_output flag is refused; 7: the kernel record's byte
 # after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile), and
 # kernel flags bit 7 is the packed QKV attention layout; 8: kernel flags bit 0 (format 5's zero_output) is
-# residual_first, and conv kernels may take the residual (param 15)
-VERSION = 8
+# residual_first, and conv kernels may take the residual (param 15); 9: activations 3 gelu_tanh, 4 silu,
+# 5 relu6
+VERSION = 9
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -55,7 +56,10 @@ KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
 # How a kernel reads its node's operands (docs/abi.md), in dc_bundle_kernel_view's order.
 VIEWS: tuple[str, ...] = ("gemm", "bmm", "conv", "attention")
 DTYPE_CODES: tuple[str, ...] = ("float32", "float16", "bfloat16")
-ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu")
+# gelu: the erf form; gelu_tanh: the tanh approximation; silu: x * sigmoid(x); relu6: min(max(x, 0), 6)
+ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu", "gelu_tanh", "silu", "relu6")
+# How an ai.dietcode op type names each activation ("MatMulBiasGeluTanh", "ConvBiasRelu6"), in code order
+ACTIVATION_OP_NAMES: tuple[str, ...] = ("", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6")
 # A conv kernel's geometry (its constexprs), in the payload's order, with the allowed ranges.
 CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", "PAD_H", "PAD_W", "DIL_H", "DIL_W")
 _CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))

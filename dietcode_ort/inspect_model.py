@@ -94,12 +94,17 @@ def epilogue_of(node: onnx.NodeProto) -> dict:
     (``ConvBiasResidualRelu``) act(alpha * product + bias + residual)."""
     import re
 
-    m = re.fullmatch(r"(MatMul|Gemm|Conv)(Bias)?(?:(Relu|Gelu)?(Residual)?|(Residual)(Relu|Gelu))", node.op_type)
+    from dietcode_ort.bundle import ACTIVATION_CODES, ACTIVATION_OP_NAMES
+
+    acts = "|".join(sorted(ACTIVATION_OP_NAMES[1:], key=len, reverse=True))  # Relu6 before Relu
+    m = re.fullmatch(rf"(MatMul|Gemm|Conv)(Bias)?(?:({acts})?(Residual)?|(Residual)({acts}))", node.op_type)
     scale = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 1.0)
     if m is None:
         return {"alpha": float(scale)}
     first = m.group(5) is not None
-    return {"alpha": float(scale), "bias": bool(m.group(2)), "activation": (m.group(6 if first else 3) or "none").lower(),
+    act = m.group(6 if first else 3) or ""
+    return {"alpha": float(scale), "bias": bool(m.group(2)),
+            "activation": ACTIVATION_CODES[ACTIVATION_OP_NAMES.index(act)],
             "residual": first or bool(m.group(4)), "residual_first": first}
 
 

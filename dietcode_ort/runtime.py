@@ -361,7 +361,9 @@ class Core:
                   dtype: str = "float32", activation: str = "none", tf32: bool = True) -> GemmPlan | None:
         """The vendor path's cuBLAS call for a MatMul/Gemm node call (``dc_gemm_plan_make``); None when the
         call has no cuBLAS form there (the reason in ``error()``). DietcodeError for invalid shapes."""
-        ops, dtypes, acts = {"MatMul": 0, "Gemm": 1}, ("float32", "float16", "bfloat16"), ("none", "relu", "gelu")
+        from dietcode_ort.bundle import ACTIVATION_CODES as acts, DTYPE_CODES as dtypes
+
+        ops = {"MatMul": 0, "Gemm": 1}
         if op not in ops or dtype not in dtypes or activation not in acts:
             raise DietcodeError(f"gemm_plan: op {op!r} (MatMul, Gemm), dtype {dtype!r} ({', '.join(dtypes)}), "
                                 f"activation {activation!r} ({', '.join(acts)})")
@@ -380,8 +382,9 @@ class Core:
                   dtype: str = "float32", activation: str = "none", tf32: bool = True) -> ConvPlan | None:
         """The vendor path's cuDNN call for a 2-D Conv node call (``dc_conv_plan_make``); None when the call
         has no cuDNN form there (the reason in ``error()``). DietcodeError for invalid shapes."""
-        pads_modes, dtypes, acts = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"), ("float32", "float16",
-                                                                                    "bfloat16"), ("none", "relu", "gelu")
+        from dietcode_ort.bundle import ACTIVATION_CODES as acts, DTYPE_CODES as dtypes
+
+        pads_modes = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
         if auto_pad not in pads_modes or dtype not in dtypes or activation not in acts:
             raise DietcodeError(f"conv_plan: auto_pad {auto_pad!r} ({', '.join(pads_modes)}), dtype {dtype!r}, "
                                 f"activation {activation!r}")

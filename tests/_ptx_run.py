@@ -19,7 +19,8 @@ M64, M32 = (1 << 64) - 1, (1 << 32) - 1
 
 
 def _f32(v: float) -> float:
-    return float(np.float32(v))
+    with np.errstate(over="ignore"):  # past float32's range: inf, as the hardware rounds it
+        return float(np.float32(v))
 
 
 def _bits_to_f32(bits: int) -> float:
@@ -155,9 +156,10 @@ def run(ptx: str, params: dict[str, Any], memory: Memory, max_steps: int = 2_000
             reg[a[0]] = _bf16_bits(val(a[1]))
         elif op == "fma.rn.f32":
             reg[a[0]] = _f32(np.float64(val(a[1])) * np.float64(val(a[2])) + np.float64(val(a[3])))
-        elif op in ("mul.f32", "add.f32", "sub.f32", "max.f32"):
+        elif op in ("mul.f32", "add.f32", "sub.f32", "max.f32", "min.f32"):
             x, y = np.float32(val(a[1])), np.float32(val(a[2]))
-            reg[a[0]] = float({"mul.f32": x * y, "add.f32": x + y, "sub.f32": x - y, "max.f32": max(x, y)}[op])
+            reg[a[0]] = float({"mul.f32": x * y, "add.f32": x + y, "sub.f32": x - y, "max.f32": max(x, y),
+                               "min.f32": min(x, y)}[op])
         elif op == "abs.f32":
             reg[a[0]] = abs(val(a[1]))
         elif op == "rcp.rn.f32":

@@ -8,6 +8,7 @@ Run by hand: ``TRITON_INTERPRET=1 python tests/_template_cases.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -89,6 +90,27 @@ CASES: tuple[Case, ...] = (
          conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
     Case("conv_gelu_residual_after", "conv", (1, 4, 6, 6), (3, 4, 3, 3), ((16, 16, 16, 2, 2),), bias=True,
          activation="gelu", residual=True, conv={"pads": (1, 1, 1, 1)}),
+    # the activations of real exports beside Relu and the erf Gelu: GPT-2's tanh Gelu (its FFN up-projection),
+    # LLaMA's SiLU (the MLP gate), MobileNetV2's ReLU6 (Clip(0, 6) after its pointwise convs); in float32,
+    # float16 and bfloat16, with split-K and a residual
+    Case("gemm_bias_gelu_tanh", "gemm", (21, 40), (40, 27), ((16, 16, 16, 2, 2), (16, 32, 16, 2, 2, 8, 3)),
+         bias=True, activation="gelu_tanh"),
+    Case("gemm_transb_bias_gelu_tanh_fp16", "gemm", (9, 48), (37, 48), ((16, 32, 16, 2, 2),), dtype="float16",
+         bias=True, activation="gelu_tanh", trans_b=True),
+    Case("gemm_bias_gelu_tanh_residual_bf16", "gemm", (11, 32), (32, 19), ((16, 16, 16, 2, 2),),
+         dtype="bfloat16", bias=True, activation="gelu_tanh", residual=True),
+    Case("gemm_silu", "gemm", (17, 45), (45, 23), ((16, 16, 16, 2, 2),), activation="silu"),
+    Case("gemm_transb_silu_fp16", "gemm", (5, 64), (30, 64), ((16, 16, 32, 2, 2), (16, 16, 16, 2, 2, 8, 2)),
+         dtype="float16", activation="silu", trans_b=True),
+    Case("bmm_silu_bf16", "bmm", (2, 6, 24), (24, 13), ((16, 16, 16, 2, 2),), dtype="bfloat16", activation="silu"),
+    Case("gemm_alpha_bias_residual_first_silu", "gemm", (7, 24), (24, 15), ((16, 16, 16, 2, 2),), bias=True,
+         activation="silu", alpha=0.5, residual=True, residual_first=True),
+    Case("conv_1x1_bias_relu6", "conv", (2, 8, 5, 4), (12, 8, 1, 1), ((16, 16, 16, 2, 2), (32, 16, 16, 2, 2, 8, 2)),
+         bias=True, activation="relu6"),
+    Case("conv_1x1_bias_relu6_fp16", "conv", (1, 16, 4, 5), (9, 16, 1, 1), ((16, 16, 16, 2, 2),), dtype="float16",
+         bias=True, activation="relu6"),
+    Case("conv_stride2_relu6_bf16", "conv", (1, 3, 9, 9), (6, 3, 3, 3), ((16, 16, 16, 2, 2),), dtype="bfloat16",
+         bias=True, activation="relu6", conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
 )
 
 
@@ -112,6 +134,12 @@ def _reference(case: Case, a: Any, b: Any, bias: Any, residual: Any = None) -> A
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = F.gelu(y)
+    elif case.activation == "gelu_tanh":  # the formula GPT-2 exports, in float64
+        y = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+    elif case.activation == "silu":
+        y = y * torch.sigmoid(y)
+    elif case.activation == "relu6":
+        y = torch.clamp(y, 0.0, 6.0)
     if residual is not None and not case.residual_first:
         y = y + residual.double()
     return y
@@ -142,7 +170,7 @@ def _run_case(case: Case) -> dict[str, Any]:
     elif case.residual:
         residual = torch.randn(case.a[-2], n_out, generator=gen).to(dtype)
     ref = _reference(case, a, b, bias, residual)
-    rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2)}[case.dtype]
+    rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)}[case.dtype]
     if case.allow_tf32:
         rtol, atol = 1e-2, 1e-2
     results = []
@@ -163,6 +191,9 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
+    from _splitk_cases import _exact_bf16_dot
+
+    _exact_bf16_dot()  # the interpreter's bfloat16 tl.dot multiplies the uint16 storage (see _splitk_cases.py)
     out: dict[str, Any] = {}
     start = time.perf_counter()
     for case in CASES:

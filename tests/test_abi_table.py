@@ -88,8 +88,9 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # 4 added the residual pointer, 5 the attention fields: each grew the struct, so the ABI version says so
     # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace and the kernel causal
     # accessor; 8 the device's SM count for persistent grids, last, and the packed QKV attention layout; 9 the
-    # residual before the activation: dc_bundle_kernel_residual_first and dc_epilogue.residual_first)
-    assert load_core().lib.dc_abi_version() == 9
+    # residual before the activation: dc_bundle_kernel_residual_first and dc_epilogue.residual_first; 10 the
+    # activations 3 gelu_tanh, 4 silu, 5 relu6 in dc_epilogue, the vendor plans and dc_bundle_check_node)
+    assert load_core().lib.dc_abi_version() == 10
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from dietcode_ort.bundle import (ATTENTION_PARAMS, FLAG_RESIDUAL_FIRST, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
+from dietcode_ort.bundle import (ACTIVATION_CODES, ATTENTION_PARAMS, FLAG_RESIDUAL_FIRST, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
                                  read_bundle, select_image)
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
@@ -330,6 +330,27 @@ def _conv_kernel(**kw: object) -> BundleKernel:
     return _kernel("conv_k", **base)
 
 
+def test_every_activation_code_round_trips_and_one_past_them_is_refused(core) -> None:
+    """Format 9's activation codes (gelu_tanh, silu, relu6 after none, relu, gelu) round trip through the writer
+    and both readers and must match the node's; the code after the last is refused by both readers."""
+    payloads = {}
+    for act in ACTIVATION_CODES:
+        bundle = Bundle((Feature("M", ((0, 0),)),), (_kernel("g", activation=act),), DispatchTree.single(0))
+        payloads[act] = bundle.to_bytes()
+        assert read_bundle(payloads[act]).kernels[0].activation == act
+        parsed = core.parse(payloads[act])
+        parsed.check_node("float32", "MatMul", act)
+        other = ACTIVATION_CODES[(ACTIVATION_CODES.index(act) + 1) % len(ACTIVATION_CODES)]
+        with pytest.raises(DietcodeError, match="another activation"):
+            parsed.check_node("float32", "MatMul", other)
+    a, b = payloads["silu"], payloads["relu6"]
+    (at,) = [i for i in range(len(a)) if a[i] != b[i]]  # the kernel record's activation byte
+    assert (a[at], b[at]) == (4, 5)
+    bad = bytearray(b)
+    bad[at] = len(ACTIVATION_CODES)
+    _refused(core, bytes(bad), "activation 6")
+
+
 def test_build_facts_round_trip_and_must_fit_the_node(core) -> None:
     gemm = _kernel("g", dtype="float16", activation="gelu", trans_b=True)
     bundle = Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), DispatchTree.single(1))
@@ -533,10 +554,11 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6, 7):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output, flag bit
-        # 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv residual
+    for version in (2, 4, 5, 6, 7, 8):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output, flag
+        # bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv
+        # residual; 8: activations 0..2 only
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 8")
+        _refused(core, bytes(data), f"version {version}, this reader knows 9")
 
 
 def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:

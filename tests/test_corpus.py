@@ -132,3 +132,35 @@ def test_optimized_model_gives_the_original_outputs(corpus, case):
         for session in (with_lib, fallback):
             for got, ref in zip(session.run(None, shipped_feeds), shipped_outputs):
                 np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# the activation nodes each model's exports must have fused into its products (by the model, any exporter and
+# dtype): GPT-2's tanh Gelu behind its Conv1D's Reshape, LLaMA's SiLU on the MLP gate, MobileNetV2's ReLU6
+# after every conv but the depthwise (grouped) ones, which are left alone
+FUSED_ACTIVATIONS = {"gpt2": ("Tanh", "gelu_tanh", "Gemm"), "llama": ("Sigmoid", "silu", "MatMul"),
+                     "mobilenet-v2": ("Clip", "relu6", "Conv"), "bert": ("Erf", "gelu", "MatMul")}
+
+
+@pytest.mark.parametrize("case", [_param(c, "fused") for c in CASES if c.model in FUSED_ACTIVATIONS
+                                  and c.exporter in ("torchscript", "dynamo")])
+def test_real_exports_fuse_their_activations(corpus, case):
+    op, activation, base = FUSED_ACTIVATIONS[case.model]
+    model = onnx.load(str(_built(corpus, case).path))
+    result = scan_model(model)
+    fused = {o for w in result.workloads for f in w.fused_nodes for o in f}
+    producer = {o: n for n in model.graph.node for o in n.output}
+
+    def grouped(node: onnx.NodeProto) -> bool:
+        made_by = producer.get(node.input[0])
+        return made_by is not None and made_by.op_type == "Conv" and any(
+            a.name == "group" and a.i > 1 for a in made_by.attribute)
+
+    acts = [n for n in model.graph.node if n.op_type == op]
+    if op == "Erf" and not acts:  # opset 20: the Gelu op
+        acts = [n for n in model.graph.node if n.op_type == "Gelu"]
+    want = [n.output[0] for n in acts if not grouped(n)]
+    assert want and all(o in fused for o in want), sorted(set(want) - fused)
+    assert all(n.output[0] not in fused for n in acts if grouped(n))
+    takers = [w for w in result.workloads if w.epilogue.activation == activation]
+    assert takers and {w.onnx_op for w in takers} == {base}
+    assert sum(len(w.nodes) for w in takers) == len(want)

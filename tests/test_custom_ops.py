@@ -14,7 +14,8 @@ import dietcode_ort
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 
-SUFFIXES = ("", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu")
+SUFFIXES = ("", "Bias", "Relu", "BiasRelu", "Gelu", "BiasGelu", "GeluTanh", "BiasGeluTanh", "Silu", "BiasSilu",
+            "Relu6", "BiasRelu6")
 CPU = ["CPUExecutionProvider"]
 PTX80 = ".version 8.0\n.target sm_80\n"
 
@@ -64,17 +65,27 @@ def custom_model(op_type: str, n_inputs: int, attrs: dict, elem: int, payload: b
 
 
 def reference_model(base: str, suffix: str, attrs: dict) -> onnx.ModelProto:
-    """The unfused fp32 graph: base op (Gemm's C / Conv's B as its own input), Add for MatMul's bias, act."""
+    """The unfused fp32 graph: base op (Gemm's C / Conv's B as its own input), Add for MatMul's bias, act (as
+    exporters write it: Gelu approximate="tanh", x * Sigmoid(x), Clip(x, 0, 6))."""
     bias = "Bias" in suffix
-    act = "Relu" if "Relu" in suffix else "Gelu" if "Gelu" in suffix else None
+    act = suffix.removeprefix("Bias")
     ins = ["A", "B"] + (["bias"] if bias and base != "MatMul" else [])
     nodes = [helper.make_node(base, ins, ["t0"], **attrs)]
     last = "t0"
     if bias and base == "MatMul":
         nodes.append(helper.make_node("Add", ["t0", "bias"], ["t1"]))
         last = "t1"
-    nodes.append(helper.make_node(act or "Identity", [last], ["Y"]))
-    return _model(nodes, ["A", "B"] + (["bias"] if bias else []), TensorProto.FLOAT)
+    inits = []
+    if act == "GeluTanh":
+        nodes.append(helper.make_node("Gelu", [last], ["Y"], approximate="tanh"))
+    elif act == "Silu":
+        nodes += [helper.make_node("Sigmoid", [last], ["s"]), helper.make_node("Mul", [last, "s"], ["Y"])]
+    elif act == "Relu6":
+        inits = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("lo", 0.0), ("hi", 6.0))]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["Y"]))
+    else:
+        nodes.append(helper.make_node(act or "Identity", [last], ["Y"]))
+    return _model(nodes, ["A", "B"] + (["bias"] if bias else []), TensorProto.FLOAT, initializers=inits)
 
 
 @pytest.fixture(scope="module")
@@ -349,15 +360,18 @@ def _conv3x3_f64(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual", "ConvBiasResidual",
-                                     "ConvBiasResidualGelu"])
+                                     "ConvBiasResidualGelu", "ConvBiasResidualGeluTanh", "ConvBiasGeluTanhResidual",
+                                     "ConvBiasResidualSilu", "ConvBiasRelu6Residual", "ConvBiasResidualRelu6"])
 def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
     """ResNet's Conv -> Add(shortcut) -> Relu as one node: y = act(conv(X, W) + B + residual) for an op type
     naming the residual before the activation, act(conv(X, W) + B) + residual after it, checked against a
     float64 reference; a residual of another shape is refused naming both shapes, before anything runs."""
     import math
 
-    first = op_type.index("Residual") < max(op_type.find("Relu"), op_type.find("Gelu"))
-    activation = "relu" if "Relu" in op_type else "gelu" if "Gelu" in op_type else "none"
+    from dietcode_ort.inspect_model import epilogue_of
+
+    named = epilogue_of(helper.make_node(op_type, [], []))
+    first, activation = named["residual_first"], named["activation"]
     rng = np.random.default_rng(7)
     x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
     b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
@@ -370,7 +384,9 @@ def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
     feeds = {"X": x, "W": w, "B": b, "R": r}
     (got,) = sess.run(None, feeds)
     act = {"none": lambda v: v, "relu": lambda v: np.maximum(v, 0.0),
-           "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0)))}[activation]
+           "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0))),
+           "gelu_tanh": lambda v: 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3))),
+           "silu": lambda v: v / (1.0 + np.exp(-v)), "relu6": lambda v: np.clip(v, 0.0, 6.0)}[activation]
     y = _conv3x3_f64(x, w, b)
     want = act(y + r) if first else act(y) + r
     assert not np.allclose(act(y + r), act(y) + r, atol=0.1) or activation == "none"  # the order shows

@@ -64,6 +64,11 @@ def _seeds() -> list[bytes]:
                       (_conv_kernel(params=conv_params, residual_first=True, div16=("a", "residual")),
                        _kernel("ra", params=("a", "b", "c", "M", "N", "K", "residual"), activation="gelu")),
                       DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    # format 9's activations (3 gelu_tanh, 4 silu, 5 relu6): mutants step the code past the last one
+    out.append(Bundle((Feature("N", ((0, 0),)),),
+                      (_conv_kernel(activation="relu6"), _kernel("s", activation="silu"),
+                       _kernel("t", activation="gelu_tanh", dtype="bfloat16")),
+                      DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
 

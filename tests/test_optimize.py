@@ -95,7 +95,8 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         assert all(set(k["image_shared"]) == {"sm_90a"} and k["image_shared"]["sm_90a"] > 0 for k in node["kernels"])
         # pointers always, and N/K because 64 and 176 are multiples of 16 (checked again per call)
         assert all(k["div16"] == ["a", "b", "c", "N", "K"] for k in node["kernels"])
-        assert all(k["built_for"] == {"dtype": "float32", "activation": "none", "trans_b": False, "conv": [],
+        act = "silu" if "gate_proj" in node["name"] else "none"  # the gate projection takes its SiLU
+        assert all(k["built_for"] == {"dtype": "float32", "activation": act, "trans_b": False, "conv": [],
                                       "precision": "tf32"}  # --fp32-precision's default
                    for k in node["kernels"])
         assert node["tree"]["if_chain"]
@@ -186,8 +187,9 @@ def test_several_models_share_the_tuning_of_identical_workloads(work, tmp_path):
     reports = optimize_many(jobs, _options(work, "tokens=1:8", "batch=1:2", "seq=8,16"), lines.append)
     assert [r.output for r in reports] == [tmp_path / "out" / n for n in ("a.onnx", "b.onnx", "c.onnx")]
     # bert's attention MatMuls (its bmm workloads) become one attention workload, tuned on its own
-    distinct = 2 + len([w for w in scan_model(models.build("bert", "tiny")).workloads if w.op != "bmm"])
-    total = 4 + distinct - 2
+    # mlp: gate (with its SiLU), up and down
+    distinct = 3 + len([w for w in scan_model(models.build("bert", "tiny")).workloads if w.op != "bmm"])
+    total = 6 + distinct - 3
     assert f"{total} workloads in 3 models, {distinct} distinct: each is tuned once" in lines
     assert sum(line.startswith("workload ") for line in lines) == distinct  # one search per distinct workload
     assert sum(line.startswith("attention workload ") for line in lines) == 1

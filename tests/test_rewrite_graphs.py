@@ -206,15 +206,127 @@ def _opset_case(opset: int) -> Case:
 
 
 def gelu_op_of_opset_20() -> Case:
-    """Opset 20's Gelu op (both torch exporters' default opset): approximate="none" fuses (the kernels' erf
-    form); the tanh approximation stays after the product, with the reason."""
+    """Opset 20's Gelu op (both torch exporters' default opset): approximate="none" fuses as the kernels' erf
+    form, approximate="tanh" as their tanh form."""
     mm, inits = _mm_bias("x", "hb", "a")
     gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"], transB=1)
     return Case(_model(mm + [helper.make_node("Gelu", ["hb"], ["y1"]), gemm,
                              helper.make_node("Gelu", ["gg"], ["y2"], approximate="tanh")],
                        [_x()], [_out("y1"), _out("y2")], inits + [_t("gw", (N, K)), _t("gc", (N,))], opset=20),
-                [Epilogue(True, "gelu"), Epilogue(True, "none")],
-                ["Gelu not fused: approximate='tanh' (the kernels compute the erf form only)"])
+                [Epilogue(True, "gelu"), Epilogue(True, "gelu_tanh")])
+
+
+def _gelu_tanh(x: str, y: str, p: str, form: str = "half_first", cube: str = "pow"
+               ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """GPT-2's tanh Gelu from ``x`` to ``y``, 0.5*x*(1+Tanh(sqrt(2/pi)*(x+0.044715*Pow(x,3)))), as its
+    TorchScript and dynamo exports write it (form "half_first": Mul(x, 0.5) -> Mul(., 1+tanh); cube "pow"),
+    or with Mul(x, 1+tanh) -> Mul(., 0.5) ("mul_last") and the cube as Mul(Mul(x, x), x) ("mul")."""
+    consts = [_t(f"{p}_c", (), 0.044715), _t(f"{p}_k", (), np.sqrt(2 / np.pi)), _t(f"{p}_one", (), 1.0),
+              _t(f"{p}_half", (), 0.5)]
+    if cube == "pow":
+        consts.append(_t(f"{p}_three", (), 3.0))
+        nodes = [helper.make_node("Pow", [x, f"{p}_three"], [f"{p}_x3"])]
+    else:
+        nodes = [helper.make_node("Mul", [x, x], [f"{p}_x2"]), helper.make_node("Mul", [f"{p}_x2", x], [f"{p}_x3"])]
+    nodes += [helper.make_node("Mul", [f"{p}_c", f"{p}_x3"], [f"{p}_cx3"]),
+              helper.make_node("Add", [x, f"{p}_cx3"], [f"{p}_in"]),
+              helper.make_node("Mul", [f"{p}_in", f"{p}_k"], [f"{p}_u"]),
+              helper.make_node("Tanh", [f"{p}_u"], [f"{p}_t"]),
+              helper.make_node("Add", [f"{p}_t", f"{p}_one"], [f"{p}_t1"])]
+    if form == "half_first":
+        nodes += [helper.make_node("Mul", [x, f"{p}_half"], [f"{p}_h"]),
+                  helper.make_node("Mul", [f"{p}_h", f"{p}_t1"], [y])]
+    else:
+        nodes += [helper.make_node("Mul", [f"{p}_t1", x], [f"{p}_h"]),
+                  helper.make_node("Mul", [f"{p}_half", f"{p}_h"], [y])]
+    return nodes, consts
+
+
+def gelu_tanh_formula() -> Case:
+    """The tanh Gelu's formula in both product orders and both cubes: each fuses as gelu_tanh, the second
+    after a residual Add (the residual inside the activation)."""
+    mm1, i1 = _mm_bias("x", "h1", "a")
+    g1, c1 = _gelu_tanh("h1", "y1", "g")
+    mm2, i2 = _mm_bias("x", "h2", "b")
+    g2, c2 = _gelu_tanh("s2", "y2", "f", form="mul_last", cube="mul")
+    nodes = mm1 + g1 + mm2 + [_residual_of_x(), helper.make_node("Add", ["h2", "r"], ["s2"])] + g2
+    return Case(_model(nodes, [_x()], [_out("y1"), _out("y2")], i1 + c1 + i2 + c2),
+                [Epilogue(True, "gelu_tanh"), Epilogue(True, "gelu_tanh", 1.0, True, residual_first=True)])
+
+
+def gelu_tanh_intermediate_read_elsewhere() -> Case:
+    mm, inits = _mm_bias("x", "hb", "a")
+    gelu, consts = _gelu_tanh("hb", "y", "g")
+    extra = helper.make_node("Mul", ["g_t", "g_t"], ["z"])  # tanh also feeds another node
+    return Case(_model(mm + gelu + [extra], [_x()], [_out("y"), _out("z")], inits + consts),
+                [Epilogue(True, "none")], ["Gelu not fused: its intermediate 'g_t' is also used by"])
+
+
+def activation_after_a_reshape() -> Case:
+    """GPT-2's Conv1D: Gemm -> Reshape (to [n, 2, 16]) -> tanh Gelu fuses into the Gemm, the Reshape moved after
+    the fused node; a MatMul + bias -> Reshape -> SiLU too; and a Gelu whose constants are rank 3 stays after
+    the Reshape (on the 2-D product they would grow its rank), with the reason."""
+    shape = numpy_helper.from_array(np.array([0, 2, N // 2], np.int64), "shape")
+    gemm = helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"])
+    g1, c1 = _gelu_tanh("gr", "y1", "g")
+    mm, i2 = _mm_bias("x", "hb", "a")
+    silu = [helper.make_node("Sigmoid", ["hr"], ["hs"]), helper.make_node("Mul", ["hr", "hs"], ["y2"])]
+    mm3, i3 = _mm_bias("x", "kb", "c")
+    g3, c3 = _gelu("kr", "y3", "f", shape=(1, 1, 1))
+    nodes = ([gemm, helper.make_node("Reshape", ["gg", "shape"], ["gr"])] + g1
+             + mm + [helper.make_node("Reshape", ["hb", "shape"], ["hr"])] + silu
+             + mm3 + [helper.make_node("Reshape", ["kb", "shape"], ["kr"])] + g3)
+    return Case(_model(nodes, [_x()], [_out("y1"), _out("y2"), _out("y3")],
+                       [_t("gw", (K, N)), _t("gc", (N,)), shape] + c1 + i2 + i3 + c3),
+                [Epilogue(True, "gelu_tanh"), Epilogue(True, "silu"), Epilogue(True)],
+                ["activation after a Reshape not fused: constant 'f_s' has rank 3"])
+
+
+def silu_gate() -> Case:
+    """LLaMA's MLP: silu(x @ Wg) * (x @ Wu): the gate MatMul takes Sigmoid and Mul (either operand order),
+    the up-projection stays plain; a Sigmoid whose product is with another tensor stays, with the reason."""
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["gs"]),
+             helper.make_node("Mul", ["gs", "g"], ["silu"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Mul", ["silu", "u"], ["y"]),
+             helper.make_node("Relu", ["x"], ["u2_half"]),
+             helper.make_node("Concat", ["u2_half", "u2_half"], ["u2"], axis=-1),
+             helper.make_node("MatMul", ["x", "wv"], ["v"]), helper.make_node("Sigmoid", ["v"], ["vs"]),
+             helper.make_node("Mul", ["vs", "u2"], ["y2"])]
+    inits = [_t("wg", (K, N)), _t("wu", (K, N)), _t("wv", (K, N))]
+    return Case(_model(nodes, [_x()], [_out("y"), _out("y2")], inits),
+                [Epilogue(False, "silu"), Epilogue(), Epilogue()],
+                ["Sigmoid not fused: no Mul of its output by 'v' itself"])
+
+
+def silu_intermediate_is_graph_output() -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Sigmoid", ["h"], ["hs"]),
+             helper.make_node("Mul", ["h", "hs"], ["y"])]
+    return Case(_model(nodes, [_x()], [_out("y"), _out("hs")], [_t("w", (K, N))]),
+                [Epilogue()], ["SiLU not fused: its intermediate 'hs' is a graph output"])
+
+
+def _clip_case(opset: int) -> Case:
+    """MobileNetV2's ReLU6 after convs: Clip(0, 6) fuses as relu6, Clip(0) as Relu, Clip(-1, 1) stays, with
+    the reason; bounds as inputs (opset 11 on, one from a Constant node) or attributes (before)."""
+    convs = [_conv("x", f"h{i}", f"c{i}", c_out=C, k=1) for i in range(3)]
+    nodes = [c for c, _ in convs]
+    inits = [t for _, ts in convs for t in ts]
+    bounds = ((0.0, 6.0), (0.0, None), (-1.0, 1.0))
+    for i, (lo, hi) in enumerate(bounds):
+        if opset >= 11:
+            inputs = [f"h{i}", f"lo{i}"] + ([f"hi{i}"] if hi is not None else [])
+            nodes.append(helper.make_node("Clip", inputs, [f"y{i}"]))
+            inits += [_t(f"lo{i}", (), lo)] + ([_t(f"hi{i}", (), hi)] if hi is not None else [])
+        else:
+            nodes.append(helper.make_node("Clip", [f"h{i}"], [f"y{i}"], min=lo, **({"max": hi} if hi else {})))
+    if opset >= 11:  # the first max from a Constant node, as TorchScript writes it
+        inits = [t for t in inits if t.name != "hi0"]
+        nodes.insert(0, helper.make_node("Constant", [], ["hi0"], value=_t("hi0", (), 6.0)))
+    return Case(_model(nodes, [_x(("n", C, *HW))], [_out(f"y{i}") for i in range(3)], inits, opset=opset,
+                       ir=6 if opset < 13 else 8),
+                [Epilogue(True, "relu6"), Epilogue(True, "relu"), Epilogue(True)],
+                ["Clip not fused: bounds (-1, 1) (the kernels fuse Clip(0, 6) as ReLU6 and Clip(0) as Relu)"],
+                x_shape=lambda n: (n, C, *HW))
 
 
 def identity_deduplicated_zero_bias() -> Case:
@@ -369,8 +481,11 @@ CASES = {f.__name__: f for f in (
     bias_of_higher_rank, gelu_constants_of_higher_rank, gelu_forms_and_rank3_constants, unnamed_nodes,
     repeated_node_names, name_like_a_made_up_one, old_ir_initializers_as_inputs,
     overridable_initializer_inputs,
-    identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20)}
+    identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20,
+    gelu_tanh_formula, gelu_tanh_intermediate_read_elsewhere, silu_gate, silu_intermediate_is_graph_output,
+    activation_after_a_reshape)}
 CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
+CASES.update({f"clip_opset_{v}": (lambda v=v: _clip_case(v)) for v in (10, 13)})
 
 
 # ---- checks ------------------------------------------------------------------------------------------------
@@ -567,7 +682,8 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
        "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
        "attention_scores_scaled", "conv_identity_shortcut_relu", "conv_projection_shortcut_relu",
-       "conv_relu_then_residual", "gelu_op_of_opset_20"]
+       "conv_relu_then_residual", "gelu_op_of_opset_20", "gelu_tanh_formula", "silu_gate", "clip_opset_10", "activation_after_a_reshape",
+       "clip_opset_13"]
 
 
 @pytest.mark.parametrize("name", E2E)
@@ -611,3 +727,18 @@ def test_conv_shortcut_nodes_take_the_residual_before_the_relu():
         assert list(fn.input) == ["A", "B"] + (["bias"] if "Bias" in ops[-1] else []) + ["residual", "bundle"]
         body = [n.op_type for n in fn.node if n.op_type != "Constant"]
         assert body == (["Conv", "Relu", "Add"] if ops[-1] == "ConvReluResidual" else ["Conv", "Add", "Relu"])
+
+
+def test_a_reshape_before_the_activation_moves_after_the_fused_node():
+    """Gemm -> Reshape -> tanh Gelu: the custom node makes the Gemm's 2-D output and the Reshape, right after it,
+    makes the Gelu's output; the fallback body is the Gemm and the Gelu's nodes, no Reshape."""
+    model = activation_after_a_reshape().model
+    _, _, workloads = _workload_epilogues(model)
+    rewritten = rewrite_model(model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes}).model
+    ops = [(n.op_type, list(n.input[:1]), list(n.output)) for n in rewritten.graph.node if n.op_type != "Constant"]
+    at = next(i for i, (op, _, _) in enumerate(ops) if op == "GemmBiasGeluTanh")
+    assert ops[at][2] == ["gg"] and ops[at + 1] == ("Reshape", ["gg"], ["y1"])
+    at = next(i for i, (op, _, _) in enumerate(ops) if op == "MatMulBiasSilu")
+    assert ops[at][2] == ["hb"] and ops[at + 1] == ("Reshape", ["hb"], ["y2"])
+    body = next(f for f in rewritten.functions if f.name == "GemmBiasGeluTanh")
+    assert "Reshape" not in {n.op_type for n in body.node} and "Tanh" in {n.op_type for n in body.node}

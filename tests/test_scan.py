@@ -290,12 +290,17 @@ def test_resnet50_tiny_workloads():
     assert left == []  # 4 Adds and 13 Relus, all absorbed
 
 
-def test_mlp_tiny_workloads_group_gate_and_up():
+def test_mlp_tiny_gate_takes_its_silu_and_up_stays_plain():
+    """The gate projection absorbs Sigmoid and Mul (SiLU), so gate and up (same shape) are two workloads; the
+    SwiGLU product of the two stays a graph Mul."""
     result = attach_instances(_scan_built("mlp", "tiny"), ["tokens=1:64"])
-    gate_up, down = result.workloads
-    assert (gate_up.m, gate_up.n, gate_up.k, len(gate_up.nodes)) == ("tokens", "176", "64", 2)
+    gate, up, down = result.workloads
+    for w in (gate, up):
+        assert (w.m, w.n, w.k, len(w.nodes)) == ("tokens", "176", "64", 1)
+    assert (gate.epilogue, up.epilogue) == (Epilogue(False, "silu"), Epilogue())
+    assert [len(f) for f in gate.fused_nodes] == [2]
     assert (down.m, down.n, down.k) == ("tokens", "64", "176")
-    assert len(gate_up.instances) == 64
+    assert len(gate.instances) == 64
 
 
 @pytest.mark.slow

@@ -32,8 +32,10 @@ def test_cases_cover_the_brief() -> None:
     """The case table keeps the coverage the templates promise (ragged, epilogues, split-K, conv)."""
     ops = {case.op for case in CASES}
     assert ops == {"gemm", "bmm", "conv"}
-    assert {case.activation for case in CASES} == {"none", "relu", "gelu"}
-    assert {case.dtype for case in CASES} == {"float32", "float16"}
+    assert {case.activation for case in CASES} == {"none", "relu", "gelu", "gelu_tanh", "silu", "relu6"}
+    assert {case.dtype for case in CASES} == {"float32", "float16", "bfloat16"}
+    for act in ("gelu_tanh", "silu", "relu6"):  # each new activation in the three dtypes
+        assert {case.dtype for case in CASES if case.activation == act} == {"float32", "float16", "bfloat16"}
     assert any(len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
     assert any(case.op == "gemm" and case.a[0] == 1 for case in CASES)
     assert any(case.op == "conv" and case.conv.get("dilations", (1, 1)) != (1, 1) for case in CASES)
@@ -54,7 +56,7 @@ def test_launcher_rejects_bad_epilogues() -> None:
     from tuner.workload import ConvParams, Epilogue
 
     a, b = torch.zeros(4, 8), torch.zeros(8, 4)
-    with pytest.raises(DietcodeError, match="allowed: none, relu, gelu"):
+    with pytest.raises(DietcodeError, match="allowed: none, relu, gelu, gelu_tanh, silu, relu6"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, epilogue=Epilogue(False, "tanh"))
     with pytest.raises(DietcodeError, match="split_k must be a positive int, got 0"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2, 8, 0), a, b, epilogue=Epilogue(False, "relu"))

@@ -392,7 +392,7 @@ EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
 
 @pytest.mark.parametrize("residual", ["", "after", "first"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu", "relu6"])
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
 def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype, residual) -> None:
     """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
@@ -427,6 +427,12 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         ref = np.maximum(ref, 0.0)
     elif activation == "gelu":
         ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0)))
+    elif activation == "gelu_tanh":
+        ref = 0.5 * ref * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (ref + 0.044715 * ref ** 3)))
+    elif activation == "silu":
+        ref = ref / (1.0 + np.exp(-ref))
+    elif activation == "relu6":
+        ref = np.clip(ref, 0.0, 6.0)
     if residual == "after":
         ref = ref + res64
     params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),

@@ -414,7 +414,9 @@ class GpuMeasurer(Measurer):
         and the activation in the epilogue's order."""
         import torch
 
-        fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
+        fn = torch.nn.functional
+        fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": fn.gelu,
+                  "gelu_tanh": lambda x: fn.gelu(x, approximate="tanh"), "silu": fn.silu, "relu6": fn.relu6}
         act = fn_act[self.epilogue.activation]
         first = self.epilogue.residual_first
 

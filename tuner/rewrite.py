@@ -1,12 +1,14 @@
 """Rewrite: workloads + bundles -> a model whose nodes are ``ai.dietcode`` custom ops.
 
-Each scanned node (with the scalar Mul/Div, Add(bias), Relu/Gelu and residual Add it absorbs) becomes one
+Each scanned node (with the scalar Mul/Div, Add(bias), activation and residual Add it absorbs) becomes one
 custom node whose op type names the fused epilogue in its order (``MatMulBiasGelu``, ``ConvBiasRelu``,
 ``MatMulBiasResidual``, ``ConvBiasResidualRelu``: the residual before the Relu, ...; the node contract is in
 docs/bundle.md); a MatMul's absorbed scale is its
 ``scale`` attribute (the compiled kernels have it baked in). The custom node takes the place of the last node
-it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the last node it replaces; its last input is its kernel
-bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
+it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the
+last node it replaces, but for an activation absorbed from behind a Reshape (GPT-2's Gemm -> Reshape -> Gelu):
+the node makes the Reshape's input and the Reshape, moved to right after it, that name. Its last input is its
+kernel bundle, a uint8 initializer stored once per distinct bundle and shared by the nodes of a workload. For
 every op type used, the model also gets a model-local function whose body is the original computation
 (it takes the bundle input and ignores it), so stock onnxruntime without the custom-op library still runs
 the model; with the library registered, ORT runs the library's kernel instead. The body is the replaced
@@ -46,7 +48,7 @@ def op_type(workload: Workload) -> str:
     (``ConvBiasReluResidual``: the residual after the Relu; ``ConvBiasResidualRelu``: before it)."""
     e = workload.epilogue
     bias = "Bias" if e.bias else ""
-    act = {"none": "", "relu": "Relu", "gelu": "Gelu"}[e.activation]
+    act = bundle_format.ACTIVATION_OP_NAMES[bundle_format.ACTIVATION_CODES.index(e.activation)]
     residual = "Residual" if e.residual else ""
     return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 
@@ -126,6 +128,9 @@ class _Site:
     output: str
     body: tuple[onnx.NodeProto, ...]
     scale: float = 1.0  # the absorbed Mul/Div's alpha (MatMul)
+    # an activation fused from behind a Reshape (GPT-2's Gemm -> Reshape -> Gelu): the Reshape, moved to right
+    # after the custom node, which makes the Reshape's input; the Reshape makes ``output``
+    reshape: onnx.NodeProto | None = None
 
     @property
     def place(self) -> int:
@@ -228,6 +233,11 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
+    moved = next((f for _, f in absorbed if f.op_type == "Reshape" and f.domain in ("", "ai.onnx")), None)
+    if moved is not None and (w.epilogue.residual or w.epilogue.activation == "none"
+                              or absorbed[int(scaled) + int(bias is not None and node.op_type == "MatMul")][1]
+                              is not moved):
+        raise DietcodeError(f"workload node making {key!r}: its Reshape is not right before the activation")
     for n in [node] + [f for _, f in absorbed]:
         for value in n.output:
             if not value or value == output:
@@ -238,15 +248,23 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
                     f"is also read by {_label(links.graph.node[outside[0]])}"
                 raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
                                     f"{where}")
-    return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output,
-                 _body(links, node, [f for _, f in absorbed], bias, output, residual, at), w.epilogue.alpha)
+    body = _body(links, node, [f for _, f in absorbed], bias, output, residual, at)
+    if moved is None:
+        return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), output, body, w.epilogue.alpha)
+    reshape = onnx.NodeProto()
+    reshape.CopyFrom(moved)
+    del reshape.output[:]
+    reshape.output.append(output)
+    return _Site(op_type(w), index, tuple(i for i, _ in absorbed), tuple(inputs), moved.input[0], body,
+                 w.epilogue.alpha, reshape)
 
 
 def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], bias: str | None,
           output: str, residual: str | None = None, at: int = -1) -> tuple[onnx.NodeProto, ...]:
     """The fallback body: the original op (its attributes referring to the custom node's), then the
     absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
-    equal computations give equal bodies."""
+    equal computations give equal bodies. A Reshape among them (an activation fused from behind it) is left
+    out: the nodes after it read its input, the body's output has the shape before the Reshape."""
     names: dict[str, str] = {output: "Y"}
     consts: dict[str, str] = {}
 
@@ -263,6 +281,10 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         return consts[x]
 
     for j, f in enumerate(absorbed):
+        if f.op_type == "Reshape":  # moved after the custom node: the activation reads its input
+            names[f.output[0]] = made(f.input[0])
+            continue
+
         def known(x: str, is_add: bool = j == (at if at >= 0 else len(absorbed) - 1)) -> str | None:
             if not x or x in names:
                 return names.get(x, "")
@@ -409,7 +431,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     graph = out.graph
     sites = plan_rewrite(out, workloads, set(bundles), base_dir)
     before = _graph_reads(graph)
-    replace: dict[int, onnx.NodeProto] = {}
+    replace: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
     functions: dict[tuple[str, str], onnx.FunctionProto] = {(f.name, f.overload): f for f in out.functions
                                                              if f.domain == DOMAIN}
@@ -436,11 +458,11 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
             custom.overload = overload
         if info and node_name in info:
             custom.attribute.append(helper.make_attribute("info", info[node_name]))
-        replace[site.place] = custom
+        replace[site.place] = [custom] + ([site.reshape] if site.reshape is not None else [])
         drop.update(i for i in (site.index, *site.absorbed) if i != site.place)
         used_ops.add(site.op)
         rewritten.append(node_name)
-    new_nodes = [replace.get(i, n) for i, n in enumerate(graph.node) if i not in drop]
+    new_nodes = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
     del graph.node[:]
     graph.node.extend(new_nodes)
     _drop_unread(graph, before)

@@ -379,6 +379,98 @@ def _match_gelu(g: _Graph, x: str) -> tuple[list[onnx.NodeProto], list[str]] | N
     return None
 
 
+def _half_product(g: _Graph, x: str, factor: str, skip: onnx.NodeProto | None = None
+                  ) -> tuple[onnx.NodeProto, onnx.NodeProto, str] | None:
+    """0.5 * x * ``factor`` in the two orders exporters write it, as (first Mul, last Mul, the 0.5 constant):
+    Mul(x, 0.5) -> Mul(., factor), or Mul(x, factor) -> Mul(., 0.5). ``skip``: a Mul reading ``x`` that is
+    part of the pattern already (not the product)."""
+    for first in g.consumers.get(x, []):
+        if first is skip or not _default_domain(first, "Mul"):
+            continue
+        half = _const_input(g, first, x, 0.5, ("Mul",))
+        if half is not None:  # Mul(x, 0.5) -> Mul(., factor)
+            last = _consumer(g, first.output[0], "Mul")
+            if last is not None and _other_input(last, first.output[0]) == factor:
+                return first, last, half
+        elif _other_input(first, x) == factor:  # Mul(x, factor) -> Mul(., 0.5)
+            last = _consumer(g, first.output[0], "Mul")
+            half = _const_input(g, last, first.output[0], 0.5, ("Mul",)) if last is not None else None
+            if last is not None and half is not None:
+                return first, last, half
+    return None
+
+
+def _match_gelu_tanh(g: _Graph, x: str) -> tuple[list[onnx.NodeProto], list[str]] | None:
+    """The tanh approximation of Gelu as GPT-2's exports write it (TorchScript and dynamo),
+    0.5*x*(1+Tanh(sqrt(2/pi)*(x+0.044715*Pow(x,3)))), as (nodes in order, constants); the cube may also be
+    Mul(Mul(x, x), x), and the 0.5 product either order ``_half_product`` reads. Structure only, as
+    ``_match_gelu``."""
+    for cube in g.consumers.get(x, []):
+        nodes: list[onnx.NodeProto] = []
+        consts: list[str] = []
+        if _default_domain(cube, "Pow") and len(cube.input) == 2 and cube.input[0] == x \
+                and _close(g.const(cube.input[1]), 3.0):
+            nodes, consts = [cube], [cube.input[1]]
+        elif _default_domain(cube, "Mul") and list(cube.input) == [x, x]:
+            cubed = _consumer(g, cube.output[0], "Mul")
+            if cubed is None or _other_input(cubed, cube.output[0]) != x:
+                continue
+            nodes, cube = [cube, cubed], cubed
+        else:
+            continue
+        scaled = _consumer(g, cube.output[0], "Mul")
+        c1 = _const_input(g, scaled, cube.output[0], 0.044715, ("Mul",))
+        inner = _consumer(g, scaled.output[0], "Add") if scaled is not None and c1 is not None else None
+        if inner is None or _other_input(inner, scaled.output[0]) != x:  # type: ignore[union-attr]
+            continue
+        arg = _consumer(g, inner.output[0], "Mul")
+        c2 = _const_input(g, arg, inner.output[0], math.sqrt(2 / math.pi), ("Mul",))
+        tanh = _consumer(g, arg.output[0], "Tanh") if arg is not None and c2 is not None else None
+        add = _consumer(g, tanh.output[0], "Add") if tanh is not None else None
+        one = _const_input(g, add, tanh.output[0], 1.0, ("Add",)) if add is not None and tanh is not None else None
+        if arg is None or tanh is None or add is None or one is None:
+            continue
+        half = _half_product(g, x, add.output[0], skip=nodes[0])
+        if half is None:
+            continue
+        first, last, c_half = half
+        assert scaled is not None and c1 is not None and c2 is not None
+        return nodes + [scaled, inner, arg, tanh, add, first, last], consts + [c1, c2, one, c_half]
+    return None
+
+
+def _match_silu(g: _Graph, x: str) -> tuple[list[onnx.NodeProto] | None, onnx.NodeProto | None]:
+    """SiLU as exporters write it (LLaMA's MLP gate), x * Sigmoid(x): ([Sigmoid, Mul], Sigmoid), or
+    (None, the Sigmoid) when a Sigmoid reads ``x`` but its product is not with ``x`` itself, (None, None)
+    when no Sigmoid reads ``x``."""
+    sigmoid = _consumer(g, x, "Sigmoid")
+    if sigmoid is None:
+        return None, None
+    for mul in g.consumers.get(sigmoid.output[0], []):
+        if _default_domain(mul, "Mul") and _other_input(mul, sigmoid.output[0]) == x:
+            return [sigmoid, mul], sigmoid
+    return None, sigmoid
+
+
+def _clip_bounds(g: _Graph, clip: onnx.NodeProto) -> tuple[float, float] | str:
+    """A Clip's (min, max), from its inputs (opset 11 on; an empty or absent input: no bound) or its
+    attributes (before); why not when a bound is not a constant scalar."""
+    if len(clip.input) > 1:
+        bounds = []
+        for name, default in zip(list(clip.input[1:3]) + [""] * (3 - len(clip.input)), (-math.inf, math.inf)):
+            if not name:
+                bounds.append(default)
+                continue
+            source = g.constant_source(name)
+            value = g.const(source) if source is not None else None
+            if value is None or value.size != 1:
+                return f"its bound {name!r} is not a constant scalar"
+            bounds.append(float(value.reshape(())))
+        return bounds[0], bounds[1]
+    attrs = _attrs(clip)
+    return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf))
+
+
 def _absorbable(g: _Graph, nodes: Sequence[onnx.NodeProto], x: str) -> str | None:
     """Why a kernel cannot absorb ``nodes`` (a pattern reading ``x``), or None when it can: ``x`` and
     every value the pattern makes, but the last node's output, must be read only inside the pattern and be
@@ -436,6 +528,21 @@ def _scale(g: _Graph, x: str) -> tuple[onnx.NodeProto | None, float, str | None]
     return node, alpha, None
 
 
+def _depends_on(g: _Graph, value: str, x: str, limit: int = 64) -> bool:
+    """Whether ``value`` is computed from ``x`` within ``limit`` nodes up its producers."""
+    todo, seen = [value], set[int]()
+    while todo and len(seen) < limit:
+        name = todo.pop()
+        if name == x:
+            return True
+        node = g.producers.get(name)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo.extend(i for i in node.input if i)
+    return False
+
+
 def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tuple[onnx.NodeProto | None, str | None]:
     """An Add of ``x`` and a second tensor of exactly ``x``'s shape and dtype (the skip connection before a
     LayerNorm, ResNet's shortcut), as (node, None); (node, why) when a kernel cannot absorb it; (None, None)
@@ -447,6 +554,8 @@ def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tup
         return None, None
     other = _other_input(add, x)
     assert other is not None
+    if _depends_on(g, other, x):  # x + f(x) (the tanh Gelu's x + 0.044715 x^3): no residual
+        return None, None
     sx, so, sy = g.shapes.get(x), g.shapes.get(other), g.shapes.get(add.output[0])
     source = g.constant_source(other)
     if source is not None and (sx is None or [str(d) for d in g.shapes.get(source, ())] != [str(d) for d in sx]):
@@ -466,40 +575,90 @@ def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tup
 
 
 def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
-    """The Relu or Gelu right after ``x`` that a kernel can absorb, as (activation, its nodes); ("none", [])
-    when there is none. Gelu is the Erf form exporters write up to opset 19 or opset 20's ``Gelu`` op with
-    ``approximate="none"`` (what both torch exporters emit at their default opset); the kernels compute the erf
-    form, so a ``Gelu`` with ``approximate="tanh"``, or a Gelu that cannot be absorbed, goes to ``refused``."""
+    """The activation right after ``x`` that a kernel can absorb, as (activation, its nodes); ("none", [])
+    when there is none. Relu; Gelu in the Erf form exporters write up to opset 19 or as opset 20's ``Gelu`` op
+    (approximate "none" is the kernels' erf form, "tanh" their tanh form); the tanh Gelu formula of GPT-2's
+    exports; SiLU as x * Sigmoid(x) (LLaMA's MLP gate); ReLU6 as Clip(0, 6) (MobileNetV2), and a Clip with
+    min 0 and no max as Relu. A candidate that cannot be absorbed (an intermediate read elsewhere, a Clip with
+    other bounds, a Sigmoid whose product is not with ``x``) goes to ``refused`` with the reason."""
     nxt = g.exclusive_consumer(x)
-    if nxt is not None and nxt.op_type == "Relu" and nxt.domain in ("", "ai.onnx"):
+    if _default_domain(nxt, "Relu"):
+        assert nxt is not None
         return "relu", [nxt]
-    if nxt is not None and nxt.op_type == "Gelu" and nxt.domain in ("", "ai.onnx"):
+    if _default_domain(nxt, "Gelu"):
+        assert nxt is not None
         approximate = next((a.s.decode() for a in nxt.attribute if a.name == "approximate"), "none")
-        if approximate == "none":
-            return "gelu", [nxt]
+        if approximate in ("none", "tanh"):
+            return "gelu" if approximate == "none" else "gelu_tanh", [nxt]
         refused.append(Skipped(_label(nxt), "Gelu", f"Gelu not fused: approximate={approximate!r} (the kernels "
-                                                    "compute the erf form only)"))
+                                                    "compute the erf and the tanh forms)"))
         return "none", []
-    gelu = _match_gelu(g, x)
-    if gelu is not None:
-        nodes, consts = gelu
-        why = _absorbable(g, nodes, x) or _rank_grows(g, x, consts)
+    if _default_domain(nxt, "Clip"):
+        assert nxt is not None
+        bounds = _clip_bounds(g, nxt)
+        if bounds == (0.0, 6.0):
+            return "relu6", [nxt]
+        if bounds == (0.0, math.inf):
+            return "relu", [nxt]
+        text = bounds if isinstance(bounds, str) else f"bounds ({bounds[0]:g}, {bounds[1]:g})"
+        refused.append(Skipped(_label(nxt), "Clip", f"Clip not fused: {text} (the kernels fuse Clip(0, 6) as "
+                                                    "ReLU6 and Clip(0) as Relu)"))
+        return "none", []
+    for activation, match in (("gelu", _match_gelu), ("gelu_tanh", _match_gelu_tanh)):
+        found = match(g, x)
+        if found is not None:
+            nodes, consts = found
+            why = _absorbable(g, nodes, x) or _rank_grows(g, x, consts)
+            if why:
+                refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
+                return "none", []
+            return activation, nodes
+    silu, sigmoid = _match_silu(g, x)
+    if silu is not None:
+        why = _absorbable(g, silu, x)
         if why:
-            refused.append(Skipped(_label(nodes[-1]), "Gelu", f"Gelu not fused: {why}"))
-        else:
-            return "gelu", nodes
+            refused.append(Skipped(_label(silu[-1]), "Mul", f"SiLU not fused: {why}"))
+            return "none", []
+        return "silu", silu
+    if sigmoid is not None:
+        refused.append(Skipped(_label(sigmoid), "Sigmoid", f"Sigmoid not fused: no Mul of its output by {x!r} "
+                                                           "itself (the kernels fuse Sigmoid only as SiLU, "
+                                                           "x * Sigmoid(x))"))
     return "none", []
+
+
+def _activation_after_reshape(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
+    """An activation after a Reshape that alone reads ``x`` (GPT-2's Conv1D exports as Reshape -> Gemm ->
+    Reshape, the FFN's Gelu after the second Reshape), as (activation, [the Reshape, the activation's nodes]):
+    an elementwise activation commutes with the Reshape, so the kernel applies it and the rewrite moves the
+    Reshape after the fused node. Its constants must keep ``x``'s rank too (the fused node computes on ``x``)."""
+    reshape = g.exclusive_consumer(x)
+    if not _default_domain(reshape, "Reshape"):
+        return "none", []
+    assert reshape is not None
+    seen: list[Skipped] = []
+    activation, nodes = _activation(g, reshape.output[0], seen)
+    refused.extend(seen)
+    inside = {o for n in nodes for o in n.output} | {reshape.output[0]}
+    consts = [i for n in nodes for i in n.input if i and i not in inside and g.constant_source(i) is not None]
+    why = _rank_grows(g, x, consts) if nodes else None
+    if why:
+        refused.append(Skipped(_label(nodes[-1]), nodes[-1].op_type, f"activation after a Reshape not fused: {why}"))
+        return "none", []
+    return (activation, [reshape] + nodes) if nodes else ("none", [])
 
 
 def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_scale: bool = False,
               allow_residual: bool = False, claimed: AbstractSet[int] = frozenset()
               ) -> tuple[Epilogue, tuple[onnx.NodeProto, ...], list[Skipped]]:
-    """The scalar Mul/Div (``allow_scale``), Add(bias), Relu/Gelu and residual Add (``allow_residual``) after
-    ``node`` that a kernel can absorb, in one of the kernel's orders: act(alpha * acc + bias) + residual
-    (the activation right after the product or bias), or act(alpha * acc + bias + residual) (an Add of a
-    tensor right after them, then the activation: residual_first), as (epilogue, the absorbed nodes in graph
-    order, the candidates refused with the reason). A node the orders do not fit (a bias Add after the Relu, a
-    Mul after the bias) is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
+    """The scalar Mul/Div (``allow_scale``), Add(bias), activation (``_activation``) and residual Add
+    (``allow_residual``) after ``node`` that a kernel can absorb, in one of the kernel's orders:
+    act(alpha * acc + bias) + residual (the activation right after the product or bias), or
+    act(alpha * acc + bias + residual) (an Add of a tensor right after them, then the activation:
+    residual_first), as (epilogue, the absorbed nodes in graph order, the candidates refused with the reason).
+    An activation behind a Reshape (``_activation_after_reshape``) is absorbed with the Reshape as its first
+    node, and then no residual. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
+    is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
     out, chain, bias, refused = node.output[0], [], False, []
     alpha = 1.0
     if allow_scale:
@@ -517,8 +676,10 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
         else:
             bias, out, chain = True, add.output[0], chain + [add]
     activation, act_nodes = _activation(g, out, refused)
+    if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation
+        activation, act_nodes = _activation_after_reshape(g, out, refused)
     residual = residual_first = False
-    if allow_residual:
+    if allow_residual and not (act_nodes and act_nodes[0].op_type == "Reshape"):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
         if add is not None and why:

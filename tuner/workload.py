@@ -17,7 +17,7 @@ __all__ = ["OPS", "DTYPES", "ACTIVATIONS", "ConvParams", "Epilogue", "Problem", 
 
 OPS = ("gemm", "bmm", "conv")
 DTYPES = ("float32", "float16", "bfloat16")
-ACTIVATIONS = ("none", "relu", "gelu")
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "relu6")  # dietcode_ort.bundle.ACTIVATION_CODES
 
 
 @dataclass(frozen=True)
