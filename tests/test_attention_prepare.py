@@ -431,3 +431,15 @@ def test_llama_near_misses_keep_their_transposes(variant: str, stays: str, note:
     want = _run(model, feeds)
     np.testing.assert_allclose(_run(prepared, feeds)[0], want[0], rtol=0, atol=0)
     np.testing.assert_allclose(_run(fused, feeds, library=True)[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_scan_reports_the_transposes_not_moved(tmp_path) -> None:
+    from tuner.scan import attention_report
+
+    path = tmp_path / "llama.onnx"
+    onnx.save(_llama("present"), str(path))
+    report = attention_report(path)
+    assert report["transposes_not_moved"] == [{"transpose": "kt", "reason": "the head-split Transpose stays: 'kr' is "
+                                                                           "a graph output"}]
+    (fused,) = report["fused"]
+    assert fused["layout"] == "q=BSHD,k=BHDS,v=BSHD,out=BSHD"

@@ -30,9 +30,10 @@ after their head-split Transposes) is part of the chain: its factor goes into th
 the Mul's input (so the Transpose before it is absorbed like any other), and the fallback body keeps the Mul.
 
 Head-split layouts: at rank 4, a Transpose making Q or V with perm (0, 2, 1, 3), or Kt with perm (0, 2, 3, 1),
-from a Reshape that splits the last dim into heads x d ([B, S, H*d] -> [B, S, H, d]) and read by the chain
-alone, is absorbed: the node takes the Reshape's output ([B, S, H, d]; for K the keys, which the kernel reads
-transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
+of a value [B, S, H, d] (H and d known integers: a Reshape splitting the last dim into heads x d, or LLaMA's
+rotary embedding and K/V head repeat after it, which tuner/attention_prepare.py moves the Transposes past) and
+read by the chain alone, is absorbed: the node takes that value ([B, S, H, d]; for K the keys, which the
+kernel reads transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
 [B, S, H*d], or [B*S, H*d] as GPT-2's dynamo export has it) is absorbed too: the node writes the Transpose's output. The node's ``layout`` attribute says which
 (tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
 keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
@@ -42,7 +43,8 @@ Shapes of an absorbed head-split input or of the output may read them too: those
 and V are read packed, and only their leading dims (rewired to the projection, ``packed_shapes``); those of the
 output are rewired to the node's output, their dims picked back by the perm (``out_shapes``). The exporters'
 other forms around the chain (``Shape(Transpose(x))``, the dynamo export's Kt as Reshape -> Transpose ->
-Reshape) are rewritten beforehand by tuner/attention_prepare.py.
+Reshape, the rotary embedding and the K/V repeat after the head splits) are rewritten beforehand by
+tuner/attention_prepare.py.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
 effective scale (``scale``: 1/c for Div, c for Mul, 1 without, times a * b of Q's and Kt's Muls), the head

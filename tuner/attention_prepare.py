@@ -18,6 +18,18 @@ What real exporters write around the chain, and what this does with it:
 - A Reshape of an attention output (a MatMul's) to its own shape, read by a Transpose and Shapes alone (the
   TorchScript export of scaled_dot_product_attention reshapes [B, H, S, d] to [B, -1, S, d] before the head
   merge), is dropped.
+- A head-split ``Transpose(x, (0, 2, 1, 3))`` whose output goes through LLaMA's rotary embedding (``y * cos +
+  cat(-y2, y1) * sin``, cos and sin ``Unsqueeze``d to [1, 1, S, d]) and, for K and V, the grouped-query head
+  repeat (``Unsqueeze`` at 2 -> ``Expand`` [B, KV, H/KV, S, d] -> ``Reshape`` [B, H, S, d]) before the chain moves
+  down past them (``_Sink``): the ops run on x [B, S, H, d] instead, each in its form there (elementwise ops with
+  their other operand permuted alike: a one-element value as is, a constant transposed, an ``Unsqueeze`` of a
+  value with its axes re-placed; Slice and Concat along the permuted axis; the repeat's new axis right after
+  the head axis, the Expand's shape gathered by the permutation, the Reshape merging the same axes), and one
+  Transpose makes the value the chain reads (K's then one with the Kt Transpose). Shapes of the values in
+  between read x's dims, picked by the permutation. It moves only when every op reading what it moves past
+  has such a form, none of those values is a graph output, and it ends as one Transpose before the chain's
+  MatMul (or the Muls scaling Q and Kt, or Kt's Transpose); else it stays, with the reason in
+  ``PrepareResult.notes``.
 
 Every rewrite rests on shapes from the scanner's symbolic shape inference, the same the matcher trusts; nodes
 left without readers go (``attention_graph._drop_dead``). Running it twice changes nothing more.
