@@ -297,7 +297,8 @@ def _llama(variant: str = "") -> onnx.ModelProto:
     S, d] -> Reshape [B, H, S, d]), SDPA's Mul of Q and Kt by the root of the scale. ``variant``: "cos_input" (cos
     and sin [1, 1, S, d] graph inputs: no Unsqueeze to re-place), "tile" (the repeat's new axis before the KV
     heads: head h is KV head h % KV, which the moved layout cannot merge), "present" (K after its rotary
-    embedding is a graph output too, as a KV cache's present key is)."""
+    embedding is a graph output too, as a KV cache's present key is), "reduce" (V's head split is also read by a
+    ReduceMean)."""
     rng = np.random.default_rng(1)
     half = _D // 2
     inits = [numpy_helper.from_array(rng.standard_normal((_E4, _E4)).astype(np.float32) * 0.3, "wq"),
@@ -354,6 +355,9 @@ def _llama(variant: str = "") -> onnx.ModelProto:
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", _E4])]
     if variant == "present":
         outputs.append(helper.make_tensor_value_info("kr", TensorProto.FLOAT, ["B", _KV, "S", _D]))
+    if variant == "reduce":  # V's head split read by an op with no form on the moved layout as well
+        nodes.append(helper.make_node("ReduceMean", ["vt", "last"], ["vmean"]))
+        outputs.append(helper.make_tensor_value_info("vmean", TensorProto.FLOAT, ["B", _KV, "S", 1]))
     graph = helper.make_graph(nodes, f"llama_{variant or 'attention'}", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     onnx.checker.check_model(model, full_check=True)
@@ -411,17 +415,18 @@ def test_llama_transposes_move_past_the_rotary_embedding_and_the_kv_repeat() -> 
     ("cos_input", "qt", "the operand 'cos4' is neither a constant nor made by an Unsqueeze"),
     ("tile", "kt", "merges axes apart in the moved layout"),
     ("present", "kt", "'kr' is a graph output"),
+    ("reduce", "vt", "the ReduceMean 'vmean' after it: it has no form in the moved layout"),
 ])
 def test_llama_near_misses_keep_their_transposes(variant: str, stays: str, note: str) -> None:
     """What has no exact form on the moved layout stays as it is, with the reason: cos and sin given as
     [1, 1, S, d] inputs (Q's and K's Transposes stay), the repeat's axis inserted before the KV heads (K's and V's
-    stay, Q's moves), K's rotary output read as a graph output too (K's stays). The model computes what the
-    original does."""
+    stay, Q's moves), K's rotary output read as a graph output too (K's stays), V's head split read by a
+    ReduceMean too (V's stays). The model computes what the original does."""
     model = _llama(variant)
     prepared, result = prepare_attention(model)
     notes = dict(result.notes)
     assert stays in notes and note in notes[stays], notes
-    kept = {"cos_input": {"qt", "kt"}, "tile": {"kt", "vt"}, "present": {"kt"}}[variant]
+    kept = {"cos_input": {"qt", "kt"}, "tile": {"kt", "vt"}, "present": {"kt"}, "reduce": {"vt"}}[variant]
     assert set(notes) == kept and result.moved == 3 - len(kept)
     assert {n.output[0] for n in prepared.graph.node if n.op_type == "Transpose"} >= kept
     found = find_attention(prepared)

@@ -479,7 +479,7 @@ class _Sink:
         name = self.names(f"{node.name or node.output[0]}_moved")
         if len(node.output) != 1 or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                                          for a in node.attribute):
-            raise _Refuse(f"{node.op_type} {node.name!r} is not one op of one output")
+            raise _Refuse("it is not one op of one output")
         if _is(node, *_UNARY) and len(node.input) == 1:
             new = helper.make_node(node.op_type, [ranked[0][0]], [out], name=name)
             new.attribute.extend(node.attribute)
@@ -488,7 +488,7 @@ class _Sink:
             if _scale_of_a_matmul(node, self.index, self.consts):
                 raise _Refuse("the chain's scale (the Transpose stops before it)")
             if any(v is not None and (len(v[1]) != len(perm) or v[1] != perm) for v in ins):
-                raise _Refuse(f"{node.op_type} {node.name!r} combines values of different layouts")
+                raise _Refuse("it combines values of different layouts")
             operands = [v[0] if v is not None else self._side(x, perm, made, inits) for x, v in zip(node.input, ins)]
             return made + [helper.make_node(node.op_type, operands, [out], name=name)], perm
         rank = len(perm)
@@ -536,7 +536,7 @@ class _Sink:
         if _is(node, "Reshape") and ins[0] is not None and ins[1] is None:
             src, dst = self.g.shapes.get(node.input[0]), self.g.shapes.get(node.output[0])
             if src is None or dst is None or len(src) != rank:
-                raise _Refuse(f"the Reshape {node.name!r} has unknown shapes")
+                raise _Refuse("its shapes are unknown")
             groups = self._groups(src, dst)
             starts = []
             for group in groups:  # each group's axes must be consecutive in x, in the same order
@@ -560,7 +560,7 @@ class _Sink:
                     raise _Refuse(f"the Reshape {list(src)} -> {list(dst)} has no target in the moved layout")
             target_name = self._int_input(target, f"{out}_shape", inits)
             return [helper.make_node("Reshape", [ranked[0][0], target_name], [out], name=name)], new_perm
-        raise _Refuse(f"{node.op_type} {node.name!r} has no form in the moved layout")
+        raise _Refuse("it has no form in the moved layout")
 
     def region(self, seed: onnx.NodeProto) -> tuple[_Moved, str]:
         """The ops the seed Transpose moves past and the one value it then makes (read by a MatMul, a Transpose
