@@ -473,6 +473,8 @@ class _Sink:
         output; _Refuse when it has none."""
         ins = [values.get(x) for x in node.input]
         ranked = [v for v in ins if v is not None]
+        if not ranked:
+            raise _Refuse("it reads the value in a subgraph")
         perm = ranked[0][1]
         made: list[onnx.NodeProto] = []
         out = self.names(f"{node.output[0]}_moved")
