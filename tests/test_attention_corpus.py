@@ -110,14 +110,17 @@ def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
 # case -> (chains read packed, Transposes left after fusing) as optimize sees the export: the pre-pass
 # (tuner/attention_prepare.py: Shape(Transpose) -> Gather(Shape), dynamo's Kt Reshape -> Transpose -> Reshape ->
 # one Transpose, SDPA's no-op output Reshape dropped, Whisper's scale of the Q projection moved after its head
-# split), the Muls of Q and Kt folded into the scale, the Q/K/V projections merged (Whisper's K, which has no
-# bias, with zeros). Kept: ViT's patch-embedding, T5's position-bias and Whisper's conv-output Transposes (no
-# attention's); LLaMA's rotary embedding and K/V repeat sit between the head splits and the chain.
+# split, LLaMA's head-split Transposes moved past the rotary embedding and the K/V repeat), the Muls of Q and Kt
+# folded into the scale, the Q/K/V projections merged (Whisper's K, which has no bias, with zeros). Kept: ViT's
+# patch-embedding, T5's position-bias and Whisper's conv-output Transposes (no attention's). LLaMA: every
+# Transpose absorbed, not packed (the rotary embedding and the K/V repeat sit between the projections and the
+# chain, and K's and V's projections are narrower than Q's: grouped-query attention).
 PREPARED = {
     "bert-torchscript": (2, 0), "bert-dynamo": (2, 0), "distilbert-torchscript": (2, 0),
     "distilbert-dynamo": (2, 0), "gpt2-torchscript": (2, 0), "gpt2-dynamo": (2, 0), "vit-torchscript": (2, 1),
     "vit-dynamo": (2, 1), "t5-encoder-torchscript": (2, 1), "whisper-encoder-torchscript": (2, 1),
-    "whisper-encoder-dynamo": (2, 1), "llama-torchscript": (0, 8), "llama-dynamo": (0, 8),
+    "whisper-encoder-dynamo": (2, 1), "llama-torchscript": (0, 0), "llama-dynamo": (0, 0),
+    "llama-fp16-dynamo": (0, 0),
 }
 
 
@@ -143,4 +146,6 @@ def test_corpus_exports_pack_after_the_pre_pass(name: str, tmp_path) -> None:
         register(opts)
         for m, o in ((fused, opts), (fused, ort.SessionOptions()), (prepared, ort.SessionOptions())):
             got = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
-            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=1e-5, rtol=1e-5)
+            # the library's kernel rounds float16 probabilities once, where the chain rounds its steps
+            tol = 2e-2 if want.dtype == np.float16 and o is opts else 1e-5
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)

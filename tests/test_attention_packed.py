@@ -122,7 +122,7 @@ def test_gpt2_packed_projection_is_read_in_place(split: str, opset: int, shape_r
 
 @pytest.mark.parametrize("kind, note", [
     ("unequal", "the Split's sizes \\[40, 24, 32\\] are not three equal thirds of 96"),
-    ("unequal_slices", "takes \\[\\[40\\], \\[64\\]\\), not third 1"),
+    ("unequal_slices", "takes \\[\\[0\\], \\[40\\]\\), not third 0"),
     ("extra_read", "the third 'q3' is read by other nodes too"),
 ])
 def test_gpt2_split_that_is_not_provably_packed_stays(kind: str, note: str) -> None:
@@ -133,13 +133,11 @@ def test_gpt2_split_that_is_not_provably_packed_stays(kind: str, note: str) -> N
     else:
         model = _gpt2("split13", extra_read=True)
     found = find_attention(model)
-    if kind != "extra_read":  # unequal parts: the head split no longer matches, nothing to absorb
-        assert all(not s.packed for s in found.sites)
-        if not found.sites or found.sites[0].layout & 7 != 7:
-            return
     (site,) = found.sites
     assert not site.packed and not site.layout & LAYOUT_BITS["packed"]
     assert any(__import__("re").search(note, n) for n in site.pack_notes), site.pack_notes
+    if kind != "extra_read":  # unequal parts: the head-split Reshapes do not fit them (ORT refuses to run it)
+        return
     fused, _ = fuse_attention(model)
     feeds = _feeds(2, 5)
     np.testing.assert_allclose(_library(fused, feeds), _stock(model, feeds), atol=2e-6, rtol=1e-5)

@@ -30,9 +30,10 @@ after their head-split Transposes) is part of the chain: its factor goes into th
 the Mul's input (so the Transpose before it is absorbed like any other), and the fallback body keeps the Mul.
 
 Head-split layouts: at rank 4, a Transpose making Q or V with perm (0, 2, 1, 3), or Kt with perm (0, 2, 3, 1),
-from a Reshape that splits the last dim into heads x d ([B, S, H*d] -> [B, S, H, d]) and read by the chain
-alone, is absorbed: the node takes the Reshape's output ([B, S, H, d]; for K the keys, which the kernel reads
-transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
+of a value [B, S, H, d] (H and d known integers: a Reshape splitting the last dim into heads x d, or LLaMA's
+rotary embedding and K/V head repeat after it, which tuner/attention_prepare.py moves the Transposes past) and
+read by the chain alone, is absorbed: the node takes that value ([B, S, H, d]; for K the keys, which the
+kernel reads transposed). A Transpose (0, 2, 1, 3) of the output read by a Reshape merging the heads ([B, S, H, d] ->
 [B, S, H*d], or [B*S, H*d] as GPT-2's dynamo export has it) is absorbed too: the node writes the Transpose's output. The node's ``layout`` attribute says which
 (tuner.attention.LAYOUT_BITS: q 1, k 2, v 4, out 8; docs/abi.md "attention layouts"), and its fallback function
 keeps the absorbed Transposes, so stock onnxruntime still computes exactly what the original did. A Transpose
@@ -42,7 +43,8 @@ Shapes of an absorbed head-split input or of the output may read them too: those
 and V are read packed, and only their leading dims (rewired to the projection, ``packed_shapes``); those of the
 output are rewired to the node's output, their dims picked back by the perm (``out_shapes``). The exporters'
 other forms around the chain (``Shape(Transpose(x))``, the dynamo export's Kt as Reshape -> Transpose ->
-Reshape) are rewritten beforehand by tuner/attention_prepare.py.
+Reshape, the rotary embedding and the K/V repeat after the head splits) are rewritten beforehand by
+tuner/attention_prepare.py.
 
 The fused node ``Attention(Q, Kt, V[, mask])`` keeps the output name of the last MatMul and carries the
 effective scale (``scale``: 1/c for Div, c for Mul, 1 without, times a * b of Q's and Kt's Muls), the head
@@ -464,7 +466,7 @@ def _perm(node: onnx.NodeProto) -> tuple[int, ...] | None:
 
 def _splits_heads(g: scan_mod._Graph, value: str) -> str | None:
     """Why ``value`` is not made by a Reshape splitting the last dim into heads x d ([B, S, H*d] -> [B, S, H,
-    d]), or None when it is."""
+    d]), or None when it is (what a packed projection's thirds go through)."""
     reshape = g.producers.get(value)
     if not _is(reshape, "Reshape"):
         return "its input is not made by a Reshape"
@@ -476,6 +478,19 @@ def _splits_heads(g: scan_mod._Graph, value: str) -> str | None:
     if (src[0] != dst[0] or src[1] != dst[1] or not isinstance(heads, int) or not isinstance(d, int)
             or src[2] != heads * d):
         return f"its Reshape {list(src)} -> {list(dst)} does not split the last dim into heads x d"
+    return None
+
+
+def _bshd(g: scan_mod._Graph, value: str) -> str | None:
+    """Why the node cannot read ``value`` as [B, S, H, d] (the input of a Transpose making its operand), or None:
+    its shape is known, of rank 4 with H and d known integers. Whatever makes it (the head split's Reshape, the
+    rotary embedding or the K/V head repeat after it, tuner/attention_prepare.py's moved Transposes), the node
+    reads it in place as the Transpose would have."""
+    shape = g.shapes.get(value)
+    if shape is None or len(shape) != 4:
+        return "its input is not known to be of rank 4"
+    if not isinstance(shape[2], int) or not isinstance(shape[3], int):
+        return f"its input {list(shape)} has no known heads x d"
     return None
 
 
@@ -495,8 +510,7 @@ def _head_split(g: scan_mod._Graph, op: str, value: str, reader: onnx.NodeProto,
     elif g.exclusive_consumer(value) is not reader:
         why = "is read by other nodes too"
     else:
-        split = _splits_heads(g, t.input[0])
-        why = None if split is None else split
+        why = _bshd(g, t.input[0])
     if why is not None:
         notes.append(f"{what} kept: {why}")
         return None
@@ -586,6 +600,8 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
     in equal thirds, Q's first, with the nodes the node absorbs (the Split or Slices, the Reshapes) and H; None,
     with a note in ``notes`` when such a Split or Slices is there but the node cannot read the projection (a
     value between read by other nodes, unequal thirds)."""
+    if not all(_is(g.producers.get(s), "Reshape") for s in splits):
+        return None  # not three Reshapes of the projection's thirds (a rotary embedding, a K/V repeat between)
     reshapes = [g.producers[s] for s in splits]
     parts = tuple(r.input[0] for r in reshapes)
     makers = [g.producers.get(p) for p in parts]
@@ -615,7 +631,7 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
         return keep("Q, K and V are not split from one tensor")
     source = sources.pop()
     dst = g.shapes.get(splits[0])
-    assert dst is not None  # _splits_heads checked the head splits' shapes
+    assert dst is not None and isinstance(dst[2], int) and isinstance(dst[3], int)  # _bshd checked the Transposes'
     heads, d = int(dst[2]), int(dst[3])
     width = heads * d
     shape = g.shapes.get(source)
@@ -625,6 +641,9 @@ def _packed_source(g: scan_mod._Graph, splits: tuple[str, ...], transposes: tupl
     why = _thirds(g, makers_, parts, width)
     if why is not None:
         return keep(why)
+    why = next((f"{value!r}: {w}" for value in splits for w in [_splits_heads(g, value)] if w is not None), None)
+    if why is not None:
+        return keep(f"a head split does not split its third's last dim ({why})")
     nodes = list({id(m): m for m in makers_}.values()) + reshapes
     return source, tuple(n.output[0] for n in nodes), heads, tuple(n.output[0] for n in shape_reads)
 

@@ -74,6 +74,9 @@ def _initializer(links: _Links, name: str) -> onnx.TensorProto | None:
 def _projection(links: _Links, head_split: str, op: str) -> _Projection:
     """The MatMul (and bias Add) making the value that ``head_split``'s Reshape splits into heads."""
     _, reshape = links.node(head_split, "head split")
+    if not _is(reshape, "Reshape"):  # LLaMA's Q and K: the rotary embedding; its K and V: the GQA head repeat
+        raise _Keep(f"{op} is not a head split of its projection: {reshape.op_type} {head_split!r} sits between "
+                    "(a rotary embedding or a K/V head repeat)")
     readers = [links.graph.node[i] for i in links.readers.get(head_split, [])]
     if head_split in links.outputs or sum(not _is(r, "Shape") for r in readers) != 1:  # Shapes: find_attention's
         raise _Keep(f"the {op} head split {head_split!r} is read by other nodes too")

@@ -942,7 +942,7 @@ def attention_report(path: str | Path) -> dict:
 
     # as optimize sees them: the exporters' Shape(Transpose) and Kt forms rewritten, Q/K/V projections merged
     # where exact (then read packed), or why not
-    prepared = prepare_attention(load_model(path, load_external_data=False), Path(path).parent, copy=False)[0]
+    prepared, prep = prepare_attention(load_model(path, load_external_data=False), Path(path).parent, copy=False)
     packed, pack = pack_projections(prepared, Path(path).parent, copy=False)
     found = find_attention(packed, Path(path).parent)
     pack_notes = dict(pack.notes)
@@ -955,7 +955,10 @@ def attention_report(path: str | Path) -> dict:
                        "packed_qkv": bool(s.packed), "merged_projections": s.output in pack.packed,
                        "pack_notes": list(s.pack_notes) + ([pack_notes[s.output]] if s.output in pack_notes else [])}
                       for s in found.sites],
-            "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped]}
+            "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped],
+            # head-split Transposes the pre-pass did not move past the ops between them and a chain (LLaMA's
+            # rotary embedding, its K/V head repeat), and why
+            "transposes_not_moved": [{"transpose": out, "reason": why} for out, why in prep.notes]}
 
 
 def _print_attention(report: dict) -> None:
@@ -980,6 +983,13 @@ def _print_attention(report: dict) -> None:
         for u in report["unfused"]:
             unfused.add_row(Text(u["softmax"]), Text(u["reason"]))
         console.print(unfused)
+    if report.get("transposes_not_moved"):
+        kept = Table(title=f"{len(report['transposes_not_moved'])} head-split Transposes not moved to their chain")
+        for col in ("transpose", "reason"):
+            kept.add_column(col, overflow="fold")
+        for k in report["transposes_not_moved"]:
+            kept.add_row(Text(k["transpose"]), Text(k["reason"]))
+        console.print(kept)
 
 
 def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_json: bool) -> int:
