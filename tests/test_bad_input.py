@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto
 
 import models.__main__ as models_cli
-from _bad_models import broken_files, matmul_model, save
+from _bad_models import broken_files, conv_model, matmul_model, save
 from dietcode_ort.bundle import node_bundles
 from dietcode_ort.cli import main
 
@@ -35,6 +35,8 @@ def _make_models(folder: Path) -> Path:
     save(matmul_model(rows=4), folder / "static.onnx")
     save(matmul_model(TensorProto.INT8), folder / "int8.onnx")
     save(matmul_model(TensorProto.DOUBLE), folder / "float64.onnx")
+    save(matmul_model(k=0), folder / "k0.onnx")
+    save(conv_model(), folder / "conv.onnx")
     broken_files(folder)
     return folder
 
@@ -101,6 +103,35 @@ def test_unsupported_dtypes_are_left_with_the_reason(work, capsys, dtype):
     out = work / f"{dtype}.opt.onnx"
     _refused(capsys, _optimize_args(work, model, out), "mm0", "unsupported dtype")
     assert not out.exists()
+
+
+def test_zero_size_dims_are_left_with_the_reason(work, capsys):
+    """K = 0: an empty product, nothing to tune (it once reached the tuner and divided by zero)."""
+    assert main(["scan", str(work / "k0.onnx"), "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert [s["node"] for s in skipped] == ["mm0"] and "K = 0" in skipped[0]["reason"], skipped
+    out = work / "k0.opt.onnx"
+    _refused(capsys, _optimize_args(work, work / "k0.onnx", out), "mm0", "K = 0")
+    assert not out.exists()
+
+
+def test_shapes_with_an_empty_output_are_left_out(work, capsys):
+    """A 3x3 conv without padding has no output rows for h < 3: those --dim values are left out with a
+    note, and a range of only such values is an error naming the workload (not a division by zero)."""
+    model = work / "conv.onnx"
+    assert main(["scan", str(model), "--dim", "n=1,2", "--dim", "h=1:5", "--json"]) == 0
+    captured = capsys.readouterr()
+    instances = json.loads(captured.out)["workloads"][0]["instances"]
+    assert sorted(i["values"]["h"] for i in instances) == [3, 3, 4, 4, 5, 5]
+    assert "left out 4 of 10 shapes" in captured.err and "M = -6 at h=1, n=1" in captured.err, captured.err
+    out = work / "conv.opt.onnx"
+    args = ["optimize", str(model), "-o", str(out), "--measure", "analytic", "--budget", "8", "--quiet", "--db",
+            str(work / "tuning.db"), "--dim", "n=1"]
+    _refused(capsys, [*args, "--dim", "h=1,2"], "Conv workload", "every shape", "M = -6 at h=1")
+    assert not out.exists()
+    assert main([*args, "--dim", "h=1:6"]) == 0, capsys.readouterr().err
+    assert "left out 2 of 6 shapes" in capsys.readouterr().err
+    assert onnx.load(str(out)).graph.node[0].domain == "ai.dietcode"
 
 
 # --- --dim specs --------------------------------------------------------------------------------------

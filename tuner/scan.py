@@ -8,6 +8,7 @@ match-or-refuse rules do: a refusal is data that ``scan`` shows, not an exceptio
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -26,6 +27,8 @@ from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
 from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
            "scan_command", "attention_report", "node_reads"]
@@ -639,6 +642,10 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             exprs = [info["m"], info["n"], info["k"], info["batch"], *info.get("conv_input", ())]
             if not _is_dynamic(*exprs):
                 raise _Refuse("static shapes: no symbolic dim to tune over")
+            empty = [f"{label} = {e}" for label, e in zip(("M", "N", "K", "batch"), exprs)
+                     if e.lstrip("-").isdigit() and int(e) <= 0]
+            if empty:
+                raise _Refuse(f"a zero-size dim ({', '.join(empty)}): an empty product, nothing to tune")
             unknown = _free_symbols(*exprs) - set(symbols)
             if unknown:
                 raise _Refuse(f"shape depends on data-dependent dim(s) {', '.join(sorted(unknown))}")
@@ -697,13 +704,37 @@ def attach_instances(result: ScanResult, dims: Sequence[str] = (), shapes_file: 
                     raise DietcodeError(f"shape log {shapes_file}: a record gives no value for symbol(s) "
                                         f"{', '.join(missing)}")
                 counts[tuple((s, values[s]) for s in w.symbols)] += count
-            workloads.append(replace(w, instances=tuple(Instance(k, v) for k, v in sorted(counts.items()))))
+            workloads.append(_nonempty(replace(w, instances=tuple(Instance(k, v)
+                                                                  for k, v in sorted(counts.items())))))
         return replace(result, workloads=tuple(workloads))
     specs = parse_dim_options(dims, result.symbols)
     if not specs:
         return result
-    return replace(result, workloads=tuple(replace(w, instances=instances_from_dims(specs, w.symbols))
+    return replace(result, workloads=tuple(_nonempty(replace(w, instances=instances_from_dims(specs, w.symbols)))
                                            for w in result.workloads))
+
+
+def _nonempty(w: Workload) -> Workload:
+    """The workload without the instances whose product is empty (M, N, K or the batch <= 0: a conv's input
+    smaller than its kernel window, say), with a note; an error when no instance is left."""
+    kept, empty = [], []
+    for instance in w.instances:
+        problem = w.problem(instance)
+        sizes = {"M": problem.m, "N": problem.n, "K": problem.k, "batch": problem.batch}
+        zero = [f"{label} = {value}" for label, value in sizes.items() if value <= 0]
+        (empty.append((instance, zero)) if zero else kept.append(instance))
+    if not empty:
+        return w
+    instance, zero = empty[0]
+    example = f"{', '.join(zero)} at {', '.join(f'{k}={v}' for k, v in instance.values)}"
+    what = (f"{w.onnx_op} workload M={w.m} N={w.n} K={w.k} (output {', '.join(repr(n) for n in w.nodes[:3])}"
+            f"{', ...' if len(w.nodes) > 3 else ''})")
+    if not kept:
+        raise DietcodeError(f"{what}: every shape given has no output ({example}; M, N, K must be positive): "
+                            f"give larger --dim values")
+    _log.warning("%s: left out %d of %d shapes with no output (%s; M, N, K must be positive)", what, len(empty),
+                 len(w.instances), example)
+    return replace(w, instances=tuple(kept))
 
 
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
