@@ -167,7 +167,8 @@ def test_bad_shape_logs(work, capsys, tmp_path):
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
 
 
-@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--budget", "0"), "--budget"),
+@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--seed", str(2 ** 32)), "--seed"),
+                                             (("--budget", "0"), "--budget"),
                                              (("--max-kernels", "0"), "--max-kernels"),
                                              (("--measure", "magic"), "magic")])
 def test_bad_numbers_and_measurers(work, capsys, option, needle):
@@ -193,6 +194,8 @@ def test_bad_target(work, capsys):
     out = work / "never.onnx"
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_75"), "sm_75")
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,bogus"), "bogus")
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,sm_90"), "sm_90 twice")
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", ",,"), "names no GPU arch")
     _refused(capsys, ["space", "--target", "sm_75", "--op", "gemm", "--estimate"], "sm_75")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "nope"], "nope")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--dtype", "int8"], "int8")

@@ -371,10 +371,13 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     if options.max_kernels < 1:
         raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
-    if options.seed < 0:
-        raise DietcodeError(f"--seed must be >= 0, got {options.seed}")
+    if not 0 <= options.seed < 2 ** 32:
+        raise DietcodeError(f"--seed must be >= 0 and below 2**32, got {options.seed}")
     if not options.targets:
         raise DietcodeError("--target names no GPU arch")
+    twice = sorted({t for t in options.targets if options.targets.count(t) > 1})
+    if twice:
+        raise DietcodeError(f"--target gives {', '.join(twice)} twice")
     aot.check_fp32_precision(options.fp32_precision)
     for target in options.targets:
         get_profile(target)
