@@ -679,7 +679,30 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     workloads = tuple(replace(protos[key], nodes=tuple(m[0] for m in members),
                               fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
+    skipped.extend(_nested(model))
     return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused))
+
+
+def _nested(model: onnx.ModelProto) -> list[Skipped]:
+    """The MatMul/Gemm/Conv nodes outside the main graph, which are not tuned: in a control-flow node's
+    subgraphs (If branches, Loop and Scan bodies) and in model-local functions (but the fallback functions of
+    ai.dietcode nodes), each with where it is."""
+    out: list[Skipped] = []
+
+    def walk(nodes: Sequence[onnx.NodeProto], where: str) -> None:
+        for node in nodes:
+            if where and node.op_type in _OPS and node.domain in ("", "ai.onnx"):
+                out.append(Skipped(_label(node), node.op_type,
+                                   f"inside {where}: not tuned (only the main graph's nodes are)"))
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                    walk(sub.node, f"the {attr.name} of {node.op_type} {_label(node)!r}")
+
+    walk(model.graph.node, "")
+    for function in model.functions:
+        if function.domain != "ai.dietcode":
+            walk(function.node, f"the model-local function {function.domain}.{function.name}")
+    return out
 
 
 def _group_key(w: Workload) -> tuple:
