@@ -36,6 +36,10 @@ def _make_models(folder: Path) -> Path:
     save(matmul_model(TensorProto.INT8), folder / "int8.onnx")
     save(matmul_model(TensorProto.DOUBLE), folder / "float64.onnx")
     save(matmul_model(k=0), folder / "k0.onnx")
+    unnamed = matmul_model()
+    unnamed.graph.input[0].type.tensor_type.shape.dim[0].Clear()  # dynamic, but neither a value nor a name
+    save(unnamed, folder / "unnamed.onnx")
+    save(matmul_model(rows=-3), folder / "negative.onnx")
     save(conv_model(), folder / "conv.onnx")
     broken_files(folder)
     return folder
@@ -89,6 +93,20 @@ def test_static_model_cannot_be_optimized(work, capsys):
     out = work / "static.opt.onnx"
     _refused(capsys, ["optimize", str(work / "static.onnx"), "-o", str(out), "--measure", "analytic", "--quiet",
                       "--db", str(work / "tuning.db")], "no symbolic dims")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model, needles", [
+    ("unnamed.onnx", ("input 'x'", "axis 0", "no name")),
+    ("negative.onnx", ("input 'x'", "axis 0", "-3")),
+])
+def test_input_dims_without_a_name_or_negative(work, capsys, model, needles):
+    """A dynamic dim without a name cannot take --dim values, and a negative dim is no shape: both are named
+    (the first was called a model without dynamic axes, the second a failed shape inference)."""
+    out = work / "never.onnx"
+    _refused(capsys, ["scan", str(work / model)], *needles)
+    _refused(capsys, ["optimize", str(work / model), "-o", str(out), "--measure", "analytic", "--quiet", "--db",
+                      str(work / "tuning.db")], *needles)
     assert not out.exists()
 
 

@@ -93,6 +93,27 @@ def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | None, ...]]:
     return out
 
 
+def _check_input_dims(model: onnx.ModelProto) -> None:
+    """Refuse a graph input with a negative dim (no shape) or, in a model without named dims, a dynamic dim
+    without a name: --dim and shape logs give values by name, so such a model cannot be tuned as it is."""
+    inits = {i.name for i in model.graph.initializer}
+    unnamed = []
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value < 0:
+                raise DietcodeError(f"input {vi.name!r} has dim {d.dim_value} at axis {axis}: dims are sizes >= 0, "
+                                    "or names for dynamic ones")
+            if not d.HasField("dim_value") and not d.dim_param:
+                unnamed.append(f"input {vi.name!r} axis {axis}")
+    if unnamed and not any(s for dims in model_symbols(model).values() for s in dims if s):
+        raise DietcodeError(f"the model's dynamic dims have no name ({', '.join(unnamed[:4])}"
+                            f"{', ...' if len(unnamed) > 4 else ''}): --dim and --shapes give values by name; "
+                            "name them (dim_param: the exporter's dynamic axes names, or "
+                            "onnx.tools.update_model_dims.update_inputs_outputs_dims)")
+
+
 _SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape inference (shape constants)
 
 
@@ -621,6 +642,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
     """
     input_dims = model_symbols(model)
+    _check_input_dims(model)
     symbols = tuple(sorted({s for dims in input_dims.values() for s in dims if s}))
     if not symbols:
         return ScanResult((), (), (), input_dims)
