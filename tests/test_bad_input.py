@@ -170,6 +170,17 @@ def test_bad_dim_specs(work, capsys, spec, command):
     assert not (work / "never.onnx").exists()
 
 
+@pytest.mark.parametrize("name, option", [("a=b", "a=b=1:4"), (" n ", "n=1:4"), (" n ", " n =1:4"),
+                                          ("größe x", "größe x=1:4")])
+def test_dim_names_as_exporters_write_them(work, capsys, name, option):
+    """--dim takes a model's dim names as they are: a name may hold '=' (SPEC never does), and one with
+    surrounding spaces is found by the name without them."""
+    model = save(matmul_model(rows=name), work / "named.onnx")
+    assert main(["scan", str(model), "--dim", option, "--json"]) == 0, capsys.readouterr().err
+    (w,) = json.loads(capsys.readouterr().out)["workloads"]
+    assert [i["values"] for i in w["instances"]] == [{name: v} for v in range(1, 5)]
+
+
 def test_bad_shape_logs(work, capsys, tmp_path):
     cases = {'[{"x": [4, 16], "count": Infinity}]': "bad count", '[{"x": [true, 16]}]': "integers",
              '[{"x": [4, 16], "count": true}]': "bad count", '[{"x": [4, 16], "count": NaN}]': "bad count",

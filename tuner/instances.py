@@ -80,7 +80,7 @@ def _bucket(values: Sequence[int], weights: Sequence[float] | None, n: int) -> t
 def parse_dim_spec(option: str) -> DimSpec:
     """Parse one ``NAME=SPEC`` option (see the module docstring); more than MAX_INSTANCES values are
     bucketed (and the output says so)."""
-    name, sep, spec = option.partition("=")
+    name, sep, spec = option.rpartition("=")  # a dim name may hold '=' (an exporter's text), SPEC never does
     name, spec = name.strip(), spec.strip()
     if not sep or not name or not spec:
         raise DietcodeError(f"--dim {option!r}: expected NAME=SPEC, e.g. seq=1:128, seq=1:128:8 or batch=1,4,8")
@@ -159,6 +159,9 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[st
     specs: dict[str, DimSpec] = {}
     for option in options:
         spec = parse_dim_spec(option)
+        padded = [s for s in known if s.strip() == spec.name]
+        if spec.name not in known and len(padded) == 1:  # a model's name with spaces around it
+            spec = DimSpec(padded[0], spec.values)
         if spec.name not in known:
             raise DietcodeError(f"--dim names symbol {spec.name!r}, which the model does not have; "
                                 f"its symbols are: {', '.join(known) or '(none)'}")
