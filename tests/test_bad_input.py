@@ -385,6 +385,16 @@ def optimized(work: Path) -> Path:
     return out
 
 
+def test_an_optimized_model_is_not_optimized_again(work, capsys, optimized):
+    """Its custom nodes are listed with the reason, and optimize names it (the error listed no reason)."""
+    assert main(["scan", str(optimized), "--dim", "n=1:4", "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert [s["node"] for s in skipped] == ["mm0"] and "optimized by dietcode-ort" in skipped[0]["reason"]
+    out = work / "twice.onnx"
+    _refused(capsys, _optimize_args(work, optimized, out), "mm0", "optimized by dietcode-ort", "original model")
+    assert not out.exists()
+
+
 def _edit_custom_node(src: Path, dst: Path, attr: str, value) -> Path:
     from onnx import helper
 

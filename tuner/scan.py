@@ -655,6 +655,9 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     skipped, unfused = [], []
     claimed: set[int] = set()  # ids of the nodes absorbed so far (a shortcut Add between two convs: one takes it)
     for node in model.graph.node:
+        if node.domain == "ai.dietcode":
+            skipped.append(Skipped(_label(node), node.op_type, "an ai.dietcode node: the model was optimized by "
+                                                               "dietcode-ort already (optimize the original model)"))
         if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
             continue
         name = _label(node)
