@@ -366,8 +366,32 @@ def _run(args: argparse.Namespace) -> int:
     except MemoryError:
         print("error: out of memory (fewer instances: narrower --dim ranges or a coarser step)", file=sys.stderr)
         return 2
+    except BrokenPipeError as exc:
+        if not _stdout_closed():
+            return _internal(exc)
+        return 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader left (`... | head`)
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback only on request
         return _internal(exc)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``dietcode-ort inspect --json OUT | head``: the
+    kernel flags its write end with POLLERR); if so, stdout is sent to /dev/null so that the interpreter's last
+    flush at exit does not fail again."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file behind stdout (a capture), or no poll
+        return False
+    return True
 
 
 def _internal(exc: Exception) -> int:

@@ -395,6 +395,26 @@ def test_an_optimized_model_is_not_optimized_again(work, capsys, optimized):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv", [["inspect", "--json"], ["scan", "--dim", "n=1:4", "--json"]])
+def test_output_piped_into_a_reader_that_stops(work, optimized, argv):
+    """``dietcode-ort inspect --json OUT | head``: the reader leaving is no bug (it was an internal error)."""
+    import os
+    import subprocess
+    import sys
+
+    from _bad_models import ROOT
+
+    model = str(optimized if argv[0] == "inspect" else work / "tiny.onnx")
+    proc = subprocess.Popen([sys.executable, "-m", "dietcode_ort", argv[0], model, *argv[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes: its first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "internal error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def _edit_custom_node(src: Path, dst: Path, attr: str, value) -> Path:
     from onnx import helper
 
