@@ -133,6 +133,28 @@ def test_nodes_in_subgraphs_and_functions_are_listed_with_the_reason():
     assert "function local.Linear" in reasons["f_gemm"]
 
 
+def test_loop_without_its_optional_inputs():
+    """A Loop whose trip count and condition are both left out (``""``, as the spec allows) failed ORT's
+    symbolic shape inference (KeyError: ''), which refused the whole model."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["v_in", "w"], ["v_out"], name="body_mm"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["n", 4])])
+    for trip, cond in (("", ""), ("trip", ""), ("", "go")):
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["p"], name="pre"),
+                 helper.make_node("Loop", [trip, cond, "p"], ["v"], body=body, name="loop")]
+        inits = [_w("w", (4, 4)), numpy_helper.from_array(np.array(3, np.int64), "trip"),
+                 numpy_helper.from_array(np.array(False), "go")]
+        result = scan_model(_model(nodes, [x], [helper.make_tensor_value_info("v", TensorProto.FLOAT, None)], inits))
+        assert [w.nodes for w in result.workloads] == [("p",)]
+        assert [k.node for k in result.skipped] == ["body_mm"]
+
+
 def test_conv_gemm_view_and_problem():
     img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 3, "h", "w"])
     z = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)

@@ -141,7 +141,33 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     copy.graph.input.extend(as_inputs)
     for node in copy.graph.node:
         _constant_as_tensor(node)
+    _name_loop_optionals(copy)
     return copy
+
+
+def _name_loop_optionals(model: onnx.ModelProto) -> None:
+    """Give the Loops (of the graph and its subgraphs) whose trip count or condition is left out (``""``) an
+    unbounded count and a true condition, in place, as the spec reads a missing one: SymbolicShapeInference
+    looks every Loop input up by name (KeyError: '' otherwise)."""
+    names = {"M": "dietcode_loop_unbounded", "cond": "dietcode_loop_true"}
+    used = False
+
+    def walk(graph: onnx.GraphProto) -> None:
+        nonlocal used
+        for node in graph.node:
+            if node.op_type == "Loop" and node.domain in ("", "ai.onnx") and len(node.input) >= 2:
+                for i, key in enumerate(("M", "cond")):
+                    if not node.input[i]:
+                        node.input[i] = names[key]
+                        used = True
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    if used:
+        model.graph.initializer.extend([numpy_helper.from_array(np.array(np.iinfo(np.int64).max), names["M"]),
+                                        numpy_helper.from_array(np.array(True), names["cond"])])
 
 
 def _alias_dims(model: onnx.ModelProto) -> dict[str, str]:
