@@ -88,6 +88,22 @@ def test_broken_model_files(work, capsys, kind, command):
     assert not (work / "never.onnx").exists()
 
 
+def test_model_without_a_tunable_op(work, capsys):
+    """Symbolic dims but no MatMul/Gemm/Conv (MatMulInteger is another op): the error said "can be optimized:"
+    and listed nothing."""
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = save(model, work / "relu.onnx")
+    out = work / "relu.opt.onnx"
+    line = _refused(capsys, _optimize_args(work, path, out), "no MatMul, Gemm or Conv node")
+    assert not line.rstrip().endswith(":"), line
+    assert not out.exists()
+
+
 def test_static_model_cannot_be_optimized(work, capsys):
     _refused(capsys, ["scan", str(work / "static.onnx")], "no symbolic dims")
     out = work / "static.opt.onnx"

@@ -158,6 +158,9 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
+    if not scanned.workloads and not scanned.skipped:
+        raise DietcodeError(f"{model_path}: no MatMul, Gemm or Conv node in its graph: nothing to optimize "
+                            "(other ops, MatMulInteger and the quantized ones included, are not tuned)")
     if not scanned.workloads:
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
