@@ -126,6 +126,22 @@ def test_input_dims_without_a_name_or_negative(work, capsys, model, needles):
     assert not out.exists()
 
 
+def test_input_without_a_shape_is_named(work, capsys):
+    """Shape inference cannot run past a graph input of unknown rank: the error names the input (it gave
+    only inference's own TypeError)."""
+    shapeless = matmul_model()
+    shapeless.graph.input[0].type.tensor_type.ClearField("shape")
+    shapeless.graph.output[0].type.tensor_type.ClearField("shape")
+    second = matmul_model().graph.input[0]
+    second.name = "x2"
+    second.type.tensor_type.shape.dim[0].dim_param = "m"
+    shapeless.graph.input.append(second)
+    shapeless.graph.node.append(onnx.helper.make_node("MatMul", ["x2", "w0"], ["y2"], name="mm1"))
+    shapeless.graph.output.append(onnx.helper.make_tensor_value_info("y2", TensorProto.FLOAT, None))
+    path = save(shapeless, work / "shapeless.onnx")
+    _refused(capsys, ["scan", str(path), "--dim", "m=1:4"], "shape inference", "input 'x' has no shape")
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float64"])
 def test_unsupported_dtypes_are_left_with_the_reason(work, capsys, dtype):
     model = work / f"{dtype}.onnx"

@@ -240,7 +240,12 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
             finally:
                 os.chdir(cwd)
     except Exception as exc:
-        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc})") \
+        inits = {t.name for t in model.graph.initializer}
+        shapeless = [vi.name for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")
+                     and not vi.type.tensor_type.HasField("shape")]
+        hint = (f"; input {shapeless[0]!r} has no shape (not even a rank): give every graph input its rank, "
+                "with names for the dynamic dims" if shapeless else "")
+        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc}){hint}") \
             from None
     if inferred is None:
         raise DietcodeError("symbolic shape inference could not complete on this model")
