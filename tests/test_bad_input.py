@@ -486,6 +486,16 @@ def test_doctor_with_a_bad_prebuilt_library(capsys, monkeypatch, tmp_path):
     assert "[fail] custom-op library" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kind", ["empty", "truncated", "text"])
+def test_doctor_with_a_broken_model_file(work, capsys, kind):
+    """doctor MODEL fails on what inspect refuses (an empty file passed as a model without custom nodes)."""
+    path = work / f"{kind}.onnx"
+    assert main(["doctor", "--no-build", str(path)]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if f"model {path}" in x)
+    assert line.startswith("[fail]") and "not a readable ONNX model" in line, line
+
+
 def test_doctor_with_an_unwritable_build_cache(capsys, monkeypatch, read_only_dir):
     monkeypatch.delenv("DIETCODE_ORT_LIBRARY", raising=False)
     monkeypatch.setenv("DIETCODE_ORT_BUILD_DIR", str(read_only_dir / "library"))
