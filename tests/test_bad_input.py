@@ -226,6 +226,8 @@ def test_bad_shape_logs(work, capsys, tmp_path):
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path)], "cannot be read")
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path / "nope.json")], "not found")
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
+    log.write_text('[{"x": [4, 16]}, {"x": [4, 17]}]')  # a log of another model: x's second dim is 16 here
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], "record 1", "axis 1", "16", "17")
 
 
 @pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--seed", str(2 ** 32)), "--seed"),

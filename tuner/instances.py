@@ -187,11 +187,12 @@ def instances_from_dims(specs: Mapping[str, DimSpec], symbols: Sequence[str]) ->
     return tuple(out)
 
 
-def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence[str | None]]
+def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence[str | int | None]]
                              ) -> dict[tuple[tuple[str, int], ...], float]:
     """Read a shape log; return each observed assignment of the model's symbols with its count.
 
-    ``input_dims`` maps each graph input to its dims' symbol names (None for a fixed dim).
+    ``input_dims`` maps each graph input to its dims: symbol names, sizes where fixed (a record must agree),
+    None where neither is known.
     """
     path = Path(path)
     try:
@@ -233,8 +234,11 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
                     not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_DIM for d in shape):
                 raise DietcodeError(f"shape log {path}: record {i}: input {name!r} needs a list of "
                                     f"{len(dims)} integers in 1..{MAX_DIM}, got {shape!r}")
-            for symbol, value in zip(dims, shape):
-                if symbol is None:
+            for axis, (symbol, value) in enumerate(zip(dims, shape)):
+                if isinstance(symbol, int) and value != symbol:
+                    raise DietcodeError(f"shape log {path}: record {i}: input {name!r} has {value} at axis {axis}, "
+                                        f"where the model's size is {symbol} (a log of another model?)")
+                if not isinstance(symbol, str):
                     continue
                 if values.setdefault(symbol, value) != value:
                     raise DietcodeError(f"shape log {path}: record {i} gives symbol {symbol!r} two values "

@@ -54,7 +54,7 @@ class ScanResult:
     symbols: tuple[str, ...]
     workloads: tuple[Workload, ...]
     skipped: tuple[Skipped, ...]
-    input_dims: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    input_dims: dict[str, tuple[str | int | None, ...]] = field(default_factory=dict)  # model_symbols
     unfused: tuple[Skipped, ...] = ()  # Add/activation nodes after a workload node that stay unfused, and why
 
 
@@ -82,15 +82,22 @@ def load_model(path: str | Path, load_external_data: bool = True) -> onnx.ModelP
     return model
 
 
-def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | None, ...]]:
-    """Each graph input (that is not an initializer) and its dims' symbol names (None where fixed)."""
+def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | int | None, ...]]:
+    """Each graph input (that is not an initializer) and its dims: the symbol's name, the size where fixed,
+    None where neither is given."""
     inits = {i.name for i in model.graph.initializer}
     out = {}
     for vi in model.graph.input:
         if vi.name in inits or not vi.type.HasField("tensor_type"):
             continue
-        out[vi.name] = tuple(d.dim_param if d.dim_param else None for d in vi.type.tensor_type.shape.dim)
+        out[vi.name] = tuple(d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None
+                             for d in vi.type.tensor_type.shape.dim)
     return out
+
+
+def _names(input_dims: dict[str, tuple[str | int | None, ...]]) -> tuple[str, ...]:
+    """The symbol names of ``model_symbols``' answer, sorted."""
+    return tuple(sorted({s for dims in input_dims.values() for s in dims if isinstance(s, str) and s}))
 
 
 def _check_input_dims(model: onnx.ModelProto) -> None:
@@ -107,7 +114,7 @@ def _check_input_dims(model: onnx.ModelProto) -> None:
                                     "or names for dynamic ones")
             if not d.HasField("dim_value") and not d.dim_param:
                 unnamed.append(f"input {vi.name!r} axis {axis}")
-    if unnamed and not any(s for dims in model_symbols(model).values() for s in dims if s):
+    if unnamed and not _names(model_symbols(model)):
         raise DietcodeError(f"the model's dynamic dims have no name ({', '.join(unnamed[:4])}"
                             f"{', ...' if len(unnamed) > 4 else ''}): --dim and --shapes give values by name; "
                             "name them (dim_param: the exporter's dynamic axes names, or "
@@ -674,7 +681,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     """
     input_dims = model_symbols(model)
     _check_input_dims(model)
-    symbols = tuple(sorted({s for dims in input_dims.values() for s in dims if s}))
+    symbols = _names(input_dims)
     if not symbols:
         return ScanResult((), (), (), input_dims)
     copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
