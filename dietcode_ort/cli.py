@@ -167,12 +167,14 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from tuner import optimize
 
     targets = tuple(t.strip() for t in args.target.split(",") if t.strip())
+    if not args.target.strip():  # not given: this machine's GPU (',,' names none: refused with the options)
+        targets = optimize.default_targets()
     min_driver = toolchain.parse_driver(args.min_driver)
     toolchain.max_ptx_isa(min_driver)  # a driver the PTX table knows
     if args.ptxas is not None:
         toolchain.ptxas_version(args.ptxas)  # it runs and says its version, before any tuning
     options = optimize.OptimizeOptions(
-        targets=targets if args.target.strip() else optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
+        targets=targets, measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
