@@ -167,12 +167,14 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from tuner import optimize
 
     targets = tuple(t.strip() for t in args.target.split(",") if t.strip())
+    if not args.target.strip():  # not given: this machine's GPU (',,' names none: refused with the options)
+        targets = optimize.default_targets()
     min_driver = toolchain.parse_driver(args.min_driver)
     toolchain.max_ptx_isa(min_driver)  # a driver the PTX table knows
     if args.ptxas is not None:
         toolchain.ptxas_version(args.ptxas)  # it runs and says its version, before any tuning
     options = optimize.OptimizeOptions(
-        targets=targets or optimize.default_targets(), measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
+        targets=targets, measure=args.measure, budget=args.budget, max_kernels=args.max_kernels,
         db=Path(args.db) if args.db else optimize.default_db(), seed=args.seed, dims=tuple(args.dim),
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -366,8 +368,32 @@ def _run(args: argparse.Namespace) -> int:
     except MemoryError:
         print("error: out of memory (fewer instances: narrower --dim ranges or a coarser step)", file=sys.stderr)
         return 2
+    except BrokenPipeError as exc:
+        if not _stdout_closed():
+            return _internal(exc)
+        return 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader left (`... | head`)
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback only on request
         return _internal(exc)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``dietcode-ort inspect --json OUT | head``: the
+    kernel flags its write end with POLLERR); if so, stdout is sent to /dev/null so that the interpreter's last
+    flush at exit does not fail again."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file behind stdout (a capture), or no poll
+        return False
+    return True
 
 
 def _internal(exc: Exception) -> int:

@@ -172,16 +172,12 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
     kernel where no other image of theirs loads) or there is no driver to compare with."""
     from pathlib import Path
 
-    import onnx
-
     from dietcode_ort.bundle import Bundle, node_bundles, read_bundle, select_image
+    from dietcode_ort.inspect_model import load_optimized
     from dietcode_ort.toolchain import format_driver, format_isa
 
     name = f"model {Path(path).name}"
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as exc:  # a doctor reports, it does not raise
-        raise DietcodeError(f"cannot read {path} as an ONNX model ({exc})") from None
+    model = load_optimized(path)  # what inspect reads, with its errors (the check reports them)
     bundles: dict[str, Bundle] = {}
     for where in node_bundles(model, str(Path(path).parent)):
         if where.initializer not in bundles:

@@ -6,11 +6,14 @@ code that drives kernels without a session.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from dietcode_ort.build import C_ABI_VERSION, library_path
 from dietcode_ort.errors import DietcodeError
@@ -74,12 +77,37 @@ def provider_usable(provider: Any) -> bool:
             opts = ort.SessionOptions()
             opts.log_severity_level = 4  # the failure is the answer, not something to print
             try:
-                sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                            providers=[provider, "CPUExecutionProvider"])
+                with _native_stderr_discarded():  # ORT's default logger reports a provider library's failure
+                    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                                providers=[provider, "CPUExecutionProvider"])
                 _USABLE[key] = name in sess.get_providers()
             except Exception:  # noqa: BLE001 - a provider that cannot start is unusable
                 _USABLE[key] = False
         return _USABLE[key]
+
+
+@contextlib.contextmanager
+def _native_stderr_discarded() -> Iterator[None]:
+    """File descriptor 2 goes to /dev/null while the block runs: what native code prints there is dropped
+    (ORT writes a provider library that fails to load through its default logger, not the session's)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2: nothing to hide
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def library_needed(providers: Sequence[Any]) -> bool:

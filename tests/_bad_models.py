@@ -71,3 +71,15 @@ def varied_model(layers: int = 6) -> onnx.ModelProto:
                               opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
+
+
+def conv_model(kernel: int = 3, channels: int = 4) -> onnx.ModelProto:
+    """x[n, channels, h, 8] -> Conv(kernel x kernel, no padding): the output is empty (or negative) for h < kernel."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, channels, kernel, kernel)).astype(np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", channels, "h", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv0")], "conv", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model

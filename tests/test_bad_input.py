@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto
 
 import models.__main__ as models_cli
-from _bad_models import broken_files, matmul_model, save
+from _bad_models import broken_files, conv_model, matmul_model, save
 from dietcode_ort.bundle import node_bundles
 from dietcode_ort.cli import main
 
@@ -35,6 +35,12 @@ def _make_models(folder: Path) -> Path:
     save(matmul_model(rows=4), folder / "static.onnx")
     save(matmul_model(TensorProto.INT8), folder / "int8.onnx")
     save(matmul_model(TensorProto.DOUBLE), folder / "float64.onnx")
+    save(matmul_model(k=0), folder / "k0.onnx")
+    unnamed = matmul_model()
+    unnamed.graph.input[0].type.tensor_type.shape.dim[0].Clear()  # dynamic, but neither a value nor a name
+    save(unnamed, folder / "unnamed.onnx")
+    save(matmul_model(rows=-3), folder / "negative.onnx")
+    save(conv_model(), folder / "conv.onnx")
     broken_files(folder)
     return folder
 
@@ -82,12 +88,58 @@ def test_broken_model_files(work, capsys, kind, command):
     assert not (work / "never.onnx").exists()
 
 
+def test_model_without_a_tunable_op(work, capsys):
+    """Symbolic dims but no MatMul/Gemm/Conv (MatMulInteger is another op): the error said "can be optimized:"
+    and listed nothing."""
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = save(model, work / "relu.onnx")
+    out = work / "relu.opt.onnx"
+    line = _refused(capsys, _optimize_args(work, path, out), "no MatMul, Gemm or Conv node")
+    assert not line.rstrip().endswith(":"), line
+    assert not out.exists()
+
+
 def test_static_model_cannot_be_optimized(work, capsys):
     _refused(capsys, ["scan", str(work / "static.onnx")], "no symbolic dims")
     out = work / "static.opt.onnx"
     _refused(capsys, ["optimize", str(work / "static.onnx"), "-o", str(out), "--measure", "analytic", "--quiet",
                       "--db", str(work / "tuning.db")], "no symbolic dims")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model, needles", [
+    ("unnamed.onnx", ("input 'x'", "axis 0", "no name")),
+    ("negative.onnx", ("input 'x'", "axis 0", "-3")),
+])
+def test_input_dims_without_a_name_or_negative(work, capsys, model, needles):
+    """A dynamic dim without a name cannot take --dim values, and a negative dim is no shape: both are named
+    (the first was called a model without dynamic axes, the second a failed shape inference)."""
+    out = work / "never.onnx"
+    _refused(capsys, ["scan", str(work / model)], *needles)
+    _refused(capsys, ["optimize", str(work / model), "-o", str(out), "--measure", "analytic", "--quiet", "--db",
+                      str(work / "tuning.db")], *needles)
+    assert not out.exists()
+
+
+def test_input_without_a_shape_is_named(work, capsys):
+    """Shape inference cannot run past a graph input of unknown rank: the error names the input (it gave
+    only inference's own TypeError)."""
+    shapeless = matmul_model()
+    shapeless.graph.input[0].type.tensor_type.ClearField("shape")
+    shapeless.graph.output[0].type.tensor_type.ClearField("shape")
+    second = matmul_model().graph.input[0]
+    second.name = "x2"
+    second.type.tensor_type.shape.dim[0].dim_param = "m"
+    shapeless.graph.input.append(second)
+    shapeless.graph.node.append(onnx.helper.make_node("MatMul", ["x2", "w0"], ["y2"], name="mm1"))
+    shapeless.graph.output.append(onnx.helper.make_tensor_value_info("y2", TensorProto.FLOAT, None))
+    path = save(shapeless, work / "shapeless.onnx")
+    _refused(capsys, ["scan", str(path), "--dim", "m=1:4"], "shape inference", "input 'x' has no shape")
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float64"])
@@ -101,6 +153,35 @@ def test_unsupported_dtypes_are_left_with_the_reason(work, capsys, dtype):
     out = work / f"{dtype}.opt.onnx"
     _refused(capsys, _optimize_args(work, model, out), "mm0", "unsupported dtype")
     assert not out.exists()
+
+
+def test_zero_size_dims_are_left_with_the_reason(work, capsys):
+    """K = 0: an empty product, nothing to tune (it once reached the tuner and divided by zero)."""
+    assert main(["scan", str(work / "k0.onnx"), "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert [s["node"] for s in skipped] == ["mm0"] and "K = 0" in skipped[0]["reason"], skipped
+    out = work / "k0.opt.onnx"
+    _refused(capsys, _optimize_args(work, work / "k0.onnx", out), "mm0", "K = 0")
+    assert not out.exists()
+
+
+def test_shapes_with_an_empty_output_are_left_out(work, capsys):
+    """A 3x3 conv without padding has no output rows for h < 3: those --dim values are left out with a
+    note, and a range of only such values is an error naming the workload (not a division by zero)."""
+    model = work / "conv.onnx"
+    assert main(["scan", str(model), "--dim", "n=1,2", "--dim", "h=1:5", "--json"]) == 0
+    captured = capsys.readouterr()
+    instances = json.loads(captured.out)["workloads"][0]["instances"]
+    assert sorted(i["values"]["h"] for i in instances) == [3, 3, 4, 4, 5, 5]
+    assert "left out 4 of 10 shapes" in captured.err and "M = -6 at h=1, n=1" in captured.err, captured.err
+    out = work / "conv.opt.onnx"
+    args = ["optimize", str(model), "-o", str(out), "--measure", "analytic", "--budget", "8", "--quiet", "--db",
+            str(work / "tuning.db"), "--dim", "n=1"]
+    _refused(capsys, [*args, "--dim", "h=1,2"], "Conv workload", "every shape", "M = -6 at h=1")
+    assert not out.exists()
+    assert main([*args, "--dim", "h=1:6"]) == 0, capsys.readouterr().err
+    assert "left out 2 of 6 shapes" in capsys.readouterr().err
+    assert onnx.load(str(out)).graph.node[0].domain == "ai.dietcode"
 
 
 # --- --dim specs --------------------------------------------------------------------------------------
@@ -121,6 +202,17 @@ def test_bad_dim_specs(work, capsys, spec, command):
     assert not (work / "never.onnx").exists()
 
 
+@pytest.mark.parametrize("name, option", [("a=b", "a=b=1:4"), (" n ", "n=1:4"), (" n ", " n =1:4"),
+                                          ("größe x", "größe x=1:4")])
+def test_dim_names_as_exporters_write_them(work, capsys, name, option):
+    """--dim takes a model's dim names as they are: a name may hold '=' (SPEC never does), and one with
+    surrounding spaces is found by the name without them."""
+    model = save(matmul_model(rows=name), work / "named.onnx")
+    assert main(["scan", str(model), "--dim", option, "--json"]) == 0, capsys.readouterr().err
+    (w,) = json.loads(capsys.readouterr().out)["workloads"]
+    assert [i["values"] for i in w["instances"]] == [{name: v} for v in range(1, 5)]
+
+
 def test_bad_shape_logs(work, capsys, tmp_path):
     cases = {'[{"x": [4, 16], "count": Infinity}]': "bad count", '[{"x": [true, 16]}]': "integers",
              '[{"x": [4, 16], "count": true}]': "bad count", '[{"x": [4, 16], "count": NaN}]': "bad count",
@@ -134,9 +226,12 @@ def test_bad_shape_logs(work, capsys, tmp_path):
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path)], "cannot be read")
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(tmp_path / "nope.json")], "not found")
     _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log), "--dim", "n=1:4"], "not both")
+    log.write_text('[{"x": [4, 16]}, {"x": [4, 17]}]')  # a log of another model: x's second dim is 16 here
+    _refused(capsys, ["scan", str(work / "tiny.onnx"), "--shapes", str(log)], "record 1", "axis 1", "16", "17")
 
 
-@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--budget", "0"), "--budget"),
+@pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--seed", str(2 ** 32)), "--seed"),
+                                             (("--budget", "0"), "--budget"),
                                              (("--max-kernels", "0"), "--max-kernels"),
                                              (("--measure", "magic"), "magic")])
 def test_bad_numbers_and_measurers(work, capsys, option, needle):
@@ -162,6 +257,8 @@ def test_bad_target(work, capsys):
     out = work / "never.onnx"
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_75"), "sm_75")
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,bogus"), "bogus")
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,sm_90"), "sm_90 twice")
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", ",,"), "names no GPU arch")
     _refused(capsys, ["space", "--target", "sm_75", "--op", "gemm", "--estimate"], "sm_75")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "nope"], "nope")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--dtype", "int8"], "int8")
@@ -322,6 +419,36 @@ def optimized(work: Path) -> Path:
     return out
 
 
+def test_an_optimized_model_is_not_optimized_again(work, capsys, optimized):
+    """Its custom nodes are listed with the reason, and optimize names it (the error listed no reason)."""
+    assert main(["scan", str(optimized), "--dim", "n=1:4", "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert [s["node"] for s in skipped] == ["mm0"] and "optimized by dietcode-ort" in skipped[0]["reason"]
+    out = work / "twice.onnx"
+    _refused(capsys, _optimize_args(work, optimized, out), "mm0", "optimized by dietcode-ort", "original model")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--json"], ["scan", "--dim", "n=1:4", "--json"]])
+def test_output_piped_into_a_reader_that_stops(work, optimized, argv):
+    """``dietcode-ort inspect --json OUT | head``: the reader leaving is no bug (it was an internal error)."""
+    import os
+    import subprocess
+    import sys
+
+    from _bad_models import ROOT
+
+    model = str(optimized if argv[0] == "inspect" else work / "tiny.onnx")
+    proc = subprocess.Popen([sys.executable, "-m", "dietcode_ort", argv[0], model, *argv[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes: its first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "internal error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def _edit_custom_node(src: Path, dst: Path, attr: str, value) -> Path:
     from onnx import helper
 
@@ -359,6 +486,16 @@ def test_doctor_with_a_bad_prebuilt_library(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(tmp_path / "text.so"))
     assert main(["doctor", "--no-build"]) == 1
     assert "[fail] custom-op library" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "text"])
+def test_doctor_with_a_broken_model_file(work, capsys, kind):
+    """doctor MODEL fails on what inspect refuses (an empty file passed as a model without custom nodes)."""
+    path = work / f"{kind}.onnx"
+    assert main(["doctor", "--no-build", str(path)]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if f"model {path}" in x)
+    assert line.startswith("[fail]") and "not a readable ONNX model" in line, line
 
 
 def test_doctor_with_an_unwritable_build_cache(capsys, monkeypatch, read_only_dir):

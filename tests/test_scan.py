@@ -99,6 +99,62 @@ def test_unsupported_dtype_and_grouped_conv_are_skipped_with_reasons():
     assert result.workloads == ()
 
 
+def test_nodes_in_subgraphs_and_functions_are_listed_with_the_reason():
+    """MatMuls in If branches, Loop bodies and model-local functions are not tuned: scan says so (they were
+    left out of its report)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+
+    def branch(tag):
+        out = helper.make_tensor_value_info(f"{tag}_o", TensorProto.FLOAT, ["n", 4])
+        return helper.make_graph([helper.make_node("MatMul", ["x", "w"], [f"{tag}_o"], name=f"{tag}_mm")], tag, [],
+                                 [out])
+
+    inner_if = helper.make_node("If", ["c"], ["e_o"], name="inner", then_branch=branch("t2"),
+                                else_branch=branch("e2"))
+    else_graph = helper.make_graph([inner_if], "e", [], [helper.make_tensor_value_info("e_o", TensorProto.FLOAT,
+                                                                                        ["n", 4])])
+    func = helper.make_function("local", "Linear", ["a", "b"], ["o"], [helper.make_node("Gemm", ["a", "b"], ["o"],
+                                                                                        name="f_gemm")],
+                                [helper.make_opsetid("", 17)])
+    nodes = [helper.make_node("If", ["c"], ["i"], name="outer", then_branch=branch("t"), else_branch=else_graph),
+             helper.make_node("Linear", ["i", "w"], ["l"], domain="local", name="call"),
+             helper.make_node("MatMul", ["l", "w"], ["y"], name="main")]
+    model = _model(nodes, [x, cond], [y], [_w("w", (4, 4))])
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    model.functions.append(func)
+    result = scan_model(model)
+    assert [w.nodes for w in result.workloads] == [("y",)]
+    reasons = {k.node: k.reason for k in result.skipped}
+    assert sorted(reasons) == ["e2_mm", "f_gemm", "t2_mm", "t_mm"]
+    assert "then_branch of If 'outer'" in reasons["t_mm"] and "not tuned" in reasons["t_mm"]
+    assert "else_branch of If 'inner'" in reasons["e2_mm"]
+    assert "function local.Linear" in reasons["f_gemm"]
+
+
+def test_loop_without_its_optional_inputs():
+    """A Loop whose trip count and condition are both left out (``""``, as the spec allows) failed ORT's
+    symbolic shape inference (KeyError: ''), which refused the whole model."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["v_in", "w"], ["v_out"], name="body_mm"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["n", 4])])
+    for trip, cond in (("", ""), ("trip", ""), ("", "go")):
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["p"], name="pre"),
+                 helper.make_node("Loop", [trip, cond, "p"], ["v"], body=body, name="loop")]
+        inits = [_w("w", (4, 4)), numpy_helper.from_array(np.array(3, np.int64), "trip"),
+                 numpy_helper.from_array(np.array(False), "go")]
+        result = scan_model(_model(nodes, [x], [helper.make_tensor_value_info("v", TensorProto.FLOAT, None)], inits))
+        assert [w.nodes for w in result.workloads] == [("p",)]
+        assert [k.node for k in result.skipped] == ["body_mm"]
+
+
 def test_conv_gemm_view_and_problem():
     img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 3, "h", "w"])
     z = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)

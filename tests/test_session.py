@@ -73,6 +73,26 @@ def test_provider_usable_matches_a_real_session():
     assert not runtime.provider_usable("NoSuchExecutionProvider")
 
 
+def test_provider_probe_prints_nothing(tmp_path):
+    """Whether CUDA is usable is the probe's answer, not an error for the user: a listed CUDA provider whose
+    libraries do not load made ORT's default logger print a red ERROR and a WARNING on stderr at every
+    first dietcode_ort.InferenceSession of a process on a CPU-only machine."""
+    import os
+    import subprocess
+    import sys
+
+    from _bad_models import ROOT
+
+    code = ("import sys; from dietcode_ort import runtime; "
+            "print(runtime.provider_usable('CUDAExecutionProvider')); "
+            "print('after', file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() in ("True", "False")
+    assert run.stderr == "after\n"  # nothing from the probe, and stderr still works after it
+
+
 def test_doctor_tells_listed_from_usable(capsys, monkeypatch):
     from dietcode_ort import doctor
 

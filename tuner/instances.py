@@ -80,7 +80,7 @@ def _bucket(values: Sequence[int], weights: Sequence[float] | None, n: int) -> t
 def parse_dim_spec(option: str) -> DimSpec:
     """Parse one ``NAME=SPEC`` option (see the module docstring); more than MAX_INSTANCES values are
     bucketed (and the output says so)."""
-    name, sep, spec = option.partition("=")
+    name, sep, spec = option.rpartition("=")  # a dim name may hold '=' (an exporter's text), SPEC never does
     name, spec = name.strip(), spec.strip()
     if not sep or not name or not spec:
         raise DietcodeError(f"--dim {option!r}: expected NAME=SPEC, e.g. seq=1:128, seq=1:128:8 or batch=1,4,8")
@@ -159,6 +159,9 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[st
     specs: dict[str, DimSpec] = {}
     for option in options:
         spec = parse_dim_spec(option)
+        padded = [s for s in known if s.strip() == spec.name]
+        if spec.name not in known and len(padded) == 1:  # a model's name with spaces around it
+            spec = DimSpec(padded[0], spec.values)
         if spec.name not in known:
             raise DietcodeError(f"--dim names symbol {spec.name!r}, which the model does not have; "
                                 f"its symbols are: {', '.join(known) or '(none)'}")
@@ -184,11 +187,12 @@ def instances_from_dims(specs: Mapping[str, DimSpec], symbols: Sequence[str]) ->
     return tuple(out)
 
 
-def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence[str | None]]
+def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence[str | int | None]]
                              ) -> dict[tuple[tuple[str, int], ...], float]:
     """Read a shape log; return each observed assignment of the model's symbols with its count.
 
-    ``input_dims`` maps each graph input to its dims' symbol names (None for a fixed dim).
+    ``input_dims`` maps each graph input to its dims: symbol names, sizes where fixed (a record must agree),
+    None where neither is known.
     """
     path = Path(path)
     try:
@@ -230,8 +234,11 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
                     not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_DIM for d in shape):
                 raise DietcodeError(f"shape log {path}: record {i}: input {name!r} needs a list of "
                                     f"{len(dims)} integers in 1..{MAX_DIM}, got {shape!r}")
-            for symbol, value in zip(dims, shape):
-                if symbol is None:
+            for axis, (symbol, value) in enumerate(zip(dims, shape)):
+                if isinstance(symbol, int) and value != symbol:
+                    raise DietcodeError(f"shape log {path}: record {i}: input {name!r} has {value} at axis {axis}, "
+                                        f"where the model's size is {symbol} (a log of another model?)")
+                if not isinstance(symbol, str):
                     continue
                 if values.setdefault(symbol, value) != value:
                     raise DietcodeError(f"shape log {path}: record {i} gives symbol {symbol!r} two values "

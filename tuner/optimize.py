@@ -158,6 +158,9 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
+    if not scanned.workloads and not scanned.skipped:
+        raise DietcodeError(f"{model_path}: no MatMul, Gemm or Conv node in its graph: nothing to optimize "
+                            "(other ops, MatMulInteger and the quantized ones included, are not tuned)")
     if not scanned.workloads:
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
@@ -371,10 +374,13 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     if options.max_kernels < 1:
         raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
-    if options.seed < 0:
-        raise DietcodeError(f"--seed must be >= 0, got {options.seed}")
+    if not 0 <= options.seed < 2 ** 32:
+        raise DietcodeError(f"--seed must be >= 0 and below 2**32, got {options.seed}")
     if not options.targets:
         raise DietcodeError("--target names no GPU arch")
+    twice = sorted({t for t in options.targets if options.targets.count(t) > 1})
+    if twice:
+        raise DietcodeError(f"--target gives {', '.join(twice)} twice")
     aot.check_fp32_precision(options.fp32_precision)
     for target in options.targets:
         get_profile(target)

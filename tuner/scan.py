@@ -8,6 +8,7 @@ match-or-refuse rules do: a refusal is data that ``scan`` shows, not an exceptio
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -26,6 +27,8 @@ from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
 from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
            "scan_command", "attention_report", "node_reads"]
@@ -51,7 +54,7 @@ class ScanResult:
     symbols: tuple[str, ...]
     workloads: tuple[Workload, ...]
     skipped: tuple[Skipped, ...]
-    input_dims: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    input_dims: dict[str, tuple[str | int | None, ...]] = field(default_factory=dict)  # model_symbols
     unfused: tuple[Skipped, ...] = ()  # Add/activation nodes after a workload node that stay unfused, and why
 
 
@@ -79,15 +82,43 @@ def load_model(path: str | Path, load_external_data: bool = True) -> onnx.ModelP
     return model
 
 
-def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | None, ...]]:
-    """Each graph input (that is not an initializer) and its dims' symbol names (None where fixed)."""
+def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | int | None, ...]]:
+    """Each graph input (that is not an initializer) and its dims: the symbol's name, the size where fixed,
+    None where neither is given."""
     inits = {i.name for i in model.graph.initializer}
     out = {}
     for vi in model.graph.input:
         if vi.name in inits or not vi.type.HasField("tensor_type"):
             continue
-        out[vi.name] = tuple(d.dim_param if d.dim_param else None for d in vi.type.tensor_type.shape.dim)
+        out[vi.name] = tuple(d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None
+                             for d in vi.type.tensor_type.shape.dim)
     return out
+
+
+def _names(input_dims: dict[str, tuple[str | int | None, ...]]) -> tuple[str, ...]:
+    """The symbol names of ``model_symbols``' answer, sorted."""
+    return tuple(sorted({s for dims in input_dims.values() for s in dims if isinstance(s, str) and s}))
+
+
+def _check_input_dims(model: onnx.ModelProto) -> None:
+    """Refuse a graph input with a negative dim (no shape) or, in a model without named dims, a dynamic dim
+    without a name: --dim and shape logs give values by name, so such a model cannot be tuned as it is."""
+    inits = {i.name for i in model.graph.initializer}
+    unnamed = []
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value < 0:
+                raise DietcodeError(f"input {vi.name!r} has dim {d.dim_value} at axis {axis}: dims are sizes >= 0, "
+                                    "or names for dynamic ones")
+            if not d.HasField("dim_value") and not d.dim_param:
+                unnamed.append(f"input {vi.name!r} axis {axis}")
+    if unnamed and not _names(model_symbols(model)):
+        raise DietcodeError(f"the model's dynamic dims have no name ({', '.join(unnamed[:4])}"
+                            f"{', ...' if len(unnamed) > 4 else ''}): --dim and --shapes give values by name; "
+                            "name them (dim_param: the exporter's dynamic axes names, or "
+                            "onnx.tools.update_model_dims.update_inputs_outputs_dims)")
 
 
 _SMALL_TENSOR = 1 << 20  # external tensors below this are read for shape inference (shape constants)
@@ -117,7 +148,33 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
     copy.graph.input.extend(as_inputs)
     for node in copy.graph.node:
         _constant_as_tensor(node)
+    _name_loop_optionals(copy)
     return copy
+
+
+def _name_loop_optionals(model: onnx.ModelProto) -> None:
+    """Give the Loops (of the graph and its subgraphs) whose trip count or condition is left out (``""``) an
+    unbounded count and a true condition, in place, as the spec reads a missing one: SymbolicShapeInference
+    looks every Loop input up by name (KeyError: '' otherwise)."""
+    names = {"M": "dietcode_loop_unbounded", "cond": "dietcode_loop_true"}
+    used = False
+
+    def walk(graph: onnx.GraphProto) -> None:
+        nonlocal used
+        for node in graph.node:
+            if node.op_type == "Loop" and node.domain in ("", "ai.onnx") and len(node.input) >= 2:
+                for i, key in enumerate(("M", "cond")):
+                    if not node.input[i]:
+                        node.input[i] = names[key]
+                        used = True
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    if used:
+        model.graph.initializer.extend([numpy_helper.from_array(np.array(np.iinfo(np.int64).max), names["M"]),
+                                        numpy_helper.from_array(np.array(True), names["cond"])])
 
 
 def _alias_dims(model: onnx.ModelProto) -> dict[str, str]:
@@ -190,7 +247,12 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
             finally:
                 os.chdir(cwd)
     except Exception as exc:
-        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc})") \
+        inits = {t.name for t in model.graph.initializer}
+        shapeless = [vi.name for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")
+                     and not vi.type.tensor_type.HasField("shape")]
+        hint = (f"; input {shapeless[0]!r} has no shape (not even a rank): give every graph input its rank, "
+                "with names for the dynamic dims" if shapeless else "")
+        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc}){hint}") \
             from None
     if inferred is None:
         raise DietcodeError("symbolic shape inference could not complete on this model")
@@ -779,7 +841,8 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
     """
     input_dims = model_symbols(model)
-    symbols = tuple(sorted({s for dims in input_dims.values() for s in dims if s}))
+    _check_input_dims(model)
+    symbols = _names(input_dims)
     if not symbols:
         return ScanResult((), (), (), input_dims)
     copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
@@ -791,6 +854,9 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     skipped, unfused = [], []
     claimed: set[int] = set()  # ids of the nodes absorbed so far (a shortcut Add between two convs: one takes it)
     for node in model.graph.node:
+        if node.domain == "ai.dietcode":
+            skipped.append(Skipped(_label(node), node.op_type, "an ai.dietcode node: the model was optimized by "
+                                                               "dietcode-ort already (optimize the original model)"))
         if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
             continue
         name = _label(node)
@@ -800,6 +866,10 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             exprs = [info["m"], info["n"], info["k"], info["batch"], *info.get("conv_input", ())]
             if not _is_dynamic(*exprs):
                 raise _Refuse("static shapes: no symbolic dim to tune over")
+            empty = [f"{label} = {e}" for label, e in zip(("M", "N", "K", "batch"), exprs)
+                     if e.lstrip("-").isdigit() and int(e) <= 0]
+            if empty:
+                raise _Refuse(f"a zero-size dim ({', '.join(empty)}): an empty product, nothing to tune")
             unknown = _free_symbols(*exprs) - set(symbols)
             if unknown:
                 raise _Refuse(f"shape depends on data-dependent dim(s) {', '.join(sorted(unknown))}")
@@ -833,7 +903,30 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     workloads = tuple(replace(protos[key], nodes=tuple(m[0] for m in members),
                               fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
+    skipped.extend(_nested(model))
     return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused))
+
+
+def _nested(model: onnx.ModelProto) -> list[Skipped]:
+    """The MatMul/Gemm/Conv nodes outside the main graph, which are not tuned: in a control-flow node's
+    subgraphs (If branches, Loop and Scan bodies) and in model-local functions (but the fallback functions of
+    ai.dietcode nodes), each with where it is."""
+    out: list[Skipped] = []
+
+    def walk(nodes: Sequence[onnx.NodeProto], where: str) -> None:
+        for node in nodes:
+            if where and node.op_type in _OPS and node.domain in ("", "ai.onnx"):
+                out.append(Skipped(_label(node), node.op_type,
+                                   f"inside {where}: not tuned (only the main graph's nodes are)"))
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                    walk(sub.node, f"the {attr.name} of {node.op_type} {_label(node)!r}")
+
+    walk(model.graph.node, "")
+    for function in model.functions:
+        if function.domain != "ai.dietcode":
+            walk(function.node, f"the model-local function {function.domain}.{function.name}")
+    return out
 
 
 def _group_key(w: Workload) -> tuple:
@@ -858,13 +951,37 @@ def attach_instances(result: ScanResult, dims: Sequence[str] = (), shapes_file: 
                     raise DietcodeError(f"shape log {shapes_file}: a record gives no value for symbol(s) "
                                         f"{', '.join(missing)}")
                 counts[tuple((s, values[s]) for s in w.symbols)] += count
-            workloads.append(replace(w, instances=tuple(Instance(k, v) for k, v in sorted(counts.items()))))
+            workloads.append(_nonempty(replace(w, instances=tuple(Instance(k, v)
+                                                                  for k, v in sorted(counts.items())))))
         return replace(result, workloads=tuple(workloads))
     specs = parse_dim_options(dims, result.symbols)
     if not specs:
         return result
-    return replace(result, workloads=tuple(replace(w, instances=instances_from_dims(specs, w.symbols))
+    return replace(result, workloads=tuple(_nonempty(replace(w, instances=instances_from_dims(specs, w.symbols)))
                                            for w in result.workloads))
+
+
+def _nonempty(w: Workload) -> Workload:
+    """The workload without the instances whose product is empty (M, N, K or the batch <= 0: a conv's input
+    smaller than its kernel window, say), with a note; an error when no instance is left."""
+    kept, empty = [], []
+    for instance in w.instances:
+        problem = w.problem(instance)
+        sizes = {"M": problem.m, "N": problem.n, "K": problem.k, "batch": problem.batch}
+        zero = [f"{label} = {value}" for label, value in sizes.items() if value <= 0]
+        (empty.append((instance, zero)) if zero else kept.append(instance))
+    if not empty:
+        return w
+    instance, zero = empty[0]
+    example = f"{', '.join(zero)} at {', '.join(f'{k}={v}' for k, v in instance.values)}"
+    what = (f"{w.onnx_op} workload M={w.m} N={w.n} K={w.k} (output {', '.join(repr(n) for n in w.nodes[:3])}"
+            f"{', ...' if len(w.nodes) > 3 else ''})")
+    if not kept:
+        raise DietcodeError(f"{what}: every shape given has no output ({example}; M, N, K must be positive): "
+                            f"give larger --dim values")
+    _log.warning("%s: left out %d of %d shapes with no output (%s; M, N, K must be positive)", what, len(empty),
+                 len(w.instances), example)
+    return replace(w, instances=tuple(kept))
 
 
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
