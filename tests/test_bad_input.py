@@ -318,6 +318,32 @@ def test_output_must_not_replace_the_inputs_external_data(work, capsys, monkeypa
     assert data.read_bytes() == before and (work / "renamed.onnx.data").read_bytes() == before
 
 
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_external_data_outside_the_models_folder_is_refused(work, capsys, where):
+    """A model names its weight files beside it (ONNX's and ORT's rule): a location that leaves the folder, by
+    '..', an absolute path or a symbolic link, is refused before anything is read or written."""
+    import models as model_lib
+
+    src_dir, model_dir = work / "weights", work / f"model-{where}"
+    src_dir.mkdir(exist_ok=True)
+    model_dir.mkdir()
+    model_lib.save_model(matmul_model(), src_dir / "m.onnx", external_threshold=0)  # weights in m.onnx.data
+    target = src_dir / "m.onnx.data"
+    location = {"parent": "../weights/m.onnx.data", "absolute": str(target), "symlink": "link.data"}[where]
+    if where == "symlink":
+        (model_dir / "link.data").symlink_to(target)
+    m = onnx.load(str(src_dir / "m.onnx"), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save(m, str(model_dir / "m.onnx"))
+    out = work / f"out-{where}.onnx"
+    _refused(capsys, ["scan", str(model_dir / "m.onnx")], "points outside the model's folder")
+    _refused(capsys, _optimize_args(work, model_dir / "m.onnx", out), "points outside the model's folder")
+    assert not out.exists() and not (work / f"out-{where}.onnx.data").exists()
+
+
 def test_missing_output_folder_is_created(work, capsys):
     out = work / "new" / "folder" / "tiny.opt.onnx"
     assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0, capsys.readouterr().err

@@ -47,6 +47,11 @@ def _source(t: onnx.TensorProto, base_dir: Path | None) -> tuple[Path, int, int 
         raise DietcodeError(f"tensor {t.name!r} is external data ({location}) and no folder to read it from "
                             "was given")
     path = Path(base_dir) / location
+    inside = Path(base_dir).resolve()
+    if Path(location).is_absolute() or not path.resolve().is_relative_to(inside):
+        # ONNX's rule (onnx.load and ORT refuse the same): a model names files beside it, never elsewhere
+        raise DietcodeError(f"external data of tensor {t.name!r} ({location}) points outside the model's "
+                            f"folder {inside}")
     if not path.is_file():
         raise DietcodeError(f"external data of tensor {t.name!r} not found: {path}")
     try:
