@@ -99,6 +99,18 @@ def test_unsupported_dtype_and_grouped_conv_are_skipped_with_reasons():
     assert result.workloads == ()
 
 
+def test_operands_of_two_dtypes_are_refused_as_invalid():
+    """A float16 activation times a float32 weight is an invalid model (ORT refuses to load it): left alone,
+    named, instead of tuned as float16 kernels reading float32 weights."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mixed")]
+    result = scan_model(_model(nodes, [x], [y], [_w("w", (4, 4))]))
+    assert result.workloads == ()
+    assert [(k.node, k.reason) for k in result.skipped] == [
+        ("mixed", "invalid node: its operands have different dtypes (float16 and float32)")]
+
+
 def test_nodes_in_subgraphs_and_functions_are_listed_with_the_reason():
     """MatMuls in If branches, Loop bodies and model-local functions are not tuned: scan says so (they were
     left out of its report)."""

@@ -863,6 +863,10 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
         try:
             info = _RULES[node.op_type](g, node)
             dtype = _dtype(g, node.input[0])
+            other = node.input[1]  # B / W: ONNX gives both operands one type (ORT refuses the model otherwise)
+            if other in g.dtypes and g.dtypes[other] != g.dtypes[node.input[0]]:
+                b_type = _DTYPES.get(g.dtypes[other]) or onnx.TensorProto.DataType.Name(g.dtypes[other])
+                raise _Refuse(f"invalid node: its operands have different dtypes ({dtype} and {b_type})")
             exprs = [info["m"], info["n"], info["k"], info["batch"], *info.get("conv_input", ())]
             if not _is_dynamic(*exprs):
                 raise _Refuse("static shapes: no symbolic dim to tune over")
