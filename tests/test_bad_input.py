@@ -294,6 +294,8 @@ def test_output_is_checked_before_tuning(work, capsys, read_only_dir, monkeypatc
     _refused(capsys, _optimize_args(work, model, read_only_dir / "out.onnx"), str(read_only_dir), "-o")
     _refused(capsys, _optimize_args(work, model, model), "overwrite the input model")
     _refused(capsys, _optimize_args(work, model, work / "." / "tiny.onnx"), "overwrite the input model")
+    _refused(capsys, _optimize_args(work, model, work / "out.textproto"), "not textproto", "name the output .onnx")
+    _refused(capsys, _optimize_args(work, model, work / "out.json"), "not json")
 
 
 def test_output_must_not_replace_the_inputs_external_data(work, capsys, monkeypatch):

@@ -348,9 +348,15 @@ def check_output(model_path: str | Path, output: str | Path) -> None:
     itself, or one of the input's external data files (as the output or as its ``.data`` file)."""
     from dietcode_ort.paths import writable_dir
 
+    import onnx
+
     model_path, output = Path(model_path), Path(output)
     if output.is_dir():
         raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
+    text = onnx.serialization.registry.get_format_from_file_extension(output.suffix)
+    if text not in (None, "protobuf"):
+        raise DietcodeError(f"output {output}: optimize writes binary ONNX (.onnx), not {text}; name the "
+                            "output .onnx")
     source = model_path.resolve()
     written = {output.resolve(), output.with_name(output.name + ".data").resolve()}
     if source in written:
