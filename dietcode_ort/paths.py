@@ -18,17 +18,25 @@ __all__ = ["user_cache_dir", "writable_dir"]
 
 
 def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/dietcode-ort``, else ``~/.cache/dietcode-ort`` (not created here)."""
+    """``$XDG_CACHE_HOME/dietcode-ort``, else ``~/.cache/dietcode-ort`` (not created here). As the XDG spec
+    says, a relative XDG_CACHE_HOME is ignored; an empty or relative HOME falls back to the password entry's
+    home (a cache under the current folder would move with ``cd``)."""
     env = os.environ if env is None else env
     base = env.get("XDG_CACHE_HOME")
-    if base:
+    if base and Path(base).expanduser().is_absolute():
         return Path(base).expanduser() / "dietcode-ort"
-    try:
-        home = Path.home()
-    except RuntimeError:  # no HOME and no password entry
-        raise DietcodeError("cannot locate the user cache folder: neither XDG_CACHE_HOME nor HOME is set") \
-            from None
-    return home / ".cache" / "dietcode-ort"
+    home = env.get("HOME", "")
+    if not Path(home).is_absolute():
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (KeyError, ImportError):  # no password entry (a container's anonymous uid), no pwd module
+            home = ""
+    if not Path(home).is_absolute():
+        raise DietcodeError("cannot locate the user cache folder: set XDG_CACHE_HOME or HOME to an absolute "
+                            "folder") from None
+    return Path(home) / ".cache" / "dietcode-ort"
 
 
 def writable_dir(path: Path, what: str, override: str) -> Path:

@@ -51,6 +51,13 @@ def test_default_locations_follow_xdg_then_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert default_db() == tmp_path / "x" / "dietcode-ort" / "tuning.db"
     assert user_cache_dir({"HOME": "/nowhere", "XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/dietcode-ort")
+    # the XDG spec ignores a relative XDG_CACHE_HOME; an empty or relative HOME is the password entry's home
+    assert user_cache_dir({"HOME": "/nowhere", "XDG_CACHE_HOME": "rel"}) == Path("/nowhere/.cache/dietcode-ort")
+    import pwd
+
+    entry = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "dietcode-ort"
+    assert user_cache_dir({"HOME": ""}) == entry and user_cache_dir({"HOME": "."}) == entry
+    assert user_cache_dir({}) == entry
 
 
 def test_read_only_home_names_the_database_and_its_option(tmp_path, monkeypatch, capsys, read_only_dir):
