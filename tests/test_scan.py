@@ -299,6 +299,30 @@ def test_scan_module_public_names():
     assert set(scan_mod.__all__) >= {"scan", "scan_model", "attach_instances", "load_model"}
 
 
+def test_graph_links_readers_makers_and_outputs():
+    then = helper.make_graph([helper.make_node("Neg", ["z"], ["zn"])], "then", [],
+                             [helper.make_tensor_value_info("zn", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"], name="square"),  # x read twice by one node
+             helper.make_node("Relu", ["sq"], ["y"], name="relu"),
+             helper.make_node("Dropout", ["y"], ["d", ""], name="drop"),  # no mask: an empty output name
+             helper.make_node("If", ["c"], ["w"], name="if", then_branch=then, else_branch=then)]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    links = scan_mod.GraphLinks(graph)
+    square, relu, drop, branch = links.producers["sq"], links.producers["y"], links.producers["d"], \
+        links.producers["w"]
+    assert [n.name for n in (square, relu, drop, branch)] == ["square", "relu", "drop", "if"]
+    assert links.consumers["x"] == [square] and links.exclusive_consumer("x") is square
+    assert links.read_only_by("sq", relu) and not links.read_only_by("sq", square)
+    assert links.consumers["y"] == [drop] and links.exclusive_consumer("y") is None  # y is a graph output
+    assert not links.read_only_by("y", drop)
+    assert "" not in links.producers and links.exclusive_consumer("d") is None  # made, never read
+    assert links.consumers["z"] == [branch] and links.exclusive_consumer("z") is branch  # read by a subgraph
+    again = helper.make_graph(nodes + [helper.make_node("Sigmoid", ["x"], ["sq"], name="second")], "g", [], [])
+    assert scan_mod.GraphLinks(again).producers["sq"].name == "second"  # the last maker counts
+    with pytest.raises(DietcodeError, match="value 'sq' is made by two nodes"):
+        scan_mod.GraphLinks(again, one_maker=True)
+
+
 # ---- the benchmark models --------------------------------------------------------------------------------
 
 def _scan_built(name: str, preset: str, dtype: str = "float32"):

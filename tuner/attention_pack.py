@@ -58,15 +58,15 @@ def _is(node: onnx.NodeProto | None, op: str) -> bool:
 
 
 def _only_reader(links: _Links, value: str, what: str) -> None:
-    readers = links.readers.get(value, [])
-    if len(readers) != 1 or value in links.outputs:
-        raise _Keep(f"the {what} {value!r} is read by other nodes too" if len(readers) > 1 or value in links.outputs
+    if links.exclusive_consumer(value) is None:
+        raise _Keep(f"the {what} {value!r} is read by other nodes too"
+                    if len(links.consumers.get(value, [])) > 1 or value in links.graph_outputs
                     else f"the {what} {value!r} is not read")
 
 
 def _initializer(links: _Links, name: str) -> onnx.TensorProto | None:
     """The initializer ``name`` when it is one (and no node makes it, no graph input overrides it)."""
-    if name in links.producer or any(i.name == name for i in links.graph.input):
+    if name in links.producers or any(i.name == name for i in links.graph.input):
         return None
     return links.inits.get(name)
 
@@ -77,11 +77,11 @@ def _projection(links: _Links, head_split: str, op: str) -> _Projection:
     if not _is(reshape, "Reshape"):  # LLaMA's Q and K: the rotary embedding; its K and V: the GQA head repeat
         raise _Keep(f"{op} is not a head split of its projection: {reshape.op_type} {head_split!r} sits between "
                     "(a rotary embedding or a K/V head repeat)")
-    readers = [links.graph.node[i] for i in links.readers.get(head_split, [])]
-    if head_split in links.outputs or sum(not _is(r, "Shape") for r in readers) != 1:  # Shapes: find_attention's
+    readers = links.consumers.get(head_split, [])
+    if head_split in links.graph_outputs or sum(not _is(r, "Shape") for r in readers) != 1:  # Shapes: find_attention's
         raise _Keep(f"the {op} head split {head_split!r} is read by other nodes too")
     value = reshape.input[0]  # other readers of it (Shape) still read it: the Split makes it under its name
-    node = links.graph.node[links.producer[value]] if value in links.producer else None
+    node = links.producers.get(value)
     add = None
     bias = None
     if _is(node, "Add"):
@@ -93,7 +93,7 @@ def _projection(links: _Links, head_split: str, op: str) -> _Projection:
         bias = _initializer(links, consts[0])
         made = node.input[1] if node.input[0] == consts[0] else node.input[0]
         _only_reader(links, made, f"{op} projection's MatMul output")
-        node = links.graph.node[links.producer[made]] if made in links.producer else None
+        node = links.producers.get(made)
     if not _is(node, "MatMul"):
         made_by = f"a {node.op_type}" if node is not None else "no node (a graph input or initializer)"
         raise _Keep(f"the {op} head split is not made by a MatMul (and a bias Add) but {made_by}")

@@ -78,26 +78,6 @@ def _perm(node: onnx.NodeProto) -> list[int] | None:
     return None if a is None else [int(x) for x in a.ints]
 
 
-class _Index:
-    """Producers and readers of the graph being edited (rebuilt after each rewrite: the graphs are small)."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.producer = {o: n for n in graph.node for o in n.output if o}
-        self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for n in graph.node:
-            for x in scan_mod.node_reads(n):
-                self.readers.setdefault(x, []).append(n)
-        self.outputs = {o.name for o in graph.output}
-
-    def only_reader(self, value: str) -> onnx.NodeProto | None:
-        readers = self.readers.get(value, [])
-        return readers[0] if len(readers) == 1 and value not in self.outputs else None
-
-    def read_by(self, value: str, node: onnx.NodeProto) -> bool:
-        """Whether ``node`` alone reads ``value`` (and it is no graph output)."""
-        return id(self.only_reader(value)) == id(node)
-
-
 def _const_ints(graph_consts: dict[str, np.ndarray], name: str) -> np.ndarray | None:
     value = graph_consts.get(name)
     if value is None or value.dtype.kind not in "iu" or value.ndim > 1:
@@ -118,7 +98,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Shape(Transpose(x, perm)) -> the same dims read from Shape(x); returns how many Shapes were rewritten."""
-    index = _Index(graph)
+    index = scan_mod.GraphLinks(graph)
     consts = _constants(graph)
     new_nodes: dict[int, list[onnx.NodeProto]] = {}  # position of a replaced Shape -> its replacement
     new_inits: list[onnx.TensorProto] = []
@@ -128,7 +108,7 @@ def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Nam
     for at, node in enumerate(graph.node):
         if not _is(node, "Shape") or len(node.input) != 1:
             continue
-        t = index.producer.get(node.input[0])
+        t = index.producers.get(node.input[0])
         if not _is(t, "Transpose"):
             continue
         assert t is not None
@@ -151,7 +131,7 @@ def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Nam
                 replacement.append(helper.make_node("Shape", [x], [x_shapes[x]], name=names(f"{x}_Shape")))
             return x_shapes[x]
 
-        rest = [r for r in index.readers.get(out, [])]
+        rest = [r for r in index.consumers.get(out, [])]
         for r in list(rest):
             axis = _attr(r, "axis")
             idx = _const_ints(consts, r.input[1]) if _is(r, "Gather") and len(r.input) == 2 and \
@@ -171,7 +151,7 @@ def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Nam
                 r.input[0] = x_shape()
                 r.input[1] = composed.name
             rest.remove(r)
-        if rest or out in index.outputs:  # readers other than constant Gathers: the picked dims, as a Shape gave
+        if rest or out in index.graph_outputs:  # readers other than constant Gathers: the picked dims, as a Shape gave
             picked_init = numpy_helper.from_array(np.array(picked, np.int64), names(f"{out}_perm"))
             new_inits.append(picked_init)
             replacement.append(helper.make_node("Gather", [x_shape(), picked_init.name], [out], axis=0,
@@ -195,17 +175,17 @@ def _same(a: object, b: object) -> bool:
 def _kt_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Reshape(Transpose(Reshape(k, [X, c, d]), (0, 2, 1)), [a, b, d, c]) with k [a, b, c, d] ->
     Transpose(k, (0, 1, 3, 2)); returns how many."""
-    index = _Index(graph)
+    index = scan_mod.GraphLinks(graph)
     count = 0
     for second in list(graph.node):
         if not _is(second, "Reshape"):
             continue
-        t = index.producer.get(second.input[0])
+        t = index.producers.get(second.input[0])
         if t is None or not _is(t, "Transpose") or _perm(t) != [0, 2, 1] or \
-                not index.read_by(t.output[0], second):
+                not index.read_only_by(t.output[0], second):
             continue
-        first = index.producer.get(t.input[0])
-        if first is None or not _is(first, "Reshape") or not index.read_by(t.input[0], t):
+        first = index.producers.get(t.input[0])
+        if first is None or not _is(first, "Reshape") or not index.read_only_by(t.input[0], t):
             continue
         k = first.input[0]
         sk, s1, s2 = g.shapes.get(k), g.shapes.get(first.output[0]), g.shapes.get(second.output[0])
@@ -221,7 +201,7 @@ def _kt_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> 
         graph.node.insert(at, new)
         graph.node.remove(second)  # the Transpose and Reshape before it are left unread: _drop_dead's
         count += 1
-        index = _Index(graph)
+        index = scan_mod.GraphLinks(graph)
     return count
 
 
@@ -229,10 +209,10 @@ def _merged_transposes(graph: onnx.GraphProto) -> int:
     """Transpose(Transpose(x, p), q), the inner read by the outer alone -> Transpose(x, p[q])."""
     count = 0
     while True:
-        index = _Index(graph)
+        index = scan_mod.GraphLinks(graph)
         for outer in graph.node:
-            inner = index.producer.get(outer.input[0]) if _is(outer, "Transpose") else None
-            if inner is None or not _is(inner, "Transpose") or not index.read_by(outer.input[0], outer):
+            inner = index.producers.get(outer.input[0]) if _is(outer, "Transpose") else None
+            if inner is None or not _is(inner, "Transpose") or not index.read_only_by(outer.input[0], outer):
                 continue
             p, q = _perm(inner), _perm(outer)
             if p is None or q is None or len(p) != len(q):
@@ -248,14 +228,14 @@ def _merged_transposes(graph: onnx.GraphProto) -> int:
 
 def _noop_reshapes(graph: onnx.GraphProto, g: scan_mod._Graph) -> int:
     """Drop a Reshape of a MatMul's output to its own (fully known) shape read by a Transpose (and Shapes)."""
-    index = _Index(graph)
+    index = scan_mod.GraphLinks(graph)
     count = 0
     for node in graph.node:
-        if not _is(node, "Reshape") or not _is(index.producer.get(node.input[0]), "MatMul"):
+        if not _is(node, "Reshape") or not _is(index.producers.get(node.input[0]), "MatMul"):
             continue
-        readers = index.readers.get(node.output[0], [])
+        readers = index.consumers.get(node.output[0], [])
         src, dst = g.shapes.get(node.input[0]), g.shapes.get(node.output[0])
-        if (node.output[0] in index.outputs or not any(_is(r, "Transpose") for r in readers)
+        if (node.output[0] in index.graph_outputs or not any(_is(r, "Transpose") for r in readers)
                 or not all(_is(r, "Transpose", "Shape") for r in readers)
                 or src is None or src != dst or any(d is None for d in src)):
             continue
@@ -269,22 +249,22 @@ def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names:
     """Mul(y, c) (or Div(y, c)) -> Reshape -> Transpose -> [Mul | Div] -> MatMul, c a one-element constant, each
     value read by the next alone (Shapes of the Reshape's output aside) -> Reshape(y) -> Transpose -> Mul(., c) ->
     ...: the same values (each element times c, moved), and the matcher folds the Muls into the chain's scale."""
-    index = _Index(graph)
+    index = scan_mod.GraphLinks(graph)
     consts = _constants(graph)
     count = 0
     for t in list(graph.node):
-        reader = index.only_reader(t.output[0]) if _is(t, "Transpose") else None
+        reader = index.exclusive_consumer(t.output[0]) if _is(t, "Transpose") else None
         if reader is not None and _is(reader, "Mul", "Div"):  # SDPA's own scale of Q between
-            reader = reader if _is(index.only_reader(reader.output[0]), "MatMul") else None
+            reader = reader if _is(index.exclusive_consumer(reader.output[0]), "MatMul") else None
         if reader is None or not _is(reader, "MatMul", "Mul", "Div"):
             continue
-        reshape = index.producer.get(t.input[0])
-        if reshape is None or not _is(reshape, "Reshape") or reshape.output[0] in index.outputs or not all(
-                r is t or _is(r, "Shape") for r in index.readers.get(reshape.output[0], [])):
+        reshape = index.producers.get(t.input[0])
+        if reshape is None or not _is(reshape, "Reshape") or reshape.output[0] in index.graph_outputs or not all(
+                r is t or _is(r, "Shape") for r in index.consumers.get(reshape.output[0], [])):
             continue
-        mul = index.producer.get(reshape.input[0])
+        mul = index.producers.get(reshape.input[0])
         if mul is None or not _is(mul, "Mul", "Div") or len(mul.input) != 2 or \
-                not index.read_by(reshape.input[0], reshape):
+                not index.read_only_by(reshape.input[0], reshape):
             continue
         at_c = [i for i, x in enumerate(mul.input) if x in consts]
         if len(at_c) != 1 or (mul.op_type == "Div" and at_c[0] != 1):
@@ -305,7 +285,7 @@ def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names:
         at = next(i for i, n in enumerate(graph.node) if n is t)
         graph.node.insert(at + 1, moved)
         count += 1
-        index = _Index(graph)
+        index = scan_mod.GraphLinks(graph)
     return count
 
 
@@ -336,11 +316,11 @@ class _Moved:
     inits: list[onnx.TensorProto]
 
 
-def _head_split_transpose(node: onnx.NodeProto, index: _Index, g: scan_mod._Graph) -> bool:
+def _head_split_transpose(node: onnx.NodeProto, index: scan_mod.GraphLinks, g: scan_mod._Graph) -> bool:
     """Whether ``node`` is a Transpose (0, 2, 1, 3) of a Reshape [B, S, E] -> [B, S, H, d]."""
-    if not _is(node, "Transpose") or _perm(node) != [0, 2, 1, 3] or node.output[0] in index.outputs:
+    if not _is(node, "Transpose") or _perm(node) != [0, 2, 1, 3] or node.output[0] in index.graph_outputs:
         return False
-    reshape = index.producer.get(node.input[0])
+    reshape = index.producers.get(node.input[0])
     if reshape is None or not _is(reshape, "Reshape"):
         return False
     src, dst = g.shapes.get(reshape.input[0]), g.shapes.get(reshape.output[0])
@@ -353,7 +333,7 @@ def _one_element_constant(consts: dict[str, np.ndarray], name: str) -> bool:
     return value is not None and value.size == 1
 
 
-def _scale_of_a_matmul(node: onnx.NodeProto | None, index: _Index, consts: dict[str, np.ndarray],
+def _scale_of_a_matmul(node: onnx.NodeProto | None, index: scan_mod.GraphLinks, consts: dict[str, np.ndarray],
                        depth: int = 0) -> bool:
     """A Mul (Div) by a one-element constant read by a MatMul alone, or by such a Mul (up to three in a row): the
     chain's scale of Q or Kt, which the matcher folds with the Transpose before it absorbed (so the Transpose
@@ -361,7 +341,7 @@ def _scale_of_a_matmul(node: onnx.NodeProto | None, index: _Index, consts: dict[
     if node is None or depth > 2 or not _is(node, "Mul", "Div") or len(node.input) != 2 or \
             not any(_one_element_constant(consts, x) for x in node.input):
         return False
-    reader = index.only_reader(node.output[0])
+    reader = index.exclusive_consumer(node.output[0])
     return _is(reader, "MatMul") or _scale_of_a_matmul(reader, index, consts, depth + 1)
 
 
@@ -374,7 +354,7 @@ class _Sink:
 
     def __init__(self, graph: onnx.GraphProto, g: scan_mod._Graph, names: Names):
         self.graph, self.g, self.names = graph, g, names
-        self.index = _Index(graph)
+        self.index = scan_mod.GraphLinks(graph)
         self.consts = _constants(graph)
         self.unsqueezed: dict[tuple[str, tuple[int, ...]], str] = {}  # (value, axes) -> the Unsqueeze made
         self.pending: dict[tuple[str, tuple[int, ...]], str] = {}  # those of the region being matched
@@ -409,7 +389,7 @@ class _Sink:
                                              self.names(f"{value}_moved"))
             inits.append(tensor)
             return tensor.name
-        unsqueeze = self.index.producer.get(value)
+        unsqueeze = self.index.producers.get(value)
         if unsqueeze is None or not _is(unsqueeze, "Unsqueeze"):
             raise _Refuse(f"the operand {value!r} is neither a constant nor made by an Unsqueeze")
         axes_a = _attr(unsqueeze, "axes")
@@ -589,7 +569,7 @@ class _Sink:
                 for x in reads:
                     stops.setdefault(x, []).append(node)
                 continue
-            if node.output[0] in self.index.outputs:
+            if node.output[0] in self.index.graph_outputs:
                 raise _Refuse(f"{node.output[0]!r} is a graph output")
             values[node.output[0]] = (new[-1].output[0], perm)
             moved.append((node, new))
@@ -599,7 +579,7 @@ class _Sink:
             raise _Refuse(f"it would end as {len(stops)} Transposes ({', '.join(sorted(stops))}), not one")
         (end,) = stops
         for r in stops[end]:  # before the chain: its MatMul, its scale, or its Kt Transpose before either
-            after = self.index.only_reader(r.output[0]) if _is(r, "Transpose") else r
+            after = self.index.exclusive_consumer(r.output[0]) if _is(r, "Transpose") else r
             if not _is(after, "MatMul") and not _scale_of_a_matmul(after, self.index, self.consts):
                 raise _Refuse(f"the {r.op_type} {r.name or r.output[0]!r} it would end before is not a MatMul's "
                               "operand")
@@ -627,7 +607,7 @@ class _Sink:
         self.graph.node.extend(nodes)
         self.graph.initializer.extend(moved.inits)
         self.unsqueezed.update(self.pending)
-        self.index = _Index(self.graph)
+        self.index = scan_mod.GraphLinks(self.graph)
 
 
 def _transposes_past_rotary(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names, opset: int,
@@ -640,10 +620,10 @@ def _transposes_past_rotary(graph: onnx.GraphProto, g: scan_mod._Graph, names: N
     sink = _Sink(graph, g, names)
     count = 0
     for key in [n.output[0] for n in graph.node if _is(n, "Transpose")]:
-        seed = sink.index.producer.get(key)  # the graph's nodes are new messages after each rewrite
+        seed = sink.index.producers.get(key)  # the graph's nodes are new messages after each rewrite
         if seed is None or not _head_split_transpose(seed, sink.index, g) or all(
                 _is(r, "MatMul", "Transpose", "Shape") or _scale_of_a_matmul(r, sink.index, sink.consts)
-                for r in sink.index.readers.get(seed.output[0], [])):
+                for r in sink.index.consumers.get(seed.output[0], [])):
             continue  # read by the chain (or nothing to move past): as the matcher takes it
         try:
             if opset < 13:

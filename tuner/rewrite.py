@@ -33,7 +33,7 @@ from onnx import helper, numpy_helper
 from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
-from tuner.scan import node_reads
+from tuner.scan import GraphLinks, node_reads
 from tuner.workload import Workload
 
 __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model", "model_to_edit"]
@@ -138,37 +138,30 @@ class _Site:
         return max((self.index, *self.absorbed))
 
 
-class _Links:
-    """The graph indexed by value: who makes each value, who reads it, the constants."""
+class _Links(GraphLinks):
+    """The graph's links (a value made by two nodes refused), its nodes' positions and its initializers."""
 
     def __init__(self, graph: onnx.GraphProto, base_dir: Path | None = None):
+        super().__init__(graph, one_maker=True)
         self.graph = graph
         self.base_dir = base_dir  # where the model's external data is read from (its tensors not loaded)
-        self.producer: dict[str, int] = {}
-        self.readers: dict[str, list[int]] = {}
-        for i, n in enumerate(graph.node):
-            for o in n.output:
-                if o and o in self.producer:
-                    raise DietcodeError(f"invalid model: value {o!r} is made by two nodes")
-                if o:
-                    self.producer[o] = i
-            for x in node_reads(n):
-                self.readers.setdefault(x, []).append(i)
+        self.nodes = list(graph.node)  # held, so each id below stays its node's
+        self.position = {id(n): i for i, n in enumerate(self.nodes)}
         self.inits = {t.name: t for t in graph.initializer}
-        self.outputs = {o.name for o in graph.output}
 
     def node(self, output: str, what: str) -> tuple[int, onnx.NodeProto]:
-        i = self.producer.get(output)
-        if i is None:
+        """The position and the node making ``output``."""
+        node = self.producers.get(output)
+        if node is None:
             raise DietcodeError(f"{what} making {output!r} is not in the model")
-        return i, self.graph.node[i]
+        return self.position[id(node)], node
 
     def constant(self, name: str, body_name: str, reader: onnx.NodeProto) -> onnx.NodeProto:
         """A Constant node (for a function body) with the value of ``name``: an initializer or Constant."""
-        i = self.producer.get(name)
-        if i is not None and self.graph.node[i].op_type == "Constant":
+        maker = self.producers.get(name)
+        if maker is not None and maker.op_type == "Constant":
             node = onnx.NodeProto()
-            node.CopyFrom(self.graph.node[i])
+            node.CopyFrom(maker)
             node.name = ""
             del node.output[:]
             node.output.append(body_name)
@@ -177,7 +170,7 @@ class _Links:
                     a.t.CopyFrom(self._value(a.t, name))
             return node
         t = self.inits.get(name)
-        if t is None or i is not None:
+        if t is None or maker is not None:
             raise DietcodeError(f"cannot rewrite: {_label(reader)} reads {name!r}, which is neither made by "
                                 f"the fused nodes nor a constant")
         value = self._value(t, name)
@@ -242,10 +235,10 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         for value in n.output:
             if not value or value == output:
                 continue
-            outside = [i for i in links.readers.get(value, []) if i not in members]
-            if value in links.outputs or outside:
-                where = "is a graph output" if value in links.outputs else \
-                    f"is also read by {_label(links.graph.node[outside[0]])}"
+            outside = [r for r in links.consumers.get(value, []) if links.position[id(r)] not in members]
+            if value in links.graph_outputs or outside:
+                where = "is a graph output" if value in links.graph_outputs else \
+                    f"is also read by {_label(outside[0])}"
                 raise DietcodeError(f"cannot rewrite the node making {key!r}: the fused value {value!r} "
                                     f"{where}")
     body = _body(links, node, [f for _, f in absorbed], bias, output, residual, at)

@@ -31,7 +31,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 _log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
-           "scan_command", "attention_report", "node_reads"]
+           "scan_command", "attention_report", "node_reads", "GraphLinks"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -271,12 +271,45 @@ def node_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-class _Graph:
-    """Index of an inferred graph: shapes, dtypes, producers, consumers, constants."""
+class GraphLinks:
+    """A graph indexed by value: the node making each value, the nodes reading it (a node reads what its
+    subgraphs read from outside, ``node_reads``; one reading a value twice is one reader), and the graph's
+    outputs. Nodes are the graph's own messages, compared by identity; empty names (absent optional inputs
+    and outputs) are no values. ``one_maker``: refuse a graph where two nodes make one value (otherwise the
+    last one counts)."""
+
+    def __init__(self, graph: onnx.GraphProto, one_maker: bool = False):
+        self.producers: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node_reads(node):
+                self.consumers.setdefault(name, []).append(node)
+            for name in node.output:
+                if name and one_maker and name in self.producers:
+                    raise DietcodeError(f"invalid model: value {name!r} is made by two nodes")
+                if name:
+                    self.producers[name] = node
+        self.graph_outputs = {o.name for o in graph.output}
+
+    def exclusive_consumer(self, name: str) -> onnx.NodeProto | None:
+        """The one node reading ``name``; None when none or several do, or it is a graph output."""
+        users = self.consumers.get(name, [])
+        if len(users) != 1 or name in self.graph_outputs:
+            return None
+        return users[0]
+
+    def read_only_by(self, name: str, node: onnx.NodeProto) -> bool:
+        """Whether ``node`` alone reads ``name`` (and it is no graph output)."""
+        return self.exclusive_consumer(name) is node
+
+
+class _Graph(GraphLinks):
+    """Index of an inferred graph: its links, and the shapes, dtypes and constants of its values."""
 
     def __init__(self, model: onnx.ModelProto, initializers: Sequence[onnx.TensorProto],
                  aliases: dict[str, str] | None = None):
         g = model.graph
+        super().__init__(g)
         self.inits = {i.name: i for i in initializers}
         self.shapes: dict[str, tuple] = {}
         self.dtypes: dict[str, int] = {}
@@ -298,14 +331,6 @@ class _Graph:
                 self.inits[node.output[0]] = t
                 self.shapes[node.output[0]] = tuple(t.dims)
                 self.dtypes[node.output[0]] = t.data_type
-        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        self.producers: dict[str, onnx.NodeProto] = {}
-        for node in g.node:
-            for name in node_reads(node):
-                self.consumers[name].append(node)
-            for name in node.output:
-                self.producers[name] = node
-        self.graph_outputs = {o.name for o in g.output}
 
     def const(self, name: str) -> np.ndarray | None:
         t = self.inits.get(name)
@@ -314,12 +339,6 @@ class _Graph:
         if is_external(t):
             return None  # weights not loaded: shape known, value not needed for matching
         return numpy_helper.to_array(t)
-
-    def exclusive_consumer(self, name: str) -> onnx.NodeProto | None:
-        users = self.consumers.get(name, [])
-        if len(users) != 1 or name in self.graph_outputs:
-            return None
-        return users[0]
 
     def constant_source(self, name: str) -> str | None:
         """The constant behind ``name``, looking through Identity nodes (exporters deduplicate equal
