@@ -299,14 +299,15 @@ class AttentionKernel {
     try {
       scale_ = info.GetAttribute<float>("scale");
     } catch (const Ort::Exception&) {
+      if (HasAttribute(info, "scale")) ThrowAttrType<float>(where_, "scale");
       Throw("the 'scale' attribute is missing (optimize the model again)");
     }
     if (!std::isfinite(scale_)) Throw("the scale " + std::to_string(scale_) + " is not finite");
-    head_dim_ = AttrOr<int64_t>(info, "head_dim", 0);  // 0: not checked
-    nan_to_zero_ = AttrOr<int64_t>(info, "nan_to_zero", 0) != 0;
-    mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
-    causal_ = AttrOr<int64_t>(info, "causal", 0) != 0;
-    layout_ = AttrOr<int64_t>(info, "layout", 0);
+    head_dim_ = AttrOr<int64_t>(info, where_, "head_dim", 0);  // 0: not checked
+    nan_to_zero_ = AttrOr<int64_t>(info, where_, "nan_to_zero", 0) != 0;
+    mask_rows_ = AttrOr<int64_t>(info, where_, "mask_rows", 1) != 0;
+    causal_ = AttrOr<int64_t>(info, where_, "causal", 0) != 0;
+    layout_ = AttrOr<int64_t>(info, where_, "layout", 0);
     if (layout_ < 0 || layout_ > kLayoutMax || !LayoutValid(static_cast<int>(layout_))) {
       Throw("the layout attribute " + std::to_string(layout_) + " is not a bit set of q 1, k 2, v 4, out 8, packed "
             "16 (packed only with q, k and v)");
