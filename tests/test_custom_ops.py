@@ -320,6 +320,14 @@ def test_attributes_of_another_type_are_refused(payload, bias_payload, op_type, 
         dietcode_ort.InferenceSession(model, providers=CPU)
 
 
+def test_negative_conv_pads_are_refused(payload) -> None:
+    """Negative pads (which ONNX's Conv schema refuses) are refused by the library's Conv too, naming them."""
+    model = custom_model("Conv", 2, {"pads": [-1, -1, -1, -1]}, TensorProto.FLOAT, payload)
+    feeds = {"A": np.ones((1, 2, 6, 6), np.float32), "B": np.ones((3, 2, 3, 3), np.float32)}
+    with pytest.raises(Exception, match=r"node 'n0' .*Conv pads must be >= 0, got \[-1, -1, -1, -1\]"):
+        dietcode_ort.InferenceSession(model, providers=CPU).run(None, feeds)
+
+
 def test_scale_must_be_the_compiled_kernels_alpha_on_the_cpu_ep() -> None:
     """A hand-edited scale the compiled kernels were not built with is refused at session creation on the CPU
     EP too (the vendor and CPU paths apply the scale, the kernels their baked-in alpha); the scale they were
