@@ -103,13 +103,14 @@ bool AttentionCanonical(int layout, int64_t head_dim, std::vector<int64_t>* q, s
       *error = "the packed layout needs the node's head_dim attribute (" + shapes + ")";
       return false;
     }
+    // c = 3 * heads * head_dim, tested without forming 3 * head_dim: a hand-edited head_dim near 2^63 overflows it
     const int64_t b = (*q)[0], t = (*q)[1], c = (*q)[2];
-    if (b < 0 || t < 0 || c <= 0 || c % (3 * head_dim) != 0) {
+    if (b < 0 || t < 0 || c <= 0 || c % 3 != 0 || (c / 3) % head_dim != 0) {
       *error = "the packed projection " + ShapeText(*q) + " has a negative dim or a last dim that is not a positive "
-               "multiple of 3 * head_dim = " + std::to_string(3 * head_dim);
+               "multiple of 3 * head_dim (head_dim " + std::to_string(head_dim) + ")";
       return false;
     }
-    const std::vector<int64_t> part = {b, t, c / (3 * head_dim), head_dim};
+    const std::vector<int64_t> part = {b, t, c / 3 / head_dim, head_dim};
     *q = part;
     *k = part;
     *v = part;

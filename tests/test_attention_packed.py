@@ -250,11 +250,14 @@ def _packed_node(a_dims: list, b_dims: list, head_dim: int, layout: int = 23) ->
 
 
 @pytest.mark.parametrize("a, b, head_dim, layout, message", [
-    ((2, 5, 96), (2, 5, 96), 12, 23, "last dim that is not a positive multiple of 3 \\* head_dim = 36"),
-    ((2, 5, 90), (2, 5, 90), 16, 23, "not a positive multiple of 3 \\* head_dim = 48"),
+    ((2, 5, 96), (2, 5, 96), 12, 23, "last dim that is not a positive multiple of 3 \\* head_dim \\(head_dim 12\\)"),
+    ((2, 5, 90), (2, 5, 90), 16, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 16\\)"),
     ((2, 5, 96), (2, 4, 96), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
     ((2, 5, 96), (2, 5, 48), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
     ((2, 5, 96), (2, 5, 96), 0, 23, "packed layout needs the head_dim attribute"),
+    # a hand-edited head_dim whose 3 * head_dim overflows int64 (2^62: the text of the product overran a buffer)
+    ((2, 5, 96), (2, 5, 96), 2**62, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 4611686018427387904\\)"),
+    ((2, 5, 96), (2, 5, 96), 2**63 // 3 + 1, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 3074457345618258603\\)"),
     ((2, 5, 96), (2, 5, 96), 16, 16, "layout attribute 16 is not a bit set"),
 ])
 def test_cpu_kernel_refuses_bad_packed_calls_clearly(a: tuple, b: tuple, head_dim: int, layout: int,
