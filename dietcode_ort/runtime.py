@@ -114,7 +114,8 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
     cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
     function; call ``register(sess_options)`` to register them in any case. Reused options that already
-    carry the library are fine.
+    carry the library are fine. A ``provider_options`` list (ORT's, parallel to ``providers``) loses the entries
+    of the providers dropped.
     """
     import onnxruntime as ort
 
@@ -126,7 +127,11 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     if providers is None:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     requested = list(providers)
-    providers = [p for p in requested if provider_usable(p)] or ["CPUExecutionProvider"]
+    kept = [i for i, p in enumerate(requested) if provider_usable(p)]
+    providers = [requested[i] for i in kept] or ["CPUExecutionProvider"]
+    options = kwargs.get("provider_options")
+    if options is not None and len(options) == len(requested):  # ORT's list parallel to providers: in step
+        kwargs["provider_options"] = [options[i] for i in kept] or [{}]
     registered = library_needed(providers) or not _has_fallback(model)
     if registered:
         register(opts)
@@ -140,6 +145,9 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
             and _has_fallback(model):
         # the GPU provider was dropped after all: the fallback functions beat the library's CPU kernel
         if sess_options is None:
+            if kwargs.get("provider_options") is not None:  # the CPU provider's own entry, if it had one
+                cpu = [o for p, o in zip(providers, kwargs["provider_options"]) if p == "CPUExecutionProvider"]
+                kwargs["provider_options"] = cpu or [{}]
             return ort.InferenceSession(model, sess_options=ort.SessionOptions(),
                                         providers=["CPUExecutionProvider"], **kwargs)
         logging.getLogger(__name__).warning(

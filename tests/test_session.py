@@ -64,6 +64,41 @@ def test_unusable_gpu_provider_is_not_trusted(optimized, monkeypatch):
     assert sess.get_providers() == ["CPUExecutionProvider"] and not registered
 
 
+
+def test_provider_options_follow_the_providers_kept(optimized, monkeypatch, capsys):
+    """ORT's provider_options list runs parallel to providers: the entries of the providers dropped as unusable
+    are dropped with them (else ORT refuses the lengths, prints an EP error and retries on the CPU alone, which
+    on a GPU machine with an unusable TensorRT listed first loses the GPU)."""
+    src, out = optimized
+    usable = runtime.provider_usable
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: (p[0] if isinstance(p, tuple) else p)
+                        == "CPUExecutionProvider")
+    passed = []
+    real = ort.InferenceSession
+
+    def spy(model, sess_options=None, providers=None, **kwargs):
+        passed.append((providers, kwargs.get("provider_options")))
+        return real(model, sess_options=sess_options, providers=providers, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    sess = dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                         provider_options=[{"device_id": "0"}, {"arena_extend_strategy": "kSameAsRequested"}])
+    assert passed == [(["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])]
+    assert "EP Error" not in capsys.readouterr().out
+    _check(sess, src)
+    passed.clear()
+    dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider"], provider_options=[{"device_id": "0"}])
+    assert passed == [(["CPUExecutionProvider"], [{}])]
+    if "CUDAExecutionProvider" in ort.get_available_providers() and not usable("CUDAExecutionProvider"):
+        # a probe fooled into keeping CUDA: the session rebuilt on the CPU keeps the CPU provider's entry
+        monkeypatch.setattr(runtime, "provider_usable", lambda p: True)
+        passed.clear()
+        _check(dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                             provider_options=[{"device_id": "0"}, {"arena_extend_strategy": "kSameAsRequested"}]), src)
+        assert passed[1] == (["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])  # [2]: _check's
+        assert "EP Error" not in capsys.readouterr().out
+
+
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
                     reason="onnxruntime without the CUDA provider")
 def test_provider_usable_matches_a_real_session():
