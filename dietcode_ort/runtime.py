@@ -114,7 +114,8 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
     cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
     function; call ``register(sess_options)`` to register them in any case. Reused options that already
-    carry the library are fine. A ``provider_options`` list (ORT's, parallel to ``providers``) loses the entries
+    carry the library through ``register`` are fine (options given it by ORT's own ``register_custom_ops_library``
+    are refused with a DietcodeError when the session needs the library: ORT takes no second registration). A ``provider_options`` list (ORT's, parallel to ``providers``) loses the entries
     of the providers dropped.
     """
     import onnxruntime as ort
@@ -133,11 +134,17 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     if options is not None and len(options) == len(requested):  # ORT's list parallel to providers: in step
         kwargs["provider_options"] = [options[i] for i in kept] or [{}]
     registered = library_needed(providers) or not _has_fallback(model)
+    registered_here = registered and _registered_library(opts) is None
     if registered:
         register(opts)
     try:
         sess = ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
     except Exception as exc:  # ORT raises its own exception types; keep them but make the cause visible
+        if registered_here and "Domain already set" in str(exc):
+            raise DietcodeError(
+                "the session options already carry a custom-op library with the ai.dietcode domain (registered with "
+                "register_custom_ops_library), and ORT takes no second one: pass them to onnxruntime.InferenceSession, "
+                "or register the library with dietcode_ort.register(options), which this function recognizes") from exc
         if "ai.dietcode" in str(exc):
             raise DietcodeError(f"cannot create the session: {exc}") from exc
         raise

@@ -10,6 +10,7 @@ import pytest
 import dietcode_ort
 from dietcode_ort import runtime
 from dietcode_ort.cli import main
+from dietcode_ort.errors import DietcodeError
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,27 @@ def test_provider_options_follow_the_providers_kept(optimized, monkeypatch, caps
                                              provider_options=[{"device_id": "0"}, {"arena_extend_strategy": "kSameAsRequested"}]), src)
         assert passed[1] == (["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])  # [2]: _check's
         assert "EP Error" not in capsys.readouterr().out
+
+
+
+def test_options_carrying_the_library_registered_by_hand(optimized):
+    """Options on which the library was registered with ORT's own register_custom_ops_library (not through
+    dietcode_ort.register) cannot take it a second time: when the session needs it, the error says so and what
+    to do instead of ORT's "Domain already set in registry"."""
+    import onnx
+
+    src, out = optimized
+    model = onnx.load(str(out))
+    del model.functions[:]  # no fallback: the library is needed on the CPU too
+    def by_hand() -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(dietcode_ort.library_path()))
+        return so
+
+    with pytest.raises(DietcodeError, match="already carry a custom-op library with the ai.dietcode "
+                                            "domain.*dietcode_ort.register"):
+        dietcode_ort.InferenceSession(model, by_hand(), providers=["CPUExecutionProvider"])
+    _check(ort.InferenceSession(model.SerializeToString(), by_hand(), providers=["CPUExecutionProvider"]), src)
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
