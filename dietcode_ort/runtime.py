@@ -114,9 +114,10 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
     cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
     function; call ``register(sess_options)`` to register them in any case. Reused options that already
-    carry the library through ``register`` are fine (options given it by ORT's own ``register_custom_ops_library``
-    are refused with a DietcodeError when the session needs the library: ORT takes no second registration). A ``provider_options`` list (ORT's, parallel to ``providers``) loses the entries
-    of the providers dropped.
+    carry the library through ``register`` are fine (options given it by ORT's own
+    ``register_custom_ops_library`` are refused with a DietcodeError when the session needs the library: ORT
+    takes no second registration). A ``provider_options`` list (ORT's, parallel to ``providers``) loses the
+    entries of the providers dropped.
     """
     import onnxruntime as ort
 
