@@ -142,6 +142,8 @@ void UnpackPart(const float* src, int64_t rows, int64_t width, int part, float* 
 }
 
 void Permute4(const float* src, const int64_t dims[4], const int perm[4], float* dst) {
+  // nothing to move: an empty tensor may still have a huge dim (a batch of 2^40 rows of nothing)
+  if (dims[0] == 0 || dims[1] == 0 || dims[2] == 0 || dims[3] == 0) return;
   int64_t stride[4];
   stride[3] = 1;
   for (int a = 2; a >= 0; --a) stride[a] = stride[a + 1] * dims[a + 1];

@@ -269,6 +269,32 @@ def test_cpu_kernel_refuses_bad_packed_calls_clearly(a: tuple, b: tuple, head_di
         _library(model, feeds)
 
 
+
+@pytest.mark.parametrize("layout, dims", [(15, [2**40, 0, _H, _D]), (23, [2**40, 0, 3 * _E])])
+def test_cpu_kernel_answers_empty_inputs_with_a_huge_batch_at_once(tmp_path, layout: int, dims: list) -> None:
+    """Q, K and V with no element but a batch of 2^40 (a shape ORT accepts): the empty output comes back at once,
+    without permuting 2^40 empty rows (the head-split layouts' permutation looped over them, for hours)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "empty.onnx"
+    names = [f"d{i}" for i in range(len(dims))]
+    onnx.save(_packed_node(names, names, _D, layout), str(path))
+    code = f"""
+import numpy as np, onnxruntime as ort
+from dietcode_ort.runtime import register
+opts = ort.SessionOptions()
+register(opts)
+sess = ort.InferenceSession({str(path)!r}, opts, providers=["CPUExecutionProvider"])
+x = ort.OrtValue.ortvalue_from_shape_and_type({dims!r}, np.float32)
+print(sess.run_with_ort_values(None, {{"a": x, "b": x}})[0].shape())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shape = [int(d) for d in proc.stdout.strip().strip("[]").split(",")]
+    assert shape[0] == 2**40 and 0 in shape  # layout 23 writes [B, H, S, d], 15 [B, S, H, d]
+
+
 def test_cpu_kernel_reads_part_i_of_input_i() -> None:
     """The packed node reads Q from part 0 of input 0, K from part 1 of input 1, V from part 2 of input 2 (the
     fallback body's semantics): with Q, V from one tensor and K from another, the result is that attention."""
