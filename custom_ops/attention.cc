@@ -103,13 +103,14 @@ bool AttentionCanonical(int layout, int64_t head_dim, std::vector<int64_t>* q, s
       *error = "the packed layout needs the node's head_dim attribute (" + shapes + ")";
       return false;
     }
+    // c = 3 * heads * head_dim, tested without forming 3 * head_dim: a hand-edited head_dim near 2^63 overflows it
     const int64_t b = (*q)[0], t = (*q)[1], c = (*q)[2];
-    if (b < 0 || t < 0 || c <= 0 || c % (3 * head_dim) != 0) {
+    if (b < 0 || t < 0 || c <= 0 || c % 3 != 0 || (c / 3) % head_dim != 0) {
       *error = "the packed projection " + ShapeText(*q) + " has a negative dim or a last dim that is not a positive "
-               "multiple of 3 * head_dim = " + std::to_string(3 * head_dim);
+               "multiple of 3 * head_dim (head_dim " + std::to_string(head_dim) + ")";
       return false;
     }
-    const std::vector<int64_t> part = {b, t, c / (3 * head_dim), head_dim};
+    const std::vector<int64_t> part = {b, t, c / 3 / head_dim, head_dim};
     *q = part;
     *k = part;
     *v = part;
@@ -141,6 +142,8 @@ void UnpackPart(const float* src, int64_t rows, int64_t width, int part, float* 
 }
 
 void Permute4(const float* src, const int64_t dims[4], const int perm[4], float* dst) {
+  // nothing to move: an empty tensor may still have a huge dim (a batch of 2^40 rows of nothing)
+  if (dims[0] == 0 || dims[1] == 0 || dims[2] == 0 || dims[3] == 0) return;
   int64_t stride[4];
   stride[3] = 1;
   for (int a = 2; a >= 0; --a) stride[a] = stride[a + 1] * dims[a + 1];
@@ -299,14 +302,15 @@ class AttentionKernel {
     try {
       scale_ = info.GetAttribute<float>("scale");
     } catch (const Ort::Exception&) {
+      if (HasAttribute(info, "scale")) ThrowAttrType<float>(where_, "scale");
       Throw("the 'scale' attribute is missing (optimize the model again)");
     }
     if (!std::isfinite(scale_)) Throw("the scale " + std::to_string(scale_) + " is not finite");
-    head_dim_ = AttrOr<int64_t>(info, "head_dim", 0);  // 0: not checked
-    nan_to_zero_ = AttrOr<int64_t>(info, "nan_to_zero", 0) != 0;
-    mask_rows_ = AttrOr<int64_t>(info, "mask_rows", 1) != 0;
-    causal_ = AttrOr<int64_t>(info, "causal", 0) != 0;
-    layout_ = AttrOr<int64_t>(info, "layout", 0);
+    head_dim_ = AttrOr<int64_t>(info, where_, "head_dim", 0);  // 0: not checked
+    nan_to_zero_ = AttrOr<int64_t>(info, where_, "nan_to_zero", 0) != 0;
+    mask_rows_ = AttrOr<int64_t>(info, where_, "mask_rows", 1) != 0;
+    causal_ = AttrOr<int64_t>(info, where_, "causal", 0) != 0;
+    layout_ = AttrOr<int64_t>(info, where_, "layout", 0);
     if (layout_ < 0 || layout_ > kLayoutMax || !LayoutValid(static_cast<int>(layout_))) {
       Throw("the layout attribute " + std::to_string(layout_) + " is not a bit set of q 1, k 2, v 4, out 8, packed "
             "16 (packed only with q, k and v)");

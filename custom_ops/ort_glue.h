@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core.h"
@@ -14,14 +15,71 @@
 
 namespace dietcode {
 
-// The node's attribute `name`, or `def` when the node does not set it.
+// Whether `get` (one of ORT's typed attribute getters) reads the attribute.
+template <typename Get>
+bool Reads(Get&& get) {
+  try {
+    get();
+    return true;
+  } catch (const Ort::Exception&) {
+    return false;
+  }
+}
+
+// Whether the node sets attribute `name` as an INT, FLOAT, STRING or TENSOR: ORT's typed getters fail alike
+// for a missing attribute and for one of another type.
+inline bool HasScalarAttribute(const Ort::ConstKernelInfo& info, const char* name) {
+  Ort::AllocatorWithDefaultOptions alloc;
+  return Reads([&] { info.GetAttribute<int64_t>(name); }) || Reads([&] { info.GetAttribute<float>(name); }) ||
+         Reads([&] { info.GetAttribute<std::string>(name); }) || Reads([&] { info.GetTensorAttribute(name, alloc); });
+}
+
+// Whether the node sets attribute `name`, of whichever type the kernel API reads (those and INTS, FLOATS).
+inline bool HasAttribute(const Ort::ConstKernelInfo& info, const char* name) {
+  return HasScalarAttribute(info, name) || Reads([&] { info.GetAttributes<int64_t>(name); }) ||
+         Reads([&] { info.GetAttributes<float>(name); });
+}
+
 template <typename T>
-T AttrOr(const Ort::ConstKernelInfo& info, const char* name, T def) {
+const char* AttrTypeName() {
+  if constexpr (std::is_same_v<T, int64_t>) return "an INT";
+  if constexpr (std::is_same_v<T, float>) return "a FLOAT";
+  if constexpr (std::is_same_v<T, std::vector<int64_t>>) return "INTS";
+  return "a STRING";
+}
+
+// An attribute the node (`where`) sets with another type than the op reads: an error naming it and the type
+// (read as absent, a hand-edited FLOAT transB would run untransposed, an INTS causal as not causal).
+template <typename T>
+[[noreturn]] void ThrowAttrType(const std::string& where, const char* name) {
+  throw std::runtime_error(where + ": the '" + name + "' attribute is not " + AttrTypeName<T>() +
+                           " (optimize the model again)");
+}
+
+// The node's attribute `name`, or `def` when the node does not set it; an error naming the node (`where`)
+// when it sets it with another type.
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& info, const std::string& where, const char* name, T def) {
   try {
     return info.GetAttribute<T>(name);
   } catch (const Ort::Exception&) {
+    if (HasAttribute(info, name)) ThrowAttrType<T>(where, name);
     return def;
   }
+}
+
+// The node's INTS attribute `name`, or {} when the node does not set it; an error for another type. (ORT
+// reads an attribute of another type as an empty list: an empty one is checked to be no scalar.)
+inline std::vector<int64_t> IntsOr(const Ort::ConstKernelInfo& info, const std::string& where, const char* name) {
+  std::vector<int64_t> value;
+  try {
+    value = info.GetAttributes<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    if (HasAttribute(info, name)) ThrowAttrType<std::vector<int64_t>>(where, name);
+    return {};
+  }
+  if (value.empty() && HasScalarAttribute(info, name)) ThrowAttrType<std::vector<int64_t>>(where, name);
+  return value;
 }
 
 // The core's element type code (dc_bundle_check_node, the vendor plans): 0 float, 1 float16, 2 bfloat16.

@@ -73,30 +73,6 @@ std::string ResidualMismatch(const Shape& residual, const Shape& out) {
          " (the fused Add takes a residual of the output's shape only)";
 }
 
-// Whether the node still carries a per-node `bundle` attribute (the contract before ai.dietcode opset 2).
-bool HasBundleAttribute(const Ort::ConstKernelInfo& info) {
-  try {
-    Ort::AllocatorWithDefaultOptions alloc;
-    info.GetTensorAttribute("bundle", alloc);
-    return true;
-  } catch (const Ort::Exception&) {
-  }
-  try {
-    info.GetAttribute<std::string>("bundle");
-    return true;
-  } catch (const Ort::Exception&) {
-    return false;
-  }
-}
-
-std::vector<int64_t> IntsOr(const Ort::ConstKernelInfo& info, const char* name) {
-  try {
-    return info.GetAttributes<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    return {};
-  }
-}
-
 float Gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); }
 
 // 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): the tanh approximation (ONNX Gelu approximate="tanh")
@@ -170,7 +146,7 @@ class DietcodeKernel {
     counter_ = dc_node_counter_get(info.GetNodeName().c_str());
     CheckInputs(info);
     has_bias_input_ = spec.bias;
-    scale_ = AttrOr<float>(info, "scale", 1.0f);
+    scale_ = AttrOr<float>(info, where_, "scale", 1.0f);
     if (scale_ != 1.0f && spec.base != BaseOp::kMatMul) Throw("the scale attribute applies to MatMul op types only");
     if (!std::isfinite(scale_)) Throw("the scale attribute is not finite");
     LoadBundle(info);
@@ -178,17 +154,17 @@ class DietcodeKernel {
     // on both EPs: the compiled kernels' baked-in alpha must be the scale the vendor and CPU paths apply
     if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
     if (spec.base == BaseOp::kGemm) {
-      gemm_.trans_a = AttrOr<int64_t>(info, "transA", 0);
-      gemm_.trans_b = AttrOr<int64_t>(info, "transB", 0);
-      gemm_.alpha = AttrOr<float>(info, "alpha", 1.0f);
-      gemm_.beta = AttrOr<float>(info, "beta", 1.0f);
+      gemm_.trans_a = AttrOr<int64_t>(info, where_, "transA", 0);
+      gemm_.trans_b = AttrOr<int64_t>(info, where_, "transB", 0);
+      gemm_.alpha = AttrOr<float>(info, where_, "alpha", 1.0f);
+      gemm_.beta = AttrOr<float>(info, where_, "beta", 1.0f);
     } else if (spec.base == BaseOp::kConv) {
-      conv_.strides = IntsOr(info, "strides");
-      conv_.pads = IntsOr(info, "pads");
-      conv_.dilations = IntsOr(info, "dilations");
-      conv_.kernel_shape = IntsOr(info, "kernel_shape");
-      conv_.group = AttrOr<int64_t>(info, "group", 1);
-      conv_.auto_pad = AttrOr<std::string>(info, "auto_pad", "NOTSET");
+      conv_.strides = IntsOr(info, where_, "strides");
+      conv_.pads = IntsOr(info, where_, "pads");
+      conv_.dilations = IntsOr(info, where_, "dilations");
+      conv_.kernel_shape = IntsOr(info, where_, "kernel_shape");
+      conv_.group = AttrOr<int64_t>(info, where_, "group", 1);
+      conv_.auto_pad = AttrOr<std::string>(info, where_, "auto_pad", "NOTSET");
     }
     if (cuda_) {
       device_memory_ = std::make_unique<NodeMemory>(raw_info);
@@ -215,7 +191,7 @@ class DietcodeKernel {
     const size_t want = BundleInput(spec_) + 1, have = info.GetInputCount();
     const std::string signature = std::string("(A, B, ") + (spec_.bias ? "bias, " : "") +
                                   (spec_.residual ? "residual, " : "") + "bundle)";
-    if (have != want && HasBundleAttribute(info)) {
+    if (have != want && HasAttribute(info, "bundle")) {  // the contract before ai.dietcode opset 2
       Throw("the node carries its kernel bundle as an attribute, the node contract before ai.dietcode opset 2; "
             "this library reads it from the node's last input " + signature +
             ": optimize the original model again with this dietcode-ort");

@@ -150,6 +150,12 @@ bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* ou
     *error = "Conv attributes do not match " + std::to_string(sp) + " spatial dims";
     return false;
   }
+  for (int64_t p : attrs.pads) {
+    if (p < 0) {
+      *error = "Conv pads must be >= 0, got " + ToString(attrs.pads);
+      return false;
+    }
+  }
   if (attrs.group < 1 || x[1] != w[1] * attrs.group) {
     *error = "Conv channels: X " + ToString(x) + ", W " + ToString(w) + ", group " + std::to_string(attrs.group);
     return false;

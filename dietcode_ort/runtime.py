@@ -142,7 +142,10 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
     cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
     function; call ``register(sess_options)`` to register them in any case. Reused options that already
-    carry the library are fine.
+    carry the library through ``register`` are fine (options given it by ORT's own
+    ``register_custom_ops_library`` are refused with a DietcodeError when the session needs the library: ORT
+    takes no second registration). A ``provider_options`` list (ORT's, parallel to ``providers``) loses the
+    entries of the providers dropped.
     """
     import onnxruntime as ort
 
@@ -154,13 +157,23 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     if providers is None:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     requested = list(providers)
-    providers = [p for p in requested if provider_usable(p)] or ["CPUExecutionProvider"]
+    kept = [i for i, p in enumerate(requested) if provider_usable(p)]
+    providers = [requested[i] for i in kept] or ["CPUExecutionProvider"]
+    options = kwargs.get("provider_options")
+    if options is not None and len(options) == len(requested):  # ORT's list parallel to providers: in step
+        kwargs["provider_options"] = [options[i] for i in kept] or [{}]
     registered = library_needed(providers) or not _has_fallback(model)
+    registered_here = registered and _registered_library(opts) is None
     if registered:
         register(opts)
     try:
         sess = ort.InferenceSession(model, sess_options=opts, providers=list(providers), **kwargs)
     except Exception as exc:  # ORT raises its own exception types; keep them but make the cause visible
+        if registered_here and "Domain already set" in str(exc):
+            raise DietcodeError(
+                "the session options already carry a custom-op library with the ai.dietcode domain (registered with "
+                "register_custom_ops_library), and ORT takes no second one: pass them to onnxruntime.InferenceSession, "
+                "or register the library with dietcode_ort.register(options), which this function recognizes") from exc
         if "ai.dietcode" in str(exc):
             raise DietcodeError(f"cannot create the session: {exc}") from exc
         raise
@@ -168,6 +181,9 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
             and _has_fallback(model):
         # the GPU provider was dropped after all: the fallback functions beat the library's CPU kernel
         if sess_options is None:
+            if kwargs.get("provider_options") is not None:  # the CPU provider's own entry, if it had one
+                cpu = [o for p, o in zip(providers, kwargs["provider_options"]) if p == "CPUExecutionProvider"]
+                kwargs["provider_options"] = cpu or [{}]
             return ort.InferenceSession(model, sess_options=ort.SessionOptions(),
                                         providers=["CPUExecutionProvider"], **kwargs)
         logging.getLogger(__name__).warning(

@@ -218,7 +218,7 @@ def test_attention_view_of_a_packed_projection() -> None:
     core.attention_view(packed, packed, packed, head_dim=16, layout=23, out_shape=out_shape)
     assert out_shape == [2, 4, 17, 16]  # [B, H, T, d]
     refusals = (
-        (([2, 17, 3 * 4 * 16 + 16],) * 3, 16, 31, "not a positive multiple of 3 \\* head_dim = 48"),
+        (([2, 17, 3 * 4 * 16 + 16],) * 3, 16, 31, "not a positive multiple of 3 \\* head_dim \\(head_dim 16\\)"),
         (([2, 17, 0],) * 3, 16, 31, "not a positive multiple"),
         (([2, 17, 192], [2, 16, 192], [2, 17, 192]), 16, 31, "one \\[batch, seq, 3 \\* heads \\* head_dim\\]"),
         (([2, 17, 192], [2, 17, 192], [2, 17, 96]), 16, 31, "one \\[batch, seq, 3 \\* heads \\* head_dim\\]"),

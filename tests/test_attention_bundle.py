@@ -310,6 +310,23 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         node_bundles(_with_node(model, "Attention", float_bundle))
 
 
+
+@pytest.mark.parametrize("name, value, kind", [("causal", [1, 1], "an INT"), ("head_dim", 64.0, "an INT"),
+                                               ("layout", "31", "an INT"), ("scale", 1, "a FLOAT")])
+def test_attention_attributes_of_another_type_are_refused(optimized, name, value, kind) -> None:
+    """An attribute of the wrong type is refused naming it, not read as absent (a causal=[1, 1] would run a
+    non-causal node, a FLOAT head_dim would be reported missing)."""
+    _, out, _ = optimized
+
+    def retype(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+        keep = [a for a in node.attribute if a.name != name]
+        del node.attribute[:]
+        node.attribute.extend(keep + [helper.make_attribute(name, value)])
+
+    with pytest.raises(Exception, match=rf"ai.dietcode:Attention.*the '{name}' attribute is not {kind}"):
+        _session(_with_node(onnx.load(str(out)), "Attention", retype))
+
+
 def test_gpu_measure_times_shipped_attention_kernels_through_the_timing_child(tmp_path: Path, monkeypatch) -> None:
     """measure="gpu": the configs the analytic cost ranks best are compiled as they ship and sent to the timing
     child as attention node calls, whose launch view is dc_attention_view's (the fake backend plays the GPU:

@@ -248,11 +248,14 @@ def _packed_node(a_dims: list, b_dims: list, head_dim: int, layout: int = 23) ->
 
 
 @pytest.mark.parametrize("a, b, head_dim, layout, message", [
-    ((2, 5, 96), (2, 5, 96), 12, 23, "last dim that is not a positive multiple of 3 \\* head_dim = 36"),
-    ((2, 5, 90), (2, 5, 90), 16, 23, "not a positive multiple of 3 \\* head_dim = 48"),
+    ((2, 5, 96), (2, 5, 96), 12, 23, "last dim that is not a positive multiple of 3 \\* head_dim \\(head_dim 12\\)"),
+    ((2, 5, 90), (2, 5, 90), 16, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 16\\)"),
     ((2, 5, 96), (2, 4, 96), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
     ((2, 5, 96), (2, 5, 48), 16, 23, "takes one \\[batch, seq, 3 \\* heads \\* head_dim\\] projection"),
     ((2, 5, 96), (2, 5, 96), 0, 23, "packed layout needs the head_dim attribute"),
+    # a hand-edited head_dim whose 3 * head_dim overflows int64 (2^62: the text of the product overran a buffer)
+    ((2, 5, 96), (2, 5, 96), 2**62, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 4611686018427387904\\)"),
+    ((2, 5, 96), (2, 5, 96), 2**63 // 3 + 1, 23, "not a positive multiple of 3 \\* head_dim \\(head_dim 3074457345618258603\\)"),
     ((2, 5, 96), (2, 5, 96), 16, 16, "layout attribute 16 is not a bit set"),
 ])
 def test_cpu_kernel_refuses_bad_packed_calls_clearly(a: tuple, b: tuple, head_dim: int, layout: int,
@@ -262,6 +265,32 @@ def test_cpu_kernel_refuses_bad_packed_calls_clearly(a: tuple, b: tuple, head_di
     feeds = {"a": rng.standard_normal(a).astype(np.float32), "b": rng.standard_normal(b).astype(np.float32)}
     with pytest.raises(Exception, match=message):
         _library(model, feeds)
+
+
+
+@pytest.mark.parametrize("layout, dims", [(15, [2**40, 0, _H, _D]), (23, [2**40, 0, 3 * _E])])
+def test_cpu_kernel_answers_empty_inputs_with_a_huge_batch_at_once(tmp_path, layout: int, dims: list) -> None:
+    """Q, K and V with no element but a batch of 2^40 (a shape ORT accepts): the empty output comes back at once,
+    without permuting 2^40 empty rows (the head-split layouts' permutation looped over them, for hours)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "empty.onnx"
+    names = [f"d{i}" for i in range(len(dims))]
+    onnx.save(_packed_node(names, names, _D, layout), str(path))
+    code = f"""
+import numpy as np, onnxruntime as ort
+from dietcode_ort.runtime import register
+opts = ort.SessionOptions()
+register(opts)
+sess = ort.InferenceSession({str(path)!r}, opts, providers=["CPUExecutionProvider"])
+x = ort.OrtValue.ortvalue_from_shape_and_type({dims!r}, np.float32)
+print(sess.run_with_ort_values(None, {{"a": x, "b": x}})[0].shape())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shape = [int(d) for d in proc.stdout.strip().strip("[]").split(",")]
+    assert shape[0] == 2**40 and 0 in shape  # layout 23 writes [B, H, S, d], 15 [B, S, H, d]
 
 
 def test_cpu_kernel_reads_part_i_of_input_i() -> None:

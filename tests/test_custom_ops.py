@@ -314,6 +314,31 @@ def test_residual_suffix_and_scale_must_fit_the_node(payload) -> None:
         dietcode_ort.InferenceSession(scaled, providers=CPU)
 
 
+
+@pytest.mark.parametrize("op_type, n_inputs, attrs, message", [
+    ("Gemm", 2, {"transB": 1.0}, "'transB' attribute is not an INT"),
+    ("GemmBias", 3, {"alpha": "2"}, "'alpha' attribute is not a FLOAT"),
+    ("MatMul", 2, {"scale": "2"}, "'scale' attribute is not a FLOAT"),
+    ("Conv", 2, {"strides": 2}, "'strides' attribute is not INTS"),
+    ("Conv", 2, {"group": [1]}, "'group' attribute is not an INT"),
+    ("Conv", 2, {"auto_pad": 1}, "'auto_pad' attribute is not a STRING"),
+])
+def test_attributes_of_another_type_are_refused(payload, bias_payload, op_type, n_inputs, attrs, message) -> None:
+    """A hand-edited attribute of the wrong type is refused at session creation naming it, not read as absent
+    (a FLOAT transB would run untransposed, an INT strides as stride 1)."""
+    model = custom_model(op_type, n_inputs, attrs, TensorProto.FLOAT, bias_payload if n_inputs == 3 else payload)
+    with pytest.raises(DietcodeError, match=f"node 'n0' .*{message}"):
+        dietcode_ort.InferenceSession(model, providers=CPU)
+
+
+def test_negative_conv_pads_are_refused(payload) -> None:
+    """Negative pads (which ONNX's Conv schema refuses) are refused by the library's Conv too, naming them."""
+    model = custom_model("Conv", 2, {"pads": [-1, -1, -1, -1]}, TensorProto.FLOAT, payload)
+    feeds = {"A": np.ones((1, 2, 6, 6), np.float32), "B": np.ones((3, 2, 3, 3), np.float32)}
+    with pytest.raises(Exception, match=r"node 'n0' .*Conv pads must be >= 0, got \[-1, -1, -1, -1\]"):
+        dietcode_ort.InferenceSession(model, providers=CPU).run(None, feeds)
+
+
 def test_scale_must_be_the_compiled_kernels_alpha_on_the_cpu_ep() -> None:
     """A hand-edited scale the compiled kernels were not built with is refused at session creation on the CPU
     EP too (the vendor and CPU paths apply the scale, the kernels their baked-in alpha); the scale they were

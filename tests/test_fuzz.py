@@ -1,4 +1,5 @@
-"""Randomized fuzzing of the bundle reader (the C++ core) through ctypes (no clang/libFuzzer needed).
+"""Randomized fuzzing of the bundle reader (the C++ core) through ctypes (no clang/libFuzzer needed), and of the
+core's call views on hostile shapes and attributes (``run_view_fuzz``).
 
 Valid bundles are mutated (bit flips, boundary values written over size/offset/id fields, truncation,
 extension, splices). For every mutant the C++ parser must not crash and must refuse with a message or
@@ -168,6 +169,69 @@ def run_fuzz(seconds: float, seed: int) -> dict[str, int]:
     return stats
 
 
+_HOSTILE_DIMS = [0, 1, 2, 3, 16, 64, -1, -2, 2**31 - 1, 2**31, 2**32 + 1, 2**40, 2**62, 2**63 // 3 + 1, 2**63 - 1,
+                 -2**63]
+
+
+def run_view_fuzz(seconds: float, seed: int) -> dict[str, int]:
+    """The C core's views of a node call (``dc_abi_view``, ``dc_attention_view_layout``) and the vendor plans
+    (``dc_gemm_plan_make``, ``dc_conv_plan_make``) on shapes and attributes a hand-edited model can carry
+    (negative, zero, past int32, near 2^63): each answers or refuses with a message, never crashes."""
+    from dietcode_ort.errors import DietcodeError
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    rng = random.Random(seed)
+
+    def dim() -> int:
+        return rng.choice(_HOSTILE_DIMS) if rng.random() < 0.3 else rng.randrange(1, 70)
+
+    def shape(rank: int | None = None) -> list[int]:
+        return [dim() for _ in range(rng.randrange(0, 6) if rank is None else rank)]
+
+    stats = {"cases": 0, "answered": 0}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        stats["cases"] += 1
+        kind = rng.randrange(5)
+        try:
+            if kind == 0:
+                r = core.abi_view(rng.choice(["MatMul", "Gemm"]), shape(), shape(), shape() if rng.random() < .5 else None,
+                                  ints=[rng.choice([0, 1, -1])] * 2, floats=[rng.choice([1.0, 0.5, 0.0])] * 2,
+                                  batched=rng.random() < .5)
+            elif kind == 1:
+                r = core.abi_view("Conv", shape(4), shape(4), shape(1) if rng.random() < .5 else None,
+                                  ints=[dim() for _ in range(8)] + [rng.choice([1, 2, 0, -1])])
+            elif kind == 2:
+                rank = rng.choice([3, 4])
+                q = shape(rank)
+                kt, v = (list(q), list(q)) if rng.random() < .5 else (shape(rank), shape(rank))
+                r = core.attention_view(q, kt, v, shape() if rng.random() < .5 else None,
+                                        head_dim=rng.choice([0, 64, dim()]),
+                                        layout=rng.choice([0, 15, 23, 31, 16, -1, rng.randrange(32)]), out_shape=[])
+            elif kind == 3:
+                r = core.gemm_plan(rng.choice(["MatMul", "Gemm"]), shape(), shape(), shape() if rng.random() < .5 else None,
+                                   trans_a=rng.random() < .3, trans_b=rng.random() < .5, alpha=rng.choice([1.0, 2.0]),
+                                   beta=rng.choice([1.0, 0.0]))
+            else:
+                r = core.conv_plan(shape(4), shape(4), shape(1) if rng.random() < .5 else None, strides=[dim(), dim()],
+                                   pads=[dim() for _ in range(4)], dilations=[dim(), dim()],
+                                   group=rng.choice([1, 2, 0, -1, 2**40]),
+                                   auto_pad=rng.choice(["NOTSET", "SAME_UPPER", "VALID"]))
+            stats["answered"] += r is not None
+        except DietcodeError as exc:
+            assert str(exc), "a refusal without a message"
+    return stats
+
+
+def test_fuzz_views_in_subprocess() -> None:
+    proc = subprocess.run([sys.executable, __file__, str(FUZZ_SECONDS / 2), "99", "views"], capture_output=True, text=True,
+                          timeout=FUZZ_SECONDS + 120)
+    assert proc.returncode == 0, f"fuzzer died (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["cases"] > 1000 and stats["answered"] > 10, stats
+
+
 def test_fuzz_readers_in_subprocess() -> None:
     proc = subprocess.run([sys.executable, __file__, str(FUZZ_SECONDS), "1234"], capture_output=True, text=True,
                           timeout=FUZZ_SECONDS + 120)
@@ -177,4 +241,5 @@ def test_fuzz_readers_in_subprocess() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_fuzz(float(sys.argv[1]), int(sys.argv[2]))))
+    fuzz = run_view_fuzz if sys.argv[3:] == ["views"] else run_fuzz
+    print(json.dumps(fuzz(float(sys.argv[1]), int(sys.argv[2]))))

@@ -10,6 +10,7 @@ import pytest
 import dietcode_ort
 from dietcode_ort import runtime
 from dietcode_ort.cli import main
+from dietcode_ort.errors import DietcodeError
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,62 @@ def test_unusable_gpu_provider_is_not_trusted(optimized, monkeypatch):
     _check(sess, src)
     sess = dietcode_ort.InferenceSession(out)
     assert sess.get_providers() == ["CPUExecutionProvider"] and not registered
+
+
+
+def test_provider_options_follow_the_providers_kept(optimized, monkeypatch, capsys):
+    """ORT's provider_options list runs parallel to providers: the entries of the providers dropped as unusable
+    are dropped with them (else ORT refuses the lengths, prints an EP error and retries on the CPU alone, which
+    on a GPU machine with an unusable TensorRT listed first loses the GPU)."""
+    src, out = optimized
+    usable = runtime.provider_usable
+    monkeypatch.setattr(runtime, "provider_usable", lambda p: (p[0] if isinstance(p, tuple) else p)
+                        == "CPUExecutionProvider")
+    passed = []
+    real = ort.InferenceSession
+
+    def spy(model, sess_options=None, providers=None, **kwargs):
+        passed.append((providers, kwargs.get("provider_options")))
+        return real(model, sess_options=sess_options, providers=providers, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    sess = dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                         provider_options=[{"device_id": "0"}, {"arena_extend_strategy": "kSameAsRequested"}])
+    assert passed == [(["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])]
+    assert "EP Error" not in capsys.readouterr().out
+    _check(sess, src)
+    passed.clear()
+    dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider"], provider_options=[{"device_id": "0"}])
+    assert passed == [(["CPUExecutionProvider"], [{}])]
+    if "CUDAExecutionProvider" in ort.get_available_providers() and not usable("CUDAExecutionProvider"):
+        # a probe fooled into keeping CUDA: the session rebuilt on the CPU keeps the CPU provider's entry
+        monkeypatch.setattr(runtime, "provider_usable", lambda p: True)
+        passed.clear()
+        _check(dietcode_ort.InferenceSession(out, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                             provider_options=[{"device_id": "0"}, {"arena_extend_strategy": "kSameAsRequested"}]), src)
+        assert passed[1] == (["CPUExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])  # [2]: _check's
+        assert "EP Error" not in capsys.readouterr().out
+
+
+
+def test_options_carrying_the_library_registered_by_hand(optimized):
+    """Options on which the library was registered with ORT's own register_custom_ops_library (not through
+    dietcode_ort.register) cannot take it a second time: when the session needs it, the error says so and what
+    to do instead of ORT's "Domain already set in registry"."""
+    import onnx
+
+    src, out = optimized
+    model = onnx.load(str(out))
+    del model.functions[:]  # no fallback: the library is needed on the CPU too
+    def by_hand() -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(dietcode_ort.library_path()))
+        return so
+
+    with pytest.raises(DietcodeError, match="already carry a custom-op library with the ai.dietcode "
+                                            "domain.*dietcode_ort.register"):
+        dietcode_ort.InferenceSession(model, by_hand(), providers=["CPUExecutionProvider"])
+    _check(ort.InferenceSession(model.SerializeToString(), by_hand(), providers=["CPUExecutionProvider"]), src)
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
