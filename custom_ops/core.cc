@@ -1021,7 +1021,13 @@ int dc_bundle_features(const dc_bundle* b, const int64_t* const* dims, const siz
                  std::to_string(input) + ", whose rank is " + std::to_string(rank));
         return -1;
       }
-      value *= dims[input][dim];
+      const int64_t size = dims[input][dim];
+      if (size < 0 || __builtin_mul_overflow(value, size, &value)) {  // a crafted feature of many terms
+        SetError("feature '" + f.name + "' (a product of " + std::to_string(f.terms.size()) +
+                 " dims) is negative or overflows 64 bits at dim " + std::to_string(size) + " of input " +
+                 std::to_string(input));
+        return -1;
+      }
     }
     out[j] = value;
   }

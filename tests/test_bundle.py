@@ -111,6 +111,11 @@ def test_features_from_shapes_agree(core) -> None:
         cb.features([[5], [4, 4]])
     with pytest.raises(DietcodeError, match="reads input 1"):
         cb.features([[2, 3, 4]])
+    # feature 0 multiplies two dims: a product past 2^63 (or a negative dim) is refused, never wrapped around
+    with pytest.raises(DietcodeError, match="overflows 64 bits"):
+        cb.features([[2 ** 40, 2 ** 40, 16], [16, 33]])
+    with pytest.raises(DietcodeError, match="negative"):
+        cb.features([[2, -3, 16], [16, 33]])
 
 
 def test_vendor_and_params_queries(core) -> None:
