@@ -1,6 +1,6 @@
 // ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
 //
-// One kernel class serves all NN op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
+// One kernel class serves all 100 op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
 // before the activation or Mul after it), configured from the op type name; a MatMul's `scale` attribute (default
 // 1) is the fused alpha: y = act(scale * A B + bias) + residual, or y = act(scale * A B + bias + residual) for an op
 // type naming the residual before the activation (ConvBiasResidualRelu), or y = act(scale * A B + bias) * residual

@@ -43,7 +43,7 @@ struct OpSpec {
 // and "<MatMul|Conv>[Bias]<Act>Mul" with Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 38 op type names, in registration order: the 18 without a residual first.
+// The 100 op type names, in registration order: the 36 without a residual first.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {

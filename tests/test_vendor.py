@@ -390,15 +390,16 @@ EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
 ]
 
 
-@pytest.mark.parametrize("residual", ["", "after", "first"])
+@pytest.mark.parametrize("residual", ["", "after", "first", "mul"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu", "relu6"])
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
 def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype, residual) -> None:
     """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
     the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation, the residual added last
-    (act(y + bias) + residual) or, p_first, before the activation (act(y + bias + residual)), and the dtype's
-    loads, stores and rounding."""
+    (act(y + bias) + residual) or, p_first 1, before the activation (act(y + bias + residual)) or, p_first 2,
+    multiplied after it (act(y + bias) * residual: LLaMA's SwiGLU gate), and the dtype's loads, stores and
+    rounding."""
     from tests import _ptx_run
 
     _, make, out_shape, bias_shape, scale = case
@@ -435,9 +436,12 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         ref = np.clip(ref, 0.0, 6.0)
     if residual == "after":
         ref = ref + res64
+    elif residual == "mul":
+        ref = ref * res64
     params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
               "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
-              "p_act": e.activation, "p_res": res_addr, "p_first": int(residual == "first")}
+              "p_act": e.activation, "p_res": res_addr,
+              "p_first": {"first": 1, "mul": 2}.get(residual, 0)}
     _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
     got = _from_dtype_bits(y, dtype)
     want = ref.astype(np.float32)
