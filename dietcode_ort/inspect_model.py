@@ -111,10 +111,10 @@ def epilogue_of(node: onnx.NodeProto) -> dict:
 
 def _epilogue_text(e: dict) -> str:
     act = e["activation"] if e.get("activation", "none") != "none" else ""
-    steps = ["residual", act] if e.get("residual_first") else \
-        [act, "*residual" if e.get("residual_mul") else "residual" if e.get("residual") else ""]
+    mul = bool(e.get("residual_mul"))
+    steps = ["residual", act] if e.get("residual_first") else [act, "residual" if e.get("residual") and not mul else ""]
     parts = [f"alpha={e['alpha']:.6g}" if e.get("alpha", 1.0) != 1.0 else "", "bias" if e.get("bias") else "", *steps]
-    return "+".join(p for p in parts if p) or "-"
+    return ("+".join(p for p in parts if p) or "-") + ("*residual" if mul else "")  # the SwiGLU gate: silu*residual
 
 
 def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:

@@ -693,6 +693,29 @@ def test_fused_scale_and_residual_nodes():
     assert [n.op_type for n in result.model.graph.node] == ["Concat", "MatMulResidual"]
 
 
+def test_swiglu_gate_node_comes_after_the_up_projection():
+    """The gate MatMul (first in node order) takes its SiLU and the product by the up-projection's output: one
+    MatMulSiluMul node reading up's output as its residual, placed where the product's Mul was (after the up
+    MatMul), whose fallback body multiplies by the residual last; inspect reads it back as silu*residual."""
+    from dietcode_ort.inspect_model import _epilogue_text, epilogue_of
+
+    case = silu_gate()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    nodes = result.model.graph.node
+    assert [n.op_type for n in nodes][:2] == ["MatMul", "MatMulSiluMul"] and list(nodes[0].output) == ["u"]
+    gate = nodes[1]
+    assert list(gate.input[:-1]) == ["x", "wg", "u"] and list(gate.output) == ["y"]
+    fn = next(f for f in result.model.functions if f.name == "MatMulSiluMul")
+    assert list(fn.input) == ["A", "B", "residual", "bundle"]
+    assert [n.op_type for n in fn.node] == ["MatMul", "Sigmoid", "Mul", "Mul"] and "residual" in fn.node[-1].input
+    named = epilogue_of(gate)
+    assert named == {"alpha": 1.0, "bias": False, "activation": "silu", "residual": True, "residual_first": False,
+                     "residual_mul": True}
+    assert _epilogue_text(named) == "silu*residual"
+    assert _epilogue_text(epilogue_of(helper.make_node("MatMulBiasGeluResidual", [], []))) == "bias+gelu+residual"
+
+
 # ---- optimize end to end (analytic tuning, real kernels) ---------------------------------------------------
 
 @pytest.fixture(scope="module")

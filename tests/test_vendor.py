@@ -570,6 +570,30 @@ def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vendor_leaf_swiglu_gate_on_cuda(dtype) -> None:
+    """MatMulBiasSiluMul (LLaMA's SwiGLU gate) through the vendor path: cuBLAS, then the PTX epilogue adds the
+    bias, applies SiLU and multiplies by the residual (the up-projection's output)."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(17)
+    a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    node = helper.make_node("MatMulBiasSiluMul", ["A", "B", "bias", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                            name="gate")
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["A", "B", "bias", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    (got,) = sess.run(None, {"A": a, "B": b, "bias": c, "R": r})
+    h = a.astype(np.float64) @ b.astype(np.float64) + c
+    want = h / (1.0 + np.exp(-h)) * r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual"])
 def test_conv_vendor_leaf_with_the_residual_on_cuda(op_type, dtype) -> None:
     """ResNet's block end through the vendor path: cuDNN's conv, then the PTX epilogue adds B and the residual

@@ -913,10 +913,10 @@ def _print_table(result: ScanResult) -> None:
     for i, w in enumerate(result.workloads):
         e = w.epilogue
         act = e.activation if e.activation != "none" else ""
-        steps = ("residual", act) if e.residual_first else \
-            (act, "*residual" if e.residual_mul else "residual" if e.residual else "")
+        steps = ("residual", act) if e.residual_first else (act, "residual" if e.residual and not e.residual_mul else "")
         epi = "+".join(p for p in (f"alpha={e.alpha:.6g}" if e.alpha != 1.0 else "", "bias" if e.bias else "",
                                    *steps) if p) or "-"
+        epi += "*residual" if e.residual_mul else ""  # the SwiGLU gate: silu*residual
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
