@@ -128,6 +128,7 @@ struct Kernel {
   uint32_t shared = 0;  // dynamic shared memory bytes of the PTX launch (the arch it was compiled for)
   bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
   bool residual_first = false;  // kernels taking the residual: added before the activation (flags bit 0)
+  bool residual_mul = false;  // ... or multiplied after it (the record's epilogue flags bit 0)
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile

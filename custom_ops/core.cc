@@ -19,7 +19,8 @@ namespace {
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
 constexpr uint32_t kVersion = 9;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                   // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
-                                  // 9: activations 3 gelu_tanh, 4 silu, 5 relu6 (docs/bundle.md)
+                                  // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
+                                  // flags byte (residual_mul) (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -30,6 +31,7 @@ constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
 // in one projection; docs/abi.md)
 constexpr uint32_t kFlagLayoutShift = 3, kFlagLayoutMask = 0x1F << kFlagLayoutShift;
 constexpr uint32_t kArchSpecific = 1;
+constexpr uint8_t kEpilogueResidualMul = 1;  // the kernel record's last byte: the residual multiplies (format 9)
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
 constexpr uint32_t kMaxFeatures = 64, kMaxTerms = 8, kMaxInputs = 8, kMaxDim = 8, kMaxName = 256;
@@ -210,7 +212,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     bool any_conv = false;
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
-        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.tf32 || k.layout || k.persistent ||
+        k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.residual_mul || k.tf32 || k.layout || k.persistent ||
         !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
@@ -270,6 +272,10 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   if (k.residual_first && (!seen[kResidual] || k.activation == 0)) {
     Fail(where + ": residual_first orders a residual before an activation, and the kernel takes " +
          (seen[kResidual] ? "no activation" : "no residual"));
+  }
+  if (k.residual_mul && (!seen[kResidual] || k.activation == 0 || k.residual_first)) {
+    Fail(where + ": residual_mul multiplies an activation's result by a residual, and the kernel takes " +
+         (!seen[kResidual] ? "no residual" : k.activation == 0 ? "no activation" : "it before the activation"));
   }
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
@@ -389,6 +395,11 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.ptx_scratch_size = sub.Get<uint32_t>("PTX scratch size");
     k.ptx_scratch_align = sub.Get<uint32_t>("PTX scratch align");
     CheckScratch(k.ptx_scratch_size, k.ptx_scratch_align, "kernel " + std::to_string(index) + ": PTX");
+    const uint8_t epilogue = sub.Get<uint8_t>("epilogue flags");
+    if (epilogue & ~kEpilogueResidualMul) {
+      Fail("kernel " + std::to_string(index) + ": epilogue flags " + std::to_string(epilogue) + " invalid");
+    }
+    k.residual_mul = epilogue & kEpilogueResidualMul;
     sub.Done();
     r.Seek(start + record);
     b->kernels.push_back(std::move(k));

@@ -13,14 +13,14 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue)
+#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul)
 
 typedef struct dc_bundle dc_bundle;
 
 // Arguments of one launch, following the kernel ABI: raw device pointers and int32 scalars. Fields the
 // kernel does not take are ignored. c_bytes is the output's size in bytes (the Attention path zeroes an output
 // with no keys). residual: a second tensor of the output's shape, added after the activation, or before it by a
-// residual_first kernel (dc_bundle_kernel_residual_first) (kernels of op types naming a Residual). workspace: device memory of workspace_bytes bytes, 16-byte aligned, for split-K kernels
+// residual_first kernel (dc_bundle_kernel_residual_first), or multiplying the activation's result in a residual_mul kernel (dc_bundle_kernel_residual_mul) (kernels of op types naming a Residual or ending in Mul). workspace: device memory of workspace_bytes bytes, 16-byte aligned, for split-K kernels
 // (dc_kernel_workspace_bytes says how much a call needs; dc_launch_fit zeroes its counters and passes it).
 // sm_count: the multiprocessor count of the device the call runs on, which sizes a persistent kernel's grid
 // (dc_kernel_grid) and so its global scratch; 0: unknown, dc_launch_fit asks the stream's device
@@ -105,6 +105,11 @@ int dc_bundle_kernel_tf32(const dc_bundle* bundle, int32_t k);
 // residual and an activation: act(alpha * acc + bias + residual), op types like ConvBiasResidualRelu; clear:
 // act(...) + residual): 1 or 0; -1 for an out-of-range kernel id.
 int dc_bundle_kernel_residual_first(const dc_bundle* bundle, int32_t k);
+
+// Whether kernel k multiplies the activation's result by its residual (the kernel record's epilogue flags bit 0,
+// set only on kernels taking the residual and an activation, never with residual_first: act(alpha * acc + bias) *
+// residual, op types like MatMulSiluMul, LLaMA's SwiGLU gate): 1 or 0; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_residual_mul(const dc_bundle* bundle, int32_t k);
 
 // Kernel k's programs per SM (the kernel record's persistent byte, docs/abi.md): n > 0 for a persistent gemm or
 // bmm kernel launched as min(tiles x batch, SMs x n) programs that loop over the tiles, 0 for one program per

@@ -1,9 +1,10 @@
 // ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
 //
-// One kernel class serves all 38 op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
-// before the activation), configured from the op type name; a MatMul's `scale` attribute (default 1) is the fused
-// alpha: y = act(scale * A B + bias) + residual, or y = act(scale * A B + bias + residual) for an op type naming
-// the residual before the activation (ConvBiasResidualRelu). Compiled kernels have their scale baked in; the CPU
+// One kernel class serves all 100 op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
+// before the activation or Mul after it), configured from the op type name; a MatMul's `scale` attribute (default
+// 1) is the fused alpha: y = act(scale * A B + bias) + residual, or y = act(scale * A B + bias + residual) for an op
+// type naming the residual before the activation (ConvBiasResidualRelu), or y = act(scale * A B + bias) * residual
+// for one ending in Mul (MatMulSiluMul, LLaMA's SwiGLU gate). Compiled kernels have their scale baked in; the CPU
 // and vendor paths read the attribute.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
@@ -245,6 +246,13 @@ class DietcodeKernel {
                                           " does not") +
               ": optimize the original model again");
       }
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          (dc_bundle_kernel_residual_mul(bundle_.get(), k) == 1) != spec_.residual_mul) {
+        Throw("bundle kernel " + std::to_string(k) +
+              (spec_.residual_mul ? " adds its residual but the op type " + spec_.name + " multiplies by it"
+                                  : " multiplies by its residual but the op type " + spec_.name + " adds it") +
+              ": optimize the original model again");
+      }
     }
   }
 
@@ -428,7 +436,9 @@ class DietcodeKernel {
       for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
     }
     ApplyActivation(y, total, spec_.activation);
-    if (spec_.residual && !spec_.residual_first) {
+    if (spec_.residual_mul) {
+      for (int64_t i = 0; i < total; ++i) y[i] *= r.data[i];
+    } else if (spec_.residual && !spec_.residual_first) {
       for (int64_t i = 0; i < total; ++i) y[i] += r.data[i];
     }
     if (dtype_ == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
@@ -635,6 +645,7 @@ class DietcodeKernel {
     // the residual, of the output's shape (checked by the caller), is the epilogue's on either path
     epilogue.has_residual = spec_.residual ? 1 : 0;
     epilogue.residual_first = spec_.residual_first ? 1 : 0;
+    epilogue.residual_mul = spec_.residual_mul ? 1 : 0;
     const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;
     const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
     if (dc_vendor_epilogue(&epilogue, y, bias, res, stream) != 0) Throw(dc_last_error());

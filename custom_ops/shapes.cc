@@ -36,21 +36,23 @@ namespace {
 
 // The op type of base b (0 MatMul, 1 Gemm, 2 Conv), bias, activation a (0 none, 1 Relu, 2 Gelu, 3 GeluTanh,
 // 4 Silu, 5 Relu6) and residual r
-// (0 none, 1 after the activation, 2 before it): "ConvBiasReluResidual", "ConvBiasResidualRelu". Empty for the
-// combinations no op type has (a residual on Gemm; r 2 without an activation, which r 1 already names).
+// (0 none, 1 added after the activation, 2 added before it, 3 multiplied after it): "ConvBiasReluResidual",
+// "ConvBiasResidualRelu", "MatMulSiluMul". Empty for the combinations no op type has (a residual on Gemm; r 2
+// without an activation, which r 1 already names; r 3 without an activation: the multiply follows one).
 std::string OpTypeName(int b, bool bias, int a, int r) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
   static const char* const kActivations[kActivationCount] = {"", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6"};
-  if ((r != 0 && b == 1) || (r == 2 && a == 0)) return "";
+  if ((r != 0 && b == 1) || (r >= 2 && a == 0)) return "";
   const std::string head = std::string(kBases[b]) + (bias ? "Bias" : "");
   if (r == 2) return head + "Residual" + kActivations[a];
+  if (r == 3) return head + kActivations[a] + "Mul";
   return head + kActivations[a] + (r == 1 ? "Residual" : "");
 }
 
 }  // namespace
 
 bool ParseOpType(const std::string& op_type, OpSpec* spec) {
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 4; ++r) {
     for (int b = 0; b < 3; ++b) {
       for (int a = 0; a < kActivationCount; ++a) {
         for (int bias = 0; bias < 2; ++bias) {
@@ -61,6 +63,7 @@ bool ParseOpType(const std::string& op_type, OpSpec* spec) {
           spec->activation = static_cast<Activation>(a);
           spec->residual = r != 0;
           spec->residual_first = r == 2;
+          spec->residual_mul = r == 3;
           spec->name = op_type;
           return true;
         }
@@ -72,7 +75,7 @@ bool ParseOpType(const std::string& op_type, OpSpec* spec) {
 
 std::vector<std::string> AllOpTypes() {
   std::vector<std::string> out;
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 4; ++r) {
     for (int b = 0; b < 3; ++b) {
       for (int a = 0; a < kActivationCount; ++a) {
         for (bool bias : {false, true}) {

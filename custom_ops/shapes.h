@@ -26,22 +26,24 @@ enum class Activation { kNone, kRelu, kGelu, kGeluTanh, kSilu, kRelu6 };
 constexpr int kActivationCount = 6;
 
 // What a node's op type says: the base op and the fused epilogue in its order ("GemmBiasGelu",
-// "MatMulBiasResidual", "ConvBiasResidualRelu" etc.), applied as y = act(scale * product + bias) + residual, or
-// with residual_first y = act(scale * product + bias + residual) (scale: the node's `scale` attribute).
+// "MatMulBiasResidual", "ConvBiasResidualRelu", "MatMulSiluMul" etc.), applied as y = act(scale * product + bias)
+// + residual, or with residual_first y = act(scale * product + bias + residual), or with residual_mul
+// y = act(scale * product + bias) * residual (scale: the node's `scale` attribute).
 struct OpSpec {
   BaseOp base = BaseOp::kMatMul;
   bool bias = false;
   Activation activation = Activation::kNone;
   bool residual = false;  // one more input: a tensor of the output's shape, added after the activation
   bool residual_first = false;  // ... or before it (the op type names "Residual" before the activation)
+  bool residual_mul = false;  // ... or multiplied after it (the op type ends in "Mul": "MatMulSiluMul")
   std::string name;
 };
 
-// Parses "<MatMul|Gemm|Conv>[Bias][Act]", "<MatMul|Conv>[Bias][Act]Residual" and "<MatMul|Conv>[Bias]Residual<Act>"
-// with Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
+// Parses "<MatMul|Gemm|Conv>[Bias][Act]", "<MatMul|Conv>[Bias][Act]Residual", "<MatMul|Conv>[Bias]Residual<Act>"
+// and "<MatMul|Conv>[Bias]<Act>Mul" with Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 38 op type names, in registration order: the 18 without a residual first.
+// The 100 op type names, in registration order: the 36 without a residual first.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {

@@ -336,7 +336,8 @@ VendorLibrary<Cublas> g_cublas{Resolve, {"libcublas.so.13", "libcublas.so.12", "
 const Cublas* LoadCublas(const char* path, std::string* error) { return LoadVendorLibrary(&g_cublas, path, error); }
 
 // The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32,
-// or with p_first != 0 y = act(y + scale * bias[index] + residual[i]).
+// with p_first 1 y = act(y + scale * bias[index] + residual[i]), with p_first 2 y = act(y + scale * bias[index]) *
+// residual[i] (dc_epilogue.residual_mul).
 // Activations by code (dc_epilogue.activation): 1 relu, 2 GELU in the erf form ONNX specifies (approximate="none"):
 // erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)); 3 GELU's
 // tanh approximation and 4 silu through one sigmoid; 5 relu6.
@@ -369,7 +370,8 @@ std::string EpiloguePtx(int dtype) {
          "  ld.param.u64 %rd7, [p_bcs];\n  ld.param.f32 %f1, [p_scale];\n  ld.param.u32 %r1, [p_act];\n";
   ptx += "  setp.ne.u64 %p2, %rd2, 0;\n  cvta.to.global.u64 %rd1, %rd1;\n  cvta.to.global.u64 %rd2, %rd2;\n";
   ptx += "  ld.param.u64 %rd17, [p_res];\n  setp.ne.u64 %p5, %rd17, 0;\n  cvta.to.global.u64 %rd17, %rd17;\n";
-  ptx += "  ld.param.u32 %r7, [p_first];\n  setp.ne.u32 %p6, %r7, 0;\n";  // the residual before the activation
+  ptx += "  ld.param.u32 %r7, [p_first];\n  setp.eq.u32 %p6, %r7, 1;\n";  // the residual before the activation
+  ptx += "  setp.eq.u32 %p7, %r7, 2;\n";  // the residual multiplies the activation's result
   ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mov.u32 %r5, %nctaid.x;\n"
          "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd8, %rd8, %rd9;\n"
          "  mul.wide.u32 %rd10, %r5, %r3;\n";
@@ -425,10 +427,10 @@ std::string EpiloguePtx(int dtype) {
          "  add.f32 %f13, %f12, 0f3F800000;\n"
          "  mul.f32 %f14, %f2, 0f3F000000;\n"
          "  mul.f32 %f2, %f14, %f13;\n";
-  // otherwise the residual after it
+  // otherwise the residual after it, added or (p_first 2) multiplied
   ptx += "$Lstore:\n  @!%p5 bra $Lput;\n  @%p6 bra $Lput;\n  add.u64 %rd18, %rd17, %rd11;\n";
   ptx += "  " + sub(load, "%f15", "%rd18");
-  ptx += "  add.f32 %f2, %f2, %f15;\n";
+  ptx += "  @%p7 mul.f32 %f2, %f2, %f15;\n  @!%p7 add.f32 %f2, %f2, %f15;\n";
   ptx += "$Lput:\n  " + store;
   ptx += "  add.u64 %rd8, %rd8, %rd10;\n  bra $Lloop;\n$Ldone:\n  ret;\n}\n";
   return ptx;
@@ -515,7 +517,8 @@ int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, const vo
   uint64_t brs = static_cast<uint64_t>(p->bias_rs), bcs = static_cast<uint64_t>(p->bias_cs);
   float scale = p->bias_scale;
   uint32_t act = static_cast<uint32_t>(p->activation);
-  uint32_t first = p->has_residual && p->residual_first ? 1u : 0u;
+  if (p->residual_first && p->residual_mul) return Fail("the plan both adds the residual first and multiplies by it");
+  uint32_t first = !p->has_residual ? 0u : p->residual_mul ? 2u : p->residual_first ? 1u : 0u;
   void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr, &first};
   constexpr unsigned kBlock = 256;
   const uint64_t blocks = std::min<uint64_t>((total + kBlock - 1) / kBlock, 65536);  // the loop covers the rest

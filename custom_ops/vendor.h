@@ -32,12 +32,15 @@ extern "C" {
 //   y = y + residual[i]                                                       (when has_residual)
 // or with residual_first, the residual inside the activation:
 //   y = act(y + bias_scale * bias[...] + residual[i])
+// or with residual_mul, the activation's result times the residual (LLaMA's SwiGLU gate):
+//   y = act(y + bias_scale * bias[...]) * residual[i]
 // (a MatMul's scale is cuBLAS's alpha, so y already holds scale * product when the epilogue runs).
 typedef struct dc_epilogue {
   int32_t dtype;                        // 0 float32, 1 float16, 2 bfloat16
   int32_t has_bias, activation;         // activation: 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu, 5 relu6
   int32_t has_residual;                 // 1: add a tensor of the output's shape last (set by the caller)
   int32_t residual_first;               // 1: add it before the activation instead (set by the caller)
+  int32_t residual_mul;                 // 1: multiply by it after the activation instead (set by the caller)
   float bias_scale;                     // 1 for MatMul's bias and Conv's B, beta for Gemm's C
   int64_t rows, cols, bias_rows, bias_rs, bias_cs;
 } dc_epilogue;

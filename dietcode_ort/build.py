@@ -42,7 +42,8 @@ __all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_di
 C_ABI_VERSION = 10  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
 # 8: persistent kernels: dc_launch_args.sm_count, dc_kernel_grid, dc_cuda_sm_count; the packed QKV attention layout;
 # 9: the residual before the activation: dc_bundle_kernel_residual_first, dc_epilogue.residual_first;
-# 10: activations 3 gelu_tanh, 4 silu, 5 relu6 in the plans, dc_epilogue and dc_bundle_check_node)
+# 10: activations 3 gelu_tanh, 4 silu, 5 relu6 in the plans, dc_epilogue and dc_bundle_check_node; the residual
+# multiplied after the activation: dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul)
 _REPO = Path(__file__).resolve().parents[1]
 # Where a platform wheel carries the library (setup.py builds it there); absent in a source checkout.
 PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"

@@ -21,7 +21,7 @@ from dietcode_ort.toolchain import format_isa, ptx_isa
 __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS",
+    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -32,7 +32,7 @@ MAGIC = b"DCBUNDLE"
 # after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile), and
 # kernel flags bit 7 is the packed QKV attention layout; 8: kernel flags bit 0 (format 5's zero_output) is
 # residual_first, and conv kernels may take the residual (param 15); 9: activations 3 gelu_tanh, 4 silu,
-# 5 relu6
+# 5 relu6, and the kernel record's last byte, the epilogue flags (bit 0 residual_mul: the residual multiplies)
 VERSION = 9
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
@@ -73,6 +73,9 @@ FLAG_TF32 = 4  # a float32 kernel compiled with TF32 dots (DOT_PRECISION="tf32")
 # read/written as [batch, seq, heads, d], bit 7 Q, K and V packed in one projection; constexprs Q_BSHD, K_BSHD,
 # V_BSHD, O_BSHD, QKV_PACKED)
 FLAG_LAYOUT_SHIFT = 3
+# the kernel record's last byte (format 9), the epilogue flags: bit 0 a kernel taking the residual that multiplies
+# by it (RESIDUAL_MUL: act(alpha * acc + bias) * residual); clear: the residual is added
+EPILOGUE_RESIDUAL_MUL = 1
 LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD", "QKV_PACKED")  # bit 0..4 of ``layout``
 _PACKED_QKV = 0b10111  # packed (bit 4) comes with Q, K and V (bits 0..2)
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
@@ -171,6 +174,9 @@ class BundleKernel:
     # kernels taking the residual, with an activation: compiled with RESIDUAL_FIRST, act(alpha * acc + bias +
     # residual) (a node whose op type names the residual before the activation, ConvBiasResidualRelu)
     residual_first: bool = False
+    # kernels taking the residual: compiled with RESIDUAL_MUL, act(alpha * acc + bias) * residual (LLaMA's SwiGLU
+    # gate; a node whose op type ends in Mul, MatMulSiluMul); record's epilogue flags bit 0
+    residual_mul: bool = False
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
@@ -289,7 +295,7 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.residual_first or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
+                    or self.residual_first or self.residual_mul or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -354,6 +360,11 @@ class BundleKernel:
         if self.residual_first and ("residual" not in self.params or self.activation == "none"):
             raise _fail(f"{where}: residual_first orders a residual before an activation, and the kernel takes "
                         f"{'no residual' if 'residual' not in self.params else 'no activation'}")
+        if self.residual_mul and ("residual" not in self.params or self.activation == "none" or self.residual_first):
+            what = "no residual" if "residual" not in self.params else "no activation" \
+                if self.activation == "none" else "it before the activation"
+            raise _fail(f"{where}: residual_mul multiplies an activation's result by a residual, and the kernel "
+                        f"takes {what}")
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
@@ -423,6 +434,7 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     # the residual before the activation: the RESIDUAL_FIRST constexpr, or the epilogue of a compile cached without
     # its constexprs
     out["residual_first"] = bool(constants.get("RESIDUAL_FIRST", getattr(epilogue, "residual_first", False)))
+    out["residual_mul"] = bool(constants.get("RESIDUAL_MUL", getattr(epilogue, "residual_mul", False)))
     if hasattr(compiled, "trans_b"):
         out["trans_b"] = bool(compiled.trans_b)
     # the dot precision: tuner/aot's allow_tf32, or the constexpr an attention kernel was compiled with
@@ -777,6 +789,7 @@ class Bundle:
                 body += (struct.pack("<III", cc, flags, shared) + struct.pack("<II", *scratch) + chain.encode()
                          + struct.pack("<Q", len(image)) + image)
             body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode() + struct.pack("<II", *k.ptx_scratch)
+            body += struct.pack("<B", EPILOGUE_RESIDUAL_MUL if k.residual_mul else 0)
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 
@@ -800,6 +813,12 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
     bundle = Bundle(tuple(features), tuple(kernels), tree)
     bundle.validate()
     return bundle
+
+
+def op_takes_residual(op_type: str) -> bool:
+    """Whether an ai.dietcode MatMul/Gemm/Conv op type takes the residual input: it names "Residual" (added,
+    MatMulBiasResidual, ConvBiasResidualRelu) or ends in "Mul" after its activation (multiplied, MatMulSiluMul)."""
+    return "Residual" in op_type or (op_type.endswith("Mul") and op_type != "MatMul")
 
 
 # ai.dietcode op types whose nodes carry no kernel bundle (none: Attention carries one, docs/bundle.md).
@@ -846,7 +865,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
                 raise DietcodeError(f"{label} has {len(node.input)} inputs and no kernel bundle; Attention takes "
                                     "(Q, Kt, V, mask, bundle): optimize the original model again")
         else:
-            want = 3 + ("Bias" in node.op_type) + ("Residual" in node.op_type)
+            want = 3 + ("Bias" in node.op_type) + op_takes_residual(node.op_type)
         name = node.input[-1] if len(node.input) == want else ""
         if not name:
             raise DietcodeError(f"{label} has {len(node.input)} inputs, expected {want} with the kernel bundle last")

@@ -91,13 +91,14 @@ def _layout_text(layout: int) -> str:
 def epilogue_of(node: onnx.NodeProto) -> dict:
     """What the node fuses after its product, as the library reads it: the op type's suffixes in their order
     and the ``scale`` attribute, applied as act(alpha * product + bias) + residual, or with ``residual_first``
-    (``ConvBiasResidualRelu``) act(alpha * product + bias + residual)."""
+    (``ConvBiasResidualRelu``) act(alpha * product + bias + residual), or with ``residual_mul``
+    (``MatMulSiluMul``) act(alpha * product + bias) * residual."""
     import re
 
     from dietcode_ort.bundle import ACTIVATION_CODES, ACTIVATION_OP_NAMES
 
     acts = "|".join(sorted(ACTIVATION_OP_NAMES[1:], key=len, reverse=True))  # Relu6 before Relu
-    m = re.fullmatch(rf"(MatMul|Gemm|Conv)(Bias)?(?:({acts})?(Residual)?|(Residual)({acts}))", node.op_type)
+    m = re.fullmatch(rf"(MatMul|Gemm|Conv)(Bias)?(?:({acts})?(Residual|Mul)?|(Residual)({acts}))", node.op_type)
     scale = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 1.0)
     if m is None:
         return {"alpha": float(scale)}
@@ -105,14 +106,15 @@ def epilogue_of(node: onnx.NodeProto) -> dict:
     act = m.group(6 if first else 3) or ""
     return {"alpha": float(scale), "bias": bool(m.group(2)),
             "activation": ACTIVATION_CODES[ACTIVATION_OP_NAMES.index(act)],
-            "residual": first or bool(m.group(4)), "residual_first": first}
+            "residual": first or bool(m.group(4)), "residual_first": first, "residual_mul": m.group(4) == "Mul"}
 
 
 def _epilogue_text(e: dict) -> str:
     act = e["activation"] if e.get("activation", "none") != "none" else ""
-    steps = ["residual", act] if e.get("residual_first") else [act, "residual" if e.get("residual") else ""]
+    mul = bool(e.get("residual_mul"))
+    steps = ["residual", act] if e.get("residual_first") else [act, "residual" if e.get("residual") and not mul else ""]
     parts = [f"alpha={e['alpha']:.6g}" if e.get("alpha", 1.0) != 1.0 else "", "bias" if e.get("bias") else "", *steps]
-    return "+".join(p for p in parts if p) or "-"
+    return ("+".join(p for p in parts if p) or "-") + ("*residual" if mul else "")  # the SwiGLU gate: silu*residual
 
 
 def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[dict]:

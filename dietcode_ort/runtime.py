@@ -214,9 +214,11 @@ class KernelMeta(ctypes.Structure):
 
 class Epilogue(ctypes.Structure):
     """Mirror of ``dc_epilogue`` in custom_ops/vendor.h: the vendor path's bias, activation and residual over
-    the output as [rows, cols] (residual_first: the residual before the activation)."""
+    the output as [rows, cols] (residual_first: the residual before the activation; residual_mul: multiplied
+    after it)."""
 
-    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation", "has_residual", "residual_first")]
+    _fields_ = ([(n, ctypes.c_int32) for n in ("dtype", "has_bias", "activation", "has_residual", "residual_first",
+                                               "residual_mul")]
                 + [("bias_scale", ctypes.c_float)]
                 + [(n, ctypes.c_int64) for n in ("rows", "cols", "bias_rows", "bias_rs", "bias_cs")])
 
@@ -554,6 +556,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_persistent.restype = i32
     lib.dc_bundle_kernel_residual_first.argtypes = [vp, i32]
     lib.dc_bundle_kernel_residual_first.restype = i32
+    lib.dc_bundle_kernel_residual_mul.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_residual_mul.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -673,8 +677,8 @@ class CoreBundle:
             raise DietcodeError(self.core.error())
         causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
         layout, persistent = lib.dc_bundle_kernel_layout(h, k), lib.dc_bundle_kernel_persistent(h, k)
-        residual_first = lib.dc_bundle_kernel_residual_first(h, k)
-        if causal < 0 or tf32 < 0 or layout < 0 or persistent < 0 or residual_first < 0:
+        residual_first, residual_mul = lib.dc_bundle_kernel_residual_first(h, k), lib.dc_bundle_kernel_residual_mul(h, k)
+        if causal < 0 or tf32 < 0 or layout < 0 or persistent < 0 or residual_first < 0 or residual_mul < 0:
             raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
@@ -682,7 +686,7 @@ class CoreBundle:
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
             split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout, persistent=persistent,
-            residual_first=bool(residual_first),
+            residual_first=bool(residual_first), residual_mul=bool(residual_mul),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))

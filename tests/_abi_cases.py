@@ -37,6 +37,7 @@ class AbiCase:
     alpha: float = 1.0  # a MatMul's fused scale (the node's `scale`, the kernel's ALPHA constexpr)
     residual: bool = False  # MatMul/Conv...Residual: a tensor of the output's shape, the pointer after the ints
     residual_first: bool = False  # ...Residual<Act>: added before the activation (RESIDUAL_FIRST)
+    residual_mul: bool = False  # ...<Act>Mul: multiplied after it (RESIDUAL_MUL, LLaMA's SwiGLU gate)
     tma: bool = False  # a TMA config (USE_TMA): the bundle kernel records 256 B of global scratch per program and
     # the TMA div16 set, so a call breaking it runs the vendor path (dc_kernel_fit)
 
@@ -76,6 +77,10 @@ CASES: tuple[AbiCase, ...] = (
             attrs={"pads": (1, 1, 1, 1)}, residual=True),
     AbiCase("matmul_bias_residual_first_gelu", "MatMul", (2, 7, 24), (24, 20), bias=(20,), activation="gelu",
             alpha=0.5, residual=True, residual_first=True),
+    # LLaMA's MatMulSiluMul: silu(x @ Wg) * up, the up-projection's output as the residual, also split-K
+    AbiCase("matmul_3d_silu_mul", "MatMul", (2, 9, 40), (40, 24), activation="silu", residual=True, residual_mul=True),
+    AbiCase("matmul_split_k_silu_mul_fp16", "MatMul", (2, 5, 64), (64, 20), activation="silu", residual=True,
+            residual_mul=True, config=(16, 16, 16, 2, 2, 8, 3), dtype="float16"),
     AbiCase("tma_matmul_bias_gelu_residual_fp16", "MatMul", (2, 9, 32), (32, 48), bias=(48,), activation="gelu",
             alpha=0.5, residual=True, config=(16, 16, 16, 4, 2), dtype="float16", tma=True),
     AbiCase("tma_matmul_split_k_fp16", "MatMul", (5, 64), (64, 32), config=(16, 16, 16, 4, 2, 8, 4), dtype="float16",
@@ -192,7 +197,11 @@ def _reference(torch: Any, case: AbiCase, a: Any, b: Any, bias: Any, residual: A
         y = torch.relu(y)
     elif case.activation == "gelu":
         y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
-    if residual is not None and not case.residual_first:
+    elif case.activation == "silu":
+        y = y * torch.sigmoid(y)
+    if residual is not None and case.residual_mul:
+        y = y * residual.float()
+    elif residual is not None and not case.residual_first:
         y = y + residual.float()
     return y
 
@@ -227,6 +236,7 @@ def run_case(case: AbiCase) -> dict[str, Any]:
     if op in ("gemm", "conv"):
         meta["HAS_RESIDUAL"] = case.residual
         meta["RESIDUAL_FIRST"] = case.residual_first
+        meta["RESIDUAL_MUL"] = case.residual_mul
     if op == "conv":
         at = case.attrs
         oc, c, kh, kw = case.b

@@ -444,9 +444,38 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     run(ptx, params, memory)
     ref = original.astype(np.float64) + 0.5 * bias.astype(np.float64)
     ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0))) + residual.astype(np.float64)
+    # LLaMA's SwiGLU gate: silu(y) * residual (dc_epilogue.residual_mul), launched with p_first 2; a plan both
+    # adding the residual first and multiplying by it is refused before any launch
+    gated = y.copy()
+    mul_plan = Epilogue(dtype=1, activation=4, has_residual=1, residual_mul=1, bias_scale=1.0, rows=rows, cols=cols,
+                        bias_rows=1)
+    fake.fake_cuda_log_clear()
+    if core.lib.dc_vendor_epilogue(ctypes.byref(mul_plan), ctypes.c_void_p(gated.ctypes.data), None,
+                                   ctypes.c_void_p(residual.ctypes.data), ctypes.c_void_p(stream)):
+        raise RuntimeError(core.error())
+    mul_values = dict(zip(names, decode_params(next(e for e in _events(fake) if e["event"] == "launch"))))
+    mul_values["p_scale"] = 1.0
+    gate_in = gated.astype(np.float64)
+    memory = Memory()
+    memory.buffers += [(arr.ctypes.data, arr.view(np.uint8).reshape(-1)) for arr in (gated, residual)]
+    run(ptx, mul_values, memory)
+    mul_ref = gate_in / (1.0 + np.exp(-gate_in)) * residual.astype(np.float64)
+    both = Epilogue(dtype=1, activation=4, has_residual=1, residual_first=1, residual_mul=1, bias_scale=1.0,
+                    rows=rows, cols=cols, bias_rows=1)
+    fake.fake_cuda_log_clear()
+    refused = core.lib.dc_vendor_epilogue(ctypes.byref(both), ctypes.c_void_p(gated.ctypes.data), None,
+                                          ctypes.c_void_p(residual.ctypes.data), ctypes.c_void_p(stream))
     return {"loaded": loaded, "events": events, "ptx": ptx, "names": names, "stream": stream,
             "pointers": {"y": y.ctypes.data, "bias": bias.ctypes.data, "residual": residual.ctypes.data},
-            "max_err": float(np.abs(y.astype(np.float64) - ref).max()), "scale": float(np.abs(ref).max())}
+            "max_err": float(np.abs(y.astype(np.float64) - ref).max()), "scale": float(np.abs(ref).max()),
+            "mul_first": int(mul_values["p_first"]), "mul_bias": int(mul_values["p_bias"]),
+            "mul_max_err": float(np.abs(gated.astype(np.float64) - mul_ref).max()),
+            "mul_scale": float(np.abs(mul_ref).max()),
+            "both_refused": (refused, core.error() if refused else "", len(_of_launches(fake)))}
+
+
+def _of_launches(fake: ctypes.CDLL) -> list[dict[str, Any]]:
+    return [e for e in _events(fake) if e["event"] == "launch"]
 
 
 def timing(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:

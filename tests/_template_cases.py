@@ -34,6 +34,7 @@ class Case:
     alpha: float = 1.0  # the fused scale: act(alpha * acc + bias) + residual
     residual: bool = False  # add a second tensor of the output's shape last (gemm, conv)
     residual_first: bool = False  # ... before the activation instead: act(alpha * acc + bias + residual)
+    residual_mul: bool = False  # ... multiplied after it instead: act(alpha * acc + bias) * residual
 
 
 CASES: tuple[Case, ...] = (
@@ -111,6 +112,19 @@ CASES: tuple[Case, ...] = (
          bias=True, activation="relu6"),
     Case("conv_stride2_relu6_bf16", "conv", (1, 3, 9, 9), (6, 3, 3, 3), ((16, 16, 16, 2, 2),), dtype="bfloat16",
          bias=True, activation="relu6", conv={"strides": (2, 2), "pads": (1, 1, 1, 1)}),
+    # LLaMA's SwiGLU gate: silu(x @ Wg) * up, the up-projection's output as the residual, multiplied; in float32,
+    # float16 and bfloat16, with a bias, a scale, trans_b and split-K (the last split multiplies); a conv's
+    # residual multiplied at the output's offsets
+    Case("gemm_silu_mul", "gemm", (19, 40), (40, 27), ((16, 16, 16, 2, 2), (16, 32, 16, 2, 2, 8, 3)),
+         activation="silu", residual=True, residual_mul=True),
+    Case("gemm_transb_alpha_bias_silu_mul_fp16", "gemm", (9, 48), (37, 48), ((16, 32, 16, 2, 2),),
+         dtype="float16", bias=True, activation="silu", alpha=0.5, trans_b=True, residual=True, residual_mul=True),
+    Case("gemm_silu_mul_bf16", "gemm", (13, 32), (32, 21), ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 2)),
+         dtype="bfloat16", activation="silu", residual=True, residual_mul=True),
+    Case("gemm_gelu_mul", "gemm", (6, 24), (24, 17), ((16, 16, 16, 2, 2),), activation="gelu",
+         residual=True, residual_mul=True),
+    Case("conv_bias_relu_mul", "conv", (2, 4, 6, 5), (7, 4, 3, 3), ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 2)),
+         bias=True, activation="relu", residual=True, residual_mul=True, conv={"pads": (1, 1, 1, 1)}),
 )
 
 
@@ -140,7 +154,9 @@ def _reference(case: Case, a: Any, b: Any, bias: Any, residual: Any = None) -> A
         y = y * torch.sigmoid(y)
     elif case.activation == "relu6":
         y = torch.clamp(y, 0.0, 6.0)
-    if residual is not None and not case.residual_first:
+    if residual is not None and case.residual_mul:
+        y = y * residual.double()
+    elif residual is not None and not case.residual_first:
         y = y + residual.double()
     return y
 
@@ -177,7 +193,8 @@ def _run_case(case: Case) -> dict[str, Any]:
     for fields_ in case.configs:
         config = MicroKernel(*fields_)
         y = run(case.op, config, a, b, bias=bias, residual=residual,
-                epilogue=Epilogue(case.bias, case.activation, case.alpha, case.residual, case.residual_first),
+                epilogue=Epilogue(case.bias, case.activation, case.alpha, case.residual, case.residual_first,
+                                  case.residual_mul),
                 trans_b=case.trans_b,
                 conv=conv, allow_tf32=case.allow_tf32)
         excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()

@@ -89,7 +89,8 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # (6 added the kernel alpha accessor and check Python binds; 7 the split-K workspace and the kernel causal
     # accessor; 8 the device's SM count for persistent grids, last, and the packed QKV attention layout; 9 the
     # residual before the activation: dc_bundle_kernel_residual_first and dc_epilogue.residual_first; 10 the
-    # activations 3 gelu_tanh, 4 silu, 5 relu6 in dc_epilogue, the vendor plans and dc_bundle_check_node)
+    # activations 3 gelu_tanh, 4 silu, 5 relu6 in dc_epilogue, the vendor plans and dc_bundle_check_node, and the
+    # residual multiplied after the activation: dc_bundle_kernel_residual_mul and dc_epilogue.residual_mul)
     assert load_core().lib.dc_abi_version() == 10
 
 

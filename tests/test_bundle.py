@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -593,6 +594,52 @@ def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(
     with pytest.raises(DietcodeError, match="only gemm-view and conv kernels take"):
         Bundle((), (_kernel("k", params=("a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "residual")),),
                DispatchTree.single(0)).to_bytes()
+
+
+def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -> None:
+    """The kernel record's last byte, the epilogue flags (bit 0), marks a kernel multiplying the activation's
+    result by its residual (LLaMA's SwiGLU gate). It round trips on a gemm or conv kernel taking the residual
+    with an activation; a kernel without either, one adding the residual first, a vendor kernel and unknown
+    bits are refused by the reader or the writer."""
+    gemm = dict(params=("a", "b", "c", "M", "N", "K", "residual"), div16=("a", "b", "c", "residual"))
+    conv = dict(params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual"),
+                conv=(8, 3, 3, 1, 1, 1, 1, 1, 1))
+    for kw in (gemm, conv):
+        kernel = _kernel("k", residual_mul=True, activation="silu", **kw)  # type: ignore[arg-type]
+        bundle = Bundle((), (kernel,), DispatchTree.single(0))
+        back = read_bundle(bundle.to_bytes()).kernels[0]
+        assert back.residual_mul and not back.residual_first and back == kernel
+        parsed = core.parse(bundle.to_bytes())
+        assert core.lib.dc_bundle_kernel_residual_mul(parsed.handle, 0) == 1
+        assert core.lib.dc_bundle_kernel_residual_first(parsed.handle, 0) == 0
+    added = core.parse(Bundle((), (_kernel("k", activation="silu", **gemm),),  # type: ignore[arg-type]
+                              DispatchTree.single(0)).to_bytes())
+    assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 0) == 0
+    assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 1) == -1
+
+    def with_last_byte(kernel: BundleKernel, value: int) -> bytes:
+        data = bytearray(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+        _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
+        (record,) = struct.unpack_from("<I", data, k_off + 4)  # after the kernel count
+        at = k_off + 4 + record - 1
+        assert data[at] == 0
+        data[at] = value
+        return bytes(data)
+
+    _refused(core, with_last_byte(_kernel("k", activation="relu"), 1),
+             "residual_mul multiplies an activation's result by a residual, and the kernel takes no residual")
+    _refused(core, with_last_byte(_kernel("k", **gemm), 1), "and the kernel takes no activation")  # type: ignore[arg-type]
+    _refused(core, with_last_byte(_kernel("k", residual_first=True, activation="relu", **gemm), 1),  # type: ignore[arg-type]
+             "and the kernel takes it before the activation")
+    _refused(core, with_last_byte(_kernel("k", activation="silu", **gemm), 2), "epilogue flags 2 invalid")  # type: ignore[arg-type]
+    for bad, why in ((_kernel("k", residual_mul=True, **gemm), "takes no activation"),  # type: ignore[arg-type]
+                     (_kernel("k", residual_mul=True, activation="silu"), "takes no residual"),
+                     (_kernel("k", residual_mul=True, residual_first=True, activation="silu", **gemm),  # type: ignore[arg-type]
+                      "takes it before the activation")):
+        with pytest.raises(DietcodeError, match=why):
+            Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
+    with pytest.raises(DietcodeError, match="a vendor kernel carries no"):
+        Bundle((), (replace(BundleKernel.vendor(), residual_mul=True),), DispatchTree.single(0)).to_bytes()
 
 
 def test_attention_and_causal_flags_need_their_kernels(core) -> None:

@@ -164,3 +164,9 @@ def test_real_exports_fuse_their_activations(corpus, case):
     takers = [w for w in result.workloads if w.epilogue.activation == activation]
     assert takers and {w.onnx_op for w in takers} == {base}
     assert sum(len(w.nodes) for w in takers) == len(want)
+    if case.model == "llama":  # the SwiGLU product by the up-projection's output goes in with the SiLU
+        assert all(w.epilogue.residual_mul and w.epilogue.residual for w in takers)
+        readers = {i: n for n in model.graph.node for i in n.input}
+        silu = [readers[o] for o in want]  # Sigmoid -> its Mul by the gate (the SiLU)
+        products = [readers[m.output[0]] for m in silu]
+        assert all(p.op_type == "Mul" and p.output[0] in fused for p in products)

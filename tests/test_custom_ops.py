@@ -266,22 +266,29 @@ def test_node_stats_count_the_cpu_kernel_calls(payload) -> None:
     assert "stats_node" not in dietcode_ort.node_stats()
 
 
-def _residual_payload(bias: bool, alpha: float = 0.25) -> bytes:
-    """A vendor leaf and a compiled kernel taking the residual pointer, as the gemm template has it."""
+def _residual_payload(bias: bool, alpha: float = 0.25, activation: str = "none", residual_mul: bool = False
+                      ) -> bytes:
+    """A vendor leaf and a compiled kernel taking the residual pointer, as the gemm template has it (multiplying
+    the activation's result by it with ``residual_mul``)."""
     params = ("a", "b") + (("bias",) if bias else ()) + ("c", "M", "N", "K", "residual")
     gemm = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64, block_n=64,
-                        alpha=alpha)
+                        alpha=alpha, activation=activation, residual_mul=residual_mul)
     tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
     return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), gemm), tree).to_bytes()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("op_type", ["MatMulResidual", "MatMulBiasResidual", "MatMulBiasGeluResidual"])
+@pytest.mark.parametrize("op_type", ["MatMulResidual", "MatMulBiasResidual", "MatMulBiasGeluResidual",
+                                     "MatMulSiluMul", "MatMulBiasGeluMul"])
 def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
     """y = act(scale * A B + bias) + residual: the scale (the fused Div/Mul) before the bias, the residual after
-    the activation; a residual of another shape is an error naming both shapes."""
+    the activation; an op type ending in Mul (LLaMA's SwiGLU gate, MatMulSiluMul) multiplies by it instead; a
+    residual of another shape is an error naming both shapes."""
     import math
 
+    from dietcode_ort.inspect_model import epilogue_of
+
+    named = epilogue_of(helper.make_node(op_type, [], []))
     bias = "Bias" in op_type
     rng = np.random.default_rng(5)
     a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
@@ -289,14 +296,17 @@ def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
     data = ["A", "B"] + (["bias"] if bias else []) + ["R"]
     node = helper.make_node(op_type, data + ["bundle"], ["Y"], domain="ai.dietcode", name="n0", scale=0.25)
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
-    model = _model([node], data, elem, initializers=[bundle_initializer(_residual_payload(bias))])
+    payload = _residual_payload(bias, activation=named["activation"], residual_mul=named["residual_mul"])
+    model = _model([node], data, elem, initializers=[bundle_initializer(payload)])
     sess = dietcode_ort.InferenceSession(model, providers=CPU)
     feeds = {"A": a, "B": b, "R": r} | ({"bias": c} if bias else {})
     (got,) = sess.run(None, feeds)
     want = 0.25 * (a.astype(np.float64) @ b.astype(np.float64)) + (c.astype(np.float64) if bias else 0.0)
     if "Gelu" in op_type:
         want = 0.5 * want * (1.0 + np.vectorize(math.erf)(want / math.sqrt(2.0)))
-    want = want + r
+    if "Silu" in op_type:
+        want = want / (1.0 + np.exp(-want))
+    want = want * r if named["residual_mul"] else want + r
     tol = 1e-5 if dtype == np.float32 else 3e-3
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
     with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's \[2, 5, 6\]") as err:
@@ -361,12 +371,14 @@ def test_scale_must_be_the_compiled_kernels_alpha_on_the_cpu_ep() -> None:
     np.testing.assert_allclose(got, 0.125 * (feeds["A"] @ feeds["B"]) + feeds["R"], rtol=1e-5, atol=1e-5)
 
 
-def _conv_residual_payload(activation: str, residual_first: bool, channels: int = 3) -> bytes:
+def _conv_residual_payload(activation: str, residual_first: bool, channels: int = 3, residual_mul: bool = False
+                           ) -> bytes:
     """A vendor leaf and a compiled conv kernel taking the residual pointer, added before the activation when
-    ``residual_first`` (the conv template's RESIDUAL_FIRST) for a 3x3 stride-1 pad-1 layer."""
+    ``residual_first`` (the conv template's RESIDUAL_FIRST), multiplied after it when ``residual_mul``, for a 3x3
+    stride-1 pad-1 layer."""
     params = ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual")
     conv = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64,
-                        block_n=64, activation=activation, residual_first=residual_first,
+                        block_n=64, activation=activation, residual_first=residual_first, residual_mul=residual_mul,
                         conv=(channels, 3, 3, 1, 1, 1, 1, 1, 1))
     tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
     return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), conv), tree).to_bytes()
@@ -386,17 +398,19 @@ def _conv3x3_f64(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("op_type", ["ConvBiasResidualRelu", "ConvBiasReluResidual", "ConvBiasResidual",
                                      "ConvBiasResidualGelu", "ConvBiasResidualGeluTanh", "ConvBiasGeluTanhResidual",
-                                     "ConvBiasResidualSilu", "ConvBiasRelu6Residual", "ConvBiasResidualRelu6"])
+                                     "ConvBiasResidualSilu", "ConvBiasRelu6Residual", "ConvBiasResidualRelu6",
+                                     "ConvBiasReluMul", "ConvBiasSiluMul"])
 def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
     """ResNet's Conv -> Add(shortcut) -> Relu as one node: y = act(conv(X, W) + B + residual) for an op type
-    naming the residual before the activation, act(conv(X, W) + B) + residual after it, checked against a
-    float64 reference; a residual of another shape is refused naming both shapes, before anything runs."""
+    naming the residual before the activation, act(conv(X, W) + B) + residual after it, act(conv(X, W) + B) *
+    residual for one ending in Mul, checked against a float64 reference; a residual of another shape is refused
+    naming both shapes, before anything runs."""
     import math
 
     from dietcode_ort.inspect_model import epilogue_of
 
     named = epilogue_of(helper.make_node(op_type, [], []))
-    first, activation = named["residual_first"], named["activation"]
+    first, activation, mul = named["residual_first"], named["activation"], named["residual_mul"]
     rng = np.random.default_rng(7)
     x, w = rng.standard_normal((2, 3, 6, 5)).astype(dtype), rng.standard_normal((4, 3, 3, 3)).astype(dtype)
     b, r = rng.standard_normal(4).astype(dtype), rng.standard_normal((2, 4, 6, 5)).astype(dtype)
@@ -404,7 +418,7 @@ def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
                             pads=[1, 1, 1, 1], strides=[1, 1], kernel_shape=[3, 3])
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
     model = _model([node], ["X", "W", "B", "R"], elem,
-                   initializers=[bundle_initializer(_conv_residual_payload(activation, first))])
+                   initializers=[bundle_initializer(_conv_residual_payload(activation, first, residual_mul=mul))])
     sess = dietcode_ort.InferenceSession(model, providers=CPU)
     feeds = {"X": x, "W": w, "B": b, "R": r}
     (got,) = sess.run(None, feeds)
@@ -413,7 +427,7 @@ def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
            "gelu_tanh": lambda v: 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3))),
            "silu": lambda v: v / (1.0 + np.exp(-v)), "relu6": lambda v: np.clip(v, 0.0, 6.0)}[activation]
     y = _conv3x3_f64(x, w, b)
-    want = act(y + r) if first else act(y) + r
+    want = act(y + r) if first else act(y) * r if mul else act(y) + r
     assert not np.allclose(act(y + r), act(y) + r, atol=0.1) or activation == "none"  # the order shows
     tol = 1e-5 if dtype == np.float32 else 1e-2
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
@@ -440,8 +454,20 @@ def test_residual_order_must_be_the_kernels() -> None:
                    initializers=[bundle_initializer(_conv_residual_payload("relu", True))])
     with pytest.raises(DietcodeError, match="takes a residual but the op type has none"):
         dietcode_ort.InferenceSession(model, providers=CPU)
-    # the op types are the library's: a residual-first name without an activation, or on Gemm, is none
-    for name in ("ConvBiasResidualResidual", "GemmBiasResidualRelu", "GemmResidual", "ConvResidualBias"):
+    # a kernel multiplying by its residual on a node adding it, and the other way round
+    for op_type, mul in (("ConvBiasReluResidual", True), ("ConvBiasReluMul", False)):
+        node = helper.make_node(op_type, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0",
+                                pads=[1, 1, 1, 1])
+        model = _model([node], ["X", "W", "B", "R"], TensorProto.FLOAT,
+                       initializers=[bundle_initializer(_conv_residual_payload("relu", False, residual_mul=mul))])
+        want = f"multiplies by its residual but the op type {op_type} adds it" if mul else \
+            f"adds its residual but the op type {op_type} multiplies by it"
+        with pytest.raises(DietcodeError, match=want):
+            dietcode_ort.InferenceSession(model, providers=CPU)
+    # the op types are the library's: a residual-first name without an activation, or on Gemm, is none; so is a
+    # Mul without an activation, on Gemm, or before the activation
+    for name in ("ConvBiasResidualResidual", "GemmBiasResidualRelu", "GemmResidual", "ConvResidualBias",
+                 "ConvBiasMul", "MatMulMul", "GemmSiluMul", "ConvBiasMulRelu", "MatMulSiluMulResidual"):
         node = helper.make_node(name, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
         model = _model([node], ["X", "W", "B", "R"], TensorProto.FLOAT,
                        initializers=[bundle_initializer(_conv_residual_payload("relu", True))])

@@ -337,6 +337,12 @@ def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, A
     assert values["p_act"] == 2 and values["p_scale"] == 0x3F000000  # gelu, 0.5f
     assert launch["grid"] == [1, 1, 1] and launch["block"] == [256, 1, 1] and launch["shared"] == 0
     assert got["max_err"] <= 2e-3 * max(1.0, got["scale"]), got["max_err"]
+    assert values["p_first"] == 0  # the residual added after the activation
+    # dc_epilogue.residual_mul (LLaMA's SwiGLU gate, silu(y) * residual): launched as p_first 2, no bias
+    assert (got["mul_first"], got["mul_bias"]) == (2, 0)
+    assert got["mul_max_err"] <= 2e-3 * max(1.0, got["mul_scale"]), got["mul_max_err"]
+    refused, message, launches = got["both_refused"]
+    assert refused != 0 and "both adds the residual first and multiplies by it" in message and launches == 0
 
 
 def test_probe_and_sm_count_through_the_driver(launched: dict[str, Any]) -> None:

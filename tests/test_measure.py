@@ -281,20 +281,27 @@ def test_gpu_timings_are_keyed_by_template_source_and_timing_settings(monkeypatc
     base = context()
     assert "bias=1" in base and aot.template_hash()[:16] in base
     assert len({base, context(warmup=2), context(repeats=5), context(vendor_tf32=False)}) == 4
+    # the residual added or multiplied (the SwiGLU gate) are two kernels: never one timing
+    added, multiplied = (GpuMeasurer(backend="_fake_timing:FakeBackend", epilogue=Epilogue(
+        False, "silu", 1.0, True, residual_mul=mul)).context() for mul in (False, True))
+    assert added != multiplied and "residual_mul=1" in multiplied and "residual_mul" not in added
     monkeypatch.setattr(aot, "template_hash", lambda: "0" * 64)
     assert context() != base
 
 
 @pytest.mark.parametrize("op", ["gemm", "conv"])
-@pytest.mark.parametrize("first", [False, True], ids=["after", "first"])
-def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, first):
+@pytest.mark.parametrize("mode", ["after", "first", "mul"])
+def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, mode):
     """The vendor baseline of a residual epilogue adds it where the node does: before the Relu for
-    residual_first (ResNet's ConvBiasResidualRelu), after it otherwise; conv's residual comes as the output's
-    [n, OC, OH*OW] (how _operands makes it) and is added as the output's shape."""
+    residual_first (ResNet's ConvBiasResidualRelu), after it otherwise, or multiplies by it after the Relu for
+    residual_mul (the SwiGLU gate's form); conv's residual comes as the output's [n, OC, OH*OW] (how _operands
+    makes it) and is applied as the output's shape."""
     torch = pytest.importorskip("torch")
     conv = ConvParams(3, 4, (3, 3), pads=(1, 1, 1, 1)) if op == "conv" else None
+    first = mode == "first"
     m = GpuMeasurer(backend="_fake_timing:FakeBackend", conv=conv,
-                    epilogue=Epilogue(bias=True, activation="relu", residual=True, residual_first=first))
+                    epilogue=Epilogue(bias=True, activation="relu", residual=True, residual_first=first,
+                                      residual_mul=mode == "mul"))
     rng = np.random.default_rng(1)
     if op == "conv":
         a, b = rng.standard_normal((2, 3, 5, 6)), rng.standard_normal((4, 3, 3, 3))
@@ -307,5 +314,5 @@ def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, first):
         y, res = a @ b + c, r
     t = lambda x: torch.from_numpy(x.astype(np.float32))  # noqa: E731
     got = m.vendor_call(Family(op, "float32", "sm_90"), t(a), t(b), t(c), t(r))().numpy()
-    want = np.maximum(y + res, 0) if first else np.maximum(y, 0) + res
+    want = np.maximum(y + res, 0) if first else np.maximum(y, 0) * res if mode == "mul" else np.maximum(y, 0) + res
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

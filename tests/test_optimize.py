@@ -93,9 +93,12 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         assert node["workload"]["m"] == "tokens"
         assert all(k["kind"] == "triton" and k["archs"] == ["sm_90a"] for k in node["kernels"])
         assert all(set(k["image_shared"]) == {"sm_90a"} and k["image_shared"]["sm_90a"] > 0 for k in node["kernels"])
-        # pointers always, and N/K because 64 and 176 are multiples of 16 (checked again per call)
-        assert all(k["div16"] == ["a", "b", "c", "N", "K"] for k in node["kernels"])
-        act = "silu" if "gate_proj" in node["name"] else "none"  # the gate projection takes its SiLU
+        gate = "gate_proj" in node["name"]  # the gate projection takes its SiLU and the product by up's output
+        # pointers always (the gate's residual, up's output, too), and N/K because 64 and 176 are multiples of
+        # 16 (checked again per call)
+        assert all(k["div16"] == ["a", "b", "c", "N", "K"] + ["residual"] * gate for k in node["kernels"])
+        assert (node["op"], node["epilogue"]["residual_mul"]) == (("MatMulSiluMul", True) if gate else ("MatMul", False))
+        act = "silu" if gate else "none"
         assert all(k["built_for"] == {"dtype": "float32", "activation": act, "trans_b": False, "conv": [],
                                       "precision": "tf32"}  # --fp32-precision's default
                    for k in node["kernels"])
@@ -235,10 +238,10 @@ def test_bert_runs_fewer_nodes_than_stock_ort(work):
     assert stock.count("Add") - ours.count("Add") >= 4 and "FusedMatMul" not in ours
     assert len(ours) < len(stock), (len(ours), len(stock))
     described = {d["name"]: d["epilogue"] for d in describe(model)}
-    plain = {"residual": False, "residual_first": False}
+    plain = {"residual": False, "residual_first": False, "residual_mul": False}
     assert {"alpha": 0.125, "bias": False, "activation": "none", **plain} in described.values()
-    assert {"alpha": 1.0, "bias": True, "activation": "none", "residual": True, "residual_first": False} \
-        in described.values()
+    assert {"alpha": 1.0, "bias": True, "activation": "none", "residual": True, "residual_first": False,
+            "residual_mul": False} in described.values()
 
 
 def test_resnet_block_ends_are_one_node_each(work):
@@ -253,7 +256,7 @@ def test_resnet_block_ends_are_one_node_each(work):
     described = [d for d in describe(model) if d["op"] == "ConvBiasResidualRelu"]
     assert len(described) == 4
     assert all(d["epilogue"] == {"alpha": 1.0, "bias": True, "activation": "relu", "residual": True,
-                                 "residual_first": True} for d in described)
+                                 "residual_first": True, "residual_mul": False} for d in described)
     assert all(json.loads(next(a.s for a in n.attribute if a.name == "info"))["workload"]["residual_first"]
                for n in model.graph.node if n.op_type == "ConvBiasResidualRelu")
     stock, ours = _ort_optimized_ops(src, False), _ort_optimized_ops(out, True)

@@ -283,8 +283,10 @@ def activation_after_a_reshape() -> Case:
 
 
 def silu_gate() -> Case:
-    """LLaMA's MLP: silu(x @ Wg) * (x @ Wu): the gate MatMul takes Sigmoid and Mul (either operand order),
-    the up-projection stays plain; a Sigmoid whose product is with another tensor stays, with the reason."""
+    """LLaMA's MLP: silu(x @ Wg) * (x @ Wu): the gate MatMul takes Sigmoid and Mul (either operand order) and
+    the product by the up-projection's output (residual_mul; the custom node then sits after the up MatMul,
+    which comes later in node order), the up-projection stays plain; a Sigmoid whose product is with another
+    tensor stays, with the reason."""
     nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["gs"]),
              helper.make_node("Mul", ["gs", "g"], ["silu"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
              helper.make_node("Mul", ["silu", "u"], ["y"]),
@@ -294,8 +296,29 @@ def silu_gate() -> Case:
              helper.make_node("Mul", ["vs", "u2"], ["y2"])]
     inits = [_t("wg", (K, N)), _t("wu", (K, N)), _t("wv", (K, N))]
     return Case(_model(nodes, [_x()], [_out("y"), _out("y2")], inits),
-                [Epilogue(False, "silu"), Epilogue(), Epilogue()],
+                [Epilogue(False, "silu", 1.0, True, residual_mul=True), Epilogue(), Epilogue()],
                 ["Sigmoid not fused: no Mul of its output by 'v' itself"])
+
+
+def swiglu_bias_gelu_and_broadcast_mul() -> Case:
+    """The gated product after other activations and a bias: up-projection first in node order and the first
+    operand of the Mul, the gate's bias fused (Gelu, then * up); a Relu whose product is with a broadcast tensor
+    keeps its Mul, with the reason; a Mul by a scalar constant after a Relu is no residual (left alone)."""
+    up, up_inits = _mm_bias("x", "u", "u")
+    gate, gate_inits = _mm_bias("x", "gb", "g")
+    gelu, consts = _gelu("gb", "gg", "e")
+    nodes = up + gate + gelu + [helper.make_node("Mul", ["u", "gg"], ["y"]),
+                                helper.make_node("MatMul", ["x", "wv"], ["v"]), helper.make_node("Relu", ["v"], ["vr"]),
+                                helper.make_node("ReduceMean", ["u"], ["um"], axes=[0], keepdims=1),
+                                helper.make_node("Mul", ["vr", "um"], ["y2"]),
+                                helper.make_node("MatMul", ["x", "wt"], ["t"]), helper.make_node("Relu", ["t"], ["tr"]),
+                                helper.make_node("Mul", ["tr", "three"], ["y3"])]
+    inits = up_inits + gate_inits + consts + [_t("wv", (K, N)), _t("wt", (K, N)), _t("three", (), 3.0)]
+    return Case(_model(nodes, [_x()], [_out("y"), _out("y2"), _out("y3")], inits),
+                [Epilogue(True), Epilogue(True, "gelu", 1.0, True, residual_mul=True), Epilogue(False, "relu"),
+                 Epilogue(False, "relu")],
+                ["residual not fused: 'um' has shape [1, 32], not the output's [n, 32] (a broadcast Mul is no "
+                 "residual)"])
 
 
 def silu_intermediate_is_graph_output() -> Case:
@@ -483,6 +506,7 @@ CASES = {f.__name__: f for f in (
     overridable_initializer_inputs,
     identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20,
     gelu_tanh_formula, gelu_tanh_intermediate_read_elsewhere, silu_gate, silu_intermediate_is_graph_output,
+    swiglu_bias_gelu_and_broadcast_mul,
     activation_after_a_reshape)}
 CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
 CASES.update({f"clip_opset_{v}": (lambda v=v: _clip_case(v)) for v in (10, 13)})
@@ -669,6 +693,29 @@ def test_fused_scale_and_residual_nodes():
     assert [n.op_type for n in result.model.graph.node] == ["Concat", "MatMulResidual"]
 
 
+def test_swiglu_gate_node_comes_after_the_up_projection():
+    """The gate MatMul (first in node order) takes its SiLU and the product by the up-projection's output: one
+    MatMulSiluMul node reading up's output as its residual, placed where the product's Mul was (after the up
+    MatMul), whose fallback body multiplies by the residual last; inspect reads it back as silu*residual."""
+    from dietcode_ort.inspect_model import _epilogue_text, epilogue_of
+
+    case = silu_gate()
+    _, _, workloads = _workload_epilogues(case.model)
+    result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
+    nodes = result.model.graph.node
+    assert [n.op_type for n in nodes][:2] == ["MatMul", "MatMulSiluMul"] and list(nodes[0].output) == ["u"]
+    gate = nodes[1]
+    assert list(gate.input[:-1]) == ["x", "wg", "u"] and list(gate.output) == ["y"]
+    fn = next(f for f in result.model.functions if f.name == "MatMulSiluMul")
+    assert list(fn.input) == ["A", "B", "residual", "bundle"]
+    assert [n.op_type for n in fn.node] == ["MatMul", "Sigmoid", "Mul", "Mul"] and "residual" in fn.node[-1].input
+    named = epilogue_of(gate)
+    assert named == {"alpha": 1.0, "bias": False, "activation": "silu", "residual": True, "residual_first": False,
+                     "residual_mul": True}
+    assert _epilogue_text(named) == "silu*residual"
+    assert _epilogue_text(epilogue_of(helper.make_node("MatMulBiasGeluResidual", [], []))) == "bias+gelu+residual"
+
+
 # ---- optimize end to end (analytic tuning, real kernels) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -682,7 +729,7 @@ E2E = ["gelu_intermediate_read_elsewhere", "bias_of_higher_rank", "gelu_constant
        "overridable_initializer_inputs", "identity_deduplicated_zero_bias", "bias_first_relu", "opset_11",
        "opset_13", "opset_18", "scale_bias_residual", "scale_mul_gelu_residual", "residual_made_after_the_matmul",
        "attention_scores_scaled", "conv_identity_shortcut_relu", "conv_projection_shortcut_relu",
-       "conv_relu_then_residual", "gelu_op_of_opset_20", "gelu_tanh_formula", "silu_gate", "clip_opset_10", "activation_after_a_reshape",
+       "conv_relu_then_residual", "gelu_op_of_opset_20", "gelu_tanh_formula", "silu_gate", "swiglu_bias_gelu_and_broadcast_mul", "clip_opset_10", "activation_after_a_reshape",
        "clip_opset_13"]
 
 

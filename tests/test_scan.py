@@ -382,15 +382,16 @@ def test_resnet50_tiny_workloads():
     assert left == []  # 4 Adds and 13 Relus, all absorbed
 
 
-def test_mlp_tiny_gate_takes_its_silu_and_up_stays_plain():
-    """The gate projection absorbs Sigmoid and Mul (SiLU), so gate and up (same shape) are two workloads; the
-    SwiGLU product of the two stays a graph Mul."""
+def test_mlp_tiny_gate_takes_its_silu_and_the_product_by_up():
+    """The gate projection absorbs Sigmoid and Mul (SiLU) and the SwiGLU product by the up-projection's output
+    (its residual, multiplied), so gate and up (same shape) are two workloads and no graph Mul is left."""
     result = attach_instances(_scan_built("mlp", "tiny"), ["tokens=1:64"])
     gate, up, down = result.workloads
     for w in (gate, up):
         assert (w.m, w.n, w.k, len(w.nodes)) == ("tokens", "176", "64", 1)
-    assert (gate.epilogue, up.epilogue) == (Epilogue(False, "silu"), Epilogue())
-    assert [len(f) for f in gate.fused_nodes] == [2]
+    assert (gate.epilogue, up.epilogue) == (Epilogue(False, "silu", 1.0, True, residual_mul=True), Epilogue())
+    assert [len(f) for f in gate.fused_nodes] == [3] and gate.fused_nodes[0][-1] == "/mlp/Mul_output_0"
+    assert result.unfused == ()
     assert (down.m, down.n, down.k) == ("tokens", "64", "176")
     assert len(gate.instances) == 64
 

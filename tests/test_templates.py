@@ -45,6 +45,11 @@ def test_cases_cover_the_brief() -> None:
     assert any(case.op == "conv" and case.residual_first and case.activation == "relu" and len(cfg) == 7
                and cfg[6] > 1 for case in CASES for cfg in case.configs)
     assert any(case.op == "gemm" and case.residual_first for case in CASES)
+    # act(alpha * acc + bias) * residual: LLaMA's SwiGLU gate in the three dtypes, under split-K, and on conv
+    assert {case.dtype for case in CASES if case.residual_mul and case.activation == "silu"} == \
+        {"float32", "float16", "bfloat16"}
+    assert any(case.residual_mul and len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
+    assert any(case.op == "conv" and case.residual_mul for case in CASES)
     assert any(case.op == "bmm" and case.alpha != 1.0 for case in CASES)
 
 
@@ -72,6 +77,11 @@ def test_launcher_rejects_bad_epilogues() -> None:
     with pytest.raises(DietcodeError, match="residual_first orders a residual before an activation: it needs both"):
         run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, residual=torch.zeros(4, 4),
             epilogue=Epilogue(residual=True, residual_first=True))
+    for bad in (Epilogue(activation="silu", residual_mul=True), Epilogue(residual=True, residual_mul=True),
+                Epilogue(False, "silu", 1.0, True, residual_first=True, residual_mul=True)):
+        with pytest.raises(DietcodeError, match="residual_mul multiplies an activation's result by a residual: it "
+                                                "needs both and no residual_first"):
+            run("gemm", MicroKernel(16, 16, 16, 2, 2), a, b, residual=torch.zeros(4, 4), epilogue=bad)
     with pytest.raises(DietcodeError, match=r"conv: the residual must have the output's shape \(1, 4, 3, 3\)"):
         run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 5, 5), torch.zeros(4, 3, 3, 3),
             conv=ConvParams(3, 4, (3, 3)), residual=torch.zeros(1, 4, 9), epilogue=Epilogue(residual=True))

@@ -390,15 +390,16 @@ EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
 ]
 
 
-@pytest.mark.parametrize("residual", ["", "after", "first"])
+@pytest.mark.parametrize("residual", ["", "after", "first", "mul"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu", "relu6"])
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
 def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype, residual) -> None:
     """The epilogue kernel's PTX itself, run by a host executor of its instructions (tests/_ptx_run.py) with
     the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation, the residual added last
-    (act(y + bias) + residual) or, p_first, before the activation (act(y + bias + residual)), and the dtype's
-    loads, stores and rounding."""
+    (act(y + bias) + residual) or, p_first 1, before the activation (act(y + bias + residual)) or, p_first 2,
+    multiplied after it (act(y + bias) * residual: LLaMA's SwiGLU gate), and the dtype's loads, stores and
+    rounding."""
     from tests import _ptx_run
 
     _, make, out_shape, bias_shape, scale = case
@@ -435,9 +436,12 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         ref = np.clip(ref, 0.0, 6.0)
     if residual == "after":
         ref = ref + res64
+    elif residual == "mul":
+        ref = ref * res64
     params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
               "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
-              "p_act": e.activation, "p_res": res_addr, "p_first": int(residual == "first")}
+              "p_act": e.activation, "p_res": res_addr,
+              "p_first": {"first": 1, "mul": 2}.get(residual, 0)}
     _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
     got = _from_dtype_bits(y, dtype)
     want = ref.astype(np.float32)
@@ -561,6 +565,30 @@ def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
     with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's"):
         sess.run(None, feeds | {"R": r[0]})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vendor_leaf_swiglu_gate_on_cuda(dtype) -> None:
+    """MatMulBiasSiluMul (LLaMA's SwiGLU gate) through the vendor path: cuBLAS, then the PTX epilogue adds the
+    bias, applies SiLU and multiplies by the residual (the up-projection's output)."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(17)
+    a, b = rng.standard_normal((2, 5, 8)).astype(dtype), rng.standard_normal((8, 6)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    node = helper.make_node("MatMulBiasSiluMul", ["A", "B", "bias", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                            name="gate")
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["A", "B", "bias", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    (got,) = sess.run(None, {"A": a, "B": b, "bias": c, "R": r})
+    h = a.astype(np.float64) @ b.astype(np.float64) + c
+    want = h / (1.0 + np.exp(-h)) * r
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
 
 
 @pytest.mark.gpu

@@ -297,6 +297,7 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
     if family.op in ("gemm", "conv"):
         constants["HAS_RESIDUAL"] = epilogue.residual
         constants["RESIDUAL_FIRST"] = epilogue.residual_first
+        constants["RESIDUAL_MUL"] = epilogue.residual_mul
     if family.op in ("gemm", "bmm"):
         constants["USE_TMA"] = bool(config.tma)
         constants["PERSISTENT"] = bool(config.persistent)

@@ -319,7 +319,7 @@ class GpuMeasurer(Measurer):
                                      f"p{c.pads}d{c.dilations}")
         e = self.epilogue
         scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "") \
-            + (";residual_first=1" if e.residual_first else "")
+            + (";residual_first=1" if e.residual_first else "") + (";residual_mul=1" if e.residual_mul else "")
         return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
                 f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor=addmm"
@@ -408,7 +408,7 @@ class GpuMeasurer(Measurer):
 
     def vendor_call(self, family: Family, a: Any, b: Any, bias: Any, residual: Any) -> Callable[[], Any]:
         """What the vendor baseline times: ``act(alpha * A @ B + bias) + residual`` (with residual_first
-        ``act(alpha * A @ B + bias + residual)``) as the CUDA vendor path runs it (custom_ops/vendor.h: one cuBLAS
+        ``act(alpha * A @ B + bias + residual)``, with residual_mul ``act(alpha * A @ B + bias) * residual``) as the CUDA vendor path runs it (custom_ops/vendor.h: one cuBLAS
         call carrying alpha, then the epilogue), here as torch's addmm/baddbmm (alpha and the bias in the cuBLAS
         call) then the activation and the residual Add; conv: cuDNN's conv2d with the bias, then the residual
         and the activation in the epilogue's order."""
@@ -424,6 +424,8 @@ class GpuMeasurer(Measurer):
             if residual is None:
                 return act(y)
             res = residual.view(y.shape) if family.op == "conv" else residual
+            if self.epilogue.residual_mul:
+                return act(y).mul_(res)
             return act(y.add_(res)) if first else act(y).add_(res)
 
         if family.op == "conv":

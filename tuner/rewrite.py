@@ -2,7 +2,8 @@
 
 Each scanned node (with the scalar Mul/Div, Add(bias), activation and residual Add it absorbs) becomes one
 custom node whose op type names the fused epilogue in its order (``MatMulBiasGelu``, ``ConvBiasRelu``,
-``MatMulBiasResidual``, ``ConvBiasResidualRelu``: the residual before the Relu, ...; the node contract is in
+``MatMulBiasResidual``, ``ConvBiasResidualRelu``: the residual before the Relu, ``MatMulSiluMul``: LLaMA's
+SwiGLU gate times the up-projection's output, ...; the node contract is in
 docs/bundle.md); a MatMul's absorbed scale is its
 ``scale`` attribute (the compiled kernels have it baked in). The custom node takes the place of the last node
 it replaces, where every value it reads (the residual included) is made. The node keeps the output name of the
@@ -45,11 +46,12 @@ _TWO_GB = TWO_GB  # the protobuf size from which save_model puts inline tensors 
 
 def op_type(workload: Workload) -> str:
     """The custom op type for a workload: the ONNX op plus its fused epilogue in the order it is applied
-    (``ConvBiasReluResidual``: the residual after the Relu; ``ConvBiasResidualRelu``: before it)."""
+    (``ConvBiasReluResidual``: the residual after the Relu; ``ConvBiasResidualRelu``: before it;
+    ``MatMulSiluMul``: the activation's result times the residual, LLaMA's SwiGLU gate)."""
     e = workload.epilogue
     bias = "Bias" if e.bias else ""
     act = bundle_format.ACTIVATION_OP_NAMES[bundle_format.ACTIVATION_CODES.index(e.activation)]
-    residual = "Residual" if e.residual else ""
+    residual = "Mul" if e.residual_mul else "Residual" if e.residual else ""
     return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 
 
@@ -94,7 +96,7 @@ def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: l
               overload: str) -> onnx.FunctionProto:
     """The fallback function of one op type (and overload): ``body`` over inputs A, B[, bias][, residual],
     output Y; the last input, the kernel bundle, is read by the custom op and ignored here."""
-    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if "Residual" in op else []) \
+    inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if bundle_format.op_takes_residual(op) else []) \
         + ["bundle"]
     return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
                                 attributes=["info"] + list(_FORWARDED[onnx_op]),
@@ -219,9 +221,10 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
             else len(absorbed) - 1
         radd = absorbed[at][1] if 0 <= at < len(absorbed) else None
         before = absorbed[at - 1][1].output[0] if at > 0 else node.output[0]
-        if radd is None or radd.op_type != "Add" or len(radd.input) != 2 or before not in radd.input:
+        kind = "Mul" if w.epilogue.residual_mul else "Add"
+        if radd is None or radd.op_type != kind or len(radd.input) != 2 or before not in radd.input:
             where = "right before the activation" if w.epilogue.residual_first else "the last fused node"
-            raise DietcodeError(f"workload node making {key!r}: its residual Add is not {where}")
+            raise DietcodeError(f"workload node making {key!r}: its residual {kind} is not {where}")
         residual = radd.input[1] if radd.input[0] == before else radd.input[0]
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}

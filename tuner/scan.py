@@ -624,13 +624,15 @@ def _depends_on(g: _Graph, value: str, x: str, limit: int = 64) -> bool:
     return False
 
 
-def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tuple[onnx.NodeProto | None, str | None]:
-    """An Add of ``x`` and a second tensor of exactly ``x``'s shape and dtype (the skip connection before a
-    LayerNorm, ResNet's shortcut), as (node, None); (node, why) when a kernel cannot absorb it; (None, None)
-    when no Add of a tensor follows or the Add is in ``claimed`` (node ids another workload already absorbed:
-    ResNet's projection shortcut adds two conv outputs, and only one conv can take the Add)."""
+def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset(), op: str = "Add"
+              ) -> tuple[onnx.NodeProto | None, str | None]:
+    """An Add (``op``; "Mul": LLaMA's SwiGLU gate times the up-projection) of ``x`` and a second tensor of
+    exactly ``x``'s shape and dtype (the skip connection before a LayerNorm, ResNet's shortcut), as (node, None);
+    (node, why) when a kernel cannot absorb it; (None, None) when no such node of a tensor follows or it is in
+    ``claimed`` (node ids another workload already absorbed: ResNet's projection shortcut adds two conv outputs,
+    and only one conv can take the Add)."""
     users = g.consumers.get(x, [])
-    add = next((u for u in users if _default_domain(u, "Add") and _other_input(u, x)), None)
+    add = next((u for u in users if _default_domain(u, op) and _other_input(u, x)), None)
     if add is None or id(add) in claimed:
         return None, None
     other = _other_input(add, x)
@@ -649,7 +651,7 @@ def _residual(g: _Graph, x: str, claimed: AbstractSet[int] = frozenset()) -> tup
         return add, f"the shape of {x!r} or {other!r} is unknown after shape inference"
     if [str(d) for d in so] != [str(d) for d in sx] or (sy is not None and [str(d) for d in sy] != [str(d) for d in sx]):
         text = lambda dims: "[" + ", ".join(str(d) for d in dims) + "]"  # noqa: E731
-        return add, f"{other!r} has shape {text(so)}, not the output's {text(sx)} (a broadcast Add is no residual)"
+        return add, f"{other!r} has shape {text(so)}, not the output's {text(sx)} (a broadcast {op} is no residual)"
     if g.dtypes.get(other) != g.dtypes.get(x):
         return add, f"{other!r} has another dtype than the product"
     return add, None
@@ -736,7 +738,9 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     (``allow_residual``) after ``node`` that a kernel can absorb, in one of the kernel's orders:
     act(alpha * acc + bias) + residual (the activation right after the product or bias), or
     act(alpha * acc + bias + residual) (an Add of a tensor right after them, then the activation:
-    residual_first), as (epilogue, the absorbed nodes in graph order, the candidates refused with the reason).
+    residual_first), or act(alpha * acc + bias) * residual (a Mul of the activation's result by a tensor of its
+    shape: residual_mul, LLaMA's SwiGLU gate; after an activation only), as (epilogue, the absorbed nodes in
+    graph order, the candidates refused with the reason).
     An activation behind a Reshape (``_activation_after_reshape``) is absorbed with the Reshape as its first
     node, and then no residual. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
     is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
@@ -759,12 +763,15 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     activation, act_nodes = _activation(g, out, refused)
     if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation
         activation, act_nodes = _activation_after_reshape(g, out, refused)
-    residual = residual_first = False
+    residual = residual_first = residual_mul = False
     if allow_residual and not (act_nodes and act_nodes[0].op_type == "Reshape"):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
+        if add is None and act_nodes:  # silu(x @ Wg) * (x @ Wu): the up-projection's output multiplies
+            add, why = _residual(g, last, claimed, "Mul")
+            residual_mul = add is not None and not why
         if add is not None and why:
-            refused.append(Skipped(_label(add), "Add", f"residual not fused: {why}"))
+            refused.append(Skipped(_label(add), add.op_type, f"residual not fused: {why}"))
         elif add is not None:
             residual, chain = True, chain + act_nodes + [add]
             if not act_nodes:  # Add then (maybe) the activation: the residual goes in before it
@@ -773,7 +780,7 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
             else:
                 act_nodes = []
     chain = chain + act_nodes
-    return Epilogue(bias, activation, alpha, residual, residual_first), tuple(chain), refused
+    return Epilogue(bias, activation, alpha, residual, residual_first, residual_mul), tuple(chain), refused
 
 
 def _dtype(g: _Graph, name: str) -> str:
@@ -1021,7 +1028,7 @@ def to_json(result: ScanResult) -> dict:
             "const_operands": list(w.const_operands), "trans_b": w.trans_b,
             "epilogue": {"bias": w.epilogue.bias, "activation": w.epilogue.activation,
                          "alpha": w.epilogue.alpha, "residual": w.epilogue.residual,
-                         "residual_first": w.epilogue.residual_first},
+                         "residual_first": w.epilogue.residual_first, "residual_mul": w.epilogue.residual_mul},
             "fused_nodes": [list(f) for f in w.fused_nodes],
             "conv": None if w.conv is None else {
                 "in_channels": w.conv.in_channels, "out_channels": w.conv.out_channels,
@@ -1046,9 +1053,10 @@ def _print_table(result: ScanResult) -> None:
     for i, w in enumerate(result.workloads):
         e = w.epilogue
         act = e.activation if e.activation != "none" else ""
-        steps = ("residual", act) if e.residual_first else (act, "residual" if e.residual else "")
+        steps = ("residual", act) if e.residual_first else (act, "residual" if e.residual and not e.residual_mul else "")
         epi = "+".join(p for p in (f"alpha={e.alpha:.6g}" if e.alpha != 1.0 else "", "bias" if e.bias else "",
                                    *steps) if p) or "-"
+        epi += "*residual" if e.residual_mul else ""  # the SwiGLU gate: silu*residual
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,

@@ -9,7 +9,9 @@ scalars (the gemm and conv templates then take the ``residual`` pointer, added t
 kernels last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
 ``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``, or with
-``RESIDUAL_FIRST`` ``out = act(ALPHA * acc + bias + residual)`` (ResNet's Conv -> Add -> Relu).
+``RESIDUAL_FIRST`` ``out = act(ALPHA * acc + bias + residual)`` (ResNet's Conv -> Add -> Relu), or with
+``RESIDUAL_MUL`` ``out = act(ALPHA * acc + bias) * residual`` (LLaMA's SwiGLU gate: the same residual pointer,
+multiplied).
 The grid is ``(ceil(M/BLOCK_M) * ceil(N/BLOCK_N), SPLIT_K, batch)``, except for a PERSISTENT gemm or bmm kernel
 (SPLIT_K 1): ``(min(tiles x batch, SMs x n), 1, 1)`` programs (``programs``; n per SM, from the bundle), each
 looping over tiles pid, pid + num_programs, ... in the same grouped order. With SPLIT_K > 1 program
@@ -121,12 +123,16 @@ def _split_k_reduce(acc, workspace, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit
 def _finish(acc, bias, c_ptrs, residual, offs_c, offs_n, N, c_mask, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
-            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESIDUAL_FIRST: tl.constexpr = False):
+            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESIDUAL_FIRST: tl.constexpr = False,
+            RESIDUAL_MUL: tl.constexpr = False):
     """The epilogue on the full sum and the store of C in its dtype. The residual (a full tensor laid out as
-    C) is added after the activation, or before it with RESIDUAL_FIRST."""
+    C) is added after the activation, or before it with RESIDUAL_FIRST, or with RESIDUAL_MUL multiplies the
+    activation's result (LLaMA's SwiGLU gate: silu(x @ Wg) * up)."""
     acc = _epilogue(acc, bias, offs_n, N, residual, offs_c, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
                     HAS_RESIDUAL and RESIDUAL_FIRST)
-    if HAS_RESIDUAL and not RESIDUAL_FIRST:
+    if HAS_RESIDUAL and RESIDUAL_MUL:
+        acc = acc * tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    elif HAS_RESIDUAL and not RESIDUAL_FIRST:
         acc = acc + tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=c_mask)
 
@@ -172,7 +178,7 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
-                 RESIDUAL_FIRST: tl.constexpr = False):
+                 RESIDUAL_FIRST: tl.constexpr = False, RESIDUAL_MUL: tl.constexpr = False):
     """C tile ``tile`` (in the grouped order of ``_tile_ids``), split ``pid_k``, of A[M, K] @ B (B [K, N], or
     [N, K] when TRANS_B), contiguous row-major views. Row offsets are int64 (once per tile), so an operand may
     hold 2^31 elements or more (e.g. a 65536 x 50257 LM head). With USE_TMA the operands are read through the
@@ -206,10 +212,10 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
             _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
-                    HAS_RESIDUAL, RESIDUAL_FIRST)
+                    HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
     else:
         _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
-                HAS_RESIDUAL, RESIDUAL_FIRST)
+                HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
 
 
 @triton.jit
@@ -218,9 +224,10 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
-                PERSISTENT: tl.constexpr = False, RESIDUAL_FIRST: tl.constexpr = False):
+                PERSISTENT: tl.constexpr = False, RESIDUAL_FIRST: tl.constexpr = False,
+                RESIDUAL_MUL: tl.constexpr = False):
     """C[M, N] = act(ALPHA * A[M, K] @ B + bias) + residual[M, N], with RESIDUAL_FIRST act(ALPHA * A[M, K] @ B
-    + bias + residual[M, N]). PERSISTENT (SPLIT_K 1): each program
+    + bias + residual[M, N]), with RESIDUAL_MUL act(ALPHA * A[M, K] @ B + bias) * residual[M, N]. PERSISTENT (SPLIT_K 1): each program
     computes tiles program_id(0), + num_programs(0), ... of the grouped order, for any grid size; a TMA
     program makes its descriptors once."""
     a_desc = a
@@ -233,11 +240,11 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tile, 0, a_desc, b_desc, TRANS_B, ALPHA,
                          HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                         SPLIT_K, USE_TMA, RESIDUAL_FIRST)
+                         SPLIT_K, USE_TMA, RESIDUAL_FIRST, RESIDUAL_MUL)
     else:
         _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tl.program_id(0), tl.program_id(1), a_desc,
                      b_desc, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                     BLOCK_K, GROUP_M, SPLIT_K, USE_TMA, RESIDUAL_FIRST)
+                     BLOCK_K, GROUP_M, SPLIT_K, USE_TMA, RESIDUAL_FIRST, RESIDUAL_MUL)
 
 
 @triton.jit
@@ -290,9 +297,9 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
-                RESIDUAL_FIRST: tl.constexpr = False):
+                RESIDUAL_FIRST: tl.constexpr = False, RESIDUAL_MUL: tl.constexpr = False):
     """Y = act(conv2d(X, W) + bias) + residual, with RESIDUAL_FIRST act(conv2d(X, W) + bias + residual) (ResNet's
-    Conv -> Add(shortcut) -> Relu), NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc, reduction
+    Conv -> Add(shortcut) -> Relu), with RESIDUAL_MUL act(conv2d(X, W) + bias) * residual, NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc, reduction
     (c, kh, kw). X [img_n, C, img_h, img_w], W [N=OC, K=C*KH*KW], Y and the residual [img_n, OC, out_h, out_w]
     (the residual read at Y's offsets)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -329,10 +336,10 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
             _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
-                    HAS_RESIDUAL, RESIDUAL_FIRST)
+                    HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
     else:
         _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
-                HAS_RESIDUAL, RESIDUAL_FIRST)
+                HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
 
 
 @triton.jit
@@ -471,8 +478,8 @@ def kernel_for(op: str) -> Any:
 
 def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
     """Reject epilogues the templates cannot fuse (unknown activation, a residual outside the gemm and conv
-    templates, residual_first without a residual and an activation, a scale on conv or one that is not a finite
-    float). Split-K takes every epilogue: the last split of a tile applies it to the full sum."""
+    templates, residual_first without a residual and an activation, residual_mul without them or with
+    residual_first, a scale on conv or one that is not a finite float). Split-K takes every epilogue: the last split of a tile applies it to the full sum."""
     if epilogue.activation not in ACTIVATIONS:
         raise DietcodeError(f"unknown activation {epilogue.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
     if epilogue.residual and op not in ("gemm", "conv"):
@@ -480,6 +487,10 @@ def check_epilogue(op: str, epilogue: Epilogue, split_k: int) -> None:
     if epilogue.residual_first and (not epilogue.residual or epilogue.activation == "none"):
         raise DietcodeError(f"{op}: residual_first orders a residual before an activation: it needs both (got "
                             f"residual={epilogue.residual}, activation={epilogue.activation!r})")
+    if epilogue.residual_mul and (not epilogue.residual or epilogue.activation == "none" or epilogue.residual_first):
+        raise DietcodeError(f"{op}: residual_mul multiplies an activation's result by a residual: it needs both "
+                            f"and no residual_first (got residual={epilogue.residual}, activation="
+                            f"{epilogue.activation!r}, residual_first={epilogue.residual_first})")
     if not isinstance(epilogue.alpha, float) or not math.isfinite(epilogue.alpha) or epilogue.alpha == 0.0:
         raise DietcodeError(f"{op}: the scale alpha must be a finite, non-zero float, got {epilogue.alpha!r}")
     if epilogue.alpha != 1.0 and op == "conv":
@@ -656,6 +667,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
         kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, 1),
                      HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
+                     RESIDUAL_MUL=epilogue.residual_mul,
                      **conv_geometry(conv), **meta)
         return out
     m, k = a.shape[-2:]
@@ -674,7 +686,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         if config.persistent:
             grid = (programs(m, n, 1, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
         kernel[grid](a, b, bias, out, m, n, k, residual, split_workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
-                     HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first, **meta)
+                     HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
+                     RESIDUAL_MUL=epilogue.residual_mul, **meta)
         return out
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     a, sa = _batch_operand(a, batch)

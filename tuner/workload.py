@@ -36,19 +36,23 @@ class ConvParams:
 class Epilogue:
     """What the kernel fuses after the product, applied in this order:
     ``out = act(alpha * acc + bias) + residual``, or with ``residual_first``
-    ``out = act(alpha * acc + bias + residual)``.
+    ``out = act(alpha * acc + bias + residual)``, or with ``residual_mul``
+    ``out = act(alpha * acc + bias) * residual``.
 
     ``alpha`` is a model constant (a scalar Mul/Div right after the MatMul, e.g. attention scores /
     sqrt(head_dim)), baked into the compiled kernel; ``residual`` adds a second tensor of the output's shape
     (the skip connection before a LayerNorm), after the activation, or before it with ``residual_first``
     (ResNet's Conv -> Add(shortcut) -> Relu). ``residual_first`` is set only with a residual and an activation
-    (without an activation both orders are one computation, written as the default)."""
+    (without an activation both orders are one computation, written as the default). ``residual_mul``
+    multiplies by the residual instead of adding it (LLaMA's SwiGLU gate, silu(x @ Wg) * (x @ Wu): the
+    up-projection's output is the residual); it is set only with a residual and an activation, never with ``residual_first``."""
 
     bias: bool = False
     activation: str = "none"
     alpha: float = 1.0
     residual: bool = False
     residual_first: bool = False
+    residual_mul: bool = False
 
 
 @dataclass(frozen=True, order=True)
