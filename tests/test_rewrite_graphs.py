@@ -789,3 +789,18 @@ def test_a_reshape_before_the_activation_moves_after_the_fused_node():
     assert ops[at][2] == ["hb"] and ops[at + 1] == ("Reshape", ["hb"], ["y2"])
     body = next(f for f in rewritten.functions if f.name == "GemmBiasGeluTanh")
     assert "Reshape" not in {n.op_type for n in body.node} and "Tanh" in {n.op_type for n in body.node}
+
+
+def test_scan_table_prints_model_names_as_text(capsys):
+    """Names come from the model: a node or value named like rich markup ('[/b]') prints as written in every
+    reason table (the epilogue table read it as markup: a stray closing tag raised MarkupError)."""
+    from tuner.scan import _print_table
+
+    model = gelu_intermediate_read_elsewhere().model
+    for node in model.graph.node:
+        if node.name == "Mul:y":
+            node.name = "Mul:y[/b]"
+    result = scan_model(model)
+    assert [s.node for s in result.unfused] == ["Mul:y[/b]"]
+    _print_table(result)
+    assert "Mul:y[/b]" in capsys.readouterr().out

@@ -16,7 +16,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AbstractSet, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import numpy as np
 import onnx
@@ -1063,20 +1063,26 @@ def _print_table(result: ScanResult) -> None:
                  str(len(w.instances)) if w.instances else "-")
         table.add_row(*(Text(c) for c in cells))  # names come from the model: never read as markup
     console.print(table)
-    if result.skipped:
-        skipped = Table(title=f"{len(result.skipped)} nodes left as they are")
-        for col in ("node", "op", "reason"):
-            skipped.add_column(col, overflow="fold")
-        for s in result.skipped:
-            skipped.add_row(Text(s.node), Text(s.op), Text(s.reason))
-        console.print(skipped)
-    if result.unfused:
-        unfused = Table(title=f"{len(result.unfused)} epilogue nodes left unfused")
-        for col in ("node", "op", "reason"):
-            unfused.add_column(col, overflow="fold")
-        for s in result.unfused:
-            unfused.add_row(s.node, s.op, s.reason)
-        console.print(unfused)
+    _print_rows(console, "nodes left as they are", ("node", "op", "reason"),
+                [(s.node, s.op, s.reason) for s in result.skipped])
+    _print_rows(console, "epilogue nodes left unfused", ("node", "op", "reason"),
+                [(s.node, s.op, s.reason) for s in result.unfused])
+
+
+def _print_rows(console: Any, what: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A table titled "<count> <what>" of ``rows`` (nothing when there are none); every cell is plain text:
+    names come from the model and are never read as rich markup."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not rows:
+        return
+    table = Table(title=f"{len(rows)} {what}")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(c) for c in row))
+    console.print(table)
 
 
 def attention_report(path: str | Path) -> dict:
@@ -1124,20 +1130,10 @@ def _print_attention(report: dict) -> None:
                           f["layout"], Text("; ".join(f["transposes_kept"]) or "-"),
                           Text("; ".join(f["pack_notes"]) or "-"))
         console.print(fused)
-    if report["unfused"]:
-        unfused = Table(title=f"{len(report['unfused'])} attention chains left unfused")
-        for col in ("softmax", "reason"):
-            unfused.add_column(col, overflow="fold")
-        for u in report["unfused"]:
-            unfused.add_row(Text(u["softmax"]), Text(u["reason"]))
-        console.print(unfused)
-    if report.get("transposes_not_moved"):
-        kept = Table(title=f"{len(report['transposes_not_moved'])} head-split Transposes not moved to their chain")
-        for col in ("transpose", "reason"):
-            kept.add_column(col, overflow="fold")
-        for k in report["transposes_not_moved"]:
-            kept.add_row(Text(k["transpose"]), Text(k["reason"]))
-        console.print(kept)
+    _print_rows(console, "attention chains left unfused", ("softmax", "reason"),
+                [(u["softmax"], u["reason"]) for u in report["unfused"]])
+    _print_rows(console, "head-split Transposes not moved to their chain", ("transpose", "reason"),
+                [(k["transpose"], k["reason"]) for k in report.get("transposes_not_moved", [])])
 
 
 def scan_command(model: str, dims: Sequence[str], shapes_file: str | None, as_json: bool) -> int:
