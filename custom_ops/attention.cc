@@ -375,8 +375,12 @@ class AttentionKernel {
     if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
     // on both EPs: the kernels' baked-in SCALE (their alpha) must be the scale the CPU path applies
     if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
-    // the kernels read and write the operands in the layouts compiled into them: the node's must be those
-    if (dc_bundle_check_layout(bundle_.get(), static_cast<int>(layout_)) != 0) Throw(dc_last_error());
+    // the kernels read and write the operands in the layouts and head dim compiled into them, index the mask
+    // and treat a fully masked row as compiled: the node's attributes must say the same
+    if (dc_bundle_check_attention(bundle_.get(), static_cast<int>(layout_), head_dim_, mask_rows_ ? 1 : 0,
+                                  nan_to_zero_ ? 1 : 0) != 0) {
+      Throw(dc_last_error());
+    }
     // a causal node's mask is the causal mask (tuner/causal_mask.py): its kernels drop those keys themselves
     // (causal mode) and take no mask, while the CPU path adds the mask as the original graph does
     const bool kernel_mask = has_mask_ && !causal_;
@@ -700,7 +704,7 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   const std::vector<int64_t>& s = plan.mask_strides;  // per axis of [lead..., seq_q, seq_k]
   const int64_t stride_b = plan.lead.empty() ? 0 : s[0];
   const int64_t stride_h = r == 4 ? s[1] : 0;
-  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[r - 2], s[r - 1]};
+  const int64_t values[] = {plan.seq_q, plan.seq_k, heads, z, stride_b, stride_h, s[r - 2], s[r - 1], plan.head_dim};
   for (int64_t x : values) {
     if (x > 0x7fffffff) {
       dietcode::SetError("a size or mask stride past int32 (the attention view's scalars are int32)");
@@ -729,6 +733,7 @@ int dc_attention_view_layout(const int64_t* q, size_t rq, const int64_t* kt, siz
   out->stride_mask_h = static_cast<int32_t>(stride_h);
   out->stride_mask_q = static_cast<int32_t>(s[r - 2]);
   out->stride_mask_k = static_cast<int32_t>(s[r - 1]);
+  out->head_dim = static_cast<int32_t>(plan.head_dim);
   return 1;
 }
 

@@ -129,6 +129,10 @@ struct Kernel {
   bool causal = false;  // attention kernels only: compiled in causal mode (flags bit 1)
   bool residual_first = false;  // kernels taking the residual: added before the activation (flags bit 0)
   bool residual_mul = false;  // ... or multiplied after it (the record's epilogue flags bit 0)
+  // attention kernels only: HEAD_DIM (1..256; 0 for other kernels), and MASK_ROWS (a mask varying along the
+  // queries; only with the mask) and NAN_TO_ZERO (epilogue flags bits 1, 2)
+  uint32_t head_dim = 0;
+  bool mask_rows = false, nan_to_zero = false;
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile
@@ -235,7 +239,8 @@ bool FitsDevice(const Kernel& kernel, int major, int minor, int64_t smem_optin, 
 
 // Why a call does not fit a compiled kernel (dc_kernel_fit's codes; kFitNames in core.cc names them).
 enum Fit : int {
-  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitWorkspace, kFitCount
+  kFits = 0, kFitEmpty, kFitZeroK, kFitBatch, kFitGrid, kFitInt32, kFitDiv16, kFitNegative, kFitWorkspace, kFitHeadDim,
+  kFitCount
 };
 
 // The workspace bytes of one call (dc_kernel_workspace_bytes): the split-K partials and counters (SplitKBytes),

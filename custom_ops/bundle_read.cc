@@ -85,6 +85,17 @@ int dc_bundle_kernel_causal(const dc_bundle* b, int32_t k) {
   return kernel == nullptr ? -1 : kernel->causal ? 1 : 0;
 }
 
+int dc_bundle_kernel_attention(const dc_bundle* b, int32_t k, int32_t* head_dim, int32_t* mask_rows,
+                               int32_t* nan_to_zero) {
+  const dietcode::Kernel* kernel =
+      KernelAt(b, k, "null bundle / arguments or ", head_dim != nullptr && mask_rows != nullptr && nan_to_zero != nullptr);
+  if (kernel == nullptr) return -1;
+  *head_dim = static_cast<int32_t>(kernel->head_dim);
+  *mask_rows = kernel->mask_rows ? 1 : 0;
+  *nan_to_zero = kernel->nan_to_zero ? 1 : 0;
+  return 0;
+}
+
 int dc_bundle_kernel_residual_first(const dc_bundle* b, int32_t k) {
   const dietcode::Kernel* kernel = KernelAt(b, k);
   return kernel == nullptr ? -1 : kernel->residual_first ? 1 : 0;

@@ -20,7 +20,7 @@ constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
 constexpr uint32_t kVersion = 9;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                   // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                   // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
-                                  // flags byte (residual_mul) (docs/bundle.md)
+                                  // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -31,7 +31,10 @@ constexpr uint32_t kFlagTf32 = 4;  // float32 kernels compiled with TF32 dots
 // in one projection; docs/abi.md)
 constexpr uint32_t kFlagLayoutShift = 3, kFlagLayoutMask = 0x1F << kFlagLayoutShift;
 constexpr uint32_t kArchSpecific = 1;
-constexpr uint8_t kEpilogueResidualMul = 1;  // the kernel record's last byte: the residual multiplies (format 9)
+constexpr uint8_t kEpilogueResidualMul = 1;  // the kernel record's epilogue flags: the residual multiplies (format 9)
+constexpr uint8_t kEpilogueMaskRows = 2;  // attention: the mask varies along the queries (MASK_ROWS)
+constexpr uint8_t kEpilogueNanToZero = 4;  // attention: a row with no finite score gives 0 (NAN_TO_ZERO)
+constexpr uint32_t kMaxHeadDim = 256;  // an attention kernel's HEAD_DIM (tuner/attention.py MAX_HEAD_DIM)
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
 constexpr uint32_t kMaxFeatures = 64, kMaxTerms = 8, kMaxInputs = 8, kMaxDim = 8, kMaxName = 256;
@@ -213,7 +216,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
         k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.residual_mul || k.tf32 || k.layout || k.persistent ||
-        !k.ptx_toolchain.empty() ||
+        k.head_dim || k.mask_rows || k.nan_to_zero || !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
@@ -251,6 +254,14 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   }
   if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
+  if (seen[kSeqQ] ? k.head_dim < 1 || k.head_dim > kMaxHeadDim : k.head_dim != 0) {
+    Fail(where + ": head_dim " + std::to_string(k.head_dim) +
+         (seen[kSeqQ] ? " outside 1..256 (an attention kernel's HEAD_DIM)" : ", but only attention kernels have one"));
+  }
+  if ((k.nan_to_zero && !seen[kSeqQ]) || (k.mask_rows && !seen[kMask])) {
+    Fail(where + ": " + (k.mask_rows && !seen[kMask] ? "mask_rows applies to attention kernels taking a mask"
+                                     : "nan_to_zero applies to attention kernels only"));
+  }
   // persistent kernels: gemm and bmm without split-K (a persistent bmm loops over the batch: it takes it)
   if (k.persistent && (k.split_k != 1 || seen[kSeqQ] || seen[kImgH])) {
     Fail(where + ": persistent applies to gemm and bmm kernels with split_k 1 (split_k " + std::to_string(k.split_k) +
@@ -396,10 +407,13 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.ptx_scratch_align = sub.Get<uint32_t>("PTX scratch align");
     CheckScratch(k.ptx_scratch_size, k.ptx_scratch_align, "kernel " + std::to_string(index) + ": PTX");
     const uint8_t epilogue = sub.Get<uint8_t>("epilogue flags");
-    if (epilogue & ~kEpilogueResidualMul) {
+    if (epilogue & ~(kEpilogueResidualMul | kEpilogueMaskRows | kEpilogueNanToZero)) {
       Fail("kernel " + std::to_string(index) + ": epilogue flags " + std::to_string(epilogue) + " invalid");
     }
     k.residual_mul = epilogue & kEpilogueResidualMul;
+    k.mask_rows = epilogue & kEpilogueMaskRows;
+    k.nan_to_zero = epilogue & kEpilogueNanToZero;
+    k.head_dim = sub.Get<uint32_t>("head_dim");
     sub.Done();
     r.Seek(start + record);
     b->kernels.push_back(std::move(k));
@@ -643,7 +657,7 @@ namespace {
 
 constexpr const char* kFitNames[kFitCount] = {
     "fits", "empty output", "K is 0", "batch above grid z", "tiles above grid x", "int32 offsets",
-    "div16 assumption", "negative size", "workspace size"};
+    "div16 assumption", "negative size", "workspace size", "head dim"};
 
 // The div16 assumptions (bit p: param p 16-byte aligned or a multiple of 16) against this call's arguments.
 template <typename Refuse>
@@ -675,6 +689,11 @@ Fit AttentionFit(const Kernel& kernel, const dc_launch_args& a, std::string* why
   if (seq_q == 0 || z == 0) {
     *why = "seq_q=" + std::to_string(seq_q) + " batch=" + std::to_string(z) + ": nothing to launch";
     return kFitEmpty;
+  }
+  if (a.head_dim < 0 || static_cast<uint32_t>(a.head_dim) != kernel.head_dim) {  // its rows are HEAD_DIM long
+    *why = "compiled for head dim " + std::to_string(kernel.head_dim) + ", the call's is " +
+           std::to_string(a.head_dim);
+    return kFitHeadDim;
   }
   if (seq_k == 0) {
     *why = "no keys: the output is zeros";
@@ -1224,18 +1243,33 @@ int dc_bundle_check_scale(const dc_bundle* b, float scale) {
   return 0;
 }
 
-int dc_bundle_check_layout(const dc_bundle* b, int layout) {
-  if (b == nullptr || !dietcode::LayoutValid(layout)) {
-    SetError("dc_bundle_check_layout: null bundle or layout " + std::to_string(layout) + " not a valid bit set "
-             "(0..31, packed only with q, k and v)");
+int dc_bundle_check_attention(const dc_bundle* b, int layout, int64_t head_dim, int mask_rows, int nan_to_zero) {
+  if (b == nullptr || !dietcode::LayoutValid(layout) || head_dim < 0) {
+    SetError("dc_bundle_check_attention: null bundle, layout " + std::to_string(layout) + " not a valid bit set "
+             "(0..31, packed only with q, k and v) or negative head_dim " + std::to_string(head_dim));
     return -1;
   }
   for (size_t k = 0; k < b->kernels.size(); ++k) {
     const dietcode::Kernel& kernel = b->kernels[k];
-    if (kernel.kind == dietcode::kVendor || kernel.layout == layout) continue;
-    SetError("bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled for operand layout " +
-             dietcode::LayoutText(kernel.layout) + ", the node has " + dietcode::LayoutText(layout) +
-             "; optimize the model again");
+    if (kernel.kind == dietcode::kVendor) continue;
+    const std::string which = "bundle kernel " + std::to_string(k) + " ('" + kernel.name + "') was compiled ";
+    std::string what;
+    if (kernel.layout != layout) {
+      what = "for operand layout " + dietcode::LayoutText(kernel.layout) + ", the node has " +
+             dietcode::LayoutText(layout);
+    } else if (head_dim > 0 && kernel.head_dim != head_dim) {
+      what = "for head_dim " + std::to_string(kernel.head_dim) + ", the node's head_dim attribute is " +
+             std::to_string(head_dim);
+    } else if (std::find(kernel.params.begin(), kernel.params.end(), dietcode::kMask) != kernel.params.end() && kernel.mask_rows != (mask_rows != 0)) {
+      what = std::string("with mask_rows=") + (kernel.mask_rows ? "1" : "0") + ", the node has mask_rows=" +
+             (mask_rows ? "1" : "0");
+    } else if (kernel.nan_to_zero != (nan_to_zero != 0)) {
+      what = std::string("with nan_to_zero=") + (kernel.nan_to_zero ? "1" : "0") + ", the node has nan_to_zero=" +
+             (nan_to_zero ? "1" : "0");
+    } else {
+      continue;
+    }
+    SetError(which + what + "; optimize the model again");
     return -1;
   }
   return 0;

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul)
+#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -36,6 +36,8 @@ typedef struct dc_launch_args {
   int32_t seq_q, seq_k, heads, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k;
   uint64_t workspace, workspace_bytes;
   int32_t sm_count;
+  // attention: the call's head dim d (the view functions set it), which must be the kernel's HEAD_DIM
+  int32_t head_dim;
 } dc_launch_args;
 
 int dc_abi_version(void);
@@ -128,9 +130,18 @@ int dc_kernel_grid(const dc_bundle* bundle, int32_t k, const dc_launch_args* arg
 // out-of-range kernel id.
 int dc_bundle_kernel_layout(const dc_bundle* bundle, int32_t k);
 
-// Whether every compiled kernel was compiled for the node's operand layouts `layout` (its `layout`
-// attribute). 0 if so, -1 with a message naming the first kernel and both layouts.
-int dc_bundle_check_layout(const dc_bundle* bundle, int layout);
+// Whether every compiled kernel was compiled for an Attention node's attributes: its operand layouts `layout`
+// (the `layout` attribute), its `head_dim` (when > 0; 0: not checked), and its `mask_rows` (for kernels taking
+// the mask) and `nan_to_zero` (0 or 1). 0 if so, -1 with a message naming the first kernel that differs and
+// both values.
+int dc_bundle_check_attention(const dc_bundle* bundle, int layout, int64_t head_dim, int mask_rows, int nan_to_zero);
+
+// Kernel k's attention facts (the kernel record's head_dim and epilogue flags bits 1, 2): its HEAD_DIM (1..256,
+// the length of the rows it reads and writes; 0 for other kernels), MASK_ROWS (1: the mask varies along the
+// queries; only on kernels taking the mask) and NAN_TO_ZERO (0 or 1). 0 on success; -1 with a message for a
+// bad id or a null pointer.
+int dc_bundle_kernel_attention(const dc_bundle* bundle, int32_t k, int32_t* head_dim, int32_t* mask_rows,
+                               int32_t* nan_to_zero);
 
 // The highest input index any feature reads (-1 when there are no features): the node must have more inputs.
 int dc_bundle_max_feature_input(const dc_bundle* bundle);
@@ -166,7 +177,8 @@ int dc_kernel_accepts(const dc_bundle* bundle, int32_t k, const dc_launch_args* 
 
 // The same decision as a code: 0 fits, else the first reason it does not (message in dc_last_error):
 // 1 empty output, 2 K is 0, 3 batch above grid z, 4 tiles above grid x, 5 int32 offsets, 6 div16
-// assumption, 7 negative size, 8 workspace size (a split-K call whose workspace would not fit int64 bytes).
+// assumption, 7 negative size, 8 workspace size (a split-K call whose workspace would not fit int64 bytes),
+// 9 head dim (an attention call whose args->head_dim is not the kernel's HEAD_DIM: its rows are that long).
 // -1 on error. dc_fit_name names a code (NULL past the end).
 int dc_kernel_fit(const dc_bundle* bundle, int32_t k, const dc_launch_args* args);
 const char* dc_fit_name(int fit);

@@ -32,7 +32,8 @@ MAGIC = b"DCBUNDLE"
 # after trans_b (was reserved, 0) is the programs per SM of a persistent kernel (0: one program per tile), and
 # kernel flags bit 7 is the packed QKV attention layout; 8: kernel flags bit 0 (format 5's zero_output) is
 # residual_first, and conv kernels may take the residual (param 15); 9: activations 3 gelu_tanh, 4 silu,
-# 5 relu6, and the kernel record's last byte, the epilogue flags (bit 0 residual_mul: the residual multiplies)
+# 5 relu6, and after the PTX scratch the epilogue flags (bit 0 residual_mul: the residual multiplies; bits 1, 2
+# an attention kernel's mask_rows, nan_to_zero) and a u32 head_dim ending the kernel record
 VERSION = 9
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
@@ -76,6 +77,12 @@ FLAG_LAYOUT_SHIFT = 3
 # the kernel record's last byte (format 9), the epilogue flags: bit 0 a kernel taking the residual that multiplies
 # by it (RESIDUAL_MUL: act(alpha * acc + bias) * residual); clear: the residual is added
 EPILOGUE_RESIDUAL_MUL = 1
+# bits 1, 2 of the epilogue flags: an attention kernel's MASK_ROWS (the mask varies along the queries; only on a
+# kernel taking the mask) and NAN_TO_ZERO (a row with no finite score gives 0). The record ends with a u32, an
+# attention kernel's HEAD_DIM (0 for other kernels).
+EPILOGUE_MASK_ROWS = 2
+EPILOGUE_NAN_TO_ZERO = 4
+MAX_HEAD_DIM = 256  # tuner/attention.py's MAX_HEAD_DIM
 LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD", "QKV_PACKED")  # bit 0..4 of ``layout``
 _PACKED_QKV = 0b10111  # packed (bit 4) comes with Q, K and V (bits 0..2)
 ARCH_FLAG_SPECIFIC = 1  # the 'a' suffix: sm_90a runs on compute capability 9.0 only
@@ -177,6 +184,11 @@ class BundleKernel:
     # kernels taking the residual: compiled with RESIDUAL_MUL, act(alpha * acc + bias) * residual (LLaMA's SwiGLU
     # gate; a node whose op type ends in Mul, MatMulSiluMul); record's epilogue flags bit 0
     residual_mul: bool = False
+    # attention kernels only: HEAD_DIM (the length of the rows read and written; 0 for other kernels), MASK_ROWS
+    # and NAN_TO_ZERO (the Attention node's head_dim, mask_rows and nan_to_zero attributes must say the same)
+    head_dim: int = 0
+    mask_rows: bool = False
+    nan_to_zero: bool = False
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
@@ -279,6 +291,9 @@ class BundleKernel:
                    block_m=int(first.block_m),
                    block_n=int(first.block_n), split_k=int(first.split_k),
                    causal=bool(dict(getattr(first, "constants", ())).get("CAUSAL", False)),
+                   head_dim=int(dict(getattr(first, "constants", ())).get("HEAD_DIM", 0)),
+                   mask_rows=bool(dict(getattr(first, "constants", ())).get("MASK_ROWS", False)),
+                   nan_to_zero=bool(dict(getattr(first, "constants", ())).get("NAN_TO_ZERO", False)),
                    persistent=int(getattr(getattr(first, "config", None), "persistent", 0)),
                    layout=sum(1 << i for i, name in enumerate(LAYOUT_CONSTEXPRS)
                               if dict(getattr(first, "constants", ())).get(name, False)),
@@ -295,7 +310,8 @@ class BundleKernel:
         if self.kind == "vendor":
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
-                    or self.residual_first or self.residual_mul or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
+                    or self.residual_first or self.residual_mul or self.head_dim or self.mask_rows or self.nan_to_zero
+                    or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
                 raise _fail(f"{where}: a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts")
@@ -316,6 +332,16 @@ class BundleKernel:
             raise _fail(f"{where}: a persistent bmm kernel takes the 'batch' param (it loops over the batch)")
         if self.causal and "seq_q" not in self.params:
             raise _fail(f"{where}: causal applies to attention kernels only")
+        attention_kernel = "seq_q" in self.params
+        if (not isinstance(self.head_dim, int)
+                or not (1 <= self.head_dim <= MAX_HEAD_DIM if attention_kernel else self.head_dim == 0)):
+            raise _fail(f"{where}: head_dim {self.head_dim!r} "
+                        + (f"outside 1..{MAX_HEAD_DIM} (an attention kernel's HEAD_DIM)" if attention_kernel
+                           else ", but only attention kernels have one"))
+        if self.mask_rows and "mask" not in self.params:
+            raise _fail(f"{where}: mask_rows applies to attention kernels taking a mask")
+        if self.nan_to_zero and not attention_kernel:
+            raise _fail(f"{where}: nan_to_zero applies to attention kernels only")
         if self.tf32 and self.dtype != "float32":
             raise _fail(f"{where}: tf32 applies to float32 kernels only, not {self.dtype}")
         if not isinstance(self.layout, int) or not 0 <= self.layout < 1 << len(LAYOUT_CONSTEXPRS):
@@ -789,7 +815,9 @@ class Bundle:
                 body += (struct.pack("<III", cc, flags, shared) + struct.pack("<II", *scratch) + chain.encode()
                          + struct.pack("<Q", len(image)) + image)
             body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode() + struct.pack("<II", *k.ptx_scratch)
-            body += struct.pack("<B", EPILOGUE_RESIDUAL_MUL if k.residual_mul else 0)
+            body += struct.pack("<BI", (EPILOGUE_RESIDUAL_MUL if k.residual_mul else 0)
+                                | (EPILOGUE_MASK_ROWS if k.mask_rows else 0)
+                                | (EPILOGUE_NAN_TO_ZERO if k.nan_to_zero else 0), k.head_dim)
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 

@@ -202,7 +202,8 @@ class LaunchArgs(ctypes.Structure):
         (n, ctypes.c_uint64) for n in ("q", "k", "v", "mask", "out")] + [
         (n, ctypes.c_int32) for n in ("seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
                                       "stride_mask_k")] + [
-        (n, ctypes.c_uint64) for n in ("workspace", "workspace_bytes")] + [("sm_count", ctypes.c_int32)]
+        (n, ctypes.c_uint64) for n in ("workspace", "workspace_bytes")] + [("sm_count", ctypes.c_int32),
+                                                                          ("head_dim", ctypes.c_int32)]
 
 
 class KernelMeta(ctypes.Structure):
@@ -338,7 +339,7 @@ class Core:
                                           ctypes.POINTER(LaunchArgs)]
         lib.dc_attention_view_layout.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, sz, ctypes.c_int64,
                                                  ctypes.c_int, i64p, ctypes.POINTER(LaunchArgs)]
-        lib.dc_bundle_check_layout.argtypes = [vp, ctypes.c_int]
+        lib.dc_bundle_check_attention.argtypes = [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         _bind_reading(lib)
         _bind_vendor(lib)
         self.lib = lib
@@ -556,6 +557,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_persistent.restype = i32
     lib.dc_bundle_kernel_residual_first.argtypes = [vp, i32]
     lib.dc_bundle_kernel_residual_first.restype = i32
+    lib.dc_bundle_kernel_attention.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(i32)]
+    lib.dc_bundle_kernel_attention.restype = i32
     lib.dc_bundle_kernel_residual_mul.argtypes = [vp, i32]
     lib.dc_bundle_kernel_residual_mul.restype = i32
 
@@ -680,13 +683,18 @@ class CoreBundle:
         residual_first, residual_mul = lib.dc_bundle_kernel_residual_first(h, k), lib.dc_bundle_kernel_residual_mul(h, k)
         if causal < 0 or tf32 < 0 or layout < 0 or persistent < 0 or residual_first < 0 or residual_mul < 0:
             raise DietcodeError(self.core.error())
+        head_dim, mask_rows, nan_to_zero = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+        if lib.dc_bundle_kernel_attention(h, k, ctypes.byref(head_dim), ctypes.byref(mask_rows),
+                                          ctypes.byref(nan_to_zero)):
+            raise DietcodeError(self.core.error())
         return fmt.BundleKernel(
             name=name.decode(), kind="vendor" if self.is_vendor(k) else "triton", images=tuple(images), image_shared=tuple(image_shared),
             ptx=ctypes.string_at(ptx, ptx_size.value).decode(), params=tuple(fmt.PARAM_NAMES[p] for p in
                                                                              meta.params[:meta.n_params]),
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
             split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout, persistent=persistent,
-            residual_first=bool(residual_first), residual_mul=bool(residual_mul),
+            residual_first=bool(residual_first), residual_mul=bool(residual_mul), head_dim=head_dim.value,
+            mask_rows=bool(mask_rows.value), nan_to_zero=bool(nan_to_zero.value),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
@@ -753,10 +761,12 @@ class CoreBundle:
         if self.core.lib.dc_bundle_check_scale(self.handle, scale):
             raise DietcodeError(self.core.error())
 
-    def check_layout(self, layout: int) -> None:
-        """Whether every compiled kernel was compiled for a node's operand ``layout`` (what both EPs check at
-        session creation); DietcodeError naming the first kernel that differs and both layouts."""
-        if self.core.lib.dc_bundle_check_layout(self.handle, layout):
+    def check_attention(self, layout: int, head_dim: int = 0, mask_rows: bool = True,
+                        nan_to_zero: bool = False) -> None:
+        """Whether every compiled kernel was compiled for an Attention node's operand ``layout``, ``head_dim``
+        (when > 0), ``mask_rows`` (kernels taking the mask) and ``nan_to_zero`` (what both EPs check at session
+        creation); DietcodeError naming the first kernel that differs and both values."""
+        if self.core.lib.dc_bundle_check_attention(self.handle, layout, head_dim, int(mask_rows), int(nan_to_zero)):
             raise DietcodeError(self.core.error())
 
     def accepts(self, k: int, args: LaunchArgs) -> tuple[bool, str]:

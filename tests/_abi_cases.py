@@ -146,10 +146,12 @@ def run_attention_case(case: AttentionAbiCase) -> dict[str, Any]:
     out = torch.full((b, tq, h, d) if case.layout & 8 else (b, h, tq, d), float("nan"))
     config = AttentionConfig(*case.config)
     params = tuple(p for p in templates.ATTENTION_PARAMS if p != "mask" or mask is not None)
+    mask_rows = mask is not None and args.stride_mask_q != 0
     kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=params, block_m=config.block_m,
-                          block_n=config.block_n, layout=case.layout)
+                          block_n=config.block_n, layout=case.layout, head_dim=d, mask_rows=mask_rows)
     bundle = core.parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
-    bundle.check_layout(case.layout)
+    bundle.check_attention(case.layout, d, mask_rows=mask_rows)
+    assert args.head_dim == d
     fit, why = bundle.fit(0, args)
     assert fit == "fits", why
     pointers = {**given, "mask": mask.contiguous() if mask is not None else None, "out": out}

@@ -310,6 +310,10 @@ def main() -> int:
     except Exception as exc:  # reported to the parent
         out["eager"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
+        out["head_dim"] = head_dim_refused(core, fake, folder, stream)
+    except Exception as exc:  # reported to the parent
+        out["head_dim"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
         out["vendor_epilogue"] = vendor_epilogue(core, fake, stream)
     except Exception as exc:  # reported to the parent
         out["vendor_epilogue"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -321,6 +325,30 @@ def main() -> int:
             out[name]["interpreted"] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out))
     return 0
+
+
+def head_dim_refused(core: Any, fake: ctypes.CDLL, folder: Path, stream: int) -> dict[str, Any]:
+    """The attention case's kernel (HEAD_DIM 16) given a call of head dim 8 (what a node without the head_dim
+    attribute sees from shapes of another head dim): the launcher refuses it before the driver launches
+    anything. Returns the driver log of the attempt, the launcher's error and the call's head dim."""
+    from dataclasses import replace
+
+    from dietcode_ort.errors import DietcodeError
+
+    case = next(c for c in CASES if c.op == "attention")
+    half = replace(case, shapes={"q": (2, 3, 17, 8), "kt": (2, 3, 8, 17), "v": (2, 3, 17, 8), "mask": (2, 1, 1, 17)})
+    bundle = core.parse((folder / f"{case.name}.bundle").read_bytes())
+    args, bufs = _bound_args(core, half, np.random.default_rng(0))
+    fake.fake_cuda_log_clear()
+    error = ""
+    try:
+        bundle.launch(0, args, stream)
+    except DietcodeError as exc:
+        error = str(exc)
+    result = {"events": _events(fake), "error": error, "call_head_dim": args.head_dim,
+              "out_untouched": bool(np.isnan(bufs["out"]).all())}
+    del bundle
+    return result
 
 
 def contexts(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:

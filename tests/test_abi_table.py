@@ -48,7 +48,7 @@ def test_the_div16_mask_cannot_name_attention_params() -> None:
 
     assert min(PARAM_NAMES.index(p) for p in templates.ATTENTION_PARAMS) >= 16
     kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=templates.ATTENTION_PARAMS,
-                          div16=("q",))
+                          div16=("q",), head_dim=64)
     with pytest.raises(DietcodeError, match="16 bits"):
         kernel.validate(0)
     with pytest.raises(DietcodeError, match="16-bit div16 mask"):
@@ -77,11 +77,11 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     fields = [name for name, _ in LaunchArgs._fields_]
     # dc_launch_args: the pointers before the attention view's, the output's byte size, the int params in enum
     # order; then the attention view's pointers and ints, each in enum order; then the split-K workspace and
-    # its size in bytes
+    # its size in bytes, the SM count and the attention call's head dim
     first, attention, last = core_names[:16], core_names[16:28], core_names[28:]
     assert fields == ([p for p in first if p in POINTERS] + ["c_bytes"] + [p for p in first if p not in POINTERS]
                       + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS]
-                      + list(last) + ["workspace_bytes", "sm_count"])
+                      + list(last) + ["workspace_bytes", "sm_count", "head_dim"])
     for name, ctype in LaunchArgs._fields_:
         assert ctype is (ctypes.c_uint64 if name in POINTERS or name in ("c_bytes", "workspace_bytes")
                          else ctypes.c_int32), name
@@ -90,7 +90,8 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # accessor; 8 the device's SM count for persistent grids, last, and the packed QKV attention layout; 9 the
     # residual before the activation: dc_bundle_kernel_residual_first and dc_epilogue.residual_first; 10 the
     # activations 3 gelu_tanh, 4 silu, 5 relu6 in dc_epilogue, the vendor plans and dc_bundle_check_node, and the
-    # residual multiplied after the activation: dc_bundle_kernel_residual_mul and dc_epilogue.residual_mul)
+    # residual multiplied after the activation: dc_bundle_kernel_residual_mul and dc_epilogue.residual_mul, and an
+    # attention call's head dim, last, checked against the kernel's HEAD_DIM)
     assert load_core().lib.dc_abi_version() == 10
 
 

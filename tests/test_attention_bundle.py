@@ -261,10 +261,34 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
     with pytest.raises(DietcodeError, match="another element type"):
         attention.check_node("float16", "Attention")
     # the kernels were compiled for the node's layouts (Q, K, V and out as [B, S, H, d]); any other is refused
-    attention.check_layout(31)
+    attrs = {a.name: onnx.helper.get_attribute_value(a)
+             for a in next(n for n in model.graph.node if n.op_type == "Attention").attribute}
+    head_dim, mask_rows, nan_to_zero = attrs["head_dim"], bool(attrs.get("mask_rows", 1)), bool(attrs.get("nan_to_zero", 0))
+    attention.check_attention(31, head_dim, mask_rows, nan_to_zero)
+    assert {(k.head_dim, k.mask_rows, k.nan_to_zero) for k in attention.decode().kernels} == {(head_dim, mask_rows,
+                                                                                              nan_to_zero)}
     with pytest.raises(DietcodeError, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD,packed, "
                                             r"the node has q=BSHD,k=BSHD,v=BSHD,out=BSHD; optimize the model again"):
-        attention.check_layout(15)
+        attention.check_attention(15, head_dim, mask_rows, nan_to_zero)
+
+    # a node whose head_dim, mask_rows or nan_to_zero attribute is not what its kernels were compiled with is
+    # refused at session creation (the kernels would index its operands and mask as compiled)
+    def set_attr(name: str, value: int):
+        def edit(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
+            keep = [a for a in node.attribute if a.name != name]
+            del node.attribute[:]
+            node.attribute.extend(keep + [onnx.helper.make_attribute(name, value)])
+        return edit
+
+    for name, value, message in (
+            ("head_dim", head_dim + 1, f"compiled for head_dim {head_dim}, the node's head_dim attribute is "
+                                       f"{head_dim + 1}"),
+            ("mask_rows", int(not mask_rows), f"compiled with mask_rows={int(mask_rows)}, the node has "
+                                              f"mask_rows={int(not mask_rows)}"),
+            ("nan_to_zero", int(not nan_to_zero), f"compiled with nan_to_zero={int(nan_to_zero)}, the node has "
+                                                  f"nan_to_zero={int(not nan_to_zero)}")):
+        with pytest.raises(Exception, match=r"bundle kernel \d+ \('attention_kernel[^']*'\) was " + message):
+            _session(_with_node(model, "Attention", set_attr(name, value)))
 
     def relayout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         next(a for a in node.attribute if a.name == "layout").i = 0
@@ -600,24 +624,25 @@ def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_atte
     ptx = ".version 8.0\n.target sm_80\n"
     for layout in (0, 1, 6, 15, 23, 31):
         kernel = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16,
-                              layout=layout)
+                              layout=layout, head_dim=64)
         payload = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
         parsed = core.parse(payload)
         assert parsed.decode().kernels[0].layout == layout
-        parsed.check_layout(layout)
+        parsed.check_attention(layout, mask_rows=False)
         with pytest.raises(DietcodeError, match="compiled for operand layout"):
-            parsed.check_layout(layout ^ 8)
+            parsed.check_attention(layout ^ 8, mask_rows=False)
     gemm = BundleKernel(name="g", ptx=ptx, params=templates.ABI_PARAMS["gemm"][:7], block_m=16, block_n=16, layout=2)
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         Bundle((), (gemm,), DispatchTree.single(0)).validate()
     with pytest.raises(DietcodeError, match="layout 32 is not a bit set"):
-        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=32).validate(0)
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=32, head_dim=64).validate(0)
     with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):
-        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16).validate(0)
+        BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, layout=16, head_dim=64).validate(0)
     # the same kernels written past the Python checks: the C reader refuses them too
     with pytest.raises(DietcodeError, match="operand layouts apply to attention kernels only"):
         core.parse(Bundle((), (gemm,), DispatchTree.single(0)).to_bytes(validate=False))
-    bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16)
+    bad = BundleKernel(name="k", ptx=ptx, params=templates.ATTENTION_PARAMS, block_m=16, block_n=16, layout=16,
+                       head_dim=64)
     with pytest.raises(DietcodeError, match="layout 16 is packed without Q, K and V"):  # flags bit 7 without 3..5
         core.parse(Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False))
 

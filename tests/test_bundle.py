@@ -597,7 +597,7 @@ def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(
 
 
 def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -> None:
-    """The kernel record's last byte, the epilogue flags (bit 0), marks a kernel multiplying the activation's
+    """The kernel record's epilogue flags (bit 0) mark a kernel multiplying the activation's
     result by its residual (LLaMA's SwiGLU gate). It round trips on a gemm or conv kernel taking the residual
     with an activation; a kernel without either, one adding the residual first, a vendor kernel and unknown
     bits are refused by the reader or the writer."""
@@ -617,21 +617,21 @@ def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -
     assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 0) == 0
     assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 1) == -1
 
-    def with_last_byte(kernel: BundleKernel, value: int) -> bytes:
+    def with_epilogue_flags(kernel: BundleKernel, value: int) -> bytes:
         data = bytearray(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
         _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
         (record,) = struct.unpack_from("<I", data, k_off + 4)  # after the kernel count
-        at = k_off + 4 + record - 1
+        at = k_off + 4 + record - 5  # the epilogue flags, before the u32 head_dim ending the record
         assert data[at] == 0
         data[at] = value
         return bytes(data)
 
-    _refused(core, with_last_byte(_kernel("k", activation="relu"), 1),
+    _refused(core, with_epilogue_flags(_kernel("k", activation="relu"), 1),
              "residual_mul multiplies an activation's result by a residual, and the kernel takes no residual")
-    _refused(core, with_last_byte(_kernel("k", **gemm), 1), "and the kernel takes no activation")  # type: ignore[arg-type]
-    _refused(core, with_last_byte(_kernel("k", residual_first=True, activation="relu", **gemm), 1),  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", **gemm), 1), "and the kernel takes no activation")  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", residual_first=True, activation="relu", **gemm), 1),  # type: ignore[arg-type]
              "and the kernel takes it before the activation")
-    _refused(core, with_last_byte(_kernel("k", activation="silu", **gemm), 2), "epilogue flags 2 invalid")  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 8), "epilogue flags 8 invalid")  # type: ignore[arg-type]
     for bad, why in ((_kernel("k", residual_mul=True, **gemm), "takes no activation"),  # type: ignore[arg-type]
                      (_kernel("k", residual_mul=True, activation="silu"), "takes no residual"),
                      (_kernel("k", residual_mul=True, residual_first=True, activation="silu", **gemm),  # type: ignore[arg-type]
@@ -697,13 +697,56 @@ def test_causal_flag_round_trips_on_attention_kernels_only(core) -> None:
     attribute is checked against); a GEMM or vendor kernel carrying it is refused by both readers."""
     attention = ("q", "k", "v", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                  "stride_mask_q", "stride_mask_k")
-    kernels = (_kernel("causal", params=attention, div16=(), causal=True), _kernel("plain", params=attention, div16=()))
+    kernels = (_kernel("causal", params=attention, div16=(), causal=True, head_dim=64),
+               _kernel("plain", params=attention, div16=(), head_dim=64))
     bundle = Bundle((Feature("seq_q", ((0, -2),)),), kernels, DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1),
                                                                            (2, -1, -1), (-1, 0, 1)))
     back = read_bundle(bundle.to_bytes())
     assert [k.causal for k in back.kernels] == [True, False] and back == bundle
     for bad, pattern in ((_kernel("gemm", causal=True), "causal applies to attention kernels only"),
                          (BundleKernel(name="vendor", kind="vendor", causal=True), "a vendor kernel carries no")):
+        with pytest.raises(DietcodeError, match=pattern):
+            Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
+        _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)
+
+
+def test_attention_head_dim_mask_rows_and_nan_to_zero_round_trip_and_are_checked(core) -> None:
+    """The u32 ending the kernel record is an attention kernel's HEAD_DIM, epilogue flags bits 1 and 2 its
+    MASK_ROWS and NAN_TO_ZERO: they round trip through both readers, other kernels carry none, and
+    ``dc_bundle_check_attention`` refuses a node whose head_dim (when > 0), mask_rows or nan_to_zero differs."""
+    masked = ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
+              "stride_mask_q", "stride_mask_k")
+    plain = tuple(p for p in masked if p != "mask")
+    kernels = (_kernel("m", params=masked, div16=(), head_dim=80, mask_rows=True, nan_to_zero=True),
+               _kernel("m2", params=masked, div16=(), head_dim=80, mask_rows=True, nan_to_zero=True, block_n=32))
+    one_row = _kernel("one_row", params=masked, div16=(), head_dim=80, nan_to_zero=True)
+    bundle = Bundle((Feature("seq_q", ((0, -2),)),), kernels, DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1),
+                                                                           (2, -1, -1), (-1, 0, 1)))
+    assert read_bundle(bundle.to_bytes()) == bundle
+    parsed = core.parse(bundle.to_bytes())
+    assert parsed.decode() == bundle
+    parsed.check_attention(0, 80, mask_rows=True, nan_to_zero=True)
+    parsed.check_attention(0, 0, mask_rows=True, nan_to_zero=True)  # head_dim 0: not checked
+    with pytest.raises(DietcodeError, match=r"kernel 0 \('m'\) was compiled for head_dim 80, the node's head_dim "
+                                            "attribute is 64"):
+        parsed.check_attention(0, 64, mask_rows=True, nan_to_zero=True)
+    with pytest.raises(DietcodeError, match=r"kernel 0 \('one_row'\) was compiled with mask_rows=0, the node has "
+                                            "mask_rows=1"):
+        core.parse(Bundle((), (one_row,), DispatchTree.single(0)).to_bytes()).check_attention(0, 80, True, True)
+    with pytest.raises(DietcodeError, match="compiled with mask_rows=1, the node has mask_rows=0"):
+        parsed.check_attention(0, 80, mask_rows=False, nan_to_zero=True)
+    with pytest.raises(DietcodeError, match="compiled with nan_to_zero=1, the node has nan_to_zero=0"):
+        parsed.check_attention(0, 80, mask_rows=True, nan_to_zero=False)
+    # a kernel without the mask: mask_rows is not compared (the node's attribute defaults to 1)
+    core.parse(Bundle((), (_kernel("p", params=plain, div16=(), head_dim=32),), DispatchTree.single(0))
+               .to_bytes()).check_attention(0, 32, mask_rows=True)
+    for bad, pattern in ((_kernel("a", params=plain, div16=()), "head_dim 0 outside 1..256"),
+                         (_kernel("a", params=plain, div16=(), head_dim=257), "head_dim 257 outside 1..256"),
+                         (_kernel("g", head_dim=64), "only attention kernels have one"),
+                         (_kernel("a", params=plain, div16=(), head_dim=64, mask_rows=True),
+                          "mask_rows applies to attention kernels taking a mask"),
+                         (_kernel("g", nan_to_zero=True), "nan_to_zero applies to attention kernels only"),
+                         (replace(BundleKernel.vendor(), head_dim=64), "a vendor kernel carries no")):
         with pytest.raises(DietcodeError, match=pattern):
             Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
         _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)

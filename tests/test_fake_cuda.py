@@ -375,3 +375,16 @@ def test_gpu_timer_runs_on_drivers_the_bundles_target(driver: int, bundles: Path
     assert {e["stream"] for e in timed} == {got["stream"]}
     assert decode_params(launch)[:4] == [got["pointers"][p] for p in ("a", "b", "bias", "out")]
     assert len(_of(events, "event_destroy")) == 6
+
+
+def test_an_attention_call_of_another_head_dim_is_refused_before_the_launch(launched: dict[str, Any],
+                                                                            bundled: dict[str, Any]) -> None:
+    """The attention kernel's rows are HEAD_DIM long (the kernel record's head_dim): a call whose head dim is
+    another (8 for a kernel of 16) is refused by the launcher, naming the kernel and both values, and the driver
+    launches nothing."""
+    got = launched["head_dim"]
+    assert got.get("call_head_dim") == 8, got.get("error")
+    assert bundled["attention_mask"].head_dim == 16
+    assert re.search(r"kernel 'attention_kernel[^']*': head dim: compiled for head dim 16, the call's is 8",
+                     got["error"]), got["error"]
+    assert not _of(got["events"], "launch") and got["out_untouched"]

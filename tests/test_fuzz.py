@@ -47,7 +47,7 @@ def _seeds() -> list[bytes]:
 
     out.append(Bundle((), (_kernel("r", params=("a", "b", "c", "M", "N", "K", "residual"), div16=("a", "residual")),),
                       DispatchTree.single(0)).to_bytes())
-    out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64),),
+    out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64, head_dim=64, mask_rows=True),),
                       DispatchTree.single(0)).to_bytes())
     # persistent kernels (the record's programs-per-SM byte): a gemm, and a TMA bmm, which takes the batch
     bmm = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")
@@ -56,7 +56,7 @@ def _seeds() -> list[bytes]:
                                                             image_scratch=((256, 128), (0, 1)))),
                       DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     # an attention kernel in the packed QKV layout (flags bits 3..7 all set): mutants flip the layout bits
-    out.append(Bundle((), (_kernel("attp", params=ATTENTION_PARAMS, div16=(), block_n=64, layout=31),),
+    out.append(Bundle((), (_kernel("attp", params=ATTENTION_PARAMS, div16=(), block_n=64, layout=31, head_dim=64, nan_to_zero=True),),
                       DispatchTree.single(0)).to_bytes())
     # a conv kernel taking the residual (15) before its Relu (flags bit 0, format 8), next to a gemm one adding
     # it after: mutants flip the flag onto kernels without a residual or an activation

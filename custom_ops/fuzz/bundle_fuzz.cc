@@ -66,8 +66,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (dc_bundle_kernel_causal(b, k) < 0 || dc_bundle_kernel_tf32(b, k) < 0) __builtin_trap();
     const int persistent = dc_bundle_kernel_persistent(b, k);  // programs per SM: the parser allows 0..8
     if (persistent < 0 || persistent > 8) __builtin_trap();
+    int32_t head_dim = -1, mask_rows = -1, nan_to_zero = -1;  // the parser allows HEAD_DIM 0..256, flags 0 / 1
+    if (dc_bundle_kernel_attention(b, k, &head_dim, &mask_rows, &nan_to_zero) != 0 || head_dim < 0 ||
+        head_dim > 256 || (mask_rows | nan_to_zero) & ~1) {
+      __builtin_trap();
+    }
+    dc_bundle_check_attention(b, dc_bundle_kernel_layout(b, k), head_dim, mask_rows, nan_to_zero);  // must not crash
     if (dc_bundle_kernel_is_vendor(b, k) == 0) {  // the grid rule stays within the call's tiles
       dc_launch_args args{};
+      args.head_dim = head_dim;
       args.M = 300, args.N = 200, args.K = 64, args.batch = 3, args.stride_a_batch = 300 * 64;
       args.seq_q = 300, args.seq_k = 200, args.heads = 3, args.img_n = 1, args.img_h = 20, args.img_w = 15;
       args.out_h = 20, args.out_w = 15;
