@@ -365,6 +365,15 @@ def test_rerun_onto_external_data_replaces_it(work, capsys, monkeypatch):
     assert data.stat().st_size == first  # replaced, not appended to
     onnx.checker.check_model(str(out), full_check=False)
     assert not [p for p in work.iterdir() if p.name.startswith(".ext.opt.onnx.tmp")]
+    # a rerun whose output keeps its weights inline removes the data file of the output it replaces, and
+    # leaves alone a file of that name that the replaced output did not use
+    monkeypatch.setattr(rewrite, "_TWO_GB", 2 ** 31)
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0
+    assert not data.exists()
+    data.write_bytes(b"someone else's")
+    assert main(_optimize_args(work, work / "tiny.onnx", out)) == 0
+    assert data.read_bytes() == b"someone else's"
+    onnx.checker.check_model(str(out), full_check=False)
 
 
 # --- databases ----------------------------------------------------------------------------------------

@@ -496,7 +496,8 @@ def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | 
     loaded without its external data) are read from; their bytes are streamed into the output's own data
     file, so the output never depends on the input's files (tuner.model_file). Everything is written into
     a fresh temporary folder beside ``path`` first, so an existing ``NAME.data`` is replaced, never
-    appended to, and a run killed half-way leaves the old files intact. The model is not modified."""
+    appended to (or removed, when the output it belonged to is replaced by one without external data), and a
+    run killed half-way leaves the old files intact. The model is not modified."""
     import shutil
     import tempfile
 
@@ -507,8 +508,14 @@ def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | 
         tmp = tmp_dir / path.name
         data = path.with_name(path.name + ".data")
         source = None if base_dir is None else Path(base_dir)
+        # the data file of the output this one replaces: stale once the new model has none of its own
+        from tuner.optimize import _external_files
+
+        old_data = path.is_file() and data.is_file() and data.resolve() in _external_files(path)
         if write_model(model, tmp, tmp_dir / data.name, source, _TWO_GB):
             os.replace(tmp_dir / data.name, data)
+        elif old_data:
+            data.unlink()
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
