@@ -441,23 +441,14 @@ def _match_gelu(g: _Graph, x: str) -> tuple[list[onnx.NodeProto], list[str]] | N
     erf = _consumer(g, scale.output[0], "Erf")
     add = erf and _consumer(g, erf.output[0], "Add")
     one = _const_input(g, add, erf.output[0], 1.0, ("Add",)) if erf else None
-    if add is None or one is None:
+    if erf is None or add is None or one is None:
         return None
     consts.append(one)
-    for other in g.consumers.get(x, []):
-        if other is scale or other.op_type != "Mul":
-            continue
-        half = _const_input(g, other, x, 0.5, ("Mul",))
-        if half is not None:  # Mul(x, 0.5) -> Mul(., 1+erf)
-            last = _consumer(g, other.output[0], "Mul")
-            if last is not None and erf is not None and _other_input(last, other.output[0]) == add.output[0]:
-                return [scale, erf, add, other, last], consts + [half]
-        elif _other_input(other, x) == add.output[0]:  # Mul(x, 1+erf) -> Mul(., 0.5)
-            last = _consumer(g, other.output[0], "Mul")
-            half = _const_input(g, last, other.output[0], 0.5, ("Mul",)) if last is not None else None
-            if last is not None and erf is not None and half is not None:
-                return [scale, erf, add, other, last], consts + [half]
-    return None
+    half = _half_product(g, x, add.output[0], skip=scale)  # Mul(x, 0.5) -> Mul(., 1+erf) or the other order
+    if half is None:
+        return None
+    first, last, c_half = half
+    return [scale, erf, add, first, last], consts + [c_half]
 
 
 def _half_product(g: _Graph, x: str, factor: str, skip: onnx.NodeProto | None = None
