@@ -149,7 +149,7 @@ def find_config() -> BuildConfig:
         raise DietcodeError(f"no custom-op library: this installation has no prebuilt one "
                             f"({PACKAGED_DIR / _PACKAGED_NAME} is missing) and no sources to build one from ({src} "
                             "is not a source checkout's custom_ops/): install the dietcode-ort platform wheel "
-                            "(README, Deploying), set DIETCODE_ORT_LIBRARY to a built libdietcode_ort.so, or run "
+                            "(docs/deploying.md), set DIETCODE_ORT_LIBRARY to a built libdietcode_ort.so, or run "
                             "from a source checkout")
     compiler, version = _find_compiler()
     return BuildConfig(compiler, version, _find_ort_include(), _find_cuda_include(), sources)
@@ -234,7 +234,7 @@ def library_path(build: bool = True) -> Path:
 
 # --- the library a platform wheel ships --------------------------------------------------------------------
 
-_REINSTALL = ("reinstall the dietcode-ort wheel built for this platform (README, Deploying), or set "
+_REINSTALL = ("reinstall the dietcode-ort wheel built for this platform (docs/deploying.md), or set "
               "DIETCODE_ORT_LIBRARY to a libdietcode_ort.so built from the same version")
 
 

@@ -435,7 +435,7 @@ def report_line(index: int, tuned: TunedAttention) -> str:
             f"({len(tuned.problems)} shapes): {tuned.candidates} configs costed with {tuned.measurer}"
             + ("" if tuned.from_db is None else f" ({tuned.from_db[0]} of {tuned.from_db[1]} timings from the "
                                                 f"database)") + "; "
-            f"{len(tuned.kernels)} kernels; regret {tuned.dispatch.report.geomean:.3f}")
+            f"{len(tuned.kernels)} kernel{'s' if len(tuned.kernels) != 1 else ''}; regret {tuned.dispatch.report.geomean:.3f}")
 
 
 

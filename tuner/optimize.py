@@ -510,7 +510,7 @@ def _summary(index: int, r: WorkloadReport) -> str:
     vs = "n/a" if r.geomean_vs_vendor is None else f"{r.geomean_vs_vendor:.3f}x"
     kind = "measured" if r.measured else "predicted"
     return (f"workload {index} {w.op} M={w.m} N={w.n} K={w.k} ({len(w.nodes)} nodes, {r.instances} shapes): "
-            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}; {len(r.kernels)} kernels; "
+            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}; {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''}; "
             f"{kind} geomean vs vendor {vs}; regret {r.regret:.3f}")
 
 
