@@ -136,6 +136,7 @@ def print_report(report: BenchReport) -> None:
                       ms(s.stock.first_call), ms(s.optimized.first_call))
     console = Console()
     console.print(table)
+    console.print("speedup: the median of the per-iteration ratios stock / dietcode")
     console.print(f"geometric-mean speedup {report.geomean_speedup:.3f}x over {len(report.shapes)} shapes; "
                   f"worst {report.worst.speedup:.3f}x at {report.worst.label}")
     if report.custom_nodes == 0:

@@ -102,7 +102,9 @@ def test_json_schema_and_plot(tmp_path: Path) -> None:
             assert t["median_ms"] == pytest.approx(float(np.median(t["times_ms"])))
             assert t["p90_ms"] >= t["median_ms"] and isinstance(t["first_call_ms"], float)
         ratio = shape["stock"]["median_ms"] / shape["optimized"]["median_ms"]
-        assert shape["speedup"] == pytest.approx(ratio)
+        assert shape["speedup_of_medians"] == pytest.approx(ratio)
+        paired = np.median(np.array(shape["stock"]["times_ms"]) / np.array(shape["optimized"]["times_ms"]))
+        assert shape["speedup"] == pytest.approx(paired)
         assert shape["max_abs_error"] == {"y": 0.0}
     assert data["summary"]["worst"]["speedup"] == min(s["speedup"] for s in data["shapes"])
     assert isinstance(data["summary"]["geomean_speedup"], float)
@@ -221,6 +223,21 @@ def test_measure_warms_up_checks_first_then_interleaves_abba() -> None:
     for r in results:
         assert r.stock.times == (2.0,) * 4 and r.optimized.times == (1.0,) * 4
         assert r.stock.first_call == 2.0 and r.optimized.first_call == 1.0 and r.speedup == 2.0
+
+
+def test_speedup_pairs_the_calls_of_each_iteration() -> None:
+    """Both models' calls fall into the same two latency modes, in the same iterations but for two: the
+    medians land in different modes (a 0.71x "slowdown"), the per-iteration ratios say they are equal."""
+    stock = (0.05,) * 26 + (0.07,) * 24
+    optimized = (0.05,) * 24 + (0.07,) * 26
+    same = bench.ShapeResult((("t", 1),), bench.Timing(stock, None), bench.Timing(optimized, None), ())
+    assert same.speedup_of_medians == pytest.approx(0.05 / 0.07)
+    assert same.speedup == pytest.approx(1.0)
+    faster = bench.ShapeResult((("t", 1),), bench.Timing(stock, None),
+                               bench.Timing(tuple(t / 2 for t in stock), None), ())
+    assert faster.speedup == pytest.approx(2.0) and faster.speedup_of_medians == pytest.approx(2.0)
+    unpaired = bench.ShapeResult((("t", 1),), bench.Timing(stock, None), bench.Timing(optimized[:3], None), ())
+    assert unpaired.speedup == unpaired.speedup_of_medians == pytest.approx(0.05 / 0.05)
 
 
 def test_measure_falls_back_when_the_warmup_shape_is_rejected(tmp_path: Path) -> None:
