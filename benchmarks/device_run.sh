@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/device_run.sh [--stage 1,2,3,4,5,6|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
 #                                 [--suites mlp,bert,resnet50] [--budget N] [--deadline S] [--limit S]
-#                                 [--out DIR] [--work DIR] [--dry-run]
+#                                 [--cap STAGE=S,...] [--out DIR] [--work DIR] [--dry-run]
 #
 # Stages (docs/device.md gives the calls that make a session, with their time budgets):
 #   (--ortgpu DIR) one part of onnxruntime-gpu (made by scripts/prepare_device.sh): parts 1..N-1 are stashed
@@ -24,8 +24,10 @@
 #      stage 3's bench file where there is one. Runs before stage 4 when both are asked.
 #
 # Time: the whole call ends by --deadline seconds (default 570, for a `run` with timeout_s 600); each stage
-# gets what is left (capped by --limit) minus a reserve for stage 4 and the final packing; every step runs
-# under `timeout`. A step cut off is recorded as timed out and the run goes on.
+# gets what is left (capped by --limit, and by its own --cap, e.g. `--cap 1=140` so stage 1 leaves the rest
+# of the call to stage 3) minus a reserve for stage 4 and the final packing; every step runs under `timeout`.
+# A step cut off is recorded as timed out and the run goes on. benchmarks/device_plan.py sizes the calls of
+# a session to its device time (scripts/prepare_device.sh prints them).
 #
 # Output, progressively: everything lands in WORK/tree/benchmarks/results/<device>/ (results of run_suite
 # in their usual place, the rest under device-run/), and after every step the tree is packed into
@@ -44,6 +46,7 @@ cd "$ROOT" || exit 2
 ARGV=("$0" "$@")
 
 dry=0 stages="" ortgpu="" sets="" suites="" budget=${DEVICE_BUDGET:-64} deadline=570 limit="" out=${OUT:-} work=""
+declare -A cap=()
 while [ $# -gt 0 ]; do
   case $1 in
     --stage|--stages) stages=$2; shift 2 ;;
@@ -53,10 +56,18 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift 2 ;;
     --deadline) deadline=$2; shift 2 ;;
     --limit) limit=$2; shift 2 ;;
+    --cap|--caps)
+      for kv in ${2//,/ }; do
+        case $kv in
+          [0-6]=[0-9]*) case ${kv#*=} in *[!0-9]*) ;; *) cap[${kv%%=*}]=${kv#*=}; continue ;; esac ;;
+        esac
+        echo "device_run: --cap takes STAGE=SECONDS[,STAGE=SECONDS] with a stage 0-6 (got '$kv')" >&2; exit 2
+      done
+      shift 2 ;;
     --out) out=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n 2,39p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,42p "$0"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -168,11 +179,11 @@ step() {
 
 has_stage() { case ",$stages," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-stage_limit() {  # stage_limit STAGE MAX: what the stage may use of the time left
-  local reserve=20 lim
+stage_limit() {  # stage_limit STAGE MAX: what the stage may use of the time left (MAX, or the stage's --cap)
+  local reserve=20 lim max=${cap[$1]:-$2}
   if [ "$1" != 4 ] && has_stage 4; then reserve=60; fi
   lim=$(( $(left) - reserve ))
-  [ "$lim" -lt "$2" ] || lim=$2
+  [ "$lim" -lt "$max" ] || lim=$max
   if [ -n "$limit" ] && [ "$lim" -gt "$limit" ]; then lim=$limit; fi
   [ "$lim" -gt 0 ] || lim=0
   echo "$lim"
@@ -217,17 +228,25 @@ if has_stage 1; then
   mkdir -p "$s1"
   if command -v nvidia-smi >/dev/null; then nvidia-smi > "$s1/nvidia-smi.txt" 2>&1; else echo "nvidia-smi not found" > "$s1/nvidia-smi.txt"; fi
   if [ "$ort_gpu" = 1 ]; then
-    if [ "$dry" = 1 ]; then
-      log "stage 1: ortgpu check: skipped in a dry run (it needs the GPU)"
+    if [ "$dry" = 1 ] && [ "${DEVICE_RUN_CHECK:-0}" != 1 ]; then
+      log "stage 1: ortgpu check: skipped in a dry run (it needs the GPU; DEVICE_RUN_CHECK=1 runs it anyway)"
     else
-      step 1 "ortgpu check" "$(( lim < 90 ? lim : 90 ))" "$s1/ortgpu-check.log" -- bash "$work/ondevice.sh" check
+      if ! step 1 "ortgpu check" "$(( lim < 90 ? lim : 90 ))" "$s1/ortgpu-check.log" -- bash "$work/ondevice.sh" check
+      then
+        # the CUDA EP does not work: stages 3 and 5 would only fail, so the call's time goes to the others
+        echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) ${s1#"$work"/tree/}/ortgpu-check.log" > "$work/ortgpu-check-failed"
+        log "ortgpu: onnxruntime-gpu failed its check: stages 3 and 5 are skipped on this machine$(
+          grep -q '"sm90_only": true' .device/source.json 2>/dev/null &&
+          echo "; this is the sm_90-only build: make the full parts next (scripts/prepare_device.sh --ort full)")"
+      fi
     fi
   else
     log "stage 1: onnxruntime-gpu is not installed on this machine: doctor and tests use $("$PY" -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.get_available_providers())' 2>&1 | tail -n 1)"
   fi
   step 1 "doctor" "$(( lim - (SECONDS - t1) < 180 ? lim - (SECONDS - t1) : 180 ))" "$s1/doctor.txt" -- \
     "$PY" -m dietcode_ort doctor
-  step 1 "doctor --json" 60 "$s1/doctor.json" -- "$PY" -m dietcode_ort doctor --json --no-build
+  step 1 "doctor --json" "$(( lim - (SECONDS - t1) < 60 ? lim - (SECONDS - t1) : 60 ))" "$s1/doctor.json" -- \
+    "$PY" -m dietcode_ort doctor --json --no-build
   # the kernel-level GPU tests first (quick), then the end-to-end ones (they tune): one cut off keeps the other
   mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py | grep -v end_to_end)
   mapfile -t e2e_tests < <(grep -l "mark.gpu" tests/test_*end_to_end*.py)
@@ -277,7 +296,11 @@ if has_stage 3; then
   else
     suite_args=(--provider cuda --dtype float16 --optimize-arg=--measure=gpu --optimize-arg=--budget="$budget")
   fi
-  if [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
+  if [ "$ort_gpu" = 1 ] && [ -f "$work/ortgpu-check-failed" ]; then
+    log "stage 3: SKIPPED: onnxruntime-gpu failed its check on this machine ($(cut -d' ' -f2 "$work/ortgpu-check-failed"))"
+    json_line "$work/steps.jsonl" call="$call" stage=3 step="suites $suites" rc=null seconds=0 limit="$lim" \
+      timed_out=false skipped=true reason="onnxruntime-gpu failed its check"
+  elif [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
     log "stage 3: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
     json_line "$work/steps.jsonl" call="$call" stage=3 step="suites $suites" rc=null seconds=0 limit="$lim" \
       timed_out=false skipped=true reason="onnxruntime-gpu not installed"
@@ -302,7 +325,11 @@ if has_stage 5; then
   else
     overhead_args=(--provider cuda --measure gpu --nodes 200 --warmup 50 --rounds 15 --runs 20)
   fi
-  if [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
+  if [ "$ort_gpu" = 1 ] && [ -f "$work/ortgpu-check-failed" ]; then
+    log "stage 5: SKIPPED: onnxruntime-gpu failed its check on this machine ($(cut -d' ' -f2 "$work/ortgpu-check-failed"))"
+    json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
+      timed_out=false skipped=true reason="onnxruntime-gpu failed its check"
+  elif [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
     log "stage 5: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
     json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
       timed_out=false skipped=true reason="onnxruntime-gpu not installed"

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Make everything a GPU (device) session needs, on this machine, into git-ignored folders of the checkout,
-# then print the exact `run` calls to make, in order (command, carry, timeout_s), sized against the 64 MiB
-# that one call may carry. docs/device.md says how a session uses them.
+# then print the exact `run` calls to make, in order (command, carry, timeout_s), sized to the session's device
+# time (benchmarks/device_plan.py) and to the 64 MiB that one call may carry. docs/device.md says how a
+# session uses them.
 #
-#   scripts/prepare_device.sh [--version 1.30.0] [--kit DIR] [--cache DIR] [--limit-mib 64] [--check-only]
+#   scripts/prepare_device.sh [--ort sm90|full] [--version V] [--session auto|bringup|followup|compare]
+#                             [--device-minutes 15] [--kit DIR] [--cache DIR] [--limit-mib 64] [--check-only]
+#
+# --ort sm90 (the default): onnxruntime-gpu 1.31.1 with only its sm_90 cubins kept (the kit's --sm90-only):
+#   one part, so the session's first call installs it; it runs on H100/H200 and nowhere else.
+# --ort full: onnxruntime-gpu 1.30.0 whole, 3 parts (two stash calls before the install): the fallback when
+#   the sm_90-only build fails its check on the device. --version picks another release of either.
+# --session: what the session is for (device_plan.py); auto takes the first whose results are not committed.
 #
 # Makes, in the checkout this script sits in (or the one it is run from):
 #   .ortgpu/p1..pN   onnxruntime-gpu in parts (the ortgpu kit, ../shared/tools/ortgpu, about 7 minutes of xz
@@ -11,23 +19,32 @@
 #                    ~/.cache/dietcode-ort/device, and re-split here when the working tree leaves less room)
 #   .device/deps     a real copy of the ONNX Runtime headers (a worktree's .deps is a symbolic link, which
 #                    travels only as a link); device_run.sh points DIETCODE_ORT_INCLUDE at it
-#   .device/source.json   the commit and state of the working tree the calls carry
+#   .device/source.json   the commit and state of the working tree the calls carry, and which onnxruntime-gpu
 #   .device/plan.json, .device/plan.md   the calls, also printed
 # Both folders are ignored (.gitignore, else .git/info/exclude). --check-only makes nothing and checks sizes.
 set -euo pipefail
 
-version=1.30.0 kit="" cache=${XDG_CACHE_HOME:-$HOME/.cache}/dietcode-ort/device limit_mib=64 check_only=0
+ort=sm90 version="" session=auto minutes=15 kit="" cache=${XDG_CACHE_HOME:-$HOME/.cache}/dietcode-ort/device
+limit_mib=64 check_only=0
 while [ $# -gt 0 ]; do
   case $1 in
+    --ort) ort=$2; shift 2 ;;
     --version) version=$2; shift 2 ;;
+    --session) session=$2; shift 2 ;;
+    --device-minutes) minutes=$2; shift 2 ;;
     --kit) kit=$2; shift 2 ;;
     --cache) cache=$2; shift 2 ;;
     --limit-mib) limit_mib=$2; shift 2 ;;
     --check-only) check_only=1; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
     *) echo "prepare_device: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+case $ort in
+  sm90) version=${version:-1.31.1} sm90=true kit_args=(--sm90-only) stock_name=ortgpu-${version:-1.31.1}-sm90 ;;
+  full) version=${version:-1.30.0} sm90=false kit_args=() stock_name=ortgpu-${version:-1.30.0} ;;
+  *) echo "prepare_device: --ort takes sm90 or full (got '$ort')" >&2; exit 2 ;;
+esac
 
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel 2>/dev/null) || {
   echo "prepare_device: not inside a git checkout" >&2; exit 2; }
@@ -65,7 +82,7 @@ if [ "$check_only" = 0 ]; then
   dirty=$(git status --porcelain --untracked-files=no | wc -l)
   cat > .device/source.json <<EOF
 {"commit": "$(git rev-parse HEAD)", "branch": "$(git rev-parse --abbrev-ref HEAD)", "modified_files": $dirty,
- "prepared": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "onnxruntime_gpu": "$version"}
+ "prepared": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "onnxruntime_gpu": "$version", "sm90_only": $sm90}
 EOF
 fi
 [ -f ".device/deps/$hdr" ] || { echo "prepare_device: .device/deps is missing (run without --check-only)" >&2; exit 1; }
@@ -75,7 +92,7 @@ device_bytes=$(du -sbL .device | cut -f1)
 room_mib=$(( (limit_mib * 1048576 - tree_bytes - device_bytes) / 1048576 - 1 ))
 part_mib=$(( room_mib < 60 ? room_mib : 60 ))
 [ "$part_mib" -ge 1 ] || { echo "prepare_device: the working tree leaves no room for a part in a call" >&2; exit 1; }
-stock=$cache/ortgpu-$version
+stock=$cache/$stock_name
 if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
   if [ -z "$kit" ]; then
     for c in "$root/../shared/tools/ortgpu" /work/shared/tools/ortgpu; do
@@ -86,7 +103,7 @@ if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
     echo "prepare_device: the ortgpu kit (prepare_ort_gpu_parts.sh) is not found: pass --kit DIR" >&2; exit 1; }
   echo "prepare_device: making onnxruntime-gpu $version parts with $kit (downloads the wheel; minutes of xz)"
   mkdir -p "$cache"
-  bash "$kit/prepare_ort_gpu_parts.sh" "$stock" --version "$version" --part-mib 60
+  bash "$kit/prepare_ort_gpu_parts.sh" "$stock" --version "$version" --part-mib 60 "${kit_args[@]}"
 fi
 parts_ok() {  # the parts in .ortgpu are whole, of this version and no larger than part_mib
   [ -f .ortgpu/p1/MANIFEST ] || return 1
@@ -131,80 +148,6 @@ fi
 [ -f .ortgpu/p1/MANIFEST ] || { echo "prepare_device: no parts in .ortgpu (run without --check-only)" >&2; exit 1; }
 nparts=$(. .ortgpu/p1/MANIFEST; echo "$NPARTS")
 
-# --- 5. the calls: stage 2 rides on the parts calls (it needs no onnxruntime-gpu), stage 1 on the last ---
-# record_table shares a call's time equally among its sets, so a call holds sets of like cost: the five
-# 128-instance sets (dense, attention) together, the 23 five-instance conv sets apart (mixed in one call, the
-# attention sets would get a 25th of its time each). With 2 parts the one table call takes dense and attention
-# (conv waits for a later `--stage 2 --sets conv`); past 3 parts the extra calls only stash their part (a
-# second call on the same sets would measure the same seeded sample again).
-case $nparts in
-  1) groups=() ;;
-  2) groups=("dense,attention") ;;
-  3) groups=("dense,attention" "conv") ;;
-  *) groups=("dense,attention" "conv"); while [ "${#groups[@]}" -lt $((nparts - 1)) ]; do groups+=("-"); done ;;
-esac
-python3 - "$nparts" "$tree_bytes" "$limit_mib" "${groups[@]}" <<'PYEND'
-import json, os, sys
-from pathlib import Path
-
-nparts, tree, limit = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-groups = sys.argv[4:]
-run = "bash benchmarks/device_run.sh"
-
-
-def size(path):
-    p = Path(path)
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
-
-
-calls = []
-for k in range(1, nparts):
-    sets = groups[k - 1]
-    if sets == "-":
-        calls.append({"why": f"onnxruntime-gpu part {k} of {nparts}", "carry": [f".ortgpu/p{k}", ".device"],
-                      "deadline": 60, "command": f"{run} --ortgpu .ortgpu/p{k} --deadline 60"})
-        continue
-    calls.append({"why": f"onnxruntime-gpu part {k} of {nparts}; stage 2: table sets {sets}",
-                  "carry": [f".ortgpu/p{k}", ".device"], "deadline": 150,
-                  "command": f"{run} --ortgpu .ortgpu/p{k} --stage 2 --sets {sets} --deadline 150"})
-calls.append({"why": f"onnxruntime-gpu part {nparts} of {nparts}: install; stage 1: check, doctor, GPU tests",
-              "carry": [f".ortgpu/p{nparts}", ".device"], "deadline": 360,
-              "command": f"{run} --ortgpu .ortgpu/p{nparts} --stage 1 --deadline 360"})
-if nparts == 1:
-    for sets in ("dense,attention", "conv"):
-        calls.append({"why": f"stage 2: table sets {sets}", "carry": [".device"], "deadline": 150,
-                      "command": f"{run} --stage 2 --sets {sets} --deadline 150"})
-calls.append({"why": "stage 3: LLaMA-7B MLP layer and BERT-base, fp16, tuned on the GPU, vs stock ORT CUDA EP",
-              "carry": [".device"], "deadline": 360,
-              "command": f"{run} --stage 3 --suites mlp,bert --budget 32 --deadline 360"})
-calls.append({"why": "stage 3 + 4: ResNet-50 fp16 (about 20 conv workloads: small budget), then the tuning DB "
-                     "and the bundles", "carry": [".device"], "deadline": 360,
-              "command": f"{run} --stage 3,4 --suites resnet50 --budget 8 --deadline 360"})
-calls.append({"why": "stage 6: BERT-base and ResNet-50 fp16 under torch.compile (eager, dynamic, mark_dynamic, "
-                     "max-autotune), joined with the bench files of the calls before", "carry": [".device"],
-              "deadline": 240, "command": f"{run} --stage 6 --deadline 240"})
-over = []
-for i, c in enumerate(calls, 1):
-    c["call"] = i
-    c["timeout_s"] = c.pop("deadline") + 30
-    c["carried_mib"] = round((tree + sum(size(p) for p in c["carry"])) / 2**20, 1)
-    if c["carried_mib"] > limit:
-        over.append(i)
-Path(".device/plan.json").write_text(json.dumps(calls, indent=1) + "\n")
-total = sum(c["timeout_s"] - 30 for c in calls)  # each call ends by its --deadline
-lines = [f"# Device calls ({len(calls)}), in order, each within 30 s of the last (the machine stays warm 30 s)", ""]
-for c in calls:
-    lines += [f"## call {c['call']}: {c['why']}",
-              f"run(command={c['command']!r}, carry={json.dumps(c['carry'])}, timeout_s={c['timeout_s']})",
-              f"   carries {c['carried_mib']} MiB of {limit}", ""]
-lines += [f"The calls end by their deadlines: {total} s = {total / 60:.1f} min in all, plus about 2 min to start the "
-          "machine and the transfers: inside a session's 30 minutes only if each call follows the last at once.",
-          "Each call's archive holds the earlier calls' results too (while the machine stays warm): make the next call "
-          "at once, keep the last call's files (device-run.tar.gz, metadata.json, progress.log) outside the checkout, "
-          "and unpack the archive at the repository root at the end (docs/device.md)."]
-Path(".device/plan.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-if over:
-    print(f"prepare_device: call(s) {over} carry more than {limit} MiB", file=sys.stderr)
-    sys.exit(1)
-PYEND
+# --- 5. the calls, sized to the session's device time (benchmarks/device_plan.py) ---
+python3 benchmarks/device_plan.py --parts "$nparts" --session "$session" --device-minutes "$minutes" \
+  --tree-bytes "$tree_bytes" --limit-mib "$limit_mib" --root . --out .device

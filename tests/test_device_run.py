@@ -130,6 +130,31 @@ def test_parts_are_stashed_across_calls_then_installed(tmp_path: Path) -> None:
     assert str(target) in meta["calls"][-1]["environment"]["env"]["PYTHONPATH"].split(":")[0]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(KIT is None, reason="needs the ortgpu kit (../shared/tools/ortgpu) to make parts")
+def test_a_failed_onnxruntime_gpu_check_skips_the_stages_that_need_it(tmp_path: Path) -> None:
+    """The stand-in wheel installs but is no onnxruntime-gpu: its check fails (run here on the CPU through
+    DEVICE_RUN_CHECK=1), so stages 3 and 5 are skipped with the reason, in this call and the next on the
+    same machine, and the call ends early instead of spending its time on suites that cannot run."""
+    parts = _standin_parts(tmp_path)
+    out = tmp_path / "out"
+    assert _run(out, "--ortgpu", str(parts / "p1")).returncode == 0
+    env = {**os.environ, "DEVICE_RUN_CHECK": "1", "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(RUNNER), "--dry-run", "--out", str(out), "--work", str(tmp_path / "work"),
+                           "--ortgpu", str(parts / "p2"), "--stage", "1,3,5", "--cap", "1=40"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 1 and "onnxruntime-gpu failed its check" in proc.stdout, proc.stdout + proc.stderr
+    steps = [json.loads(line) for line in (tmp_path / "work" / "steps.jsonl").read_text().splitlines()]
+    check = next(s for s in steps if s["step"] == "ortgpu check")
+    assert check["rc"] not in (0, None) and check["call"] == 2
+    skipped = {s["stage"]: s["reason"] for s in steps if s.get("skipped")}
+    assert skipped == {3: "onnxruntime-gpu failed its check", 5: "onnxruntime-gpu failed its check"}
+    assert all(s["limit"] <= 40 for s in steps if s["stage"] == 1)  # --cap 1=40
+    again = _run(out, "--stage", "3", "--suites", "mlp")
+    assert "stage 3: SKIPPED: onnxruntime-gpu failed its check" in again.stdout
+
+
 def _standin_parts(tmp_path: Path, size: int = 1_500_000) -> Path:
     """A stand-in onnxruntime-gpu wheel of ``size`` random bytes, made into parts of 1 MiB by the kit."""
     import random
@@ -169,9 +194,9 @@ def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_pat
     # du's apparent sizes also count .device's folders (4 KiB each): a quarter MiB of slack keeps the room at
     # 2 to 3 MiB wherever the tree's size falls within its last MiB
     limit = -(-(carried + 2**18) // 2**20) + 3
-    proc = subprocess.run(["bash", "scripts/prepare_device.sh", "--version", "9.9.9", "--cache",
-                           str(stock.parent), "--limit-mib", str(limit)], cwd=clone, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(["bash", "scripts/prepare_device.sh", "--ort", "full", "--version", "9.9.9", "--cache",
+                           str(stock.parent), "--limit-mib", str(limit), "--session", "bringup"], cwd=clone, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (clone / ".device" / "deps" / "onnxruntime" / "include" / "onnxruntime" /
             "onnxruntime_cxx_api.h").is_file()
@@ -184,15 +209,21 @@ def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_pat
     assert parts == [f"p{k}" for k in range(1, len(parts) + 1)]
     assert len(parts) < 3 and (clone / ".ortgpu" / "p1" / "part").stat().st_size > 2**20
     plan = json.loads((clone / ".device" / "plan.json").read_text())
-    carried = [c for call in plan for c in call["carry"] if c.startswith(".ortgpu/")]
+    calls = plan["calls"]
+    carried = [c for call in calls for c in call["carry"] if c.startswith(".ortgpu/")]
     assert carried == [f".ortgpu/p{k}" for k in range(1, len(parts) + 1)]
-    assert all(call["carried_mib"] <= limit and ".device" in call["carry"] for call in plan)
-    assert "--ortgpu .ortgpu/p1 --stage 2" in plan[0]["command"] and plan[-1]["command"].endswith("--stage 6 --deadline 240")
-    assert sum(call["timeout_s"] - 30 for call in plan) <= 27 * 60  # + machine start and transfers: inside 30 min
+    assert all(call["carried_mib"] <= limit and ".device" in call["carry"] for call in calls)
+    # the install call runs stage 1 and the end-to-end suites; the table takes what is left, in a call of its own
+    assert f"--ortgpu .ortgpu/p{len(parts)} --stage 1,3,4" in calls[len(parts) - 1]["command"]
+    assert "--stage 2 --sets dense,attention" in calls[-1]["command"]
+    time = plan["device_time"]  # every call to its deadline, the start and the gaps: inside the device time
+    assert (time["start_s"] + sum(c["deadline"] for c in calls) + time["per_call_s"] * (len(calls) - 1)
+            <= time["device_s"] == 15 * 60)
     assert "run(command=" in proc.stdout
     source = json.loads((clone / ".device" / "source.json").read_text())
     assert source["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True,
                                               text=True, check=True).stdout.strip()
+    assert source["onnxruntime_gpu"] == "9.9.9" and source["sm90_only"] is False
 
 
 @pytest.mark.parametrize("args, message", [
