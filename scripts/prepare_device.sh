@@ -88,10 +88,11 @@ fi
 [ -f ".device/deps/$hdr" ] || { echo "prepare_device: .device/deps is missing (run without --check-only)" >&2; exit 1; }
 device_bytes=$(du -sbL .device | cut -f1)
 
-# --- 4. onnxruntime-gpu parts: as large as the room left in a call allows (1 MiB margin) ---
-room_mib=$(( (limit_mib * 1048576 - tree_bytes - device_bytes) / 1048576 - 1 ))
-part_mib=$(( room_mib < 60 ? room_mib : 60 ))
-[ "$part_mib" -ge 1 ] || { echo "prepare_device: the working tree leaves no room for a part in a call" >&2; exit 1; }
+# --- 4. onnxruntime-gpu parts: as large as the room left in a call allows ---
+# (in KiB, a quarter MiB kept back: du and the tool may count a few folders' blocks more than stat does)
+room_kib=$(( (limit_mib * 1048576 - tree_bytes - device_bytes) / 1024 - 256 ))
+part_kib=$(( room_kib < 61440 ? room_kib : 61440 ))
+[ "$part_kib" -ge 1024 ] || { echo "prepare_device: the working tree leaves no room for a part in a call" >&2; exit 1; }
 stock=$cache/$stock_name
 if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
   if [ -z "$kit" ]; then
@@ -105,21 +106,21 @@ if [ "$check_only" = 0 ] && [ ! -f "$stock/p1/MANIFEST" ]; then
   mkdir -p "$cache"
   bash "$kit/prepare_ort_gpu_parts.sh" "$stock" --version "$version" --part-mib 60 "${kit_args[@]}"
 fi
-parts_ok() {  # the parts in .ortgpu are whole, of this version and no larger than part_mib
+parts_ok() {  # the parts in .ortgpu are whole, of this version and no larger than part_kib
   [ -f .ortgpu/p1/MANIFEST ] || return 1
   [ "$(. .ortgpu/p1/MANIFEST; echo "$TOTAL_SHA256")" = "$(. "$stock/p1/MANIFEST"; echo "$TOTAL_SHA256")" ] || return 1
   local k n want
   n=$(. .ortgpu/p1/MANIFEST; echo "$NPARTS")
   for k in $(seq 1 "$n"); do
     [ -f ".ortgpu/p$k/part" ] && [ -f ".ortgpu/p$k/ondevice.sh" ] || return 1
-    [ "$(stat -c %s ".ortgpu/p$k/part")" -le $((part_mib * 1048576)) ] || return 1
+    [ "$(stat -c %s ".ortgpu/p$k/part")" -le $((part_kib * 1024)) ] || return 1
     want=$(. ".ortgpu/p$k/MANIFEST"; echo "$PART_SHA256")
     [ "$(sha256sum ".ortgpu/p$k/part" | cut -d' ' -f1)" = "$want" ] || return 1
   done
   [ ! -d ".ortgpu/p$((n + 1))" ]
 }
 if [ "$check_only" = 0 ] && ! parts_ok; then
-  echo "prepare_device: splitting the onnxruntime-gpu stream into parts of at most $part_mib MiB in .ortgpu/"
+  echo "prepare_device: splitting the onnxruntime-gpu stream into parts of at most $(mib $((part_kib * 1024))) MiB in .ortgpu/"
   # shellcheck disable=SC1091
   . "$stock/p1/MANIFEST"
   stream=$(mktemp "${TMPDIR:-/tmp}/ortgpu_stream.XXXXXX")
@@ -128,7 +129,7 @@ if [ "$check_only" = 0 ] && ! parts_ok; then
   [ "$(sha256sum "$stream" | cut -d' ' -f1)" = "$TOTAL_SHA256" ] || {
     echo "prepare_device: the parts in $stock are damaged (sha256 of the stream): delete them and re-run" >&2; exit 1; }
   rm -rf .ortgpu; mkdir -p .ortgpu
-  split -b "${part_mib}M" -d -a 2 "$stream" "$stream.part"
+  split -b "${part_kib}K" -d -a 2 "$stream" "$stream.part"
   n=$(ls "$stream".part* | wc -l) k=0
   for f in $(ls "$stream".part* | sort); do
     k=$((k + 1)); mkdir -p ".ortgpu/p$k"
