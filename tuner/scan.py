@@ -144,6 +144,18 @@ def _inference_copy(model: onnx.ModelProto, base_dir: Path | None) -> onnx.Model
                 as_inputs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
             continue
         keep.append(inline_tensor(t, base_dir))
+    # sparse initializers and Constants (ORT makes them dense at load) as inputs of their dims:
+    # SymbolicShapeInference knows neither ('Invalid model with cyclic graph', 'NoneType' has no 'HasField')
+    sparse = [(t.values.name, t) for t in model.graph.sparse_initializer]
+    nodes = list(copy.graph.node)
+    for node in nodes:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1 and \
+                [a.name for a in node.attribute] == ["sparse_value"]:
+            sparse.append((node.output[0], node.attribute[0].sparse_tensor))
+            copy.graph.node.remove(node)
+    for name, t in sparse:
+        if name and name not in inputs:
+            as_inputs.append(onnx.helper.make_tensor_value_info(name, t.values.data_type, list(t.dims)))
     copy.graph.initializer.extend(keep)
     copy.graph.input.extend(as_inputs)
     for node in copy.graph.node:
