@@ -192,6 +192,45 @@ def test_sparse_weights_are_tuned_and_agree_with_stock(work, tmp_path, as_consta
             np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 
+def test_auto_pad_convs_agree_with_stock(work, tmp_path):
+    """SAME_UPPER at stride 1 and VALID at stride 2 over dynamic H and W, SAME_LOWER at strides (2, 3) over
+    fixed sizes: the custom nodes (and so their fallback bodies) take the resolved pads, and the library's
+    kernels and the fallback agree with stock ORT."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def w(name, shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="same_upper", auto_pad="SAME_UPPER"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="valid", auto_pad="VALID", strides=[2, 2]),
+             helper.make_node("Conv", ["z", "w3"], ["y2"], name="same_lower", auto_pad="SAME_LOWER", strides=[2, 3])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"]),
+                                           helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 2, 9, 10])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("y2", TensorProto.FLOAT, None)],
+                              [w("w1", (4, 3, 4, 3)), w("b1", (4,)), w("w2", (5, 4, 3, 3)), w("w3", (3, 2, 3, 4))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    src, out = tmp_path / "auto_pad.onnx", tmp_path / "auto_pad.opt.onnx"
+    onnx.save(model, str(src))
+    optimize(src, out, _options(work, "n=1:2", "h=8:16", "w=8:16"), log=lambda _: None)
+    custom = {n.name: n for n in onnx.load(str(out)).graph.node if n.domain == "ai.dietcode"}
+    assert set(custom) == {"same_upper", "valid", "same_lower"}
+    pads = {name: [a.ints for a in n.attribute if a.name == "pads"][0] for name, n in custom.items()}
+    assert pads == {"same_upper": [1, 1, 2, 1], "valid": [0, 0, 0, 0], "same_lower": [1, 2, 1, 1]}  # W: 3 in all, the odd one first
+    stock, with_lib, fallback = _sessions(src, out)
+    for n, h, wd in ((1, 8, 8), (2, 11, 16), (1, 17, 9), (3, 5, 6)):
+        feeds = {"x": rng.standard_normal((n, 3, h, wd)).astype(np.float32),
+                 "z": rng.standard_normal((n, 2, 9, 10)).astype(np.float32)}
+        want = stock.run(None, feeds)
+        for sess in (with_lib, fallback):
+            for got, ref in zip(sess.run(None, feeds), want):
+                np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
     src = tmp_path / "mlp.onnx"
     models.save_model(models.build("mlp", "tiny"), src)

@@ -183,6 +183,39 @@ def test_conv_gemm_view_and_problem():
     assert p.m == 2 * 17 * 10  # out = floor((33 + 2 - 3) / 2) + 1 = 17, floor((20 + 2 - 3) / 2) + 1 = 10
 
 
+@pytest.mark.parametrize("auto_pad, strides, kernel, spatial, pads", [
+    ("VALID", [2, 2], (3, 3), ["h", "w"], (0, 0, 0, 0)),
+    ("SAME_UPPER", [1, 1], (4, 3), ["h", "w"], (1, 1, 2, 1)),   # stride 1: (k - 1) whatever the size
+    ("SAME_LOWER", [1, 1], (4, 3), ["h", "w"], (2, 1, 1, 1)),   # the odd pad at the start
+    ("SAME_UPPER", [2, 3], (3, 4), [9, 10], (1, 1, 1, 2)),      # fixed sizes: out 5 x 4, totals 2 and 3
+    ("SAME_LOWER", [2, 1], (3, 3), [8, "w"], (1, 1, 0, 1)),     # 8 / 2: total 1; stride 1 over a dynamic dim
+    ("NOTSET", [1, 1], (3, 3), ["h", "w"], (0, 0, 0, 0)),
+])
+def test_conv_auto_pad_is_made_explicit(auto_pad, strides, kernel, spatial, pads):
+    """tf2onnx and Keras exports write auto_pad; it was refused ('explicit pads only')."""
+    img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 3, *spatial])
+    node = helper.make_node("Conv", ["img", "wc"], ["c"], name="conv", auto_pad=auto_pad, strides=strides)
+    result = scan_model(_model([node], [img], [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+                               [_w("wc", (8, 3, *kernel))]))
+    (w,) = result.workloads
+    assert w.conv.pads == pads
+
+
+@pytest.mark.parametrize("auto_pad, extra, spatial, reason", [
+    ("SAME_UPPER", {"strides": [2, 2]}, ["h", 8],
+     "Conv auto_pad=SAME_UPPER with stride 2 over the dynamic dim 'h' (axis 2): its pads change with the input size"),
+    ("SAME_LOWER", {"dilations": [2, 2]}, ["h", "w"],
+     "Conv auto_pad=SAME_LOWER with dilations [2, 2]: onnxruntime does not run it either"),
+    ("SAME", {}, ["h", "w"], "Conv auto_pad='SAME' is not one ONNX defines"),
+])
+def test_conv_auto_pad_that_depends_on_the_size_is_refused(auto_pad, extra, spatial, reason):
+    img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 3, *spatial])
+    node = helper.make_node("Conv", ["img", "wc"], ["c"], name="conv", auto_pad=auto_pad, **extra)
+    result = scan_model(_model([node], [img], [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+                               [_w("wc", (8, 3, 3, 3))]))
+    assert result.workloads == () and result.skipped[0].reason.startswith(reason)
+
+
 def test_batched_matmul_view():
     q = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", 2, "s", 8])
     k = helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", 2, 8, "s"])

@@ -439,6 +439,8 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     new_initializers: list[onnx.TensorProto] = []
     taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
         {o for n in graph.node for o in n.output}
+    # a Conv's pads as scan resolved them (auto_pad VALID / SAME made explicit): the node and its body use these
+    conv_pads = {name: list(w.conv.pads) for w in workloads if w.conv is not None for name in w.nodes}
     for node_name, site in sites.items():
         payload = bundles[node_name]
         node = graph.node[site.index]
@@ -446,8 +448,11 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
         if payload not in shared:
             new_initializers.append(_bundle_initializer(payload, taken))
             shared[payload] = new_initializers[-1].name
+        attributes = _node_attributes(node)
+        if node_name in conv_pads:
+            attributes["pads"] = conv_pads[node_name]
         custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [site.output], name=node.name,
-                                  domain=DOMAIN, **_node_attributes(node))
+                                  domain=DOMAIN, **attributes)
         if site.scale != 1.0:
             custom.attribute.append(helper.make_attribute("scale", site.scale))
         if overload:

@@ -16,7 +16,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AbstractSet, Any, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -832,12 +832,42 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     return info
 
 
+def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, ...], strides: tuple[int, ...],
+               dilations: tuple[int, ...], spatial: Sequence[str | int]) -> tuple[int, ...]:
+    """A Conv's explicit pads (begins, then ends), its auto_pad resolved: VALID pads nothing; SAME_UPPER and
+    SAME_LOWER pad (out - 1) * stride + kernel - in in all, out = ceil(in / stride), the odd one at the end
+    (UPPER) or the start (LOWER). That total depends on the input size unless the stride is 1 or the size is
+    fixed: a SAME conv over a dynamic dim with a larger stride is refused, and so is one with dilations
+    (onnxruntime's Conv refuses it)."""
+    auto = at.get("auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    if auto == "NOTSET":
+        return tuple(at.get("pads", (0,) * 2 * len(kernel)))
+    if auto == "VALID":
+        return (0,) * 2 * len(kernel)
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        raise _Refuse(f"Conv auto_pad={auto!r} is not one ONNX defines (NOTSET, VALID, SAME_UPPER, SAME_LOWER)")
+    if any(d != 1 for d in dilations):  # ORT's Conv refuses them ('Dilation not supported for AutoPadType')
+        raise _Refuse(f"Conv auto_pad={auto} with dilations {list(dilations)}: onnxruntime does not run it either")
+    begins, ends = [], []
+    for axis, (k, s, d, size) in enumerate(zip(kernel, strides, dilations, spatial)):
+        if s == 1:
+            total = (k - 1) * d
+        elif isinstance(size, int):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        else:
+            raise _Refuse(f"Conv auto_pad={auto} with stride {s} over the dynamic dim {size!r} (axis {axis + 2}): its "
+                          "pads change with the input size (export with explicit pads)")
+        small = total // 2
+        begins.append(small if auto == "SAME_UPPER" else total - small)
+        ends.append(total - begins[-1])
+    return tuple(begins + ends)
+
+
 def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
     at = _attrs(node)
     if at.get("group", 1) != 1:
         raise _Refuse(f"grouped conv (group={at['group']}) is not supported")
-    if at.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-        raise _Refuse(f"Conv auto_pad={at['auto_pad']!r} is not supported (explicit pads only)")
     x, w = node.input[0], node.input[1]
     sx, sw = _shape(g, x, "input"), _shape(g, w, "weight")
     if len(sx) != 4:
@@ -846,9 +876,9 @@ def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
         raise _Refuse("Conv weight is not a constant initializer")
     sy = _shape(g, node.output[0], "output")
     oc, c, kh, kw = sw
-    params = ConvParams(in_channels=int(c), out_channels=int(oc), kernel=(int(kh), int(kw)),
-                        strides=tuple(at.get("strides", (1, 1))), pads=tuple(at.get("pads", (0, 0, 0, 0))),
-                        dilations=tuple(at.get("dilations", (1, 1))))
+    strides, dilations = tuple(at.get("strides", (1, 1))), tuple(at.get("dilations", (1, 1)))
+    params = ConvParams(in_channels=int(c), out_channels=int(oc), kernel=(int(kh), int(kw)), strides=strides,
+                        pads=_conv_pads(at, (int(kh), int(kw)), strides, dilations, sx[2:]), dilations=dilations)
     return dict(op="conv", m=_expr([sy[0], sy[2], sy[3]]), n=_expr([oc]), k=_expr([c * kh * kw]), batch="1",
                 conv=params, conv_input=(_expr([sx[0]]), _expr([sx[2]]), _expr([sx[3]])),
                 bias=len(node.input) > 2 and bool(node.input[2]))
