@@ -557,7 +557,6 @@ def _exports(name: str, dtype: str = "float32", tuned=TEXT_TUNED, probes=TEXT_PR
     return cases
 
 
-CONV1D = "only 2-D convolutions (NCHW) are supported, input has rank 3"
 GROUPED = "grouped conv"
 
 CASES: tuple[Case, ...] = tuple(
@@ -568,7 +567,7 @@ CASES: tuple[Case, ...] = tuple(
                "(32*s, 16, 16*s, 1) as a tensor with shape (s, s, 32)")
     + _exports("vit", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("vit", "float16", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
-    + _exports("whisper-encoder", tuned=BATCH_TUNED, probes=BATCH_PROBES, left_alone=(CONV1D,), text=False)
+    + _exports("whisper-encoder", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("resnet18", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
     # MobileNetV2 through TorchScript only: its dynamo export alone takes half a minute on two cores
     + _exports("mobilenet-v2", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, left_alone=(GROUPED,), text=False,

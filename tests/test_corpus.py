@@ -21,6 +21,7 @@ import dietcode_ort
 from _corpus import CASES, Built, Case, build_case, feeds, gemm_view_nodes, node_test_tuned
 from dietcode_ort.errors import DietcodeError
 from tuner.attention_graph import find_attention, without_attention
+from tuner.conv1d import convs_as_2d
 from tuner.attention_prepare import prepare_attention
 from tuner.optimize import OptimizeOptions, _pack_projections, optimize
 from tuner.scan import scan_model
@@ -75,7 +76,7 @@ def _optimized(corpus, case: Case) -> tuple[Path, object]:
 @pytest.mark.parametrize("case", [_param(c, "scan") for c in CASES])
 def test_scan_covers_every_node_and_leaves_alone_only_for_expected_reasons(corpus, case):
     built = _built(corpus, case)
-    model = onnx.load(str(built.path))
+    model = convs_as_2d(onnx.load(str(built.path)))[0]  # as scan and optimize see it: 1-D convs as 2-D ones
     result = scan_model(model)
     nodes = gemm_view_nodes(model)
     covered = [n for w in result.workloads for n in w.nodes]
@@ -105,7 +106,7 @@ def test_optimized_model_gives_the_original_outputs(corpus, case):
         return
     out, report = _optimized(corpus, case)
     # the model as optimize scans it: the attention pre-pass run, the Q/K/V projections merged where exact
-    model = prepare_attention(onnx.load(str(built.path)), built.path.parent)[0]
+    model = prepare_attention(convs_as_2d(onnx.load(str(built.path)))[0], built.path.parent)[0]
     model = _pack_projections(built.path, model, ("sm_90",))
     scanned = scan_model(model, built.path.parent)
     sites = find_attention(model, built.path.parent).sites  # fused by default
@@ -132,6 +133,19 @@ def test_optimized_model_gives_the_original_outputs(corpus, case):
         for session in (with_lib, fallback):
             for got, ref in zip(session.run(None, shipped_feeds), shipped_outputs):
                 np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [_param(c, "conv1d") for c in CASES if c.model == "whisper-encoder"])
+def test_whisper_conv1d_front_end_is_tuned_with_its_gelu(corpus, case):
+    """Whisper's two Conv1d (then Gelu) over [batch, mel bins, frames] were left alone (only 2-D convs): written
+    as 2-D convs of height 1 between an Unsqueeze and a Squeeze (tuner/conv1d.py), both are tuned with their
+    bias and Gelu fused, the second at stride 2."""
+    model, result = convs_as_2d(onnx.load(str(_built(corpus, case).path)))
+    assert len(result.converted) == 2 and result.notes == ()
+    convs = [w for w in scan_model(model).workloads if w.op == "conv"]
+    assert sorted(w.conv.strides for w in convs) == [(1, 1), (1, 2)]
+    assert all(w.conv.kernel == (1, 3) and w.conv.pads == (0, 1, 0, 1) for w in convs)
+    assert all(w.epilogue.bias and w.epilogue.activation == "gelu" for w in convs)
 
 
 # the activation nodes each model's exports must have fused into its products (by the model, any exporter and

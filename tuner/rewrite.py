@@ -118,6 +118,10 @@ def _label(node: onnx.NodeProto) -> str:
     return repr(node.name) if node.name else f"{node.op_type} node making {node.output[0]!r}"
 
 
+# what an activation may be fused from behind (tuner.scan's _activation_after_reshape): moved after the custom node
+_MOVED = ("Reshape", "Squeeze")
+
+
 @dataclass(frozen=True)
 class _Site:
     """One custom node to be: the node it replaces and the nodes it absorbs (graph indices), its inputs,
@@ -229,7 +233,7 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
-    moved = next((f for _, f in absorbed if f.op_type == "Reshape" and f.domain in ("", "ai.onnx")), None)
+    moved = next((f for _, f in absorbed if f.op_type in _MOVED and f.domain in ("", "ai.onnx")), None)
     if moved is not None and (w.epilogue.residual or w.epilogue.activation == "none"
                               or absorbed[int(scaled) + int(bias is not None and node.op_type == "MatMul")][1]
                               is not moved):
@@ -259,8 +263,8 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
           output: str, residual: str | None = None, at: int = -1) -> tuple[onnx.NodeProto, ...]:
     """The fallback body: the original op (its attributes referring to the custom node's), then the
     absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
-    equal computations give equal bodies. A Reshape among them (an activation fused from behind it) is left
-    out: the nodes after it read its input, the body's output has the shape before the Reshape."""
+    equal computations give equal bodies. A Reshape or Squeeze among them (an activation fused from behind
+    it) is left out: the nodes after it read its input, the body's output has the shape before it."""
     names: dict[str, str] = {output: "Y"}
     consts: dict[str, str] = {}
 
@@ -277,7 +281,7 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         return consts[x]
 
     for j, f in enumerate(absorbed):
-        if f.op_type == "Reshape":  # moved after the custom node: the activation reads its input
+        if f.op_type in _MOVED:  # moved after the custom node: the activation reads its input
             names[f.output[0]] = made(f.input[0])
             continue
 

@@ -714,12 +714,13 @@ def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[on
 
 
 def _activation_after_reshape(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
-    """An activation after a Reshape that alone reads ``x`` (GPT-2's Conv1D exports as Reshape -> Gemm ->
-    Reshape, the FFN's Gelu after the second Reshape), as (activation, [the Reshape, the activation's nodes]):
-    an elementwise activation commutes with the Reshape, so the kernel applies it and the rewrite moves the
-    Reshape after the fused node. Its constants must keep ``x``'s rank too (the fused node computes on ``x``)."""
+    """An activation after a Reshape or Squeeze that alone reads ``x`` (GPT-2's Conv1D exports as Reshape ->
+    Gemm -> Reshape, the FFN's Gelu after the second Reshape; a 1-D conv written as a 2-D one, tuner/conv1d.py,
+    is followed by a Squeeze), as (activation, [the Reshape, the activation's nodes]): an elementwise activation
+    commutes with it, so the kernel applies it and the rewrite moves the Reshape after the fused node. Its
+    constants must keep ``x``'s rank too (the fused node computes on ``x``)."""
     reshape = g.exclusive_consumer(x)
-    if not _default_domain(reshape, "Reshape"):
+    if not _default_domain(reshape, "Reshape", "Squeeze"):
         return "none", []
     assert reshape is not None
     seen: list[Skipped] = []
@@ -764,10 +765,10 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
         else:
             bias, out, chain = True, add.output[0], chain + [add]
     activation, act_nodes = _activation(g, out, refused)
-    if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation
+    if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation; Squeeze
         activation, act_nodes = _activation_after_reshape(g, out, refused)
     residual = residual_first = residual_mul = False
-    if allow_residual and not (act_nodes and act_nodes[0].op_type == "Reshape"):
+    if allow_residual and not (act_nodes and act_nodes[0].op_type in ("Reshape", "Squeeze")):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
         if add is None and act_nodes:  # silu(x @ Wg) * (x @ Wu): the up-projection's output multiplies
@@ -832,9 +833,9 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     return info
 
 
-def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, ...], strides: tuple[int, ...],
-               dilations: tuple[int, ...], spatial: Sequence[str | int]) -> tuple[int, ...]:
-    """A Conv's explicit pads (begins, then ends), its auto_pad resolved: VALID pads nothing; SAME_UPPER and
+def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[int, ...],
+               dilations: tuple[int, ...], spatial: Sequence[str | int]) -> tuple[int, int, int, int]:
+    """A 2-D Conv's explicit pads (top, left, bottom, right), its auto_pad resolved: VALID pads nothing; SAME_UPPER and
     SAME_LOWER pad (out - 1) * stride + kernel - in in all, out = ceil(in / stride), the odd one at the end
     (UPPER) or the start (LOWER). That total depends on the input size unless the stride is 1 or the size is
     fixed: a SAME conv over a dynamic dim with a larger stride is refused, and so is one with dilations
@@ -842,9 +843,12 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, ...], strides: tuple[in
     auto = at.get("auto_pad", "NOTSET")
     auto = auto.decode() if isinstance(auto, bytes) else str(auto)
     if auto == "NOTSET":
-        return tuple(at.get("pads", (0,) * 2 * len(kernel)))
+        pads = list(at.get("pads", (0, 0, 0, 0)))
+        if len(pads) != 4:
+            raise _Refuse(f"invalid node: a 2-D Conv's pads {pads} are not 4 values")
+        return pads[0], pads[1], pads[2], pads[3]
     if auto == "VALID":
-        return (0,) * 2 * len(kernel)
+        return 0, 0, 0, 0
     if auto not in ("SAME_UPPER", "SAME_LOWER"):
         raise _Refuse(f"Conv auto_pad={auto!r} is not one ONNX defines (NOTSET, VALID, SAME_UPPER, SAME_LOWER)")
     if any(d != 1 for d in dilations):  # ORT's Conv refuses them ('Dilation not supported for AutoPadType')
@@ -861,7 +865,7 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, ...], strides: tuple[in
         small = total // 2
         begins.append(small if auto == "SAME_UPPER" else total - small)
         ends.append(total - begins[-1])
-    return tuple(begins + ends)
+    return begins[0], begins[1], ends[0], ends[1]
 
 
 def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
@@ -870,8 +874,10 @@ def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
         raise _Refuse(f"grouped conv (group={at['group']}) is not supported")
     x, w = node.input[0], node.input[1]
     sx, sw = _shape(g, x, "input"), _shape(g, w, "weight")
+    if len(sx) == 3:  # tuner/conv1d.py writes the others as 2-D ones
+        raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with group 1 and a constant weight")
     if len(sx) != 4:
-        raise _Refuse(f"only 2-D convolutions (NCHW) are supported, input has rank {len(sx)}")
+        raise _Refuse(f"only 1-D and 2-D convolutions (NCL, NCHW) are supported, input has rank {len(sx)}")
     if w not in g.inits:
         raise _Refuse("Conv weight is not a constant initializer")
     sy = _shape(g, node.output[0], "output")
@@ -1048,8 +1054,11 @@ def _nonempty(w: Workload) -> Workload:
 
 
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
-    """Load and scan a model file; weights stored as external data are not read (only their shapes)."""
-    model = load_model(path, load_external_data=False)
+    """Load and scan a model file, its 1-D convs as 2-D ones as ``optimize`` sees them (tuner/conv1d.py);
+    weights stored as external data are not read (only their shapes)."""
+    from tuner.conv1d import convs_as_2d
+
+    model = convs_as_2d(load_model(path, load_external_data=False), copy=False)[0]
     return attach_instances(scan_model(model, Path(path).parent), dims, shapes_file)
 
 
@@ -1090,7 +1099,8 @@ def _print_table(result: ScanResult) -> None:
         epi = "+".join(p for p in (f"alpha={e.alpha:.6g}" if e.alpha != 1.0 else "", "bias" if e.bias else "",
                                    *steps) if p) or "-"
         epi += "*residual" if e.residual_mul else ""  # the SwiGLU gate: silu*residual
-        op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{w.conv.strides[0]}" if w.conv else "")
+        strides = "x".join(map(str, sorted(set(w.conv.strides), key=w.conv.strides.index))) if w.conv else ""
+        op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{strides}" if w.conv else "")
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
                  str(len(w.instances)) if w.instances else "-")
