@@ -72,8 +72,6 @@ def optimize(model: str, out: str, db: str, cache: str, *dims: str) -> dict[str,
 
 
 def record(out: str, cache: str) -> dict[str, Any]:
-    import importlib.util
-
     from tuner import measure as measure_module
     from tuner.measure import GpuMeasurer, MeasureResult
 
@@ -85,12 +83,9 @@ def record(out: str, cache: str) -> dict[str, Any]:
             return [MeasureResult(math.inf, "no torch with CUDA against the stand-in driver") for _ in problems]
 
     measure_module.GpuMeasurer = WithoutVendor  # type: ignore[misc]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "record_table.py"
-    spec = importlib.util.spec_from_file_location("record_table", path)
-    assert spec is not None and spec.loader is not None
-    record_table = importlib.util.module_from_spec(spec)
-    sys.modules["record_table"] = record_table
-    spec.loader.exec_module(record_table)
+    from _scripts import load_script
+
+    record_table = load_script("record_table")
     table = record_table.record(record_table.dense_sets(2)[:1], Path(out), repeats=2, max_configs=3,
                                 command="record_table (stand-in driver)")
     return {"table": str(table)}

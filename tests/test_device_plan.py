@@ -2,7 +2,6 @@
 limits, carry each onnxruntime-gpu part once and in order, and name only what device_run.sh accepts."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -11,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("device_plan", ROOT / "benchmarks" / "device_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_plan"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-dp = _load()
+dp = load_script("device_plan")
 
 
 @pytest.mark.parametrize("session", dp.SESSIONS)

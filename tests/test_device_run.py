@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "benchmarks" / "device_run.sh"
 
@@ -240,16 +242,12 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: li
 
 def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: Path, monkeypatch) -> None:
     """A driver that refuses one of the extra query fields still gives name, driver and clocks."""
-    import importlib.util
-
     fake = tmp_path / "nvidia-smi"
     fake.write_text('#!/bin/bash\ncase "$1" in *persistence_mode*) echo "Field \\"x\\" is not valid" >&2; exit 2 ;; esac\n'
                     'echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 1980 MHz, 2619 MHz, 1980 MHz, 120.50 W, 35"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    spec = importlib.util.spec_from_file_location("device_info", ROOT / "benchmarks" / "device_info.py")
-    device_info = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_info)  # type: ignore[union-attr]
+    device_info = load_script("device_info")
     smi = device_info._nvidia_smi()
     assert smi == dict(zip(device_info.SMI_BASIC, ["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "1980 MHz",
                                                    "2619 MHz", "1980 MHz", "120.50 W", "35"]))
@@ -260,7 +258,7 @@ def test_environment_reads_nvidia_smi_and_falls_back_to_basic_fields(tmp_path: P
 def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> None:
     """--budget-s: a set whose share of the time is spent stops after one config (every set stays
     reportable); a second run appends to the table and keeps the first run's sets in table.json."""
-    record_table = _load_record_table()
+    record_table = load_script("record_table")
     dense = record_table.dense_sets(2)
     path = record_table.record(dense[:2], tmp_path, measure="analytic", budget_s=1e-6, command="first")
     meta = json.loads((tmp_path / "table.json").read_text())
@@ -279,22 +277,12 @@ def test_record_table_samples_to_a_time_budget_and_appends(tmp_path: Path) -> No
     assert rows[0].keys() == set(record_table.COLUMNS) and len(rows) == 2 * (2 + 2) + 2 * (1 + 2)
 
 
-def _load_record_table():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("record_table", ROOT / "benchmarks" / "record_table.py")
-    record_table = importlib.util.module_from_spec(spec)
-    sys.modules["record_table"] = record_table  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(record_table)  # type: ignore[union-attr]
-    return record_table
-
-
 def test_record_table_starts_a_group_only_where_the_last_one_would_fit(tmp_path: Path, monkeypatch) -> None:
     """On a stepped clock (a lone config costs 0.1 s, a group of GROUP 4 s): the first set, with no group
     measured yet, runs one past its share; later sets start a group only where the last group's time fits
     what is left of theirs, so the time they leave flows on to the last set, and the table ends within
     --budget-s (measuring a group per set as they came would end at 12.4 s of 10)."""
-    record_table = _load_record_table()
+    record_table = load_script("record_table")
     now = [0.0]
     monkeypatch.setattr(record_table, "_clock", lambda: now[0])
 
@@ -369,11 +357,7 @@ def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> No
 def test_dry_run_torch_compile_stage_joins_the_bench_file(tmp_path: Path) -> None:
     """Stage 6 on the tiny MLP (fp16, CPU, eager and dynamic=True): the torch.compile JSON beside the suite's
     bench file, and torch_report's join of the two (here against a hand-made bench file of the same sweep)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("device_info", ROOT / "benchmarks" / "device_info.py")
-    device_info = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_info)  # type: ignore[union-attr]
+    device_info = load_script("device_info")
     results = tmp_path / "work" / "tree" / "benchmarks" / "results" / device_info.slug("cpu")
     results.mkdir(parents=True)
     timing = {"times_ms": [1.0], "median_ms": 1.0, "p90_ms": 1.0, "first_call_ms": 2.0}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _scripts import load_script
 from tuner.hardware import get_profile
 from tuner.simulate import simulate_table
 from tuner.space import Family, enumerate_space
@@ -20,16 +20,8 @@ from tuner.workload import Problem
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-record_table = _load("record_table")
-report_table = _load("report_table")
+record_table = load_script("record_table")
+report_table = load_script("report_table")
 
 
 def test_sets_follow_the_recorded_shapes():

@@ -4,15 +4,14 @@ JSON with a bench JSON shape by shape."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+from _scripts import load_script
 from dietcode_ort import bench
 from dietcode_ort.errors import DietcodeError
 
@@ -22,14 +21,6 @@ ort = pytest.importorskip("onnxruntime")
 from models import torch_models  # noqa: E402  (needs torch)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 SHAPES = {"bert": [{"batch": 1, "seq": 5}, {"batch": 3, "seq": 17}],
@@ -79,7 +70,7 @@ def test_weights_of_another_model_are_refused() -> None:
 
 
 def test_autotune_subset_spreads_over_the_sweep() -> None:
-    tc = _script("torch_compile")
+    tc = load_script("torch_compile")
     shapes = [{"n": i} for i in range(7)]
     assert tc.autotune_subset(shapes, None) == list(range(7))
     assert tc.autotune_subset(shapes, 2) == [0, 6]
@@ -97,7 +88,7 @@ def test_autotune_subset_spreads_over_the_sweep() -> None:
     (["mlp", "--preset", "tiny", "--dim", "seq=4", "--modes", "eager"], "symbol"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, capsys) -> None:
-    tc = _script("torch_compile")
+    tc = load_script("torch_compile")
     assert tc.main([*args, "--no-onnx-check"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
@@ -107,7 +98,7 @@ def test_onnx_file_of_another_dtype_is_refused(tmp_path: Path, capsys) -> None:
     import models
 
     path = models.save_model(models.build("mlp", "tiny", dtype="float16"), tmp_path / "mlp16.onnx")
-    tc = _script("torch_compile")
+    tc = load_script("torch_compile")
     assert tc.main(["mlp", "--preset", "tiny", "--onnx", str(path), "--modes", "eager"]) == 2
     assert "holds float16 weights, not --dtype float32" in capsys.readouterr().err
 
@@ -117,7 +108,7 @@ def test_harness_measures_eager_and_dynamic_on_a_two_shape_sweep(tmp_path: Path)
     """torch.compile(dynamic=True) on the tiny MLP, CPU: compiled once on the warm-up shape, the JSON says
     what was compiled where (and why, for torch.compile's default mode), and the report joins it with a
     bench file of the same sweep."""
-    tc = _script("torch_compile")
+    tc = load_script("torch_compile")
     out = tmp_path / "torch.json"
     options = tc.TorchOptions(model="mlp", preset="tiny", dims=("tokens=5,9",), modes=("dynamic", "default"), repeat=3,
                               warmup=1, json_path=out, command="test")
@@ -144,7 +135,7 @@ def test_harness_measures_eager_and_dynamic_on_a_two_shape_sweep(tmp_path: Path)
     assert "hidden" in default[0]["recompile_reasons"][0] and record["modes"]["default"]["recompiles"] == 1
     assert record["summary"]["dynamic"]["shapes_measured"] == 2
 
-    tr = _script("torch_report")
+    tr = load_script("torch_report")
     bench_json = _bench_json([{"tokens": 5}, {"tokens": 9}], [1.0, 2.0], [2.0, 2.0])
     bench_json["environment"]["device"] = env["device"]
     joined = tr.join(bench_json, record)
@@ -180,7 +171,7 @@ def _torch_json(rows: list[tuple[dict, dict]], device: str = "cpu") -> dict:
 
 
 def test_join_gives_ratio_per_shape_and_geomean_on_hand_built_files(tmp_path: Path, capsys) -> None:
-    tr = _script("torch_report")
+    tr = load_script("torch_report")
     ours = _bench_json([{"batch": 1, "seq": 16}, {"batch": 4, "seq": 16}, {"batch": 4, "seq": 64}],
                        optimized_ms=[1.0, 2.0, 4.0], stock_ms=[2.0, 2.0, 8.0])
     theirs = _torch_json([
@@ -215,7 +206,7 @@ def test_join_gives_ratio_per_shape_and_geomean_on_hand_built_files(tmp_path: Pa
 
 
 def test_join_refuses_files_that_do_not_compare(tmp_path: Path, capsys) -> None:
-    tr = _script("torch_report")
+    tr = load_script("torch_report")
     ours = _bench_json([{"tokens": 1}], [1.0], [1.0], provider="cuda")
     theirs = _torch_json([({"tokens": 1}, ((1.0, 1.0), (1.0, 1.0)))], device="cpu")
     with pytest.raises(DietcodeError, match="the bench ran on 'cuda' and PyTorch on 'cpu'"):
@@ -234,7 +225,7 @@ def test_join_refuses_files_that_do_not_compare(tmp_path: Path, capsys) -> None:
 
 
 def test_budget_is_shared_and_a_mode_left_without_time_is_not_compiled(tmp_path: Path, monkeypatch) -> None:
-    tc = _script("torch_compile")
+    tc = load_script("torch_compile")
     calls = []
 
     def fake_run_mode(ctx, name, result, wanted, budget):
