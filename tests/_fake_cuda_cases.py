@@ -70,6 +70,9 @@ CASES: tuple[FakeCase, ...] = (
     FakeCase("bmm_broadcast_a", "bmm", (32, 32, 32, 4, 2), {"a": (20, 16), "b": (2, 3, 16, 24)}),
     FakeCase("conv_stride2_bias_relu", "conv", (32, 32, 32, 4, 2), {"x": (2, 3, 9, 9), "w": (8, 3, 3, 3)}, bias=True,
              activation="relu", conv=(3, 8, (3, 3), (2, 2), (1, 1, 1, 1))),
+    # a 1-D conv as tuner/conv1d.py writes it: height 1, kernel 1 x 3, strides (1, 2), pads only along the width
+    FakeCase("conv1d_height1_bias_gelu", "conv", (32, 32, 32, 4, 2), {"x": (2, 4, 1, 37), "w": (8, 4, 1, 3)},
+             bias=True, activation="gelu", conv=(4, 8, (1, 3), (1, 2), (0, 1, 0, 1))),
     # compiled for sm_80 only: the sm_90 device JIT-compiles its PTX
     FakeCase("gemm_ptx_jit", "gemm", (32, 32, 32, 4, 2), {"a": (40, 48), "b": (48, 40)}, bias=True, target="sm_80"),
     FakeCase("attention_mask", "attention", (64, 64, 4, 2), {"q": (2, 3, 17, 16), "kt": (2, 3, 16, 17),
