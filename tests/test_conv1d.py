@@ -110,7 +110,9 @@ def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
 
     ir3 = _model([helper.make_node("Conv", ["x", "w"], ["y"])], [_w("w", (4, 4, 3))], opset=9, ir=3,
                  inputs_too=True)
+    ir3.graph.value_info.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4, 3]))  # stale after
     out3, _ = convs_as_2d(ir3)
+    assert [vi.name for vi in out3.graph.value_info] == []
     (w_input,) = [vi for vi in out3.graph.input if vi.name == "w"]
     assert [d.dim_value for d in w_input.type.tensor_type.shape.dim] == [4, 4, 1, 3]
     _agree(ir3, out3, lengths=(3, 5, 16, 33))

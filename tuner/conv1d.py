@@ -59,6 +59,9 @@ def _weight_2d(graph: onnx.GraphProto, links: GraphLinks, w: onnx.TensorProto, n
         for vi in graph.input:  # IR < 4 models list their initializers as graph inputs too
             if vi.name == w.name and vi.type.tensor_type.HasField("shape"):
                 vi.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(w.data_type, dims).tensor_type.shape)
+        stale = [vi for vi in graph.value_info if vi.name == w.name]  # an exporter's record of the old dims
+        for vi in stale:
+            graph.value_info.remove(vi)
         return w.name
     copy = onnx.TensorProto()
     copy.CopyFrom(w)
