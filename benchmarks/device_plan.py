@@ -14,8 +14,8 @@ Sessions (``session_for`` picks the first whose results are not committed yet):
   stage 4; then stage 2, the measurement table's dense and attention sets, in a second call.
 - ``followup``: onnxruntime-gpu; stage 3 on ResNet-50 fp16; stage 5 (host overhead); stage 4; then the
   table's conv sets.
-- ``compare``: stage 6 (PyTorch eager and torch.compile on BERT-base and ResNet-50, joined with the committed
-  bench files); it needs no onnxruntime-gpu, so no parts travel.
+- ``compare``: stage 6 (PyTorch eager and torch.compile on BERT-base and ResNet-50; ``torch_report.py`` joins
+  them with the committed bench files afterwards); it needs no onnxruntime-gpu, so no parts travel.
 
 Parts before the last only travel (a short stash call each): they are what a session pays for onnxruntime-gpu
 in more than one part, which is why the sm_90-only build in one part is the default (docs/device.md).
@@ -112,7 +112,8 @@ def _main_and_tail(session: str, part: str | None, main_s: int, tail_s: int) -> 
                               (".device",), tail_s))
     else:
         calls.append(Call("stage 6: BERT-base and ResNet-50 fp16 under PyTorch eager and torch.compile (dynamic, "
-                          "mark_dynamic, max-autotune), joined with the committed bench files",
+                          "mark_dynamic, max-autotune); benchmarks/torch_report.py joins them with the committed "
+                          "bench files afterwards",
                           ("--stage", "6", "--suites", "bert,resnet50"), carry, main_s))
     return calls
 
