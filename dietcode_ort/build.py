@@ -166,8 +166,10 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build_library(config: BuildConfig, dest: Path, jobs: int = 2) -> float:
-    """Compile and link into ``dest`` (atomically); returns the seconds it took."""
+def build_library(config: BuildConfig, dest: Path, jobs: int | None = None) -> float:
+    """Compile and link into ``dest`` (atomically), ``jobs`` sources at a time (default: one per core, up to
+    one per source); returns the seconds it took."""
+    jobs = jobs or min(len(config.sources), os.cpu_count() or 2)
     start = time.perf_counter()
     includes = ("-I", str(config.ort_include), "-I", str(config.cuda_include), "-I", str(source_dir()))
     with tempfile.TemporaryDirectory(prefix="dietcode_build_") as tmp:
@@ -336,7 +338,7 @@ def headers_version(ort_include: Path) -> str:
     return version_file.read_text().strip() if version_file.is_file() else "unknown"
 
 
-def build_packaged(dest_dir: Path, jobs: int = 2) -> PackagedBuild:
+def build_packaged(dest_dir: Path, jobs: int | None = None) -> PackagedBuild:
     """Build the library a platform wheel ships into ``dest_dir`` (``libdietcode_ort.so`` and
     ``build_info.json``), with the flags of every build; refuse one that links anything beyond the system C
     runtime (a manylinux wheel may not) or needs a libstdc++ symbol version (it is linked statically)."""
