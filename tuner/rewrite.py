@@ -373,14 +373,11 @@ def _drop_unread(graph: onnx.GraphProto, before: set[str]) -> None:
     dead = [n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
             and n.output and n.output[0] in before and n.output[0] not in after]
     gone |= {n.output[0] for n in dead}
-    if dead:
-        kept = [n for n in graph.node if not any(n is d for d in dead)]
-        del graph.node[:]
-        graph.node.extend(kept)
-    kept_inits = [t for t in graph.initializer if t.name not in gone]
-    if len(kept_inits) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept_inits)
+    # deleted by index: rebuilding a repeated field copies every message kept (BERT-base's weights: 0.2 s a call)
+    for i in reversed([i for i, n in enumerate(graph.node) if any(n is d for d in dead)]):
+        del graph.node[i]
+    for i in reversed([i for i, t in enumerate(graph.initializer) if t.name in gone]):
+        del graph.initializer[i]
     _drop_inputs(graph, gone)
     made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | \
         {t.name for t in graph.initializer}
