@@ -102,6 +102,15 @@ def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
     out, result = convs_as_2d(model)
     assert result.converted == ("a", "c")
     assert result.notes == (("d", "grouped conv (group=2): stays 1-D, and is not tuned"),)
+    same = _model([helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER", strides=[2])],
+                  [_w("w", (4, 4, 3))])
+    kept, noted = convs_as_2d(same)
+    assert [n.op_type for n in kept.graph.node] == ["Conv"] and list(kept.graph.initializer[0].dims) == [4, 4, 3]
+    assert noted.notes == (("y", "auto_pad=SAME_UPPER at stride 2 (its pads change with the length): stays 1-D, "
+                                 "and is not tuned"),)
+    assert [s.reason for s in scan_model(kept).skipped] == [
+        "a 1-D convolution is tuned (as a 2-D one) only with group 1, a constant weight and, at a stride above 1, "
+        "explicit pads (not auto_pad SAME)"]
     weights = {t.name: list(t.dims) for t in out.graph.initializer if t.name.startswith("w")}
     assert weights == {"w_2d": [4, 4, 1, 3], "w_2d1": [4, 4, 1, 3], "wg": [4, 2, 3]}
     _agree(model, out, lengths=(3, 5, 16, 33))

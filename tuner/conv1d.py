@@ -15,7 +15,8 @@ Squeeze only relabel the dims (ORT runs them without a copy). An elementwise act
 rewrite moves it after the fused node.
 
 A Conv is left as it is, with the reason in ``Conv1dResult.notes``, when its weight is not a constant
-initializer or its ``group`` is not 1 (the scanner would refuse the 2-D form for the same reasons). ``optimize``
+initializer, its ``group`` is not 1, or its ``auto_pad`` is SAME at a stride above 1 (the scanner would refuse
+the 2-D form for the same reasons; a SAME conv's pads then follow the length, dynamic in such models). ``optimize``
 and ``scan`` run it before scanning; running it twice changes nothing more.
 """
 from __future__ import annotations
@@ -95,9 +96,14 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
         if not any(node is c for c in convs):
             rebuilt.append(node)
             continue
-        group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        if group != 1:
-            notes.append((node.output[0], f"grouped conv (group={group}): stays 1-D, and is not tuned"))
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        group, auto_pad = attrs.get("group", 1), attrs.get("auto_pad", b"NOTSET")
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+        why = f"grouped conv (group={group})" if group != 1 else \
+            f"auto_pad={auto_pad} at stride {attrs['strides'][0]} (its pads change with the length)" \
+            if auto_pad.startswith("SAME") and max(attrs.get("strides", [1])) > 1 else ""
+        if why:  # the scanner would leave the 2-D form alone too: no Unsqueeze/Squeeze around an untuned Conv
+            notes.append((node.output[0], f"{why}: stays 1-D, and is not tuned"))
             rebuilt.append(node)
             continue
         label = node.name or node.output[0]

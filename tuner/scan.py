@@ -875,7 +875,8 @@ def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
     x, w = node.input[0], node.input[1]
     sx, sw = _shape(g, x, "input"), _shape(g, w, "weight")
     if len(sx) == 3:  # tuner/conv1d.py writes the others as 2-D ones
-        raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with group 1 and a constant weight")
+        raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with group 1, a constant weight and, at "
+                      "a stride above 1, explicit pads (not auto_pad SAME)")
     if len(sx) != 4:
         raise _Refuse(f"only 1-D and 2-D convolutions (NCL, NCHW) are supported, input has rank {len(sx)}")
     if w not in g.inits:
