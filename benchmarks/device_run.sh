@@ -189,6 +189,24 @@ stage_limit() {  # stage_limit STAGE MAX: what the stage may use of the time lef
   echo "$lim"
 }
 
+# skipped_without_ort STAGE STEP: for the stages that need onnxruntime-gpu's CUDA EP (3, 5), record and say why
+# they cannot run on this machine and return 0; return 1 when they can
+skipped_without_ort() {
+  local reason text
+  if [ "$ort_gpu" = 1 ] && [ -f "$work/ortgpu-check-failed" ]; then
+    reason="onnxruntime-gpu failed its check"
+    text="onnxruntime-gpu failed its check on this machine ($(cut -d' ' -f2 "$work/ortgpu-check-failed"))"
+  elif [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
+    reason="onnxruntime-gpu not installed"
+    text="onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
+  else
+    return 1
+  fi
+  log "stage $1: SKIPPED: $text"
+  json_line "$work/steps.jsonl" call="$call" stage="$1" step="$2" rc=null seconds=0 limit="$lim" \
+    timed_out=false skipped=true reason="$reason"
+}
+
 json_line "$work/calls.jsonl" call="$call" command="$(printf '%q ' "${ARGV[@]}")" dry_run="$dry" \
   stages="$stages" ortgpu="$ortgpu" deadline="$deadline" provider="$provider" device_slug="$slug" \
   date="$(date -u +%Y-%m-%dT%H:%M:%SZ)" root="$ROOT"
@@ -296,15 +314,7 @@ if has_stage 3; then
   else
     suite_args=(--provider cuda --dtype float16 --optimize-arg=--measure=gpu --optimize-arg=--budget="$budget")
   fi
-  if [ "$ort_gpu" = 1 ] && [ -f "$work/ortgpu-check-failed" ]; then
-    log "stage 3: SKIPPED: onnxruntime-gpu failed its check on this machine ($(cut -d' ' -f2 "$work/ortgpu-check-failed"))"
-    json_line "$work/steps.jsonl" call="$call" stage=3 step="suites $suites" rc=null seconds=0 limit="$lim" \
-      timed_out=false skipped=true reason="onnxruntime-gpu failed its check"
-  elif [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
-    log "stage 3: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
-    json_line "$work/steps.jsonl" call="$call" stage=3 step="suites $suites" rc=null seconds=0 limit="$lim" \
-      timed_out=false skipped=true reason="onnxruntime-gpu not installed"
-  else
+  if ! skipped_without_ort 3 "suites $suites"; then
     for i in "${!names[@]}"; do
       share=$(( (lim - (SECONDS - t3)) / (${#names[@]} - i) ))
       step 3 "suite ${names[$i]}" "$share" "$s3/${names[$i]}.log" -- \
@@ -325,15 +335,7 @@ if has_stage 5; then
   else
     overhead_args=(--provider cuda --measure gpu --nodes 200 --warmup 50 --rounds 15 --runs 20)
   fi
-  if [ "$ort_gpu" = 1 ] && [ -f "$work/ortgpu-check-failed" ]; then
-    log "stage 5: SKIPPED: onnxruntime-gpu failed its check on this machine ($(cut -d' ' -f2 "$work/ortgpu-check-failed"))"
-    json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
-      timed_out=false skipped=true reason="onnxruntime-gpu failed its check"
-  elif [ "$dry" = 0 ] && [ "$ort_gpu" = 0 ]; then
-    log "stage 5: SKIPPED: onnxruntime-gpu is not installed on this machine (it started fresh?): the parts calls come first"
-    json_line "$work/steps.jsonl" call="$call" stage=5 step="host overhead" rc=null seconds=0 limit="$lim" \
-      timed_out=false skipped=true reason="onnxruntime-gpu not installed"
-  else
+  if ! skipped_without_ort 5 "host overhead"; then
     step 5 "host overhead" "$lim" "$s5/host-overhead.log" -- \
       "$PY" -m benchmarks.host_overhead --work "$work/host-overhead" --out "$s5/host-overhead.txt" \
       --label "device_run call $call" "${overhead_args[@]}"

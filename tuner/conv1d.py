@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
-from tuner.scan import GraphLinks
+from tuner.scan import GraphLinks, conv_auto_pad
 
 __all__ = ["Conv1dResult", "convs_as_2d"]
 
@@ -92,13 +92,13 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
         axes = names("dietcode_axis_2")
         graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), axes))
     converted, notes, rebuilt = [], [], []
+    one_d = {id(c) for c in convs}
     for node in graph.node:
-        if not any(node is c for c in convs):
+        if id(node) not in one_d:
             rebuilt.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        group, auto_pad = attrs.get("group", 1), attrs.get("auto_pad", b"NOTSET")
-        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+        group, auto_pad = attrs.get("group", 1), conv_auto_pad(attrs)
         why = f"grouped conv (group={group})" if group != 1 else \
             f"auto_pad={auto_pad} at stride {attrs['strides'][0]} (its pads change with the length)" \
             if auto_pad.startswith("SAME") and max(attrs.get("strides", [1])) > 1 else ""

@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
-from tuner.scan import GraphLinks, node_reads
+from tuner.scan import MOVABLE, GraphLinks, node_reads
 from tuner.workload import Workload
 
 __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model", "model_to_edit"]
@@ -116,10 +116,6 @@ def _node_attributes(node: onnx.NodeProto) -> dict:
 
 def _label(node: onnx.NodeProto) -> str:
     return repr(node.name) if node.name else f"{node.op_type} node making {node.output[0]!r}"
-
-
-# what an activation may be fused from behind (tuner.scan's _activation_after_reshape): moved after the custom node
-_MOVED = ("Reshape", "Squeeze")
 
 
 @dataclass(frozen=True)
@@ -233,7 +229,7 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
-    moved = next((f for _, f in absorbed if f.op_type in _MOVED and f.domain in ("", "ai.onnx")), None)
+    moved = next((f for _, f in absorbed if f.op_type in MOVABLE and f.domain in ("", "ai.onnx")), None)
     if moved is not None and (w.epilogue.residual or w.epilogue.activation == "none"
                               or absorbed[int(scaled) + int(bias is not None and node.op_type == "MatMul")][1]
                               is not moved):
@@ -281,7 +277,7 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         return consts[x]
 
     for j, f in enumerate(absorbed):
-        if f.op_type in _MOVED:  # moved after the custom node: the activation reads its input
+        if f.op_type in MOVABLE:  # moved after the custom node: the activation reads its input
             names[f.output[0]] = made(f.input[0])
             continue
 

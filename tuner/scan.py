@@ -31,7 +31,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 _log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
-           "scan_command", "attention_report", "node_reads", "GraphLinks"]
+           "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -713,6 +713,17 @@ def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[on
     return "none", []
 
 
+# the shape-only ops an activation is fused from behind (_activation_after_reshape); the rewrite moves them after
+# the fused node
+MOVABLE = ("Reshape", "Squeeze")
+
+
+def conv_auto_pad(at: Mapping[str, Any]) -> str:
+    """A Conv's auto_pad attribute (from ``_attrs``, which gives a STRING as bytes) as text."""
+    auto = at.get("auto_pad", "NOTSET")
+    return auto.decode() if isinstance(auto, bytes) else str(auto)
+
+
 def _activation_after_reshape(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[onnx.NodeProto]]:
     """An activation after a Reshape or Squeeze that alone reads ``x`` (GPT-2's Conv1D exports as Reshape ->
     Gemm -> Reshape, the FFN's Gelu after the second Reshape; a 1-D conv written as a 2-D one, tuner/conv1d.py,
@@ -720,7 +731,7 @@ def _activation_after_reshape(g: _Graph, x: str, refused: list[Skipped]) -> tupl
     commutes with it, so the kernel applies it and the rewrite moves the Reshape after the fused node. Its
     constants must keep ``x``'s rank too (the fused node computes on ``x``)."""
     reshape = g.exclusive_consumer(x)
-    if not _default_domain(reshape, "Reshape", "Squeeze"):
+    if not _default_domain(reshape, *MOVABLE):
         return "none", []
     assert reshape is not None
     seen: list[Skipped] = []
@@ -768,7 +779,7 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     if not act_nodes:  # GPT-2's Conv1D: Gemm -> Reshape (back to [batch, seq, n]) -> the activation; Squeeze
         activation, act_nodes = _activation_after_reshape(g, out, refused)
     residual = residual_first = residual_mul = False
-    if allow_residual and not (act_nodes and act_nodes[0].op_type in ("Reshape", "Squeeze")):
+    if allow_residual and not (act_nodes and act_nodes[0].op_type in MOVABLE):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
         if add is None and act_nodes:  # silu(x @ Wg) * (x @ Wu): the up-projection's output multiplies
@@ -840,8 +851,7 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[in
     (UPPER) or the start (LOWER). That total depends on the input size unless the stride is 1 or the size is
     fixed: a SAME conv over a dynamic dim with a larger stride is refused, and so is one with dilations
     (onnxruntime's Conv refuses it)."""
-    auto = at.get("auto_pad", "NOTSET")
-    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    auto = conv_auto_pad(at)
     if auto == "NOTSET":
         pads = list(at.get("pads", (0, 0, 0, 0)))
         if len(pads) != 4:
@@ -854,11 +864,11 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[in
     if any(d != 1 for d in dilations):  # ORT's Conv refuses them ('Dilation not supported for AutoPadType')
         raise _Refuse(f"Conv auto_pad={auto} with dilations {list(dilations)}: onnxruntime does not run it either")
     begins, ends = [], []
-    for axis, (k, s, d, size) in enumerate(zip(kernel, strides, dilations, spatial)):
+    for axis, (k, s, size) in enumerate(zip(kernel, strides, spatial)):
         if s == 1:
-            total = (k - 1) * d
+            total = k - 1
         elif isinstance(size, int):
-            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            total = max((-(-size // s) - 1) * s + k - size, 0)
         else:
             raise _Refuse(f"Conv auto_pad={auto} with stride {s} over the dynamic dim {size!r} (axis {axis + 2}): its "
                           "pads change with the input size (export with explicit pads)")
