@@ -135,12 +135,9 @@ def plan(nparts: int, session: str, time: DeviceTime = DeviceTime()) -> list[Cal
     if left < MIN_MAIN_S:
         raise PlanError(f"{time.device_s} s of device time leave {left} s for the {session} session's main call "
                         f"after {len(calls)} stash call(s): it needs {MIN_MAIN_S} s (fewer parts: --ort sm90)")
-    main = min(left, time.longest_deadline)
-    if session != "compare":  # compare is one call; the others give the second call its share
-        main = max(min(main, left - int(left * TAIL_SHARE)), left - time.longest_deadline - time.per_call_s)
-        main = min(main, time.longest_deadline)
+    main = min(left - int(left * TAIL_SHARE), time.longest_deadline)  # the second call takes the rest
     tail = min(left - main - time.per_call_s, time.longest_deadline)
-    if session == "compare" or tail < MIN_TAIL_S:
+    if session == "compare" or tail < MIN_TAIL_S:  # compare is one call
         main, tail = min(left, time.longest_deadline), 0
     part = f".ortgpu/p{nparts}" if nparts else None
     return calls + _main_and_tail(session, part, main, tail)
