@@ -133,6 +133,7 @@ struct Kernel {
   // queries; only with the mask) and NAN_TO_ZERO (epilogue flags bits 1, 2)
   uint32_t head_dim = 0;
   bool mask_rows = false, nan_to_zero = false;
+  bool grouped = false;  // conv kernels: compiled for a grouped conv (the epilogue flags' bit 3)
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile

@@ -20,7 +20,9 @@ constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
 constexpr uint32_t kVersion = 9;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                   // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                   // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
-                                  // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md)
+                                  // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
+                                  // its bit 3 (grouped conv kernels) came later in format 9: a library older
+                                  // than C ABI 11 refuses such a bundle at that flag
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -34,6 +36,7 @@ constexpr uint32_t kArchSpecific = 1;
 constexpr uint8_t kEpilogueResidualMul = 1;  // the kernel record's epilogue flags: the residual multiplies (format 9)
 constexpr uint8_t kEpilogueMaskRows = 2;  // attention: the mask varies along the queries (MASK_ROWS)
 constexpr uint8_t kEpilogueNanToZero = 4;  // attention: a row with no finite score gives 0 (NAN_TO_ZERO)
+constexpr uint8_t kEpilogueGrouped = 8;    // conv: compiled for a grouped conv, its group from the grid's z
 constexpr uint32_t kMaxHeadDim = 256;  // an attention kernel's HEAD_DIM (tuner/attention.py MAX_HEAD_DIM)
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -216,7 +219,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
         k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.residual_mul || k.tf32 || k.layout || k.persistent ||
-        k.head_dim || k.mask_rows || k.nan_to_zero || !k.ptx_toolchain.empty() ||
+        k.head_dim || k.mask_rows || k.nan_to_zero || k.grouped || !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
@@ -288,6 +291,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     Fail(where + ": residual_mul multiplies an activation's result by a residual, and the kernel takes " +
          (!seen[kResidual] ? "no residual" : k.activation == 0 ? "no activation" : "it before the activation"));
   }
+  if (k.grouped && !seen[kImgH]) Fail(where + ": grouped applies to conv kernels only");
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
   static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
@@ -407,12 +411,13 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.ptx_scratch_align = sub.Get<uint32_t>("PTX scratch align");
     CheckScratch(k.ptx_scratch_size, k.ptx_scratch_align, "kernel " + std::to_string(index) + ": PTX");
     const uint8_t epilogue = sub.Get<uint8_t>("epilogue flags");
-    if (epilogue & ~(kEpilogueResidualMul | kEpilogueMaskRows | kEpilogueNanToZero)) {
+    if (epilogue & ~(kEpilogueResidualMul | kEpilogueMaskRows | kEpilogueNanToZero | kEpilogueGrouped)) {
       Fail("kernel " + std::to_string(index) + ": epilogue flags " + std::to_string(epilogue) + " invalid");
     }
     k.residual_mul = epilogue & kEpilogueResidualMul;
     k.mask_rows = epilogue & kEpilogueMaskRows;
     k.nan_to_zero = epilogue & kEpilogueNanToZero;
+    k.grouped = epilogue & kEpilogueGrouped;
     k.head_dim = sub.Get<uint32_t>("head_dim");
     sub.Done();
     r.Seek(start + record);

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 10  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9)
+#define DC_ABI_VERSION 11  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9); 11: grouped conv kernels (dc_bundle_kernel_grouped; dc_abi_view's conv view takes group > 1 as batch = group)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -112,6 +112,11 @@ int dc_bundle_kernel_residual_first(const dc_bundle* bundle, int32_t k);
 // set only on kernels taking the residual and an activation, never with residual_first: act(alpha * acc + bias) *
 // residual, op types like MatMulSiluMul, LLaMA's SwiGLU gate): 1 or 0; -1 for an out-of-range kernel id.
 int dc_bundle_kernel_residual_mul(const dc_bundle* bundle, int32_t k);
+
+// Whether conv kernel k was compiled for a grouped conv (the kernel record's epilogue flags bit 3): it computes
+// group program_id(2) of batch = group (dc_abi_view's conv view), so a node with group > 1 runs only such
+// kernels; 1 or 0; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_grouped(const dc_bundle* bundle, int32_t k);
 
 // Kernel k's programs per SM (the kernel record's persistent byte, docs/abi.md): n > 0 for a persistent gemm or
 // bmm kernel launched as min(tiles x batch, SMs x n) programs that loop over the tiles, 0 for one program per

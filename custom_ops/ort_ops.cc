@@ -274,6 +274,12 @@ class DietcodeKernel {
     conv_geometry_.assign(n_kernels_, {});
     for (int32_t k = 0; k < n_kernels_; ++k) {
       dc_bundle_kernel_built_for(bundle_.get(), k, nullptr, nullptr, nullptr, conv_geometry_[k].data());
+      // a grouped conv launches group programs along z: only a kernel compiled for one computes its group there
+      if (spec_.base == BaseOp::kConv && conv_.group > 1 && dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          dc_bundle_kernel_grouped(bundle_.get(), k) != 1) {
+        Throw("bundle kernel " + std::to_string(k) + " was compiled for an ungrouped conv, the node has group " +
+              std::to_string(conv_.group) + ": optimize the original model again");
+      }
     }
   }
 
@@ -494,7 +500,7 @@ class DietcodeKernel {
       abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
     } else {
       const std::array<int32_t, 9>& g = conv_geometry_[k];
-      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] != g[0] ||
+      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] * conv_.group != g[0] ||
           shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
         Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
               " was compiled for");

@@ -231,13 +231,14 @@ bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& a
 }
 
 bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args) {
-  if (x.size() != 4 || attrs.group != 1) return false;
-  const int64_t m = out[0] * out[2] * out[3], n = w[0], k = w[1] * w[2] * w[3];
-  for (int64_t v : {m, n, k, x[0], x[2], x[3], out[2], out[3]}) {
+  // a grouped conv: `group` GEMMs of one group's output channels and reduction, the group the grid's z (batch)
+  if (x.size() != 4 || attrs.group < 1 || w[0] % attrs.group != 0) return false;
+  const int64_t m = out[0] * out[2] * out[3], n = w[0] / attrs.group, k = w[1] * w[2] * w[3];
+  for (int64_t v : {m, n, k, x[0], x[2], x[3], out[2], out[3], attrs.group}) {
     if (!FitsInt32(v)) return false;
   }
   args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
-  args->batch = 1;
+  args->batch = static_cast<int32_t>(attrs.group);
   args->img_n = static_cast<int32_t>(x[0]), args->img_h = static_cast<int32_t>(x[2]), args->img_w = static_cast<int32_t>(x[3]);
   args->out_h = static_cast<int32_t>(out[2]), args->out_w = static_cast<int32_t>(out[3]);
   return true;

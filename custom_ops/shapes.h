@@ -65,9 +65,11 @@ bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* ou
 int64_t NumElements(const Shape& shape);
 
 // Fill the scalar part of dc_launch_args for a compiled kernel; false when the ABI cannot express this
-// shape (e.g. general batch broadcasting, transA, alpha != 1, grouped conv), meaning: run the vendor kernel.
+// shape (e.g. general batch broadcasting, transA, alpha != 1, a conv that is not 2-D), meaning: run the vendor
+// kernel.
 bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is_batched, dc_launch_args* args);
 bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& attrs, dc_launch_args* args);
+// (a grouped conv: one group's N and K, batch = group)
 bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args);
 
 }  // namespace dietcode

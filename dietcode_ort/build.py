@@ -39,14 +39,15 @@ __all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_di
            "C_ABI_VERSION", "PACKAGED_DIR", "PackagedBuild", "packaged_library", "packaged_build",
            "prebuilt_library", "LibraryNeeds", "library_needs", "build_packaged"]
 
-C_ABI_VERSION = 10  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
+C_ABI_VERSION = 11  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
 # 8: persistent kernels: dc_launch_args.sm_count, dc_kernel_grid, dc_cuda_sm_count; the packed QKV attention layout;
 # 9: the residual before the activation: dc_bundle_kernel_residual_first, dc_epilogue.residual_first;
 # 10: activations 3 gelu_tanh, 4 silu, 5 relu6 in the plans, dc_epilogue and dc_bundle_check_node; the residual
 # multiplied after the activation: dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul; attention kernels'
 # HEAD_DIM, MASK_ROWS and NAN_TO_ZERO: dc_bundle_kernel_attention, dc_bundle_check_attention (was
 # dc_bundle_check_layout), which also checks the node's head_dim, mask_rows and nan_to_zero, and per launch:
-# dc_launch_args.head_dim, last, dc_kernel_fit code 9)
+# dc_launch_args.head_dim, last, dc_kernel_fit code 9; 11: grouped conv kernels: dc_bundle_kernel_grouped, and
+# dc_abi_view's conv view of a node with group > 1: one group's N and K, batch = group)
 _REPO = Path(__file__).resolve().parents[1]
 # Where a platform wheel carries the library (setup.py builds it there); absent in a source checkout.
 PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"

@@ -19,7 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
@@ -63,7 +63,8 @@ ACTIVATION_CODES: tuple[str, ...] = ("none", "relu", "gelu", "gelu_tanh", "silu"
 ACTIVATION_OP_NAMES: tuple[str, ...] = ("", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6")
 # A conv kernel's geometry (its constexprs), in the payload's order, with the allowed ranges.
 CONV_FIELDS: tuple[str, ...] = ("CHANNELS", "KH", "KW", "STRIDE_H", "STRIDE_W", "PAD_H", "PAD_W", "DIL_H", "DIL_W")
-_CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
+# each CONV_FIELDS value's range (inclusive) in a kernel record; the scanner leaves a conv outside it untouched
+CONV_RANGES = ((1, 1 << 20), (1, 64), (1, 64), (1, 64), (1, 64), (0, 1024), (0, 1024), (1, 64), (1, 64))
 VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 # a kernel taking the residual that adds it before the activation (RESIDUAL_FIRST: act(alpha * acc + bias +
 # residual)); clear: after it. Bit 0 was format 5's zero_output (atomic split-K into a zeroed output).
@@ -82,6 +83,10 @@ EPILOGUE_RESIDUAL_MUL = 1
 # attention kernel's HEAD_DIM (0 for other kernels).
 EPILOGUE_MASK_ROWS = 2
 EPILOGUE_NAN_TO_ZERO = 4
+# bit 3 of the epilogue flags: a conv kernel compiled for a grouped conv (ConvParams.groups > 1), computing group
+# program_id(2) of the launch's batch = group; a node with group > 1 runs only such kernels (added within format
+# 9: a library older than C ABI 11 refuses a bundle with it)
+EPILOGUE_GROUPED = 8
 MAX_HEAD_DIM = 256  # tuner/attention.py's MAX_HEAD_DIM
 LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD", "QKV_PACKED")  # bit 0..4 of ``layout``
 _PACKED_QKV = 0b10111  # packed (bit 4) comes with Q, K and V (bits 0..2)
@@ -189,6 +194,7 @@ class BundleKernel:
     head_dim: int = 0
     mask_rows: bool = False
     nan_to_zero: bool = False
+    grouped: bool = False  # conv kernels only: compiled for a grouped conv (EPILOGUE_GROUPED)
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
@@ -311,6 +317,7 @@ class BundleKernel:
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
                     or self.residual_first or self.residual_mul or self.head_dim or self.mask_rows or self.nan_to_zero
+                    or self.grouped
                     or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
@@ -403,9 +410,11 @@ class BundleKernel:
         if not math.isfinite(self.alpha) or self.alpha == 0.0 or _float32(self.alpha) != self.alpha:
             raise _fail(f"{where}: alpha {self.alpha!r} is not a finite, non-zero float32")
         conv = self.conv or (0,) * len(CONV_FIELDS)
+        if self.grouped and "img_h" not in self.params:
+            raise _fail(f"{where}: grouped applies to conv kernels only")
         if len(conv) != len(CONV_FIELDS):
             raise _fail(f"{where}: conv geometry needs {len(CONV_FIELDS)} values {CONV_FIELDS}, got {len(conv)}")
-        for i, (v, (lo, hi)) in enumerate(zip(conv, _CONV_RANGES)):
+        for i, (v, (lo, hi)) in enumerate(zip(conv, CONV_RANGES)):
             if not ((lo <= v <= hi) if "img_h" in self.params else v == 0):
                 raise _fail(f"{where}: conv geometry field {i} = {v} invalid")
         if len(self.images) > LIMITS["images"]:
@@ -473,6 +482,7 @@ def _built_for(compiled: Any) -> dict[str, Any]:
     conv = getattr(compiled, "conv", None)
     if conv is not None:
         out["conv"] = (conv.in_channels, *conv.kernel, *conv.strides, conv.pads[0], conv.pads[1], *conv.dilations)
+        out["grouped"] = getattr(conv, "groups", 1) > 1
     return out
 
 
@@ -817,7 +827,8 @@ class Bundle:
             body += struct.pack("<Q", len(ptx)) + ptx + k.ptx_toolchain.encode() + struct.pack("<II", *k.ptx_scratch)
             body += struct.pack("<BI", (EPILOGUE_RESIDUAL_MUL if k.residual_mul else 0)
                                 | (EPILOGUE_MASK_ROWS if k.mask_rows else 0)
-                                | (EPILOGUE_NAN_TO_ZERO if k.nan_to_zero else 0), k.head_dim)
+                                | (EPILOGUE_NAN_TO_ZERO if k.nan_to_zero else 0)
+                                | (EPILOGUE_GROUPED if k.grouped else 0), k.head_dim)
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 

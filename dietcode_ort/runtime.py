@@ -561,6 +561,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_attention.restype = i32
     lib.dc_bundle_kernel_residual_mul.argtypes = [vp, i32]
     lib.dc_bundle_kernel_residual_mul.restype = i32
+    lib.dc_bundle_kernel_grouped.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_grouped.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -681,7 +683,8 @@ class CoreBundle:
         causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
         layout, persistent = lib.dc_bundle_kernel_layout(h, k), lib.dc_bundle_kernel_persistent(h, k)
         residual_first, residual_mul = lib.dc_bundle_kernel_residual_first(h, k), lib.dc_bundle_kernel_residual_mul(h, k)
-        if causal < 0 or tf32 < 0 or layout < 0 or persistent < 0 or residual_first < 0 or residual_mul < 0:
+        grouped = lib.dc_bundle_kernel_grouped(h, k)
+        if min(causal, tf32, layout, persistent, residual_first, residual_mul, grouped) < 0:
             raise DietcodeError(self.core.error())
         head_dim, mask_rows, nan_to_zero = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
         if lib.dc_bundle_kernel_attention(h, k, ctypes.byref(head_dim), ctypes.byref(mask_rows),
@@ -694,7 +697,7 @@ class CoreBundle:
             num_warps=meta.num_warps, shared=meta.shared, block_m=meta.block_m, block_n=meta.block_n,
             split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout, persistent=persistent,
             residual_first=bool(residual_first), residual_mul=bool(residual_mul), head_dim=head_dim.value,
-            mask_rows=bool(mask_rows.value), nan_to_zero=bool(nan_to_zero.value),
+            mask_rows=bool(mask_rows.value), nan_to_zero=bool(nan_to_zero.value), grouped=bool(grouped),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))

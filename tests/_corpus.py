@@ -557,8 +557,6 @@ def _exports(name: str, dtype: str = "float32", tuned=TEXT_TUNED, probes=TEXT_PR
     return cases
 
 
-GROUPED = "grouped conv"
-
 CASES: tuple[Case, ...] = tuple(
     _exports("bert") + _exports("distilbert") + _exports("gpt2") + _exports("llama")
     + _exports("llama", "float16")
@@ -569,9 +567,9 @@ CASES: tuple[Case, ...] = tuple(
     + _exports("vit", "float16", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("whisper-encoder", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("resnet18", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
-    # MobileNetV2 through TorchScript only: its dynamo export alone takes half a minute on two cores
-    + _exports("mobilenet-v2", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, left_alone=(GROUPED,), text=False,
-               dynamo=False)
+    # MobileNetV2 through TorchScript only: its dynamo export alone takes half a minute on two cores. Every conv
+    # is tuned, its depthwise ones as a batch of their groups.
+    + _exports("mobilenet-v2", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False, dynamo=False)
     # optimum's dim names at an opset below 20, where Gelu is exported in its Erf form (a fusion candidate)
     + [Case("bert-opset17-torchscript", "bert", "torchscript", tuned=TEXT_TUNED, probes=TEXT_PROBES, opset=17,
             dim_names={"batch": "batch_size", "sequence": "sequence_length"}),

@@ -73,6 +73,13 @@ CASES: tuple[FakeCase, ...] = (
     # a 1-D conv as tuner/conv1d.py writes it: height 1, kernel 1 x 3, strides (1, 2), pads only along the width
     FakeCase("conv1d_height1_bias_gelu", "conv", (32, 32, 32, 4, 2), {"x": (2, 4, 1, 37), "w": (8, 4, 1, 3)},
              bias=True, activation="gelu", conv=(4, 8, (1, 3), (1, 2), (0, 1, 0, 1))),
+    # grouped convs: the launch's grid z is the group count, N and K one group's. A depthwise 3x3 with a channel
+    # multiplier of 2 (12 groups of 1 input and 2 output channels), and 4 groups of 3 -> 4 channels whose
+    # 36-long reduction is split in 4 (the workspace holds a partial tile per group, tile and split)
+    FakeCase("conv_depthwise_bias_relu", "conv", (32, 16, 16, 4, 2), {"x": (2, 12, 9, 7), "w": (24, 1, 3, 3)},
+             bias=True, activation="relu", conv=(12, 24, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 12)),
+    FakeCase("conv_grouped_split_k", "conv", (32, 16, 16, 4, 2, 8, 4), {"x": (1, 12, 8, 8), "w": (16, 3, 3, 3)},
+             bias=True, conv=(12, 16, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 4)),
     # compiled for sm_80 only: the sm_90 device JIT-compiles its PTX
     FakeCase("gemm_ptx_jit", "gemm", (32, 32, 32, 4, 2), {"a": (40, 48), "b": (48, 40)}, bias=True, target="sm_80"),
     FakeCase("attention_mask", "attention", (64, 64, 4, 2), {"q": (2, 3, 17, 16), "kt": (2, 3, 16, 17),
@@ -172,9 +179,11 @@ def _args(core: Any, case: FakeCase, bufs: dict[str, np.ndarray]) -> tuple[Any, 
         args = core.attention_view(s["q"], s["kt"], s["v"], s["mask"], head_dim=s["q"][-1])
         return args, s["q"]
     if case.op == "conv":
-        _, _, kernel, strides, pads = case.conv
+        from tuner.workload import ConvParams
+
+        conv = ConvParams(*case.conv)
         args = core.abi_view("Conv", s["x"], s["w"], (s["w"][0],) if case.bias else None,
-                             ints=(*strides, *pads, 1, 1, 1))
+                             ints=(*conv.strides, *conv.pads, *conv.dilations, conv.groups))
         return args, (args.img_n, s["w"][0], args.out_h, args.out_w)
     args = core.abi_view("MatMul", s["a"], s["b"], batched=case.op == "bmm")
     out = np.broadcast_shapes(s["a"][:-2], s["b"][:-2]) + (s["a"][-2], s["b"][-1])
@@ -263,8 +272,9 @@ def interpret(case: FakeCase, bufs: dict[str, np.ndarray], workspace: np.ndarray
         want = reference_attention(t["q"], t["kt"], t["v"], mask=t["mask"], scale=case.alpha).double()
     else:
         if case.op == "conv":
-            _, _, _, strides, pads = case.conv
-            want = torch.nn.functional.conv2d(t["x"], t["w"], stride=strides, padding=pads[:2])
+            layer = ConvParams(*case.conv)
+            want = torch.nn.functional.conv2d(t["x"], t["w"], stride=layer.strides, padding=layer.pads[:2],
+                                              dilation=layer.dilations, groups=layer.groups)
             want = want + t["bias"][None, :, None, None] if case.bias else want
         else:
             want = case.alpha * torch.matmul(t["a"], t["b"])

@@ -123,6 +123,16 @@ CASES: tuple[Case, ...] = (
          dtype="bfloat16", activation="silu", residual=True, residual_mul=True),
     Case("gemm_gelu_mul", "gemm", (6, 24), (24, 17), ((16, 16, 16, 2, 2),), activation="gelu",
          residual=True, residual_mul=True),
+    # grouped convs (grid z = group): ResNeXt-style groups of 2 channels with a bias, split-K and a residual;
+    # depthwise (group = channels, one output channel per group) in fp16 with ReLU6 as in MobileNetV2, and
+    # dilated with a channel multiplier of 2 (two output channels per group)
+    Case("conv_grouped_bias_residual_splitk", "conv", (2, 8, 6, 5), (12, 2, 3, 3),
+         ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 2)), bias=True, activation="relu", residual=True,
+         residual_first=True, conv={"pads": (1, 1, 1, 1), "groups": 4}),
+    Case("conv_depthwise_stride2_relu6_fp16", "conv", (2, 6, 9, 8), (6, 1, 3, 3), ((16, 16, 16, 2, 2),),
+         dtype="float16", bias=True, activation="relu6", conv={"strides": (2, 2), "pads": (1, 1, 1, 1), "groups": 6}),
+    Case("conv_depthwise_multiplier2_dilated", "conv", (1, 3, 7, 7), (6, 1, 3, 3), ((16, 16, 16, 2, 2),),
+         conv={"pads": (2, 2, 2, 2), "dilations": (2, 2), "groups": 3}),
     Case("conv_bias_relu_mul", "conv", (2, 4, 6, 5), (7, 4, 3, 3), ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 2)),
          bias=True, activation="relu", residual=True, residual_mul=True, conv={"pads": (1, 1, 1, 1)}),
 )
@@ -137,7 +147,7 @@ def _reference(case: Case, a: Any, b: Any, bias: Any, residual: Any = None) -> A
     if case.op == "conv":
         top, left, bottom, right = case.conv.get("pads", (0, 0, 0, 0))
         y = F.conv2d(F.pad(a64, (left, right, top, bottom)), b64, bias64, stride=case.conv.get("strides", (1, 1)),
-                     dilation=case.conv.get("dilations", (1, 1)))
+                     dilation=case.conv.get("dilations", (1, 1)), groups=case.conv.get("groups", 1))
     else:
         y = case.alpha * torch.matmul(a64, b64.transpose(-1, -2) if case.trans_b else b64)
         if bias64 is not None:
@@ -176,7 +186,7 @@ def _run_case(case: Case) -> dict[str, Any]:
     bias = torch.randn(n_out, generator=gen).to(dtype) if case.bias else None
     conv = None
     if case.op == "conv":
-        conv = ConvParams(in_channels=case.b[1], out_channels=case.b[0], kernel=(case.b[2], case.b[3]), **case.conv)
+        conv = ConvParams(in_channels=case.a[1], out_channels=case.b[0], kernel=(case.b[2], case.b[3]), **case.conv)
     residual = None
     if case.residual and conv is not None:  # the output's [n, OC, OH, OW]
         top, left, bottom, right = conv.pads

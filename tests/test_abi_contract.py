@@ -55,7 +55,13 @@ def test_view_errors_are_clear() -> None:
         core.abi_view("MatMul", (3, 4), (5, 6))
     with pytest.raises(DietcodeError, match="allowed: MatMul, Gemm, Conv"):
         core.abi_view("Add", (3, 4), (4, 6))
-    assert core.abi_view("Conv", (1, 4, 8, 8), (4, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2)) is None  # grouped
+    # a grouped conv: one group's N and K, the groups along the grid's z (batch); a W whose output channels do
+    # not split into the groups is no conv ONNX runs, and a 1-D conv no view the template takes
+    grouped = core.abi_view("Conv", (2, 4, 8, 8), (6, 2, 3, 3), ints=(1, 1, 1, 1, 1, 1, 1, 1, 2))
+    assert grouped is not None
+    assert (grouped.M, grouped.N, grouped.K, grouped.batch) == (2 * 8 * 8, 3, 18, 2)
+    assert (grouped.img_n, grouped.img_h, grouped.img_w, grouped.out_h, grouped.out_w) == (2, 8, 8, 8, 8)
+    assert core.abi_view("Conv", (1, 4, 8, 8), (5, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2)) is None
 
 
 def test_attention_view_refuses_head_split_offsets_past_int32() -> None:

@@ -631,7 +631,8 @@ def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -
     _refused(core, with_epilogue_flags(_kernel("k", **gemm), 1), "and the kernel takes no activation")  # type: ignore[arg-type]
     _refused(core, with_epilogue_flags(_kernel("k", residual_first=True, activation="relu", **gemm), 1),  # type: ignore[arg-type]
              "and the kernel takes it before the activation")
-    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 8), "epilogue flags 8 invalid")  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 16), "epilogue flags 16 invalid")  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 8), "grouped applies to conv kernels only")  # type: ignore[arg-type]
     for bad, why in ((_kernel("k", residual_mul=True, **gemm), "takes no activation"),  # type: ignore[arg-type]
                      (_kernel("k", residual_mul=True, activation="silu"), "takes no residual"),
                      (_kernel("k", residual_mul=True, residual_first=True, activation="silu", **gemm),  # type: ignore[arg-type]
@@ -640,6 +641,22 @@ def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -
             Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
     with pytest.raises(DietcodeError, match="a vendor kernel carries no"):
         Bundle((), (replace(BundleKernel.vendor(), residual_mul=True),), DispatchTree.single(0)).to_bytes()
+
+
+def test_grouped_flag_round_trips_on_conv_kernels_only(core) -> None:
+    """Epilogue flags bit 3 marks a conv kernel compiled for a grouped conv (its group from the grid's z): it round
+    trips through the C reader and the accessor; a gemm kernel or a vendor kernel with it is refused."""
+    conv = dict(params=("a", "b", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"), conv=(8, 3, 3, 1, 1, 1, 1, 1, 1))
+    for grouped in (True, False):
+        kernel = _kernel("k", grouped=grouped, **conv)  # type: ignore[arg-type]
+        data = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
+        assert read_bundle(data).kernels[0] == kernel
+        assert core.lib.dc_bundle_kernel_grouped(core.parse(data).handle, 0) == int(grouped)
+    assert core.lib.dc_bundle_kernel_grouped(core.parse(data).handle, 1) == -1
+    with pytest.raises(DietcodeError, match="grouped applies to conv kernels only"):
+        Bundle((), (_kernel("k", grouped=True),), DispatchTree.single(0)).to_bytes()
+    with pytest.raises(DietcodeError, match="a vendor kernel carries no"):
+        Bundle((), (replace(BundleKernel.vendor(), grouped=True),), DispatchTree.single(0)).to_bytes()
 
 
 def test_attention_and_causal_flags_need_their_kernels(core) -> None:

@@ -91,7 +91,8 @@ def test_dilations_and_auto_pad_carry_over(conv2, pads):
 
 def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
     """A weight read by two convs gets a 2-D copy for each (the 1-D one goes once nothing reads it), and an IR 3
-    model's initializer listed as a graph input gets the new dims there too; a grouped conv stays 1-D."""
+    model's initializer listed as a graph input gets the new dims there too; a grouped conv is converted as well
+    (wav2vec2's positional conv) and scanned as a batch of its groups."""
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["a"], pads=[1, 1]),
              helper.make_node("Conv", ["x", "w"], ["c"], pads=[2, 0]),
              helper.make_node("Conv", ["a", "wg"], ["d"], group=2, pads=[1, 1]),
@@ -100,8 +101,7 @@ def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
              *(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s0", [0]), ("s1", [2]), ("ax", [1])))]
     model = _model(nodes, inits)
     out, result = convs_as_2d(model)
-    assert result.converted == ("a", "c")
-    assert result.notes == (("d", "grouped conv (group=2): stays 1-D, and is not tuned"),)
+    assert result.converted == ("a", "c", "d") and result.notes == ()
     same = _model([helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER", strides=[2])],
                   [_w("w", (4, 4, 3))])
     kept, noted = convs_as_2d(same)
@@ -109,13 +109,15 @@ def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
     assert noted.notes == (("y", "auto_pad=SAME_UPPER at stride 2 (its pads change with the length): stays 1-D, "
                                  "and is not tuned"),)
     assert [s.reason for s in scan_model(kept).skipped] == [
-        "a 1-D convolution is tuned (as a 2-D one) only with group 1, a constant weight and, at a stride above 1, "
-        "explicit pads (not auto_pad SAME)"]
+        "a 1-D convolution is tuned (as a 2-D one) only with a constant weight and, at a stride above 1, explicit "
+        "pads (not auto_pad SAME)"]
     weights = {t.name: list(t.dims) for t in out.graph.initializer if t.name.startswith("w")}
-    assert weights == {"w_2d": [4, 4, 1, 3], "w_2d1": [4, 4, 1, 3], "wg": [4, 2, 3]}
+    assert weights == {"w_2d": [4, 4, 1, 3], "w_2d1": [4, 4, 1, 3], "wg": [4, 2, 1, 3]}
     _agree(model, out, lengths=(3, 5, 16, 33))
-    reasons = {s.node: s.reason for s in scan_model(out).skipped}
-    assert reasons == {"d": "grouped conv (group=2) is not supported"}
+    scanned = scan_model(out)
+    assert not scanned.skipped
+    grouped = next(w for w in scanned.workloads if w.conv.groups == 2)
+    assert (grouped.n, grouped.k, grouped.batch, grouped.conv.kernel) == ("2", "6", "2", (1, 3))
 
     ir3 = _model([helper.make_node("Conv", ["x", "w"], ["y"])], [_w("w", (4, 4, 3))], opset=9, ir=3,
                  inputs_too=True)

@@ -85,7 +85,7 @@ def test_identical_nodes_group_and_static_nodes_are_skipped():
     assert [(k.node, k.reason) for k in result.skipped] == [("static", "static shapes: no symbolic dim to tune over")]
 
 
-def test_unsupported_dtype_and_grouped_conv_are_skipped_with_reasons():
+def test_unsupported_dtype_is_skipped_and_a_grouped_conv_is_batched_over_its_groups():
     x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["n", 4])
     img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 4, "h", "w"])
     outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "z")]
@@ -95,8 +95,25 @@ def test_unsupported_dtype_and_grouped_conv_are_skipped_with_reasons():
     result = scan_model(_model(nodes, [x, img], outs, [_w("wd", (4, 4), np.float64), _w("wc", (4, 2, 3, 3))]))
     reasons = {k.node: k.reason for k in result.skipped}
     assert "unsupported dtype DOUBLE" in reasons["mm64"]
-    assert reasons["gconv"] == "grouped conv (group=2) is not supported"
+    # group 2 of W [4, 2, 3, 3]: two GEMMs of 2 output channels over 2 input channels x 3 x 3 each
+    (w,) = result.workloads
+    assert (w.nodes, w.m, w.n, w.k, w.batch) == (("z",), "h*n*w", "2", "18", "2")
+    assert (w.conv.in_channels, w.conv.out_channels, w.conv.groups) == (4, 4, 2)
+    assert scan_mod.to_json(result)["workloads"][0]["conv"]["groups"] == 2
+
+
+@pytest.mark.parametrize("group, weight, why", [
+    (3, (4, 2, 3, 3), "do not split into 3 groups"),  # 4 output channels
+    (2, (4, 3, 3, 3), "do not split into 2 groups"),  # 3 x 2 input channels, X has 4
+    (0, (4, 4, 3, 3), "group=0 is not a positive integer"),
+])
+def test_a_conv_whose_channels_do_not_split_into_its_groups_is_skipped(group, weight, why):
+    img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 4, "h", "w"])
+    out = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)
+    node = helper.make_node("Conv", ["img", "wc"], ["z"], name="gconv", group=group, pads=[1, 1, 1, 1])
+    result = scan_model(_model([node], [img], [out], [_w("wc", weight)]))
     assert result.workloads == ()
+    assert why in {k.node: k.reason for k in result.skipped}["gconv"]
 
 
 def test_operands_of_two_dtypes_are_refused_as_invalid():

@@ -238,7 +238,8 @@ class CompiledKernel:
             epilogue=Epilogue(**data["epilogue"]), trans_b=bool(data["trans_b"]),
             conv=None if conv is None else ConvParams(
                 in_channels=conv["in_channels"], out_channels=conv["out_channels"], kernel=tuple(conv["kernel"]),
-                strides=tuple(conv["strides"]), pads=tuple(conv["pads"]), dilations=tuple(conv["dilations"])),
+                strides=tuple(conv["strides"]), pads=tuple(conv["pads"]), dilations=tuple(conv["dilations"]),
+                groups=int(conv.get("groups", 1))),
             div16=tuple(data["div16"]), allow_tf32=bool(data["allow_tf32"]),
             triton_version=data["triton_version"], n_regs=data.get("n_regs"), n_spills=data.get("n_spills"),
             constants=tuple((k, v) for k, v in data.get("constants", ())),

@@ -15,7 +15,7 @@ Squeeze only relabel the dims (ORT runs them without a copy). An elementwise act
 rewrite moves it after the fused node.
 
 A Conv is left as it is, with the reason in ``Conv1dResult.notes``, when its weight is not a constant
-initializer, its ``group`` is not 1, or its ``auto_pad`` is SAME at a stride above 1 (the scanner would refuse
+initializer or its ``auto_pad`` is SAME at a stride above 1 (the scanner would refuse
 the 2-D form for the same reasons; a SAME conv's pads then follow the length, dynamic in such models). ``optimize``
 and ``scan`` run it before scanning; running it twice changes nothing more.
 """
@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
-from tuner.scan import GraphLinks, conv_auto_pad
+from tuner.scan import GraphLinks, conv1d_out_of_range, conv_auto_pad
 
 __all__ = ["Conv1dResult", "convs_as_2d"]
 
@@ -98,10 +98,9 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
             rebuilt.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        group, auto_pad = attrs.get("group", 1), conv_auto_pad(attrs)
-        why = f"grouped conv (group={group})" if group != 1 else \
-            f"auto_pad={auto_pad} at stride {attrs['strides'][0]} (its pads change with the length)" \
-            if auto_pad.startswith("SAME") and max(attrs.get("strides", [1])) > 1 else ""
+        auto_pad = conv_auto_pad(attrs)
+        why = f"auto_pad={auto_pad} at stride {attrs['strides'][0]} (its pads change with the length)" \
+            if auto_pad.startswith("SAME") and max(attrs.get("strides", [1])) > 1 else conv1d_out_of_range(attrs, inits[node.input[1]].dims)
         if why:  # the scanner would leave the 2-D form alone too: no Unsqueeze/Squeeze around an untuned Conv
             notes.append((node.output[0], f"{why}: stays 1-D, and is not tuned"))
             rebuilt.append(node)

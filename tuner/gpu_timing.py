@@ -111,8 +111,9 @@ def node_call(item: TimingItem) -> dict[str, Any]:
         if c is None or p.image is None:
             raise DietcodeError("conv items need ConvParams and Problem.image")
         n_img, h, w = p.image
-        return dict(op="Conv", a=(n_img, c.in_channels, h, w), b=(c.out_channels, c.in_channels, *c.kernel),
-                    ints=(*c.strides, *c.pads, *c.dilations, 1))
+        return dict(op="Conv", a=(n_img, c.in_channels, h, w),
+                    b=(c.out_channels, c.in_channels // c.groups, *c.kernel),
+                    ints=(*c.strides, *c.pads, *c.dilations, c.groups))
     if item.op == "attention":
         if item.mask not in (None, "row", "rows"):
             raise DietcodeError(f"attention mask kind {item.mask!r}; allowed: None, row, rows")
@@ -262,7 +263,8 @@ class CudaBackend(TimingBackend):
         call = node_call(item)
         out_bytes = item.problem.m * item.problem.n * item.problem.batch * elem
         sizes = [math.prod(call["a"]) * elem, math.prod(call["b"]) * elem, out_bytes if item.residual else 0,
-                 item.problem.n * elem if item.bias else 0]
+                 item.problem.n * (item.problem.batch if item.op == "conv" else 1) * elem if item.bias else 0]
+        # (a grouped conv's bias has every group's n channels; a bmm's is broadcast over the batch)
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + -(-size // 256) * 256)  # operands apart, 256-byte aligned

@@ -398,7 +398,9 @@ class GpuMeasurer(Measurer):
             c = self.conv
             # the output's [n, OC, OH, OW] with its spatial dims as one (M = n * OH * OW): vendor_call views it
             residual = make(n_img, c.out_channels, p.m // n_img) if self.epilogue.residual else None
-            return make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels, *c.kernel), bias, residual
+            bias = make(c.out_channels) if self.epilogue.bias else None  # every group's (p.n is one group's)
+            return (make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels // c.groups, *c.kernel),
+                    bias, residual)
         b_shape = (p.n, p.k) if self.trans_b else (p.k, p.n)
         residual = make(p.batch, p.m, p.n) if family.op == "bmm" else make(p.m, p.n)
         residual = residual if self.epilogue.residual else None
@@ -435,10 +437,11 @@ class GpuMeasurer(Measurer):
             top, left, bottom, right = c.pads
             if (top, left) == (bottom, right):
                 return lambda: finish(torch.nn.functional.conv2d(a, b, bias, stride=c.strides, padding=(top, left),
-                                                                 dilation=c.dilations))
+                                                                 dilation=c.dilations, groups=c.groups))
             # conv2d pads symmetrically: pad the input explicitly, as ORT does
             return lambda: finish(torch.nn.functional.conv2d(torch.nn.functional.pad(a, (left, right, top, bottom)),
-                                                             b, bias, stride=c.strides, dilation=c.dilations))
+                                                             b, bias, stride=c.strides, dilation=c.dilations,
+                                                             groups=c.groups))
         bb = b.transpose(-1, -2) if self.trans_b else b
         alpha = self.epilogue.alpha
         # beta=0 ignores the (broadcast) input: no bias costs no read

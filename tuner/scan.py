@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES
 from dietcode_ort.errors import DietcodeError
 from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
@@ -718,6 +719,27 @@ def _activation(g: _Graph, x: str, refused: list[Skipped]) -> tuple[str, list[on
 MOVABLE = ("Reshape", "Squeeze")
 
 
+def conv_out_of_range(params: ConvParams) -> str:
+    """Why a compiled kernel cannot record this conv's geometry (a value outside the bundle's CONV_RANGES, e.g.
+    wav2vec2's 128-wide positional conv), or "" when it can."""
+    geometry = (params.in_channels, *params.kernel, *params.strides, params.pads[0], params.pads[1], *params.dilations)
+    for name, value, (lo, hi) in zip(CONV_FIELDS, geometry, CONV_RANGES):
+        if not lo <= value <= hi:
+            return f"Conv {name}={value} is outside {lo}..{hi}, the range a compiled conv kernel records"
+    return ""
+
+
+def conv1d_out_of_range(at: Mapping[str, Any], weight: Sequence[int]) -> str:
+    """``conv_out_of_range`` for the 2-D form (kernel 1 x k) of a 1-D conv with these attributes (``_attrs``) and
+    weight dims [OC, C / group, k]; its SAME pads are not resolved here (taken as 0)."""
+    oc, c, k = (int(d) for d in weight)
+    pads = list(at.get("pads", (0, 0)))
+    return conv_out_of_range(ConvParams(
+        in_channels=c * int(at.get("group", 1)), out_channels=oc, kernel=(1, int(at.get("kernel_shape", [k])[0])),
+        strides=(1, int(at.get("strides", [1])[0])), pads=(0, pads[0], 0, pads[1]) if len(pads) == 2 else (0, 0, 0, 0),
+        dilations=(1, int(at.get("dilations", [1])[0]))))
+
+
 def conv_auto_pad(at: Mapping[str, Any]) -> str:
     """A Conv's auto_pad attribute (from ``_attrs``, which gives a STRING as bytes) as text."""
     auto = at.get("auto_pad", "NOTSET")
@@ -880,23 +902,36 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[in
 
 def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
     at = _attrs(node)
-    if at.get("group", 1) != 1:
-        raise _Refuse(f"grouped conv (group={at['group']}) is not supported")
+    group = at.get("group", 1)
+    if not isinstance(group, int) or group < 1:
+        raise _Refuse(f"Conv group={group!r} is not a positive integer")
     x, w = node.input[0], node.input[1]
     sx, sw = _shape(g, x, "input"), _shape(g, w, "weight")
     if len(sx) == 3:  # tuner/conv1d.py writes the others as 2-D ones
-        raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with group 1, a constant weight and, at "
-                      "a stride above 1, explicit pads (not auto_pad SAME)")
+        outside = conv1d_out_of_range(at, sw) if w in g.inits and len(sw) == 3 else ""
+        if outside:
+            raise _Refuse(f"{outside} (a 1-D conv, tuned as a 2-D one)")
+        raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with a constant weight and, at a stride "
+                      "above 1, explicit pads (not auto_pad SAME)")
     if len(sx) != 4:
         raise _Refuse(f"only 1-D and 2-D convolutions (NCL, NCHW) are supported, input has rank {len(sx)}")
     if w not in g.inits:
         raise _Refuse("Conv weight is not a constant initializer")
     sy = _shape(g, node.output[0], "output")
     oc, c, kh, kw = sw
+    if oc % group or (isinstance(sx[1], int) and sx[1] != c * group):
+        raise _Refuse(f"Conv group={group}: weight {list(sw)} and input channels {sx[1]!r} do not split into "
+                      f"{group} groups")
     strides, dilations = tuple(at.get("strides", (1, 1))), tuple(at.get("dilations", (1, 1)))
-    params = ConvParams(in_channels=int(c), out_channels=int(oc), kernel=(int(kh), int(kw)), strides=strides,
-                        pads=_conv_pads(at, (int(kh), int(kw)), strides, dilations, sx[2:]), dilations=dilations)
-    return dict(op="conv", m=_expr([sy[0], sy[2], sy[3]]), n=_expr([oc]), k=_expr([c * kh * kw]), batch="1",
+    params = ConvParams(in_channels=int(c) * group, out_channels=int(oc), kernel=(int(kh), int(kw)),
+                        strides=strides, pads=_conv_pads(at, (int(kh), int(kw)), strides, dilations, sx[2:]),
+                        dilations=dilations, groups=group)
+    outside = conv_out_of_range(params)
+    if outside:
+        raise _Refuse(outside)
+    # a grouped conv is `group` GEMMs of one group's channels each: the workload's batch
+    return dict(op="conv", m=_expr([sy[0], sy[2], sy[3]]), n=_expr([oc // group]), k=_expr([c * kh * kw]),
+                batch=str(group),
                 conv=params, conv_input=(_expr([sx[0]]), _expr([sx[2]]), _expr([sx[3]])),
                 bias=len(node.input) > 2 and bool(node.input[2]))
 
@@ -1086,7 +1121,7 @@ def to_json(result: ScanResult) -> dict:
             "conv": None if w.conv is None else {
                 "in_channels": w.conv.in_channels, "out_channels": w.conv.out_channels,
                 "kernel": list(w.conv.kernel), "strides": list(w.conv.strides), "pads": list(w.conv.pads),
-                "dilations": list(w.conv.dilations), "input": list(w.conv_input or ())},
+                "dilations": list(w.conv.dilations), "groups": w.conv.groups, "input": list(w.conv_input or ())},
             "instances": [{"values": i.as_dict(), "weight": i.weight} for i in w.instances],
         }
     return {"symbols": list(result.symbols), "workloads": [workload(w) for w in result.workloads],
@@ -1112,6 +1147,8 @@ def _print_table(result: ScanResult) -> None:
         epi += "*residual" if e.residual_mul else ""  # the SwiGLU gate: silu*residual
         strides = "x".join(map(str, sorted(set(w.conv.strides), key=w.conv.strides.index))) if w.conv else ""
         op = w.op + (f" {w.conv.kernel[0]}x{w.conv.kernel[1]}/s{strides}" if w.conv else "")
+        if w.conv and w.conv.groups > 1:
+            op += " depthwise" if w.conv.groups == w.conv.in_channels else f" g{w.conv.groups}"
         nodes = ", ".join(w.nodes[:3]) + (f" (+{len(w.nodes) - 3})" if len(w.nodes) > 3 else "")
         cells = (str(i), op, w.m, w.n, w.k, w.batch, w.dtype, epi, nodes,
                  str(len(w.instances)) if w.instances else "-")

@@ -1,4 +1,4 @@
-"""Triton micro-kernel templates (GEMM, batched GEMM, NCHW Conv2d as implicit GEMM) and a JIT launcher.
+"""Triton micro-kernel templates (GEMM, batched GEMM, NCHW Conv2d, grouped too, as implicit GEMM) and a JIT launcher.
 
 Each template computes one BLOCK_M x BLOCK_N tile of C per program and is run once per tile to cover any
 shape: this is DietCode's micro-kernel. Every load past a tensor edge is masked with ``other=0`` and every
@@ -299,11 +299,23 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
                 RESIDUAL_FIRST: tl.constexpr = False, RESIDUAL_MUL: tl.constexpr = False):
     """Y = act(conv2d(X, W) + bias) + residual, with RESIDUAL_FIRST act(conv2d(X, W) + bias + residual) (ResNet's
-    Conv -> Add(shortcut) -> Relu), with RESIDUAL_MUL act(conv2d(X, W) + bias) * residual, NCHW, groups=1, as implicit GEMM: rows (n, oh, ow), cols oc, reduction
-    (c, kh, kw). X [img_n, C, img_h, img_w], W [N=OC, K=C*KH*KW], Y and the residual [img_n, OC, out_h, out_w]
-    (the residual read at Y's offsets)."""
+    Conv -> Add(shortcut) -> Relu), with RESIDUAL_MUL act(conv2d(X, W) + bias) * residual, NCHW, as implicit
+    GEMM: rows (n, oh, ow), cols oc, reduction (c, kh, kw). X [img_n, CHANNELS, img_h, img_w], Y and the
+    residual [img_n, OC, out_h, out_w] (the residual read at Y's offsets).
+
+    A grouped conv (ONNX ``group`` G) is G independent implicit GEMMs, one per grid z = program_id(2): the grid's
+    z extent is G (the ABI's batch), N = OC / G and K = (CHANNELS / G) * KH * KW are one group's, W is
+    [OC, CHANNELS / G, KH, KW] and group z reads input channels z * CHANNELS / G on, W's rows, the bias and Y's
+    channels z * N on. With G = 1 (grid z 1) this is the ungrouped conv."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
+    # the group: its first input channel (K / (KH * KW) channels per group), W rows and output channels
+    z = tl.program_id(2).to(tl.int64)
+    groups = tl.num_programs(2)
+    a += z * (K // (KH * KW)) * img_h * img_w
+    b += z * N * K
+    if HAS_BIAS:
+        bias += z * N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     hw_out = out_h * out_w
@@ -330,7 +342,7 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
         x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    offs_y = (img.to(tl.int64) * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
+    offs_y = (img.to(tl.int64) * (N * groups) * hw_out + z * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
@@ -538,11 +550,16 @@ def conv_out_size(size: int, kernel: int, stride: int, pad_lo: int, pad_hi: int,
 
 
 def conv_geometry(conv: ConvParams) -> dict[str, int]:
-    """The conv constexprs of ``conv_kernel`` for one layer. Only the top/left pads enter the kernel;
+    """The conv constexprs of ``conv_kernel`` for one layer (CHANNELS: all of X's channels; the group count is
+    the grid's z extent, not a constexpr, so one compiled kernel serves the layer). Only the top/left pads enter the kernel;
     bottom/right pads only change out_h/out_w (computed with all four, see ``conv_out_size``), and reads
     past the bottom/right edge are masked, so asymmetric pads are exact."""
-    if conv.in_channels <= 0 or conv.out_channels <= 0:
-        raise DietcodeError(f"conv channels must be positive, got {conv.in_channels} -> {conv.out_channels}")
+    if conv.in_channels <= 0 or conv.out_channels <= 0 or conv.groups <= 0:
+        raise DietcodeError(f"conv channels and groups must be positive, got {conv.in_channels} -> "
+                            f"{conv.out_channels}, groups {conv.groups}")
+    if conv.in_channels % conv.groups or conv.out_channels % conv.groups:
+        raise DietcodeError(f"conv channels {conv.in_channels} -> {conv.out_channels} are not multiples of groups "
+                            f"{conv.groups}")
     return {"CHANNELS": conv.in_channels, "KH": conv.kernel[0], "KW": conv.kernel[1],
             "STRIDE_H": conv.strides[0], "STRIDE_W": conv.strides[1],
             "PAD_H": conv.pads[0], "PAD_W": conv.pads[1],
@@ -592,7 +609,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
-    b = W [OC, C, KH, KW], ``conv`` gives the layer. ``bias`` is required iff ``epilogue.bias``, ``residual``
+    b = W [OC, C / groups, KH, KW], ``conv`` gives the layer (one program grid z per group). ``bias`` is required iff ``epilogue.bias``, ``residual``
     (the output's shape: gemm [M, N], conv [n, OC, OH, OW]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
     of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
     one); the kernel leaves its counters at zero again. A persistent config (gemm, bmm) launches
@@ -649,7 +666,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     if op == "conv":
         if conv is None:
             raise DietcodeError("conv: ConvParams are required")
-        weight_shape = (conv.out_channels, conv.in_channels, *conv.kernel)
+        g = conv.groups
+        weight_shape = (conv.out_channels, conv.in_channels // g, *conv.kernel)
         if a.dim() != 4 or a.shape[1] != conv.in_channels or tuple(b.shape) != weight_shape:
             raise DietcodeError(f"conv: expects X [n, {conv.in_channels}, H, W] and W {list(weight_shape)}, "
                                 f"got {list(a.shape)} and {list(b.shape)}")
@@ -658,14 +676,14 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         ow = conv_out_size(w, conv.kernel[1], conv.strides[1], conv.pads[1], conv.pads[3], conv.dilations[1])
         if oh <= 0 or ow <= 0:
             raise DietcodeError(f"conv: input {h}x{w} is smaller than the dilated kernel (output {oh}x{ow})")
-        m, n, k = n_img * oh * ow, conv.out_channels, conv.in_channels * conv.kernel[0] * conv.kernel[1]
-        out = torch.empty((n_img, n, oh, ow), dtype=a.dtype, device=a.device)
+        m, n, k = n_img * oh * ow, conv.out_channels // g, conv.in_channels // g * conv.kernel[0] * conv.kernel[1]
+        out = torch.empty((n_img, conv.out_channels, oh, ow), dtype=a.dtype, device=a.device)
         if residual is not None and tuple(residual.shape) != tuple(out.shape):
             raise DietcodeError(f"conv: the residual must have the output's shape {tuple(out.shape)}, got "
                                 f"{tuple(residual.shape)}")
         residual = residual.contiguous() if residual is not None else None
-        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
-        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, 1),
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, g)
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, g),
                      HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
                      RESIDUAL_MUL=epilogue.residual_mul,
                      **conv_geometry(conv), **meta)

@@ -22,7 +22,10 @@ ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "relu6")  # dietcode
 
 @dataclass(frozen=True)
 class ConvParams:
-    """NCHW Conv2d attributes and the constant channel counts (groups = 1 only)."""
+    """NCHW Conv2d attributes and the constant channel counts: ``in_channels`` is X's (all groups), the weight
+    is [out_channels, in_channels / groups, *kernel]. A grouped conv (``groups`` > 1, depthwise when groups ==
+    in_channels) is ``groups`` GEMMs of n = out_channels / groups, k = in_channels / groups * KH * KW: its
+    workload's batch."""
 
     in_channels: int
     out_channels: int
@@ -30,6 +33,7 @@ class ConvParams:
     strides: tuple[int, int] = (1, 1)
     pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # top, left, bottom, right (ONNX order)
     dilations: tuple[int, int] = (1, 1)
+    groups: int = 1
 
 
 @dataclass(frozen=True)
