@@ -5,6 +5,9 @@ comes first: a device call that cuts the stage short (benchmarks/device_run.sh) 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -93,3 +96,59 @@ def test_measured_optimize_runs_on_cuda_and_matches(tmp_path, name, dims, sweep)
         want = stock.run(None, feeds)[0].astype(np.float32)
         got = tuned.run(None, feeds)[0].astype(np.float32)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=str(shape))
+
+
+def _grouped_conv_model() -> Any:
+    """fp16 NCHW: a depthwise 3x3 (channel multiplier 2) with a bias and Relu, then 4 groups of a 3x3 at stride 2,
+    over dynamic batch, height and width."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float16), n)
+             for n, s in (("w_dw", (32, 1, 3, 3)), ("b_dw", (32,)), ("w_g", (16, 8, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w_dw", "b_dw"], ["dw"], name="depthwise", group=16, pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["dw"], ["dw_relu"]),
+             helper.make_node("Conv", ["dw_relu", "w_g"], ["y"], name="grouped", group=4, strides=[2, 2],
+                              pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("x", TensorProto.FLOAT16,
+                                                                               ["n", 16, "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+def test_grouped_and_depthwise_convs_launch_and_match(tmp_path):
+    """Both grouped convs run their compiled kernels (one program grid z per group) and give stock ORT's result;
+    a bundle whose kernels lack the grouped flag (compiled for an ungrouped conv) is refused at session creation."""
+    import onnx
+
+    from dietcode_ort.bundle import Bundle, node_bundles, read_bundle
+
+    src, out = tmp_path / "g.onnx", tmp_path / "g.opt.onnx"
+    onnx.save(_grouped_conv_model(), str(src))
+    optimize(src, out, OptimizeOptions(targets=default_targets(), measure="analytic", budget=8,
+                                       dims=("n=1:4", "h=8:40:16", "w=8:40:16"), db=tmp_path / "t.db",
+                                       cache_dir=tmp_path / "k", progress=False), log=lambda _: None)
+    stock = ort.InferenceSession(str(src), providers=["CUDAExecutionProvider"])
+    tuned = dietcode_ort.InferenceSession(str(out), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    dietcode_ort.reset_node_stats()
+    for shape in ((1, 16, 8, 8), (3, 16, 21, 13), (4, 16, 40, 40)):
+        x = rng.standard_normal(shape).astype(np.float16)
+        np.testing.assert_allclose(tuned.run(None, {"x": x})[0].astype(np.float32),
+                                   stock.run(None, {"x": x})[0].astype(np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=str(shape))
+    stats = dietcode_ort.node_stats()
+    assert {nb.node for nb in node_bundles(onnx.load(str(out)))} == {"depthwise", "grouped"}
+    assert all(stats.get(node, {}).get("launches", 0) > 0 for node in ("depthwise", "grouped")), stats
+
+    model = onnx.load(str(out))
+    for init in model.graph.initializer:
+        if init.name.startswith("dietcode_bundle_"):
+            bundle = read_bundle(bytes(init.raw_data))
+            ungrouped = Bundle(bundle.features, tuple(replace(k, grouped=False) for k in bundle.kernels),
+                               bundle.tree)
+            init.raw_data = ungrouped.to_bytes()
+    onnx.save(model, str(tmp_path / "ungrouped.onnx"))
+    with pytest.raises(Exception, match="compiled for an ungrouped conv"):
+        dietcode_ort.InferenceSession(str(tmp_path / "ungrouped.onnx"), providers=["CUDAExecutionProvider"])
