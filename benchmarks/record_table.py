@@ -10,6 +10,8 @@ ResNet-50's convolutions, fp16):
 - ``attention``: batch*heads = 192; (M, N, K) = (T, T, 64) and (T, 64, T) for T = 1..128.
 - ``conv``: every distinct ResNet-50 conv layer (from ``tuner.scan`` of the full model) at batch 1, 8, 32
   and 224x224, plus batch 8 at 160 and 288.
+- ``depthwise``: every distinct MobileNetV2 depthwise conv layer (grouped: a GEMM of one channel per group) at
+  the same images; not in the default sets.
 
 The configs are timed as they would ship (``tuner.measure.GpuMeasurer``): each compiled ahead of time by
 ``tuner.aot`` with the divisibility assumptions ``optimize`` would give the set's workload (``shipped_div16``),
@@ -51,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from dietcode_ort.errors import DietcodeError  # noqa: E402
 from tuner.workload import ConvParams, Epilogue, Problem  # noqa: E402
 
-__all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "SETS", "COLUMNS", "record", "main",
+__all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "depthwise_sets", "SETS", "COLUMNS", "record", "main",
            "shipped_div16", "GROUP"]
 
 COLUMNS = ["config", "m", "n", "k", "batch", "seconds", "device", "error", "family"]
@@ -88,25 +90,39 @@ def attention_sets(t_max: int = 128, batch: int = 192) -> list[TableSet]:
 CONV_IMAGES = ((1, 224, 224), (8, 224, 224), (32, 224, 224), (8, 160, 160), (8, 288, 288))
 
 
-def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES, preset: str = "full") -> list[TableSet]:
-    """The distinct conv layers of ResNet-50 (as the scanner sees the model of ``preset``) at ``images``."""
+def _model_conv_sets(name: str, preset: str, images: Sequence[tuple[int, int, int]],
+                     grouped: bool) -> list[TableSet]:
+    """The distinct conv layers of model ``name`` (as the scanner sees its ``preset``), grouped or not, at
+    ``images``."""
     import models
     from tuner.scan import scan_model
     from tuner.workload import Instance
 
     out = []
-    for w in scan_model(models.build("resnet50", preset)).workloads:
-        if w.op != "conv":
+    for w in scan_model(models.build(name, preset)).workloads:
+        if w.op != "conv" or (w.conv.groups > 1) != grouped:
             continue
         c = w.conv
         problems = tuple(w.problem(Instance.of({"batch": n, "height": h, "width": wd})) for n, h, wd in images)
         tag = (f"conv-{c.in_channels}x{c.out_channels}-k{c.kernel[0]}s{c.strides[0]}"
+               f"{f'-g{c.groups}' if c.groups > 1 else ''}"
                f"-{'bias' if w.epilogue.bias else 'nobias'}-{w.epilogue.activation}")
         out.append(TableSet(tag, "conv", problems, w.epilogue, c, meta={"nodes": len(w.nodes)}))
     return out
 
 
-SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets}
+def conv_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES, preset: str = "full") -> list[TableSet]:
+    """The distinct conv layers of ResNet-50 (as the scanner sees the model of ``preset``) at ``images``."""
+    return _model_conv_sets("resnet50", preset, images, grouped=False)
+
+
+def depthwise_sets(images: Sequence[tuple[int, int, int]] = CONV_IMAGES, preset: str = "full") -> list[TableSet]:
+    """The distinct depthwise (grouped) conv layers of MobileNetV2 at ``images``: one GEMM of N = 1,
+    K = 9 per channel, batched over the channels."""
+    return _model_conv_sets("mobilenet_v2", preset, images, grouped=True)
+
+
+SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets, "depthwise": depthwise_sets}
 
 
 def shipped_div16(s: TableSet) -> tuple[str, ...]:
@@ -325,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not torch.cuda.is_available():
                 raise DietcodeError("recording a table needs a CUDA GPU and none is visible")
         makers = {"dense": lambda: dense_sets(args.t_max), "attention": lambda: attention_sets(args.t_max),
-                  "conv": lambda: conv_sets(preset=args.conv_preset)}
+                  "conv": lambda: conv_sets(preset=args.conv_preset),
+                  "depthwise": lambda: depthwise_sets(preset=args.conv_preset)}
         sets = [s for n in names for s in makers[n]()]
         path = record(sets, args.out, repeats=args.repeats, max_configs=args.max_configs, seed=args.seed,
                       command=shlex.join(sys.argv), budget_s=args.budget_s, measure=args.measure,

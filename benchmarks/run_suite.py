@@ -1,6 +1,6 @@
 """Run the standard benchmark suites: build each model, optimize it, benchmark it against stock ORT.
 
-    python benchmarks/run_suite.py --suite bert|resnet50|mlp|all --provider cpu|cuda [--dtype float16]
+    python benchmarks/run_suite.py --suite bert|resnet50|mobilenet_v2|mlp|all --provider cpu|cuda [--dtype float16]
 
 Each suite is one row of ``SUITES``: the model builder and preset (``python -m models``), and the shapes
 swept per provider. The shapes the tuner sees (``dietcode-ort optimize --shapes``) are exactly the ones
@@ -50,6 +50,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
            "cpu": ("batch=1,4", "seq=16,32,64,100,128,256")},
           repeat={"cuda": 50, "cpu": 10}),
     Suite("resnet50", "resnet50", "full",
+          {"cuda": ("batch=1,8,32", "height=160,192,224,256,288"),
+           "cpu": ("batch=1,4", "height=160,224,288")},
+          ties=("width=height",), repeat={"cuda": 50, "cpu": 10}),
+    # grouped convs: MobileNetV2's 17 depthwise convs beside its 1x1s (the stock comparison that decides whether
+    # a depthwise conv as a GEMM per group beats cuDNN)
+    Suite("mobilenet_v2", "mobilenet_v2", "full",
           {"cuda": ("batch=1,8,32", "height=160,192,224,256,288"),
            "cpu": ("batch=1,4", "height=160,224,288")},
           ties=("width=height",), repeat={"cuda": 50, "cpu": 10}),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 
 from dietcode_ort.errors import DietcodeError
-from models import bert, mlp, resnet50
+from models import bert, mlp, mobilenet_v2, resnet50
 from models.graph import DTYPES, ModelBuilder, save_model
 
 __all__ = ["MODELS", "DTYPES", "ModelBuilder", "build", "get", "presets", "save_model"]
@@ -30,6 +30,10 @@ MODELS: dict[str, ModelBuilder] = {
     "mlp": ModelBuilder(
         name="mlp", summary="decoder gated MLP (SiLU as Sigmoid*x), hidden [tokens, d_model]",
         symbols=("tokens",), presets=mlp.PRESETS, graph=mlp.build_graph, feeds=mlp.make_feeds),
+    "mobilenet_v2": ModelBuilder(
+        name="mobilenet_v2", summary="MobileNetV2, depthwise convs, BN folded, image [batch, 3, height, width]",
+        symbols=("batch", "height", "width"), presets=mobilenet_v2.PRESETS, graph=mobilenet_v2.build_graph,
+        feeds=mobilenet_v2.make_feeds),
 }
 
 

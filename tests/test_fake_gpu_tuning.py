@@ -118,6 +118,28 @@ def test_optimize_measure_gpu_end_to_end_through_the_driver(fake_lib: Path, tmp_
     assert families == ({"gemm", "attention"} if name == "bert" else {"gemm"})
 
 
+def test_grouped_convs_are_timed_through_the_driver(fake_lib: Path, tmp_path: Path) -> None:
+    """A depthwise and a grouped conv tuned with ``--measure gpu`` against the stand-in: the timing child builds
+    each node call with its group (one group's N and K, the groups as the launch's batch) and times every
+    config, and both convs are rewritten with kernels carrying the grouped flag."""
+    import onnx
+
+    from _grouped_convs import grouped_conv_model
+    from dietcode_ort.bundle import node_bundles, read_bundle
+
+    model, out, db = tmp_path / "g.onnx", tmp_path / "g.opt.onnx", tmp_path / "tuning.db"
+    onnx.save(grouped_conv_model(), str(model))
+    got, stderr = _run(fake_lib, "optimize", str(model), str(out), str(db), str(tmp_path / "kernels"), "n=1:2",
+                       "h=8:24:16", "w=8:24:16")
+    assert got["rc"] == 0, stderr[-3000:]
+    rows = sqlite3.connect(str(db)).execute("SELECT family, seconds, error FROM measurements").fetchall()
+    assert rows and all(r[0].startswith("conv/") for r in rows)
+    assert all(r[2] is None and math.isfinite(r[1]) for r in rows), [r for r in rows if r[2] is not None][:3]
+    bundles = {nb.node: read_bundle(nb.payload) for nb in node_bundles(onnx.load(str(out)))}
+    assert set(bundles) == {"depthwise", "grouped"}
+    assert all(k.grouped for b in bundles.values() for k in b.kernels)
+
+
 @pytest.mark.parametrize("cc, want", [((9, 0), ["sm_90"]), ((8, 9), ["sm_89"]), ((8, 6), ["sm_80"])])
 def test_the_driver_alone_makes_a_gpu_visible_and_picks_the_target(fake_lib: Path, cc: tuple[int, int],
                                                                    want: list[str]) -> None:

@@ -6,7 +6,6 @@ comes first: a device call that cuts the stage short (benchmarks/device_run.sh) 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -14,6 +13,7 @@ import pytest
 
 import dietcode_ort
 import models
+from _grouped_convs import grouped_conv_model
 from tuner.optimize import OptimizeOptions, default_targets, optimize
 
 pytestmark = pytest.mark.gpu
@@ -98,24 +98,6 @@ def test_measured_optimize_runs_on_cuda_and_matches(tmp_path, name, dims, sweep)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=str(shape))
 
 
-def _grouped_conv_model() -> Any:
-    """fp16 NCHW: a depthwise 3x3 (channel multiplier 2) with a bias and Relu, then 4 groups of a 3x3 at stride 2,
-    over dynamic batch, height and width."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float16), n)
-             for n, s in (("w_dw", (32, 1, 3, 3)), ("b_dw", (32,)), ("w_g", (16, 8, 3, 3)))]
-    nodes = [helper.make_node("Conv", ["x", "w_dw", "b_dw"], ["dw"], name="depthwise", group=16, pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["dw"], ["dw_relu"]),
-             helper.make_node("Conv", ["dw_relu", "w_g"], ["y"], name="grouped", group=4, strides=[2, 2],
-                              pads=[1, 1, 1, 1])]
-    graph = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("x", TensorProto.FLOAT16,
-                                                                               ["n", 16, "h", "w"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
 def test_grouped_and_depthwise_convs_launch_and_match(tmp_path):
     """Both grouped convs run their compiled kernels (one program grid z per group) and give stock ORT's result;
@@ -125,7 +107,7 @@ def test_grouped_and_depthwise_convs_launch_and_match(tmp_path):
     from dietcode_ort.bundle import Bundle, node_bundles, read_bundle
 
     src, out = tmp_path / "g.onnx", tmp_path / "g.opt.onnx"
-    onnx.save(_grouped_conv_model(), str(src))
+    onnx.save(grouped_conv_model(), str(src))
     optimize(src, out, OptimizeOptions(targets=default_targets(), measure="analytic", budget=8,
                                        dims=("n=1:4", "h=8:40:16", "w=8:40:16"), db=tmp_path / "t.db",
                                        cache_dir=tmp_path / "k", progress=False), log=lambda _: None)

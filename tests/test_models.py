@@ -25,6 +25,7 @@ TINY_DIMS: dict[str, list[dict[str, int]]] = {
     "bert": [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 7}, {"batch": 3, "seq": 33}],
     "resnet50": [{"batch": 1, "height": 32, "width": 32}, {"batch": 3, "height": 48, "width": 40}],
     "mlp": [{"tokens": 1}, {"tokens": 5}, {"tokens": 130}],
+    "mobilenet_v2": [{"batch": 1, "height": 32, "width": 32}, {"batch": 2, "height": 45, "width": 37}],
 }
 CASES = [(name, dims) for name, all_dims in TINY_DIMS.items() for dims in all_dims]
 CASE_IDS = [f"{name}-{'x'.join(map(str, dims.values()))}" for name, dims in CASES]
@@ -33,8 +34,8 @@ CASE_IDS = [f"{name}-{'x'.join(map(str, dims.values()))}" for name, dims in CASE
 def _expected_shape(name: str, dims: dict[str, int]) -> tuple[int, ...]:
     if name == "bert":
         return (dims["batch"], dims["seq"], models.MODELS["bert"].config("tiny").hidden)
-    if name == "resnet50":
-        return (dims["batch"], models.MODELS["resnet50"].config("tiny").classes)
+    if name in ("resnet50", "mobilenet_v2"):
+        return (dims["batch"], models.MODELS[name].config("tiny").classes)
     return (dims["tokens"], models.MODELS["mlp"].config("tiny").d_model)
 
 
@@ -97,7 +98,8 @@ def test_inputs_outputs_and_checker(name: str, dtype: str) -> None:
 
 def test_batch_rows_are_independent() -> None:
     """Row i of a batch-3 run equals a batch-1 run of row i: batch is a real, free dim."""
-    cases = (("bert", {"batch": 3, "seq": 7}), ("resnet50", {"batch": 3, "height": 40, "width": 36}))
+    cases = (("bert", {"batch": 3, "seq": 7}), ("resnet50", {"batch": 3, "height": 40, "width": 36}),
+             ("mobilenet_v2", {"batch": 3, "height": 33, "width": 40}))
     for name, dims in cases:
         feeds = models.MODELS[name].example_inputs("tiny", dims, seed=5)
         full = _session(name).run(None, feeds)[0]
@@ -196,6 +198,19 @@ def test_big_presets_structure() -> None:
     onnx.checker.check_model(resnet)
     del resnet
 
+    # torchvision's MobileNetV2: 52 convs (17 of them depthwise, group = channels), 10 residual Adds, 3.5M weights
+    mobile = models.build("mobilenet_v2", "full", "float16")
+    convs = [n for n in mobile.graph.node if n.op_type == "Conv"]
+    groups = [onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "group")) for n in convs]
+    weights = {t.name: tuple(t.dims) for t in mobile.graph.initializer}
+    assert (len(convs), sum(g > 1 for g in groups)) == (52, 17)
+    assert all(weights[n.input[1]][0] == g and weights[n.input[1]][1] == 1 for n, g in zip(convs, groups) if g > 1)
+    assert Counter(n.op_type for n in mobile.graph.node)["Add"] == 10
+    assert sum(int(np.prod(d)) for d in weights.values()) == 3_487_818  # torchvision: 3,504,872 with BN's
+    assert _dims(mobile.graph.output[0]) == ["batch", 1000]
+    onnx.checker.check_model(mobile)
+    del mobile
+
     mlp = models.build("mlp", "llama-7b-layer", "float16")
     shapes = {t.name: tuple(t.dims) for t in mlp.graph.initializer}
     assert sorted(shapes.values()) == [(4096, 11008), (4096, 11008), (11008, 4096)]
@@ -238,7 +253,7 @@ def test_external_data_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "allowed"), [
-    (["nope", "--preset", "tiny", "-o", "x.onnx"], "bert, resnet50, mlp"),
+    (["nope", "--preset", "tiny", "-o", "x.onnx"], "bert, resnet50, mlp, mobilenet_v2"),
     (["bert", "--preset", "huge", "-o", "x.onnx"], "tiny, base"),
     (["resnet50", "--preset", "tiny", "--dtype", "int8", "-o", "x.onnx"], "float32, float16"),
     (["mlp", "-o", "x.onnx"], "tiny, llama-7b-layer"),
@@ -255,7 +270,7 @@ def test_cli_subprocess_error_and_list() -> None:
     bad = subprocess.run([sys.executable, "-m", "models", "gpt", "--preset", "tiny", "-o", "x.onnx"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == "error: unknown model 'gpt'; allowed: bert, resnet50, mlp"
+    assert bad.stderr.strip() == "error: unknown model 'gpt'; allowed: bert, resnet50, mlp, mobilenet_v2"
     listed = subprocess.run([sys.executable, "-m", "models", "--list"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert listed.returncode == 0

@@ -41,6 +41,17 @@ def test_conv_sets_are_resnet50_layers():
     assert len({s.tag for s in sets}) == len(sets) > 15
 
 
+@pytest.mark.slow
+def test_depthwise_sets_are_mobilenet_v2s_grouped_layers():
+    """One set per distinct depthwise layer: N = 1 and K = 9 per channel, the channels the batch."""
+    sets = record_table.depthwise_sets(((2, 224, 224),))
+    assert all(s.conv.groups == s.conv.in_channels == s.conv.out_channels for s in sets)
+    first = next(s for s in sets if s.conv.in_channels == 32)  # the first block's, after the stride-2 stem
+    assert first.problems == (Problem(2 * 112 * 112, 1, 9, 32, (2, 112, 112)),)  # the conv's input image
+    assert first.tag == "conv-32x32-k3s1-g32-bias-relu6"
+    assert len({s.tag for s in sets}) == len(sets) == 10
+
+
 def test_recorder_refuses_without_a_gpu(tmp_path):
     try:
         import torch
@@ -53,7 +64,7 @@ def test_recorder_refuses_without_a_gpu(tmp_path):
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record_table.py"), "--out", str(tmp_path),
                           "--sets", "nope"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "allowed: dense, attention, conv" in bad.stderr
+    assert bad.returncode == 2 and "allowed: dense, attention, conv, depthwise" in bad.stderr
 
 
 @pytest.fixture(scope="module")
