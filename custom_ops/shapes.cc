@@ -159,7 +159,9 @@ bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* ou
       return false;
     }
   }
-  if (attrs.group < 1 || x[1] != w[1] * attrs.group) {
+  // (no product that could overflow: a crafted group may be any int64)
+  if (attrs.group < 1 || attrs.group > x[1] || x[1] % attrs.group != 0 || x[1] / attrs.group != w[1] ||
+      w[0] % attrs.group != 0) {
     *error = "Conv channels: X " + ToString(x) + ", W " + ToString(w) + ", group " + std::to_string(attrs.group);
     return false;
   }

@@ -55,13 +55,17 @@ def test_view_errors_are_clear() -> None:
         core.abi_view("MatMul", (3, 4), (5, 6))
     with pytest.raises(DietcodeError, match="allowed: MatMul, Gemm, Conv"):
         core.abi_view("Add", (3, 4), (4, 6))
-    # a grouped conv: one group's N and K, the groups along the grid's z (batch); a W whose output channels do
-    # not split into the groups is no conv ONNX runs, and a 1-D conv no view the template takes
+    # a grouped conv: one group's N and K, the groups along the grid's z (batch); channels that do not split
+    # into the groups are no conv ONNX runs
     grouped = core.abi_view("Conv", (2, 4, 8, 8), (6, 2, 3, 3), ints=(1, 1, 1, 1, 1, 1, 1, 1, 2))
     assert grouped is not None
     assert (grouped.M, grouped.N, grouped.K, grouped.batch) == (2 * 8 * 8, 3, 18, 2)
     assert (grouped.img_n, grouped.img_h, grouped.img_w, grouped.out_h, grouped.out_w) == (2, 8, 8, 8, 8)
-    assert core.abi_view("Conv", (1, 4, 8, 8), (5, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2)) is None
+    for group in (2**62, 2**31 + 2, -2):  # W [5, ...] does not split into 2 groups; no product may overflow
+        with pytest.raises(DietcodeError, match="Conv channels"):
+            core.abi_view("Conv", (1, 4, 8, 8), (4, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, group))
+    with pytest.raises(DietcodeError, match="Conv channels"):
+        core.abi_view("Conv", (1, 4, 8, 8), (5, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2))
 
 
 def test_attention_view_refuses_head_split_offsets_past_int32() -> None:
