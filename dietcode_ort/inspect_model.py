@@ -145,7 +145,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
                          "alpha": k.alpha, "ptx_mma": _ptx_mma(k.ptx),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
-                                       "conv": list(k.conv), "precision": _precision(k)}}
+                                       "conv": list(k.conv), "grouped": k.grouped, "precision": _precision(k)}}
                         for k in bundle.kernels],
             "configs": info.get("kernels"),
             "features": [f.name for f in bundle.features],

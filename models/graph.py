@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["OPSET", "IR_VERSION", "DTYPES", "PROTO_LIMIT", "GraphBuilder", "ModelBuilder", "check_dtype",
+__all__ = ["OPSET", "IR_VERSION", "DTYPES", "PROTO_LIMIT", "GraphBuilder", "ModelBuilder", "check_dtype", "classifier_model", "image_feeds",
            "initializer_bytes", "save_model", "tensor_input"]
 
 OPSET = 17  # LayerNormalization exists from 17; the Gelu op needs 20, so Gelu is emitted in its Erf form
@@ -102,6 +102,26 @@ class GraphBuilder:
                                   producer_name="dietcode-ort.models")
         model.ir_version = IR_VERSION
         return model
+
+
+def classifier_model(g: GraphBuilder, x: str, channels: int, classes: int, head: str, weight_std: float,
+                     bias_std: float, graph_name: str) -> onnx.ModelProto:
+    """An image classifier's end (GlobalAveragePool, Flatten, a Gemm with transposed weights ``head``.weight
+    and ``head``.bias, output ``logits`` [batch, classes]) and the model of ``image`` [batch, 3, height, width]."""
+    x = g.op("GlobalAveragePool", [x], "/avgpool/GlobalAveragePool")
+    x = g.op("Flatten", [x], "/Flatten", axis=1)
+    w = g.normal(f"{head}.weight", (classes, channels), weight_std)
+    b = g.normal(f"{head}.bias", (classes,), bias_std)
+    g.op("Gemm", [x, w, b], f"/{head}/Gemm", output="logits", alpha=1.0, beta=1.0, transB=1)
+    return g.model(graph_name, [tensor_input("image", g.elem_type, ["batch", 3, "height", "width"])],
+                   [tensor_input("logits", g.elem_type, ["batch", classes])])
+
+
+def image_feeds(cfg: Any, dims: Mapping[str, int], dtype: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A standard-normal ``image`` (what a normalized photo looks like to the first conv) of ``dims``' batch,
+    height and width: the image models' ``make_feeds``."""
+    image = rng.standard_normal((dims["batch"], 3, dims["height"], dims["width"]), dtype=np.float32)
+    return {"image": image.astype(dtype)}
 
 
 def initializer_bytes(model: onnx.ModelProto) -> int:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
 
-import numpy as np
 import onnx
 
-from models.graph import GraphBuilder, tensor_input
+from models.graph import GraphBuilder, classifier_model, image_feeds
 
 __all__ = ["MobileNetConfig", "PRESETS", "SETTINGS", "build_graph", "make_feeds"]
 
@@ -91,18 +89,7 @@ def build_graph(cfg: MobileNetConfig, dtype: str, seed: int) -> onnx.ModelProto:
             c_in, index = c_out, index + 1
     last = _divisible(cfg.last_channels * max(1.0, cfg.width))
     x = _conv(g, x, c_in, last, 1, 1, f"features.{index}", relu6=True)
-    x = g.op("GlobalAveragePool", [x], "/avgpool/GlobalAveragePool")
-    x = g.op("Flatten", [x], "/Flatten", axis=1)
-    w = g.normal("classifier.weight", (cfg.classes, last), CLASSIFIER_STD)
-    b = g.normal("classifier.bias", (cfg.classes,), BIAS_STD)
-    g.op("Gemm", [x, w, b], "/classifier/Gemm", output="logits", alpha=1.0, beta=1.0, transB=1)
-    return g.model("mobilenet_v2",
-                   [tensor_input("image", g.elem_type, ["batch", 3, "height", "width"])],
-                   [tensor_input("logits", g.elem_type, ["batch", cfg.classes])])
+    return classifier_model(g, x, last, cfg.classes, "classifier", CLASSIFIER_STD, BIAS_STD, "mobilenet_v2")
 
 
-def make_feeds(cfg: MobileNetConfig, dims: Mapping[str, int], dtype: str,
-               rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A standard-normal ``image`` (what a normalized photo looks like to the first conv)."""
-    image = rng.standard_normal((dims["batch"], 3, dims["height"], dims["width"]), dtype=np.float32)
-    return {"image": image.astype(dtype)}
+make_feeds = image_feeds

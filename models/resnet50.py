@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
 
-import numpy as np
 import onnx
 
-from models.graph import GraphBuilder, tensor_input
+from models.graph import GraphBuilder, classifier_model, image_feeds
 
 __all__ = ["ResNetConfig", "PRESETS", "build_graph", "make_feeds"]
 
@@ -76,18 +74,7 @@ def build_graph(cfg: ResNetConfig, dtype: str, seed: int) -> onnx.ModelProto:
             stride = 2 if s > 0 and blk == 0 else 1
             x = _bottleneck(g, x, c_in, width, stride, f"layer{s + 1}.{blk}")
             c_in = width * EXPANSION
-    x = g.op("GlobalAveragePool", [x], "/avgpool/GlobalAveragePool")
-    x = g.op("Flatten", [x], "/Flatten", axis=1)
-    w = g.normal("fc.weight", (cfg.classes, c_in), CLASSIFIER_STD)
-    b = g.normal("fc.bias", (cfg.classes,), BIAS_STD)
-    g.op("Gemm", [x, w, b], "/fc/Gemm", output="logits", alpha=1.0, beta=1.0, transB=1)
-    return g.model("resnet50",
-                   [tensor_input("image", g.elem_type, ["batch", 3, "height", "width"])],
-                   [tensor_input("logits", g.elem_type, ["batch", cfg.classes])])
+    return classifier_model(g, x, c_in, cfg.classes, "fc", CLASSIFIER_STD, BIAS_STD, "resnet50")
 
 
-def make_feeds(cfg: ResNetConfig, dims: Mapping[str, int], dtype: str,
-               rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A standard-normal ``image`` (what a normalized photo looks like to the first conv)."""
-    image = rng.standard_normal((dims["batch"], 3, dims["height"], dims["width"]), dtype=np.float32)
-    return {"image": image.astype(dtype)}
+make_feeds = image_feeds
