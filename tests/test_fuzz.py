@@ -70,6 +70,10 @@ def _seeds() -> list[bytes]:
                       (_conv_kernel(activation="relu6"), _kernel("s", activation="silu"),
                        _kernel("t", activation="gelu_tanh", dtype="bfloat16")),
                       DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    # a conv kernel compiled for a grouped conv (epilogue flags bit 3) next to a gemm one: mutants move the
+    # flag onto the gemm kernel and set the bits past it
+    out.append(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(grouped=True), _kernel("gm", activation="relu")),
+                      DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
     return out
 
 
@@ -201,7 +205,7 @@ def run_view_fuzz(seconds: float, seed: int) -> dict[str, int]:
                                   batched=rng.random() < .5)
             elif kind == 1:
                 r = core.abi_view("Conv", shape(4), shape(4), shape(1) if rng.random() < .5 else None,
-                                  ints=[dim() for _ in range(8)] + [rng.choice([1, 2, 0, -1])])
+                                  ints=[dim() for _ in range(8)] + [rng.choice([1, 2, 3, 0, -1, dim(), 2**62, -2**63])])
             elif kind == 2:
                 rank = rng.choice([3, 4])
                 q = shape(rank)
@@ -216,7 +220,7 @@ def run_view_fuzz(seconds: float, seed: int) -> dict[str, int]:
             else:
                 r = core.conv_plan(shape(4), shape(4), shape(1) if rng.random() < .5 else None, strides=[dim(), dim()],
                                    pads=[dim() for _ in range(4)], dilations=[dim(), dim()],
-                                   group=rng.choice([1, 2, 0, -1, 2**40]),
+                                   group=rng.choice([1, 2, 0, -1, 2**40, 2**62, -2**63]),
                                    auto_pad=rng.choice(["NOTSET", "SAME_UPPER", "VALID"]))
             stats["answered"] += r is not None
         except DietcodeError as exc:
