@@ -1180,10 +1180,14 @@ int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, in
   return 0;
 }
 
-int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation, int trans_b, const int64_t* conv8,
+int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation, int trans_b, const int64_t* conv9,
                          int explicit_pads) {
-  if (b == nullptr || (base == 2 && conv8 == nullptr)) {
+  if (b == nullptr || (base == 2 && conv9 == nullptr)) {
     SetError("dc_bundle_check_node: null bundle or conv attributes");
+    return -1;
+  }
+  if (base == 2 && conv9[8] < 1) {
+    SetError("Conv group " + std::to_string(conv9[8]) + " must be at least 1");
     return -1;
   }
   for (size_t k = 0; k < b->kernels.size(); ++k) {
@@ -1217,15 +1221,21 @@ int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation
       SetError(which + " needs explicit pads, the node has auto_pad");
       return -1;
     }
-    // conv8: strides h, w, pads top, left, dilations h, w, kernel_shape h, w (0: not given)
-    const int64_t node[9] = {kernel.conv[0], conv8[6] ? conv8[6] : kernel.conv[1], conv8[7] ? conv8[7] : kernel.conv[2],
-                             conv8[0], conv8[1], conv8[2], conv8[3], conv8[4], conv8[5]};
+    // conv9: strides h, w, pads top, left, dilations h, w, kernel_shape h, w (0: not given), group
+    const int64_t node[9] = {kernel.conv[0], conv9[6] ? conv9[6] : kernel.conv[1], conv9[7] ? conv9[7] : kernel.conv[2],
+                             conv9[0], conv9[1], conv9[2], conv9[3], conv9[4], conv9[5]};
     for (int i = 0; i < 9; ++i) {
       if (node[i] != static_cast<int64_t>(kernel.conv[i])) {
         SetError(which + " was compiled for another conv geometry (field " + std::to_string(i) + ": " +
                  std::to_string(kernel.conv[i]) + ", the node has " + std::to_string(node[i]) + ")");
         return -1;
       }
+    }
+    // a grouped conv launches its groups along the grid's z: only a kernel compiled for one computes its group there
+    if (conv9[8] > 1 && !kernel.grouped) {
+      SetError(which + " was compiled for an ungrouped conv, the node has group " + std::to_string(conv9[8]) +
+               ": optimize the original model again");
+      return -1;
     }
   }
   return 0;

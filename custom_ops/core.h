@@ -82,11 +82,12 @@ int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtyp
                                int32_t* trans_b, int32_t* conv9);
 
 // Whether every compiled kernel of the bundle was built for this node: dtype (as above), base op (0 MatMul,
-// 1 Gemm, 2 Conv, 3 Attention: the attention view, activation 0, trans_b 0), activation, trans_b, and for Conv conv8 = strides h, w, pads top, left, dilations h, w,
-// kernel_shape h, w (0 where the node does not give it) and explicit_pads (0 when the node uses auto_pad).
+// 1 Gemm, 2 Conv, 3 Attention: the attention view, activation 0, trans_b 0), activation, trans_b, and for Conv conv9 = strides h, w, pads top, left, dilations h, w,
+// kernel_shape h, w (0 where the node does not give it), group (C ABI 11: a node with group > 1 takes only
+// kernels compiled for a grouped conv) and explicit_pads (0 when the node uses auto_pad).
 // 0 if they all fit, -1 with a message naming the first that does not.
 int dc_bundle_check_node(const dc_bundle* bundle, int dtype, int base, int activation, int trans_b,
-                         const int64_t* conv8, int explicit_pads);
+                         const int64_t* conv9, int explicit_pads);
 
 // Whether every compiled kernel's baked-in alpha equals the node's scale (exact float32 equality; vendor
 // kernels carry none). 0 if they do, -1 with a message naming the first kernel and both values.

@@ -264,22 +264,16 @@ class DietcodeKernel {
     const int dtype = DtypeCode(dtype_);
     const int trans_b = spec_.base == BaseOp::kGemm ? static_cast<int>(gemm_.trans_b) : 0;
     auto at = [](const std::vector<int64_t>& v, size_t i, int64_t dflt) { return i < v.size() ? v[i] : dflt; };
-    const int64_t conv8[8] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1), at(conv_.pads, 0, 0),
+    const int64_t conv9[9] = {at(conv_.strides, 0, 1), at(conv_.strides, 1, 1), at(conv_.pads, 0, 0),
                               at(conv_.pads, 1, 0), at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1),
-                              at(conv_.kernel_shape, 0, 0), at(conv_.kernel_shape, 1, 0)};
+                              at(conv_.kernel_shape, 0, 0), at(conv_.kernel_shape, 1, 0), conv_.group};
     if (dc_bundle_check_node(bundle_.get(), dtype, static_cast<int>(spec_.base), static_cast<int>(spec_.activation),
-                             trans_b, conv8, conv_.auto_pad == "NOTSET") != 0) {
+                             trans_b, conv9, conv_.auto_pad == "NOTSET") != 0) {
       Throw(dc_last_error());
     }
     conv_geometry_.assign(n_kernels_, {});
     for (int32_t k = 0; k < n_kernels_; ++k) {
       dc_bundle_kernel_built_for(bundle_.get(), k, nullptr, nullptr, nullptr, conv_geometry_[k].data());
-      // a grouped conv launches group programs along z: only a kernel compiled for one computes its group there
-      if (spec_.base == BaseOp::kConv && conv_.group > 1 && dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
-          dc_bundle_kernel_grouped(bundle_.get(), k) != 1) {
-        Throw("bundle kernel " + std::to_string(k) + " was compiled for an ungrouped conv, the node has group " +
-              std::to_string(conv_.group) + ": optimize the original model again");
-      }
     }
   }
 

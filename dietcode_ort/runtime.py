@@ -746,13 +746,17 @@ class CoreBundle:
         return kind, arch
 
     def check_node(self, dtype: str, op: str, activation: str = "none", trans_b: bool = False,
-                   conv: Sequence[int] = (1, 1, 0, 0, 1, 1, 0, 0), explicit_pads: bool = True) -> None:
+                   conv: Sequence[int] = (1, 1, 0, 0, 1, 1, 0, 0), explicit_pads: bool = True, group: int = 1) -> None:
         """Whether the compiled kernels fit a node (what the CUDA path checks at session creation);
         DietcodeError naming the first that does not. ``conv``: strides h, w, pads top, left, dilations
-        h, w, kernel_shape h, w (0 = not given)."""
+        h, w, kernel_shape h, w (0 = not given); ``group``: the Conv's (above 1, only kernels compiled for a
+        grouped conv fit)."""
         from dietcode_ort.bundle import ACTIVATION_CODES, DTYPE_CODES
 
-        arr = (ctypes.c_int64 * 8)(*conv)
+        if len(conv) != 8:
+            raise DietcodeError(f"check_node: conv takes 8 values (strides, pads top/left, dilations, kernel_shape), "
+                                f"got {len(conv)}")
+        arr = (ctypes.c_int64 * 9)(*conv, group)
         if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv", "Attention").index(op),
                                               ACTIVATION_CODES.index(activation), int(trans_b), arr,
                                               int(explicit_pads)):

@@ -380,6 +380,16 @@ def test_build_facts_round_trip_and_must_fit_the_node(core) -> None:
         conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 5, 5))
     with pytest.raises(DietcodeError, match="needs explicit pads"):
         conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3), explicit_pads=False)
+    # a grouped node takes only kernels compiled for a grouped conv (their group from the grid's z); those
+    # compute group 1 too
+    with pytest.raises(DietcodeError, match=r"compiled for an ungrouped conv, the node has group 4"):
+        conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3), group=4)
+    with pytest.raises(DietcodeError, match="Conv group 0 must be at least 1"):
+        conv.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3), group=0)
+    grouped = core.parse(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(grouped=True), BundleKernel.vendor()),
+                                DispatchTree((0, -1, -1), (8, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    for group in (1, 4, 64):
+        grouped.check_node("float16", "Conv", "relu", conv=(2, 2, 1, 1, 1, 1, 3, 3), group=group)
 
 
 @pytest.mark.parametrize("kernel, pattern", [
