@@ -192,8 +192,8 @@ def _tensor_input(model, dtype: str, name: str, example_shape: tuple[int, ...], 
 
 # --- CNNs in plain torch.nn ---------------------------------------------------------------------------------
 # torchvision from PyPI does not import beside the pinned CPU torch (its compiled ops fail to register:
-# "operator torchvision::nms does not exist"), so ResNet-18 and MobileNetV2 are written here with the same
-# layer structure as torchvision.models.resnet18 / mobilenet_v2 (narrower, to keep the tests small).
+# "operator torchvision::nms does not exist"), so ResNet-18, MobileNetV2, EfficientNet's and ConvNeXt's blocks
+# are written here with the same layer structure as torchvision.models' (narrower, to keep the tests small).
 
 def _resnet18_module(width: int = 8, classes: int = 10):
     import torch.nn as nn
@@ -292,6 +292,85 @@ def _mobilenet_v2_module(width_mult: float = 0.25, classes: int = 10):
     return MobileNetV2()
 
 
+def _efficientnet_module(classes: int = 10):
+    """EfficientNet-B0's MBConv blocks (narrow): 1x1 expansion with SiLU, a depthwise 3x3 or 5x5 (stride 2 too)
+    with SiLU, squeeze-and-excitation (two 1x1 convs on the pooled tensor, SiLU then Sigmoid, the gate
+    multiplied in), a linear 1x1 projection and the identity where the block keeps its size."""
+    import torch.nn as nn
+
+    def conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: bool = True):
+        layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+        return nn.Sequential(*layers, nn.SiLU()) if act else nn.Sequential(*layers)
+
+    class MBConv(nn.Module):
+        def __init__(self, cin: int, cout: int, k: int, stride: int, expand: int):
+            super().__init__()
+            hidden = cin * expand
+            self.expand = conv_bn(cin, hidden, 1) if expand != 1 else nn.Identity()
+            self.depthwise = conv_bn(hidden, hidden, k, stride, groups=hidden)
+            squeeze = max(1, cin // 4)
+            self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(hidden, squeeze, 1), nn.SiLU(),
+                                    nn.Conv2d(squeeze, hidden, 1), nn.Sigmoid())
+            self.project = conv_bn(hidden, cout, 1, act=False)
+            self.use_res = stride == 1 and cin == cout
+
+        def forward(self, x):
+            y = self.depthwise(self.expand(x))
+            y = self.project(y * self.se(y))
+            return x + y if self.use_res else y
+
+    class EfficientNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = conv_bn(3, 16, 3, 2)
+            self.blocks = nn.Sequential(MBConv(16, 8, 3, 1, 1), MBConv(8, 16, 3, 2, 6), MBConv(16, 16, 5, 1, 6),
+                                        MBConv(16, 24, 5, 2, 6))
+            self.head = conv_bn(24, 64, 1)
+            self.fc = nn.Linear(64, classes)
+
+        def forward(self, x):
+            x = self.head(self.blocks(self.stem(x)))
+            return self.fc(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    return EfficientNet()
+
+
+def _convnext_module(dim: int = 32, classes: int = 10):
+    """ConvNeXt's blocks (narrow): a 4x4 stride-4 patchify stem, then per block a depthwise 7x7 conv, LayerNorm
+    over the channels in NHWC (a permute), the 4x MLP as Linear layers (MatMuls) with GELU, a layer scale and the
+    residual; a 2x2 stride-2 downsampling conv between the stages."""
+    import torch
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.dwconv = nn.Conv2d(d, d, 7, padding=3, groups=d)
+            self.norm = nn.LayerNorm(d, eps=1e-6)
+            self.pwconv1, self.pwconv2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.gamma = nn.Parameter(torch.full((d,), 0.5))
+
+        def forward(self, x):
+            y = self.dwconv(x).permute(0, 2, 3, 1)
+            y = self.gamma * self.pwconv2(nn.functional.gelu(self.pwconv1(self.norm(y))))
+            return x + y.permute(0, 3, 1, 2)
+
+    class ConvNeXt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, dim, 4, 4)
+            self.stage1 = Block(dim)
+            self.down = nn.Conv2d(dim, 2 * dim, 2, 2)
+            self.stage2 = Block(2 * dim)
+            self.head = nn.Linear(2 * dim, classes)
+
+        def forward(self, x):
+            x = self.stage2(self.down(self.stage1(self.stem(x))))
+            return self.head(x.mean((2, 3)))
+
+    return ConvNeXt()
+
+
 _IMAGE_AXES = {0: "batch", 2: "height", 3: "width"}
 
 
@@ -303,9 +382,18 @@ def mobilenet_v2(dtype: str = "float32") -> TorchModel:
     return _tensor_input(_mobilenet_v2_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
 
 
+def efficientnet(dtype: str = "float32") -> TorchModel:
+    return _tensor_input(_efficientnet_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
+
+
+def convnext(dtype: str = "float32") -> TorchModel:
+    return _tensor_input(_convnext_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
+
+
 MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
     "bert": bert, "distilbert": distilbert, "gpt2": gpt2, "llama": llama, "t5-encoder": t5_encoder,
     "vit": vit, "whisper-encoder": whisper_encoder, "resnet18": resnet18, "mobilenet-v2": mobilenet_v2,
+    "efficientnet": efficientnet, "convnext": convnext,
 }
 
 
@@ -570,6 +658,10 @@ CASES: tuple[Case, ...] = tuple(
     # MobileNetV2 through TorchScript only: its dynamo export alone takes half a minute on two cores. Every conv
     # is tuned, its depthwise ones as a batch of their groups.
     + _exports("mobilenet-v2", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False, dynamo=False)
+    # grouped convs beside other layers: EfficientNet's depthwise 5x5s at stride 2 and its squeeze-and-excitation
+    # 1x1 convs on a pooled [batch, C, 1, 1] tensor; ConvNeXt's depthwise 7x7s between NHWC LayerNorm + MLPs
+    + _exports("efficientnet", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False, dynamo=False)
+    + _exports("convnext", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
     # optimum's dim names at an opset below 20, where Gelu is exported in its Erf form (a fusion candidate)
     + [Case("bert-opset17-torchscript", "bert", "torchscript", tuned=TEXT_TUNED, probes=TEXT_PROBES, opset=17,
             dim_names={"batch": "batch_size", "sequence": "sequence_length"}),
