@@ -62,6 +62,14 @@ case $(basename "$wheel") in
   *-py3-none-manylinux_*) ;;
   *) echo "wheel smoke: FAIL  $(basename "$wheel") is not a py3-none-manylinux platform wheel" >&2; exit 1 ;;
 esac
+# the top-level names the wheel claims in site-packages: the package and its tuner, nothing else (no models/)
+tops=$(.venv/bin/python -c 'import sys, zipfile
+names = {n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()}
+print(" ".join(sorted(n for n in names if not n.endswith((".dist-info", ".data")))))' "$wheel")
+if [ "$tops" != "dietcode_ort tuner" ]; then
+  echo "wheel smoke: FAIL  the wheel installs the top-level names '$tops' (expected: dietcode_ort tuner)" >&2
+  exit 1
+fi
 
 step "installing it into a new virtual environment, as a serving machine does (no extra)"
 start=$SECONDS
