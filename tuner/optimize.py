@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
-from tuner.conv1d import convs_as_2d
 from tuner.executor import Executor, LocalExecutor
-from tuner.scan import ScanResult, attach_instances, load_model, scan_model
+from tuner.scan import ScanResult, attach_instances, load_model, prepare_graph, scan_model
 from tuner.workload import Problem, Workload
 
 if TYPE_CHECKING:
@@ -149,13 +148,15 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     each takes the --dim options that name its symbols)."""
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
-    model = convs_as_2d(model, copy=False)[0]  # a 1-D conv is tuned as the 2-D conv of height 1
+    # a 1-D conv is tuned as the 2-D conv of height 1, a matrix-product Einsum as MatMul
+    model, left = prepare_graph(model, model_path.parent)
     if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
         from tuner.attention_prepare import prepare_attention
 
         model = prepare_attention(model, model_path.parent, copy=False)[0]  # exporters' Shape(Transpose) and Kt
         model = _pack_projections(model_path, model, options.targets)
     scanned = scan_model(model, model_path.parent)
+    scanned = replace(scanned, skipped=scanned.skipped + left)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
     scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:

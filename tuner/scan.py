@@ -1099,13 +1099,24 @@ def _nonempty(w: Workload) -> Workload:
     return replace(w, instances=tuple(kept))
 
 
-def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
-    """Load and scan a model file, its 1-D convs as 2-D ones as ``optimize`` sees them (tuner/conv1d.py);
-    weights stored as external data are not read (only their shapes)."""
+def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> tuple[onnx.ModelProto, tuple[Skipped, ...]]:
+    """The graph pre-passes ``scan`` and ``optimize`` run first, in place: 1-D convs as 2-D ones
+    (tuner/conv1d.py) and matrix-product Einsums as MatMuls (tuner/einsum.py); with the Einsums left alone, as
+    skipped nodes and why."""
     from tuner.conv1d import convs_as_2d
+    from tuner.einsum import einsums_as_matmuls
 
-    model = convs_as_2d(load_model(path, load_external_data=False), copy=False)[0]
-    return attach_instances(scan_model(model, Path(path).parent), dims, shapes_file)
+    model = convs_as_2d(model, copy=False)[0]
+    model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
+    return model, tuple(Skipped(out, "Einsum", why) for out, why in einsums.notes)
+
+
+def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
+    """Load and scan a model file as ``optimize`` sees it (``prepare_graph``: 1-D convs as 2-D ones, Einsums
+    as MatMuls); weights stored as external data are not read (only their shapes)."""
+    model, left = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)
+    result = scan_model(model, Path(path).parent)
+    return attach_instances(replace(result, skipped=result.skipped + left), dims, shapes_file)
 
 
 def to_json(result: ScanResult) -> dict:
@@ -1185,9 +1196,10 @@ def attention_report(path: str | Path) -> dict:
     from tuner.attention_pack import pack_projections
     from tuner.attention_prepare import prepare_attention
 
-    # as optimize sees them: the exporters' Shape(Transpose) and Kt forms rewritten, Q/K/V projections merged
-    # where exact (then read packed), or why not
-    prepared, prep = prepare_attention(load_model(path, load_external_data=False), Path(path).parent, copy=False)
+    # as optimize sees them: after prepare_graph (Einsums as MatMuls), the exporters' Shape(Transpose) and Kt
+    # forms rewritten, Q/K/V projections merged where exact (then read packed), or why not
+    model = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)[0]
+    prepared, prep = prepare_attention(model, Path(path).parent, copy=False)
     packed, pack = pack_projections(prepared, Path(path).parent, copy=False)
     found = find_attention(packed, Path(path).parent)
     pack_notes = dict(pack.notes)
