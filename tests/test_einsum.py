@@ -138,6 +138,15 @@ def test_other_einsums_stay_with_the_reason(equation, why):
     assert prepare_graph(out, None)[1][0].op == "Einsum"
 
 
+def test_an_integer_einsum_stays():
+    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="ij,jk->ik")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.INT64, ["n", 3]) for n in "ab"],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    out, result = einsums_as_matmuls(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [n.op_type for n in out.graph.node] == ["Einsum"]
+    assert result.notes == (("y", "Einsum 'ij,jk->ik' on INT64: only float products are tuned"),)
+
+
 def test_an_einsum_attention_export_is_fused_and_matches(tmp_path: Path):
     """torch.einsum attention (projections ``bsd,ed->bse``, scores ``bqhd,bkhd->bhqk``, output ``bhqk,bkhd->bqhd``)
     through the TorchScript exporter: the projections become one packed GEMM, the chain one fused Attention, and

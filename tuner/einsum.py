@@ -16,11 +16,11 @@ ellipsis (``...``) stays where it is, leading every term it is in (MatMul broadc
 constant operand whose values the model holds is transposed and reshaped once here, so a weight stays a
 constant [K, N] operand; one whose values are in an external file gets the nodes.
 
-Left as it is, with the reason in ``EinsumResult.notes``: Einsums of one or three operands, a letter repeated
-in a term (a diagonal or trace), a letter summed out of one operand alone, more or less than one contracted
-letter, a product without a letter of A alone or of B alone (a matrix-vector product, which the scanner does
-not tune either), and an ellipsis not at the start of a term or summed out. ``optimize`` and ``scan`` run it
-before scanning; running it twice changes nothing more.
+Left as it is, with the reason in ``EinsumResult.notes``: Einsums of integer operands (the scanner tunes float
+products), of one or three operands, a letter repeated in a term (a diagonal or trace), a letter summed out of
+one operand alone, more or less than one contracted letter, a product without a letter of A alone or of B alone
+(a matrix-vector product, which the scanner does not tune either), and an ellipsis not at the start of a term
+or summed out. ``optimize`` and ``scan`` run it before scanning; running it twice changes nothing more.
 """
 from __future__ import annotations
 
@@ -128,17 +128,23 @@ def _opset(model: onnx.ModelProto) -> int:
     return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _ranks(model: onnx.ModelProto, base_dir: Path | None) -> dict[str, int]:
-    """Every value's rank, from the scanner's shape inference (only asked for where an ellipsis hides one)."""
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _types_and_ranks(model: onnx.ModelProto, base_dir: Path | None) -> dict[str, tuple[int, int | None]]:
+    """Every value's element type and rank (None: unknown), from onnx's shape inference on the scanner's copy
+    without weight values; empty where inference fails."""
     from tuner import scan as scan_mod
 
-    inferred = scan_mod._infer(scan_mod._inference_copy(model, base_dir))
-    g = inferred.graph
-    ranks = {t.name: len(t.dims) for t in g.initializer}
+    try:
+        g = onnx.shape_inference.infer_shapes(scan_mod._inference_copy(model, base_dir)).graph
+    except Exception:  # noqa: BLE001  (onnx raises several kinds; the Einsums then stay, with the reason)
+        return {}
+    out: dict[str, tuple[int, int | None]] = {t.name: (t.data_type, len(t.dims)) for t in g.initializer}
     for vi in (*g.input, *g.value_info, *g.output):
-        if vi.type.tensor_type.HasField("shape"):
-            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
-    return ranks
+        t = vi.type.tensor_type
+        out[vi.name] = (t.elem_type, len(t.shape.dim) if t.HasField("shape") else None)
+    return out
 
 
 def einsums_as_matmuls(model: onnx.ModelProto, base_dir: Path | None = None,
@@ -161,8 +167,16 @@ def einsums_as_matmuls(model: onnx.ModelProto, base_dir: Path | None = None,
             forms[id(node)] = form
     if not forms:
         return out, EinsumResult((), tuple(notes))
-    needs_ranks = any(f.ellipsis[0] or f.ellipsis[1] for f in forms.values())
-    ranks = _ranks(out, base_dir) if needs_ranks else {}
+    known = _types_and_ranks(out, base_dir)
+    for node in einsums:  # a MatMul is tuned in the float types only: an integer Einsum stays as it is
+        elem = known.get(node.input[0], (0, None))[0]
+        if id(node) in forms and elem not in _FLOATS:
+            del forms[id(node)]
+            what = onnx.TensorProto.DataType.Name(elem) if elem else "an element type shape inference does not give"
+            notes.append((node.output[0], f"Einsum {_equation(node)!r} on {what}: only float products are tuned"))
+    if not forms:
+        return out, EinsumResult((), tuple(notes))
+    ranks = {name: rank for name, (_, rank) in known.items() if rank is not None}
     inits = {t.name: t for t in graph.initializer}
     before = _graph_reads(graph)
     names = functools.partial(unique_name, taken=names_in_use(graph))
