@@ -120,8 +120,9 @@ def test_a_weight_in_an_external_file_gets_a_transpose_node(tmp_path: Path):
     ("ij,ij->", "2 contracted letters"),
     ("ijk,jk->i", "2 contracted letters"),
     ("ij,jk->i", "letter 'k' summed out of one operand alone"),
-    ("i,ij->j", "a matrix-vector product (no letter of A alone)"),
-    ("ij,j->i", "a matrix-vector product (no letter of B alone)"),
+    ("i,ij->j", "no letter of A alone (a matrix-vector or dot product)"),
+    ("ij,j->i", "no letter of B alone (a matrix-vector or dot product)"),
+    ("bsh,bsh->bs", "no letter of A alone (a matrix-vector or dot product)"),
     ("i...j,jk->i...k", "an ellipsis not at the start of a term"),
     ("...ij,...jk->ik", "the ellipsis dims summed out"),
 ])

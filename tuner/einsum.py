@@ -102,7 +102,7 @@ def matmul_form(equation: str) -> MatMulForm | str:
     if not m and ea and not eb and not batch and len(n) == 1:  # a linear layer over the ellipsis: its last dim is M
         return MatMulForm(k, k + n[0], (), (), (0,), (ea, eb, ec))
     if not m or not n:
-        return "a matrix-vector product (no letter of " + ("A" if not m else "B") + " alone)"
+        return f"no letter of {'A' if not m else 'B'} alone (a matrix-vector or dot product)"
     a_order = "".join(batch + m[:-1] + [m[-1], k])
     b_order = "".join(batch + n[:-1] + [k, n[-1]])
     # size-1 dims where the other operand has letters of its own; none where they would lead the operand (MatMul
