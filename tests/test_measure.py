@@ -285,6 +285,10 @@ def test_gpu_timings_are_keyed_by_template_source_and_timing_settings(monkeypatc
     added, multiplied = (GpuMeasurer(backend="_fake_timing:FakeBackend", epilogue=Epilogue(
         False, "silu", 1.0, True, residual_mul=mul)).context() for mul in (False, True))
     assert added != multiplied and "residual_mul=1" in multiplied and "residual_mul" not in added
+    # a grouped conv is another kernel than the ungrouped one of the same channels and window
+    plain, grouped = (GpuMeasurer(backend="_fake_timing:FakeBackend", conv=ConvParams(8, 8, (3, 3), groups=g)).context()
+                      for g in (1, 8))
+    assert plain != grouped and "d(1,1)g8;" in grouped and "d(1,1);" in plain
     monkeypatch.setattr(aot, "template_hash", lambda: "0" * 64)
     assert context() != base
 
