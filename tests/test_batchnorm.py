@@ -132,3 +132,23 @@ def test_an_export_without_constant_folding_is_tuned_like_a_folded_one(tmp_path:
     tuned = dietcode_ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(3).standard_normal((3, 3, 40, 56)).astype(np.float32)
     np.testing.assert_allclose(tuned.run(None, {"x": x})[0], stock.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("opset, ir, spatial", [(7, 3, 1), (9, 4, None), (7, 3, 0)])
+def test_old_opsets_fold_too_but_not_per_element_statistics(opset, ir, spatial):
+    """Opset 7's ``spatial`` attribute (1: per-channel statistics, the only form folded) and an IR 3 model that
+    lists its initializers as graph inputs (the folded parameters leave the inputs with them)."""
+    model = _model(relu=False)
+    model.opset_import[0].version, model.ir_version = opset, ir
+    if spatial is not None:
+        model.graph.node[1].attribute.append(helper.make_attribute("spatial", spatial))
+    if ir < 4:
+        model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in model.graph.initializer)
+    out, result = fold_batchnorms(model)
+    if spatial == 0:
+        assert result.notes == (("bn", "BatchNormalization after Conv: spatial=0 (per-element statistics)"),)
+        return
+    assert result.folded == ("bn",) and [i.name for i in out.graph.input] == ["x"]
+    x = np.random.default_rng(4).standard_normal((2, 8, 5, 6)).astype(np.float32)
+    np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=1e-5, atol=1e-5)
