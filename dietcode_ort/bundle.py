@@ -481,7 +481,7 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["alpha"] = _float32(float(alpha))
     conv = getattr(compiled, "conv", None)
     if conv is not None:
-        out["conv"] = (conv.in_channels, *conv.kernel, *conv.strides, conv.pads[0], conv.pads[1], *conv.dilations)
+        out["conv"] = tuple(conv.geometry())
         out["grouped"] = getattr(conv, "groups", 1) > 1
     return out
 

@@ -69,7 +69,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
 from tuner.attention import LAYOUT_BITS
 from tuner.causal_mask import is_causal_mask
-from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets,
+from tuner.rewrite import (DOMAIN, DOMAIN_VERSION, _bundle_initializer, _drop_unread, _graph_reads, _Links, _opsets, default_opset,
                            copy_into_body, model_to_edit, unique_name)
 from tuner.workload import Workload
 
@@ -704,7 +704,7 @@ def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -
     base = None if base_dir is None else Path(base_dir)
     inferred = scan_mod._infer(scan_mod._inference_copy(model, base))
     g = scan_mod._Graph(inferred, list(inferred.graph.initializer))
-    opset = _default_opset(model)
+    opset = default_opset(model)
     sites, skipped = [], []
     for node in model.graph.node:
         if not _is(node, "Softmax"):
@@ -714,10 +714,6 @@ def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -
         except _Skip as why:
             skipped.append((node.output[0], str(why)))
     return AttentionScan(tuple(sites), tuple(skipped))
-
-
-def _default_opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _int64s(name: str, values: list[int]) -> onnx.NodeProto:

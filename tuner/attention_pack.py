@@ -29,7 +29,8 @@ from onnx import helper, numpy_helper
 
 from tuner.attention_graph import AttentionSite, find_attention
 from tuner.model_file import inline_tensor, is_external
-from tuner.rewrite import _drop_unread, _graph_reads, _Links, model_to_edit, names_in_use, unique_name
+from tuner.rewrite import (_drop_unread, _graph_reads, _Links, default_opset, model_to_edit, names_in_use,
+                           unique_name)
 
 __all__ = ["PackResult", "pack_projections"]
 
@@ -141,10 +142,6 @@ def _zeros(like: onnx.TensorProto, width: int) -> onnx.TensorProto:
     return helper.make_tensor(f"{like.name}_zeros", like.data_type, [width], bytes(width * size), raw=True)
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
 def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
                      sites: tuple[AttentionSite, ...] | None = None,
                      copy: bool = True) -> tuple[onnx.ModelProto, PackResult]:
@@ -160,7 +157,7 @@ def pack_projections(model: onnx.ModelProto, base_dir: str | Path | None = None,
     taken = names_in_use(graph)
     packed: list[str] = []
     notes: list[tuple[str, str]] = []
-    opset = _opset(out)
+    opset = default_opset(out)
     for site in sites:
         if site.rank != 4 or site.packed:
             continue

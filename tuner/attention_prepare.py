@@ -46,7 +46,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tuner import scan as scan_mod
-from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
+from tuner.rewrite import _drop_unread, _graph_reads, default_opset, model_to_edit, names_in_use, unique_name
 
 __all__ = ["PrepareResult", "prepare_attention"]
 
@@ -664,7 +664,7 @@ def prepare_attention(model: onnx.ModelProto, base_dir: str | Path | None = None
             before |= _graph_reads(graph)  # values this step made, which a later one may leave unread
     shapes, kts, reshapes, merged, scales = counts
     notes: list[tuple[str, str]] = []
-    opset = next((int(o.version) for o in out.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(out)
     before |= _graph_reads(graph)
     moved = _transposes_past_rotary(graph, g, names, opset, notes)
     if moved:  # the moved Transposes, then K's moved one and its Kt Transpose, are one

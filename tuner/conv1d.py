@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
+from tuner.rewrite import _drop_unread, _graph_reads, axes_node, default_opset, model_to_edit, names_in_use, unique_name
 from tuner.scan import GraphLinks, conv1d_out_of_range, conv_auto_pad
 
 __all__ = ["Conv1dResult", "convs_as_2d"]
@@ -38,17 +38,6 @@ __all__ = ["Conv1dResult", "convs_as_2d"]
 class Conv1dResult:
     converted: tuple[str, ...]  # the first outputs of the 1-D Convs now written as 2-D ones
     notes: tuple[tuple[str, str], ...] = ()  # (a 1-D Conv's output, why it stays 1-D)
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-
-
-def _axes_node(op: str, x: str, y: str, opset: int, axes_name: str | None, name: str) -> onnx.NodeProto:
-    """Unsqueeze/Squeeze of axis 2: the axes as an input from opset 13 on, as an attribute before."""
-    if opset >= 13:
-        return helper.make_node(op, [x, axes_name or ""], [y], name=name)
-    return helper.make_node(op, [x], [y], name=name, axes=[2])
 
 
 def _weight_2d(graph: onnx.GraphProto, links: GraphLinks, w: onnx.TensorProto, names) -> str:
@@ -86,7 +75,7 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
     links = GraphLinks(graph)
     before = _graph_reads(graph)
     names = functools.partial(unique_name, taken=names_in_use(graph))
-    opset = _opset(out)
+    opset = default_opset(out)
     axes = None
     if opset >= 13:
         axes = names("dietcode_axis_2")
@@ -117,8 +106,8 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
                 a.ints[:] = [1, *a.ints]
             elif a.name == "pads" and len(a.ints) == 2:
                 a.ints[:] = [0, a.ints[0], 0, a.ints[1]]
-        rebuilt += [_axes_node("Unsqueeze", node.input[0], x4, opset, axes, names(f"{label}_unsqueeze")), conv,
-                    _axes_node("Squeeze", y4, node.output[0], opset, axes, names(f"{label}_squeeze"))]
+        rebuilt += [axes_node("Unsqueeze", node.input[0], x4, [2], opset, axes, names(f"{label}_unsqueeze")), conv,
+                    axes_node("Squeeze", y4, node.output[0], [2], opset, axes, names(f"{label}_squeeze"))]
         converted.append(node.output[0])
     del graph.node[:]
     graph.node.extend(rebuilt)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from tuner.model_file import is_external
-from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
-from tuner.scan import GraphLinks
+from tuner.rewrite import _drop_unread, _graph_reads, default_opset, model_to_edit, names_in_use, unique_name
+from tuner.scan import GraphLinks, _attrs
 
 __all__ = ["AffineResult", "fold_conv_affines", "FOLDED_OPS"]
 
@@ -44,10 +44,6 @@ FOLDED_OPS = ("BatchNormalization", "Mul", "Div", "Add", "Sub")
 class AffineResult:
     folded: tuple[str, ...]  # the outputs of the ops now computed by their Convs, in folding order
     notes: tuple[tuple[str, str], ...] = ()  # (a BatchNormalization's output, why it stays after its Conv)
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _loaded(name: str, inits: dict[str, onnx.TensorProto]) -> bool:
@@ -106,7 +102,7 @@ def fold_conv_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.M
     graph = out.graph
     if not any(n.op_type in FOLDED_OPS for n in graph.node):
         return out, AffineResult(())
-    opset = next((int(o.version) for o in out.opset_import if o.domain in ("", "ai.onnx")), 1)
+    opset = default_opset(out)
     inits = {t.name: t for t in graph.initializer}
     before = _graph_reads(graph)
     names = functools.partial(unique_name, taken=names_in_use(graph))

@@ -35,7 +35,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tuner.model_file import is_external
-from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit, names_in_use, unique_name
+from tuner.rewrite import (_drop_unread, _graph_reads, axes_node, default_opset, model_to_edit, names_in_use,
+                           unique_name)
 
 __all__ = ["EinsumResult", "MatMulForm", "matmul_form", "einsums_as_matmuls"]
 
@@ -50,10 +51,12 @@ class EinsumResult:
 
 @dataclass(frozen=True)
 class MatMulForm:
-    """An equation as a matrix product: each operand's letters in the order the MatMul reads them (after
-    the leading ellipsis, where the term has one), the axes (from the end) where each gets size-1 dims, and
-    the permutation from the MatMul's letters to the output's."""
+    """An equation as a matrix product: each operand's letters (after its ellipsis, where the term has one) as
+    written and in the order the MatMul reads them, the axes (from the end) where each gets size-1 dims, and the
+    permutation from the MatMul's letters to the output's."""
 
+    a_term: str
+    b_term: str
     a_order: str
     b_order: str
     a_ones: tuple[int, ...]  # Unsqueeze axes (negative) of A after its transpose
@@ -100,7 +103,7 @@ def matmul_form(equation: str) -> MatMulForm | str:
     m = [x for x in c if x in a and x not in b]
     n = [x for x in c if x in b and x not in a]
     if not m and ea and not eb and not batch and len(n) == 1:  # a linear layer over the ellipsis: its last dim is M
-        return MatMulForm(k, k + n[0], (), (), (0,), (ea, eb, ec))
+        return MatMulForm(a, b, k, k + n[0], (), (), (0,), (ea, eb, ec))
     if not m or not n:
         return f"no letter of {'A' if not m else 'B'} alone (a matrix-vector or dot product)"
     a_order = "".join(batch + m[:-1] + [m[-1], k])
@@ -110,7 +113,7 @@ def matmul_form(equation: str) -> MatMulForm | str:
     a_ones = tuple(range(-2 - (len(n) - 1), -2)) if batch or ea or len(m) > 1 else ()
     b_ones = tuple(range(-2 - (len(n) - 1) - (len(m) - 1), -2 - (len(n) - 1))) if batch or eb else ()
     result = batch + m[:-1] + n[:-1] + [m[-1], n[-1]]
-    return MatMulForm(a_order, b_order, a_ones, b_ones, tuple(result.index(x) for x in c), (ea, eb, ec))
+    return MatMulForm(a, b, a_order, b_order, a_ones, b_ones, tuple(result.index(x) for x in c), (ea, eb, ec))
 
 
 def _perm(term: str, order: str, rank: int) -> list[int]:
@@ -122,10 +125,6 @@ def _perm(term: str, order: str, rank: int) -> list[int]:
 def _equation(node: onnx.NodeProto) -> str:
     value = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "equation"), b"")
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -180,39 +179,31 @@ def einsums_as_matmuls(model: onnx.ModelProto, base_dir: Path | None = None,
     inits = {t.name: t for t in graph.initializer}
     before = _graph_reads(graph)
     names = functools.partial(unique_name, taken=names_in_use(graph))
-    opset = _opset(out)
+    opset = default_opset(out)
     converted, rebuilt = [], []
     for node in graph.node:
         mm = forms.get(id(node))
         if mm is None:
             rebuilt.append(node)
             continue
-        equation = _equation(node)
-        terms, _ = _terms(equation)
-        operands = []
-        for x, term, order, ones, ell in ((node.input[0], terms[0].replace("...", ""), mm.a_order, mm.a_ones,
-                                           mm.ellipsis[0]),
-                                          (node.input[1], terms[1].replace("...", ""), mm.b_order, mm.b_ones,
-                                           mm.ellipsis[1])):
-            rank = ranks.get(x) if ell else len(term)
-            if rank is None:
-                break
-            operands.append(_operand(graph, rebuilt, names, opset, x, _perm(term, order, rank), ones,
-                                     inits.get(x), node.name or node.output[0]))
-        if len(operands) != 2:
-            notes.append((node.output[0], f"Einsum {equation!r}: shape inference gives no rank for an operand "
-                                          "with an ellipsis"))
+        sides = ((node.input[0], mm.a_term, mm.a_order, mm.a_ones, mm.ellipsis[0]),
+                 (node.input[1], mm.b_term, mm.b_order, mm.b_ones, mm.ellipsis[1]))
+        ranks_of = [ranks.get(x) if ell else len(term) for x, term, _, _, ell in sides]
+        if None in ranks_of:
+            notes.append((node.output[0], f"Einsum {_equation(node)!r}: shape inference gives no rank for an "
+                                          "operand with an ellipsis"))
             rebuilt.append(node)
             continue
         label = node.name or node.output[0]
+        op_ranks = [r for r in ranks_of if r is not None]
+        operands = [_operand(graph, rebuilt, names, opset, x, _perm(term, order, rank), ones, inits.get(x), label)
+                    for (x, term, order, ones, _), rank in zip(sides, op_ranks)]
         identity = list(mm.out_perm) == sorted(mm.out_perm)
         product = node.output[0] if identity else names(f"{node.output[0]}_matmul")
         rebuilt.append(helper.make_node("MatMul", operands, [product], name=names(f"{label}_matmul")))
         if not identity:
-            lead = 0
-            if mm.ellipsis[2]:  # the broadcast ellipsis dims lead the MatMul's output too
-                lead = max(ranks[node.input[0]] - len(terms[0].replace("...", "")) if mm.ellipsis[0] else 0,
-                           ranks[node.input[1]] - len(terms[1].replace("...", "")) if mm.ellipsis[1] else 0)
+            # the broadcast ellipsis dims lead the MatMul's output too
+            lead = max(rank - len(term) for (_, term, _, _, _), rank in zip(sides, op_ranks))
             perm = list(range(lead)) + [lead + p for p in mm.out_perm]
             rebuilt.append(helper.make_node("Transpose", [product], [node.output[0]], name=names(f"{label}_transpose"),
                                             perm=perm))
@@ -243,12 +234,9 @@ def _operand(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], names: Callabl
         x = y
     if ones:
         y = names(f"{x}_unsqueezed")
-        if opset >= 13:
-            axes = names(f"{y}_axes")
+        axes = names(f"{y}_axes") if opset >= 13 else None
+        if axes:
             graph.initializer.append(numpy_helper.from_array(np.array(ones, np.int64), axes))
-            nodes.append(helper.make_node("Unsqueeze", [x, axes], [y], name=names(f"{label}_unsqueeze_{x}")))
-        else:
-            nodes.append(helper.make_node("Unsqueeze", [x], [y], name=names(f"{label}_unsqueeze_{x}"),
-                                          axes=list(ones)))
+        nodes.append(axes_node("Unsqueeze", x, y, list(ones), opset, axes, names(f"{label}_unsqueeze_{x}")))
         x = y
     return x

@@ -148,7 +148,7 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     each takes the --dim options that name its symbols)."""
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
-    # a 1-D conv is tuned as the 2-D conv of height 1, a matrix-product Einsum as MatMul
+    # Conv + BatchNormalization folded, a 1-D conv as the 2-D conv of height 1, a matrix-product Einsum as MatMul
     model, left = prepare_graph(model, model_path.parent)
     if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
         from tuner.attention_prepare import prepare_attention

@@ -37,7 +37,8 @@ from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import MOVABLE, GraphLinks, node_reads
 from tuner.workload import Workload
 
-__all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model", "model_to_edit"]
+__all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model", "save_model", "model_to_edit",
+           "default_opset", "axes_node"]
 
 DOMAIN = bundle_format.DOMAIN
 DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
@@ -387,6 +388,20 @@ def _drop_inputs(graph: onnx.GraphProto, names: set[str]) -> None:
     if len(kept) != len(graph.input):
         del graph.input[:]
         graph.input.extend(kept)
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's version of the default ONNX domain (1 where it imports none)."""
+    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def axes_node(op: str, x: str, y: str, axes: list[int], opset: int, axes_name: str | None,
+              name: str) -> onnx.NodeProto:
+    """An Unsqueeze or Squeeze of ``axes``: from opset 13 on they are the initializer ``axes_name`` (the caller
+    adds it), an attribute before."""
+    if opset >= 13:
+        return helper.make_node(op, [x, axes_name or ""], [y], name=name)
+    return helper.make_node(op, [x], [y], name=name, axes=axes)
 
 
 def _opsets(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:

@@ -722,8 +722,7 @@ MOVABLE = ("Reshape", "Squeeze")
 def conv_out_of_range(params: ConvParams) -> str:
     """Why a compiled kernel cannot record this conv's geometry (a value outside the bundle's CONV_RANGES, e.g.
     wav2vec2's 128-wide positional conv), or "" when it can."""
-    geometry = (params.in_channels, *params.kernel, *params.strides, params.pads[0], params.pads[1], *params.dilations)
-    for name, value, (lo, hi) in zip(CONV_FIELDS, geometry, CONV_RANGES):
+    for name, value, (lo, hi) in zip(CONV_FIELDS, params.geometry(), CONV_RANGES):
         if not lo <= value <= hi:
             return f"Conv {name}={value} is outside {lo}..{hi}, the range a compiled conv kernel records"
     return ""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import triton
 import triton.language as tl
 
+from dietcode_ort.bundle import CONV_FIELDS
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import ACTIVATIONS, ConvParams, Epilogue
 
@@ -560,10 +561,7 @@ def conv_geometry(conv: ConvParams) -> dict[str, int]:
     if conv.in_channels % conv.groups or conv.out_channels % conv.groups:
         raise DietcodeError(f"conv channels {conv.in_channels} -> {conv.out_channels} are not multiples of groups "
                             f"{conv.groups}")
-    return {"CHANNELS": conv.in_channels, "KH": conv.kernel[0], "KW": conv.kernel[1],
-            "STRIDE_H": conv.strides[0], "STRIDE_W": conv.strides[1],
-            "PAD_H": conv.pads[0], "PAD_W": conv.pads[1],
-            "DIL_H": conv.dilations[0], "DIL_W": conv.dilations[1]}
+    return dict(zip(CONV_FIELDS, conv.geometry()))
 
 
 def _dot_precision(dtype: "torch.dtype", allow_tf32: bool) -> str:

@@ -35,6 +35,12 @@ class ConvParams:
     dilations: tuple[int, int] = (1, 1)
     groups: int = 1
 
+    def geometry(self) -> tuple[int, ...]:
+        """What a compiled conv kernel records of the layer, in ``dietcode_ort.bundle.CONV_FIELDS``' order:
+        X's channels, the window, strides, top/left pads and dilations (the group is the launch's, not the
+        kernel's)."""
+        return (self.in_channels, *self.kernel, *self.strides, self.pads[0], self.pads[1], *self.dilations)
+
 
 @dataclass(frozen=True)
 class Epilogue:
