@@ -161,6 +161,17 @@ def vit(dtype: str = "float32") -> TorchModel:
     return _tensor_input(model, dtype, "pixel_values", (2, 3, 32, 32), {0: "batch"})
 
 
+def dinov2(dtype: str = "float32") -> TorchModel:
+    """DINOv2: ViT's layout with LayerScale, ``(x @ W + b) * lambda`` before each residual Add (its attention
+    output projection's and its MLP's second layer's)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    t = TINY_TEXT
+    cfg = Dinov2Config(hidden_size=t["hidden"], num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
+                       mlp_ratio=t["ffn"] // t["hidden"], image_size=32, patch_size=8, num_channels=3)
+    return _tensor_input(Dinov2Model(cfg), dtype, "pixel_values", (2, 3, 32, 32), {0: "batch"})
+
+
 def whisper_encoder(dtype: str = "float32") -> TorchModel:
     """Whisper's audio encoder: two Conv1d over [batch, mel bins, frames] (frames fixed by the model)."""
     from transformers import WhisperConfig
@@ -392,7 +403,7 @@ def convnext(dtype: str = "float32") -> TorchModel:
 
 MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
     "bert": bert, "distilbert": distilbert, "gpt2": gpt2, "llama": llama, "t5-encoder": t5_encoder,
-    "vit": vit, "whisper-encoder": whisper_encoder, "resnet18": resnet18, "mobilenet-v2": mobilenet_v2,
+    "vit": vit, "dinov2": dinov2, "whisper-encoder": whisper_encoder, "resnet18": resnet18, "mobilenet-v2": mobilenet_v2,
     "efficientnet": efficientnet, "convnext": convnext,
 }
 
@@ -653,6 +664,7 @@ CASES: tuple[Case, ...] = tuple(
                "(32*s, 16, 16*s, 1) as a tensor with shape (s, s, 32)")
     + _exports("vit", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("vit", "float16", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
+    + _exports("dinov2", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("whisper-encoder", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("resnet18", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
     # MobileNetV2 through TorchScript only: its dynamo export alone takes half a minute on two cores. Every conv

@@ -24,7 +24,7 @@ from tuner.attention_graph import find_attention, without_attention
 from tuner.conv1d import convs_as_2d
 from tuner.attention_prepare import prepare_attention
 from tuner.optimize import OptimizeOptions, _pack_projections, optimize
-from tuner.scan import scan_model
+from tuner.scan import prepare_graph, scan_model
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs only: any hub access fails loudly
@@ -106,7 +106,8 @@ def test_optimized_model_gives_the_original_outputs(corpus, case):
         return
     out, report = _optimized(corpus, case)
     # the model as optimize scans it: the attention pre-pass run, the Q/K/V projections merged where exact
-    model = prepare_attention(convs_as_2d(onnx.load(str(built.path)))[0], built.path.parent)[0]
+    model = prepare_attention(prepare_graph(onnx.load(str(built.path)), built.path.parent)[0],
+                              built.path.parent)[0]
     model = _pack_projections(built.path, model, ("sm_90",))
     scanned = scan_model(model, built.path.parent)
     sites = find_attention(model, built.path.parent).sites  # fused by default
@@ -176,3 +177,20 @@ def test_real_exports_fuse_their_activations(corpus, case):
         silu = [readers[o] for o in want]  # Sigmoid -> its Mul by the gate (the SiLU)
         products = [readers[m.output[0]] for m in silu]
         assert all(p.op_type == "Mul" and p.output[0] in fused for p in products)
+
+
+@pytest.mark.parametrize("case", [_param(c, "layer-scale") for c in CASES if c.model == "dinov2"])
+def test_dinov2_layer_scale_is_folded_and_its_residuals_fused(corpus, case):
+    """DINOv2's LayerScale, ``(x @ W + b) * lambda`` then the residual Add, after each block's attention output
+    projection and second MLP layer: the scanner alone fuses the bias and stops at the Mul; with the Mul folded
+    into W and b (tuner/affine.py) the residual is fused too, and no LayerScale Mul is left."""
+    model = onnx.load(str(_built(corpus, case).path))
+    lambdas = {t.name for t in model.graph.initializer if t.name.endswith("lambda1")}
+    scales = [n for n in model.graph.node if n.op_type == "Mul" and set(n.input) & lambdas]
+    assert len(scales) == 4  # two blocks, two LayerScales each
+    assert not any(w.epilogue.residual for w in scan_model(model).workloads)
+    prepared, _ = prepare_graph(model, None)
+    assert not any(n.op_type == "Mul" and set(n.input) & lambdas for n in prepared.graph.node)
+    residual = [n for w in scan_model(prepared).workloads if w.epilogue.residual and w.epilogue.bias
+                for n in w.nodes]
+    assert len(residual) == 4

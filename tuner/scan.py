@@ -1099,17 +1099,17 @@ def _nonempty(w: Workload) -> Workload:
 
 
 def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> tuple[onnx.ModelProto, tuple[Skipped, ...]]:
-    """The graph pre-passes ``scan`` and ``optimize`` run first, in place: a BatchNormalization and per-channel
-    Mul / Add after a Conv folded into it (tuner/conv_affine.py), 1-D convs as 2-D ones (tuner/conv1d.py) and
-    matrix-product Einsums as MatMuls (tuner/einsum.py); with the normalizations and Einsums left alone, as
-    skipped nodes and why."""
+    """The graph pre-passes ``scan`` and ``optimize`` run first, in place: matrix-product Einsums as MatMuls
+    (tuner/einsum.py), a BatchNormalization and per-channel Mul / Add after a Conv, Gemm or MatMul folded into it
+    (tuner/affine.py) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
+    alone, as skipped nodes and why."""
+    from tuner.affine import fold_affines
     from tuner.conv1d import convs_as_2d
-    from tuner.conv_affine import fold_conv_affines
     from tuner.einsum import einsums_as_matmuls
 
-    model, norms = fold_conv_affines(model, copy=False)
-    model = convs_as_2d(model, copy=False)[0]
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
+    model, norms = fold_affines(model, copy=False)
+    model = convs_as_2d(model, copy=False)[0]
     return model, tuple(Skipped(out, "BatchNormalization", why) for out, why in norms.notes) + \
         tuple(Skipped(out, "Einsum", why) for out, why in einsums.notes)
 
