@@ -361,3 +361,22 @@ def test_an_integer_product_is_left_alone():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
     out, result = fold_affines(model)
     assert result.folded == () and out.SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("bias, gemm, scaled, dtype", [
+    (np.arange(6.0), {"alpha": 2.0, "beta": 0.5}, True, "float32"), (None, {"alpha": 0.25}, True, "float16"),
+    (None, {"beta": 3.0}, False, "float32"),  # no C: beta scales nothing
+    (np.arange(6.0), {"alpha": 1e6}, False, "float16"),  # B * 1e6 past float16: left as it is
+])
+def test_a_gemms_alpha_and_beta_go_into_its_constants(bias, gemm, scaled, dtype):
+    """The kernels compute A @ B + C: a Gemm scaled by alpha or beta (refused by the scanner as it is) is tuned
+    once they are folded into B and C."""
+    model = _gemm_model([], "Gemm", bias, ["n", 8], dtype, **gemm)
+    out, result = fold_affines(model)
+    assert result.scaled == (("v0",) if scaled else ())
+    if scaled:
+        assert not {a.name for a in out.graph.node[0].attribute} & {"alpha", "beta"}
+        assert len(scan_model(out).workloads) == 1 and scan_model(model).workloads == ()
+        _same_outputs(out, model, (3, 8), dtype)
+    else:
+        assert out.SerializeToString() == model.SerializeToString()

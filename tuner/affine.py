@@ -28,12 +28,14 @@ by another node is copied), and a BatchNormalization is in inference mode (``tra
 ``spatial`` 1 before opset 9) with C values per parameter, and the weight is of a float type (an integer
 product's Div truncates). Left as they are otherwise; a normalization stays
 with the reason in ``AffineResult.notes`` (a Mul or Add that is not per channel is no normalization: not listed).
-``optimize`` and ``scan`` run it before the other pre-passes but the Einsum one (whose MatMuls it folds into);
+A Gemm's alpha and beta (``alpha * A @ B + beta * C``; the kernels compute A @ B + C) go into its constant B
+and C first, wherever it is (``AffineResult.scaled``). ``optimize`` and ``scan`` run it before the other pre-passes but the Einsum one (whose MatMuls it folds into);
 running it twice changes nothing more.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +58,7 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BF
 class AffineResult:
     folded: tuple[str, ...]  # the outputs of the ops now computed by their products, in folding order
     notes: tuple[tuple[str, str], ...] = ()  # (a BatchNormalization's output, why it stays after its product)
+    scaled: tuple[str, ...] = ()  # the outputs of the Gemms whose alpha and beta were folded into B and C
 
 
 @dataclass
@@ -185,6 +188,28 @@ def _affine(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p:
     return ones, (c if op.op_type == "Add" else -c)
 
 
+def _gemm_scales(gemm: onnx.NodeProto, inits: dict[str, onnx.TensorProto], keep: Callable[[str, np.ndarray], str],
+                 names: Callable[[str], str]) -> bool:
+    """Fold a Gemm's alpha into its constant B and its beta into its constant C (alpha * A @ B + beta * C is A @
+    (alpha * B) + (beta * C)), dropping both attributes, where either is not 1 (the kernels compute A @ B + C);
+    whether it did. Left as it is where B or C is not a loaded constant, or a value would not be finite."""
+    at = _attrs(gemm)
+    alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
+    c = gemm.input[2] if len(gemm.input) > 2 else ""
+    if (alpha == 1.0 and (beta == 1.0 or not c)) or not _loaded(gemm.input[1], inits) or (c and not _loaded(c, inits)):
+        return False
+    values = [numpy_helper.to_array(inits[n]) for n in (gemm.input[1], c) if n]
+    with np.errstate(all="ignore"):
+        scaled = [(v.astype(np.float64) * f).astype(v.dtype) for v, f in zip(values, (alpha, beta))]
+    if not all(np.isfinite(v.astype(np.float64)).all() for v in scaled):
+        return False
+    for i, (name, value) in enumerate(zip((gemm.input[1], c), scaled), start=1):
+        gemm.input[i] = keep(names(f"{name}_scaled"), value)
+    for i in reversed([i for i, a in enumerate(gemm.attribute) if a.name in ("alpha", "beta")]):
+        del gemm.attribute[i]
+    return True
+
+
 def _is_bias(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p: _Product) -> bool:
     """Whether ``op``, right after a MatMul without a bias, is already the bias Add the scanner fuses (a loaded
     constant of N values along the last axis, read as it is)."""
@@ -201,7 +226,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
     and MatMul of its main graph folded into that product."""
     out = model_to_edit(model, copy)
     graph = out.graph
-    if not any(n.op_type in FOLDED_OPS for n in graph.node):
+    if not any(n.op_type in FOLDED_OPS or n.op_type == "Gemm" for n in graph.node):
         return out, AffineResult(())
     opset = default_opset(out)
     inits = {t.name: t for t in graph.initializer}
@@ -214,6 +239,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
     gone: set[str] = set()  # the products' old outputs
     created: set[str] = set()
     dropped: set[int] = set()
+    scaled: list[str] = []  # the Gemms whose alpha and beta went into B and C
 
     def keep(name: str, value: np.ndarray) -> str:
         created.add(name)
@@ -221,7 +247,11 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
         graph.initializer.append(inits[name])
         return name
 
-    for p in [p for n in graph.node if (p := _product(n, inits, ranks)) is not None]:
+    products = [p for n in graph.node if (p := _product(n, inits, ranks)) is not None]
+    for p in products:
+        if p.node.op_type == "Gemm" and _gemm_scales(p.node, inits, keep, names):
+            scaled.append(p.node.output[0])
+    for p in products:
         kind = p.node.op_type
         while True:  # down the chain: Conv -> Mul -> Add -> Relu folds the Mul, then the Add
             tail_out = p.tail.output[0]
@@ -291,7 +321,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
             p.tail.output[0] = op.output[0]
             dropped.add(id(op))
             folded.append(op.output[0])
-    if folded:
+    if folded or scaled:
         kept = [n for n in graph.node if id(n) not in dropped]
         del graph.node[:]
         graph.node.extend(kept)
@@ -300,4 +330,5 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
         # the constants of a chain's earlier folds, which its later ones replaced, and what the ops read
         _drop_unread(graph, before | created)
     return out, AffineResult(tuple(folded), tuple((o, f"BatchNormalization after {kind}: {why}")
-                                                   for o, (kind, why) in notes.items() if o not in folded))
+                                                   for o, (kind, why) in notes.items() if o not in folded),
+                             tuple(scaled))
