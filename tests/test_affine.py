@@ -380,3 +380,50 @@ def test_a_gemms_alpha_and_beta_go_into_its_constants(bias, gemm, scaled, dtype)
         _same_outputs(out, model, (3, 8), dtype)
     else:
         assert out.SerializeToString() == model.SerializeToString()
+
+
+def test_a_transposed_weight_becomes_a_constant_unless_it_is_shared():
+    """MatMul(x, Transpose(W)) (TorchScript's Linear without constant folding) reads W transposed as a constant of
+    its own, which the LayerScale after it then folds into; a Transpose of a weight something else reads too (a
+    tied embedding) stays."""
+    rng = np.random.default_rng(10)
+    w = numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "w")
+    gamma = numpy_helper.from_array(_G.astype(np.float32), "gamma")
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["p"]),
+             helper.make_node("Mul", ["p", "gamma"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "s", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, gamma])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+    out, result = fold_affines(model)
+    assert (result.transposed, result.folded) == (("wt",), ("y",))
+    assert [n.op_type for n in out.graph.node] == ["MatMul"] and [t.name for t in out.graph.initializer] == ["wt_folded"]
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    got, want = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0] for m in (out, model))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    model.graph.node.append(helper.make_node("Gather", ["w", "ids"], ["emb"]))  # W read by an embedding too
+    model.graph.input.append(helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"]))
+    model.graph.output.append(helper.make_tensor_value_info("emb", TensorProto.FLOAT, None))
+    out, result = fold_affines(model)
+    assert (result.transposed, result.folded) == ((), ())
+    assert [n.op_type for n in out.graph.node] == ["Transpose", "MatMul", "Mul", "Gather"]
+
+
+def test_an_export_without_constant_folding_scans_like_a_folded_one(tmp_path: Path):
+    """BERT through TorchScript with do_constant_folding=False (every Linear a MatMul of Transpose(W)) gives the
+    workloads of its folded export: constant weights, so its Q/K/V projections can be packed."""
+    pytest.importorskip("transformers")
+    import torch
+    from _corpus import bert
+    from tuner.scan import scan
+
+    model = bert()
+    seen = []
+    for folding in (True, False):
+        path = tmp_path / f"bert-{folding}.onnx"
+        torch.onnx.export(model.module, model.example, str(path), input_names=list(model.inputs),
+                          output_names=["y"], dynamo=False, do_constant_folding=folding,
+                          dynamic_axes={n: {0: "batch", 1: "sequence"} for n in model.inputs})
+        seen.append(sorted((w.op, w.m, w.n, w.k, w.batch, w.const_operands, repr(w.epilogue), len(w.nodes))
+                           for w in scan(path).workloads))
+    assert seen[0] == seen[1] and any(w[5] == (1,) for w in seen[1])

@@ -28,9 +28,11 @@ by another node is copied), and a BatchNormalization is in inference mode (``tra
 ``spatial`` 1 before opset 9) with C values per parameter, and the weight is of a float type (an integer
 product's Div truncates). Left as they are otherwise; a normalization stays
 with the reason in ``AffineResult.notes`` (a Mul or Add that is not per channel is no normalization: not listed).
-A Gemm's alpha and beta (``alpha * A @ B + beta * C``; the kernels compute A @ B + C) go into its constant B
-and C first, wherever it is (``AffineResult.scaled``). ``optimize`` and ``scan`` run it before the other pre-passes but the Einsum one (whose MatMuls it folds into);
-running it twice changes nothing more.
+A Transpose of a weight (a TorchScript export without constant folding) is made a constant first, as ORT
+makes it at load (``AffineResult.transposed``), and a Gemm's alpha and beta (``alpha * A @ B + beta * C``; the
+kernels compute A @ B + C) go into its constant B and C, wherever it is (``AffineResult.scaled``). ``optimize``
+and ``scan`` run the pass before the other pre-passes but the Einsum one (whose MatMuls it folds into); running
+it twice changes nothing more.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class AffineResult:
     folded: tuple[str, ...]  # the outputs of the ops now computed by their products, in folding order
     notes: tuple[tuple[str, str], ...] = ()  # (a BatchNormalization's output, why it stays after its product)
     scaled: tuple[str, ...] = ()  # the outputs of the Gemms whose alpha and beta were folded into B and C
+    transposed: tuple[str, ...] = ()  # the Transposes of weights now constants of their own (by their outputs)
 
 
 @dataclass
@@ -188,6 +191,25 @@ def _affine(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p:
     return ones, (c if op.op_type == "Add" else -c)
 
 
+def _constant_transposes(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], links: GraphLinks
+                         ) -> list[onnx.NodeProto]:
+    """The Transposes of a weight a product reads (TorchScript's export without constant folding writes a Linear
+    layer as ``MatMul(x, Transpose(W))``, which ORT folds at load) to make constants: of a loaded initializer
+    that they alone read (a copy of a shared one, a tied embedding's, would grow the model), read by a Conv,
+    Gemm or MatMul as its second input, and not a graph output."""
+    found = []
+    for t in graph.node:
+        if t.op_type != "Transpose" or t.domain not in ("", "ai.onnx") or len(t.input) != 1 or not t.output or \
+                not _loaded(t.input[0], inits) or t.output[0] in links.graph_outputs:
+            continue
+        readers = links.consumers.get(t.output[0], [])
+        if links.consumers.get(t.input[0], []) == [t] and t.input[0] not in links.graph_outputs and readers and \
+                all(r.op_type in PRODUCTS and r.domain in ("", "ai.onnx") and list(r.input).index(t.output[0]) == 1
+                    for r in readers):
+            found.append(t)
+    return found
+
+
 def _gemm_scales(gemm: onnx.NodeProto, inits: dict[str, onnx.TensorProto], keep: Callable[[str, np.ndarray], str],
                  names: Callable[[str], str]) -> bool:
     """Fold a Gemm's alpha into its constant B and its beta into its constant C (alpha * A @ B + beta * C is A @
@@ -226,7 +248,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
     and MatMul of its main graph folded into that product."""
     out = model_to_edit(model, copy)
     graph = out.graph
-    if not any(n.op_type in FOLDED_OPS or n.op_type == "Gemm" for n in graph.node):
+    if not any(n.op_type in (*FOLDED_OPS, "Gemm", "Transpose") for n in graph.node):
         return out, AffineResult(())
     opset = default_opset(out)
     inits = {t.name: t for t in graph.initializer}
@@ -240,6 +262,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
     created: set[str] = set()
     dropped: set[int] = set()
     scaled: list[str] = []  # the Gemms whose alpha and beta went into B and C
+    transposed: list[str] = []  # the Transposes of weights made constants
 
     def keep(name: str, value: np.ndarray) -> str:
         created.add(name)
@@ -247,6 +270,12 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
         graph.initializer.append(inits[name])
         return name
 
+    for t in _constant_transposes(graph, inits, links):
+        value = np.transpose(numpy_helper.to_array(inits[t.input[0]]), _attrs(t).get("perm"))
+        keep(t.output[0], np.ascontiguousarray(value))
+        ranks[t.output[0]] = value.ndim
+        dropped.add(id(t))
+        transposed.append(t.output[0])
     products = [p for n in graph.node if (p := _product(n, inits, ranks)) is not None]
     for p in products:
         if p.node.op_type == "Gemm" and _gemm_scales(p.node, inits, keep, names):
@@ -321,7 +350,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
             p.tail.output[0] = op.output[0]
             dropped.add(id(op))
             folded.append(op.output[0])
-    if folded or scaled:
+    if folded or scaled or transposed:
         kept = [n for n in graph.node if id(n) not in dropped]
         del graph.node[:]
         graph.node.extend(kept)
@@ -331,4 +360,4 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
         _drop_unread(graph, before | created)
     return out, AffineResult(tuple(folded), tuple((o, f"BatchNormalization after {kind}: {why}")
                                                    for o, (kind, why) in notes.items() if o not in folded),
-                             tuple(scaled))
+                             tuple(scaled), tuple(transposed))
