@@ -179,7 +179,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
-        fp32_precision=args.fp32_precision, prior=args.prior)
+        fp32_precision=args.fp32_precision, prior=args.prior, min_speedup=args.min_speedup)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -204,6 +204,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
     p.add_argument("--budget", type=int, default=256, help="measured trials per workload (default 256)")
     p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
+    p.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
+                   help="with measured tuning (gpu, replay), leave a workload to ORT where its kernels reach less "
+                        "than X times the vendor library's speed (weighted geomean over its shapes) or where "
+                        "cuBLAS wins every shape; 0 rewrites every workload (default 1.0)")
     p.add_argument("--db", help="tuning database (SQLite); default tuning.db in $XDG_CACHE_HOME/dietcode-ort "
                                 "or ~/.cache/dietcode-ort (created on first use)")
     p.add_argument("--cache-dir", default=None,

@@ -13,12 +13,15 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto
@@ -671,3 +674,71 @@ def test_optimize_gives_conv_trees_no_vendor_leaf_even_when_the_vendor_is_faster
             assert "vendor" not in chosen.kernels and chosen.report.geomean_vs_vendor is not None
         else:  # the control: a GEMM workload does dispatch to the faster vendor
             assert chosen.kernels == ("vendor",)
+
+
+# --- measured tuning: a workload that loses to the vendor library is left to ORT ------------------------------
+
+def _vendor_timed(monkeypatch, vendor_seconds):
+    """``optimize`` with the analytic roofline's times for the kernels, counted as measured ones (a replay), and
+    ``vendor_seconds(problem)`` as the vendor library's."""
+    from tuner import optimize as opt
+    from tuner.hardware import get_profile
+    from tuner.measure import AnalyticMeasurer, MeasureResult
+
+    class Timed(AnalyticMeasurer):
+        def measure_vendor(self, family, problems):
+            return [MeasureResult(vendor_seconds(p)) for p in problems]
+
+    monkeypatch.setattr(opt, "make_measurer", lambda o, w, executor=None: (
+        Timed(get_profile(o.targets[0]), w.dtype), "replay:stand-in"))
+
+
+def test_a_measured_workload_that_loses_to_the_vendor_is_left_to_ort(monkeypatch, tmp_path) -> None:
+    """The depthwise conv's GEMM kernel (one output column wide) against a cuDNN that is far faster: its node
+    stays a Conv, with the figure as the reason; the grouped conv, faster than its vendor time, is rewritten.
+    With --min-speedup 0 both are; where every workload loses, nothing is written and the error says why."""
+    from _grouped_convs import grouped_conv_model
+    from tuner.optimize import OptimizeOptions, optimize
+
+    src = tmp_path / "g.onnx"
+    onnx.save(grouped_conv_model(), str(src))
+    dims = ("n=1,2", "h=8,16", "w=8")
+
+    def run(out: str, **kw):
+        options = OptimizeOptions(dims=dims, budget=4, max_kernels=1, progress=False, db=tmp_path / "t.db",
+                                  cache_dir=tmp_path / "k", **kw)
+        lines: list[str] = []
+        return optimize(src, tmp_path / out, options, log=lines.append), lines
+
+    _vendor_timed(monkeypatch, lambda p: 1e-12 if p.batch == 16 else 1.0)  # depthwise: 16 groups
+    report, lines = run("one.onnx")
+    assert report.rewritten == ("y",)
+    (why,) = [r for n, r in report.skipped if n == "dw"]
+    assert re.search(r"measured \d+\.\d+e?[-+]?\d*x cuDNN's speed .* below --min-speedup 1", why), why
+    assert any(line.startswith("left as it is: dw (Conv)") for line in lines)
+    nodes = onnx.load(str(tmp_path / "one.onnx")).graph.node
+    assert [(n.domain, n.op_type) for n in nodes][:2] == [("", "Conv"), ("", "Relu")]  # as they were
+    assert [n.output[0] for n in nodes if n.domain == "ai.dietcode"] == ["y"]
+    assert run("all.onnx", min_speedup=0.0)[0].rewritten == ("dw", "y")
+
+    _vendor_timed(monkeypatch, lambda p: 1e-12)
+    with pytest.raises(DietcodeError, match="every tuned workload lost to the vendor library"):
+        run("none.onnx")
+    assert not (tmp_path / "none.onnx").exists()
+    with pytest.raises(DietcodeError, match="--min-speedup must be a number >= 0"):
+        run("bad.onnx", min_speedup=float("nan"))
+
+
+def test_a_gemm_tree_of_vendor_leaves_only_is_left_to_ort() -> None:
+    """cuBLAS fastest on every shape: the tree would only call it, which ORT does without a custom op. Analytic
+    (unmeasured) figures never leave a workload out."""
+    from tuner.optimize import WorkloadReport, _loses
+    from tuner.workload import Epilogue, Workload
+
+    w = Workload(op="gemm", onnx_op="MatMul", nodes=("y",), m="m", n="64", k="64", dtype="float16", symbols=("m",),
+                 epilogue=Epilogue())
+    report = WorkloadReport(w, "replay:t", 8, 1.0, ("vendor",), 4, 1.0, 1.0, measured=True)
+    assert "cuBLAS was the fastest on every tuned shape" in _loses(report, 1.0)
+    assert _loses(report, 0.0) == "" and _loses(replace(report, measured=False), 1.0) == ""
+    mixed = replace(report, kernels=("vendor", "c1"), geomean_vs_vendor=1.2)
+    assert _loses(mixed, 1.0) == "" and "1.2x cuBLAS's speed" in _loses(mixed, 1.5)

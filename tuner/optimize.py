@@ -53,6 +53,9 @@ class OptimizeOptions:
     fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
     fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
     prior: bool = True  # the search starts from the analytic roofline (tuner/search.py, SearchOptions.prior)
+    # measured tuning only: a workload whose kernels reach less than this times the vendor library's speed
+    # (weighted geomean over its shapes), or that dispatches to the vendor alone, is left to ORT (``_loses``)
+    min_speedup: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -269,10 +272,18 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):
         bundles, infos, reports = {}, {}, []
+        lost: list[tuple[str, str]] = []  # (node, why its workload is left to ORT)
         for w in scanned.workloads:
             problems = merge_problems(w)
             chosen = chosen_by_key[_tuning_key(w, problems)]
             report = replace(chosen.report, workload=w)
+            reports.append(report)
+            why = _loses(report, options.min_speedup)
+            if why:  # no bundle: the rewrite leaves its nodes as they are
+                lost.extend((node, why) for node in w.nodes)
+                for node in w.nodes:
+                    log(f"{prefix(model_path)}left as it is: {node} ({w.onnx_op}): {why}")
+                continue
             kernels = tuple(BundleKernel.vendor() if config == "vendor"
                             else BundleKernel.from_compiled([compiled[_job_key(w, config, t, _tf32(w, options))]
                                                              for t in options.targets])
@@ -282,7 +293,6 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                 bundle.validate()
                 bundles[node] = bundle.to_bytes()
                 infos[node] = _info(w, report, problems, options)
-            reports.append(report)
         result = rewrite_model(model, list(scanned.workloads), bundles, infos, base_dir=model_path.parent,
                                copy=False)  # in place: the scanned model is not needed afterwards
         if sites:
@@ -292,11 +302,36 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                                       bundles=attention_bundle)
             log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
                 "with tuned kernels")
-        results.append((output, result, reports, scanned, model_path.parent))
-    for output, result, _, _, base_dir in results:  # only now that every model is rewritten
+        results.append((output, result, reports, scanned, model_path.parent, lost, bool(sites)))
+    if not any(result.rewritten or fused for _, result, _, _, _, _, fused in results):
+        raise DietcodeError("every tuned workload lost to the vendor library on the measured shapes, so no node "
+                            "was rewritten and no model written (the figures are above; --min-speedup 0 "
+                            "rewrites them anyway)")
+    for output, result, _, _, base_dir, _, _ in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)
-    return [OptimizeReport(output, result.rewritten, tuple(reports), tuple((s.node, s.reason) for s in scanned.skipped))
-            for output, result, reports, scanned, _ in results]
+    return [OptimizeReport(output, result.rewritten, tuple(reports),
+                           tuple((s.node, s.reason) for s in scanned.skipped) + tuple(lost))
+            for output, result, reports, scanned, _, lost, _ in results]
+
+
+def _loses(report: WorkloadReport, min_speedup: float) -> str:
+    """Why a workload's tuned kernels are not worth writing into the model (its nodes are left to ORT, which
+    calls the same vendor library without the custom op), or "": only where its tuning was measured and the
+    vendor timed, and ``min_speedup`` is above 0. A dispatch tree whose every leaf is the vendor library, or
+    whose kernels reach less than ``min_speedup`` times the vendor's speed (the weighted geomean over its tuned
+    shapes; a conv tree has no vendor leaf, so a depthwise conv's GEMM kernel, one output column wide, can lose
+    to cuDNN on every shape), loses."""
+    if not report.measured or min_speedup <= 0:
+        return ""
+    library = "cuDNN" if report.workload.op == "conv" else "cuBLAS"
+    if report.kernels and all(k == "vendor" for k in report.kernels):
+        return (f"{library} was the fastest on every tuned shape, and ORT calls it without a custom op "
+                "(--min-speedup 0 rewrites it anyway)")
+    v = report.geomean_vs_vendor
+    if v is not None and v < min_speedup:
+        return (f"its tuned kernels measured {v:.3g}x {library}'s speed over the tuned shapes (weighted geomean), "
+                f"below --min-speedup {min_speedup:g}: ORT's own call is faster")
+    return ""
 
 
 def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
@@ -385,6 +420,8 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
     if not 0 <= options.seed < 2 ** 32:
         raise DietcodeError(f"--seed must be >= 0 and below 2**32, got {options.seed}")
+    if not (math.isfinite(options.min_speedup) and options.min_speedup >= 0):
+        raise DietcodeError(f"--min-speedup must be a number >= 0, got {options.min_speedup}")
     if not options.targets:
         raise DietcodeError("--target names no GPU arch")
     twice = sorted({t for t in options.targets if options.targets.count(t) > 1})
