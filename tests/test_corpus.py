@@ -76,7 +76,7 @@ def _optimized(corpus, case: Case) -> tuple[Path, object]:
 @pytest.mark.parametrize("case", [_param(c, "scan") for c in CASES])
 def test_scan_covers_every_node_and_leaves_alone_only_for_expected_reasons(corpus, case):
     built = _built(corpus, case)
-    model = convs_as_2d(onnx.load(str(built.path)))[0]  # as scan and optimize see it: 1-D convs as 2-D ones
+    model = prepare_graph(onnx.load(str(built.path)), built.path.parent)[0]  # as scan and optimize see it
     result = scan_model(model)
     nodes = gemm_view_nodes(model)
     covered = [n for w in result.workloads for n in w.nodes]
