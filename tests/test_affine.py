@@ -427,3 +427,27 @@ def test_an_export_without_constant_folding_scans_like_a_folded_one(tmp_path: Pa
         seen.append(sorted((w.op, w.m, w.n, w.k, w.batch, w.const_operands, repr(w.epilogue), len(w.nodes))
                            for w in scan(path).workloads))
     assert seen[0] == seen[1] and any(w[5] == (1,) for w in seen[1])
+
+
+def test_scan_and_optimize_say_what_the_pre_passes_changed(tmp_path: Path, capsys):
+    """The folds change the graph beyond the tuned nodes: ``scan`` (table and JSON) and ``optimize`` say how."""
+    import json
+
+    from tuner.optimize import OptimizeOptions, optimize
+    from tuner.scan import scan, scan_command
+
+    model = _gemm_model([("Mul", _G)], "Gemm", np.arange(6.0), ["n", 8], beta=0.5)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    want = ("1 Gemm alpha/beta folded into B and C",
+            "1 BatchNormalization / per-channel Mul, Div, Add, Sub folded into the Conv, Gemm or MatMul before them")
+    assert scan(tmp_path / "m.onnx").prepared == want
+    scan_command(str(tmp_path / "m.onnx"), (), None, as_json=True)
+    assert json.loads(capsys.readouterr().out)["prepared"] == list(want)
+    scan_command(str(tmp_path / "m.onnx"), (), None, as_json=False)
+    assert "graph pre-passes: " + "; ".join(want) in " ".join(capsys.readouterr().out.split())
+    lines: list[str] = []
+    optimize(tmp_path / "m.onnx", tmp_path / "m.opt.onnx",
+             OptimizeOptions(dims=("n=1,4",), measure="analytic", budget=2, max_kernels=1, progress=False,
+                             db=tmp_path / "t.db", cache_dir=tmp_path / "k"), log=lines.append)
+    assert "graph pre-passes: " + "; ".join(want) in lines
+    assert [n.domain for n in onnx.load(str(tmp_path / "m.opt.onnx")).graph.node] == ["ai.dietcode"]

@@ -189,7 +189,7 @@ def test_dinov2_layer_scale_is_folded_and_its_residuals_fused(corpus, case):
     scales = [n for n in model.graph.node if n.op_type == "Mul" and set(n.input) & lambdas]
     assert len(scales) == 4  # two blocks, two LayerScales each
     assert not any(w.epilogue.residual for w in scan_model(model).workloads)
-    prepared, _ = prepare_graph(model, None)
+    prepared = prepare_graph(model, None).model
     assert not any(n.op_type == "Mul" and set(n.input) & lambdas for n in prepared.graph.node)
     residual = [n for w in scan_model(prepared).workloads if w.epilogue.residual and w.epilogue.bias
                 for n in w.nodes]

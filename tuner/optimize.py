@@ -152,14 +152,14 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
     # Conv + BatchNormalization folded, a 1-D conv as the 2-D conv of height 1, a matrix-product Einsum as MatMul
-    model, left = prepare_graph(model, model_path.parent)
+    model, left, changes = prepare_graph(model, model_path.parent)
     if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
         from tuner.attention_prepare import prepare_attention
 
         model = prepare_attention(model, model_path.parent, copy=False)[0]  # exporters' Shape(Transpose) and Kt
         model = _pack_projections(model_path, model, options.targets)
     scanned = scan_model(model, model_path.parent)
-    scanned = replace(scanned, skipped=scanned.skipped + left)
+    scanned = replace(scanned, skipped=scanned.skipped + left, prepared=changes)
     dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
     scanned = attach_instances(scanned, dims, options.shapes_file)
     if not scanned.symbols:
@@ -237,6 +237,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             raise DietcodeError(f"--dim {unused[0]!r} names a symbol none of the models has")
     prefix = (lambda path: f"{path.name}: ") if len(pairs) > 1 else (lambda path: "")
     for (model_path, _), (model, scanned) in zip(pairs, scans):
+        if scanned.prepared:
+            log(f"{prefix(model_path)}graph pre-passes: {'; '.join(scanned.prepared)}")
         for s in scanned.skipped:
             log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
         for s in scanned.unfused:

@@ -16,7 +16,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
@@ -57,6 +57,7 @@ class ScanResult:
     skipped: tuple[Skipped, ...]
     input_dims: dict[str, tuple[str | int | None, ...]] = field(default_factory=dict)  # model_symbols
     unfused: tuple[Skipped, ...] = ()  # Add/activation nodes after a workload node that stay unfused, and why
+    prepared: tuple[str, ...] = ()  # what the graph pre-passes changed (``prepare_graph``), a line each
 
 
 class _Refuse(Exception):
@@ -1098,28 +1099,43 @@ def _nonempty(w: Workload) -> Workload:
     return replace(w, instances=tuple(kept))
 
 
-def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> tuple[onnx.ModelProto, tuple[Skipped, ...]]:
+class Prepared(NamedTuple):
+    """What ``prepare_graph`` gives: the model, the nodes its passes left alone (and why), and a line per pass
+    that changed the graph (for ``scan`` and ``optimize`` to say what was rewritten besides the tuned nodes)."""
+    model: onnx.ModelProto
+    skipped: tuple[Skipped, ...]
+    changes: tuple[str, ...]
+
+
+def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     """The graph pre-passes ``scan`` and ``optimize`` run first, in place: matrix-product Einsums as MatMuls
     (tuner/einsum.py), a BatchNormalization and per-channel Mul / Add after a Conv, Gemm or MatMul folded into it
-    (tuner/affine.py) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
-    alone, as skipped nodes and why."""
+    (tuner/affine.py, with a weight's Transpose made a constant and a Gemm's alpha and beta folded) and 1-D convs
+    as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left alone, as skipped nodes and why."""
     from tuner.affine import fold_affines
     from tuner.conv1d import convs_as_2d
     from tuner.einsum import einsums_as_matmuls
 
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
-    model, norms = fold_affines(model, copy=False)
-    model = convs_as_2d(model, copy=False)[0]
-    return model, tuple(Skipped(out, "BatchNormalization", why) for out, why in norms.notes) + \
-        tuple(Skipped(out, "Einsum", why) for out, why in einsums.notes)
+    model, affine = fold_affines(model, copy=False)
+    model, convs = convs_as_2d(model, copy=False)
+    counts = ((len(einsums.converted), "Einsum(s) written as MatMul"),
+              (len(affine.transposed), "weight Transpose(s) made constants"),
+              (len(affine.scaled), "Gemm alpha/beta folded into B and C"),
+              (len(affine.folded), "BatchNormalization / per-channel Mul, Div, Add, Sub folded into the Conv, Gemm "
+                                   "or MatMul before them"),
+              (len(convs.converted), "1-D Conv(s) written as 2-D"))
+    return Prepared(model, tuple(Skipped(out, "BatchNormalization", why) for out, why in affine.notes)
+                    + tuple(Skipped(out, "Einsum", why) for out, why in einsums.notes),
+                    tuple(f"{n} {what}" for n, what in counts if n))
 
 
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
     """Load and scan a model file as ``optimize`` sees it (``prepare_graph``: 1-D convs as 2-D ones, Einsums
     as MatMuls); weights stored as external data are not read (only their shapes)."""
-    model, left = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)
+    model, left, changes = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)
     result = scan_model(model, Path(path).parent)
-    return attach_instances(replace(result, skipped=result.skipped + left), dims, shapes_file)
+    return attach_instances(replace(result, skipped=result.skipped + left, prepared=changes), dims, shapes_file)
 
 
 def to_json(result: ScanResult) -> dict:
@@ -1140,7 +1156,8 @@ def to_json(result: ScanResult) -> dict:
         }
     return {"symbols": list(result.symbols), "workloads": [workload(w) for w in result.workloads],
             "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped],
-            "unfused": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.unfused]}
+            "unfused": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.unfused],
+            "prepared": list(result.prepared)}
 
 
 def _print_table(result: ScanResult) -> None:
@@ -1168,6 +1185,8 @@ def _print_table(result: ScanResult) -> None:
                  str(len(w.instances)) if w.instances else "-")
         table.add_row(*(Text(c) for c in cells))  # names come from the model: never read as markup
     console.print(table)
+    if result.prepared:
+        console.print(Text("graph pre-passes: " + "; ".join(result.prepared)))
     _print_rows(console, "nodes left as they are", ("node", "op", "reason"),
                 [(s.node, s.op, s.reason) for s in result.skipped])
     _print_rows(console, "epilogue nodes left unfused", ("node", "op", "reason"),
