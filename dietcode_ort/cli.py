@@ -205,9 +205,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=int, default=256, help="measured trials per workload (default 256)")
     p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
     p.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
-                   help="with measured tuning (gpu, replay), leave a workload to ORT where its kernels reach less "
-                        "than X times the vendor library's speed (weighted geomean over its shapes) or where "
-                        "cuBLAS wins every shape; 0 rewrites every workload (default 1.0)")
+                   help="with measured tuning (gpu, replay), leave a conv workload to ORT where its kernels reach "
+                        "less than X times cuDNN's speed (weighted geomean over its shapes; a conv's dispatch tree "
+                        "has no vendor leaf, a GEMM's takes cuBLAS per shape); 0 rewrites every workload "
+                        "(default 1.0)")
     p.add_argument("--db", help="tuning database (SQLite); default tuning.db in $XDG_CACHE_HOME/dietcode-ort "
                                 "or ~/.cache/dietcode-ort (created on first use)")
     p.add_argument("--cache-dir", default=None,

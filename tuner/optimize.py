@@ -53,8 +53,8 @@ class OptimizeOptions:
     fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
     fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
     prior: bool = True  # the search starts from the analytic roofline (tuner/search.py, SearchOptions.prior)
-    # measured tuning only: a workload whose kernels reach less than this times the vendor library's speed
-    # (weighted geomean over its shapes), or that dispatches to the vendor alone, is left to ORT (``_loses``)
+    # measured tuning only: a conv workload whose kernels reach less than this times cuDNN's speed (weighted
+    # geomean over its shapes) is left to ORT (``_loses``)
     min_speedup: float = 1.0
 
 
@@ -306,9 +306,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                 "with tuned kernels")
         results.append((output, result, reports, scanned, model_path.parent, lost, bool(sites)))
     if not any(result.rewritten or fused for _, result, _, _, _, _, fused in results):
-        raise DietcodeError("every tuned workload lost to the vendor library on the measured shapes, so no node "
-                            "was rewritten and no model written (the figures are above; --min-speedup 0 "
-                            "rewrites them anyway)")
+        raise DietcodeError("every tuned workload lost to cuDNN on the measured shapes, so no node was rewritten "
+                            "and no model written (the figures are above; --min-speedup 0 rewrites them anyway)")
     for output, result, _, _, base_dir, _, _ in results:  # only now that every model is rewritten
         save_model(result.model, output, base_dir)
     return [OptimizeReport(output, result.rewritten, tuple(reports),
@@ -317,23 +316,17 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
 
 
 def _loses(report: WorkloadReport, min_speedup: float) -> str:
-    """Why a workload's tuned kernels are not worth writing into the model (its nodes are left to ORT, which
-    calls the same vendor library without the custom op), or "": only where its tuning was measured and the
-    vendor timed, and ``min_speedup`` is above 0. A dispatch tree whose every leaf is the vendor library, or
-    whose kernels reach less than ``min_speedup`` times the vendor's speed (the weighted geomean over its tuned
-    shapes; a conv tree has no vendor leaf, so a depthwise conv's GEMM kernel, one output column wide, can lose
-    to cuDNN on every shape), loses."""
-    if not report.measured or min_speedup <= 0:
-        return ""
-    library = "cuDNN" if report.workload.op == "conv" else "cuBLAS"
-    if report.kernels and all(k == "vendor" for k in report.kernels):
-        return (f"{library} was the fastest on every tuned shape, and ORT calls it without a custom op "
-                "(--min-speedup 0 rewrites it anyway)")
+    """Why a conv workload's tuned kernels are not worth writing into the model (its nodes are left to ORT, which
+    runs cuDNN itself), or "": where its tuning was measured with the vendor timed, ``min_speedup`` is above 0,
+    and its kernels reach less than ``min_speedup`` times cuDNN's speed over its tuned shapes (weighted
+    geomean). A conv tree has no vendor leaf (the CUDA path's vendor conv is a correctness fallback), so a conv
+    whose GEMM kernels lose everywhere (a depthwise conv's, one output column wide) can only go back to ORT
+    whole; a GEMM tree takes cuBLAS per shape where it wins, and keeps the epilogue the node fuses."""
     v = report.geomean_vs_vendor
-    if v is not None and v < min_speedup:
-        return (f"its tuned kernels measured {v:.3g}x {library}'s speed over the tuned shapes (weighted geomean), "
-                f"below --min-speedup {min_speedup:g}: ORT's own call is faster")
-    return ""
+    if not report.measured or min_speedup <= 0 or report.workload.op != "conv" or v is None or v >= min_speedup:
+        return ""
+    return (f"its tuned kernels measured {v:.3g}x cuDNN's speed over the tuned shapes (weighted geomean), below "
+            f"--min-speedup {min_speedup:g}: ORT's own cuDNN call is faster")
 
 
 def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
