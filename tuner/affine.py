@@ -270,7 +270,8 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
         graph.initializer.append(inits[name])
         return name
 
-    for t in _constant_transposes(graph, inits, links):
+    transposes = _constant_transposes(graph, inits, links)  # held: ``dropped`` compares node wrappers by id
+    for t in transposes:
         value = np.transpose(numpy_helper.to_array(inits[t.input[0]]), _attrs(t).get("perm"))
         keep(t.output[0], np.ascontiguousarray(value))
         ranks[t.output[0]] = value.ndim

@@ -1,0 +1,107 @@
+"""tuner/const_fold.py: small nodes of constants (an export without constant folding's attention scale,
+``Cast(Sqrt(Constant))``) are evaluated into initializers, as ORT folds them at load; the outputs stay the model's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tuner.const_fold import MAX_ELEMENTS, fold_constants
+
+
+def _model(extra: list[onnx.NodeProto] = (), ir_version: int = 8, opset: int = 17) -> onnx.ModelProto:
+    """y = x * Cast(Sqrt(0.25)) (torch's SDPA scale without constant folding), then ``extra`` nodes."""
+    nodes = [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(0.25), "c")),
+             helper.make_node("Sqrt", ["c"], ["s"]), helper.make_node("Cast", ["s"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "f"], ["y"]), *extra]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+
+
+def _outputs(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # ORT's own folding off
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds)
+
+
+def test_a_scale_computed_from_constants_becomes_one():
+    model = _model()
+    out, result = fold_constants(model)
+    assert result.folded == ("s", "f")
+    assert [n.op_type for n in out.graph.node] == ["Mul"]  # the Constant only they read goes too
+    (f,) = out.graph.initializer
+    assert f.name == "f" and f.data_type == TensorProto.FLOAT and numpy_helper.to_array(f) == np.float32(0.5)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(_outputs(out, {"x": x})[0], _outputs(model, {"x": x})[0])
+    again, second = fold_constants(out)
+    assert second.folded == () and again.SerializeToString() == out.SerializeToString()
+
+
+def test_a_shape_table_is_evaluated_at_the_models_opset():
+    """Reshape's target from Concat(Unsqueeze(constants)): Unsqueeze takes its axes as an attribute before
+    opset 13 and as an input from it; each model is evaluated at its own opset."""
+    for opset in (11, 13):
+        axes = {"axes": [0]} if opset < 13 else {}
+        inputs = ["a"] if opset < 13 else ["a", "zero"]
+        nodes = [helper.make_node("Constant", [], ["a"], value=numpy_helper.from_array(np.array(2, np.int64))),
+                 helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array([0], np.int64))),
+                 helper.make_node("Unsqueeze", inputs, ["u"], **axes),
+                 helper.make_node("Constant", [], ["minus"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+                 helper.make_node("Concat", ["minus", "u"], ["shape"], axis=0),
+                 helper.make_node("Reshape", ["y", "shape"], ["z"])]
+        model = _model(nodes, opset=opset)
+        model.graph.output[0].name = "z"
+        out, result = fold_constants(model)
+        assert result.folded == ("s", "f", "u", "shape")
+        assert numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "shape")).tolist() == [-1, 2]
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        np.testing.assert_array_equal(_outputs(out, {"x": x})[0], _outputs(model, {"x": x})[0])
+
+
+def test_what_stays():
+    # an initializer a caller can override (a graph input too, IR 4 on) is no constant
+    model = _model()
+    model.graph.node[0].CopyFrom(helper.make_node("Identity", ["c"], ["c_id"]))
+    model.graph.node[1].input[0] = "c_id"
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.25), "c"))
+    model.graph.input.append(helper.make_tensor_value_info("c", TensorProto.DOUBLE, []))
+    assert fold_constants(model)[1].folded == ()
+    model.ir_version, model.opset_import[0].version = 3, 9  # before IR 4 every initializer is an input
+    assert fold_constants(model)[1].folded == ("c_id", "s", "f")
+    # a graph output, a result past MAX_ELEMENTS, an op that is not deterministic
+    shown = _model()
+    shown.graph.output.append(helper.make_tensor_value_info("s", TensorProto.DOUBLE, None))
+    assert fold_constants(shown)[1].folded == ()  # and the Cast of it with it
+    big = _model([helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(
+                      np.array([MAX_ELEMENTS + 1], np.int64))),
+                  helper.make_node("ConstantOfShape", ["n"], ["zeros"]),
+                  helper.make_node("RandomUniformLike", ["f"], ["noise"])])
+    out, result = fold_constants(big)
+    assert result.folded == ("s", "f")
+    assert {n.op_type for n in out.graph.node} >= {"ConstantOfShape", "RandomUniformLike"}
+
+
+def test_an_export_without_constant_folding_fuses_attention_like_a_folded_one(tmp_path: Path):
+    """BERT through TorchScript with do_constant_folding=False: its SDPA scale is Cast(Sqrt(Constant)) and its
+    weights are read through Transposes. With both made constants, each attention chain reads Q, K and V packed
+    from one merged projection, as in the folded export."""
+    pytest.importorskip("transformers")
+    import torch
+    from _corpus import bert
+    from tuner.scan import attention_report
+
+    model = bert()
+    reports = []
+    for folding in (True, False):
+        path = tmp_path / f"bert-{folding}.onnx"
+        torch.onnx.export(model.module, model.example, str(path), input_names=list(model.inputs),
+                          output_names=["y"], dynamo=False, do_constant_folding=folding,
+                          dynamic_axes={n: {0: "batch", 1: "sequence"} for n in model.inputs})
+        reports.append([(f["layout"], f["packed_qkv"], f["transposes_kept"]) for f in attention_report(path)["fused"]])
+    assert reports[0] == reports[1] and len(reports[1]) == 2 and all(packed for _, packed, _ in reports[1])

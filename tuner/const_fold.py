@@ -1,0 +1,108 @@
+"""Graph pre-pass: small nodes whose inputs are all constants evaluated into constants, as ORT folds them at load.
+
+An export without constant folding (``torch.onnx.export(..., do_constant_folding=False)``) computes values such
+as the attention scale at run time from constants: torch's scaled_dot_product_attention writes
+``Cast(Sqrt(Constant))`` and multiplies Q and K by it. ONNX Runtime folds these when it loads the model, but the
+scanner and the attention matcher read constants from initializers: a scale that is a node's output is no
+constant to them, so the head-split Transposes stay and the Q/K/V projections are not packed. Such nodes are
+evaluated here (``onnx.reference``, at the model's opset) and written as initializers under their output names.
+
+Folded: a node of the default domain whose op is in ``FOLDABLE`` (deterministic, no subgraph), whose inputs are
+all constants (loaded initializers that are not graph inputs a caller could override, IR >= 4, or outputs of
+Constant nodes and of nodes folded before it) and whose outputs hold at most ``MAX_ELEMENTS`` values each and are
+no graph outputs. Larger results (a weight's Transpose) are left to the passes that own them (tuner/affine.py
+makes an unshared weight's Transpose a constant). A node the reference evaluator cannot run stays as it is.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tuner.model_file import is_external
+from tuner.rewrite import _drop_unread, _graph_reads, model_to_edit
+
+__all__ = ["ConstFoldResult", "fold_constants", "FOLDABLE", "MAX_ELEMENTS"]
+
+# deterministic ops without subgraphs that constant subgraphs of exports are made of
+FOLDABLE = frozenset((
+    "Abs", "Add", "And", "Cast", "Ceil", "Concat", "ConstantOfShape", "Cos", "Div", "Equal", "Erf", "Exp",
+    "Expand", "Floor", "Gather", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual", "Log", "Max",
+    "Min", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceProd", "ReduceSum", "Reshape",
+    "Shape", "Sign", "Sin", "Size", "Slice", "Sqrt", "Squeeze", "Sub", "Tanh", "Unsqueeze", "Where",
+))
+MAX_ELEMENTS = 4096  # per output: scalars, shape vectors, small tables, not weights
+
+
+@dataclass(frozen=True)
+class ConstFoldResult:
+    folded: tuple[str, ...]  # the first outputs of the nodes now constants, in graph order
+
+
+def _constant_values(graph: onnx.GraphProto, ir_version: int) -> dict[str, onnx.TensorProto]:
+    """The values the graph holds as constants: initializers (without the graph inputs that override them,
+    from IR 4) and Constant nodes' tensors."""
+    overridable = {i.name for i in graph.input} if ir_version >= 4 else set()
+    found = {t.name: t for t in graph.initializer if t.name not in overridable and not is_external(t)}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output and \
+                len(node.attribute) == 1 and node.attribute[0].name == "value":
+            found[node.output[0]] = node.attribute[0].t
+    return found
+
+
+def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opsets: list[onnx.OperatorSetIdProto]
+              ) -> list[np.ndarray] | None:
+    """``node``'s outputs on ``values`` at the model's opsets, or None where the reference evaluator fails."""
+    from onnx.reference import ReferenceEvaluator
+
+    inputs = [f"i{j}" for j in range(len(node.input))]
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    del copy.input[:], copy.output[:]
+    copy.input.extend(i if name else "" for i, name in zip(inputs, node.input))
+    outputs = [f"o{j}" if name else "" for j, name in enumerate(node.output)]
+    copy.output.extend(outputs)
+    function = helper.make_function("dietcode.fold", "node", [i for i, n in zip(inputs, node.input) if n],
+                                    [o for o in outputs if o], [copy], list(opsets))
+    try:
+        return list(ReferenceEvaluator(function).run(None, {i: v for i, v in zip(
+            [i for i, n in zip(inputs, node.input) if n], values)}, attributes={}))
+    except Exception:  # noqa: BLE001 (an op the evaluator does not run, or bad attributes: left to ORT)
+        return None
+
+
+def fold_constants(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelProto, ConstFoldResult]:
+    """``model`` (a copy unless ``copy`` is False) with the small constant nodes of its main graph evaluated."""
+    out = model_to_edit(model, copy)
+    graph = out.graph
+    constants = _constant_values(graph, out.ir_version)
+    outputs = {o.name for o in graph.output}
+    opsets = [o for o in out.opset_import if o.domain in ("", "ai.onnx")] or [helper.make_opsetid("", 17)]
+    before = _graph_reads(graph)
+    array = functools.lru_cache(maxsize=None)(lambda name: numpy_helper.to_array(constants[name]))
+    folded: list[str] = []
+    dropped: list[int] = []  # by index (a repeated field's message wrappers do not keep their ids)
+    new: list[onnx.TensorProto] = []
+    for index, node in enumerate(graph.node):
+        if node.op_type not in FOLDABLE or node.domain not in ("", "ai.onnx") or not node.output or \
+                any(o in outputs for o in node.output if o) or \
+                not all(i in constants for i in node.input if i) or not any(node.input):
+            continue
+        values = _evaluate(node, [array(i) for i in node.input if i], opsets)
+        if values is None or any(np.asarray(v).size > MAX_ELEMENTS for v in values):
+            continue
+        for name, value in zip([o for o in node.output if o], values):
+            constants[name] = numpy_helper.from_array(np.asarray(value), name)
+            new.append(constants[name])
+        dropped.append(index)
+        folded.append(node.output[0])
+    if folded:
+        for index in reversed(dropped):
+            del graph.node[index]
+        graph.initializer.extend(new)
+        _drop_unread(graph, before | {t.name for t in new})  # the Constant nodes and values only they read
+    return out, ConstFoldResult(tuple(folded))
