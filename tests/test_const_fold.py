@@ -64,6 +64,23 @@ def test_a_shape_table_is_evaluated_at_the_models_opset():
         np.testing.assert_array_equal(_outputs(out, {"x": x})[0], _outputs(model, {"x": x})[0])
 
 
+def test_constants_of_every_numeric_form_are_read():
+    """Opset 12's value_float / value_ints forms of Constant feed a fold like a tensor value does."""
+    nodes = [helper.make_node("Constant", [], ["half"], value_float=0.5),
+             helper.make_node("Constant", [], ["dims"], value_ints=[2, 2]),
+             helper.make_node("ConstantOfShape", ["dims"], ["ones"],
+                              value=numpy_helper.from_array(np.ones(1, np.float32))),
+             helper.make_node("Mul", ["ones", "half"], ["table"]), helper.make_node("Add", ["y", "table"], ["z"])]
+    model = _model(nodes)
+    model.graph.output[0].name = "z"
+    out, result = fold_constants(model)
+    assert result.folded == ("s", "f", "ones", "table")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)[:, :2].copy()
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 2
+    out.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 2
+    np.testing.assert_array_equal(_outputs(out, {"x": x})[0], _outputs(model, {"x": x})[0])
+
+
 def test_what_stays():
     # an initializer a caller can override (a graph input too, IR 4 on) is no constant
     model = _model()
@@ -105,3 +122,21 @@ def test_an_export_without_constant_folding_fuses_attention_like_a_folded_one(tm
                           dynamic_axes={n: {0: "batch", 1: "sequence"} for n in model.inputs})
         reports.append([(f["layout"], f["packed_qkv"], f["transposes_kept"]) for f in attention_report(path)["fused"]])
     assert reports[0] == reports[1] and len(reports[1]) == 2 and all(packed for _, packed, _ in reports[1])
+
+
+@pytest.mark.parametrize("node, consts", [
+    (helper.make_node("ConstantOfShape", ["a"], ["o"]), {"a": np.array([10 ** 6, 10 ** 6], np.int64)}),
+    (helper.make_node("Range", ["a", "b", "c"], ["o"]),
+     {"a": np.array(0, np.int64), "b": np.array(10 ** 12, np.int64), "c": np.array(1, np.int64)}),
+    (helper.make_node("Expand", ["a", "b"], ["o"]), {"a": np.ones(1, np.float32), "b": np.array([10 ** 9], np.int64)}),
+    (helper.make_node("Where", ["a", "b", "c"], ["o"]),
+     {"a": np.ones((4000, 1, 1), bool), "b": np.ones((1, 4000, 1), np.float32), "c": np.ones((1, 1, 4000), np.float32)}),
+])
+def test_a_crafted_constant_too_large_to_build_is_not_built(node, consts):
+    """The size is known before the evaluator runs: a ConstantOfShape of 10**12 values is never allocated."""
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    graph = helper.make_graph([node, helper.make_node("Shape", ["o"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out, result = fold_constants(model)
+    assert result.folded == () and [n.op_type for n in out.graph.node] == [node.op_type, "Shape"]

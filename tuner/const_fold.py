@@ -9,8 +9,9 @@ evaluated here (``onnx.reference``, at the model's opset) and written as initial
 
 Folded: a node of the default domain whose op is in ``FOLDABLE`` (deterministic, no subgraph), whose inputs are
 all constants (loaded initializers that are not graph inputs a caller could override, IR >= 4, or outputs of
-Constant nodes and of nodes folded before it) and whose outputs hold at most ``MAX_ELEMENTS`` values each and are
-no graph outputs. Larger results (a weight's Transpose) are left to the passes that own them (tuner/affine.py
+Constant nodes, in any of their numeric forms, and of nodes folded before it) and whose outputs hold at most ``MAX_ELEMENTS`` values each and are
+no graph outputs (known before it is evaluated: a ``ConstantOfShape``, ``Range``, ``Expand`` or broadcast
+whose result would be larger is not built). Larger results (a weight's Transpose) are left to the passes that own them (tuner/affine.py
 makes an unshared weight's Transpose a constant). A node the reference evaluator cannot run stays as it is.
 """
 from __future__ import annotations
@@ -37,6 +38,10 @@ FOLDABLE = frozenset((
 MAX_ELEMENTS = 4096  # per output: scalars, shape vectors, small tables, not weights
 
 
+_BROADCASTING = frozenset(("Add", "And", "Div", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Max",
+                           "Min", "Mod", "Mul", "Or", "Pow", "Sub", "Where"))
+
+
 @dataclass(frozen=True)
 class ConstFoldResult:
     folded: tuple[str, ...]  # the first outputs of the nodes now constants, in graph order
@@ -47,11 +52,44 @@ def _constant_values(graph: onnx.GraphProto, ir_version: int) -> dict[str, onnx.
     from IR 4) and Constant nodes' tensors."""
     overridable = {i.name for i in graph.input} if ir_version >= 4 else set()
     found = {t.name: t for t in graph.initializer if t.name not in overridable and not is_external(t)}
+    forms = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64}
     for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output and \
-                len(node.attribute) == 1 and node.attribute[0].name == "value":
-            found[node.output[0]] = node.attribute[0].t
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.output or \
+                len(node.attribute) != 1:
+            continue
+        a = node.attribute[0]
+        if a.name == "value":
+            found[node.output[0]] = a.t
+        elif a.name in forms:  # opset 12's forms: a scalar or a 1-D list
+            value = np.array(helper.get_attribute_value(a), dtype=forms[a.name])
+            found[node.output[0]] = numpy_helper.from_array(value, node.output[0])
     return found
+
+
+def _small(node: onnx.NodeProto, values: list[np.ndarray]) -> bool:
+    """Whether ``node``'s result on ``values`` is known to stay within ``MAX_ELEMENTS`` values per output before
+    it is evaluated (a crafted ``ConstantOfShape([10**12])`` or broadcast must not be built to be refused)."""
+    op = node.op_type
+    try:
+        if op in ("Shape", "Size"):
+            return True
+        if op == "ConstantOfShape":
+            dims = [int(d) for d in values[0].reshape(-1)]
+            return all(d >= 0 for d in dims) and int(np.prod(dims, dtype=object)) <= MAX_ELEMENTS
+        if op == "Range":
+            start, limit, delta = (float(v.reshape(-1)[0]) for v in values)
+            return bool(delta != 0 and np.isfinite([start, limit, delta]).all()
+                        and max(np.ceil((limit - start) / delta), 0) <= MAX_ELEMENTS)
+        if any(v.size > MAX_ELEMENTS for v in values):
+            return False
+        if op == "Expand":
+            shape = np.broadcast_shapes(values[0].shape, tuple(int(d) for d in values[1].reshape(-1)))
+            return int(np.prod(shape, dtype=object)) <= MAX_ELEMENTS
+        if op in _BROADCASTING:
+            return int(np.prod(np.broadcast_shapes(*(v.shape for v in values)), dtype=object)) <= MAX_ELEMENTS
+    except (ValueError, TypeError, OverflowError, IndexError):  # no valid broadcast or scalar: the evaluator's
+        return False
+    return True  # the other ops' results are no larger than (the product of) their inputs
 
 
 def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opsets: list[onnx.OperatorSetIdProto]
@@ -92,7 +130,10 @@ def fold_constants(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.Mode
                 any(o in outputs for o in node.output if o) or \
                 not all(i in constants for i in node.input if i) or not any(node.input):
             continue
-        values = _evaluate(node, [array(i) for i in node.input if i], opsets)
+        inputs = [array(i) for i in node.input if i]
+        if not _small(node, inputs):
+            continue
+        values = _evaluate(node, inputs, opsets)
         if values is None or any(np.asarray(v).size > MAX_ELEMENTS for v in values):
             continue
         for name, value in zip([o for o in node.output if o], values):
