@@ -409,25 +409,6 @@ def test_a_transposed_weight_becomes_a_constant_unless_it_is_shared():
     assert [n.op_type for n in out.graph.node] == ["Transpose", "MatMul", "Mul", "Gather"]
 
 
-def test_an_export_without_constant_folding_scans_like_a_folded_one(tmp_path: Path):
-    """BERT through TorchScript with do_constant_folding=False (every Linear a MatMul of Transpose(W)) gives the
-    workloads of its folded export: constant weights, so its Q/K/V projections can be packed."""
-    pytest.importorskip("transformers")
-    import torch
-    from _corpus import bert
-    from tuner.scan import scan
-
-    model = bert()
-    seen = []
-    for folding in (True, False):
-        path = tmp_path / f"bert-{folding}.onnx"
-        torch.onnx.export(model.module, model.example, str(path), input_names=list(model.inputs),
-                          output_names=["y"], dynamo=False, do_constant_folding=folding,
-                          dynamic_axes={n: {0: "batch", 1: "sequence"} for n in model.inputs})
-        seen.append(sorted((w.op, w.m, w.n, w.k, w.batch, w.const_operands, repr(w.epilogue), len(w.nodes))
-                           for w in scan(path).workloads))
-    assert seen[0] == seen[1] and any(w[5] == (1,) for w in seen[1])
-
 
 def test_scan_and_optimize_say_what_the_pre_passes_changed(tmp_path: Path, capsys):
     """The folds change the graph beyond the tuned nodes: ``scan`` (table and JSON) and ``optimize`` say how."""

@@ -104,24 +104,30 @@ def test_what_stays():
     assert {n.op_type for n in out.graph.node} >= {"ConstantOfShape", "RandomUniformLike"}
 
 
-def test_an_export_without_constant_folding_fuses_attention_like_a_folded_one(tmp_path: Path):
-    """BERT through TorchScript with do_constant_folding=False: its SDPA scale is Cast(Sqrt(Constant)) and its
-    weights are read through Transposes. With both made constants, each attention chain reads Q, K and V packed
-    from one merged projection, as in the folded export."""
+def test_an_export_without_constant_folding_is_tuned_like_a_folded_one(tmp_path: Path):
+    """BERT through TorchScript with do_constant_folding=False: every Linear is a MatMul of Transpose(W) and its
+    SDPA scale is Cast(Sqrt(Constant)). With both made constants (tuner/affine.py, this pass), it gives the
+    workloads of its folded export (constant weights) and the same attention chains, each reading Q, K and V
+    packed from one merged projection."""
     pytest.importorskip("transformers")
     import torch
     from _corpus import bert
-    from tuner.scan import attention_report
+    from tuner.scan import attention_report, scan
 
     model = bert()
-    reports = []
+    seen = []
     for folding in (True, False):
         path = tmp_path / f"bert-{folding}.onnx"
         torch.onnx.export(model.module, model.example, str(path), input_names=list(model.inputs),
                           output_names=["y"], dynamo=False, do_constant_folding=folding,
                           dynamic_axes={n: {0: "batch", 1: "sequence"} for n in model.inputs})
-        reports.append([(f["layout"], f["packed_qkv"], f["transposes_kept"]) for f in attention_report(path)["fused"]])
-    assert reports[0] == reports[1] and len(reports[1]) == 2 and all(packed for _, packed, _ in reports[1])
+        workloads = sorted((w.op, w.m, w.n, w.k, w.batch, w.const_operands, repr(w.epilogue), len(w.nodes))
+                           for w in scan(path).workloads)
+        seen.append((workloads, [(f["layout"], f["packed_qkv"], f["transposes_kept"])
+                                 for f in attention_report(path)["fused"]]))
+    assert seen[0] == seen[1]
+    workloads, chains = seen[1]
+    assert any(w[5] == (1,) for w in workloads) and len(chains) == 2 and all(packed for _, packed, _ in chains)
 
 
 @pytest.mark.parametrize("node, consts", [
