@@ -103,8 +103,10 @@ def test_what_stays_and_why(tmp_path: Path):
     assert [n.op_type for n in out.graph.node] == ["Conv", "BatchNormalization", "Relu", "Identity"]
     onnx.save(_model(), str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
     lazy = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
-    assert "in an external file" in fold_affines(lazy)[1].notes[0][1]
-    assert prepare_graph(lazy, tmp_path)[1][0].op == "BatchNormalization"  # scan lists it
+    assert "in an external file that was not read" in fold_affines(lazy)[1].notes[0][1]  # no folder given
+    assert prepare_graph(lazy, None)[1][0].op == "BatchNormalization"  # scan lists it
+    (tmp_path / "m.data").rename(tmp_path / "moved.data")
+    assert "in an external file that was not read" in fold_affines(lazy, base_dir=tmp_path)[1].notes[0][1]
     after_matmul = _model()
     after_matmul.graph.node[0].op_type = "MatMul"  # a 4-D weight: no product the pass knows
     assert fold_affines(after_matmul)[1] == fold_affines(after_matmul)[1].__class__(())
@@ -432,3 +434,60 @@ def test_scan_and_optimize_say_what_the_pre_passes_changed(tmp_path: Path, capsy
                              db=tmp_path / "t.db", cache_dir=tmp_path / "k"), log=lines.append)
     assert "graph pre-passes: " + "; ".join(want) in lines
     assert [n.domain for n in onnx.load(str(tmp_path / "m.opt.onnx")).graph.node] == ["ai.dietcode"]
+
+
+@pytest.mark.parametrize("bias, op, folded", [(True, "Mul", True), (False, "Mul", True), (True, "Add", True),
+                                              (False, "Add", False), (True, "Div", True)])
+def test_a_layer_scale_behind_a_permute_is_folded(bias, op, folded):
+    """torchvision's ConvNeXt block: Linear over NHWC, permute back to NCHW, then ``layer_scale * x`` ([C, 1, 1])
+    and the residual. The op folds into the MatMul (its constant read along the axis the Transpose moved the
+    channels to); an Add behind the permute with no bias to go into stays."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 6)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array(_G.reshape(6, 1, 1).astype(np.float32), "gamma")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"])]
+    if bias:
+        inits.append(numpy_helper.from_array(np.arange(6, dtype=np.float32), "b"))
+        nodes.append(helper.make_node("Add", ["mm", "b"], ["lin"]))
+    nodes += [helper.make_node("Transpose", ["lin" if bias else "mm"], ["nchw"], perm=[0, 3, 1, 2]),
+              helper.make_node(op, ["nchw", "gamma"], ["scaled"]), helper.make_node("Add", ["scaled", "r"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "h", "w", 8]),
+              helper.make_tensor_value_info("r", TensorProto.FLOAT, ["n", 6, "h", "w"])]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+    out, result = fold_affines(model)
+    assert result.folded == (("scaled",) if folded else ())
+    ops = [n.op_type for n in out.graph.node]
+    assert ops == ["MatMul"] + ["Add"] * bias + ["Transpose"] + ([] if folded else [op]) + ["Add"]
+    x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    r = rng.standard_normal((2, 6, 3, 5)).astype(np.float32)
+    got, want = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "r": r})[0] for m in (out, model))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert fold_affines(out)[1].folded == ()
+    # the channels along another axis than the one the Transpose moved them to: not per channel
+    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(_G.reshape(1, 6, 1).astype(np.float32), "gamma"))
+    assert fold_affines(model)[1].folded == ()
+
+
+def test_weights_in_an_external_data_file_are_folded(tmp_path: Path):
+    """torch's dynamo exporter writes the weights to a data file beside the model, and scan and optimize load
+    models without their data (the weights stream from file to file): the folds read what they change from
+    there, and the optimized model, its data file included, gives the original outputs."""
+    import dietcode_ort
+    from tuner.optimize import OptimizeOptions, optimize
+    from tuner.scan import scan
+
+    src = tmp_path / "m.onnx"
+    onnx.save(_model(), str(src), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert scan(src).prepared == ("1 BatchNormalization / per-channel Mul, Div, Add, Sub folded into the Conv, "
+                                  "Gemm or MatMul before them",)
+    dst = tmp_path / "m.opt.onnx"
+    optimize(src, dst, OptimizeOptions(dims=("n=1,2", "h=4,8", "w=4,8"), measure="analytic", budget=2,
+                                       max_kernels=1, progress=False, db=tmp_path / "t.db",
+                                       cache_dir=tmp_path / "k"), log=lambda _: None)
+    assert [n.domain for n in onnx.load(str(dst)).graph.node] == ["ai.dietcode"]  # the Conv, its BN and Relu
+    x = np.random.default_rng(12).standard_normal((2, 8, 5, 6)).astype(np.float32)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = dietcode_ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

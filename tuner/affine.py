@@ -19,7 +19,11 @@ weight's type, one op at a time down the chain:
 B is 0 where the product has none (a Gemm's is beta * C, written back with beta 1; a MatMul's is the constant of
 the Add after it, which a fold writes as [N] values, making one where it had none); c is a constant of one value,
 or of one per output channel laid out along the channel axis: axis 1 of a Conv's output ([C, 1, 1], [1, C, 1,
-1]), the last axis of a Gemm's or MatMul's ([N], [1, 1, N]). A BatchNormalization normalizes axis 1, so it is
+1]), the last axis of a Gemm's or MatMul's ([N], [1, 1, N]). A Mul, Div, Add or Sub behind a Transpose that alone passes a Gemm's or MatMul's output on
+(torchvision's ConvNeXt: Linear, permute back to NCHW, ``layer_scale * x`` with a [C, 1, 1] constant) folds too,
+its constant read along the axis the Transpose moved the channels to; the chain stops there (an Add of a constant
+behind it, after a MatMul without a bias, stays: its bias Add would go before the Transpose). A BatchNormalization
+normalizes axis 1, so it is
 folded after a Gemm, and after a MatMul only where its input is known to be 2-D. The product (or a MatMul's bias
 Add) then writes the op's output, and the scanner fuses what follows (a Relu, a residual Add) as for any
 product. Folded when the op alone reads the output (no graph output), the weight (a Conv's or Gemm's second
@@ -37,14 +41,16 @@ it twice changes nothing more.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from tuner.model_file import is_external
+from dietcode_ort.errors import DietcodeError
+from tuner.model_file import external_source, inline_tensor, is_external
 from tuner.rewrite import _drop_unread, _graph_reads, default_opset, model_to_edit, names_in_use, unique_name
 from tuner.scan import GraphLinks, _attrs
 
@@ -80,8 +86,34 @@ class _Product:
         return self.bias_add or self.node
 
 
-def _loaded(name: str, inits: dict[str, onnx.TensorProto]) -> bool:
-    return name in inits and not is_external(inits[name])
+class _Constants(dict[str, onnx.TensorProto]):
+    """The model's initializers by name, with the folder their external data files are in (None: such values
+    are not read)."""
+
+    def __init__(self, tensors: Iterable[onnx.TensorProto], base_dir: Path | None):
+        super().__init__((t.name, t) for t in tensors)
+        self.base_dir = base_dir
+
+
+def _loaded(name: str, inits: _Constants) -> bool:
+    """Whether ``name`` is an initializer whose value can be read: held in the model, or in an external data
+    file of the model's folder that is there."""
+    t = inits.get(name)
+    if t is None or not is_external(t):
+        return t is not None
+    if inits.base_dir is None:
+        return False
+    try:
+        external_source(t, inits.base_dir)
+    except DietcodeError:
+        return False
+    return True
+
+
+def _array(inits: _Constants, name: str) -> np.ndarray:
+    """The value of a ``_loaded`` initializer (read from its file when it is external)."""
+    t = inits[name]
+    return numpy_helper.to_array(inline_tensor(t, inits.base_dir) if is_external(t) else t)
 
 
 def _per_channel(value: np.ndarray, channels: int, rank: int | None, axis: int) -> np.ndarray | None:
@@ -108,7 +140,7 @@ def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
     return ranks
 
 
-def _product(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], ranks: dict[str, int]) -> _Product | None:
+def _product(node: onnx.NodeProto, inits: _Constants, ranks: dict[str, int]) -> _Product | None:
     """``node`` as a product a fold can change, or None (another op, or a weight that is no constant of the
     product's form)."""
     if node.op_type not in PRODUCTS or node.domain not in ("", "ai.onnx") or len(node.input) < 2 or not node.output:
@@ -126,7 +158,7 @@ def _product(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], ranks: di
     return _Product(node, 1, dims[1], ranks.get(node.input[0]), -1)
 
 
-def _bias(p: _Product, inits: dict[str, onnx.TensorProto]) -> np.ndarray | str:
+def _bias(p: _Product, inits: _Constants) -> np.ndarray | str:
     """The product's bias as one number per output channel (zeros where it has none), or why it cannot be
     folded into."""
     if p.node.op_type == "MatMul":
@@ -139,9 +171,9 @@ def _bias(p: _Product, inits: dict[str, onnx.TensorProto]) -> np.ndarray | str:
         return np.zeros(p.channels)
     if name not in inits:
         return f"the {p.node.op_type}'s bias is not a constant initializer"
-    if is_external(inits[name]):
-        return f"the {p.node.op_type}'s bias is in an external file (not loaded here)"
-    value = numpy_helper.to_array(inits[name])  # a Conv's is [C]; a Gemm's broadcasts to [M, N]
+    if not _loaded(name, inits):
+        return f"the {p.node.op_type}'s bias is in an external file that was not read"
+    value = _array(inits, name)  # a Conv's is [C]; a Gemm's broadcasts to [M, N]
     b = _per_channel(value, p.channels, 1, -1) if p.node.op_type == "Conv" else \
         _per_channel(value, p.channels, p.rank, p.channel_axis)
     if b is None:
@@ -150,7 +182,7 @@ def _bias(p: _Product, inits: dict[str, onnx.TensorProto]) -> np.ndarray | str:
     return b * beta
 
 
-def _batchnorm(bn: onnx.NodeProto, inits: dict[str, onnx.TensorProto], p: _Product, opset: int
+def _batchnorm(bn: onnx.NodeProto, inits: _Constants, p: _Product, opset: int
                ) -> tuple[np.ndarray, np.ndarray] | str:
     """(multiplier, addend) per channel of an inference-mode normalization, or why it is not folded."""
     at = _attrs(bn)
@@ -165,24 +197,25 @@ def _batchnorm(bn: onnx.NodeProto, inits: dict[str, onnx.TensorProto], p: _Produ
     if len(bn.input) < 5 or not all(n in inits for n in bn.input[1:5]):
         return "its parameters are not all constant initializers"
     if not all(_loaded(n, inits) for n in bn.input[1:5]):
-        return "its parameters are in an external file (not loaded here)"
+        return "its parameters are in an external file that was not read"
     if any(list(inits[n].dims) != [p.channels] for n in bn.input[1:5]):
         return f"parameters that are not {p.channels} values, one per output channel"
-    scale, shift, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:5])
+    scale, shift, mean, var = (_array(inits, n).astype(np.float64) for n in bn.input[1:5])
     s = scale / np.sqrt(var + float(at.get("epsilon", 1e-5)))
     return s, shift - mean * s
 
 
-def _affine(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p: _Product
-            ) -> tuple[np.ndarray, np.ndarray] | None:
+def _affine(op: onnx.NodeProto, out: str, inits: _Constants, p: _Product,
+            layout: tuple[int | None, int] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(multiplier, addend) per channel of a Mul, Div, Add or Sub of ``out`` by a loaded per-channel constant,
-    else None."""
+    else None; ``layout``: (rank, channel axis) of ``out`` where it is not the product's (a Transpose between)."""
     if len(op.input) != 2 or out not in op.input:
         return None
     other = op.input[1] if op.input[0] == out else op.input[0]
     if other == out or not _loaded(other, inits) or (op.op_type in ("Div", "Sub") and op.input[0] != out):
         return None
-    c = _per_channel(numpy_helper.to_array(inits[other]), p.channels, p.rank, p.channel_axis)
+    rank, axis = layout or (p.rank, p.channel_axis)
+    c = _per_channel(_array(inits, other), p.channels, rank, axis)
     if c is None or (op.op_type == "Div" and not np.all(c)):
         return None
     ones, zeros = np.ones(p.channels), np.zeros(p.channels)
@@ -191,7 +224,22 @@ def _affine(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p:
     return ones, (c if op.op_type == "Add" else -c)
 
 
-def _constant_transposes(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], links: GraphLinks
+def _transposed_op(op: onnx.NodeProto, links: GraphLinks, p: _Product
+                   ) -> tuple[onnx.NodeProto | None, tuple[int, int] | None]:
+    """Where ``op``, right after a Gemm's or MatMul's output, is a Transpose that alone passes it on to a Mul,
+    Div, Add or Sub (torchvision's ConvNeXt: Linear, permute back to NCHW, then ``layer_scale * x`` with a [C, 1,
+    1] constant): that op, and (rank, channel axis) of the transposed value; else (None, None)."""
+    perm = _attrs(op).get("perm") if op.op_type == "Transpose" and op.domain in ("", "ai.onnx") else None
+    if perm is None or p.channel_axis != -1 or len(op.output) != 1:
+        return None, None
+    after = links.consumers.get(op.output[0], [])
+    if len(after) != 1 or op.output[0] in links.graph_outputs or after[0].op_type not in FOLDED_OPS[1:]:
+        return None, None
+    rank = len(perm)
+    return after[0], (rank, list(perm).index(rank - 1))
+
+
+def _constant_transposes(graph: onnx.GraphProto, inits: _Constants, links: GraphLinks
                          ) -> list[onnx.NodeProto]:
     """The Transposes of a weight a product reads (TorchScript's export without constant folding writes a Linear
     layer as ``MatMul(x, Transpose(W))``, which ORT folds at load) to make constants: of a loaded initializer
@@ -210,7 +258,7 @@ def _constant_transposes(graph: onnx.GraphProto, inits: dict[str, onnx.TensorPro
     return found
 
 
-def _gemm_scales(gemm: onnx.NodeProto, inits: dict[str, onnx.TensorProto], keep: Callable[[str, np.ndarray], str],
+def _gemm_scales(gemm: onnx.NodeProto, inits: _Constants, keep: Callable[[str, np.ndarray], str],
                  names: Callable[[str], str]) -> bool:
     """Fold a Gemm's alpha into its constant B and its beta into its constant C (alpha * A @ B + beta * C is A @
     (alpha * B) + (beta * C)), dropping both attributes, where either is not 1 (the kernels compute A @ B + C);
@@ -220,7 +268,7 @@ def _gemm_scales(gemm: onnx.NodeProto, inits: dict[str, onnx.TensorProto], keep:
     c = gemm.input[2] if len(gemm.input) > 2 else ""
     if (alpha == 1.0 and (beta == 1.0 or not c)) or not _loaded(gemm.input[1], inits) or (c and not _loaded(c, inits)):
         return False
-    values = [numpy_helper.to_array(inits[n]) for n in (gemm.input[1], c) if n]
+    values = [_array(inits, n) for n in (gemm.input[1], c) if n]
     with np.errstate(all="ignore"):
         scaled = [(v.astype(np.float64) * f).astype(v.dtype) for v, f in zip(values, (alpha, beta))]
     if not all(np.isfinite(v.astype(np.float64)).all() for v in scaled):
@@ -232,7 +280,7 @@ def _gemm_scales(gemm: onnx.NodeProto, inits: dict[str, onnx.TensorProto], keep:
     return True
 
 
-def _is_bias(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p: _Product) -> bool:
+def _is_bias(op: onnx.NodeProto, out: str, inits: _Constants, p: _Product) -> bool:
     """Whether ``op``, right after a MatMul without a bias, is already the bias Add the scanner fuses (a loaded
     constant of N values along the last axis, read as it is)."""
     other = next((i for i in op.input if i != out), "")
@@ -243,15 +291,18 @@ def _is_bias(op: onnx.NodeProto, out: str, inits: dict[str, onnx.TensorProto], p
         (p.rank is not None and len(dims) <= p.rank or len(dims) == 1)
 
 
-def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelProto, AffineResult]:
+def fold_affines(model: onnx.ModelProto, copy: bool = True, base_dir: Path | None = None
+                 ) -> tuple[onnx.ModelProto, AffineResult]:
     """``model`` (a copy unless ``copy`` is False) with the per-channel affine ops right after each Conv, Gemm
-    and MatMul of its main graph folded into that product."""
+    and MatMul of its main graph folded into that product. ``base_dir``: the folder of the model's external data
+    files, for a model loaded without them (the values a fold changes are read from there; the new ones are held
+    in the model, for ``save_model`` to place)."""
     out = model_to_edit(model, copy)
     graph = out.graph
     if not any(n.op_type in (*FOLDED_OPS, "Gemm", "Transpose") for n in graph.node):
         return out, AffineResult(())
     opset = default_opset(out)
-    inits = {t.name: t for t in graph.initializer}
+    inits = _Constants(graph.initializer, base_dir)
     ranks = _ranks(graph)
     before = _graph_reads(graph)
     names = functools.partial(unique_name, taken=names_in_use(graph))
@@ -272,7 +323,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
 
     transposes = _constant_transposes(graph, inits, links)  # held: ``dropped`` compares node wrappers by id
     for t in transposes:
-        value = np.transpose(numpy_helper.to_array(inits[t.input[0]]), _attrs(t).get("perm"))
+        value = np.transpose(_array(inits, t.input[0]), _attrs(t).get("perm"))
         keep(t.output[0], np.ascontiguousarray(value))
         ranks[t.output[0]] = value.ndim
         dropped.add(id(t))
@@ -292,28 +343,34 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
                         notes[r.output[0]] = (kind, f"the {kind}'s output is read by another node too")
                 break
             op = readers[0]
+            moved, layout = _transposed_op(op, links, p)  # torchvision's ConvNeXt: permute, then the layer scale
+            if moved is not None:
+                op, last = moved, op  # the op after the Transpose; the Transpose writes its result
             if op.op_type not in FOLDED_OPS or op.domain not in ("", "ai.onnx") or not op.output:
                 break
-            if kind == "MatMul" and p.bias_add is None and _is_bias(op, tail_out, inits, p):
+            if moved is None and kind == "MatMul" and p.bias_add is None and _is_bias(op, tail_out, inits, p):
                 p.bias_add = op  # the bias the scanner fuses: what follows folds into it
                 continue
             bias = _bias(p, inits)
             if not _loaded(p.node.input[1], inits) or isinstance(bias, str):
                 if op.op_type == "BatchNormalization":
                     notes[op.output[0]] = (kind, bias if isinstance(bias, str) else
-                                           f"the {kind}'s weight is in an external file (not loaded here)")
+                                           f"the {kind}'s weight is in an external file that was not read")
                 break
             found: tuple[np.ndarray, np.ndarray] | str | None
             if op.op_type == "BatchNormalization":
                 found = _batchnorm(op, inits, p, opset)
             else:
-                found = _affine(op, tail_out, inits, p)
+                found = _affine(op, last.output[0] if moved is not None else tail_out, inits, p, layout)
+            if moved is not None and kind == "MatMul" and p.bias_add is None and found is not None and \
+                    op.op_type in ("Add", "Sub"):
+                break  # its bias Add would go before the Transpose: left as it is
             if found is None or isinstance(found, str):
                 if isinstance(found, str):
                     notes[op.output[0]] = (kind, found)
                 break
             mul, add = found
-            weight = numpy_helper.to_array(inits[p.node.input[1]])
+            weight = _array(inits, p.node.input[1])
             shape = [1] * weight.ndim
             shape[p.weight_axis] = p.channels
             with np.errstate(all="ignore"):
@@ -347,10 +404,13 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelP
                 if kind == "Gemm":  # beta * C folded into the values
                     for i in reversed([i for i, a in enumerate(p.node.attribute) if a.name == "beta"]):
                         del p.node.attribute[i]
-            gone.add(tail_out)
-            p.tail.output[0] = op.output[0]
+            writer = last if moved is not None else p.tail  # now writes the op's result
+            gone.add(writer.output[0])
+            writer.output[0] = op.output[0]
             dropped.add(id(op))
             folded.append(op.output[0])
+            if moved is not None:  # what follows reads the transposed value: no more folds into the product
+                break
     if folded or scaled or transposed:
         kept = [n for n in graph.node if id(n) not in dropped]
         del graph.node[:]

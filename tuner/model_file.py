@@ -20,7 +20,7 @@ import onnx
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["copy_without", "is_external", "inline_tensor", "read_model", "write_model", "TWO_GB"]
+__all__ = ["copy_without", "external_source", "is_external", "inline_tensor", "read_model", "write_model", "TWO_GB"]
 
 TWO_GB = 2 * 1024 ** 3
 _CHUNK = 16 * 1024 ** 2
@@ -37,7 +37,7 @@ def _refs(t: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def _source(t: onnx.TensorProto, base_dir: Path | None) -> tuple[Path, int, int | None]:
+def external_source(t: onnx.TensorProto, base_dir: Path | None) -> tuple[Path, int, int | None]:
     """The file, offset and length (None: to the end of the file) of an external tensor's bytes."""
     refs = _refs(t)
     location = refs.get("location")
@@ -71,7 +71,7 @@ def inline_tensor(t: onnx.TensorProto, base_dir: Path | None) -> onnx.TensorProt
     out.CopyFrom(t)
     if not is_external(t):
         return out
-    path, offset, length = _source(t, base_dir)
+    path, offset, length = external_source(t, base_dir)
     with open(path, "rb") as f:
         f.seek(offset)
         out.raw_data = f.read() if length is None else f.read(length)
@@ -104,7 +104,7 @@ class _DataFile:
     def copy_external(self, t: onnx.TensorProto) -> None:
         """Stream ``t``'s bytes from its file into this one (once per distinct source range) and point
         ``t`` here."""
-        key = _source(t, self.base_dir)
+        key = external_source(t, self.base_dir)
         if key not in self.copied:
             path, offset, length = key
             total = path.stat().st_size - offset if length is None else length

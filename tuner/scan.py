@@ -1120,7 +1120,7 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
 
     model, constants = fold_constants(model, copy=False)
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
-    model, affine = fold_affines(model, copy=False)
+    model, affine = fold_affines(model, copy=False, base_dir=base_dir)
     model, convs = convs_as_2d(model, copy=False)
     counts = ((len(constants.folded), "constant node(s) evaluated, as ORT folds them at load"),
               (len(einsums.converted), "Einsum(s) written as MatMul"),
