@@ -94,34 +94,34 @@ class _Constants(dict[str, onnx.TensorProto]):
         super().__init__((t.name, t) for t in tensors)
         self.base_dir = base_dir
 
+    def readable(self, name: str) -> bool:
+        """Whether ``name`` is an initializer whose value can be read: held in the model, or in an external
+        data file of the model's folder that is there."""
+        t = self.get(name)
+        if t is None or not is_external(t):
+            return t is not None
+        if self.base_dir is None:
+            return False
+        try:
+            external_source(t, self.base_dir)
+        except DietcodeError:
+            return False
+        return True
 
-def _loaded(name: str, inits: _Constants) -> bool:
-    """Whether ``name`` is an initializer whose value can be read: held in the model, or in an external data
-    file of the model's folder that is there."""
-    t = inits.get(name)
-    if t is None or not is_external(t):
-        return t is not None
-    if inits.base_dir is None:
-        return False
-    try:
-        external_source(t, inits.base_dir)
-    except DietcodeError:
-        return False
-    return True
-
-
-def _array(inits: _Constants, name: str) -> np.ndarray:
-    """The value of a ``_loaded`` initializer (read from its file when it is external)."""
-    t = inits[name]
-    return numpy_helper.to_array(inline_tensor(t, inits.base_dir) if is_external(t) else t)
+    def array(self, name: str) -> np.ndarray:
+        """The value of a ``readable`` initializer (read from its file when it is external)."""
+        t = self[name]
+        return numpy_helper.to_array(inline_tensor(t, self.base_dir) if is_external(t) else t)
 
 
 def _per_channel(value: np.ndarray, channels: int, rank: int | None, axis: int) -> np.ndarray | None:
     """``value`` as one number per output channel, where it broadcasts over an output of ``rank`` dims (None:
     unknown, at least 1) with the channels at ``axis`` (1, or -1: the last) as such (one value, or the channels
     along that axis); None otherwise."""
-    if rank is None:  # a value of more dims might make the output's rank grow
-        rank = 1 if value.ndim <= 1 and axis == -1 else -1
+    if rank is None:  # only a value of at most one dim, along the last axis, cannot make the output's rank grow
+        if value.ndim > 1 or axis != -1:
+            return None
+        rank = 1
     if value.ndim > rank:
         return None
     shape = (1,) * (rank - value.ndim) + value.shape
@@ -171,9 +171,9 @@ def _bias(p: _Product, inits: _Constants) -> np.ndarray | str:
         return np.zeros(p.channels)
     if name not in inits:
         return f"the {p.node.op_type}'s bias is not a constant initializer"
-    if not _loaded(name, inits):
+    if not inits.readable(name):
         return f"the {p.node.op_type}'s bias is in an external file that was not read"
-    value = _array(inits, name)  # a Conv's is [C]; a Gemm's broadcasts to [M, N]
+    value = inits.array(name)  # a Conv's is [C]; a Gemm's broadcasts to [M, N]
     b = _per_channel(value, p.channels, 1, -1) if p.node.op_type == "Conv" else \
         _per_channel(value, p.channels, p.rank, p.channel_axis)
     if b is None:
@@ -196,11 +196,11 @@ def _batchnorm(bn: onnx.NodeProto, inits: _Constants, p: _Product, opset: int
         return "spatial=0 (per-element statistics)"
     if len(bn.input) < 5 or not all(n in inits for n in bn.input[1:5]):
         return "its parameters are not all constant initializers"
-    if not all(_loaded(n, inits) for n in bn.input[1:5]):
+    if not all(inits.readable(n) for n in bn.input[1:5]):
         return "its parameters are in an external file that was not read"
     if any(list(inits[n].dims) != [p.channels] for n in bn.input[1:5]):
         return f"parameters that are not {p.channels} values, one per output channel"
-    scale, shift, mean, var = (_array(inits, n).astype(np.float64) for n in bn.input[1:5])
+    scale, shift, mean, var = (inits.array(n).astype(np.float64) for n in bn.input[1:5])
     s = scale / np.sqrt(var + float(at.get("epsilon", 1e-5)))
     return s, shift - mean * s
 
@@ -212,10 +212,10 @@ def _affine(op: onnx.NodeProto, out: str, inits: _Constants, p: _Product,
     if len(op.input) != 2 or out not in op.input:
         return None
     other = op.input[1] if op.input[0] == out else op.input[0]
-    if other == out or not _loaded(other, inits) or (op.op_type in ("Div", "Sub") and op.input[0] != out):
+    if other == out or not inits.readable(other) or (op.op_type in ("Div", "Sub") and op.input[0] != out):
         return None
     rank, axis = layout or (p.rank, p.channel_axis)
-    c = _per_channel(_array(inits, other), p.channels, rank, axis)
+    c = _per_channel(inits.array(other), p.channels, rank, axis)
     if c is None or (op.op_type == "Div" and not np.all(c)):
         return None
     ones, zeros = np.ones(p.channels), np.zeros(p.channels)
@@ -248,7 +248,7 @@ def _constant_transposes(graph: onnx.GraphProto, inits: _Constants, links: Graph
     found = []
     for t in graph.node:
         if t.op_type != "Transpose" or t.domain not in ("", "ai.onnx") or len(t.input) != 1 or not t.output or \
-                not _loaded(t.input[0], inits) or t.output[0] in links.graph_outputs:
+                not inits.readable(t.input[0]) or t.output[0] in links.graph_outputs:
             continue
         readers = links.consumers.get(t.output[0], [])
         if links.consumers.get(t.input[0], []) == [t] and t.input[0] not in links.graph_outputs and readers and \
@@ -266,9 +266,9 @@ def _gemm_scales(gemm: onnx.NodeProto, inits: _Constants, keep: Callable[[str, n
     at = _attrs(gemm)
     alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
     c = gemm.input[2] if len(gemm.input) > 2 else ""
-    if (alpha == 1.0 and (beta == 1.0 or not c)) or not _loaded(gemm.input[1], inits) or (c and not _loaded(c, inits)):
+    if (alpha == 1.0 and (beta == 1.0 or not c)) or not inits.readable(gemm.input[1]) or (c and not inits.readable(c)):
         return False
-    values = [_array(inits, n) for n in (gemm.input[1], c) if n]
+    values = [inits.array(n) for n in (gemm.input[1], c) if n]
     with np.errstate(all="ignore"):
         scaled = [(v.astype(np.float64) * f).astype(v.dtype) for v, f in zip(values, (alpha, beta))]
     if not all(np.isfinite(v.astype(np.float64)).all() for v in scaled):
@@ -284,7 +284,7 @@ def _is_bias(op: onnx.NodeProto, out: str, inits: _Constants, p: _Product) -> bo
     """Whether ``op``, right after a MatMul without a bias, is already the bias Add the scanner fuses (a loaded
     constant of N values along the last axis, read as it is)."""
     other = next((i for i in op.input if i != out), "")
-    if op.op_type != "Add" or len(op.input) != 2 or not _loaded(other, inits):
+    if op.op_type != "Add" or len(op.input) != 2 or not inits.readable(other):
         return False
     dims = list(inits[other].dims)
     return len(dims) >= 1 and dims[-1] == p.channels and all(d == 1 for d in dims[:-1]) and \
@@ -323,7 +323,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True, base_dir: Path | Non
 
     transposes = _constant_transposes(graph, inits, links)  # held: ``dropped`` compares node wrappers by id
     for t in transposes:
-        value = np.transpose(_array(inits, t.input[0]), _attrs(t).get("perm"))
+        value = np.transpose(inits.array(t.input[0]), _attrs(t).get("perm"))
         keep(t.output[0], np.ascontiguousarray(value))
         ranks[t.output[0]] = value.ndim
         dropped.add(id(t))
@@ -352,7 +352,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True, base_dir: Path | Non
                 p.bias_add = op  # the bias the scanner fuses: what follows folds into it
                 continue
             bias = _bias(p, inits)
-            if not _loaded(p.node.input[1], inits) or isinstance(bias, str):
+            if not inits.readable(p.node.input[1]) or isinstance(bias, str):
                 if op.op_type == "BatchNormalization":
                     notes[op.output[0]] = (kind, bias if isinstance(bias, str) else
                                            f"the {kind}'s weight is in an external file that was not read")
@@ -370,7 +370,7 @@ def fold_affines(model: onnx.ModelProto, copy: bool = True, base_dir: Path | Non
                     notes[op.output[0]] = (kind, found)
                 break
             mul, add = found
-            weight = _array(inits, p.node.input[1])
+            weight = inits.array(p.node.input[1])
             shape = [1] * weight.ndim
             shape[p.weight_axis] = p.channels
             with np.errstate(all="ignore"):

@@ -16,7 +16,6 @@ makes an unshared weight's Transpose a constant). A node the reference evaluator
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,8 +79,6 @@ def _small(node: onnx.NodeProto, values: list[np.ndarray]) -> bool:
             start, limit, delta = (float(v.reshape(-1)[0]) for v in values)
             return bool(delta != 0 and np.isfinite([start, limit, delta]).all()
                         and max(np.ceil((limit - start) / delta), 0) <= MAX_ELEMENTS)
-        if any(v.size > MAX_ELEMENTS for v in values):
-            return False
         if op == "Expand":
             shape = np.broadcast_shapes(values[0].shape, tuple(int(d) for d in values[1].reshape(-1)))
             return int(np.prod(shape, dtype=object)) <= MAX_ELEMENTS
@@ -97,18 +94,18 @@ def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opsets: list[onnx.
     """``node``'s outputs on ``values`` at the model's opsets, or None where the reference evaluator fails."""
     from onnx.reference import ReferenceEvaluator
 
-    inputs = [f"i{j}" for j in range(len(node.input))]
+    inputs = [f"i{j}" if name else "" for j, name in enumerate(node.input)]  # absent optional inputs stay ""
+    outputs = [f"o{j}" if name else "" for j, name in enumerate(node.output)]
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
     del copy.input[:], copy.output[:]
-    copy.input.extend(i if name else "" for i, name in zip(inputs, node.input))
-    outputs = [f"o{j}" if name else "" for j, name in enumerate(node.output)]
+    copy.input.extend(inputs)
     copy.output.extend(outputs)
-    function = helper.make_function("dietcode.fold", "node", [i for i, n in zip(inputs, node.input) if n],
-                                    [o for o in outputs if o], [copy], list(opsets))
+    present = [i for i in inputs if i]
+    function = helper.make_function("dietcode.fold", "node", present, [o for o in outputs if o], [copy],
+                                    list(opsets))
     try:
-        return list(ReferenceEvaluator(function).run(None, {i: v for i, v in zip(
-            [i for i, n in zip(inputs, node.input) if n], values)}, attributes={}))
+        return list(ReferenceEvaluator(function).run(None, dict(zip(present, values)), attributes={}))
     except Exception:  # noqa: BLE001 (an op the evaluator does not run, or bad attributes: left to ORT)
         return None
 
@@ -121,7 +118,6 @@ def fold_constants(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.Mode
     outputs = {o.name for o in graph.output}
     opsets = [o for o in out.opset_import if o.domain in ("", "ai.onnx")] or [helper.make_opsetid("", 17)]
     before = _graph_reads(graph)
-    array = functools.lru_cache(maxsize=None)(lambda name: numpy_helper.to_array(constants[name]))
     folded: list[str] = []
     dropped: list[int] = []  # by index (a repeated field's message wrappers do not keep their ids)
     new: list[onnx.TensorProto] = []
@@ -130,7 +126,13 @@ def fold_constants(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.Mode
                 any(o in outputs for o in node.output if o) or \
                 not all(i in constants for i in node.input if i) or not any(node.input):
             continue
-        inputs = [array(i) for i in node.input if i]
+        tensors = [constants[i] for i in node.input if i]
+        shape_only = node.op_type in ("Shape", "Size")
+        if not shape_only and any(int(np.prod(t.dims, dtype=object)) > MAX_ELEMENTS for t in tensors):
+            continue  # no weight is read to be refused
+        # Shape and Size read only the dims: a zero-stride view of that shape, never the weight's values
+        inputs = [np.broadcast_to(np.zeros((), helper.tensor_dtype_to_np_dtype(t.data_type)), tuple(t.dims))
+                  if shape_only else numpy_helper.to_array(t) for t in tensors]
         if not _small(node, inputs):
             continue
         values = _evaluate(node, inputs, opsets)

@@ -151,7 +151,7 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     each takes the --dim options that name its symbols)."""
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
-    # Conv + BatchNormalization folded, a 1-D conv as the 2-D conv of height 1, a matrix-product Einsum as MatMul
+    # the graph pre-passes (constants evaluated, Einsums as MatMuls, affine ops folded, 1-D convs as 2-D)
     model, left, changes = prepare_graph(model, model_path.parent)
     if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
         from tuner.attention_prepare import prepare_attention
@@ -271,6 +271,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
                 executor=executor, fp32_precision=options.fp32_precision)
     results = []
+    any_lost = any_changed = False  # a workload left to ORT by --min-speedup; a node rewritten
     for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
                                                                              attention_bundles):
         bundles, infos, reports = {}, {}, []
@@ -304,15 +305,16 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                                       bundles=attention_bundle)
             log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
                 "with tuned kernels")
-        results.append((output, result, reports, scanned, model_path.parent, lost, bool(sites)))
-    if not any(result.rewritten or fused for _, result, _, _, _, _, fused in results):
+        any_lost, any_changed = any_lost or bool(lost), any_changed or bool(result.rewritten or sites)
+        results.append((OptimizeReport(output, result.rewritten, tuple(reports),
+                                       tuple((s.node, s.reason) for s in scanned.skipped) + tuple(lost)),
+                        result.model, model_path.parent))
+    if any_lost and not any_changed:
         raise DietcodeError("every tuned workload lost to cuDNN on the measured shapes, so no node was rewritten "
                             "and no model written (the figures are above; --min-speedup 0 rewrites them anyway)")
-    for output, result, _, _, base_dir, _, _ in results:  # only now that every model is rewritten
-        save_model(result.model, output, base_dir)
-    return [OptimizeReport(output, result.rewritten, tuple(reports),
-                           tuple((s.node, s.reason) for s in scanned.skipped) + tuple(lost))
-            for output, result, reports, scanned, _, lost, _ in results]
+    for summary, rewritten, base_dir in results:  # only now that every model is rewritten
+        save_model(rewritten, summary.output, base_dir)
+    return [summary for summary, _, _ in results]
 
 
 def _loses(report: WorkloadReport, min_speedup: float) -> str:

@@ -1109,10 +1109,11 @@ class Prepared(NamedTuple):
 
 def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     """The graph pre-passes ``scan`` and ``optimize`` run first, in place: small nodes of constants evaluated
-    (tuner/const_fold.py), matrix-product Einsums as MatMuls
-    (tuner/einsum.py), a BatchNormalization and per-channel Mul / Add after a Conv, Gemm or MatMul folded into it
-    (tuner/affine.py, with a weight's Transpose made a constant and a Gemm's alpha and beta folded) and 1-D convs
-    as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left alone, as skipped nodes and why."""
+    (tuner/const_fold.py), matrix-product Einsums as MatMuls (tuner/einsum.py), a BatchNormalization and
+    per-channel Mul / Add after a Conv, Gemm or MatMul folded into it (tuner/affine.py, with a weight's Transpose
+    made a constant and a Gemm's alpha and beta folded; the weights it changes are read from ``base_dir`` where
+    they are external) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
+    alone, as skipped nodes and why."""
     from tuner.affine import fold_affines
     from tuner.const_fold import fold_constants
     from tuner.conv1d import convs_as_2d
@@ -1135,8 +1136,8 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
 
 
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
-    """Load and scan a model file as ``optimize`` sees it (``prepare_graph``: 1-D convs as 2-D ones, Einsums
-    as MatMuls); weights stored as external data are not read (only their shapes)."""
+    """Load and scan a model file as ``optimize`` sees it (after ``prepare_graph``); weights stored as external
+    data are read only where a pre-pass folds into them (otherwise only their shapes)."""
     model, left, changes = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)
     result = scan_model(model, Path(path).parent)
     return attach_instances(replace(result, skipped=result.skipped + left, prepared=changes), dims, shapes_file)
