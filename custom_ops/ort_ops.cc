@@ -1,7 +1,7 @@
 // ONNX Runtime glue: the ai.dietcode custom ops for the CUDA and CPU execution providers.
 //
-// One kernel class serves all 100 op types (MatMul|Gemm|Conv x epilogue, MatMul|Conv x epilogue x Residual after or
-// before the activation or Mul after it), configured from the op type name; a MatMul's `scale` attribute (default
+// One kernel class serves all 132 op types (MatMul|Gemm|Conv x epilogue x Residual after or before the activation
+// or Mul after it), configured from the op type name; a MatMul's `scale` attribute (default
 // 1) is the fused alpha: y = act(scale * A B + bias) + residual, or y = act(scale * A B + bias + residual) for an op
 // type naming the residual before the activation (ConvBiasResidualRelu), or y = act(scale * A B + bias) * residual
 // for one ending in Mul (MatMulSiluMul, LLaMA's SwiGLU gate). Compiled kernels have their scale baked in; the CPU
@@ -67,11 +67,17 @@ struct ConvAlgoCacheDeleter {
 size_t ResidualInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
 size_t BundleInput(const OpSpec& spec) { return ResidualInput(spec) + (spec.residual ? 1 : 0); }
 
-// The residual must have exactly the output's shape (the rewrite fuses no broadcast residual).
+// The residual holds the output's elements in their order: the output's shape, or one with the same last dim and
+// element count (the output reshaped over its leading dims: GPT-2's Gemm -> Reshape -> Add, whose residual is
+// [batch, seq, n] for a [batch * seq, n] product). The rewrite fuses no broadcast residual.
 std::string ResidualMismatch(const Shape& residual, const Shape& out) {
   if (residual == out) return "";
+  if (!residual.empty() && !out.empty() && residual.back() == out.back() && NumElements(residual) == NumElements(out)) {
+    return "";
+  }
   return "the residual input has shape " + ShapeText(residual) + ", not the output's " + ShapeText(out) +
-         " (the fused Add takes a residual of the output's shape only)";
+         " (the fused Add takes a residual of the output's elements only: its shape, or that shape's last dim "
+         "and element count)";
 }
 
 float Gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); }

@@ -37,12 +37,12 @@ namespace {
 // The op type of base b (0 MatMul, 1 Gemm, 2 Conv), bias, activation a (0 none, 1 Relu, 2 Gelu, 3 GeluTanh,
 // 4 Silu, 5 Relu6) and residual r
 // (0 none, 1 added after the activation, 2 added before it, 3 multiplied after it): "ConvBiasReluResidual",
-// "ConvBiasResidualRelu", "MatMulSiluMul". Empty for the combinations no op type has (a residual on Gemm; r 2
+// "ConvBiasResidualRelu", "MatMulSiluMul", "GemmBiasResidual". Empty for the combinations no op type has (r 2
 // without an activation, which r 1 already names; r 3 without an activation: the multiply follows one).
 std::string OpTypeName(int b, bool bias, int a, int r) {
   static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
   static const char* const kActivations[kActivationCount] = {"", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6"};
-  if ((r != 0 && b == 1) || (r >= 2 && a == 0)) return "";
+  if (r >= 2 && a == 0) return "";
   const std::string head = std::string(kBases[b]) + (bias ? "Bias" : "");
   if (r == 2) return head + "Residual" + kActivations[a];
   if (r == 3) return head + kActivations[a] + "Mul";

@@ -194,3 +194,19 @@ def test_dinov2_layer_scale_is_folded_and_its_residuals_fused(corpus, case):
     residual = [n for w in scan_model(prepared).workloads if w.epilogue.residual and w.epilogue.bias
                 for n in w.nodes]
     assert len(residual) == 4
+
+
+
+@pytest.mark.parametrize("case", [_param(c, "residual") for c in CASES if c.exporter in ("torchscript", "dynamo")
+                                  and c.model in ("bert", "distilbert", "gpt2", "vit", "dinov2")])
+def test_real_exports_fuse_the_residual_before_each_layer_norm(corpus, case):
+    """Each skip connection the transformers write before a LayerNorm (post-LN BERT, pre-LN GPT-2 and ViT) is a
+    residual Add fused into the product before it: a MatMul's, or GPT-2's Conv1D Gemm's behind its Reshape back to
+    [batch, seq, n] (the Reshape moves after the fused node; the residual is read in the product's row order)."""
+    model = prepare_graph(onnx.load(str(_built(corpus, case).path)), None).model
+    fused = {o for w in scan_model(model).workloads if w.epilogue.residual for f in w.fused_nodes for o in f}
+    adds = {o for n in model.graph.node if n.op_type == "Add" for o in n.output}
+    norms = [n.input[0] for n in model.graph.node if n.op_type == "LayerNormalization"]
+    # the first LayerNorm reads the embeddings' sum (token and position embeddings; ViT's patches and positions)
+    skips = {x for x in norms[1:] if x in adds} - {norms[0]}
+    assert len(skips) >= 4 and skips <= fused, sorted(skips - fused)  # two layers, two skips each

@@ -314,6 +314,32 @@ def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
     assert str(err.value).count("node 'n0'") == 1, str(err.value)  # the node is named once, not per layer
 
 
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_gemm_residual_in_the_products_row_order_on_the_cpu_ep(trans_b) -> None:
+    """GemmBiasResidual (GPT-2's Conv1D output projection: Gemm -> Reshape -> Add): the residual may have the
+    output's shape or the one the Reshape after it gives ([2, 5, 6] for a [10, 6] product), its elements added in
+    row order; one of another last dim or element count is an error naming both shapes."""
+    rng = np.random.default_rng(8)
+    a, c = rng.standard_normal((10, 8)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    b = rng.standard_normal((6, 8) if trans_b else (8, 6)).astype(np.float32)
+    r = rng.standard_normal((2, 5, 6)).astype(np.float32)
+    node = helper.make_node("GemmBiasResidual", ["A", "B", "bias", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                            name="n0", transB=trans_b)
+    model = _model([node], ["A", "B", "bias", "R"], TensorProto.FLOAT,
+                   initializers=[bundle_initializer(_residual_payload(True, alpha=1.0))])
+    sess = dietcode_ort.InferenceSession(model, providers=CPU)
+    feeds = {"A": a, "B": b, "bias": c}
+    want = a.astype(np.float64) @ (b.T if trans_b else b).astype(np.float64) + c
+    for residual in (r, r.reshape(10, 6)):
+        (got,) = sess.run(None, feeds | {"R": residual})
+        assert got.shape == (10, 6)
+        np.testing.assert_allclose(got, want + r.reshape(10, 6), rtol=1e-5, atol=1e-5)
+    for bad in (r.reshape(5, 12), r[:, :4]):
+        with pytest.raises(Exception, match=rf"residual input has shape \[{', '.join(map(str, bad.shape))}\], not "
+                                            r"the output's \[10, 6\]"):
+            sess.run(None, feeds | {"R": bad})
+
+
 def test_residual_suffix_and_scale_must_fit_the_node(payload) -> None:
     node = helper.make_node("MatMulResidual", ["A", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
     model = _model([node], ["A", "B", "R"], TensorProto.FLOAT, initializers=[bundle_initializer(payload)])
@@ -464,10 +490,10 @@ def test_residual_order_must_be_the_kernels() -> None:
             f"adds its residual but the op type {op_type} multiplies by it"
         with pytest.raises(DietcodeError, match=want):
             dietcode_ort.InferenceSession(model, providers=CPU)
-    # the op types are the library's: a residual-first name without an activation, or on Gemm, is none; so is a
-    # Mul without an activation, on Gemm, or before the activation
-    for name in ("ConvBiasResidualResidual", "GemmBiasResidualRelu", "GemmResidual", "ConvResidualBias",
-                 "ConvBiasMul", "MatMulMul", "GemmSiluMul", "ConvBiasMulRelu", "MatMulSiluMulResidual"):
+    # the op types are the library's: a residual-first name without an activation is none; so is a Mul without
+    # an activation or before it, or a bias after the residual
+    for name in ("ConvBiasResidualResidual", "GemmResidualBias", "ConvResidualBias", "GemmBiasResidualResidual",
+                 "ConvBiasMul", "MatMulMul", "GemmBiasMul", "ConvBiasMulRelu", "MatMulSiluMulResidual"):
         node = helper.make_node(name, ["X", "W", "B", "R", "bundle"], ["Y"], domain="ai.dietcode", name="n0")
         model = _model([node], ["X", "W", "B", "R"], TensorProto.FLOAT,
                        initializers=[bundle_initializer(_conv_residual_payload("relu", True))])

@@ -282,6 +282,29 @@ def activation_after_a_reshape() -> Case:
                 ["activation after a Reshape not fused: constant 'f_s' has rank 3"])
 
 
+def residual_after_a_reshape() -> Case:
+    """GPT-2's Conv1D output projection: Gemm -> Reshape (to [n, 2, 16]) -> Add(residual [n, 2, 16]) fuses the
+    residual, read in the product's row order, the Reshape moved after the fused node; a MatMul + bias ->
+    Reshape -> Add(residual) -> Relu adds it before the Relu; an Add of a broadcast [1, 2, 16] after a Reshape
+    stays, with the reason."""
+    shape = numpy_helper.from_array(np.array([0, 2, N // 2], np.int64), "shape")
+    residual = [_residual_of_x(), helper.make_node("Reshape", ["r", "shape"], ["r3"])]
+    mm, inits = _mm_bias("x", "hb", "a")
+    nodes = residual + [
+        helper.make_node("Gemm", ["x", "gw", "gc"], ["gg"]), helper.make_node("Reshape", ["gg", "shape"], ["gr"]),
+        helper.make_node("Add", ["gr", "r3"], ["y1"])] + mm + [
+        helper.make_node("Reshape", ["hb", "shape"], ["hr"]), helper.make_node("Add", ["r3", "hr"], ["hs"]),
+        helper.make_node("Relu", ["hs"], ["y2"]),
+        helper.make_node("MatMul", ["x", "kw"], ["k"]), helper.make_node("Reshape", ["k", "shape"], ["kr"]),
+        helper.make_node("ReduceMean", ["r3"], ["rm"], axes=[0], keepdims=1),
+        helper.make_node("Add", ["kr", "rm"], ["y3"])]
+    return Case(_model(nodes, [_x()], [_out("y1"), _out("y2"), _out("y3")],
+                       [_t("gw", (K, N)), _t("gc", (N,)), _t("kw", (K, N)), shape] + inits),
+                [Epilogue(True, "none", 1.0, True), Epilogue(True, "relu", 1.0, True, residual_first=True),
+                 Epilogue()],
+                ["residual not fused: 'rm' has shape [1, 2, 16], not the output's [n, 2, 16]"])
+
+
 def silu_gate() -> Case:
     """LLaMA's MLP: silu(x @ Wg) * (x @ Wu): the gate MatMul takes Sigmoid and Mul (either operand order) and
     the product by the up-projection's output (residual_mul; the custom node then sits after the up MatMul,
@@ -507,7 +530,7 @@ CASES = {f.__name__: f for f in (
     identity_deduplicated_zero_bias, bias_first_relu, constant_not_along_last_axis, gelu_op_of_opset_20,
     gelu_tanh_formula, gelu_tanh_intermediate_read_elsewhere, silu_gate, silu_intermediate_is_graph_output,
     swiglu_bias_gelu_and_broadcast_mul,
-    activation_after_a_reshape)}
+    activation_after_a_reshape, residual_after_a_reshape)}
 CASES.update({f"opset_{v}": (lambda v=v: _opset_case(v)) for v in (11, 13, 18)})
 CASES.update({f"clip_opset_{v}": (lambda v=v: _clip_case(v)) for v in (10, 13)})
 

@@ -573,6 +573,29 @@ def test_vendor_leaf_with_scale_and_residual_on_cuda(dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_vendor_leaf_gemm_residual_in_row_order_on_cuda(dtype) -> None:
+    """GemmBiasResidual (GPT-2's Conv1D output projection) through the vendor path: cuBLAS with Gemm's C, then
+    the epilogue adds a residual of the shape the Reshape after the product gives ([2, 5, 6] for [10, 6])."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(12)
+    a, b = rng.standard_normal((10, 8)).astype(dtype), rng.standard_normal((6, 8)).astype(dtype)
+    c, r = rng.standard_normal(6).astype(dtype), rng.standard_normal((2, 5, 6)).astype(dtype)
+    node = helper.make_node("GemmBiasResidual", ["A", "B", "bias", "R", "bundle"], ["Y"], domain="ai.dietcode",
+                            name="n0", transB=1)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], ["A", "B", "bias", "R"], elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    (got,) = sess.run(None, {"A": a, "B": b, "bias": c, "R": r})
+    want = a.astype(np.float64) @ b.T.astype(np.float64) + c + r.reshape(10, 6)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_vendor_leaf_swiglu_gate_on_cuda(dtype) -> None:
     """MatMulBiasSiluMul (LLaMA's SwiGLU gate) through the vendor path: cuBLAS, then the PTX epilogue adds the
     bias, applies SiLU and multiplies by the residual (the up-projection's output)."""

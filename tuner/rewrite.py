@@ -214,12 +214,19 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         if not bias:
             raise DietcodeError(f"workload node making {key!r} has no bias input")
         inputs.append(bias)
+    # where the nodes after the scale and bias start: the activation's, or the residual Add, maybe behind a Reshape
+    start = int(scaled) + int(bias is not None and node.op_type == "MatMul")
+    moved = next((f for _, f in absorbed if f.op_type in MOVABLE and f.domain in ("", "ai.onnx")), None)
+    e = w.epilogue
+    if moved is not None and (start >= len(absorbed) or absorbed[start][1] is not moved or e.residual_mul
+                              or ((e.activation == "none") != e.residual and not e.residual_first)):
+        raise DietcodeError(f"workload node making {key!r}: its Reshape is not right before the activation or "
+                            "the residual Add")
     residual, at = None, -1
     if w.epilogue.residual:
-        # the residual Add: the last fused node, or with residual_first the one after the scale and bias (the
-        # scanner's order: [scale], [bias Add], residual Add, activation)
-        at = int(scaled) + int(bias is not None and node.op_type == "MatMul") if w.epilogue.residual_first \
-            else len(absorbed) - 1
+        # the residual Add: the last fused node, or with residual_first the one after the scale, the bias and a
+        # Reshape (the scanner's order: [scale], [bias Add], [Reshape], residual Add, activation)
+        at = start + int(moved is not None) if w.epilogue.residual_first else len(absorbed) - 1
         radd = absorbed[at][1] if 0 <= at < len(absorbed) else None
         before = absorbed[at - 1][1].output[0] if at > 0 else node.output[0]
         kind = "Mul" if w.epilogue.residual_mul else "Add"
@@ -230,11 +237,6 @@ def _site(links: _Links, w: Workload, key: str, fused: tuple[str, ...]) -> _Site
         inputs.append(residual)
     members = {index} | {i for i, _ in absorbed}
     output = absorbed[-1][1].output[0] if absorbed else node.output[0]
-    moved = next((f for _, f in absorbed if f.op_type in MOVABLE and f.domain in ("", "ai.onnx")), None)
-    if moved is not None and (w.epilogue.residual or w.epilogue.activation == "none"
-                              or absorbed[int(scaled) + int(bias is not None and node.op_type == "MatMul")][1]
-                              is not moved):
-        raise DietcodeError(f"workload node making {key!r}: its Reshape is not right before the activation")
     for n in [node] + [f for _, f in absorbed]:
         for value in n.output:
             if not value or value == output:
@@ -260,8 +262,9 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
           output: str, residual: str | None = None, at: int = -1) -> tuple[onnx.NodeProto, ...]:
     """The fallback body: the original op (its attributes referring to the custom node's), then the
     absorbed nodes copied as they are, with their constants as Constant nodes; values renamed so that
-    equal computations give equal bodies. A Reshape or Squeeze among them (an activation fused from behind
-    it) is left out: the nodes after it read its input, the body's output has the shape before it."""
+    equal computations give equal bodies. A Reshape or Squeeze among them (an activation or a residual Add fused
+    from behind it) is left out: the nodes after it read its input, the body's output has the shape before it,
+    and the residual is read in that shape (a Reshape in the body)."""
     names: dict[str, str] = {output: "Y"}
     consts: dict[str, str] = {}
 
@@ -277,16 +280,21 @@ def _body(links: _Links, node: onnx.NodeProto, absorbed: list[onnx.NodeProto], b
         consts[x] = f"c{len(consts)}"
         return consts[x]
 
+    moved: str | None = None  # the value a moved Reshape's input has in the body
     for j, f in enumerate(absorbed):
-        if f.op_type in MOVABLE:  # moved after the custom node: the activation reads its input
-            names[f.output[0]] = made(f.input[0])
+        if f.op_type in MOVABLE:  # moved after the custom node: the activation or residual Add reads its input
+            names[f.output[0]] = moved = made(f.input[0])
             continue
 
         def known(x: str, is_add: bool = j == (at if at >= 0 else len(absorbed) - 1)) -> str | None:
             if not x or x in names:
                 return names.get(x, "")
             if residual is not None and x == residual and is_add:  # the residual Add's other input
-                return "residual"
+                if moved is None:
+                    return "residual"
+                body.append(helper.make_node("Shape", [moved], ["residual_shape"]))
+                body.append(helper.make_node("Reshape", ["residual", "residual_shape"], ["residual_rows"]))
+                return "residual_rows"
             if x == bias and node.op_type == "MatMul":
                 return "bias"
             return consts.get(x)

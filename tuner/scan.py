@@ -779,7 +779,8 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     shape: residual_mul, LLaMA's SwiGLU gate; after an activation only), as (epilogue, the absorbed nodes in
     graph order, the candidates refused with the reason).
     An activation behind a Reshape (``_activation_after_reshape``) is absorbed with the Reshape as its first
-    node, and then no residual. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
+    node, and then no residual; so is a residual Add behind one (no activation before it): the Reshape keeps the
+    elements' order, so the kernel adds the residual's elements in its own output's order. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
     is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
     out, chain, bias, refused = node.output[0], [], False, []
     alpha = 1.0
@@ -804,13 +805,19 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     if allow_residual and not (act_nodes and act_nodes[0].op_type in MOVABLE):
         last = act_nodes[-1].output[0] if act_nodes else out
         add, why = _residual(g, last, claimed)
+        moved = g.exclusive_consumer(out) if add is None and not act_nodes else None
+        if _default_domain(moved, *MOVABLE):  # GPT-2's Conv1D: Gemm -> Reshape (to [batch, seq, n]) -> Add(residual)
+            assert moved is not None
+            add, why = _residual(g, moved.output[0], claimed)
+        else:
+            moved = None
         if add is None and act_nodes:  # silu(x @ Wg) * (x @ Wu): the up-projection's output multiplies
             add, why = _residual(g, last, claimed, "Mul")
             residual_mul = add is not None and not why
         if add is not None and why:
             refused.append(Skipped(_label(add), add.op_type, f"residual not fused: {why}"))
         elif add is not None:
-            residual, chain = True, chain + act_nodes + [add]
+            residual, chain = True, chain + act_nodes + ([moved] if moved is not None else []) + [add]
             if not act_nodes:  # Add then (maybe) the activation: the residual goes in before it
                 activation, act_nodes = _activation(g, add.output[0], refused)
                 residual_first = activation != "none"
@@ -993,8 +1000,8 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
             continue
         n_const = int(info["n"]) if info["n"].isdigit() else -1
         matmul = node.op_type == "MatMul"
-        # a residual Add: gemm-view MatMuls and Convs (ResNet's Conv -> Add(shortcut) -> Relu)
-        allow_residual = (matmul and info["op"] == "gemm") or info["op"] == "conv"
+        # a residual Add: gemm-view MatMuls, Gemms and Convs (ResNet's Conv -> Add(shortcut) -> Relu)
+        allow_residual = info["op"] in ("gemm", "conv")
         if info.get("bias"):  # Gemm's C / Conv's bias: the op carries it; an activation and a residual can follow
             epilogue, absorbed, refused = _epilogue(g, node, n_const, allow_bias=False,
                                                     allow_residual=allow_residual, claimed=claimed)
