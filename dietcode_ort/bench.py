@@ -45,7 +45,10 @@ DEFAULT_DIMS: tuple[tuple[str, int], ...] = (
     (r"batch|^n$|^b$", 1), (r"seq|len|token", 128), (r"height|width|size|^h$|^w$", 224))
 FALLBACK_DIM = 1
 # dtype name -> (rtol, atol) for the agreement check; integer and bool outputs must match exactly.
-TOLERANCES = {"float32": (1e-3, 1e-3), "float64": (1e-3, 1e-3), "float16": (2e-2, 2e-2)}
+TOLERANCES = {"float32": (1e-3, 1e-3), "float64": (1e-3, 1e-3), "float16": (2e-2, 2e-2), "bfloat16": (6e-2, 6e-2)}
+# ONNX element types of the narrow floats a model may compute in behind float32 inputs and outputs (a model made
+# float16 with keep_io_types, onnxconverter-common's and onnxruntime.transformers' float16 conversion)
+_NARROW = {10: "float16", 16: "bfloat16"}
 _SMALL_VOCAB = 2  # index range for int inputs whose embedding table cannot be found
 _PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
 
@@ -85,6 +88,9 @@ class ModelInfo:
     outputs: tuple[str, ...]
     vocab: tuple[tuple[str, int], ...]  # int input -> rows of the embedding table it indexes
     custom_nodes: int                   # nodes in the ai.dietcode domain
+    # the narrowest float the graph holds or casts to ("float16", "bfloat16"; "" for none): the agreement check
+    # allows that dtype's error on every float output (a float16 model with float32 inputs and outputs)
+    computes_in: str = ""
 
     @property
     def symbols(self) -> list[str]:
@@ -276,7 +282,17 @@ def model_info(model: Any) -> ModelInfo:
     vocab = tuple((s.name, v) for s in inputs if s.dtype.startswith("int")
                   for v in [_find_vocab(graph, s.name, inits)] if v)
     custom = sum(1 for n in graph.node if n.domain == "ai.dietcode")
-    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, custom)
+    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, custom, _computes_in(graph))
+
+
+def _computes_in(graph: Any) -> str:
+    """The narrowest float of the main graph's weights, values and Casts (``_NARROW``), "" when none is."""
+    types = {t.data_type for t in graph.initializer}
+    types |= {v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types |= {a.i for n in graph.node if n.op_type == "Cast" and n.domain in ("", "ai.onnx")
+              for a in n.attribute if a.name == "to"}
+    narrow = [_NARROW[t] for t in sorted(types) if t in _NARROW]
+    return max(narrow, key=lambda name: TOLERANCES[name], default="")
 
 
 def check_compatible(stock: ModelInfo, optimized: ModelInfo) -> None:
@@ -324,15 +340,21 @@ def make_feeds(info: ModelInfo, shape: Mapping[str, int], seed: int) -> dict[str
 
 
 def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
-                    candidate: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Max abs error per output; raises DietcodeError when any output is outside its dtype's tolerance."""
+                    candidate: Mapping[str, np.ndarray], computes_in: str = "") -> dict[str, float]:
+    """Max abs error per output; raises DietcodeError when any output is outside its dtype's tolerance, or for a
+    float output of a model that computes in a narrower float (``computes_in``, ``ModelInfo.computes_in``), that
+    float's: the two models round differently where the optimized one fuses an epilogue the original rounds
+    between nodes."""
     errors = {}
     for name, ref in reference.items():
         got = candidate[name]
         if got.shape != ref.shape or got.dtype != ref.dtype:
             raise DietcodeError(f"shape {shape_label}: output {name!r} is {got.dtype}{list(got.shape)} in "
                                 f"the optimized model, {ref.dtype}{list(ref.shape)} in the original")
-        rtol, atol = TOLERANCES.get(ref.dtype.name, (0.0, 0.0))
+        kind = ref.dtype.name
+        if ref.dtype.kind in "fc" and TOLERANCES.get(computes_in, (0.0, 0.0)) > TOLERANCES.get(kind, (0.0, 0.0)):
+            kind = computes_in
+        rtol, atol = TOLERANCES.get(kind, (0.0, 0.0))
         if ref.dtype.kind in "fc":
             diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
             bad = ~np.isclose(got, ref, rtol=rtol, atol=atol, equal_nan=True)
@@ -343,7 +365,7 @@ def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
         if bad.any():
             raise DietcodeError(f"optimized model disagrees with the original at shape {shape_label}: output "
                                 f"{name!r} max abs error {err:.4g} at {int(bad.sum())} of {bad.size} "
-                                f"elements (tolerance for {ref.dtype.name}: rtol={rtol:g}, atol={atol:g})")
+                                f"elements (tolerance for {kind}: rtol={rtol:g}, atol={atol:g})")
         errors[name] = err
     return errors
 
@@ -445,9 +467,10 @@ def _timed(clock: Callable[[], float], call: Prepared) -> float:
 
 def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]],
             feeds_for: Callable[[Mapping[str, int]], Mapping[str, np.ndarray]], *, repeat: int, warmup: int,
-            warm_shape: Mapping[str, int] | None = None,
+            warm_shape: Mapping[str, int] | None = None, computes_in: str = "",
             clock: Callable[[], float] = time.perf_counter) -> list[ShapeResult]:
-    """Warm up, then first call + agreement check for every shape, then interleaved steady state."""
+    """Warm up, then first call + agreement check for every shape (``check_agreement``, ``computes_in``), then
+    interleaved steady state."""
     runners = {"stock": stock, "optimized": optimized}
     skip_first = None  # index of a swept shape that had to serve as the warm-up (first call not fresh)
     try:
@@ -475,7 +498,8 @@ def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]
                     _guarded("stock", shape, calls["stock"].run)
                 raise
         first.append({w: None if i == skip_first else times[w] for w in runners})
-        errors.append(check_agreement(_label(shape), calls["stock"].outputs(), calls["optimized"].outputs()))
+        errors.append(check_agreement(_label(shape), calls["stock"].outputs(), calls["optimized"].outputs(),
+                                      computes_in))
     results = []
     for shape, fc, err in zip(shapes, first, errors):
         feeds = feeds_for(shape)
@@ -529,10 +553,12 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
     optimized = OrtRunner(options.optimized, options.provider,
                           (register or _library_register()) if with_library else None)
     results = measure(stock, optimized, shapes, lambda s: make_feeds(stock_info, s, options.seed),
-                      repeat=options.repeat, warmup=options.warmup, warm_shape=warm, clock=clock)
+                      repeat=options.repeat, warmup=options.warmup, warm_shape=warm,
+                      computes_in=stock_info.computes_in, clock=clock)
     settings = {"model": str(options.model), "optimized": str(options.optimized), "repeat": options.repeat,
                 "warmup": options.warmup, "seed": options.seed, "dims": list(options.dims),
                 "ties": list(options.ties), "warmup_shape": warm, "tolerances": TOLERANCES,
+                "computes_in": stock_info.computes_in or None,
                 "interleaving": "ABBA", "speedup": "median of per-iteration stock/optimized ratios",
                 "intra_op_spinning": False, "library_registered": with_library}
     return BenchReport(environment(options.provider, options.command), settings, tuple(results),

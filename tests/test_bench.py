@@ -140,6 +140,29 @@ def test_agreement_tolerance_depends_on_dtype() -> None:
         bench.check_agreement("s", {"y": ref}, {"y": ref[:8]})
 
 
+def test_agreement_tolerance_follows_a_narrower_compute_dtype(tmp_path: Path) -> None:
+    """A float16 model with float32 inputs and outputs (keep_io_types conversion: Casts around a float16 graph)
+    is checked at float16's tolerance on its float32 outputs: fused epilogues round once where the original
+    rounds after every node. Integer outputs stay exact; a plain float32 model keeps float32's tolerance."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    plain = _mlp(tmp_path / "m.onnx")
+    converted = tmp_path / "c.onnx"
+    onnx.save(convert_float_to_float16(onnx.load(str(plain)), keep_io_types=True), str(converted))
+    info = bench.load_model_info(converted)
+    assert [s.dtype for s in info.inputs] == ["float32"] and info.computes_in == "float16"
+    assert bench.load_model_info(plain).computes_in == ""
+    ref = np.linspace(-1, 1, 16, dtype=np.float32)
+    bench.check_agreement("s", {"y": ref}, {"y": ref + 1e-2}, computes_in="float16")
+    with pytest.raises(DietcodeError, match=r"tolerance for float16: rtol=0.02"):
+        bench.check_agreement("s", {"y": ref}, {"y": ref + 0.1}, computes_in="float16")
+    with pytest.raises(DietcodeError, match=r"tolerance for float32"):
+        bench.check_agreement("s", {"y": ref}, {"y": ref + 1e-2}, computes_in="")
+    ids = np.arange(4)
+    with pytest.raises(DietcodeError, match=r"tolerance for int64"):
+        bench.check_agreement("s", {"i": ids}, {"i": ids + 1}, computes_in="float16")
+
+
 def test_fp16_model_gets_fp16_inputs(tmp_path: Path) -> None:
     model = _mlp(tmp_path / "h.onnx", dtype=TensorProto.FLOAT16)
     info = bench.load_model_info(model)
