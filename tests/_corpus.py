@@ -426,16 +426,19 @@ def export_torchscript(model: TorchModel, path: Path, dim_names: dict[str, str] 
                           opset_version=opset, keep_initializers_as_inputs=inits_as_inputs)
 
 
-def export_dynamo(model: TorchModel, path: Path) -> None:
+def export_dynamo(model: TorchModel, path: Path, opset: int | None = None) -> None:
     """``torch.onnx.export(..., dynamo=True, dynamic_shapes=...)`` with ``Dim.DYNAMIC``: torch names the
-    dims itself (``s0``-style)."""
+    dims itself (``s0``-style); at torch's default opset unless ``opset`` is given (from 23 torch writes
+    scaled_dot_product_attention as ONNX's Attention op, LLaMA's RMSNorm and rotary embedding as
+    RMSNormalization and RotaryEmbedding)."""
     import torch
     from torch.export import Dim
 
     shapes = tuple({a: Dim.DYNAMIC for a in model.axes[n]} for n in model.inputs)
     with torch.no_grad():
         program = torch.onnx.export(model.module, model.example, dynamo=True, input_names=list(model.inputs),
-                                    output_names=[model.output], dynamic_shapes=(shapes,), verbose=False)
+                                    output_names=[model.output], dynamic_shapes=(shapes,), verbose=False,
+                                    opset_version=opset)
     program.save(str(path))
 
 
@@ -627,13 +630,14 @@ class Case:
 
     name: str
     model: str  # a MODEL_BUILDERS key, "bert-ort-optimizer", or an onnx node test name
-    exporter: str  # "torchscript" | "dynamo" | "onnxruntime.transformers.optimizer" | "onnx node test"
+    # "torchscript" | "dynamo" | "onnxruntime.transformers.optimizer" | "onnx node test" | FLOAT16_CONVERTED
+    exporter: str
     dtype: str = "float32"
     tuned: dict[str, str] = field(default_factory=dict)  # role -> --dim SPEC
     probes: tuple[dict[str, int], ...] = ()  # shapes run after optimize, inside and outside ``tuned``
     left_alone: tuple[str, ...] = ()  # the expected refusal reasons (substrings); each must occur
     unsupported: str | None = None  # the export itself fails: why (the combination is skipped)
-    opset: int | None = None  # TorchScript: the opset asked for (None: torch's default, 20 at 2.13)
+    opset: int | None = None  # the opset asked for (None: torch's default, 20 at 2.13)
     dim_names: dict[str, str] = field(default_factory=dict)  # TorchScript: role -> dim name, if not the role
     inits_as_inputs: bool = False  # TorchScript: keep_initializers_as_inputs=True
 
@@ -655,6 +659,11 @@ def _exports(name: str, dtype: str = "float32", tuned=TEXT_TUNED, probes=TEXT_PR
         cases.append(Case(f"{name}{suffix}-dynamo", name, "dynamo", dtype, tuned, probes, left_alone,
                           dy_unsupported))
     return cases
+
+
+# a float32 TorchScript export made float16 by onnxruntime's converter (the one onnxconverter-common ships too)
+# with keep_io_types=True: float32 inputs and outputs, Casts around a float16 graph
+FLOAT16_CONVERTED = "torchscript, then onnxruntime.transformers.float16 (keep_io_types)"
 
 
 CASES: tuple[Case, ...] = tuple(
@@ -682,6 +691,13 @@ CASES: tuple[Case, ...] = tuple(
             opset=17, dim_names={"batch": "batch_size", "sequence": "sequence_length"}, inits_as_inputs=True)]
     + [Case("bert-ort-optimizer", "bert-ort-optimizer", "onnxruntime.transformers.optimizer",
             tuned={"batch": "1,2", "sequence": "4:16:4"}, probes=TEXT_PROBES)]
+    # opset 23: ONNX's own Attention (and LLaMA's RMSNormalization, RotaryEmbedding) in place of the MatMul chains;
+    # onnxruntime 1.31's RotaryEmbedding refuses torch's export at a batch above 1, so LLaMA is probed at batch 1
+    + [Case("bert-opset23-dynamo", "bert", "dynamo", tuned=TEXT_TUNED, probes=TEXT_PROBES, opset=23),
+       Case("llama-opset23-dynamo", "llama", "dynamo", tuned=TEXT_TUNED, opset=23,
+            probes=tuple(p for p in TEXT_PROBES if p["batch"] == 1) + ({"batch": 1, "sequence": 11},))]
+    + [Case("gpt2-fp16-converted", "gpt2", FLOAT16_CONVERTED, "float16", TEXT_TUNED, TEXT_PROBES),
+       Case("resnet18-fp16-converted", "resnet18", FLOAT16_CONVERTED, "float16", IMAGE_TUNED, IMAGE_PROBES)]
     + [Case(name, name, "onnx node test", left_alone=(reason,) if reason else ())
        for name, reason in NODE_TESTS.items()]
 )
@@ -704,11 +720,18 @@ def build_case(case: Case, folder: Path) -> Built:
         model = ort_optimized_bert(path)
         rename = {"batch": "batch_size", "sequence": "sequence_length"}
         return Built(path, {r: (rename[r],) for r in ("batch", "sequence")}, dict(model.kinds))
+    if case.exporter == FLOAT16_CONVERTED:
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        model = MODEL_BUILDERS[case.model]("float32")
+        export_torchscript(model, path)
+        onnx.save(convert_float_to_float16(onnx.load(str(path)), keep_io_types=True), str(path))
+        return Built(path, role_dims(path, model.axes), dict(model.kinds))
     model = MODEL_BUILDERS[case.model](case.dtype)
     if case.exporter == "torchscript":
         export_torchscript(model, path, case.dim_names, case.opset, case.inits_as_inputs)
     else:
-        export_dynamo(model, path)
+        export_dynamo(model, path, case.opset)
     return Built(path, role_dims(path, model.axes), dict(model.kinds))
 
 

@@ -477,3 +477,39 @@ def test_failed_shape_inference_leaves_no_file_behind(tmp_path, monkeypatch):
         assert "shape inference" in str(exc)
     assert list(work.iterdir()) == [] and sorted(p.name for p in path.parent.iterdir()) == ["m.onnx"]
     assert Path.cwd() == work
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_onnx_attention_op_is_inferred_as_onnx_defines_it(rank):
+    """ONNX's own Attention (opset 23), which onnxruntime's SymbolicShapeInference reads as com.microsoft's
+    (an AssertionError): Y and present_key/value get the opset's shapes, with the past added to the sequence, so
+    the MatMul after it is a workload over the model's dims. 3-D inputs: grouped-query heads (2 of Q, 1 of K/V)."""
+    e, d = 32, 16
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", e])
+    past = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 1, "past", d]) for n in ("pk", "pv")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_k", "present_v")]
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("MatMul", ["x", "wk"], ["k"]),
+             helper.make_node("MatMul", ["x", "wv"], ["v"])]
+    attrs = {"q_num_heads": 2, "kv_num_heads": 1}
+    if rank == 4:  # [batch, heads, seq, head_dim]
+        nodes += [helper.make_node("Reshape", [n, f"s{h}"], [f"{n}r"]) for n, h in (("q", 2), ("k", 1), ("v", 1))]
+        nodes += [helper.make_node("Transpose", [f"{n}r"], [f"{n}t"], perm=[0, 2, 1, 3]) for n in "qkv"]
+        qkv, attrs = ["qt", "kt", "vt"], {}
+        tail = [helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1, 3]),
+                helper.make_node("Reshape", ["at", "s0"], ["a3"])]
+    else:
+        qkv, tail = ["q", "k", "v"], [helper.make_node("Identity", ["a"], ["a3"])]
+    nodes += [helper.make_node("Attention", [*qkv, "", "pk", "pv"], ["a", "present_k", "present_v"], **attrs)]
+    nodes += tail + [helper.make_node("MatMul", ["a3", "wo"], ["y"])]
+    shapes = [numpy_helper.from_array(np.array(s, np.int64), f"s{h}") for h, s in
+              ((0, [0, 0, e]), (1, [0, 0, 1, d]), (2, [0, 0, 2, d]))]
+    inits = [_w("wq", (e, e)), _w("wk", (e, d)), _w("wv", (e, d)), _w("wo", (e, e)), *shapes]
+    model = _model(nodes, [x, *past], outs, inits, opset=23)
+    result = scan_model(model)
+    assert result.symbols == ("batch", "past", "seq")
+    assert {n: (w.m, w.n, w.k) for w in result.workloads for n in w.nodes}["y"] == ("batch*seq", str(e), str(e))
+    inferred = scan_mod._infer(model)
+    dims = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in (*inferred.graph.value_info, *inferred.graph.output)}
+    assert dims["present_k"] == dims["present_v"] == ["batch", 1, "past + seq", d]
+    assert dims["a"] == (["batch", 2, "seq", d] if rank == 4 else ["batch", "seq", e])

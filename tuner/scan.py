@@ -8,11 +8,9 @@ match-or-refuse rules do: a refusal is data that ``scan`` shows, not an exceptio
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import os
-import tempfile
-import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,22 +242,67 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
     node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
-_INFER_LOCK = threading.Lock()
+@functools.cache
+def _symbolic_shape_inference() -> type:
+    """onnxruntime's SymbolicShapeInference, with ONNX's own Attention (opset 23, torch's dynamo exporter writes it
+    for scaled_dot_product_attention from ``opset_version=23``): the tool picks its handlers by op type alone and
+    reads that node as com.microsoft's Attention (an AssertionError on a bias shape it does not have)."""
+    import sympy
+    from onnx import helper
+    from onnxruntime.tools.symbolic_shape_infer import (SymbolicShapeInference, get_attribute,
+                                                        get_shape_from_sympy_shape)
+
+    class Inference(SymbolicShapeInference):  # type: ignore[misc]
+        def _infer_Attention(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            if node.domain not in ("", "ai.onnx"):
+                super()._infer_Attention(node)
+                return
+            # Q [batch, q_heads, q_seq, head] or [batch, q_seq, q_heads * head]; K and V alike with kv_heads
+            q, k, v = (self._get_sympy_shape(node, i) for i in range(3))
+            if len(q) == 4 and len(k) == 4 and len(v) == 4:
+                batch, q_heads, q_seq = q[:3]
+                kv_heads, kv_seq, k_head, v_head = k[1], k[2], k[3], v[3]
+                y = [batch, q_heads, q_seq, v_head]
+            elif len(q) == 3 and len(k) == 3 and len(v) == 3:
+                q_heads, kv_heads = get_attribute(node, "q_num_heads"), get_attribute(node, "kv_num_heads")
+                if not q_heads or not kv_heads:
+                    raise ValueError(f"Attention {node.name!r}: 3-D inputs need q_num_heads and kv_num_heads")
+                batch, q_seq, kv_seq = q[0], q[1], k[1]
+                k_head, v_head = k[2] // sympy.Integer(kv_heads), v[2] // sympy.Integer(kv_heads)
+                y = [batch, q_seq, v_head * q_heads]
+            else:
+                raise ValueError(f"Attention {node.name!r}: Q, K and V of ranks {len(q)}, {len(k)}, {len(v)}")
+            past = node.input[4] if len(node.input) > 4 else ""
+            total = kv_seq + self._get_sympy_shape(node, 4)[2] if past else kv_seq
+            dtype = self.known_vi_[node.input[0]].type.tensor_type.elem_type
+            shapes = [y, [batch, kv_heads, total, k_head], [batch, kv_heads, total, v_head],
+                      [batch, q_heads, q_seq, total]]  # Y, present_key, present_value, qk_matmul_output
+            for out, shape in zip(node.output, shapes):
+                if out:
+                    self._update_computed_dims(shape)
+                    self.known_vi_[out].CopyFrom(helper.make_tensor_value_info(
+                        out, dtype, get_shape_from_sympy_shape(shape)))
+
+    return Inference
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """SymbolicShapeInference, run in a scratch folder: when it cannot finish it saves its partial model
-    (``sym_shape_infer_temp.onnx`` and a data file) into the current folder, which is the user's."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    """SymbolicShapeInference (``_symbolic_shape_inference``) driven as its ``infer_shapes`` drives it, except
+    that a model it cannot finish is an error here, never a partial model saved into the current folder (which
+    ``infer_shapes`` does: ``sym_shape_infer_temp.onnx``)."""
+    from onnxruntime.tools.symbolic_shape_infer import get_opset
 
+    opset = get_opset(model)
+    if not opset or opset < 7:
+        raise DietcodeError(f"the model imports ONNX opset {opset}: symbolic shape inference needs 7 or newer")
     try:
-        with _INFER_LOCK, tempfile.TemporaryDirectory(prefix="dietcode-infer-") as scratch:
-            cwd = os.getcwd()
-            os.chdir(scratch)
-            try:
-                inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
-            finally:
-                os.chdir(cwd)
+        inference = _symbolic_shape_inference()(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess, verbose
+        complete = False
+        inference._preprocess(model)
+        while inference.run_:
+            complete = inference._infer_impl()
+        inference._update_output_from_vi()
+        inferred = inference.out_mp_ if complete else None
     except Exception as exc:
         inits = {t.name for t in model.graph.initializer}
         shapeless = [vi.name for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")
