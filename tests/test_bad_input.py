@@ -182,11 +182,16 @@ def test_shapes_with_an_empty_output_are_left_out(work, capsys):
     assert main([*args, "--dim", "h=1:6"]) == 0, capsys.readouterr().err
     assert "left out 2 of 6 shapes" in capsys.readouterr().err
     assert onnx.load(str(out)).graph.node[0].domain == "ai.dietcode"
+    # a dim may be 0 (a KV-cache decoder's empty past): the shapes it empties are left out the same way
+    assert main(["scan", str(model), "--dim", "n=0,2", "--dim", "h=5", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [i["values"] for i in json.loads(captured.out)["workloads"][0]["instances"]] == [{"h": 5, "n": 2}]
+    assert "left out 1 of 2 shapes" in captured.err and "M = 0 at h=5, n=0" in captured.err, captured.err
 
 
 # --- --dim specs --------------------------------------------------------------------------------------
 
-DIMS = {"n=0:4": "positive", "n=-3": "positive", "n=1000000000": "at most", "n=9:3": "inverted",
+DIMS = {"n=-1:4": "0 or more", "n=-3": "0 or more", "n=1000000000": "at most", "n=9:3": "inverted",
         "seq=1:4": "its symbols are: n", "n=1@inf": "finite", "n=1@1e300": "at most", "n=4@true": "not a number", "n=true": "not an integer"}
 
 

@@ -265,7 +265,8 @@ def test_instances_from_shape_log(tmp_path):
     ("seq=", "expected NAME=SPEC"),
     ("seq=1:x", "not an integer"),
     ("seq=1,,2", "empty item"),
-    ("seq=0:4", "positive"),
+    ("seq=-1:4", "must be 0 or more"),
+    ("seq=-2", "must be 0 or more"),
     ("seq=1:8:0", "step must be positive"),
     ("seq=4@-1", "weights must be positive"),
 ])

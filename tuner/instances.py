@@ -52,8 +52,10 @@ def _int(text: str, option: str) -> int:
 
 
 def _check_value(value: int, option: str) -> int:
-    if value <= 0:
-        raise DietcodeError(f"--dim {option!r}: dims must be positive, got {value}")
+    """A dim's value: 0 is one (a KV-cache decoder's empty past at the first step); a workload whose product it
+    empties leaves that shape out (``tuner.scan``'s ``_nonempty``)."""
+    if value < 0:
+        raise DietcodeError(f"--dim {option!r}: dims must be 0 or more, got {value}")
     if value > MAX_DIM:
         raise DietcodeError(f"--dim {option!r}: dims must be at most {MAX_DIM}, got {value}")
     return value
