@@ -1159,7 +1159,8 @@ class Prepared(NamedTuple):
 
 def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     """The graph pre-passes ``scan`` and ``optimize`` run first, in place: small nodes of constants evaluated
-    (tuner/const_fold.py), matrix-product Einsums as MatMuls (tuner/einsum.py), a BatchNormalization and
+    (tuner/const_fold.py), matrix-product Einsums as MatMuls (tuner/einsum.py), a zero Pad before a Conv folded
+    into its pads (tuner/conv_pad.py, as ORT's PadFusion does at load), a BatchNormalization and
     per-channel Mul / Add after a Conv, Gemm or MatMul folded into it (tuner/affine.py, with a weight's Transpose
     made a constant and a Gemm's alpha and beta folded; the weights it changes are read from ``base_dir`` where
     they are external) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
@@ -1167,14 +1168,17 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     from tuner.affine import fold_affines
     from tuner.const_fold import fold_constants
     from tuner.conv1d import convs_as_2d
+    from tuner.conv_pad import fold_pads
     from tuner.einsum import einsums_as_matmuls
 
     model, constants = fold_constants(model, copy=False)
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
+    model, pads = fold_pads(model, copy=False)
     model, affine = fold_affines(model, copy=False, base_dir=base_dir)
     model, convs = convs_as_2d(model, copy=False)
     counts = ((len(constants.folded), "constant node(s) evaluated, as ORT folds them at load"),
               (len(einsums.converted), "Einsum(s) written as MatMul"),
+              (len(pads.folded), "zero Pad(s) folded into the Conv after them, as ORT folds them at load"),
               (len(affine.transposed), "weight Transpose(s) made constants"),
               (len(affine.scaled), "Gemm alpha/beta folded into B and C"),
               (len(affine.folded), "BatchNormalization / per-channel Mul, Div, Add, Sub folded into the Conv, Gemm "
