@@ -67,9 +67,10 @@ def test_tiny_bert_attention_is_fused_and_stock_ort_runs_the_fallback(dtype: str
         np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))  # the same nodes run
 
 
-def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, extra_output: str | None = None,
-           d: int = 8, nan_to_zero: bool = False) -> onnx.ModelProto:
-    """Q, Kt, V graph inputs ([z, T, d] and [z, d, T]), the chain written out, optional mask [z|1, 1, T]."""
+def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int | None = -1, extra_output: str | None = None,
+           d: int = 8, nan_to_zero: bool = False, opset: int = 17) -> onnx.ModelProto:
+    """Q, Kt, V graph inputs ([z, T, d] and [z, d, T]), the chain written out, optional mask [z|1, 1, T]; the
+    Softmax's ``axis`` (None: no attribute, the opset's default)."""
     nodes = [helper.make_node("MatMul", ["Q", "Kt"], ["s"])]
     x = "s"
     inits = []
@@ -84,7 +85,7 @@ def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, e
         inputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["z", 1, "T"]))
         nodes.append(helper.make_node("Add", ["mask", x], ["s2"]))
         x = "s2"
-    nodes.append(helper.make_node("Softmax", [x], ["p"], axis=axis))
+    nodes.append(helper.make_node("Softmax", [x], ["p"], **({} if axis is None else {"axis": axis})))
     if nan_to_zero:  # torch's scaled_dot_product_attention export
         inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
         nodes += [helper.make_node("IsNaN", ["p"], ["nan"]), helper.make_node("Where", ["nan", "zero", "p"], ["p0"])]
@@ -95,7 +96,7 @@ def _chain(*, scale_op: str | None = "Div", mask: bool = True, axis: int = -1, e
     if extra_output:
         outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, ["z", "T", "T"]))
     graph = helper.make_graph(nodes, "chain", inputs, outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def _chain_feeds(mask: bool = True) -> dict[str, np.ndarray]:
@@ -120,6 +121,17 @@ def test_chain_variants_fuse(scale_op: str | None, mask: bool, scale: float) -> 
     np.testing.assert_array_equal(_run(fused, feeds), _run(model, feeds))
 
 
+@pytest.mark.parametrize("axis, opset", [(None, 17), (2, 17), (2, 11)])
+def test_softmax_over_the_last_axis_in_any_spelling_fuses(axis: int | None, opset: int) -> None:
+    """tf2onnx writes Keras's attention Softmax without an axis (the default, -1 from opset 13) or with the last
+    axis counted from the front; at opset 11 an explicit rank - 1 is the last axis too."""
+    model = _chain(axis=axis, opset=opset)
+    (site,) = find_attention(model).sites
+    fused, _ = fuse_attention(model)
+    assert [n.op_type for n in fused.graph.node] == [OP_TYPE]
+    np.testing.assert_array_equal(_run(fused, _chain_feeds()), _run(model, _chain_feeds()))
+
+
 def test_distinct_bodies_get_overloads() -> None:
     a = _chain(scale_op="Div")
     b = _chain(scale_op="Mul", mask=False)
@@ -138,6 +150,7 @@ def test_distinct_bodies_get_overloads() -> None:
     (_chain(extra_output="s1"), "graph output"),
     (_chain(extra_output="p"), "graph output"),
     (_chain(axis=1), "axis=-1"),
+    (_chain(axis=None, opset=11), "axis=-1"),  # before opset 13 the default is 1: rows flattened from axis 1
     (_chain(d=0), "head dim"),
 ])
 def test_chains_that_must_stay(model: onnx.ModelProto, reason: str) -> None:

@@ -514,3 +514,21 @@ def test_onnx_attention_op_is_inferred_as_onnx_defines_it(rank):
             for vi in (*inferred.graph.value_info, *inferred.graph.output)}
     assert dims["present_k"] == dims["present_v"] == ["batch", 1, "past + seq", d]
     assert dims["a"] == (["batch", 2, "seq", d] if rank == 4 else ["batch", "seq", e])
+
+
+@pytest.mark.parametrize("axes", [None, [0]])
+def test_reshape_to_a_reduce_prod_of_its_dims_keeps_them_symbolic(axes):
+    """tf2onnx's Einsum flattens with ``Reshape(x, Concat(ReduceProd(Gather(Shape(x), [0, 1]), keepdims=1), [K]))``;
+    the product of the gathered dims is batch*seq, so the MatMul after it is a workload over them (onnxruntime's
+    SymbolicShapeInference alone computes only ``axes=[0], keepdims=0`` and left it data-dependent)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 16])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "lead"], ["g"]),
+             helper.make_node("ReduceProd", ["g"], ["rows"], keepdims=1, **({"axes": axes} if axes else {})),
+             helper.make_node("Concat", ["rows", "k"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["x2"]), helper.make_node("MatMul", ["x2", "w"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([0, 1], np.int64), "lead"),
+             numpy_helper.from_array(np.array([16], np.int64), "k"), _w("w", (16, 8))]
+    result = scan_model(_model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits))
+    assert not result.skipped
+    (workload,) = result.workloads
+    assert (workload.m, workload.n, workload.k) == ("batch*seq", "8", "16")

@@ -252,15 +252,17 @@ def _nan_to_zero(g: scan_mod._Graph, probs: str) -> list[onnx.NodeProto]:
     return [isnan, where]
 
 
-def _softmax_axis(node: onnx.NodeProto) -> int | None:
-    for a in node.attribute:
-        if a.name == "axis":
-            return int(a.i)
-    return None
+def _over_last_axis(node: onnx.NodeProto, opset: int, rank: int | None) -> bool:
+    """Whether a Softmax normalizes its input's last axis: its ``axis`` -1, or rank - 1 (tf2onnx writes 3 for a
+    4-D input); absent, the default, -1 from opset 13 and 1 before (then the input is flattened to 2-D at that
+    axis, which is the last axis only for a 2-D input)."""
+    axis = next((int(a.i) for a in node.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
+    return axis == -1 or (rank is not None and axis == rank - 1)
 
 
-def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int = 0) -> AttentionSite:
-    if _softmax_axis(softmax) != -1:
+def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int) -> AttentionSite:
+    shape = g.shapes.get(softmax.input[0])
+    if not _over_last_axis(softmax, opset, len(shape) if shape is not None else None):
         raise _Skip("Softmax is not over axis=-1")
     chain = [softmax]
     casts: list[onnx.NodeProto] = []

@@ -244,15 +244,31 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
 
 @functools.cache
 def _symbolic_shape_inference() -> type:
-    """onnxruntime's SymbolicShapeInference, with ONNX's own Attention (opset 23, torch's dynamo exporter writes it
-    for scaled_dot_product_attention from ``opset_version=23``): the tool picks its handlers by op type alone and
-    reads that node as com.microsoft's Attention (an AssertionError on a bias shape it does not have)."""
+    """onnxruntime's SymbolicShapeInference, with two gaps filled:
+
+    - ONNX's own Attention (opset 23, torch's dynamo exporter writes it for scaled_dot_product_attention from
+      ``opset_version=23``): the tool picks its handlers by op type alone and reads that node as com.microsoft's
+      Attention (an AssertionError on a bias shape it does not have);
+    - the product of a shape's dims by a ReduceProd over all of a 1-D shape vector, kept as a 1-element vector
+      (tf2onnx's Einsum writes ``Reshape(x, Concat(ReduceProd(Gather(Shape(x), batch axes)), ...))``): the tool
+      computes only ``axes=[0], keepdims=0``, and every shape behind such a Reshape became data-dependent."""
     import sympy
     from onnx import helper
     from onnxruntime.tools.symbolic_shape_infer import (SymbolicShapeInference, get_attribute,
-                                                        get_shape_from_sympy_shape)
+                                                        get_shape_from_sympy_shape, sympy_reduce_product)
 
     class Inference(SymbolicShapeInference):  # type: ignore[misc]
+        def _infer_ReduceProd(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            super()._infer_ReduceProd(node)
+            if node.output[0] in self.sympy_data_ or (len(node.input) > 1 and node.input[1]):
+                return
+            axes = get_attribute(node, "axes")
+            data = self._try_get_value(node, 0)
+            if (axes is not None and list(axes) not in ([0], [-1])) or not isinstance(data, list):
+                return  # the values of a 1-D shape vector (the tool keeps shapes as lists)
+            product = sympy_reduce_product(data)
+            self.sympy_data_[node.output[0]] = [product] if get_attribute(node, "keepdims", 1) else product
+
         def _infer_Attention(self, node: onnx.NodeProto) -> None:  # noqa: N802
             if node.domain not in ("", "ai.onnx"):
                 super()._infer_Attention(node)
