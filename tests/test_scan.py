@@ -326,6 +326,9 @@ def test_cli_json_and_errors(tmp_path):
     data = json.loads(ok.stdout)
     assert {"op", "nodes", "m", "n", "k", "dtype", "symbols", "instances"} <= set(data["workloads"][0])
     assert len(data["workloads"][0]["instances"]) == 2 and data["skipped"] == []
+    assert data["symbol_axes"] == {"batch": ["x[0]"], "seq": ["x[1]"]}
+    table = _cli("scan", str(path))  # the table says where each symbol sits, for names like s33 or unk__793
+    assert table.returncode == 0 and "symbols: batch = x[0]; seq = x[1]" in table.stdout, table.stdout
     for args, message in [((str(tmp_path / "nope.onnx"),), "model file not found"),
                           ((str(path), "--dim", "seq=5:1"), "inverted"),
                           ((str(path), "--dim", "tokens=1"), "its symbols are: batch, seq")]:
@@ -532,3 +535,11 @@ def test_reshape_to_a_reduce_prod_of_its_dims_keeps_them_symbolic(axes):
     assert not result.skipped
     (workload,) = result.workloads
     assert (workload.m, workload.n, workload.k) == ("batch*seq", "8", "16")
+
+
+def test_symbol_axes_name_every_input_axis_of_a_symbol():
+    """The dynamo exporter names the same batch twice (s33 for input_ids, s6 for attention_mask) and the
+    sequence once for both: each symbol lists the input axes it sits on."""
+    dims = {"input_ids": ("s33", "s50"), "attention_mask": ("s6", "s50"), "pixels": (1, 3, None, "")}
+    assert scan_mod.symbol_axes(dims) == {"s33": ["input_ids[0]"], "s50": ["input_ids[1]", "attention_mask[1]"],
+                                          "s6": ["attention_mask[0]"]}

@@ -29,7 +29,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "scan_model", "scan", "attach_instances",
+__all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes", "scan_model", "scan", "attach_instances",
            "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -93,6 +93,17 @@ def model_symbols(model: onnx.ModelProto) -> dict[str, tuple[str | int | None, .
         out[vi.name] = tuple(d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None
                              for d in vi.type.tensor_type.shape.dim)
     return out
+
+
+def symbol_axes(input_dims: dict[str, tuple[str | int | None, ...]]) -> dict[str, list[str]]:
+    """Where each symbol of ``model_symbols``' answer sits: ``{"s33": ["input_ids[0]"], ...}``, sorted by symbol
+    (an exporter's names, ``s33`` or ``unk__793``, say nothing of which dim is the batch)."""
+    axes: dict[str, list[str]] = {}
+    for name, dims in input_dims.items():
+        for i, d in enumerate(dims):
+            if isinstance(d, str) and d:
+                axes.setdefault(d, []).append(f"{name}[{i}]")
+    return dict(sorted(axes.items()))
 
 
 def _names(input_dims: dict[str, tuple[str | int | None, ...]]) -> tuple[str, ...]:
@@ -1229,7 +1240,8 @@ def to_json(result: ScanResult) -> dict:
                 "dilations": list(w.conv.dilations), "groups": w.conv.groups, "input": list(w.conv_input or ())},
             "instances": [{"values": i.as_dict(), "weight": i.weight} for i in w.instances],
         }
-    return {"symbols": list(result.symbols), "workloads": [workload(w) for w in result.workloads],
+    return {"symbols": list(result.symbols), "symbol_axes": symbol_axes(result.input_dims),
+            "workloads": [workload(w) for w in result.workloads],
             "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped],
             "unfused": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.unfused],
             "prepared": list(result.prepared)}
@@ -1260,6 +1272,8 @@ def _print_table(result: ScanResult) -> None:
                  str(len(w.instances)) if w.instances else "-")
         table.add_row(*(Text(c) for c in cells))  # names come from the model: never read as markup
     console.print(table)
+    console.print(Text("symbols: " + "; ".join(f"{sym} = {', '.join(where)}"
+                                                for sym, where in symbol_axes(result.input_dims).items())))
     if result.prepared:
         console.print(Text("graph pre-passes: " + "; ".join(result.prepared)))
     _print_rows(console, "nodes left as they are", ("node", "op", "reason"),
