@@ -284,7 +284,9 @@ def _match(g: scan_mod._Graph, softmax: onnx.NodeProto, opset: int) -> Attention
         probs = reader.output[0]
     second = _only_reader(g, probs, "Softmax output")
     if not _is(second, "MatMul") or second.input[0] != probs:
-        raise _Skip("the Softmax output is not the first operand of a MatMul")
+        raise _Skip(f"the Softmax output is not the first operand of a MatMul: {second.op_type} reads it"
+                    + (" (a view of the probabilities, as tf2onnx writes an Einsum, is not followed)"
+                       if _is(second, "Reshape", "Squeeze", "Unsqueeze") else ""))
     x = softmax.input[0]
     mask = None
     scale = 1.0
