@@ -35,7 +35,7 @@ from dietcode_ort.bench_report import environment, print_report, write_json, wri
 from dietcode_ort.errors import DietcodeError
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
-           "ShapeResult", "BenchReport", "parse_dims", "sweep", "warmup_shape", "make_feeds",
+           "ShapeResult", "BenchReport", "parse_dims", "sweep", "unnamed_dim", "warmup_shape", "make_feeds",
            "load_model_info", "model_info", "check_compatible", "check_agreement", "OrtRunner", "measure",
            "run_bench", "bench_command"]
 
@@ -249,6 +249,12 @@ def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int |
     return None
 
 
+def unnamed_dim(input_name: str, axis: int) -> str:
+    """The name a dynamic input dim without one goes by (skl2onnx writes such dims): ``<input>_dim<axis>``, in bench
+    as in ``scan`` and ``optimize`` (tuner.scan.prepare_graph names them so)."""
+    return f"{input_name}_dim{axis}"
+
+
 def load_model_info(path: Path) -> ModelInfo:
     """Inputs, outputs, embedding sizes and custom-node count, read without external weights."""
     import onnx
@@ -276,7 +282,7 @@ def model_info(model: Any) -> ModelInfo:
             continue
         tensor = value.type.tensor_type
         dtype = np.dtype(tensor_dtype_to_np_dtype(tensor.elem_type)).name
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or f"{value.name}_dim{i}")
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or unnamed_dim(value.name, i))
                      for i, d in enumerate(tensor.shape.dim))
         inputs.append(InputSpec(value.name, dtype, dims))
     vocab = tuple((s.name, v) for s in inputs if s.dtype.startswith("int")
@@ -339,15 +345,34 @@ def make_feeds(info: ModelInfo, shape: Mapping[str, int], seed: int) -> dict[str
     return feeds
 
 
-def check_agreement(shape_label: str, reference: Mapping[str, np.ndarray],
-                    candidate: Mapping[str, np.ndarray], computes_in: str = "") -> dict[str, float]:
+def _as_array(value: Any) -> tuple[str, np.ndarray]:
+    """An output as (its structure, its values as one array): a tensor as itself; a sequence or map (skl2onnx's
+    ZipMap writes a list of {label: probability}) as its items in order, keys included in the structure."""
+    if isinstance(value, np.ndarray):
+        return "", value
+    if isinstance(value, dict):
+        items = [(repr(k), *_as_array(value[k])) for k in sorted(value)]
+    elif isinstance(value, (list, tuple)):
+        items = [("", *_as_array(v)) for v in value]
+    else:
+        return "", np.asarray(value)
+    structure = "[" + ",".join(f"{k}:{s}{a.dtype}{list(a.shape)}" for k, s, a in items) + "]"
+    arrays = [a.reshape(-1) for _, _, a in items]
+    return structure, (np.concatenate(arrays) if arrays else np.zeros(0, np.float32))
+
+
+def check_agreement(shape_label: str, reference: Mapping[str, Any],
+                    candidate: Mapping[str, Any], computes_in: str = "") -> dict[str, float]:
     """Max abs error per output; raises DietcodeError when any output is outside its dtype's tolerance, or for a
     float output of a model that computes in a narrower float (``computes_in``, ``ModelInfo.computes_in``), that
     float's: the two models round differently where the optimized one fuses an epilogue the original rounds
-    between nodes."""
+    between nodes. A sequence or map output is compared item by item (``_as_array``)."""
     errors = {}
-    for name, ref in reference.items():
-        got = candidate[name]
+    for name, ref_value in reference.items():
+        (ref_structure, ref), (structure, got) = _as_array(ref_value), _as_array(candidate[name])
+        if structure != ref_structure:
+            raise DietcodeError(f"shape {shape_label}: output {name!r} has another structure in the optimized "
+                                f"model than in the original (its sequence or map items)")
         if got.shape != ref.shape or got.dtype != ref.dtype:
             raise DietcodeError(f"shape {shape_label}: output {name!r} is {got.dtype}{list(got.shape)} in "
                                 f"the optimized model, {ref.dtype}{list(ref.shape)} in the original")
@@ -433,7 +458,11 @@ class OrtRunner:
         self.device = "cuda" if provider == "cuda" else "cpu"
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Prepared:
-        if self.device == "cpu":
+        # an output that is no tensor (skl2onnx's ZipMap: a sequence of maps) cannot be bound on the device nor
+        # read back from a binding: such a model runs through session.run on either provider (copies included,
+        # for both models alike)
+        tensors = all(o.type.startswith("tensor(") for o in self.session.get_outputs())
+        if self.device == "cpu" or not tensors:
             return _HostCall(self.session, dict(feeds), [o.name for o in self.session.get_outputs()])
         import onnxruntime as ort
 

@@ -112,18 +112,27 @@ def test_static_model_cannot_be_optimized(work, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("model, needles", [
-    ("unnamed.onnx", ("input 'x'", "axis 0", "no name")),
-    ("negative.onnx", ("input 'x'", "axis 0", "-3")),
-])
-def test_input_dims_without_a_name_or_negative(work, capsys, model, needles):
-    """A dynamic dim without a name cannot take --dim values, and a negative dim is no shape: both are named
-    (the first was called a model without dynamic axes, the second a failed shape inference)."""
+def test_input_dims_negative_is_refused(work, capsys):
+    """A negative dim is no shape: the input and axis are named (it was called a failed shape inference)."""
     out = work / "never.onnx"
-    _refused(capsys, ["scan", str(work / model)], *needles)
-    _refused(capsys, ["optimize", str(work / model), "-o", str(out), "--measure", "analytic", "--quiet", "--db",
-                      str(work / "tuning.db")], *needles)
+    _refused(capsys, ["scan", str(work / "negative.onnx")], "input 'x'", "axis 0", "-3")
+    _refused(capsys, ["optimize", str(work / "negative.onnx"), "-o", str(out), "--measure", "analytic", "--quiet",
+                      "--db", str(work / "tuning.db")], "input 'x'", "axis 0", "-3")
     assert not out.exists()
+
+
+def test_input_dims_without_a_name_are_named_as_bench_names_them(work, capsys):
+    """A dynamic dim with neither a size nor a name (skl2onnx writes its batch so) goes by <input>_dim<axis> in
+    scan, optimize and bench alike, and scan says so (it was refused, and --dim had no name to give it)."""
+    model = str(work / "unnamed.onnx")
+    assert main(["scan", model, "--dim", "x_dim0=1,4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["symbol_axes"] == {"x_dim0": ["x[0]"]} and len(data["workloads"][0]["instances"]) == 2
+    assert any("named as bench names them (x_dim0)" in line for line in data["prepared"])
+    out = work / "unnamed.opt.onnx"
+    assert main(["optimize", model, "-o", str(out), "--dim", "x_dim0=1,4", "--measure", "analytic", "--quiet",
+                 "--db", str(work / "tuning.db")]) == 0, capsys.readouterr().err
+    assert main(["bench", model, "--optimized", str(out), "--dim", "x_dim0=2,3", "--repeat", "1"]) == 0
 
 
 def test_input_without_a_shape_is_named(work, capsys):

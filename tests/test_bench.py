@@ -163,6 +163,34 @@ def test_agreement_tolerance_follows_a_narrower_compute_dtype(tmp_path: Path) ->
         bench.check_agreement("s", {"i": ids}, {"i": ids + 1}, computes_in="float16")
 
 
+def _classifier(path: Path, scale: float = 1.0) -> Path:
+    """x [n, 4] -> MatMul -> Softmax -> ZipMap: a list of {label: probability}, as skl2onnx writes classifiers."""
+    w = numpy_helper.from_array((np.arange(12, dtype=np.float32).reshape(4, 3) / 10 * scale), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"]), helper.make_node("Softmax", ["logits"], ["p"]),
+             helper.make_node("ZipMap", ["p"], ["probs"], domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2])]
+    probs = helper.make_value_info("probs", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))))
+    graph = helper.make_graph(nodes, "clf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [probs], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return path
+
+
+def test_outputs_that_are_no_tensors_are_compared_item_by_item(tmp_path: Path) -> None:
+    """A ZipMap output (a sequence of maps) is compared per item and key; it was an internal error."""
+    model = _classifier(tmp_path / "c.onnx")
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("n=1,3",)), register=_no_register)
+    assert all(dict(r.max_abs_error)["probs"] == 0.0 for r in report.shapes)
+    with pytest.raises(DietcodeError, match=r"disagrees .* output 'probs' max abs error"):
+        bench.run_bench(_options(model, _classifier(tmp_path / "bad.onnx", scale=2.0), tmp_path, dims=("n=2",)),
+                        register=_no_register)
+    ref = [{0: np.float32(0.5), 1: np.float32(0.5)}]
+    with pytest.raises(DietcodeError, match="another structure"):
+        bench.check_agreement("s", {"probs": ref}, {"probs": [{0: np.float32(0.5), 2: np.float32(0.5)}]})
+
+
 def test_fp16_model_gets_fp16_inputs(tmp_path: Path) -> None:
     model = _mlp(tmp_path / "h.onnx", dtype=TensorProto.FLOAT16)
     info = bench.load_model_info(model)

@@ -702,6 +702,23 @@ def _check_casts(g: scan_mod._Graph, casts: list[onnx.NodeProto], q: str, v: str
     return "float32"
 
 
+def _of_two_computed_operands(g: scan_mod._Graph, x: str, limit: int = 16) -> bool:
+    """Whether ``x`` comes, through elementwise or view ops (at most ``limit`` of them, any of their computed
+    inputs followed), from a MatMul or Einsum of two computed operands (attention's Q Kt), not from a product by
+    a constant weight only (a classifier's logits)."""
+    passing = ("Cast", "Add", "Sub", "Mul", "Div", "Where", "Reshape", "Squeeze", "Unsqueeze", "Transpose")
+    todo, seen = [x], 0
+    while todo and seen < limit:
+        node = g.producers.get(todo.pop())
+        seen += 1
+        if node is not None and _is(node, "MatMul", "Einsum"):
+            if len(node.input) == 2 and not any(g.constant_source(i) is not None for i in node.input):
+                return True
+        elif node is not None and _is(node, *passing):
+            todo.extend(i for i in node.input if i and g.constant_source(i) is None)
+    return False
+
+
 def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -> AttentionScan:
     """The fusable attention chains of ``model`` (shapes from the scanner's symbolic shape inference) and,
     for every other Softmax, why its chain is not fused."""
@@ -711,8 +728,8 @@ def find_attention(model: onnx.ModelProto, base_dir: str | Path | None = None) -
     opset = default_opset(model)
     sites, skipped = [], []
     for node in model.graph.node:
-        if not _is(node, "Softmax"):
-            continue
+        if not _is(node, "Softmax") or not _of_two_computed_operands(g, node.input[0]):
+            continue  # a classifier's Softmax over logits x @ W is no attention chain: not listed either
         try:
             sites.append(_match(g, node, opset))
         except _Skip as why:

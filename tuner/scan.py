@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping, NamedTuple, Sequence
+from typing import AbstractSet, Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
@@ -1184,6 +1184,26 @@ class Prepared(NamedTuple):
     changes: tuple[str, ...]
 
 
+def _name_dynamic_dims(model: onnx.ModelProto, name: Callable[[str, int], str]) -> list[str]:
+    """Give each dynamic graph-input dim that has no name (neither size nor name: skl2onnx's batch) the name
+    ``name(input, axis)`` gives, in place, so --dim can give it values; returns the names given. A name the model
+    already uses for something else is not taken twice: such a dim stays unnamed (scan then says so)."""
+    inits = {t.name for t in model.graph.initializer}
+    taken = {d.dim_param for vi in model.graph.input if vi.type.HasField("tensor_type")
+             for d in vi.type.tensor_type.shape.dim if d.dim_param}
+    given = []
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            text = name(vi.name, axis)
+            if not d.HasField("dim_value") and not d.dim_param and text not in taken:
+                d.dim_param = text
+                taken.add(text)
+                given.append(text)
+    return given
+
+
 def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     """The graph pre-passes ``scan`` and ``optimize`` run first, in place: small nodes of constants evaluated
     (tuner/const_fold.py), matrix-product Einsums as MatMuls (tuner/einsum.py), a zero Pad before a Conv folded
@@ -1192,18 +1212,22 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     made a constant and a Gemm's alpha and beta folded; the weights it changes are read from ``base_dir`` where
     they are external) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
     alone, as skipped nodes and why."""
+    from dietcode_ort.bench import unnamed_dim
     from tuner.affine import fold_affines
     from tuner.const_fold import fold_constants
     from tuner.conv1d import convs_as_2d
     from tuner.conv_pad import fold_pads
     from tuner.einsum import einsums_as_matmuls
 
+    named = _name_dynamic_dims(model, unnamed_dim)
     model, constants = fold_constants(model, copy=False)
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
     model, pads = fold_pads(model, copy=False)
     model, affine = fold_affines(model, copy=False, base_dir=base_dir)
     model, convs = convs_as_2d(model, copy=False)
-    counts = ((len(constants.folded), "constant node(s) evaluated, as ORT folds them at load"),
+    counts = ((len(named), f"dynamic input dim(s) without a name named as bench names them ({', '.join(named[:4])}"
+                           f"{', ...' if len(named) > 4 else ''})"),
+              (len(constants.folded), "constant node(s) evaluated, as ORT folds them at load"),
               (len(einsums.converted), "Einsum(s) written as MatMul"),
               (len(pads.folded), "zero Pad(s) folded into the Conv after them, as ORT folds them at load"),
               (len(affine.transposed), "weight Transpose(s) made constants"),
