@@ -450,3 +450,17 @@ def test_scan_reports_layouts_and_the_transposes_kept(tmp_path: Path) -> None:
     assert fused["layout"] == "q=BHSD,k=BSHD,v=BSHD,out=BSHD"
     assert fused["transposes_kept"] == ["Q's Transpose 'q' kept: has perm [0, 2, 3, 1], not the head split "
                                         "[0, 2, 1, 3]"]
+
+
+def test_a_classifiers_softmax_is_no_attention_candidate() -> None:
+    """Softmax(x @ W + b) over a constant weight (a classifier's logits) is not listed at all, while a chain's
+    Softmax whose scores pass a mask Add and a scale is (here fused)."""
+    w = numpy_helper.from_array(np.ones((8, 3), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros(3, np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["l"]), helper.make_node("Add", ["l", "b"], ["lb"]),
+             helper.make_node("Softmax", ["lb"], ["p"], axis=-1)]
+    graph = helper.make_graph(nodes, "clf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["n", 3])], [w, b])
+    found = find_attention(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    assert found.sites == () and found.skipped == ()
+    assert len(find_attention(_chain(scale_op="Div", mask=True)).sites) == 1
