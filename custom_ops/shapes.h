@@ -39,11 +39,11 @@ struct OpSpec {
   std::string name;
 };
 
-// Parses "<MatMul|Gemm|Conv>[Bias][Act]", "<MatMul|Conv>[Bias][Act]Residual", "<MatMul|Conv>[Bias]Residual<Act>"
-// and "<MatMul|Conv>[Bias]<Act>Mul" with Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
+// Parses "<Op>[Bias][Act]", "<Op>[Bias][Act]Residual", "<Op>[Bias]Residual<Act>" and "<Op>[Bias]<Act>Mul" with Op
+// one of MatMul, Gemm, Conv and Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 100 op type names, in registration order: the 36 without a residual first.
+// The 132 op type names, in registration order: the 36 without a residual first.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {
