@@ -5,7 +5,9 @@ variant) of the original, run without the custom-op library (a no-op register).
 """
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -407,6 +409,8 @@ def test_suite_optimizes_for_the_benchmarked_shapes(tmp_path: Path, monkeypatch:
                                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
             _save(graph, Path(cmd[cmd.index("-o") + 1]))
     monkeypatch.setattr(rs, "_run", fake_run)
+    monkeypatch.setattr(rs.subprocess, "run", lambda cmd, **kw: (calls.append(list(cmd)),  # optimize
+                                                                  subprocess.CompletedProcess(cmd, 0, stderr=""))[1])
     out = rs.run_suite(rs.SUITES["resnet50"], "cpu", tmp_path / "w", tmp_path / "res", preset="tiny")
     build, optimize, run = calls
     assert build[1:6] == ["-m", "models", "resnet50", "--preset", "tiny"]
@@ -415,6 +419,37 @@ def test_suite_optimizes_for_the_benchmarked_shapes(tmp_path: Path, monkeypatch:
     assert log[0] == {"image": [1, 3, 160, 160]} and log[-1] == {"image": [4, 3, 288, 288]} and len(log) == 6
     assert run[2:4] == ["dietcode_ort", "bench"] and run[run.index("--tie") + 1] == "width=height"
     assert out.parent.parent == tmp_path / "res" and out.name == "resnet50-tiny-cpu.json"
+
+
+@pytest.mark.parametrize("stderr, args, retried", [
+    ("error: every tuned workload lost to cuDNN on the measured shapes, ...\n", (), True),
+    ("error: every tuned workload lost to cuDNN on the measured shapes, ...\n", ("--min-speedup=1.2",), False),
+    ("error: a crash\n", (), False)])
+def test_suite_times_the_kernels_when_every_workload_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          stderr: str, args: tuple, retried: bool) -> None:
+    """An optimize that rewrote nothing because every tuned workload lost to cuDNN (--min-speedup) is run again
+    with --min-speedup 0, and a note beside the results says so with its figures; any other failure, or one
+    under a --min-speedup the caller gave, stops the suite."""
+    rs = _suite_module()
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, what, log=None):  # type: ignore[no-untyped-def]
+        calls.append(list(cmd))
+        if "models" in cmd:
+            _mlp(Path(cmd[cmd.index("-o") + 1]), name="x", dims=("tokens", 8))
+    monkeypatch.setattr(rs, "_run", fake_run)
+    monkeypatch.setattr(rs.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stderr=stderr))
+    suite = rs.Suite("t", "mlp", "tiny", {"cpu": ("tokens=1,2",)})
+    run = functools.partial(rs.run_suite, suite, "cpu", tmp_path / "w", tmp_path / "res", optimize_args=args)
+    if not retried:
+        with pytest.raises(DietcodeError, match="optimize failed"):
+            run()
+        return
+    out = run()
+    build, again, bench_cmd = calls
+    assert again[-2:] == ["--min-speedup", "0"] and "optimize" in again and "bench" in bench_cmd
+    note = out.with_name(out.stem + ".note.txt").read_text()
+    assert "every tuned workload lost to cuDNN" in note and "--min-speedup 0" in note
 
 
 @pytest.mark.parametrize("kw, message", [(dict(repeat=0), "--repeat must be >= 1"),
