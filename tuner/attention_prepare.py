@@ -85,21 +85,10 @@ def _const_ints(graph_consts: dict[str, np.ndarray], name: str) -> np.ndarray | 
     return value.astype(np.int64)
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    out = {t.name: numpy_helper.to_array(t) for t in graph.initializer
-           if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) <= 64}
-    for n in graph.node:
-        if _is(n, "Constant") and n.attribute and n.attribute[0].name == "value":
-            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-    for v in graph.input:  # an initializer a graph input overrides is no constant
-        out.pop(v.name, None)
-    return out
-
-
 def _shapes_of_transposes(graph: onnx.GraphProto, g: scan_mod._Graph, names: Names) -> int:
     """Shape(Transpose(x, perm)) -> the same dims read from Shape(x); returns how many Shapes were rewritten."""
     index = scan_mod.GraphLinks(graph)
-    consts = _constants(graph)
+    consts = scan_mod.small_constants(graph)
     new_nodes: dict[int, list[onnx.NodeProto]] = {}  # position of a replaced Shape -> its replacement
     new_inits: list[onnx.TensorProto] = []
     drop: list[onnx.NodeProto] = []  # the Shapes of Transposes, and the Gathers of them made constants
@@ -250,7 +239,7 @@ def _scales_after_head_splits(graph: onnx.GraphProto, g: scan_mod._Graph, names:
     value read by the next alone (Shapes of the Reshape's output aside) -> Reshape(y) -> Transpose -> Mul(., c) ->
     ...: the same values (each element times c, moved), and the matcher folds the Muls into the chain's scale."""
     index = scan_mod.GraphLinks(graph)
-    consts = _constants(graph)
+    consts = scan_mod.small_constants(graph)
     count = 0
     for t in list(graph.node):
         reader = index.exclusive_consumer(t.output[0]) if _is(t, "Transpose") else None
@@ -355,7 +344,7 @@ class _Sink:
     def __init__(self, graph: onnx.GraphProto, g: scan_mod._Graph, names: Names):
         self.graph, self.g, self.names = graph, g, names
         self.index = scan_mod.GraphLinks(graph)
-        self.consts = _constants(graph)
+        self.consts = scan_mod.small_constants(graph)
         self.unsqueezed: dict[tuple[str, tuple[int, ...]], str] = {}  # (value, axes) -> the Unsqueeze made
         self.pending: dict[tuple[str, tuple[int, ...]], str] = {}  # those of the region being matched
 

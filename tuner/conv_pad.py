@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from tuner.model_file import is_external
 from tuner.rewrite import _drop_unread, _graph_reads, default_opset, model_to_edit
-from tuner.scan import GraphLinks, conv_auto_pad
+from tuner.scan import GraphLinks, conv_auto_pad, small_constants
 
 __all__ = ["PadFoldResult", "fold_pads"]
 
@@ -35,24 +34,7 @@ class PadFoldResult:
     folded: tuple[str, ...]  # the first outputs of the Convs whose Pad was folded into their pads
 
 
-def _constant(graph_inits: dict[str, onnx.TensorProto], links: GraphLinks, name: str) -> np.ndarray | None:
-    """The value of a small constant (an initializer held in the model, or a Constant node's tensor)."""
-    t = graph_inits.get(name)
-    if t is None:
-        maker = links.producers.get(name)
-        if maker is None or maker.op_type != "Constant" or maker.domain not in ("", "ai.onnx"):
-            return None
-        value = next((a.t for a in maker.attribute if a.name == "value" and a.HasField("t")), None)
-        if value is None:
-            return None
-        t = value
-    if is_external(t) or int(np.prod(t.dims, dtype=np.int64)) > 64:
-        return None
-    return numpy_helper.to_array(t)
-
-
-def _spatial_pads(pad: onnx.NodeProto, opset: int, inits: dict[str, onnx.TensorProto],
-                  links: GraphLinks) -> list[int] | None:
+def _spatial_pads(pad: onnx.NodeProto, opset: int, consts: dict[str, np.ndarray]) -> list[int] | None:
     """A zero constant Pad's pads on the spatial axes (begins then ends), or None when it is not one to fold."""
     attrs = {a.name: helper.get_attribute_value(a) for a in pad.attribute}
     mode = attrs.get("mode", b"constant")
@@ -63,12 +45,12 @@ def _spatial_pads(pad: onnx.NodeProto, opset: int, inits: dict[str, onnx.TensorP
     else:
         if len(pad.input) > 3 and pad.input[3]:  # axes (opset 18)
             return None
-        read = _constant(inits, links, pad.input[1]) if len(pad.input) > 1 and pad.input[1] else None
+        read = consts.get(pad.input[1]) if len(pad.input) > 1 and pad.input[1] else None
         if read is None or read.ndim != 1:
             return None
         pads = [int(p) for p in read]
         given = pad.input[2] if len(pad.input) > 2 else ""
-        fill = _constant(inits, links, given) if given else np.zeros(1)
+        fill = consts.get(given) if given else np.zeros(1)
         if fill is None or fill.size > 1:
             return None
         value = float(fill.reshape(-1)[0]) if fill.size else 0.0
@@ -87,7 +69,7 @@ def fold_pads(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelProt
     if not any(n.op_type == "Pad" for n in graph.node):
         return out, PadFoldResult(())
     links = GraphLinks(graph)
-    inits = {t.name: t for t in graph.initializer}
+    consts = small_constants(graph)
     opset = default_opset(out)
     before = _graph_reads(graph)
     folded, gone = [], []
@@ -101,7 +83,7 @@ def fold_pads(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelProt
         attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
         if conv_auto_pad(attrs) not in ("NOTSET", "VALID"):
             continue
-        spatial = _spatial_pads(pad, opset, inits, links)
+        spatial = _spatial_pads(pad, opset, consts)
         if spatial is None:
             continue
         own = list(attrs.get("pads", [0] * len(spatial))) if conv_auto_pad(attrs) == "NOTSET" else [0] * len(spatial)

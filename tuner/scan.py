@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import AbstractSet, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
@@ -29,7 +29,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes", "scan_model", "scan", "attach_instances",
+__all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes", "small_constants", "scan_model", "scan", "attach_instances",
            "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -385,6 +385,20 @@ class GraphLinks:
     def read_only_by(self, name: str, node: onnx.NodeProto) -> bool:
         """Whether ``node`` alone reads ``name`` (and it is no graph output)."""
         return self.exclusive_consumer(name) is node
+
+
+def small_constants(graph: onnx.GraphProto, limit: int = 64) -> dict[str, np.ndarray]:
+    """The values of the graph's constants: its small initializers held in the model (at most ``limit``
+    elements: pads, axes, scales) and its Constant nodes' tensors; an initializer a graph input overrides is no
+    constant."""
+    out = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+           if not is_external(t) and int(np.prod(t.dims, dtype=np.int64)) <= limit}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
+            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    for v in graph.input:
+        out.pop(v.name, None)
+    return out
 
 
 class _Graph(GraphLinks):
@@ -850,7 +864,8 @@ def _epilogue(g: _Graph, node: onnx.NodeProto, n: int, allow_bias: bool, allow_s
     graph order, the candidates refused with the reason).
     An activation behind a Reshape (``_activation_after_reshape``) is absorbed with the Reshape as its first
     node, and then no residual; so is a residual Add behind one (no activation before it): the Reshape keeps the
-    elements' order, so the kernel adds the residual's elements in its own output's order. A node the orders do not fit (a bias Add after the Relu, a Mul after the bias)
+    elements' order, so the kernel adds the residual's elements in its own output's order. A node the orders do
+    not fit (a bias Add after the Relu, a Mul after the bias)
     is left as it is; so is a residual Add in ``claimed`` (absorbed by another node)."""
     out, chain, bias, refused = node.output[0], [], False, []
     alpha = 1.0
@@ -1184,10 +1199,13 @@ class Prepared(NamedTuple):
     changes: tuple[str, ...]
 
 
-def _name_dynamic_dims(model: onnx.ModelProto, name: Callable[[str, int], str]) -> list[str]:
-    """Give each dynamic graph-input dim that has no name (neither size nor name: skl2onnx's batch) the name
-    ``name(input, axis)`` gives, in place, so --dim can give it values; returns the names given. A name the model
-    already uses for something else is not taken twice: such a dim stays unnamed (scan then says so)."""
+def _name_dynamic_dims(model: onnx.ModelProto) -> list[str]:
+    """Give each dynamic graph-input dim that has no name (neither size nor name: skl2onnx's batch) the name bench
+    gives it (``dietcode_ort.bench.unnamed_dim``), in place, so --dim can give it values; returns the names given.
+    A name the model already uses for something else is not taken twice: such a dim stays unnamed (scan then says
+    so)."""
+    from dietcode_ort.bench import unnamed_dim
+
     inits = {t.name for t in model.graph.initializer}
     taken = {d.dim_param for vi in model.graph.input if vi.type.HasField("tensor_type")
              for d in vi.type.tensor_type.shape.dim if d.dim_param}
@@ -1196,7 +1214,7 @@ def _name_dynamic_dims(model: onnx.ModelProto, name: Callable[[str, int], str]) 
         if vi.name in inits or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
             continue
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            text = name(vi.name, axis)
+            text = unnamed_dim(vi.name, axis)
             if not d.HasField("dim_value") and not d.dim_param and text not in taken:
                 d.dim_param = text
                 taken.add(text)
@@ -1212,14 +1230,13 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
     made a constant and a Gemm's alpha and beta folded; the weights it changes are read from ``base_dir`` where
     they are external) and 1-D convs as 2-D ones (tuner/conv1d.py); with the normalizations and Einsums left
     alone, as skipped nodes and why."""
-    from dietcode_ort.bench import unnamed_dim
     from tuner.affine import fold_affines
     from tuner.const_fold import fold_constants
     from tuner.conv1d import convs_as_2d
     from tuner.conv_pad import fold_pads
     from tuner.einsum import einsums_as_matmuls
 
-    named = _name_dynamic_dims(model, unnamed_dim)
+    named = _name_dynamic_dims(model)
     model, constants = fold_constants(model, copy=False)
     model, einsums = einsums_as_matmuls(model, base_dir, copy=False)
     model, pads = fold_pads(model, copy=False)
