@@ -8,6 +8,7 @@ The stages live in their own modules; this one only threads their records throug
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -18,12 +19,13 @@ from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
-from tuner.scan import ScanResult, attach_instances, load_model, prepare_graph, scan_model
+from tuner.scan import ScanResult, Skipped, attach_instances, load_model, prepare_graph
 from tuner.workload import Problem, Workload
 
 if TYPE_CHECKING:
     import onnx
 
+    from tuner.branches import Unit
     from tuner.space import MicroKernel
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport",
@@ -146,31 +148,48 @@ def optimize(model_path: str | Path, output: str | Path, options: OptimizeOption
     return optimize_many([(model_path, output)], options, log)[0]
 
 
-def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: bool):
-    """Check the paths and options, load and scan one model and attach its instances (of several models,
-    each takes the --dim options that name its symbols)."""
+def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: bool) -> list[Unit]:
+    """Check the paths and options, load one model, prepare and scan its main graph and its If branches (each
+    tuned as a model of its own, tuner/branches.py) and attach their instances (of several models, and of a
+    branch, each takes the --dim options that name its symbols)."""
+    from tuner.branches import scan_units
+
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
-    # the graph pre-passes (constants evaluated, Einsums as MatMuls, affine ops folded, 1-D convs as 2-D)
-    model, left, changes = prepare_graph(model, model_path.parent)
-    if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
-        from tuner.attention_prepare import prepare_attention
+    base_dir = model_path.parent
 
-        model = prepare_attention(model, model_path.parent, copy=False)[0]  # exporters' Shape(Transpose) and Kt
-        model = _pack_projections(model_path, model, options.targets)
-    scanned = scan_model(model, model_path.parent)
-    scanned = replace(scanned, skipped=scanned.skipped + left, prepared=changes)
-    dims = _model_dims(options.dims, scanned.symbols) if several else options.dims
-    scanned = attach_instances(scanned, dims, options.shapes_file)
-    if not scanned.symbols:
+    def prepare(model: "onnx.ModelProto") -> tuple["onnx.ModelProto", tuple[Skipped, ...], tuple[str, ...]]:
+        # the graph pre-passes (constants evaluated, Einsums as MatMuls, affine ops folded, 1-D convs as 2-D)
+        model, left, changes = prepare_graph(model, base_dir)
+        if options.fuse_attention:  # before the scan: each merged Q/K/V projection is one GEMM workload, N = 3*H*d
+            from tuner.attention_prepare import prepare_attention
+
+            model = prepare_attention(model, base_dir, copy=False)[0]  # exporters' Shape(Transpose) and Kt
+            model = _pack_projections(model_path, model, options.targets)
+        return model, left, changes
+
+    units = scan_units(model, base_dir, prepare)
+    for u in units:
+        dims = _model_dims(options.dims, u.scanned.symbols) if several or u.branch else options.dims
+        u.scanned = attach_instances(u.scanned, dims, options.shapes_file)
+    if not units[0].scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
-    if not scanned.workloads and not scanned.skipped:
+    if not any(u.scanned.workloads or u.scanned.skipped for u in units):
         raise DietcodeError(f"{model_path}: no MatMul, Gemm or Conv node in its graph: nothing to optimize "
                             "(other ops, MatMulInteger and the quantized ones included, are not tuned)")
-    if not scanned.workloads:
+    if not any(u.scanned.workloads for u in units):
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
-                            + "; ".join(f"{s.node}: {s.reason}" for s in scanned.skipped))
-    return model, scanned
+                            + "; ".join(f"{_at(u.where, s.node)}: {s.reason}" for u in units for s in u.scanned.skipped))
+    return units
+
+
+def _log_at(log: Callable[[str], None], where: str, line: str) -> None:
+    log(_at(where, line))
+
+
+def _at(where: str, node: str) -> str:
+    """A node's name, prefixed with the If branch it is in (none for the main graph's)."""
+    return f"{where}: {node}" if where else node
 
 
 def _pack_projections(model_path: Path, model: "onnx.ModelProto", targets: Sequence[str]) -> "onnx.ModelProto":
@@ -224,97 +243,116 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         raise DietcodeError("no model to optimize")
     if len({o.resolve() for _, o in pairs}) < len(pairs):
         raise DietcodeError("two models would be written to the same output path")
-    scans = [_scan(model_path, output, options, len(pairs) > 1) for model_path, output in pairs]
-    attention: list[tuple] = [()] * len(scans)
+    from tuner.branches import splice
+
+    several = len(pairs) > 1
+    # each model's main graph and If branches, as units; flat: (model index, unit), parents before their branches
+    per_model = [_scan(model_path, output, options, several) for model_path, output in pairs]
+    flat = [(i, u) for i, units in enumerate(per_model) for u in units]
+    attention: list[tuple] = [()] * len(flat)
     if options.fuse_attention:
-        split = [_split_attention(path, model, scanned, options.targets, log)
-                 for (path, _), (model, scanned) in zip(pairs, scans)]
-        scans = [(model, scanned) for (model, _), (scanned, _) in zip(scans, split)]
-        attention = [sites for _, sites in split]
-    if len(pairs) > 1:
-        unused = [d for d in options.dims if not any(_model_dims([d], s.symbols) for _, s in scans)]
+        for j, (i, u) in enumerate(flat):
+            u.scanned, attention[j] = _split_attention(pairs[i][0], u.model, u.scanned, options.targets,
+                                                       functools.partial(_log_at, log, u.where))
+    if several:
+        unused = [d for d in options.dims if not any(_model_dims([d], units[0].scanned.symbols)
+                                                     for units in per_model)]
         if unused:
             raise DietcodeError(f"--dim {unused[0]!r} names a symbol none of the models has")
-    prefix = (lambda path: f"{path.name}: ") if len(pairs) > 1 else (lambda path: "")
-    for (model_path, _), (model, scanned) in zip(pairs, scans):
-        if scanned.prepared:
-            log(f"{prefix(model_path)}graph pre-passes: {'; '.join(scanned.prepared)}")
-        for s in scanned.skipped:
-            log(f"{prefix(model_path)}left as it is: {s.node} ({s.op}): {s.reason}")
-        for s in scanned.unfused:
-            log(f"{prefix(model_path)}not fused: {s.node} ({s.op}): {s.reason}")
+
+    def prefix(i: int, u: Unit) -> str:
+        return (f"{pairs[i][0].name}: " if several else "") + (f"{u.where}: " if u.where else "")
+
+    for i, u in flat:
+        if u.scanned.prepared:
+            log(f"{prefix(i, u)}graph pre-passes: {'; '.join(u.scanned.prepared)}")
+        for s in u.scanned.skipped:
+            log(f"{prefix(i, u)}left as it is: {s.node} ({s.op}): {s.reason}")
+        for s in u.scanned.unfused:
+            log(f"{prefix(i, u)}not fused: {s.node} ({s.op}): {s.reason}")
         # a graph the rewrite cannot handle fails before tuning
-        plan_rewrite(model, list(scanned.workloads), base_dir=model_path.parent)
+        plan_rewrite(u.model, list(u.scanned.workloads), base_dir=pairs[i][0].parent)
     distinct: dict[tuple, tuple[Workload, list[tuple[Problem, float]]]] = {}
-    for _, scanned in scans:
-        for w in scanned.workloads:
+    for _, u in flat:
+        for w in u.scanned.workloads:
             problems = merge_problems(w)
             distinct.setdefault(_tuning_key(w, problems), (w, problems))
-    total = sum(len(s.workloads) for _, s in scans)
-    if len(pairs) > 1:
-        log(f"{total} workloads in {len(pairs)} models, {len(distinct)} distinct: each is tuned once")
+    total = sum(len(u.scanned.workloads) for _, u in flat)
+    if several or len(flat) > 1:
+        where = f"{len(pairs)} models" if several else f"the main graph and {len(flat) - 1} If branch(es)"
+        log(f"{total} workloads in {where}, {len(distinct)} distinct: each is tuned once")
     with make_executor(options) as executor:
         executor.expect(options.budget * len(distinct))
         chosen_by_key = _tune_all(list(distinct.items()), options, log, executor)
         compiled = _compile_all([(w, chosen_by_key[k].kernels) for k, (w, _) in distinct.items()], options, log,
                                 executor)
-        attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in pairs]
+        attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in flat]
         if any(attention):  # compiled by the same executor (Ray's CPU tasks under --ray), timed here
             from tuner.attention_tune import tune_sites
 
             attention_bundles = tune_sites(
-                [(sites, scanned.symbols,
-                  _model_dims(options.dims, scanned.symbols) if len(pairs) > 1 else options.dims,
-                  None if options.shapes_file is None else str(options.shapes_file), scanned.input_dims)
-                 for (_, scanned), sites in zip(scans, attention)],
+                [(sites, u.scanned.symbols,
+                  _model_dims(options.dims, u.scanned.symbols) if several or u.branch else options.dims,
+                  None if options.shapes_file is None else str(options.shapes_file), u.scanned.input_dims)
+                 for (_, u), sites in zip(flat, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
                 executor=executor, fp32_precision=options.fp32_precision)
-    results = []
+    rewritten: list[list[str]] = [[] for _ in pairs]
+    reports: list[list[WorkloadReport]] = [[] for _ in pairs]
+    left: list[list[tuple[str, str]]] = [[] for _ in pairs]  # (node, why it is left as it is)
+    done: list["onnx.ModelProto"] = []
     any_lost = any_changed = False  # a workload left to ORT by --min-speedup; a node rewritten
-    for (model_path, output), (model, scanned), sites, attention_bundle in zip(pairs, scans, attention,
-                                                                             attention_bundles):
-        bundles, infos, reports = {}, {}, []
-        lost: list[tuple[str, str]] = []  # (node, why its workload is left to ORT)
-        for w in scanned.workloads:
+    for (i, u), sites, attention_bundle in zip(flat, attention, attention_bundles):
+        model_path = pairs[i][0]
+        bundles, infos = {}, {}
+        left[i].extend((_at(u.where, s.node), s.reason) for s in u.scanned.skipped)
+        for w in u.scanned.workloads:
             problems = merge_problems(w)
             chosen = chosen_by_key[_tuning_key(w, problems)]
             report = replace(chosen.report, workload=w)
-            reports.append(report)
+            reports[i].append(report)
             why = _loses(report, options.min_speedup)
             if why:  # no bundle: the rewrite leaves its nodes as they are
-                lost.extend((node, why) for node in w.nodes)
+                any_lost = True
+                left[i].extend((_at(u.where, node), why) for node in w.nodes)
                 for node in w.nodes:
-                    log(f"{prefix(model_path)}left as it is: {node} ({w.onnx_op}): {why}")
+                    log(f"{prefix(i, u)}left as it is: {node} ({w.onnx_op}): {why}")
                 continue
             kernels = tuple(BundleKernel.vendor() if config == "vendor"
                             else BundleKernel.from_compiled([compiled[_job_key(w, config, t, _tf32(w, options))]
                                                              for t in options.targets])
                             for config in chosen.kernels)
-            for i, node in enumerate(w.nodes):
-                bundle = Bundle(features_for(w, i), kernels, chosen.tree)
+            for k, node in enumerate(w.nodes):
+                bundle = Bundle(features_for(w, k), kernels, chosen.tree)
                 bundle.validate()
                 bundles[node] = bundle.to_bytes()
                 infos[node] = _info(w, report, problems, options)
-        result = rewrite_model(model, list(scanned.workloads), bundles, infos, base_dir=model_path.parent,
+        result = rewrite_model(u.model, list(u.scanned.workloads), bundles, infos, base_dir=model_path.parent,
                                copy=False)  # in place: the scanned model is not needed afterwards
         if sites:
             from tuner.attention_graph import fuse_attention
 
             _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False,
                                       bundles=attention_bundle)
-            log(f"{prefix(model_path)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
+            log(f"{prefix(i, u)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
                 "with tuned kernels")
-        any_lost, any_changed = any_lost or bool(lost), any_changed or bool(result.rewritten or sites)
-        results.append((OptimizeReport(output, result.rewritten, tuple(reports),
-                                       tuple((s.node, s.reason) for s in scanned.skipped) + tuple(lost)),
-                        result.model, model_path.parent))
+        rewritten[i].extend(_at(u.where, n) for n in result.rewritten)
+        any_changed = any_changed or bool(result.rewritten or sites)
+        done.append(result.model)
     if any_lost and not any_changed:
         raise DietcodeError("every tuned workload lost to cuDNN on the measured shapes, so no node was rewritten "
                             "and no model written (the figures are above; --min-speedup 0 rewrites them anyway)")
-    for summary, rewritten, base_dir in results:  # only now that every model is rewritten
-        save_model(rewritten, summary.output, base_dir)
-    return [summary for summary, _, _ in results]
+    # each If branch back into its parent's graph, the deepest first
+    start = [sum(len(units) for units in per_model[:i]) for i in range(len(pairs))]
+    for j in reversed(range(len(flat))):
+        i, u = flat[j]
+        if u.branch is not None:
+            splice(done[start[i] + u.parent], u.branch, done[j])
+    for i, (model_path, output) in enumerate(pairs):  # only now that every model is rewritten
+        save_model(done[start[i]], output, model_path.parent)
+    return [OptimizeReport(output, tuple(rewritten[i]), tuple(reports[i]), tuple(left[i]))
+            for i, (_, output) in enumerate(pairs)]
 
 
 def _loses(report: WorkloadReport, min_speedup: float) -> str:

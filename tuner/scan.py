@@ -1038,8 +1038,10 @@ def _free_symbols(*exprs: str) -> set[str]:
     return out
 
 
-def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> ScanResult:
-    """Describe the model's MatMul/Gemm/Conv nodes as workloads (no instances yet).
+def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_branches: bool = False) -> ScanResult:
+    """Describe the main graph's MatMul/Gemm/Conv nodes as workloads (no instances yet); the ones in subgraphs are
+    listed as skipped, but with ``if_branches`` those of the main graph's If branches, which the caller scans as
+    models of their own (tuner/branches.py).
 
     ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
     """
@@ -1110,22 +1112,27 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None) -> Sc
     workloads = tuple(replace(protos[key], nodes=tuple(m[0] for m in members),
                               fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
-    skipped.extend(_nested(model))
+    skipped.extend(_nested(model, if_branches))
     return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused))
 
 
-def _nested(model: onnx.ModelProto) -> list[Skipped]:
-    """The MatMul/Gemm/Conv nodes outside the main graph, which are not tuned: in a control-flow node's
-    subgraphs (If branches, Loop and Scan bodies) and in model-local functions (but the fallback functions of
-    ai.dietcode nodes), each with where it is."""
+def _nested(model: onnx.ModelProto, if_branches: bool = False) -> list[Skipped]:
+    """The MatMul/Gemm/Conv nodes outside the main graph, which are not tuned here: in a control-flow node's
+    subgraphs (If branches, Loop and Scan bodies; with ``if_branches``, not the main graph's If branches, which
+    are tuned as models of their own) and in model-local functions (but the fallback functions of ai.dietcode
+    nodes), each with where it is."""
     out: list[Skipped] = []
 
     def walk(nodes: Sequence[onnx.NodeProto], where: str) -> None:
         for node in nodes:
             if where and node.op_type in _OPS and node.domain in ("", "ai.onnx"):
-                out.append(Skipped(_label(node), node.op_type,
-                                   f"inside {where}: not tuned (only the main graph's nodes are)"))
+                reason = "only the main graph's and its If branches' nodes are" if if_branches else \
+                    "only the main graph's nodes are"
+                out.append(Skipped(_label(node), node.op_type, f"inside {where}: not tuned ({reason})"))
             for attr in node.attribute:
+                if if_branches and not where and node.op_type == "If" and node.domain in ("", "ai.onnx") and \
+                        attr.name in ("then_branch", "else_branch"):
+                    continue
                 for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
                     walk(sub.node, f"the {attr.name} of {node.op_type} {_label(node)!r}")
 
@@ -1260,9 +1267,28 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
     """Load and scan a model file as ``optimize`` sees it (after ``prepare_graph``); weights stored as external
     data are read only where a pre-pass folds into them (otherwise only their shapes)."""
-    model, left, changes = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)
-    result = scan_model(model, Path(path).parent)
-    return attach_instances(replace(result, skipped=result.skipped + left, prepared=changes), dims, shapes_file)
+    from tuner.branches import scan_units
+
+    base_dir = Path(path).parent
+    units = scan_units(load_model(path, load_external_data=False), base_dir,
+                       lambda model: prepare_graph(model, base_dir))
+    return attach_instances(merge_units([(u.where, u.scanned) for u in units]), dims, shapes_file)
+
+
+def merge_units(results: Sequence[tuple[str, ScanResult]]) -> ScanResult:
+    """The scans of a model's main graph (``where`` "") and its If branches as one, for display: a branch's node
+    names and pre-pass lines are prefixed with where it is."""
+    def at(where: str, text: str) -> str:
+        return f"{where}: {text}" if where else text
+
+    main = results[0][1]
+    return ScanResult(
+        tuple(sorted({s for _, r in results for s in r.symbols})),
+        tuple(replace(w, nodes=tuple(at(where, n) for n in w.nodes)) for where, r in results for w in r.workloads),
+        tuple(replace(s, node=at(where, s.node)) for where, r in results for s in r.skipped),
+        main.input_dims,
+        tuple(replace(s, node=at(where, s.node)) for where, r in results for s in r.unfused),
+        tuple(at(where, line) for where, r in results for line in r.prepared))
 
 
 def to_json(result: ScanResult) -> dict:
