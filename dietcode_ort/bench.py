@@ -287,8 +287,9 @@ def model_info(model: Any) -> ModelInfo:
         inputs.append(InputSpec(value.name, dtype, dims))
     vocab = tuple((s.name, v) for s in inputs if s.dtype.startswith("int")
                   for v in [_find_vocab(graph, s.name, inits)] if v)
-    custom = sum(1 for n in graph.node if n.domain == "ai.dietcode")
-    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, custom, _computes_in(graph))
+    from dietcode_ort.bundle import dietcode_nodes
+
+    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, len(dietcode_nodes(model)), _computes_in(graph))
 
 
 def _computes_in(graph: Any) -> str:

@@ -21,7 +21,7 @@ from dietcode_ort.toolchain import format_isa, ptx_isa
 __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
+    "NodeBundle", "node_bundles", "dietcode_nodes", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -878,22 +878,39 @@ class NodeBundle:
     payload: bytes
 
 
+def dietcode_nodes(model: Any) -> list[tuple[Any, dict[str, Any], set[str]]]:
+    """Every ``ai.dietcode`` node of an ``onnx.ModelProto`` that takes a bundle (not ``BUNDLELESS_OPS``), in graph
+    order, the nodes of an If branch or a loop body right after the node holding it (``optimize`` rewrites If
+    branches too); each with the initializers and the graph inputs its graph sees (a subgraph sees its outer
+    graphs' values, its own shadowing them)."""
+    out: list[tuple[Any, dict[str, Any], set[str]]] = []
+
+    def walk(graph: Any, inits: dict[str, Any], inputs: set[str]) -> None:
+        own = {t.name: t for t in graph.initializer}
+        inits = {**inits, **own}
+        inputs = (inputs - set(own)) | {v.name for v in graph.input}
+        for node in graph.node:
+            if node.domain == DOMAIN and node.op_type not in BUNDLELESS_OPS:
+                out.append((node, inits, inputs))
+            for a in node.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    walk(sub, inits, inputs)
+
+    walk(model.graph, {}, set())
+    return out
+
+
 def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
-    """The bundle of every ``ai.dietcode`` node of an ``onnx.ModelProto``, in graph order; equal bundles are
+    """The bundle of every ``ai.dietcode`` node of an ``onnx.ModelProto`` (``dietcode_nodes``), in that order; equal bundles are
     one ``bytes`` object. ``base_dir`` is where external data lives when the model was loaded without it.
     DietcodeError naming the node when a bundle is missing, is not a 1-D uint8 initializer, or is still a
     per-node attribute (the contract before ai.dietcode opset 2)."""
     import numpy as np
     from onnx import TensorProto, numpy_helper
 
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    graph_inputs = {v.name for v in graph.input}
     payloads: dict[str, bytes] = {}
     out = []
-    for i, node in enumerate(graph.node):
-        if node.domain != DOMAIN or node.op_type in BUNDLELESS_OPS:
-            continue
+    for i, (node, inits, graph_inputs) in enumerate(dietcode_nodes(model)):
         label = f"node {node.name or i!r} ({node.op_type})"
         if any(a.name == "bundle" for a in node.attribute):
             raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from dietcode_ort.bundle import BUNDLELESS_OPS, DOMAIN, Bundle, BundleKernel, node_bundles, read_bundle
+from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, dietcode_nodes, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_driver, format_isa, ptx_mma, ptx_mma_shapes, ptx_target
 
@@ -121,7 +121,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
     """Each ai.dietcode node's description; ``base_dir``: where the model's external data lives when it was
     loaded without it."""
     nodes: list[dict] = []
-    custom = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type not in BUNDLELESS_OPS]
+    custom = [n for n, _, _ in dietcode_nodes(model)]
     parsed: dict[str, Bundle] = {}
     for node, where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
         attrs = {a.name: a for a in node.attribute}

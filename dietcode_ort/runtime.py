@@ -129,8 +129,10 @@ def _has_fallback(model: Any) -> bool:
 
     proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
         onnx.load(model, load_external_data=False)
+    from dietcode_ort.bundle import dietcode_nodes
+
     functions = {(f.domain, f.name) for f in proto.functions}
-    return all((n.domain, n.op_type) in functions for n in proto.graph.node if n.domain == "ai.dietcode")
+    return all((n.domain, n.op_type) in functions for n, _, _ in dietcode_nodes(proto))
 
 
 def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,

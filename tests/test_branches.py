@@ -1,0 +1,207 @@
+"""If branches tuned as models of their own and put back (tuner/branches.py): a merged decoder (optimum's
+``decoder_model_merged.onnx`` layout: one If over the decoder without and with its past, the weights in the main
+graph) has every MatMul inside a branch, where only the main graph's were tuned before."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+import dietcode_ort
+from dietcode_ort.bundle import dietcode_nodes, node_bundles
+from tuner.branches import branch_models, splice
+from tuner.optimize import OptimizeOptions, optimize
+from tuner.scan import scan
+
+D, H = 64, 128
+
+
+def _mlp(p: str, x: str) -> list[onnx.NodeProto]:
+    return [helper.make_node("MatMul", [x, "w1"], [p + "h"], name=p + "fc1"),
+            helper.make_node("Add", [p + "h", "b1"], [p + "hb"]),
+            helper.make_node("Relu", [p + "hb"], [p + "r"]),
+            helper.make_node("MatMul", [p + "r", "w2"], [p + "o"], name=p + "fc2"),
+            helper.make_node("Add", [p + "o", x], [p + "y"])]
+
+
+def _merged(then_reads: str = "x") -> onnx.ModelProto:
+    """One If over use_cache: then the MLP of Concat(past, x) (the decoder with its past), else the MLP of x; the
+    weights are the main graph's, read by both branches. ``then_reads``: what the then branch concatenates x to
+    (``cat``: a value the main graph computes, of dim ``past_seq + seq``)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((D, H)) * 0.1).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((H, D)) * 0.1).astype(np.float32), "w2")]
+    main: list[onnx.NodeProto] = []
+    if then_reads == "cat":
+        main.append(helper.make_node("Concat", ["past", "x"], ["cat"], axis=1))
+        then_nodes = _mlp("t_", "cat")
+    else:
+        then_nodes = [helper.make_node("Concat", ["past", "x"], ["t_cat"], axis=1)] + _mlp("t_", "t_cat")
+    then = helper.make_graph(then_nodes, "with_past", [], [helper.make_tensor_value_info("t_y", T.FLOAT, None)])
+    els = helper.make_graph(_mlp("e_", "x"), "no_past", [], [helper.make_tensor_value_info("e_y", T.FLOAT, None)])
+    main.append(helper.make_node("If", ["use_cache"], ["y"], then_branch=then, else_branch=els, name="merged"))
+    graph = helper.make_graph(main, "merged", [helper.make_tensor_value_info("use_cache", T.BOOL, [1]),
+                                               helper.make_tensor_value_info("x", T.FLOAT, ["batch", "seq", D]),
+                                               helper.make_tensor_value_info("past", T.FLOAT, ["batch", "past_seq", D])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, ["batch", "out_seq", D])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _options(work: Path, *dims: str) -> OptimizeOptions:
+    return OptimizeOptions(dims=dims, budget=32, db=work / "tuning.db", cache_dir=work / "kernels", progress=False,
+                           measure="analytic")
+
+
+def _sessions(src: Path, out: Path) -> list[tuple[str, ort.InferenceSession]]:
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    return [("stock", ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])),
+            ("library", ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])),
+            ("fallback", ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]))]
+
+
+def test_scan_lists_the_workloads_of_both_branches_with_where_they_are(tmp_path: Path) -> None:
+    onnx.save(_merged(), str(tmp_path / "m.onnx"))
+    result = scan(tmp_path / "m.onnx")
+    nodes = sorted(n for w in result.workloads for n in w.nodes)
+    assert nodes == ["the else_branch of If 'merged': e_h", "the else_branch of If 'merged': e_o",
+                     "the then_branch of If 'merged': t_h", "the then_branch of If 'merged': t_o"]
+    assert {w.m for w in result.workloads} == {"batch*seq", "batch*(past_seq + seq)"}
+    assert result.skipped == ()
+    assert result.symbols == ("batch", "past_seq", "seq")
+
+
+def test_optimize_rewrites_both_branches_and_computes_what_stock_does(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnx.save(_merged(), str(src))
+    report = optimize(src, out, _options(tmp_path, "batch=1:2", "seq=1:16", "past_seq=0:16:4"), log=lambda _: None)
+    assert len(report.rewritten) == 4 and all(n.startswith("the ") for n in report.rewritten)
+    model = onnx.load(str(out))
+    onnx.checker.check_model(model, full_check=True)
+    branches = {a.name: a.g for a in model.graph.node[0].attribute}
+    for g in branches.values():  # the branches read the weights and bundles from the main graph
+        assert not g.initializer
+        assert [n.op_type for n in g.node if n.domain == "ai.dietcode"] == ["MatMulBiasRelu", "MatMulResidual"]
+    assert len(dietcode_nodes(model)) == 4 and len(node_bundles(model, str(tmp_path))) == 4
+    assert {t.name for t in model.graph.initializer} >= {"w1", "b1", "w2"}
+    rng = np.random.default_rng(1)
+    sessions = _sessions(src, out)
+    for use_cache in (True, False):
+        for b, s, p in ((1, 1, 0), (2, 7, 5), (3, 33, 17)):
+            feed = {"use_cache": np.array([use_cache]), "x": rng.standard_normal((b, s, D)).astype(np.float32),
+                    "past": rng.standard_normal((b, p, D)).astype(np.float32)}
+            want = sessions[0][1].run(None, feed)[0]
+            assert want.shape == (b, s + p if use_cache else s, D)
+            for name, session in sessions[1:]:
+                np.testing.assert_allclose(session.run(None, feed)[0], want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_branch_reading_a_value_of_a_computed_dim_is_left_with_the_reason(tmp_path: Path) -> None:
+    """The then branch reads Concat(past, x) from the main graph: its dim past_seq + seq is no input dim, so
+    --dim cannot give it values; that branch stays as it is, the other is tuned."""
+    model = _merged(then_reads="cat")
+    branches, refused = branch_models(model)
+    assert [b.attribute for b in branches] == ["else_branch"]
+    assert sorted(s.node for s in refused) == ["t_fc1", "t_fc2"]
+    assert all("inside the then_branch of If 'merged'" in s.reason and "'cat'" in s.reason
+               and "past_seq + seq" in s.reason for s in refused)
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnx.save(model, str(src))
+    report = optimize(src, out, _options(tmp_path, "batch=1:2", "seq=1:16", "past_seq=0:16:4"), log=lambda _: None)
+    assert sorted(report.rewritten) == ["the else_branch of If 'merged': e_h", "the else_branch of If 'merged': e_o"]
+    assert {n for n, _ in report.skipped} == {"t_fc1", "t_fc2"}
+
+
+def _done(branch_model: onnx.ModelProto, nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto],
+          functions: list[onnx.FunctionProto] = ()) -> onnx.ModelProto:
+    """``branch_model`` as a rewrite would leave it: ``nodes``, its initializers plus ``inits``, ``functions``."""
+    done = onnx.ModelProto()
+    done.CopyFrom(branch_model)
+    del done.graph.node[:]
+    done.graph.node.extend(nodes)
+    done.graph.initializer.extend(inits)
+    done.functions.extend(functions)
+    return done
+
+
+def test_splice_renames_what_would_shadow_an_outer_value_and_keeps_function_bodies_apart() -> None:
+    """A value the pipeline made in a branch under a name the main graph uses is renamed (ONNX forbids
+    shadowing); a new initializer goes to the main graph (shared when equal, renamed when not); a fallback body
+    that differs from the one the model has under that op type and overload gets the next overload."""
+    model = _merged()
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "taken"))
+    branches, _ = branch_models(model)
+    then = next(b for b in branches if b.attribute == "then_branch")
+    body = helper.make_function("ai.dietcode", "Op", ["a", "b"], ["y"], [helper.make_node("MatMul", ["a", "b"], ["y"])],
+                                [helper.make_opsetid("", 17)])
+    model.functions.append(body)  # the model has Op "" with a MatMul body; the branch brings another body
+    other = helper.make_function("ai.dietcode", "Op", ["a", "b"], ["y"], [helper.make_node("Mul", ["a", "b"], ["y"])],
+                                 [helper.make_opsetid("", 17)])
+    new = numpy_helper.from_array(np.ones(3, np.float32), "taken")  # same name as the main graph's, other values
+    nodes = [helper.make_node("Concat", ["past", "x"], ["y"], axis=1),  # "y": the If's own output, outside
+             helper.make_node("Op", ["y", "w1"], ["t_h"], domain="ai.dietcode"),
+             helper.make_node("Add", ["t_h", "taken"], ["t_y"])]
+    splice(model, then, _done(then.model, nodes, [new], [other]))
+    graph = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    made = [o for n in graph.node for o in n.output]
+    assert "y" not in made and made[0].startswith("y") and graph.node[1].input[0] == made[0]
+    moved = graph.node[2].input[1]
+    assert moved != "taken" and moved in {t.name for t in model.graph.initializer}
+    assert graph.node[1].overload == "1"
+    assert {(f.name, f.overload, f.node[0].op_type) for f in model.functions} == {("Op", "", "MatMul"),
+                                                                                ("Op", "1", "Mul")}
+    assert model.ir_version >= 10 and not graph.initializer
+
+
+@pytest.mark.slow
+def test_gpt2_exported_by_torch_and_merged_as_optimum_merges_decoders(tmp_path: Path) -> None:
+    """GPT-2 (TorchScript export) merged with itself the way optimum merges a decoder and its with-past twin: the
+    weights in the main graph, both branches with the same value names (sibling scopes may repeat names). Both
+    branches get tuned nodes; what the pipeline made for both (kernel bundles, packed weights) is one initializer,
+    never two equal ones; outputs agree with stock ORT on both branches."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests._corpus import CASES_BY_NAME, build_case, feeds
+
+    case = CASES_BY_NAME["gpt2-torchscript"]
+    built = build_case(case, tmp_path)
+    decoder = onnx.load(str(built.path))
+    branch = helper.make_graph(list(decoder.graph.node), "decoder", [], list(decoder.graph.output))
+    twin = helper.make_graph(list(decoder.graph.node), "decoder_with_past", [], list(decoder.graph.output))
+    merged = helper.make_graph(
+        [helper.make_node("If", ["use_cache_branch"], [o.name for o in decoder.graph.output], then_branch=twin,
+                          else_branch=branch, name="optimum::if")],
+        "merged", list(decoder.graph.input) + [helper.make_tensor_value_info("use_cache_branch", T.BOOL, [1])],
+        list(decoder.graph.output), list(decoder.graph.initializer))
+    model = helper.make_model(merged, opset_imports=list(decoder.opset_import))
+    model.ir_version = decoder.ir_version
+    src, out = tmp_path / "decoder_model_merged.onnx", tmp_path / "merged.opt.onnx"
+    onnx.save(model, str(src))
+    dims = [f"{sym}={spec}" for role, spec in case.tuned.items() for sym in built.symbols[role]]
+    report = optimize(src, out, _options(tmp_path, *dims), log=lambda _: None)
+    sides = {n.split("': ")[0] + "'" for n in report.rewritten}
+    assert sides == {"the then_branch of If 'optimum::if'", "the else_branch of If 'optimum::if'"}
+    optimized = onnx.load(str(out))
+    big = [t for t in optimized.graph.initializer if len(t.raw_data) > 1024]
+    digests = [hashlib.sha256(t.raw_data).hexdigest() for t in big]
+    assert len(set(digests)) == len(digests), "an initializer the pipeline made is held twice"
+    for a in optimized.graph.node[0].attribute:
+        assert not a.g.initializer or all(len(t.raw_data) <= 1024 for t in a.g.initializer)
+    sessions = _sessions(src, out)
+    for shape in case.probes[:3]:
+        for use_cache in (True, False):
+            feed = feeds(built.path, built, shape) | {"use_cache_branch": np.array([use_cache])}
+            want = sessions[0][1].run(None, feed)[0]
+            for name, session in sessions[1:]:
+                np.testing.assert_allclose(session.run(None, feed)[0], want, rtol=case.rtol, atol=case.atol,
+                                           err_msg=f"{name} {shape}")
