@@ -74,6 +74,8 @@ def scan_units(model: onnx.ModelProto, base_dir: Path | None,
         model, left, changes = prepare(model)
         found, refused = branch_models(model, base_dir) if level < MAX_DEPTH else ([], [])
         scanned = scan_model(model, base_dir, if_branches=level < MAX_DEPTH)
+        if units:  # a branch's inputs are the values it reads; shape logs and messages speak of the model's inputs
+            scanned = replace(scanned, input_dims=units[0].scanned.input_dims)
         units.append(Unit(model, replace(scanned, skipped=scanned.skipped + left + tuple(refused), prepared=changes),
                           where, branch, parent))
         index = len(units) - 1
