@@ -164,16 +164,19 @@ def test_splice_renames_what_would_shadow_an_outer_value_and_keeps_function_bodi
 
 
 @pytest.mark.slow
-def test_gpt2_exported_by_torch_and_merged_as_optimum_merges_decoders(tmp_path: Path) -> None:
-    """GPT-2 (TorchScript export) merged with itself the way optimum merges a decoder and its with-past twin: the
+@pytest.mark.parametrize("name", ["gpt2-torchscript", "bert-torchscript"])
+def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) -> None:
+    """A TorchScript export merged with itself the way optimum merges a decoder and its with-past twin: the
     weights in the main graph, both branches with the same value names (sibling scopes may repeat names). Both
-    branches get tuned nodes; what the pipeline made for both (kernel bundles, packed weights) is one initializer,
-    never two equal ones; outputs agree with stock ORT on both branches."""
+    branches get tuned nodes and fused attention; what the pipeline made for both (kernel bundles, BERT's packed
+    Q/K/V weights) is one initializer, never two equal ones, and the weights no branch reads any more (BERT's
+    separate Q, K and V) are gone; outputs agree with stock ORT on both branches."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests._corpus import CASES_BY_NAME, build_case, feeds
+    from tuner.scan import node_reads
 
-    case = CASES_BY_NAME["gpt2-torchscript"]
+    case = CASES_BY_NAME[name]
     built = build_case(case, tmp_path)
     decoder = onnx.load(str(built.path))
     branch = helper.make_graph(list(decoder.graph.node), "decoder", [], list(decoder.graph.output))
@@ -192,6 +195,9 @@ def test_gpt2_exported_by_torch_and_merged_as_optimum_merges_decoders(tmp_path: 
     sides = {n.split("': ")[0] + "'" for n in report.rewritten}
     assert sides == {"the then_branch of If 'optimum::if'", "the else_branch of If 'optimum::if'"}
     optimized = onnx.load(str(out))
+    assert sum(n.op_type == "Attention" for n, _, _ in dietcode_nodes(optimized)) == 4  # two layers, two branches
+    read = set().union(*(node_reads(n) for n in optimized.graph.node))
+    assert [t.name for t in optimized.graph.initializer if t.name not in read] == []
     big = [t for t in optimized.graph.initializer if len(t.raw_data) > 1024]
     digests = [hashlib.sha256(t.raw_data).hexdigest() for t in big]
     assert len(set(digests)) == len(digests), "an initializer the pipeline made is held twice"

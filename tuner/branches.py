@@ -7,7 +7,8 @@ initializers, and what it reads from outside as the model's inputs (typed, from 
 inference) and initializers. The whole pipeline (pre-passes, scan, tuning, rewrite, attention fusion) then runs on
 it as on any model, and ``splice`` puts the rewritten branch back into its If:
 
-- initializers the branch read from outside stay outside; the ones the pipeline made (kernel bundles, packed
+- initializers the branch read from outside stay outside (and go where no branch or node reads them any more:
+  the Q/K/V weights a packed projection replaced); the ones the pipeline made (kernel bundles, packed
   weights) go to the parent's graph, where the other branch finds an equal one (same name, same content) and shares
   it; one that differs from a parent's value of the same name is renamed;
 - values the pipeline made in the branch that an outer scope also names are renamed (ONNX forbids shadowing);
@@ -28,7 +29,7 @@ import onnx
 from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
-from tuner.rewrite import names_in_use, unique_name
+from tuner.rewrite import _drop_unread, names_in_use, unique_name
 from tuner.scan import (_OPS, ScanResult, Skipped, _inference_copy, _infer, _label, _names, model_symbols, node_reads,
                         scan_model)
 
@@ -209,6 +210,7 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
         raise DietcodeError(f"internal error: the rewritten {branch.where} has outputs "
                             f"{[o.name for o in done.graph.output]}, not {[o.name for o in sub.output]}")
     outer = {t.name: t for t in model.graph.initializer}
+    was_read = set(outer_reads(sub)) & set(outer)  # weights the branch read: unread by all once packed, say
     inputs = {v.name for v in done.graph.input}
     taken = names_in_use(model.graph)  # the names the parent's scope defines (the branch must not shadow them)
     everywhere = taken | _all_names(model.graph)
@@ -242,6 +244,7 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
     del sub.value_info[:]
     sub.value_info.extend(kept)
     model.graph.initializer.extend(moved)
+    _drop_unread(model.graph, was_read)
     have = {o.domain for o in model.opset_import}
     model.opset_import.extend(o for o in done.opset_import if o.domain not in have)
     model.ir_version = max(model.ir_version, done.ir_version)
