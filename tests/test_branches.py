@@ -211,3 +211,19 @@ def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) ->
             for name, session in sessions[1:]:
                 np.testing.assert_allclose(session.run(None, feed)[0], want, rtol=case.rtol, atol=case.atol,
                                            err_msg=f"{name} {shape}")
+
+
+def test_splice_keeps_in_the_branch_a_constant_it_returns() -> None:
+    """A branch output the pipeline made a constant (a folded Constant node) stays the branch's own initializer:
+    ORT refuses a branch that returns an outer value directly."""
+    model = _merged()
+    branches, _ = branch_models(model)
+    els = next(b for b in branches if b.attribute == "else_branch")
+    folded = numpy_helper.from_array(np.ones((1, 1, D), np.float32), "e_y")
+    splice(model, els, _done(els.model, [], [folded]))
+    graph = next(a.g for a in model.graph.node[0].attribute if a.name == "else_branch")
+    assert [t.name for t in graph.initializer] == ["e_y"]
+    assert "e_y" not in {t.name for t in model.graph.initializer}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = {"use_cache": np.array([False]), "x": np.zeros((1, 2, D), np.float32), "past": np.zeros((1, 0, D), np.float32)}
+    np.testing.assert_array_equal(session.run(None, feed)[0], np.ones((1, 1, D), np.float32))

@@ -216,8 +216,9 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
     everywhere = taken | _all_names(model.graph)
     rename: dict[str, str] = {}
     local, moved = [], []
+    outputs = {o.name for o in sub.output}
     for t in done.graph.initializer:
-        if t.name in branch.local:
+        if t.name in branch.local or t.name in outputs:  # a branch returns no outer value (ORT refuses that)
             local.append(t)
         elif t.name in outer and _same(t, outer[t.name]):
             continue  # read from outside, as before (or made equal by the other branch: shared)
