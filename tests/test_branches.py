@@ -30,10 +30,10 @@ def _mlp(p: str, x: str) -> list[onnx.NodeProto]:
             helper.make_node("Add", [p + "o", x], [p + "y"])]
 
 
-def _merged(then_reads: str = "x") -> onnx.ModelProto:
+def _merged(then_reads: str = "x", outputs: tuple[str, str] = ("t_y", "e_y")) -> onnx.ModelProto:
     """One If over use_cache: then the MLP of Concat(past, x) (the decoder with its past), else the MLP of x; the
     weights are the main graph's, read by both branches. ``then_reads``: what the then branch concatenates x to
-    (``cat``: a value the main graph computes, of dim ``past_seq + seq``)."""
+    (``cat``: a value the main graph computes, of dim ``past_seq + seq``); ``outputs``: the branches' output names."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((D, H)) * 0.1).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), "b1"),
@@ -44,8 +44,10 @@ def _merged(then_reads: str = "x") -> onnx.ModelProto:
         then_nodes = _mlp("t_", "cat")
     else:
         then_nodes = [helper.make_node("Concat", ["past", "x"], ["t_cat"], axis=1)] + _mlp("t_", "t_cat")
-    then = helper.make_graph(then_nodes, "with_past", [], [helper.make_tensor_value_info("t_y", T.FLOAT, None)])
-    els = helper.make_graph(_mlp("e_", "x"), "no_past", [], [helper.make_tensor_value_info("e_y", T.FLOAT, None)])
+    else_nodes = _mlp("e_", "x")
+    then_nodes[-1].output[0], else_nodes[-1].output[0] = outputs
+    then = helper.make_graph(then_nodes, "with_past", [], [helper.make_tensor_value_info(outputs[0], T.FLOAT, None)])
+    els = helper.make_graph(else_nodes, "no_past", [], [helper.make_tensor_value_info(outputs[1], T.FLOAT, None)])
     main.append(helper.make_node("If", ["use_cache"], ["y"], then_branch=then, else_branch=els, name="merged"))
     graph = helper.make_graph(main, "merged", [helper.make_tensor_value_info("use_cache", T.BOOL, [1]),
                                                helper.make_tensor_value_info("x", T.FLOAT, ["batch", "seq", D]),
@@ -106,6 +108,14 @@ def test_optimize_rewrites_both_branches_and_computes_what_stock_does(tmp_path: 
                 np.testing.assert_allclose(session.run(None, feed)[0], want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_branches_named_as_the_if_outputs_infer(tmp_path: Path) -> None:
+    """optimum names the If's outputs as its branches' (``logits``, ``present.0.key``). onnxruntime's symbolic shape
+    inference handed each branch the If's untyped outputs as outer values, and failed on the Add making one."""
+    onnx.save(_merged(outputs=("y", "y")), str(tmp_path / "m.onnx"))
+    result = scan(tmp_path / "m.onnx")
+    assert len(result.workloads) == 4 and result.skipped == ()
+
+
 def test_a_branch_reading_a_value_of_a_computed_dim_is_left_with_the_reason(tmp_path: Path) -> None:
     """The then branch reads Concat(past, x) from the main graph: its dim past_seq + seq is no input dim, so
     --dim cannot give it values; that branch stays as it is, the other is tuned."""
@@ -164,7 +174,7 @@ def test_splice_renames_what_would_shadow_an_outer_value_and_keeps_function_bodi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2-torchscript", "bert-torchscript"])
+@pytest.mark.parametrize("name", ["gpt2-torchscript", "bert-torchscript", "llama-dynamo"])
 def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) -> None:
     """A TorchScript export merged with itself the way optimum merges a decoder and its with-past twin: the
     weights in the main graph, both branches with the same value names (sibling scopes may repeat names). Both
@@ -179,13 +189,16 @@ def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) ->
     case = CASES_BY_NAME[name]
     built = build_case(case, tmp_path)
     decoder = onnx.load(str(built.path))
-    branch = helper.make_graph(list(decoder.graph.node), "decoder", [], list(decoder.graph.output))
-    twin = helper.make_graph(list(decoder.graph.node), "decoder_with_past", [], list(decoder.graph.output))
+    # as optimum's merge_decoders: scalars and 1-D int32/int64 initializers stay in each branch, the rest go up
+    local = [t for t in decoder.graph.initializer if not t.dims or (len(t.dims) == 1 and t.data_type in (6, 7))]
+    shared = [t for t in decoder.graph.initializer if t not in local]
+    branch = helper.make_graph(list(decoder.graph.node), "no_past", [], list(decoder.graph.output), local)
+    twin = helper.make_graph(list(decoder.graph.node), "with_past", [], list(decoder.graph.output), local)
     merged = helper.make_graph(
         [helper.make_node("If", ["use_cache_branch"], [o.name for o in decoder.graph.output], then_branch=twin,
                           else_branch=branch, name="optimum::if")],
         "merged", list(decoder.graph.input) + [helper.make_tensor_value_info("use_cache_branch", T.BOOL, [1])],
-        list(decoder.graph.output), list(decoder.graph.initializer))
+        list(decoder.graph.output), shared)
     model = helper.make_model(merged, opset_imports=list(decoder.opset_import))
     model.ir_version = decoder.ir_version
     src, out = tmp_path / "decoder_model_merged.onnx", tmp_path / "merged.opt.onnx"

@@ -255,11 +255,12 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
 
 @functools.cache
 def _symbolic_shape_inference() -> type:
-    """onnxruntime's SymbolicShapeInference, with two gaps filled:
+    """onnxruntime's SymbolicShapeInference, with three gaps filled:
 
     - ONNX's own Attention (opset 23, torch's dynamo exporter writes it for scaled_dot_product_attention from
       ``opset_version=23``): the tool picks its handlers by op type alone and reads that node as com.microsoft's
       Attention (an AssertionError on a bias shape it does not have);
+    - a subgraph's own values: the tool hands a subgraph the outer values of the same names (below);
     - the product of a shape's dims by a ReduceProd over all of a 1-D shape vector, kept as a 1-element vector
       (tf2onnx's Einsum writes ``Reshape(x, Concat(ReduceProd(Gather(Shape(x), batch axes)), ...))``): the tool
       computes only ``axes=[0], keepdims=0``, and every shape behind such a Reshape became data-dependent."""
@@ -269,6 +270,19 @@ def _symbolic_shape_inference() -> type:
                                                         get_shape_from_sympy_shape, sympy_reduce_product)
 
     class Inference(SymbolicShapeInference):  # type: ignore[misc]
+        def _onnx_infer_subgraph(self, node: onnx.NodeProto, subgraph: onnx.GraphProto, *args: Any,
+                                 **kwargs: Any) -> Any:
+            # The tool gives a subgraph every value it knows as an outer one, also those the subgraph makes
+            # itself. optimum's merged decoders name the If's outputs as its branches' (``logits``): the If's
+            # still untyped outputs then reached the branch, and the Add/Mul/MatMul making one failed the tool's
+            # rank check on them (an AssertionError). A subgraph's own values shadow the outer ones.
+            made = {o for n in subgraph.node for o in n.output if o}
+            hidden = {name: self.known_vi_.pop(name) for name in list(self.known_vi_) if name in made}
+            try:
+                return super()._onnx_infer_subgraph(node, subgraph, *args, **kwargs)
+            finally:
+                self.known_vi_.update(hidden)
+
         def _infer_ReduceProd(self, node: onnx.NodeProto) -> None:  # noqa: N802
             super()._infer_ReduceProd(node)
             if node.output[0] in self.sympy_data_ or (len(node.input) > 1 and node.input[1]):
