@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import onnx
 from onnx import helper
@@ -33,7 +33,7 @@ from tuner.rewrite import _drop_unread, names_in_use, unique_name
 from tuner.scan import (_OPS, ScanResult, Skipped, _inference_copy, _infer, _label, _names, model_symbols, node_reads,
                         scan_model)
 
-__all__ = ["Branch", "Unit", "branch_models", "scan_units", "splice", "holds_products"]
+__all__ = ["Branch", "Unit", "branch_models", "scan_units", "merge_units", "located", "splice", "holds_products"]
 
 _BRANCHES = ("then_branch", "else_branch")
 
@@ -85,6 +85,24 @@ def scan_units(model: onnx.ModelProto, base_dir: Path | None,
 
     visit(model, "", None, -1, 0)
     return units
+
+
+def located(where: str, text: str) -> str:
+    """A node's name (or a message) prefixed with the If branch it is in; as it is for the main graph's."""
+    return f"{where}: {text}" if where else text
+
+
+def merge_units(results: Sequence[tuple[str, ScanResult]]) -> ScanResult:
+    """The scans of a model's main graph (``where`` "") and its If branches as one, for display: a branch's node
+    names and pre-pass lines are prefixed with where it is."""
+    main = results[0][1]
+    return ScanResult(
+        tuple(sorted({s for _, r in results for s in r.symbols})),
+        tuple(replace(w, nodes=tuple(located(where, n) for n in w.nodes)) for where, r in results for w in r.workloads),
+        tuple(replace(s, node=located(where, s.node)) for where, r in results for s in r.skipped),
+        main.input_dims,
+        tuple(replace(s, node=located(where, s.node)) for where, r in results for s in r.unfused),
+        tuple(located(where, line) for where, r in results for line in r.prepared))
 
 
 def holds_products(graph: onnx.GraphProto) -> bool:

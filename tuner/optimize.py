@@ -152,7 +152,7 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     """Check the paths and options, load one model, prepare and scan its main graph and its If branches (each
     tuned as a model of its own, tuner/branches.py) and attach their instances (of several models, and of a
     branch, each takes the --dim options that name its symbols)."""
-    from tuner.branches import scan_units
+    from tuner.branches import located, scan_units
 
     _preflight(model_path, output, options)
     model = load_model(model_path, load_external_data=False)  # weights stay in their files: save streams them
@@ -179,17 +179,14 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
                             "(other ops, MatMulInteger and the quantized ones included, are not tuned)")
     if not any(u.scanned.workloads for u in units):
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
-                            + "; ".join(f"{_at(u.where, s.node)}: {s.reason}" for u in units for s in u.scanned.skipped))
+                            + "; ".join(f"{located(u.where, s.node)}: {s.reason}" for u in units for s in u.scanned.skipped))
     return units
 
 
 def _log_at(log: Callable[[str], None], where: str, line: str) -> None:
-    log(_at(where, line))
+    from tuner.branches import located
 
-
-def _at(where: str, node: str) -> str:
-    """A node's name, prefixed with the If branch it is in (none for the main graph's)."""
-    return f"{where}: {node}" if where else node
+    log(located(where, line))
 
 
 def _pack_projections(model_path: Path, model: "onnx.ModelProto", targets: Sequence[str]) -> "onnx.ModelProto":
@@ -243,7 +240,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
         raise DietcodeError("no model to optimize")
     if len({o.resolve() for _, o in pairs}) < len(pairs):
         raise DietcodeError("two models would be written to the same output path")
-    from tuner.branches import splice
+    from tuner.branches import located, splice
 
     several = len(pairs) > 1
     # each model's main graph and If branches, as units; flat: (model index, unit), parents before their branches
@@ -261,7 +258,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             raise DietcodeError(f"--dim {unused[0]!r} names a symbol none of the models has")
 
     def prefix(i: int, u: Unit) -> str:
-        return (f"{pairs[i][0].name}: " if several else "") + (f"{u.where}: " if u.where else "")
+        return (f"{pairs[i][0].name}: " if several else "") + located(u.where, "")
 
     for i, u in flat:
         if u.scanned.prepared:
@@ -306,7 +303,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     for (i, u), sites, attention_bundle in zip(flat, attention, attention_bundles):
         model_path = pairs[i][0]
         bundles, infos = {}, {}
-        left[i].extend((_at(u.where, s.node), s.reason) for s in u.scanned.skipped)
+        left[i].extend((located(u.where, s.node), s.reason) for s in u.scanned.skipped)
         for w in u.scanned.workloads:
             problems = merge_problems(w)
             chosen = chosen_by_key[_tuning_key(w, problems)]
@@ -315,7 +312,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             why = _loses(report, options.min_speedup)
             if why:  # no bundle: the rewrite leaves its nodes as they are
                 any_lost = True
-                left[i].extend((_at(u.where, node), why) for node in w.nodes)
+                left[i].extend((located(u.where, node), why) for node in w.nodes)
                 for node in w.nodes:
                     log(f"{prefix(i, u)}left as it is: {node} ({w.onnx_op}): {why}")
                 continue
@@ -337,7 +334,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                                       bundles=attention_bundle)
             log(f"{prefix(i, u)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
                 "with tuned kernels")
-        rewritten[i].extend(_at(u.where, n) for n in result.rewritten)
+        rewritten[i].extend(located(u.where, n) for n in result.rewritten)
         any_changed = any_changed or bool(result.rewritten or sites)
         done.append(result.model)
     if any_lost and not any_changed:

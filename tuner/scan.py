@@ -1281,28 +1281,12 @@ def prepare_graph(model: onnx.ModelProto, base_dir: Path | None) -> Prepared:
 def scan(path: str | Path, dims: Sequence[str] = (), shapes_file: str | Path | None = None) -> ScanResult:
     """Load and scan a model file as ``optimize`` sees it (after ``prepare_graph``); weights stored as external
     data are read only where a pre-pass folds into them (otherwise only their shapes)."""
-    from tuner.branches import scan_units
+    from tuner.branches import merge_units, scan_units
 
     base_dir = Path(path).parent
     units = scan_units(load_model(path, load_external_data=False), base_dir,
                        lambda model: prepare_graph(model, base_dir))
     return attach_instances(merge_units([(u.where, u.scanned) for u in units]), dims, shapes_file)
-
-
-def merge_units(results: Sequence[tuple[str, ScanResult]]) -> ScanResult:
-    """The scans of a model's main graph (``where`` "") and its If branches as one, for display: a branch's node
-    names and pre-pass lines are prefixed with where it is."""
-    def at(where: str, text: str) -> str:
-        return f"{where}: {text}" if where else text
-
-    main = results[0][1]
-    return ScanResult(
-        tuple(sorted({s for _, r in results for s in r.symbols})),
-        tuple(replace(w, nodes=tuple(at(where, n) for n in w.nodes)) for where, r in results for w in r.workloads),
-        tuple(replace(s, node=at(where, s.node)) for where, r in results for s in r.skipped),
-        main.input_dims,
-        tuple(replace(s, node=at(where, s.node)) for where, r in results for s in r.unfused),
-        tuple(at(where, line) for where, r in results for line in r.prepared))
 
 
 def to_json(result: ScanResult) -> dict:
