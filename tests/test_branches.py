@@ -240,3 +240,91 @@ def test_splice_keeps_in_the_branch_a_constant_it_returns() -> None:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feed = {"use_cache": np.array([False]), "x": np.zeros((1, 2, D), np.float32), "past": np.zeros((1, 0, D), np.float32)}
     np.testing.assert_array_equal(session.run(None, feed)[0], np.ones((1, 1, D), np.float32))
+
+
+def _decoder_layer(d: int = 32, heads: int = 2):
+    """A pre-LayerNorm decoder layer whose K and V are its past's concatenated with the new ones when it is given a
+    past (the layout of a decoder with past): returns (hidden, present K, present V)."""
+    import torch
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+            self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+
+        def split(self, x):
+            return x.view(x.shape[0], x.shape[1], heads, d // heads).transpose(1, 2)
+
+        def forward(self, x, past_k=None, past_v=None):
+            h = self.ln1(x)
+            q, k, v = self.split(self.q(h)), self.split(self.k(h)), self.split(self.v(h))
+            if past_k is not None:
+                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / (d // heads) ** 0.5, dim=-1)
+            x = x + self.o(torch.matmul(p, v).transpose(1, 2).reshape(x.shape))
+            return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x)))), k, v
+
+    torch.manual_seed(0)
+    return Layer().eval()
+
+
+@pytest.mark.slow
+def test_a_decoder_and_its_with_past_twin_merged(tmp_path: Path) -> None:
+    """Two TorchScript exports of one decoder layer, without and with its past K/V (inputs ``past.key`` /
+    ``past.value`` concatenated before attention), merged into one If with the weights deduplicated by content in
+    the main graph: each branch's attention is fused (the with-past one over Tk = past_seq + seq), and outputs
+    agree with stock ORT through both branches, a past of length 0 included."""
+    torch = pytest.importorskip("torch")
+    layer = _decoder_layer()
+    outs = ["hidden", "present.key", "present.value"]
+    x, past = torch.randn(2, 5, 32), torch.randn(2, 2, 3, 16)
+    seq = {0: "batch", 1: "seq"}
+    torch.onnx.export(layer, (x,), str(tmp_path / "a.onnx"), dynamo=False, input_names=["x"], output_names=outs,
+                      opset_version=17, dynamic_axes={"x": seq, "hidden": seq, "present.key": {0: "batch", 2: "seq"},
+                                                      "present.value": {0: "batch", 2: "seq"}})
+    total = {0: "batch", 2: "total"}
+    torch.onnx.export(layer, (x, past, past), str(tmp_path / "b.onnx"), dynamo=False,
+                      input_names=["x", "past.key", "past.value"], output_names=outs, opset_version=17,
+                      dynamic_axes={"x": seq, "hidden": seq, "past.key": {0: "batch", 2: "past_seq"},
+                                    "past.value": {0: "batch", 2: "past_seq"}, "present.key": total,
+                                    "present.value": total})
+    shared: dict[bytes, onnx.TensorProto] = {}
+    branches = []
+    for tag, name in (("no_past", "a.onnx"), ("with_past", "b.onnx")):
+        export = onnx.load(str(tmp_path / name))
+        rename = {}
+        for t in export.graph.initializer:  # the exports number their constants apart: deduplicate by content
+            key = bytes([t.data_type]) + str(list(t.dims)).encode() + numpy_helper.to_array(t).tobytes()
+            if key not in shared:
+                shared[key] = numpy_helper.from_array(numpy_helper.to_array(t), f"{t.name}_{tag}")
+            rename[t.name] = shared[key].name
+        for n in export.graph.node:
+            n.input[:] = [rename.get(i, i) for i in n.input]
+        branches.append(helper.make_graph(list(export.graph.node), tag, [], list(export.graph.output)))
+    graph = helper.make_graph(
+        [helper.make_node("If", ["use_cache_branch"], outs, then_branch=branches[1], else_branch=branches[0],
+                          name="optimum::if")], "merged",
+        list(export.graph.input) + [helper.make_tensor_value_info("use_cache_branch", T.BOOL, [1])],
+        list(export.graph.output), list(shared.values()))
+    model = helper.make_model(graph, opset_imports=list(export.opset_import))
+    model.ir_version = export.ir_version
+    src, out = tmp_path / "merged.onnx", tmp_path / "merged.opt.onnx"
+    onnx.save(model, str(src))
+    lines: list[str] = []
+    optimize(src, out, _options(tmp_path, "batch=1,2", "seq=1:16:4", "past_seq=0:32:8"), log=lines.append)
+    assert any("Tk=past_seq + seq" in line for line in lines)
+    nodes = [n for n, _, _ in dietcode_nodes(onnx.load(str(out)))]
+    assert sum(n.op_type == "Attention" for n in nodes) == 2 and len(nodes) == 14  # and 6 GEMMs a branch
+    rng = np.random.default_rng(0)
+    sessions = _sessions(src, out)
+    for use_cache in (True, False):
+        for b, s, p in ((1, 1, 0), (1, 1, 31), (3, 20, 40)):
+            feed = {"use_cache_branch": np.array([use_cache]), "x": rng.standard_normal((b, s, 32)).astype(np.float32),
+                    "past.key": rng.standard_normal((b, 2, p, 16)).astype(np.float32),
+                    "past.value": rng.standard_normal((b, 2, p, 16)).astype(np.float32)}
+            want = sessions[0][1].run(None, feed)
+            for name, session in sessions[1:]:
+                for got, expected in zip(session.run(None, feed), want):
+                    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=f"{name} {b, s, p}")
