@@ -150,6 +150,51 @@ def t5_encoder(dtype: str = "float32") -> TorchModel:
     return _text(T5EncoderModel(cfg), dtype)
 
 
+def _decoder(model, dtype: str) -> TorchModel:
+    """A decoder with cross-attention, as the decoder half of an encoder-decoder model is exported: token ids
+    [batch, sequence] and the encoder's output [batch, source, hidden] (the source length its own dim)."""
+    import torch
+
+    _randomize(model)
+    if dtype == "float16":
+        model = model.half()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=g)
+    states = torch.randn(2, 11, TINY_TEXT["hidden"], generator=g)
+    states = states.half() if dtype == "float16" else states
+    names = ("input_ids", "encoder_hidden_states")
+    roles = {0: "batch", 1: "sequence"}
+    return TorchModel(_wrap(model.eval(), names, "last_hidden_state"), names, (ids, states),
+                      {"input_ids": roles, "encoder_hidden_states": {0: "batch", 1: "source"}}, "last_hidden_state",
+                      roles, {"input_ids": "ids", "encoder_hidden_states": "float"})
+
+
+def bart_decoder(dtype: str = "float32") -> TorchModel:
+    """BART's decoder: causal self-attention, cross-attention over the encoder's output, post-LN."""
+    from transformers import BartConfig
+    from transformers.models.bart.modeling_bart import BartDecoder
+
+    t = TINY_TEXT
+    cfg = BartConfig(vocab_size=VOCAB, d_model=t["hidden"], encoder_layers=t["layers"], decoder_layers=t["layers"],
+                     encoder_attention_heads=t["heads"], decoder_attention_heads=t["heads"], encoder_ffn_dim=t["ffn"],
+                     decoder_ffn_dim=t["ffn"], max_position_embeddings=t["positions"], use_cache=False,
+                     decoder_start_token_id=2, **_tokens())
+    return _decoder(BartDecoder(cfg), dtype)
+
+
+def t5_decoder(dtype: str = "float32") -> TorchModel:
+    """T5's decoder: relative position bias in self-attention, cross-attention, RMS norms, no biases."""
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Stack
+
+    t = TINY_TEXT
+    cfg = T5Config(vocab_size=VOCAB, d_model=t["hidden"], d_kv=t["hidden"] // t["heads"], d_ff=t["ffn"],
+                   num_layers=t["layers"], num_decoder_layers=t["layers"], num_heads=t["heads"],
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16, use_cache=False,
+                   is_decoder=True, is_encoder_decoder=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return _decoder(T5Stack(cfg), dtype)
+
+
 def vit(dtype: str = "float32") -> TorchModel:
     """ViT: a 8x8/stride-8 Conv patch embedding on a fixed 32x32 image, then a transformer encoder."""
     from transformers import ViTConfig, ViTModel
@@ -404,7 +449,7 @@ def convnext(dtype: str = "float32") -> TorchModel:
 MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
     "bert": bert, "distilbert": distilbert, "gpt2": gpt2, "llama": llama, "t5-encoder": t5_encoder,
     "vit": vit, "dinov2": dinov2, "whisper-encoder": whisper_encoder, "resnet18": resnet18, "mobilenet-v2": mobilenet_v2,
-    "efficientnet": efficientnet, "convnext": convnext,
+    "efficientnet": efficientnet, "convnext": convnext, "bart-decoder": bart_decoder, "t5-decoder": t5_decoder,
 }
 
 
@@ -617,6 +662,10 @@ def feeds(path: Path, built: Built, shape: dict[str, int], seed: int = 0) -> dic
 TEXT_TUNED = {"batch": "1,2", "sequence": "4:16:4"}
 TEXT_PROBES = ({"batch": 1, "sequence": 4}, {"batch": 2, "sequence": 11}, {"batch": 3, "sequence": 1},
                {"batch": 1, "sequence": 37})
+# a decoder with cross-attention: the source (the encoder's output length) its own dim
+DECODER_TUNED = {"batch": "1,2", "sequence": "4:16:4", "source": "8:24:8"}
+DECODER_PROBES = ({"batch": 1, "sequence": 4, "source": 8}, {"batch": 2, "sequence": 11, "source": 13},
+                  {"batch": 3, "sequence": 1, "source": 40}, {"batch": 1, "sequence": 37, "source": 5})
 BATCH_TUNED = {"batch": "1,2"}
 BATCH_PROBES = ({"batch": 1}, {"batch": 2}, {"batch": 5})
 IMAGE_TUNED = {"batch": "1,2", "height": "32,64", "width": "32,64"}
@@ -672,6 +721,10 @@ CASES: tuple[Case, ...] = tuple(
     + _exports("t5-encoder", dy_unsupported="torch.export cannot trace T5's attention reshape with a "
                "dynamic sequence: ValueError: Cannot view a tensor with shape [s, s, 2, 16] and strides "
                "(32*s, 16, 16*s, 1) as a tensor with shape (s, s, 32)")
+    # the decoder halves of encoder-decoder models: causal self-attention and cross-attention over the encoder's
+    # output, whose length (source) is a dim of its own
+    + _exports("bart-decoder", tuned=DECODER_TUNED, probes=DECODER_PROBES)
+    + _exports("t5-decoder", tuned=DECODER_TUNED, probes=DECODER_PROBES)
     + _exports("vit", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("vit", "float16", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)
     + _exports("dinov2", tuned=BATCH_TUNED, probes=BATCH_PROBES, text=False)

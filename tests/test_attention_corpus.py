@@ -17,13 +17,15 @@ pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LAYERS = 2  # every text/vision model of the corpus has two layers
+CHAINS = {"bart-decoder": 2 * LAYERS, "t5-decoder": 2 * LAYERS}  # a decoder's self- and cross-attention; else one
 # case -> the reason its chains stay unfused, "" when each layer's chain fuses
 EXPECTED = {
     "bert-torchscript": "", "bert-dynamo": "", "distilbert-torchscript": "", "distilbert-dynamo": "",
     "gpt2-torchscript": "", "gpt2-dynamo": "", "llama-torchscript": "", "llama-dynamo": "",
     "t5-encoder-torchscript": "", "vit-torchscript": "", "vit-dynamo": "", "vit-fp16-torchscript": "",
     "whisper-encoder-torchscript": "", "bert-opset17-torchscript": "", "bert-inits-as-inputs-torchscript": "",
-    "llama-fp16-dynamo": "",
+    "llama-fp16-dynamo": "", "bart-decoder-torchscript": "", "bart-decoder-dynamo": "",
+    "t5-decoder-torchscript": "", "t5-decoder-dynamo": "",
     # float16 LLaMA through TorchScript computes the softmax in float32 and keeps the probabilities there: V is
     # Cast up to float32 for the AV product, whose float32 output feeds the output projection
     "llama-fp16-torchscript": "the probabilities multiply V of float32 while Q is float16 (the AV product and the "
@@ -40,10 +42,10 @@ def test_corpus_attention_fuses_and_matches_stock_ort(name: str, tmp_path) -> No
     if EXPECTED[name]:
         assert found.sites == () and {why for _, why in found.skipped} == {EXPECTED[name]}
         return
-    assert len(found.sites) == LAYERS and found.skipped == ()
+    assert len(found.sites) == CHAINS.get(CASES_BY_NAME[name].model, LAYERS) and found.skipped == ()
     fused, _ = fuse_attention(model, found.sites)
     assert "Softmax" not in {n.op_type for n in fused.graph.node}
-    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "height": 32, "width": 32})
+    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "source": 13, "height": 32, "width": 32})
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     opts = ort.SessionOptions()
     register(opts)
@@ -92,7 +94,7 @@ def test_corpus_head_split_transposes_are_absorbed(name: str, tmp_path) -> None:
             assert g_op(model, site.q) in ("Reshape", "Mul")
         if site.layout & LAYOUT_BITS["out"]:
             assert any(n.op_type == "Reshape" and n.input[0] == site.output for n in fused.graph.node)
-    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "height": 32, "width": 32})
+    inputs = feeds(built.path, built, {"batch": 2, "sequence": 7, "source": 13, "height": 32, "width": 32})
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     opts = ort.SessionOptions()
     register(opts)
@@ -136,7 +138,7 @@ def test_corpus_exports_pack_after_the_pre_pass(name: str, tmp_path) -> None:
     found = find_attention(packed, built.path.parent)
     fused, _ = fuse_attention(packed, found.sites)
     onnx.checker.check_model(fused)
-    assert len(found.sites) == LAYERS and found.skipped == ()
+    assert len(found.sites) == CHAINS.get(CASES_BY_NAME[name].model, LAYERS) and found.skipped == ()
     kept = [n.op_type for n in fused.graph.node].count("Transpose")
     assert (sum(bool(s.packed) for s in found.sites), kept) == PREPARED[name]
     for batch, seq in ((2, 7), (1, 1)):

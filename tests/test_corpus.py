@@ -153,7 +153,8 @@ def test_whisper_conv1d_front_end_is_tuned_with_its_gelu(corpus, case):
 # dtype): GPT-2's tanh Gelu behind its Conv1D's Reshape, LLaMA's SiLU on the MLP gate, MobileNetV2's ReLU6
 # after every conv, its depthwise (grouped) ones too
 FUSED_ACTIVATIONS = {"gpt2": ("Tanh", "gelu_tanh", "Gemm"), "llama": ("Sigmoid", "silu", "MatMul"),
-                     "mobilenet-v2": ("Clip", "relu6", "Conv"), "bert": ("Erf", "gelu", "MatMul")}
+                     "mobilenet-v2": ("Clip", "relu6", "Conv"), "bert": ("Erf", "gelu", "MatMul"),
+                     "bart-decoder": ("Erf", "gelu", "MatMul"), "t5-decoder": ("Relu", "relu", "MatMul")}
 
 
 @pytest.mark.parametrize("case", [_param(c, "fused") for c in CASES if c.model in FUSED_ACTIVATIONS
@@ -198,7 +199,7 @@ def test_dinov2_layer_scale_is_folded_and_its_residuals_fused(corpus, case):
 
 
 @pytest.mark.parametrize("case", [_param(c, "residual") for c in CASES if c.exporter in ("torchscript", "dynamo")
-                                  and c.model in ("bert", "distilbert", "gpt2", "vit", "dinov2")])
+                                  and c.model in ("bert", "distilbert", "gpt2", "vit", "dinov2", "bart-decoder")])
 def test_real_exports_fuse_the_residual_before_each_layer_norm(corpus, case):
     """Each skip connection the transformers write before a LayerNorm (post-LN BERT, pre-LN GPT-2 and ViT) is a
     residual Add fused into the product before it: a MatMul's, or GPT-2's Conv1D Gemm's behind its Reshape back to
