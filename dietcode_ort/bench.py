@@ -234,13 +234,26 @@ def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = ()) 
 
 # --- inputs -------------------------------------------------------------------------------------------
 
+def _nodes(graph: Any) -> list[Any]:
+    """The graph's nodes and those of its subgraphs (If branches: a merged decoder's embedding is in both)."""
+    out = []
+    for node in graph.node:
+        out.append(node)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                out.extend(_nodes(sub))
+    return out
+
+
 def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int | None:
-    """Rows of the initializer a Gather indexes with ``name`` (following Cast/Reshape/... on the way)."""
+    """Rows of the initializer a Gather indexes with ``name`` (following Cast/Reshape/... on the way), in the graph
+    or its subgraphs."""
     frontier, seen = [name], set()
+    nodes = _nodes(graph)
     while frontier:
         cur = frontier.pop()
         seen.add(cur)
-        for node in graph.node:
+        for node in nodes:
             if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == cur \
                     and node.input[0] in initializers and initializers[node.input[0]].dims:
                 return int(initializers[node.input[0]].dims[0])

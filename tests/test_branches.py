@@ -14,6 +14,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import dietcode_ort
+from dietcode_ort.bench import model_info
 from dietcode_ort.bundle import dietcode_nodes, node_bundles
 from tuner.branches import branch_models, splice
 from tuner.optimize import OptimizeOptions, optimize
@@ -203,6 +204,7 @@ def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) ->
     model.ir_version = decoder.ir_version
     src, out = tmp_path / "decoder_model_merged.onnx", tmp_path / "merged.opt.onnx"
     onnx.save(model, str(src))
+    assert model_info(model).vocab == (("input_ids", 100),)  # bench's ids index the embedding inside the branches
     dims = [f"{sym}={spec}" for role, spec in case.tuned.items() for sym in built.symbols[role]]
     report = optimize(src, out, _options(tmp_path, *dims), log=lambda _: None)
     sides = {n.split("': ")[0] + "'" for n in report.rewritten}
