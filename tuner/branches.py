@@ -33,7 +33,7 @@ from tuner.rewrite import _drop_unread, names_in_use, unique_name
 from tuner.scan import (_OPS, ScanResult, Skipped, _inference_copy, _infer, _label, _names, model_symbols, node_reads,
                         scan_model)
 
-__all__ = ["Branch", "Unit", "branch_models", "scan_units", "merge_units", "located", "splice", "holds_products"]
+__all__ = ["Branch", "Unit", "branch_models", "scan_units", "merge_units", "located", "splice"]
 
 _BRANCHES = ("then_branch", "else_branch")
 
@@ -105,18 +105,8 @@ def merge_units(results: Sequence[tuple[str, ScanResult]]) -> ScanResult:
         tuple(located(where, line) for where, r in results for line in r.prepared))
 
 
-def holds_products(graph: onnx.GraphProto) -> bool:
-    """Whether the graph or one of its subgraphs has a MatMul, Gemm or Conv node."""
-    for node in graph.node:
-        if node.op_type in _OPS and node.domain in ("", "ai.onnx"):
-            return True
-        for attr in node.attribute:
-            if any(holds_products(g) for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)):
-                return True
-    return False
-
-
 def _products(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's MatMul, Gemm and Conv nodes, and its subgraphs'."""
     out = []
     for node in graph.node:
         if node.op_type in _OPS and node.domain in ("", "ai.onnx"):
@@ -162,7 +152,7 @@ def branch_models(model: onnx.ModelProto, base_dir: Path | None = None) -> tuple
         if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
             continue
         for attr in node.attribute:
-            if attr.name not in _BRANCHES or attr.type != onnx.AttributeProto.GRAPH or not holds_products(attr.g):
+            if attr.name not in _BRANCHES or attr.type != onnx.AttributeProto.GRAPH or not _products(attr.g):
                 continue
             where = f"the {attr.name} of If {_label(node)!r}"
             values, why = [], ""
