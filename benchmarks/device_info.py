@@ -175,7 +175,7 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
         folder = out / path.name.removesuffix(".onnx")
         folder.mkdir(parents=True, exist_ok=True)
         nodes = {}
-        custom = [n for n, _, _ in dietcode_nodes(model)]
+        custom = [d.node for d in dietcode_nodes(model)]
         for node, bundle in zip(custom, node_bundles(model, str(path.parent))):  # each bundle is a shared input
             name = hashlib.sha256(bundle.payload).hexdigest()[:16] + ".bundle"
             if not (folder / name).exists():

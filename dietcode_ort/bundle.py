@@ -13,7 +13,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
@@ -21,7 +21,7 @@ from dietcode_ort.toolchain import format_isa, ptx_isa
 __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "dietcode_nodes", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
+    "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -878,25 +878,34 @@ class NodeBundle:
     payload: bytes
 
 
-def dietcode_nodes(model: Any) -> list[tuple[Any, dict[str, Any], set[str]]]:
+class DietcodeNode(NamedTuple):
+    """An ``ai.dietcode`` node, with the initializers and graph inputs its graph sees and where that graph is."""
+
+    node: Any
+    initializers: dict[str, Any]  # its graph's and the outer graphs' (a subgraph's own shadow the outer ones)
+    inputs: set[str]  # the graph inputs among those names
+    where: str  # "" in the main graph; "the then_branch of If 'name'" (nested: joined by " > ")
+
+
+def dietcode_nodes(model: Any) -> list[DietcodeNode]:
     """Every ``ai.dietcode`` node of an ``onnx.ModelProto`` that takes a bundle (not ``BUNDLELESS_OPS``), in graph
     order, the nodes of an If branch or a loop body right after the node holding it (``optimize`` rewrites If
-    branches too); each with the initializers and the graph inputs its graph sees (a subgraph sees its outer
-    graphs' values, its own shadowing them)."""
-    out: list[tuple[Any, dict[str, Any], set[str]]] = []
+    branches too)."""
+    out: list[DietcodeNode] = []
 
-    def walk(graph: Any, inits: dict[str, Any], inputs: set[str]) -> None:
+    def walk(graph: Any, inits: dict[str, Any], inputs: set[str], where: str) -> None:
         own = {t.name: t for t in graph.initializer}
         inits = {**inits, **own}
         inputs = (inputs - set(own)) | {v.name for v in graph.input}
         for node in graph.node:
             if node.domain == DOMAIN and node.op_type not in BUNDLELESS_OPS:
-                out.append((node, inits, inputs))
+                out.append(DietcodeNode(node, inits, inputs, where))
             for a in node.attribute:
                 for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    walk(sub, inits, inputs)
+                    inner = f"the {a.name} of {node.op_type} {node.name or node.output[0]!r}"
+                    walk(sub, inits, inputs, f"{where} > {inner}" if where else inner)
 
-    walk(model.graph, {}, set())
+    walk(model.graph, {}, set(), "")
     return out
 
 
@@ -910,7 +919,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
 
     payloads: dict[str, bytes] = {}
     out = []
-    for i, (node, inits, graph_inputs) in enumerate(dietcode_nodes(model)):
+    for i, (node, inits, graph_inputs, _) in enumerate(dietcode_nodes(model)):
         label = f"node {node.name or i!r} ({node.op_type})"
         if any(a.name == "bundle" for a in node.attribute):
             raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "

@@ -121,9 +121,9 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
     """Each ai.dietcode node's description; ``base_dir``: where the model's external data lives when it was
     loaded without it."""
     nodes: list[dict] = []
-    custom = [n for n, _, _ in dietcode_nodes(model)]
+    custom = dietcode_nodes(model)
     parsed: dict[str, Bundle] = {}
-    for node, where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
+    for (node, _, _, graph), where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
         attrs = {a.name: a for a in node.attribute}
         if where.initializer not in parsed:
             try:
@@ -135,6 +135,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
         nodes.append({
             # exporters may leave names empty: then the node is named by its output
             "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
+            "graph": graph,  # "" in the main graph, else the If branch (or loop body) it is in
             "epilogue": epilogue_of(node),
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
             "view": _view(bundle),
@@ -226,7 +227,7 @@ def inspect_command(path: str, as_json: bool) -> int:
             names = [name + _kernel_facts(k) for name, k in zip(names, n["kernels"])]
         kernels = "\n".join(names)
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
-        table.add_row(n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
+        table.add_row(f"{n['graph']}: {n['name']}" if n["graph"] else n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:

@@ -16,6 +16,7 @@ from onnx import helper, numpy_helper
 import dietcode_ort
 from dietcode_ort.bench import model_info
 from dietcode_ort.bundle import dietcode_nodes, node_bundles
+from dietcode_ort.inspect_model import describe
 from tuner.branches import branch_models, splice
 from tuner.optimize import OptimizeOptions, optimize
 from tuner.scan import scan
@@ -96,6 +97,8 @@ def test_optimize_rewrites_both_branches_and_computes_what_stock_does(tmp_path: 
         assert not g.initializer
         assert [n.op_type for n in g.node if n.domain == "ai.dietcode"] == ["MatMulBiasRelu", "MatMulResidual"]
     assert len(dietcode_nodes(model)) == 4 and len(node_bundles(model, str(tmp_path))) == 4
+    assert sorted(n["graph"] for n in describe(model, tmp_path)) == ["the else_branch of If 'merged'"] * 2 + \
+        ["the then_branch of If 'merged'"] * 2  # inspect names where each node is
     assert {t.name for t in model.graph.initializer} >= {"w1", "b1", "w2"}
     rng = np.random.default_rng(1)
     sessions = _sessions(src, out)
@@ -210,7 +213,7 @@ def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) ->
     sides = {n.split("': ")[0] + "'" for n in report.rewritten}
     assert sides == {"the then_branch of If 'optimum::if'", "the else_branch of If 'optimum::if'"}
     optimized = onnx.load(str(out))
-    assert sum(n.op_type == "Attention" for n, _, _ in dietcode_nodes(optimized)) == 4  # two layers, two branches
+    assert sum(n.op_type == "Attention" for n, _, _, _ in dietcode_nodes(optimized)) == 4  # two layers, two branches
     read = set().union(*(node_reads(n) for n in optimized.graph.node))
     assert [t.name for t in optimized.graph.initializer if t.name not in read] == []
     big = [t for t in optimized.graph.initializer if len(t.raw_data) > 1024]
@@ -317,7 +320,7 @@ def test_a_decoder_and_its_with_past_twin_merged(tmp_path: Path) -> None:
     lines: list[str] = []
     optimize(src, out, _options(tmp_path, "batch=1,2", "seq=1:16:4", "past_seq=0:32:8"), log=lines.append)
     assert any("Tk=past_seq + seq" in line for line in lines)
-    nodes = [n for n, _, _ in dietcode_nodes(onnx.load(str(out)))]
+    nodes = [n for n, _, _, _ in dietcode_nodes(onnx.load(str(out)))]
     assert sum(n.op_type == "Attention" for n in nodes) == 2 and len(nodes) == 14  # and 6 GEMMs a branch
     rng = np.random.default_rng(0)
     sessions = _sessions(src, out)
