@@ -109,8 +109,8 @@ def test_a_shared_weight_is_copied_and_initializer_inputs_are_reshaped():
     assert noted.notes == (("y", "auto_pad=SAME_UPPER at stride 2 (its pads change with the length): stays 1-D, "
                                  "and is not tuned"),)
     assert [s.reason for s in scan_model(kept).skipped] == [
-        "a 1-D convolution is tuned (as a 2-D one) only with a constant weight and, at a stride above 1, explicit "
-        "pads (not auto_pad SAME)"]
+        "a 1-D convolution is tuned (as a 2-D one) only with a constant weight and, at a stride above 1, pads that "
+        "do not change with the length (not auto_pad SAME with a kernel over 1 wide)"]
     weights = {t.name: list(t.dims) for t in out.graph.initializer if t.name.startswith("w")}
     assert weights == {"w_2d": [4, 4, 1, 3], "w_2d1": [4, 4, 1, 3], "wg": [4, 2, 1, 3]}
     _agree(model, out, lengths=(3, 5, 16, 33))
@@ -151,5 +151,36 @@ def test_optimize_tunes_the_front_end_and_agrees_with_stock(tmp_path: Path):
     for n, length in ((1, 8), (2, 37), (3, 100), (1, 1)):
         x = RNG.standard_normal((n, 4, length)).astype(np.float32)
         want = stock.run(None, {"x": x})[0]
+        for sess in sessions:
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_a_one_wide_same_conv_at_stride_two_is_tuned(tmp_path: Path, rank: int):
+    """auto_pad SAME over a dynamic size pads (ceil(in / s) - 1) * s + k - in in all: for a 1-wide kernel that is 0
+    at every size (TF's strided 1x1 shortcut convs, written so by tf2onnx). It was refused with the wider ones, whose
+    pads change with the size's parity; it is now tuned with pads 0 and agrees with stock at odd and even sizes."""
+    shape, spatial = (["n", 4, "l"], ["l"]) if rank == 1 else (["n", 4, "h", "w"], ["h", "w"])
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER", strides=[2] * rank)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [_w("w", (6, 4) + (1,) * rank)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    src, out = tmp_path / "same.onnx", tmp_path / "same.opt.onnx"
+    onnx.save(model, str(src))
+    dims = ("n=1:2",) + tuple(f"{d}=8:32:8" for d in spatial)
+    options = OptimizeOptions(dims=dims, measure="analytic", budget=8, db=tmp_path / "db",
+                              cache_dir=tmp_path / "kernels", progress=False, targets=("sm_90",))
+    assert len(optimize(src, out, options, log=lambda _: None).rewritten) == 1
+    stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    options_lib = ort.SessionOptions()
+    dietcode_ort.register(options_lib)
+    sessions = [ort.InferenceSession(str(out), options_lib, providers=["CPUExecutionProvider"]),
+                ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])]
+    for size in (7, 8, 33):
+        x = RNG.standard_normal([2, 4] + [size] * rank).astype(np.float32)
+        want = stock.run(None, {"x": x})[0]
+        assert want.shape[2:] == ((size + 1) // 2,) * rank
         for sess in sessions:
             np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)

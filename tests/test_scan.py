@@ -207,6 +207,8 @@ def test_conv_gemm_view_and_problem():
     ("SAME_UPPER", [2, 3], (3, 4), [9, 10], (1, 1, 1, 2)),      # fixed sizes: out 5 x 4, totals 2 and 3
     ("SAME_LOWER", [2, 1], (3, 3), [8, "w"], (1, 1, 0, 1)),     # 8 / 2: total 1; stride 1 over a dynamic dim
     ("NOTSET", [1, 1], (3, 3), ["h", "w"], (0, 0, 0, 0)),
+    ("SAME_UPPER", [2, 2], (1, 1), ["h", "w"], (0, 0, 0, 0)),   # 1 wide at stride 2: 0 at every size
+    ("SAME_LOWER", [3, 1], (1, 3), ["h", "w"], (0, 1, 0, 1)),
 ])
 def test_conv_auto_pad_is_made_explicit(auto_pad, strides, kernel, spatial, pads):
     """tf2onnx and Keras exports write auto_pad; it was refused ('explicit pads only')."""

@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tuner.rewrite import _drop_unread, _graph_reads, axes_node, default_opset, model_to_edit, names_in_use, unique_name
-from tuner.scan import GraphLinks, conv1d_out_of_range, conv_auto_pad
+from tuner.scan import GraphLinks, conv1d_out_of_range, conv_auto_pad, same_pad_total
 
 __all__ = ["Conv1dResult", "convs_as_2d"]
 
@@ -88,8 +88,10 @@ def convs_as_2d(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.ModelPr
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         auto_pad = conv_auto_pad(attrs)
-        why = f"auto_pad={auto_pad} at stride {attrs['strides'][0]} (its pads change with the length)" \
-            if auto_pad.startswith("SAME") and max(attrs.get("strides", [1])) > 1 else conv1d_out_of_range(attrs, inits[node.input[1]].dims)
+        stride, width = attrs.get("strides", [1])[0], inits[node.input[1]].dims[2]
+        why = f"auto_pad={auto_pad} at stride {stride} (its pads change with the length)" \
+            if auto_pad.startswith("SAME") and same_pad_total(width, stride, "length") is None \
+            else conv1d_out_of_range(attrs, inits[node.input[1]].dims)
         if why:  # the scanner would leave the 2-D form alone too: no Unsqueeze/Squeeze around an untuned Conv
             notes.append((node.output[0], f"{why}: stays 1-D, and is not tuned"))
             rebuilt.append(node)

@@ -30,7 +30,8 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 _log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes", "small_constants", "scan_model", "scan", "attach_instances",
-           "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad"]
+           "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad",
+           "same_pad_total"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -972,13 +973,22 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     return info
 
 
+def same_pad_total(kernel: int, stride: int, size: str | int) -> int | None:
+    """The pad an auto_pad SAME conv adds along one axis in all: (ceil(in / stride) - 1) * stride + kernel - in, at
+    least 0, which is kernel - stride + r for r = (-in) mod stride. A fixed size fixes it; over a dynamic size it
+    is the same for every size only where no r changes it (stride 1: kernel - 1; a 1-wide kernel: 0), else None."""
+    if isinstance(size, int):
+        return max(kernel - stride + (-size) % stride, 0)
+    totals = {max(kernel - stride + r, 0) for r in range(stride)}
+    return totals.pop() if len(totals) == 1 else None
+
+
 def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[int, ...],
                dilations: tuple[int, ...], spatial: Sequence[str | int]) -> tuple[int, int, int, int]:
     """A 2-D Conv's explicit pads (top, left, bottom, right), its auto_pad resolved: VALID pads nothing; SAME_UPPER and
-    SAME_LOWER pad (out - 1) * stride + kernel - in in all, out = ceil(in / stride), the odd one at the end
-    (UPPER) or the start (LOWER). That total depends on the input size unless the stride is 1 or the size is
-    fixed: a SAME conv over a dynamic dim with a larger stride is refused, and so is one with dilations
-    (onnxruntime's Conv refuses it)."""
+    SAME_LOWER pad ``same_pad_total`` in all, the odd one at the end (UPPER) or the start (LOWER). That total
+    depends on the input size unless the stride is 1, the kernel 1 wide or the size fixed: a SAME conv over a
+    dynamic dim otherwise is refused, and so is one with dilations (onnxruntime's Conv refuses it)."""
     auto = conv_auto_pad(at)
     if auto == "NOTSET":
         pads = list(at.get("pads", (0, 0, 0, 0)))
@@ -993,11 +1003,8 @@ def _conv_pads(at: Mapping[str, Any], kernel: tuple[int, int], strides: tuple[in
         raise _Refuse(f"Conv auto_pad={auto} with dilations {list(dilations)}: onnxruntime does not run it either")
     begins, ends = [], []
     for axis, (k, s, size) in enumerate(zip(kernel, strides, spatial)):
-        if s == 1:
-            total = k - 1
-        elif isinstance(size, int):
-            total = max((-(-size // s) - 1) * s + k - size, 0)
-        else:
+        total = same_pad_total(k, s, size)
+        if total is None:
             raise _Refuse(f"Conv auto_pad={auto} with stride {s} over the dynamic dim {size!r} (axis {axis + 2}): its "
                           "pads change with the input size (export with explicit pads)")
         small = total // 2
@@ -1018,7 +1025,7 @@ def _conv(g: _Graph, node: onnx.NodeProto) -> dict:
         if outside:
             raise _Refuse(f"{outside} (a 1-D conv, tuned as a 2-D one)")
         raise _Refuse("a 1-D convolution is tuned (as a 2-D one) only with a constant weight and, at a stride "
-                      "above 1, explicit pads (not auto_pad SAME)")
+                      "above 1, pads that do not change with the length (not auto_pad SAME with a kernel over 1 wide)")
     if len(sx) != 4:
         raise _Refuse(f"only 1-D and 2-D convolutions (NCL, NCHW) are supported, input has rank {len(sx)}")
     if w not in g.inits:
