@@ -19,7 +19,7 @@ from dietcode_ort.bundle import dietcode_nodes, node_bundles
 from dietcode_ort.inspect_model import describe
 from tuner.branches import branch_models, splice
 from tuner.optimize import OptimizeOptions, optimize
-from tuner.scan import scan
+from tuner.scan import attention_report, scan
 
 D, H = 64, 128
 
@@ -317,6 +317,8 @@ def test_a_decoder_and_its_with_past_twin_merged(tmp_path: Path) -> None:
     model.ir_version = export.ir_version
     src, out = tmp_path / "merged.onnx", tmp_path / "merged.opt.onnx"
     onnx.save(model, str(src))
+    fused = [f["output"].split("': ")[0] + "'" for f in attention_report(src)["fused"]]  # scan's attention table
+    assert sorted(fused) == ["the else_branch of If 'optimum::if'", "the then_branch of If 'optimum::if'"]
     lines: list[str] = []
     optimize(src, out, _options(tmp_path, "batch=1,2", "seq=1:16:4", "past_seq=0:32:8"), log=lines.append)
     assert any("Tk=past_seq + seq" in line for line in lines)

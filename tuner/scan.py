@@ -1379,26 +1379,40 @@ def attention_report(path: str | Path) -> dict:
     from tuner.attention_pack import pack_projections
     from tuner.attention_prepare import prepare_attention
 
-    # as optimize sees them: after prepare_graph (Einsums as MatMuls), the exporters' Shape(Transpose) and Kt
-    # forms rewritten, Q/K/V projections merged where exact (then read packed), or why not
-    model = prepare_graph(load_model(path, load_external_data=False), Path(path).parent)[0]
-    prepared, prep = prepare_attention(model, Path(path).parent, copy=False)
-    packed, pack = pack_projections(prepared, Path(path).parent, copy=False)
-    found = find_attention(packed, Path(path).parent)
-    pack_notes = dict(pack.notes)
-    return {"fused": [{"output": s.output, "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
-                       "mask": "causal" if s.causal else "none" if s.mask is None else "additive",
-                       # the operands the node reads/writes as [B, S, H, d] (their Transposes absorbed) and why
-                       # a Transpose next to the chain stays
-                       "layout": layout_text(s.layout), "transposes_kept": list(s.layout_notes),
-                       # Q, K and V read in place from one projection [B, S, 3*H*d], and why not
-                       "packed_qkv": bool(s.packed), "merged_projections": s.output in pack.packed,
-                       "pack_notes": list(s.pack_notes) + ([pack_notes[s.output]] if s.output in pack_notes else [])}
-                      for s in found.sites],
-            "unfused": [{"softmax": out, "reason": why} for out, why in found.skipped],
-            # head-split Transposes the pre-pass did not move past the ops between them and a chain (LLaMA's
-            # rotary embedding, its K/V head repeat), and why
-            "transposes_not_moved": [{"transpose": out, "reason": why} for out, why in prep.notes]}
+    from tuner.branches import MAX_DEPTH, branch_models, located
+
+    base_dir = Path(path).parent
+    out: dict[str, list] = {"fused": [], "unfused": [], "transposes_not_moved": []}
+
+    def visit(model: onnx.ModelProto, where: str, level: int) -> None:
+        # as optimize sees them: after prepare_graph (Einsums as MatMuls), the exporters' Shape(Transpose) and Kt
+        # forms rewritten, Q/K/V projections merged where exact (then read packed), or why not; in the main graph
+        # and in its If branches (their chains named with where they are)
+        model = prepare_graph(model, base_dir)[0]
+        prepared, prep = prepare_attention(model, base_dir, copy=False)
+        packed, pack = pack_projections(prepared, base_dir, copy=False)
+        found = find_attention(packed, base_dir)
+        pack_notes = dict(pack.notes)
+        out["fused"].extend(
+            {"output": located(where, s.output), "dtype": s.dtype, "head_dim": s.head_dim, "scale": s.scale,
+             "mask": "causal" if s.causal else "none" if s.mask is None else "additive",
+             # the operands the node reads/writes as [B, S, H, d] (their Transposes absorbed) and why a Transpose
+             # next to the chain stays
+             "layout": layout_text(s.layout), "transposes_kept": list(s.layout_notes),
+             # Q, K and V read in place from one projection [B, S, 3*H*d], and why not
+             "packed_qkv": bool(s.packed), "merged_projections": s.output in pack.packed,
+             "pack_notes": list(s.pack_notes) + ([pack_notes[s.output]] if s.output in pack_notes else [])}
+            for s in found.sites)
+        out["unfused"].extend({"softmax": located(where, o), "reason": why} for o, why in found.skipped)
+        # head-split Transposes the pre-pass did not move past the ops between them and a chain (LLaMA's rotary
+        # embedding, its K/V head repeat), and why
+        out["transposes_not_moved"].extend({"transpose": located(where, o), "reason": why} for o, why in prep.notes)
+        if level < MAX_DEPTH:
+            for b in branch_models(packed, base_dir)[0]:
+                visit(b.model, f"{where} > {b.where}" if where else b.where, level + 1)
+
+    visit(load_model(path, load_external_data=False), "", 0)
+    return out
 
 
 def _print_attention(report: dict) -> None:
