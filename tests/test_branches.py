@@ -14,6 +14,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import dietcode_ort
+from dietcode_ort.errors import DietcodeError
 from dietcode_ort.bench import model_info
 from dietcode_ort.bundle import dietcode_nodes, node_bundles
 from dietcode_ort.inspect_model import describe
@@ -335,3 +336,25 @@ def test_a_decoder_and_its_with_past_twin_merged(tmp_path: Path) -> None:
             for name, session in sessions[1:]:
                 for got, expected in zip(session.run(None, feed), want):
                     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=f"{name} {b, s, p}")
+
+
+def test_optimize_refuses_to_overwrite_a_data_file_only_a_branch_reads(tmp_path: Path) -> None:
+    """A branch's own initializer stored as external data: an output whose data file is that file is refused before
+    anything is written (it was checked against the main graph's tensors only)."""
+    model = _merged()
+    then = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    then.initializer.append(numpy_helper.from_array(np.zeros(D, np.float32), "t_zero"))
+    then.node.append(helper.make_node("Add", ["t_y", "t_zero"], ["t_y2"]))
+    then.output[0].name = "t_y2"
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=False,
+              size_threshold=0)
+    (tmp_path / "t_zero").rename(tmp_path / "m.opt.onnx.data")  # where the output's own data file would go
+    then_saved = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    graph = next(a.g for a in then_saved.graph.node[0].attribute if a.name == "then_branch")
+    entry = next(e for e in graph.initializer[0].external_data if e.key == "location")
+    entry.value = "m.opt.onnx.data"
+    onnx.save(then_saved, str(tmp_path / "m.onnx"))
+    with pytest.raises(DietcodeError, match="would overwrite"):
+        optimize(tmp_path / "m.onnx", tmp_path / "m.opt.onnx", _options(tmp_path, "batch=1:2", "seq=1:16",
+                                                                         "past_seq=0:16:4"), log=lambda _: None)
+    assert not (tmp_path / "m.opt.onnx").exists() and (tmp_path / "m.opt.onnx.data").stat().st_size == 4 * D

@@ -403,9 +403,10 @@ def _external_files(model_path: Path) -> set[Path]:
         model = load_model(model_path, load_external_data=False)  # field by field: no copy of the file
     except DietcodeError:  # unreadable input: the loader reports it when optimize loads it
         return set()
+    from tuner.model_file import _graph_tensors
+
     files = set()
-    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
-    for t in tensors:
+    for t in _graph_tensors(model.graph):  # subgraphs' too (a merged decoder's branches may hold their own)
         if t.data_location == onnx.TensorProto.EXTERNAL:
             location = next((e.value for e in t.external_data if e.key == "location"), None)
             if location:
