@@ -60,7 +60,7 @@ class BenchOptions:
     model: Path
     optimized: Path
     dims: tuple[str, ...] = ()         # NAME=SPEC strings
-    ties: tuple[str, ...] = ()         # NAME=OTHER: NAME takes OTHER's value in every shape
+    ties: tuple[str, ...] = ()         # NAME=OTHER or NAME=A+B: NAME takes OTHER's value (the sum) in every shape
     provider: str = "cpu"
     repeat: int = 20
     warmup: int = 3
@@ -195,41 +195,54 @@ def _default_dim(symbol: str) -> int:
     return FALLBACK_DIM
 
 
+def parse_ties(ties: Sequence[str], symbols: Sequence[str]) -> dict[str, tuple[str | int, ...]]:
+    """``--tie NAME=OTHER`` options: NAME takes OTHER's value, or the sum of several terms, symbols or sizes
+    (``attention_mask_sequence_length=past_sequence_length+sequence_length``: a merged decoder's mask spans the past
+    and the new tokens)."""
+    tied: dict[str, tuple[str | int, ...]] = {}
+    for t in ties:
+        name, _, other = (p.strip() for p in t.partition("="))
+        terms = tuple(int(x) if x.isdigit() else x for x in (p.strip() for p in other.split("+")))
+        if not name or not other or "" in terms:
+            raise DietcodeError(f"bad --tie {t!r}: expected NAME=OTHER or NAME=A+B+... (symbols or sizes)")
+        for symbol in (name, *(x for x in terms if isinstance(x, str))):
+            if symbol not in symbols:
+                raise DietcodeError(f"symbol {symbol!r} is not a dim of the model's inputs; its symbols are: "
+                                    f"{', '.join(symbols) or '(none)'}")
+        tied[name] = terms
+    return tied
+
+
+def _tied_value(terms: tuple[str | int, ...], shape: Mapping[str, int]) -> int:
+    return sum(shape[x] if isinstance(x, str) else x for x in terms)
+
+
 def sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str] = ()) -> list[dict[str, int]]:
     """The cartesian product over the ``--dim`` symbols; the others take defaults or follow a tie."""
     swept = parse_dims(dims, symbols)
-    tied: dict[str, str] = {}
-    for t in ties:
-        name, _, other = (p.strip() for p in t.partition("="))
-        if not name or not other:
-            raise DietcodeError(f"bad --tie {t!r}: expected NAME=OTHER")
-        tied[name] = other
-    for name in [*tied, *tied.values()]:
-        if name not in symbols:
-            raise DietcodeError(f"symbol {name!r} is not a dim of the model's inputs; its symbols are: "
-                                f"{', '.join(symbols) or '(none)'}")
-    for name, other in tied.items():
-        if name in swept or other in tied:
-            raise DietcodeError(f"--tie {name}={other}: {name} must not be swept and {other} must not be "
-                                "tied itself")
+    tied = parse_ties(ties, symbols)
+    for name, terms in tied.items():
+        if name in swept or any(x in tied for x in terms):
+            raise DietcodeError(f"--tie {name}={'+'.join(map(str, terms))}: {name} must not be swept and what it "
+                                "follows must not be tied itself")
     free = [s for s in symbols if s not in swept and s not in tied]
     names = list(swept)
     shapes = []
     for values in product(*swept.values()):
         shape = dict(zip(names, values)) | {s: _default_dim(s) for s in free}
-        shape |= {name: shape[other] for name, other in tied.items()}
+        shape |= {name: _tied_value(terms, shape) for name, terms in tied.items()}
         shapes.append({s: shape[s] for s in symbols})
     return shapes
 
 
 def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = ()) -> dict[str, int]:
     """A shape that differs from every swept shape in every symbol (min-1, or max+1 when min is 1)."""
-    tied = dict(t.replace(" ", "").split("=", 1) for t in ties)
+    tied = parse_ties(ties, list(shapes[0]))
     warm: dict[str, int] = {}
     for sym in shapes[0]:
         seen = {s[sym] for s in shapes}
         warm[sym] = min(seen) - 1 if min(seen) > 1 else max(seen) + 1
-    return warm | {name: warm[other] for name, other in tied.items()}
+    return warm | {name: _tied_value(terms, warm) for name, terms in tied.items()}
 
 
 # --- inputs -------------------------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="symbol sweep NAME=SPEC, SPEC being lo:hi (inclusive), lo:hi:step or v1,v2,...; the "
                         "shapes are the cartesian product over the given symbols. Repeat for each symbol")
     p.add_argument("--tie", action="append", default=[], metavar="NAME=OTHER",
-                   help="NAME takes OTHER's value in every shape (e.g. width=height for square images)")
+                   help="NAME takes OTHER's value in every shape (e.g. width=height for square images), or a sum "
+                        "of symbols and sizes (a merged decoder's attention_mask_sequence_length="
+                        "past_sequence_length+sequence_length)")
     p.add_argument("--provider", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per model and shape (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per model and shape (default 3)")

@@ -231,6 +231,22 @@ def test_sweep_defaults_ties_and_unknown_symbols() -> None:
         bench.sweep(symbols, ["width=4"], ["width=height"])
 
 
+def test_a_tie_to_a_sum_gives_a_merged_decoders_mask_length() -> None:
+    """A merged decoder's attention mask spans the past and the new tokens: its length is the sum of two swept
+    symbols (stock ORT refuses any other), in the sweep and in the warm-up shape."""
+    symbols = ["batch", "past", "seq", "mask_len"]
+    shapes = bench.sweep(symbols, ["past=0,7", "seq=1,4"], ["mask_len=past+seq"])
+    assert [(s["past"], s["seq"], s["mask_len"]) for s in shapes] == [(0, 1, 1), (0, 4, 4), (7, 1, 8), (7, 4, 11)]
+    warm = bench.warmup_shape(shapes, ["mask_len=past+seq"])
+    assert warm["mask_len"] == warm["past"] + warm["seq"]
+    assert bench.sweep(symbols, ["seq=3"], ["mask_len=seq+2"])[0]["mask_len"] == 5
+    for bad in ("mask_len=past+", "mask_len=", "mask_len=past+depth"):
+        with pytest.raises(DietcodeError, match="bad --tie|not a dim"):
+            bench.sweep(symbols, ["seq=3"], [bad])
+    with pytest.raises(DietcodeError, match="must not be tied itself"):
+        bench.sweep(symbols, ["seq=3"], ["mask_len=past+seq", "past=seq"])
+
+
 # --- the measuring protocol, with a recording runner and a fake clock ---------------------------------
 
 class _Clock:
