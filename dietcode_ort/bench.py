@@ -249,13 +249,9 @@ def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = ()) 
 
 def _nodes(graph: Any) -> list[Any]:
     """The graph's nodes and those of its subgraphs (If branches: a merged decoder's embedding is in both)."""
-    out = []
-    for node in graph.node:
-        out.append(node)
-        for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                out.extend(_nodes(sub))
-    return out
+    from dietcode_ort.bundle import subgraphs
+
+    return [m for node in graph.node for m in [node, *(n for g in subgraphs(node) for n in _nodes(g))]]
 
 
 def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int | None:
@@ -315,7 +311,8 @@ def model_info(model: Any) -> ModelInfo:
                   for v in [_find_vocab(graph, s.name, inits)] if v)
     from dietcode_ort.bundle import dietcode_nodes
 
-    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, len(dietcode_nodes(model)), _computes_in(graph))
+    return ModelInfo(tuple(inputs), tuple(o.name for o in graph.output), vocab, len(dietcode_nodes(model)),
+                     _computes_in(graph))
 
 
 def _computes_in(graph: Any) -> str:

@@ -21,7 +21,7 @@ from dietcode_ort.toolchain import format_isa, ptx_isa
 __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
-    "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
+    "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "subgraphs", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -887,6 +887,11 @@ class DietcodeNode(NamedTuple):
     where: str  # "" in the main graph; "the then_branch of If 'name'" (nested: joined by " > ")
 
 
+def subgraphs(node: Any) -> list[Any]:
+    """The graphs a node holds as attributes: an If's branches, a Loop's or Scan's body."""
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))]
+
+
 def dietcode_nodes(model: Any) -> list[DietcodeNode]:
     """Every ``ai.dietcode`` node of an ``onnx.ModelProto`` that takes a bundle (not ``BUNDLELESS_OPS``), in graph
     order, the nodes of an If branch or a loop body right after the node holding it (``optimize`` rewrites If
@@ -901,7 +906,7 @@ def dietcode_nodes(model: Any) -> list[DietcodeNode]:
             if node.domain == DOMAIN and node.op_type not in BUNDLELESS_OPS:
                 out.append(DietcodeNode(node, inits, inputs, where))
             for a in node.attribute:
-                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                for sub in ([a.g] if a.HasField("g") else list(a.graphs)):  # named by its attribute
                     inner = f"the {a.name} of {node.op_type} {node.name or node.output[0]!r}"
                     walk(sub, inits, inputs, f"{where} > {inner}" if where else inner)
 

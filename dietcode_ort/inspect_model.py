@@ -123,7 +123,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
     nodes: list[dict] = []
     custom = dietcode_nodes(model)
     parsed: dict[str, Bundle] = {}
-    for (node, _, _, graph), where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
+    for (node, *_, graph), where in zip(custom, node_bundles(model, None if base_dir is None else str(base_dir))):
         attrs = {a.name: a for a in node.attribute}
         if where.initializer not in parsed:
             try:
@@ -227,7 +227,8 @@ def inspect_command(path: str, as_json: bool) -> int:
             names = [name + _kernel_facts(k) for name, k in zip(names, n["kernels"])]
         kernels = "\n".join(names)
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
-        table.add_row(f"{n['graph']}: {n['name']}" if n["graph"] else n["name"], n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
+        name = f"{n['graph']}: {n['name']}" if n["graph"] else n["name"]
+        table.add_row(name, n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
     console.print(table)
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:

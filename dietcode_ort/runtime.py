@@ -132,7 +132,7 @@ def _has_fallback(model: Any) -> bool:
     from dietcode_ort.bundle import dietcode_nodes
 
     functions = {(f.domain, f.name) for f in proto.functions}
-    return all((n.domain, n.op_type) in functions for n, _, _, _ in dietcode_nodes(proto))
+    return all((n.domain, n.op_type) in functions for n in (d.node for d in dietcode_nodes(proto)))
 
 
 def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,

@@ -30,8 +30,9 @@ from onnx import helper
 
 from dietcode_ort.errors import DietcodeError
 from tuner.rewrite import _drop_unread, names_in_use, unique_name
-from tuner.scan import (_OPS, ScanResult, Skipped, _inference_copy, _infer, _label, _names, model_symbols, node_reads,
-                        scan_model)
+from dietcode_ort.bundle import subgraphs
+from tuner.scan import (_OPS, ScanResult, Skipped, _inference_copy, _infer, _label, _names, defined_in, model_symbols,
+                        outer_reads, scan_model)
 
 __all__ = ["Branch", "Unit", "branch_models", "scan_units", "merge_units", "located", "splice"]
 
@@ -111,30 +112,7 @@ def _products(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     for node in graph.node:
         if node.op_type in _OPS and node.domain in ("", "ai.onnx"):
             out.append(node)
-        for attr in node.attribute:
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                out.extend(_products(g))
-    return out
-
-
-def _made(graph: onnx.GraphProto) -> set[str]:
-    """The values a graph defines itself: its inputs, initializers and node outputs."""
-    return {i.name for i in graph.input} | {t.name for t in graph.initializer} | \
-        {t.values.name for t in graph.sparse_initializer} | {o for n in graph.node for o in n.output if o}
-
-
-def outer_reads(graph: onnx.GraphProto) -> list[str]:
-    """The values a subgraph reads from its outer scopes, in first-read order."""
-    made, seen, out = _made(graph), set(), []
-    for node in graph.node:
-        for name in sorted(node_reads(node)):
-            if name not in made and name not in seen:
-                seen.add(name)
-                out.append(name)
-    for o in graph.output:
-        if o.name not in made and o.name not in seen:
-            seen.add(o.name)
-            out.append(o.name)
+        out.extend(p for g in subgraphs(node) for p in _products(g))
     return out
 
 
@@ -156,7 +134,7 @@ def branch_models(model: onnx.ModelProto, base_dir: Path | None = None) -> tuple
                 continue
             where = f"the {attr.name} of If {_label(node)!r}"
             values, why = [], ""
-            for name in outer_reads(attr.g):
+            for name in sorted(outer_reads(attr.g)):
                 if name in inits:
                     continue
                 if name not in inputs and inferred is None:
@@ -188,7 +166,7 @@ def _unusable(name: str, vi: onnx.ValueInfoProto | None, symbols: set[str]) -> s
 
 def _as_model(model: onnx.ModelProto, sub: onnx.GraphProto, values: list[onnx.ValueInfoProto],
               inits: dict[str, onnx.TensorProto]) -> onnx.ModelProto:
-    reads = set(outer_reads(sub))
+    reads = outer_reads(sub)
     graph = helper.make_graph(list(sub.node), sub.name or "branch", [_typed(v) for v in values], list(sub.output),
                               list(sub.initializer) + [inits[n] for n in sorted(reads) if n in inits],
                               value_info=list(sub.value_info), sparse_initializer=list(sub.sparse_initializer))
@@ -218,7 +196,7 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
         raise DietcodeError(f"internal error: the rewritten {branch.where} has outputs "
                             f"{[o.name for o in done.graph.output]}, not {[o.name for o in sub.output]}")
     outer = {t.name: t for t in model.graph.initializer}
-    was_read = set(outer_reads(sub)) & set(outer)  # weights the branch read: unread by all once packed, say
+    was_read = outer_reads(sub) & set(outer)  # weights the branch read: unread by all once packed, say
     inputs = {v.name for v in done.graph.input}
     taken = names_in_use(model.graph)  # the names the parent's scope defines (the branch must not shadow them)
     everywhere = taken | _all_names(model.graph)
@@ -234,7 +212,7 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
             if t.name in everywhere:
                 rename[t.name] = unique_name(t.name, everywhere)
             moved.append(t)
-    own = {o for n in done.graph.node for o in n.output if o} - inputs - _made(sub)  # the values the pipeline made
+    own = {o for n in done.graph.node for o in n.output if o} - inputs - defined_in(sub)  # the values the pipeline made
     for name in sorted(own & taken):  # a value made here that the parent's scope names too
         rename.setdefault(name, unique_name(name, everywhere))
     for t in moved:
@@ -261,12 +239,7 @@ def splice(model: onnx.ModelProto, branch: Branch, done: onnx.ModelProto) -> Non
 
 def _all_names(graph: onnx.GraphProto) -> set[str]:
     """Every value and node name of the graph and its subgraphs."""
-    names = names_in_use(graph)
-    for node in graph.node:
-        for attr in node.attribute:
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                names |= _all_names(g)
-    return names
+    return names_in_use(graph).union(*(_all_names(g) for node in graph.node for g in subgraphs(node)))
 
 
 def _rename(nodes: list[onnx.NodeProto], mapping: dict[str, str]) -> None:
@@ -278,12 +251,11 @@ def _rename(nodes: list[onnx.NodeProto], mapping: dict[str, str]) -> None:
             n.input[i] = mapping.get(x, x)
         for i, x in enumerate(n.output):
             n.output[i] = mapping.get(x, x)
-        for attr in n.attribute:
-            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                inner = {k: v for k, v in mapping.items() if k not in _made(g)}
-                _rename(list(g.node), inner)
-                for o in g.output:
-                    o.name = inner.get(o.name, o.name)
+        for g in subgraphs(n):
+            inner = {k: v for k, v in mapping.items() if k not in defined_in(g)}
+            _rename(list(g.node), inner)
+            for o in g.output:
+                o.name = inner.get(o.name, o.name)
 
 
 def _merge_functions(model: onnx.ModelProto, done: onnx.ModelProto) -> dict[tuple[str, str, str], str]:
@@ -315,9 +287,9 @@ def _merge_functions(model: onnx.ModelProto, done: onnx.ModelProto) -> dict[tupl
 
 
 def _same_function(a: onnx.FunctionProto, b: onnx.FunctionProto) -> bool:
-    strip = onnx.FunctionProto()
+    """Whether two functions are the same but for their overload."""
     x, y = onnx.FunctionProto(), onnx.FunctionProto()
     x.CopyFrom(a)
     y.CopyFrom(b)
-    x.overload = y.overload = strip.overload
+    x.overload = y.overload = ""
     return x.SerializeToString(deterministic=True) == y.SerializeToString(deterministic=True)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES
+from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, subgraphs
 from dietcode_ort.errors import DietcodeError
 from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
@@ -30,7 +30,7 @@ from tuner.workload import ConvParams, Epilogue, Instance, Workload
 _log = logging.getLogger(__name__)
 
 __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes", "small_constants", "scan_model", "scan", "attach_instances",
-           "scan_command", "attention_report", "node_reads", "GraphLinks", "MOVABLE", "conv_auto_pad",
+           "scan_command", "attention_report", "node_reads", "outer_reads", "defined_in", "GraphLinks", "MOVABLE", "conv_auto_pad",
            "same_pad_total"]
 
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -360,14 +360,20 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def node_reads(node: onnx.NodeProto) -> set[str]:
     """The values a node reads: its inputs and what its subgraphs (If/Loop/Scan bodies) read from outside."""
-    names = {x for x in node.input if x}
-    for a in node.attribute:
-        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            made = {i.name for i in sub.input} | {t.name for t in sub.initializer} | \
-                {o for n in sub.node for o in n.output}
-            names |= {x for n in sub.node for x in node_reads(n) if x not in made}
-            names |= {o.name for o in sub.output if o.name not in made}
-    return names
+    return {x for x in node.input if x}.union(*(outer_reads(sub) for sub in subgraphs(node)))
+
+
+def defined_in(graph: onnx.GraphProto) -> set[str]:
+    """The values a graph defines itself: its inputs, initializers and node outputs."""
+    return {i.name for i in graph.input} | {t.name for t in graph.initializer} | \
+        {t.values.name for t in graph.sparse_initializer} | {o for n in graph.node for o in n.output if o}
+
+
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """The values a subgraph reads from its outer scopes: what its nodes read and it returns, less what it
+    defines (``defined_in``)."""
+    reads = set().union(*(node_reads(n) for n in graph.node)) | {o.name for o in graph.output}
+    return reads - defined_in(graph)
 
 
 class GraphLinks:
