@@ -318,13 +318,13 @@ bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* erro
   return PtxFunction(on, ptx, entry, &fn, error);
 }
 
-bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
-               std::string* error) {
+bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned grid_y, unsigned block_x,
+               unsigned block_y, void** params, void* stream, std::string* error) {
   const StreamCall on(stream);
   if (!on.ok()) return *error = on.error, false;
   CUfunction fn = nullptr;
   if (!PtxFunction(on, ptx, entry, &fn, error)) return false;
-  const CUresult rc = on.d.LaunchKernel(fn, grid_x, 1, 1, block_x, 1, 1, 0, on.s, params, nullptr);
+  const CUresult rc = on.d.LaunchKernel(fn, grid_x, grid_y, 1, block_x, block_y, 1, 0, on.s, params, nullptr);
   if (rc != CUDA_SUCCESS) return *error = CuError(on.d, rc, "cuLaunchKernel") + " for " + entry, false;
   return true;
 }

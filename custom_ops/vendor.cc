@@ -335,12 +335,16 @@ VendorLibrary<Cublas> g_cublas{Resolve, {"libcublas.so.13", "libcublas.so.12", "
 
 const Cublas* LoadCublas(const char* path, std::string* error) { return LoadVendorLibrary(&g_cublas, path, error); }
 
-// The epilogue kernel: a grid-stride loop over the output, y = act(y + scale * bias[index]) + residual[i] in fp32,
+// The epilogue kernel over the output as [rows, cols], y = act(y + scale * bias[index]) + residual[i] in fp32,
 // with p_first 1 y = act(y + scale * bias[index] + residual[i]), with p_first 2 y = act(y + scale * bias[index]) *
 // residual[i] (dc_epilogue.residual_mul).
 // Activations by code (dc_epilogue.activation): 1 relu, 2 GELU in the erf form ONNX specifies (approximate="none"):
 // erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) with exp(-z^2) = ex2(-z^2 * log2(e)); 3 GELU's
 // tanh approximation and 4 silu through one sigmoid; 5 relu6.
+// Its 2-D grid: a thread owns one column c and walks the rows r from its first one in steps of the grid's row
+// threads, so a warp reads and writes consecutive elements, and the bias row (r % bias_rows) is carried along with
+// one wrap per step: no per-element division (a 64-bit division is a long software sequence on NVIDIA GPUs; the
+// former 1-D grid-stride version did a div and a rem per element of a biased output).
 std::string EpiloguePtx(int dtype) {
   const bool f32 = dtype == 0, bf16 = dtype == 2;
   const char* shift = f32 ? "2" : "1";
@@ -361,27 +365,33 @@ std::string EpiloguePtx(int dtype) {
   ptx += bf16 ? ".target sm_80\n" : ".target sm_70\n";  // cvt.rn.bf16.f32 needs sm_80
   ptx += ".address_size 64\n\n";
   ptx += ".visible .entry dc_epilogue(\n"
-         "  .param .u64 p_y, .param .u64 p_bias, .param .u64 p_total, .param .u64 p_cols, .param .u64 p_brows,\n"
+         "  .param .u64 p_y, .param .u64 p_bias, .param .u64 p_rows, .param .u64 p_cols, .param .u64 p_brows,\n"
          "  .param .u64 p_brs, .param .u64 p_bcs, .param .f32 p_scale, .param .u32 p_act, .param .u64 p_res,\n"
          "  .param .u32 p_first)\n{\n";
   ptx += "  .reg .pred %p<8>;\n  .reg .b16 %h<4>;\n  .reg .b32 %r<8>;\n  .reg .f32 %f<24>;\n  .reg .b64 %rd<24>;\n\n";
-  ptx += "  ld.param.u64 %rd1, [p_y];\n  ld.param.u64 %rd2, [p_bias];\n  ld.param.u64 %rd3, [p_total];\n"
+  ptx += "  ld.param.u64 %rd1, [p_y];\n  ld.param.u64 %rd2, [p_bias];\n  ld.param.u64 %rd3, [p_rows];\n"
          "  ld.param.u64 %rd4, [p_cols];\n  ld.param.u64 %rd5, [p_brows];\n  ld.param.u64 %rd6, [p_brs];\n"
          "  ld.param.u64 %rd7, [p_bcs];\n  ld.param.f32 %f1, [p_scale];\n  ld.param.u32 %r1, [p_act];\n";
   ptx += "  setp.ne.u64 %p2, %rd2, 0;\n  cvta.to.global.u64 %rd1, %rd1;\n  cvta.to.global.u64 %rd2, %rd2;\n";
   ptx += "  ld.param.u64 %rd17, [p_res];\n  setp.ne.u64 %p5, %rd17, 0;\n  cvta.to.global.u64 %rd17, %rd17;\n";
   ptx += "  ld.param.u32 %r7, [p_first];\n  setp.eq.u32 %p6, %r7, 1;\n";  // the residual before the activation
   ptx += "  setp.eq.u32 %p7, %r7, 2;\n";  // the residual multiplies the activation's result
-  ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mov.u32 %r5, %nctaid.x;\n"
+  // the thread's column c = ctaid.x * ntid.x + tid.x (%rd19), none past the last
+  ptx += "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n"
+         "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd19, %rd8, %rd9;\n"
+         "  setp.ge.u64 %p1, %rd19, %rd4;\n  @%p1 bra $Ldone;\n";
+  // its first row r = ctaid.y * ntid.y + tid.y (%rd8), the row step nctaid.y * ntid.y (%rd10); the bias row
+  // r % brows (%rd20) advances by step % brows (%rd21) with a wrap, so the loop divides nothing
+  ptx += "  mov.u32 %r2, %ctaid.y;\n  mov.u32 %r3, %ntid.y;\n  mov.u32 %r4, %tid.y;\n  mov.u32 %r5, %nctaid.y;\n"
          "  mul.wide.u32 %rd8, %r2, %r3;\n  cvt.u64.u32 %rd9, %r4;\n  add.u64 %rd8, %rd8, %rd9;\n"
-         "  mul.wide.u32 %rd10, %r5, %r3;\n";
+         "  mul.wide.u32 %rd10, %r5, %r3;\n  rem.u64 %rd20, %rd8, %rd5;\n  rem.u64 %rd21, %rd10, %rd5;\n"
+         "  mul.lo.u64 %rd22, %rd19, %rd7;\n";
   ptx += "$Lloop:\n  setp.ge.u64 %p1, %rd8, %rd3;\n  @%p1 bra $Ldone;\n";
-  ptx += std::string("  shl.b64 %rd11, %rd8, ") + shift + ";\n  add.u64 %rd12, %rd1, %rd11;\n";
+  ptx += std::string("  mad.lo.u64 %rd11, %rd8, %rd4, %rd19;\n  shl.b64 %rd11, %rd11, ") + shift +
+         ";\n  add.u64 %rd12, %rd1, %rd11;\n";
   ptx += "  " + sub(load, "%f2", "%rd12");
   ptx += "  @!%p2 bra $Lact;\n";
-  ptx += "  div.u64 %rd13, %rd8, %rd4;\n  mul.lo.u64 %rd14, %rd13, %rd4;\n  sub.u64 %rd14, %rd8, %rd14;\n"
-         "  rem.u64 %rd15, %rd13, %rd5;\n  mul.lo.u64 %rd15, %rd15, %rd6;\n  mul.lo.u64 %rd16, %rd14, %rd7;\n"
-         "  add.u64 %rd15, %rd15, %rd16;\n";
+  ptx += "  mad.lo.u64 %rd15, %rd20, %rd6, %rd22;\n";  // (r % brows) * brs + c * bcs
   ptx += std::string("  shl.b64 %rd15, %rd15, ") + shift + ";\n  add.u64 %rd15, %rd2, %rd15;\n";
   ptx += "  " + sub(load, "%f3", "%rd15");
   ptx += "  fma.rn.f32 %f2, %f3, %f1, %f2;\n";
@@ -432,7 +442,8 @@ std::string EpiloguePtx(int dtype) {
   ptx += "  " + sub(load, "%f15", "%rd18");
   ptx += "  @%p7 mul.f32 %f2, %f2, %f15;\n  @!%p7 add.f32 %f2, %f2, %f15;\n";
   ptx += "$Lput:\n  " + store;
-  ptx += "  add.u64 %rd8, %rd8, %rd10;\n  bra $Lloop;\n$Ldone:\n  ret;\n}\n";
+  ptx += "  add.u64 %rd8, %rd8, %rd10;\n  add.u64 %rd20, %rd20, %rd21;\n  setp.ge.u64 %p1, %rd20, %rd5;\n"
+         "  @%p1 sub.u64 %rd20, %rd20, %rd5;\n  bra $Lloop;\n$Ldone:\n  ret;\n}\n";
   return ptx;
 }
 
@@ -506,25 +517,32 @@ int dc_vendor_epilogue(const dc_epilogue* p, void* c, const void* bias, const vo
   if (!p->has_bias && p->activation == 0 && !p->has_residual) return 0;
   const int dtype = p->dtype;
   if (dtype < 0 || dtype > 2) return Fail("epilogue dtype " + std::to_string(dtype));
-  uint64_t total = static_cast<uint64_t>(p->rows) * static_cast<uint64_t>(p->cols);
-  if (total == 0) return 0;
+  if (p->rows < 0 || p->cols < 0) {
+    return Fail("epilogue extent " + std::to_string(p->rows) + " x " + std::to_string(p->cols) + " is negative");
+  }
+  uint64_t rows = static_cast<uint64_t>(p->rows), cols = static_cast<uint64_t>(p->cols);
+  if (rows == 0 || cols == 0) return 0;
   if (p->has_bias && bias == nullptr) return Fail("the plan adds a bias but none was given");
   if (p->has_residual && residual == nullptr) return Fail("the plan adds a residual but none was given");
   uint64_t res_ptr = p->has_residual ? reinterpret_cast<uint64_t>(residual) : 0;
   uint64_t y = reinterpret_cast<uint64_t>(c), bias_ptr = p->has_bias ? reinterpret_cast<uint64_t>(bias) : 0;
-  uint64_t cols = static_cast<uint64_t>(std::max<int64_t>(p->cols, 1));
   uint64_t brows = static_cast<uint64_t>(std::max<int64_t>(p->bias_rows, 1));
   uint64_t brs = static_cast<uint64_t>(p->bias_rs), bcs = static_cast<uint64_t>(p->bias_cs);
   float scale = p->bias_scale;
   uint32_t act = static_cast<uint32_t>(p->activation);
   if (p->residual_first && p->residual_mul) return Fail("the plan both adds the residual first and multiplies by it");
   uint32_t first = !p->has_residual ? 0u : p->residual_mul ? 2u : p->residual_first ? 1u : 0u;
-  void* params[] = {&y, &bias_ptr, &total, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr, &first};
-  constexpr unsigned kBlock = 256;
-  const uint64_t blocks = std::min<uint64_t>((total + kBlock - 1) / kBlock, 65536);  // the loop covers the rest
+  void* params[] = {&y, &bias_ptr, &rows, &cols, &brows, &brs, &bcs, &scale, &act, &res_ptr, &first};
+  // 256-thread blocks: a warp's multiple along the columns (all 256 for a wide output), the rest along the rows;
+  // along the rows, 4096 blocks in all at most (several waves on any GPU), the kernel's row loop covers the rest
+  const unsigned block_x = cols >= 256 ? 256u : cols > 64 ? 128u : cols > 32 ? 64u : 32u, block_y = 256u / block_x;
+  const uint64_t grid_x = (cols + block_x - 1) / block_x;
+  if (grid_x > 0x7FFFFFFFu) return Fail("epilogue output of " + std::to_string(cols) + " columns is too wide");
+  const uint64_t grid_y = std::min<uint64_t>({(rows + block_y - 1) / block_y, 65535u,
+                                              std::max<uint64_t>(1, 4096 / grid_x)});
   std::string error;
-  if (!dietcode::LaunchPtx(dc_vendor_epilogue_ptx(dtype), "dc_epilogue", static_cast<unsigned>(blocks), kBlock,
-                           params, stream, &error)) {
+  if (!dietcode::LaunchPtx(dc_vendor_epilogue_ptx(dtype), "dc_epilogue", static_cast<unsigned>(grid_x),
+                           static_cast<unsigned>(grid_y), block_x, block_y, params, stream, &error)) {
     return Fail("vendor epilogue: " + error);
   }
   return 0;

@@ -160,10 +160,10 @@ int dc_vendor_epilogue_load(int dtype, void* stream);
 #include <string>
 
 namespace dietcode {
-// Launch `entry` of the PTX module `ptx` (text that lives for the process) on `stream` with a 1-D grid,
-// loading the module once per CUDA context (launch.cc, which owns the driver). False with *error on failure.
-bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned block_x, void** params, void* stream,
-               std::string* error);
+// Launch `entry` of the PTX module `ptx` (text that lives for the process) on `stream` with a 2-D grid of 2-D
+// blocks, loading the module once per CUDA context (launch.cc, which owns the driver). False with *error on failure.
+bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned grid_y, unsigned block_x,
+               unsigned block_y, void** params, void* stream, std::string* error);
 // Only the load LaunchPtx does on its first call in the stream's context (nothing when it is done).
 bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* error);
 }  // namespace dietcode

@@ -482,7 +482,7 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     y[:] = original
     memory = Memory()
     memory.buffers += [(arr.ctypes.data, arr.view(np.uint8).reshape(-1)) for arr in (y, bias, residual)]
-    run(ptx, params, memory)
+    run(ptx, params, memory, grid=tuple(launch["grid"][:2]), block=tuple(launch["block"][:2]))
     ref = original.astype(np.float64) + 0.5 * bias.astype(np.float64)
     ref = 0.5 * ref * (1.0 + np.vectorize(math.erf)(ref / math.sqrt(2.0))) + residual.astype(np.float64)
     # LLaMA's SwiGLU gate: silu(y) * residual (dc_epilogue.residual_mul), launched with p_first 2; a plan both
@@ -499,7 +499,8 @@ def vendor_epilogue(core: Any, fake: ctypes.CDLL, stream: int) -> dict[str, Any]
     gate_in = gated.astype(np.float64)
     memory = Memory()
     memory.buffers += [(arr.ctypes.data, arr.view(np.uint8).reshape(-1)) for arr in (gated, residual)]
-    run(ptx, mul_values, memory)
+    mul_launch = next(e for e in _events(fake) if e["event"] == "launch")
+    run(ptx, mul_values, memory, grid=tuple(mul_launch["grid"][:2]), block=tuple(mul_launch["block"][:2]))
     mul_ref = gate_in / (1.0 + np.exp(-gate_in)) * residual.astype(np.float64)
     both = Epilogue(dtype=1, activation=4, has_residual=1, residual_first=1, residual_mul=1, bias_scale=1.0,
                     rows=rows, cols=cols, bias_rows=1)

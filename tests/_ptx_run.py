@@ -3,8 +3,9 @@
 A straight-line executor for exactly the instruction subset that kernel uses, with PTX's semantics: integer
 ops on unsigned 64/32-bit values, float32 arithmetic rounded per instruction (fma rounds once), b16 loads and
 stores, f16/bf16 conversions rounding to nearest even. An instruction outside the subset raises, so the
-kernel cannot grow past what this checks unnoticed. The grid is one block of one thread: the kernel's
-grid-stride loop then visits every element.
+kernel cannot grow past what this checks unnoticed. ``run`` executes every thread of the launch's grid of blocks
+(2-D each), one after the other to its ``ret``: the kernel must then have visited every element exactly as the
+hardware's threads would, which the callers check over the whole output.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-SPECIAL = {"%ctaid.x": 0, "%ntid.x": 1, "%tid.x": 0, "%nctaid.x": 1}
 M64, M32 = (1 << 64) - 1, (1 << 32) - 1
 
 
@@ -83,15 +83,28 @@ def _parse(ptx: str) -> tuple[list[tuple[str | None, bool, str, list[str]]], dic
     return code, labels
 
 
-def run(ptx: str, params: dict[str, Any], memory: Memory, max_steps: int = 2_000_000) -> None:
+def run(ptx: str, params: dict[str, Any], memory: Memory, grid: tuple[int, int] = (1, 1),
+        block: tuple[int, int] = (1, 1), max_steps: int = 2_000_000) -> None:
+    """Every thread of a ``grid`` (x, y) of ``block`` (x, y) threads, in turn; ``max_steps`` bounds each thread."""
     code, labels = _parse(ptx)
+    for cy in range(grid[1]):
+        for cx in range(grid[0]):
+            for ty in range(block[1]):
+                for tx in range(block[0]):
+                    special = {"%ctaid.x": cx, "%ctaid.y": cy, "%ntid.x": block[0], "%ntid.y": block[1],
+                               "%tid.x": tx, "%tid.y": ty, "%nctaid.x": grid[0], "%nctaid.y": grid[1]}
+                    _thread(code, labels, params, memory, special, max_steps)
+
+
+def _thread(code: list[tuple[str | None, bool, str, list[str]]], labels: dict[str, int], params: dict[str, Any],
+            memory: Memory, special: dict[str, int], max_steps: int) -> None:
     reg: dict[str, Any] = {}
 
     def val(x: str) -> Any:
         if x.startswith("0f"):
             return _bits_to_f32(int(x[2:], 16))
-        if x in SPECIAL:
-            return SPECIAL[x]
+        if x in special:
+            return special[x]
         if x.startswith("%"):
             return reg[x]
         return int(x, 0)
@@ -130,6 +143,8 @@ def run(ptx: str, params: dict[str, Any], memory: Memory, max_steps: int = 2_000
             reg[a[0]] = (val(a[1]) * val(a[2])) & M64
         elif op == "add.u64":
             reg[a[0]] = (val(a[1]) + val(a[2])) & M64
+        elif op == "mad.lo.u64":
+            reg[a[0]] = (val(a[1]) * val(a[2]) + val(a[3])) & M64
         elif op == "sub.u64":
             reg[a[0]] = (val(a[1]) - val(a[2])) & M64
         elif op == "div.u64":

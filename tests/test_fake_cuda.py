@@ -312,7 +312,8 @@ def test_each_context_loads_a_bundles_cubins_once(launched: dict[str, Any]) -> N
 def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, Any]) -> None:
     """launch.cc's LaunchPtx (the vendor path's epilogue): the PTX loaded once per context on the stream's (by
     dc_vendor_epilogue_load, which a node that may take the vendor path calls at its first call; the launches
-    reuse it), its .param list filled in count and size, a grid-stride grid of 256-thread blocks, and the
+    reuse it), its .param list filled in count and size, a 2-D grid of 256-thread blocks (32 column threads by 8 row
+    threads for 7 columns), and the
     recorded values, run as that PTX on the host over the buffers they point at, give act(y + scale * bias) +
     residual."""
     got = launched["vendor_epilogue"]
@@ -333,9 +334,9 @@ def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, A
     values = dict(zip(got["names"], decode_params(launch)))
     ptr = got["pointers"]
     assert (values["p_y"], values["p_bias"], values["p_res"]) == (ptr["y"], ptr["bias"], ptr["residual"])
-    assert (values["p_total"], values["p_cols"], values["p_brows"], values["p_brs"], values["p_bcs"]) == (35, 7, 1, 0, 1)
+    assert (values["p_rows"], values["p_cols"], values["p_brows"], values["p_brs"], values["p_bcs"]) == (5, 7, 1, 0, 1)
     assert values["p_act"] == 2 and values["p_scale"] == 0x3F000000  # gelu, 0.5f
-    assert launch["grid"] == [1, 1, 1] and launch["block"] == [256, 1, 1] and launch["shared"] == 0
+    assert launch["grid"] == [1, 1, 1] and launch["block"] == [32, 8, 1] and launch["shared"] == 0
     assert got["max_err"] <= 2e-3 * max(1.0, got["scale"]), got["max_err"]
     assert values["p_first"] == 0  # the residual added after the activation
     # dc_epilogue.residual_mul (LLaMA's SwiGLU gate, silu(y) * residual): launched as p_first 2, no bias

@@ -441,11 +441,13 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         ref = ref + res64
     elif residual == "mul":
         ref = ref * res64
-    params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_total": e.rows * e.cols, "p_cols": max(e.cols, 1),
+    params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_rows": e.rows, "p_cols": e.cols,
               "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
               "p_act": e.activation, "p_res": res_addr,
               "p_first": {"first": 1, "mul": 2}.get(residual, 0)}
-    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory)
+    # blocks of 4 column threads (some past the last column), 3 row threads in all: each thread walks its column
+    # over several rows, and the bias row (r % bias_rows: 4 for the conv) wraps as it steps
+    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory, grid=(-(-e.cols // 4), 3), block=(4, 1))
     got = _from_dtype_bits(y, dtype)
     want = ref.astype(np.float32)
     if dtype != "float32":  # one rounding to the dtype at the end
