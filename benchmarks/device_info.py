@@ -162,8 +162,11 @@ def metadata(work: Path) -> dict[str, Any]:
 
 
 def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
-    """Per optimized model: the distinct bundles of its ai.dietcode nodes (``<sha256[:16]>.bundle``), an
-    index mapping nodes to them, and ``dietcode-ort inspect --json``; no weights."""
+    """Per optimized model: the distinct bundles of its ai.dietcode nodes (``<sha256[:16]>.bundle.xz``: xz
+    makes them about 12 times smaller, and the committed results travel with every device call), an index
+    mapping nodes to them, and ``dietcode-ort inspect --json``; no weights."""
+    import lzma
+
     import onnx
 
     from dietcode_ort.bundle import dietcode_nodes, node_bundles
@@ -177,9 +180,9 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
         nodes = {}
         custom = [d.node for d in dietcode_nodes(model)]
         for node, bundle in zip(custom, node_bundles(model, str(path.parent))):  # each bundle is a shared input
-            name = hashlib.sha256(bundle.payload).hexdigest()[:16] + ".bundle"
+            name = hashlib.sha256(bundle.payload).hexdigest()[:16] + ".bundle.xz"
             if not (folder / name).exists():
-                (folder / name).write_bytes(bundle.payload)
+                (folder / name).write_bytes(lzma.compress(bundle.payload, preset=9 | lzma.PRESET_EXTREME))
             nodes[node.name or node.output[0]] = name
         (folder / "index.json").write_text(json.dumps({"model": path.name, "nodes": nodes}, indent=1) + "\n")
         try:

@@ -268,10 +268,16 @@ if has_stage 1; then
   # the kernel-level GPU tests first (quick), then the end-to-end ones (they tune): one cut off keeps the other
   mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py | grep -v end_to_end)
   mapfile -t e2e_tests < <(grep -l "mark.gpu" tests/test_*end_to_end*.py)
-  step 1 "pytest -m gpu (kernels)" "$(( (lim - (SECONDS - t1)) / 2 ))" "$s1/pytest-gpu.log" -- \
-    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider --junitxml "$s1/pytest-gpu.xml" "${gpu_tests[@]}"
+  # in parallel where pytest-xdist is there: one by one, the kernel tests' Triton compiles took more than 94 s
+  # for the first 35 of 194 on the first H100 machine (2026-11-27); --durations says where the time goes
+  par=()
+  if "$PY" -c "import xdist" 2>/dev/null; then par=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))"); fi
+  step 1 "pytest -m gpu (kernels)" "$(( (lim - (SECONDS - t1)) * 2 / 3 ))" "$s1/pytest-gpu.log" -- \
+    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider "${par[@]}" --durations 25 --junitxml "$s1/pytest-gpu.xml" \
+    "${gpu_tests[@]}"
   step 1 "pytest -m gpu (end to end)" "$(( lim - (SECONDS - t1) ))" "$s1/pytest-gpu-e2e.log" -- \
-    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider --junitxml "$s1/pytest-gpu-e2e.xml" "${e2e_tests[@]}"
+    "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider "${par[@]}" --durations 10 --junitxml "$s1/pytest-gpu-e2e.xml" \
+    "${e2e_tests[@]}"
   clocks; pack
 fi
 

@@ -67,7 +67,7 @@ def test_a_session_too_short_for_its_parts_is_refused_with_the_way_out() -> None
 
 
 def test_a_tail_too_short_to_be_worth_a_call_goes_to_the_main_call() -> None:
-    (only,) = dp.plan(1, "bringup", dp.DeviceTime(device_s=560))
+    (only,) = dp.plan(1, "bringup", dp.DeviceTime(device_s=560, start_s=150))
     assert only.deadline == 560 - 150 - 60 - 20
 
 

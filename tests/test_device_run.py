@@ -316,10 +316,18 @@ def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
                  "device-run/stage4/bundles/index.json",
                  "device-run/stage4/bundles/mlp-tiny-fp16.cpu.dietcode/inspect.json"):
         assert base + name in members, name
-    bundles = [n for n in members if n.endswith(".bundle")]
+    bundles = [n for n in members if n.endswith(".bundle.xz")]
     index = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage4/bundles/index.json"))
     assert index["mlp-tiny-fp16.cpu.dietcode.onnx"]["bundles"] == len(bundles) > 0
     assert all(members[n].size < 1_000_000 for n in bundles)
+    import lzma
+
+    from dietcode_ort.bundle import read_bundle
+    with tarfile.open(out / "device-run.tar.gz") as tar:  # each is a whole bundle, xz-compressed
+        for n in bundles:
+            member = tar.extractfile(n)
+            assert member is not None
+            assert read_bundle(lzma.decompress(member.read())).kernels
 
 
 @pytest.mark.slow
