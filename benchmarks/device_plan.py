@@ -12,8 +12,9 @@ Sessions (``session_for`` picks the first whose results are not committed yet):
 - ``bringup``: onnxruntime-gpu installed from its last part; stage 1 (its check, ``doctor``, the GPU tests);
   stage 3 on BERT-base and the LLaMA-7B MLP layer (fp16, tuned on the GPU, against stock ORT's CUDA EP);
   stage 4; then stage 2, the measurement table's dense and attention sets, in a second call.
-- ``followup``: onnxruntime-gpu; stage 3 on ResNet-50 fp16; stage 5 (host overhead); stage 4; then the
-  table's conv sets.
+- ``followup``: onnxruntime-gpu; stage 3 on ResNet-50 fp16; stage 7 (per-kernel profiles of BERT-base and the
+  MLP layer against stock ORT, where the bring-up's bench lost and one shape where it won); stage 5 (host
+  overhead); stage 4; then the table's conv sets.
 - ``compare``: stage 6 (PyTorch eager and torch.compile on BERT-base and ResNet-50; ``torch_report.py`` joins
   them with the committed bench files afterwards); it needs no onnxruntime-gpu, so no parts travel.
 
@@ -36,6 +37,7 @@ STASH_S = 60          # a stash call's deadline: the preflight, copying one part
 MIN_MAIN_S = 240      # below this the session's main call would not get past onnxruntime-gpu's install
 MIN_TAIL_S = 90       # a second call shorter than this is left out, and its time goes to the main call
 TAIL_SHARE = 0.3      # of the time after the stash calls, what the second call gets
+PROFILE_S = 150       # stage 7's cap in the followup call: BERT-base and the MLP layer rebuilt from the tuning DB
 
 
 class PlanError(ValueError):
@@ -104,9 +106,10 @@ def _main_and_tail(session: str, part: str | None, main_s: int, tail_s: int) -> 
                               (".device",), tail_s))
     elif session == "followup":
         calls.append(Call("install onnxruntime-gpu; stage 3: ResNet-50 fp16 (stock with EXHAUSTIVE and HEURISTIC "
-                          "cuDNN search); stage 5: host overhead (at most 90 s); stage 4",
-                          (*ort, "--stage", "3,5,4", "--suites", "resnet50", "--budget", "8", "--cap", "5=90"),
-                          carry, main_s))
+                          "cuDNN search); stage 7: per-kernel profiles of BERT-base and the LLaMA-7B MLP layer "
+                          f"against stock ORT (at most {PROFILE_S} s); stage 5: host overhead (at most 90 s); stage 4",
+                          (*ort, "--stage", "3,7,5,4", "--suites", "resnet50", "--profile", "bert,mlp", "--budget", "8",
+                           "--cap", f"5=90,7={PROFILE_S}"), carry, main_s))
         if tail_s:
             calls.append(Call("stage 2: the table's conv sets, then its report", ("--stage", "2", "--sets", "conv"),
                               (".device",), tail_s))
