@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run the GPU stages of a device session in order, each under its own time limit, writing as it goes.
 #
-#   bash benchmarks/device_run.sh [--stage 1,2,3,4,5,6|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
-#                                 [--suites mlp,bert,resnet50] [--budget N] [--deadline S] [--limit S]
-#                                 [--cap STAGE=S,...] [--out DIR] [--work DIR] [--dry-run]
+#   bash benchmarks/device_run.sh [--stage 1,2,3,4,5,6,7|all] [--ortgpu .ortgpu/pK] [--sets dense,attention,conv]
+#                                 [--suites mlp,bert,resnet50] [--profile bert,mlp] [--budget N] [--deadline S]
+#                                 [--limit S] [--cap STAGE=S,...] [--out DIR] [--work DIR] [--dry-run]
 #
 # Stages (docs/device.md gives the calls that make a session, with their time budgets):
 #   (--ortgpu DIR) one part of onnxruntime-gpu (made by scripts/prepare_device.sh): parts 1..N-1 are stashed
@@ -22,6 +22,11 @@
 #   6  benchmarks/torch_compile.py per suite (default bert,resnet50): PyTorch eager, torch.compile dynamic=True,
 #      mark_dynamic and max-autotune (2 shapes) on a subset of the suite's sweep, then torch_report.py against
 #      stage 3's bench file where there is one. Runs before stage 4 when both are asked.
+#   7  benchmarks/profile_kernels.py per suite of --profile (default bert,mlp): stock ORT and the optimized model
+#      under torch.profiler (CUPTI: every CUDA kernel of the process) at a few shapes, where the bench loses and
+#      one where it wins; per kernel and category, device busy time against wall time. The models are stage 3's
+#      (built and optimized when missing, with the tuning database committed for this device as a start). Runs
+#      after stage 3, before stages 5, 6 and 4.
 #
 # Time: the whole call ends by --deadline seconds (default 570, for a `run` with timeout_s 600); each stage
 # gets what is left (capped by --limit, and by its own --cap, e.g. `--cap 1=140` so stage 1 leaves the rest
@@ -45,7 +50,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 ARGV=("$0" "$@")
 
-dry=0 stages="" ortgpu="" sets="" suites="" budget=${DEVICE_BUDGET:-64} deadline=570 limit="" out=${OUT:-} work=""
+dry=0 stages="" ortgpu="" sets="" suites="" profile="" budget=${DEVICE_BUDGET:-64} deadline=570 limit="" out=${OUT:-} work=""
 declare -A cap=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -53,28 +58,29 @@ while [ $# -gt 0 ]; do
     --ortgpu) ortgpu=$2; shift 2 ;;
     --sets) sets=$2; shift 2 ;;
     --suites) suites=$2; shift 2 ;;
+    --profile) profile=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --deadline) deadline=$2; shift 2 ;;
     --limit) limit=$2; shift 2 ;;
     --cap|--caps)
       for kv in ${2//,/ }; do
         case $kv in
-          [0-6]=[0-9]*) case ${kv#*=} in *[!0-9]*) ;; *) cap[${kv%%=*}]=${kv#*=}; continue ;; esac ;;
+          [0-7]=[0-9]*) case ${kv#*=} in *[!0-9]*) ;; *) cap[${kv%%=*}]=${kv#*=}; continue ;; esac ;;
         esac
-        echo "device_run: --cap takes STAGE=SECONDS[,STAGE=SECONDS] with a stage 0-6 (got '$kv')" >&2; exit 2
+        echo "device_run: --cap takes STAGE=SECONDS[,STAGE=SECONDS] with a stage 0-7 (got '$kv')" >&2; exit 2
       done
       shift 2 ;;
     --out) out=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n 2,42p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,46p "$0"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [ -n "$out" ] || { echo "device_run: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
-case $stages in all) stages=1,2,3,4,5,6 ;; esac
+case $stages in all) stages=1,2,3,4,5,6,7 ;; esac
 for s in ${stages//,/ }; do
-  case $s in 1|2|3|4|5|6) ;; *) echo "device_run: unknown stage '$s' (1, 2, 3, 4, 5, 6 or all)" >&2; exit 2 ;; esac
+  case $s in 1|2|3|4|5|6|7) ;; *) echo "device_run: unknown stage '$s' (1 to 7 or all)" >&2; exit 2 ;; esac
 done
 [ -n "$stages" ] || [ -n "$ortgpu" ] || { echo "device_run: nothing to do: give --stage and/or --ortgpu" >&2; exit 2; }
 for n in "$budget" "$deadline" ${limit:+"$limit"}; do
@@ -189,7 +195,7 @@ stage_limit() {  # stage_limit STAGE MAX: what the stage may use of the time lef
   echo "$lim"
 }
 
-# skipped_without_ort STAGE STEP: for the stages that need onnxruntime-gpu's CUDA EP (3, 5), record and say why
+# skipped_without_ort STAGE STEP: for the stages that need onnxruntime-gpu's CUDA EP (3, 5, 7), record and say why
 # they cannot run on this machine and return 0; return 1 when they can
 skipped_without_ort() {
   local reason text
@@ -326,6 +332,50 @@ if has_stage 3; then
       step 3 "suite ${names[$i]}" "$share" "$s3/${names[$i]}.log" -- \
         "$PY" benchmarks/run_suite.py --suite "${names[$i]}" "${suite_args[@]}" --workdir "$work/models" \
         --results "$results" --optimize-arg=--db="$work/tuning.db" --optimize-arg=--quiet
+    done
+  fi
+  clocks; pack
+fi
+
+# --- stage 7: where the time goes: per-kernel profiles of stock ORT and the optimized model at a few shapes ---
+if has_stage 7; then
+  lim=$(stage_limit 7 240); t7=$SECONDS
+  s7=$D/stage7
+  mkdir -p "$s7"
+  plist=${profile:-bert,mlp}
+  read -r -a pnames <<< "${plist//,/ }"
+  if [ "$dry" = 1 ]; then
+    profile_args=(--provider cpu --preset tiny --dtype float16 --iters 5 --warmup 2
+                  --optimize-arg=--measure=analytic --optimize-arg=--budget=8 --optimize-arg=--max-kernels=2)
+  else
+    # a model missing here (stage 3 did not build it on this machine) is tuned as the bring-up session tuned the
+    # committed bench's (budget 16), from the tuning database committed for this device where there is none yet:
+    # the search then measures only what it lacks (nothing on the same GPU, driver and Triton: its records are
+    # keyed by them), so the profile is of the models that bench timed
+    profile_args=(--provider cuda --dtype float16 --iters 30 --warmup 10
+                  --optimize-arg=--measure=gpu --optimize-arg=--budget=16)
+    committed=benchmarks/results/$slug/device-run/stage4/tuning.db
+    if [ ! -f "$work/tuning.db" ] && [ -f "$committed" ]; then
+      cp "$committed" "$work/tuning.db" && log "stage 7: tuning database from $committed"
+    fi
+  fi
+  if ! skipped_without_ort 7 "profile ${pnames[*]}"; then
+    for i in "${!pnames[@]}"; do
+      name=${pnames[$i]} share=$(( (lim - (SECONDS - t7)) / (${#pnames[@]} - i) ))
+      if [ "$dry" = 1 ]; then  # shapes of stage 3's dry-run (cpu) sweep
+        case $name in bert) shapes=(--shape batch=4,seq=32 --shape batch=1,seq=16) ;;
+                      resnet50|mobilenet_v2) shapes=(--shape batch=1,height=160 --tie width=height) ;;
+                      *) shapes=(--dim tokens=7,64) ;; esac
+      else  # where the H100 bench lost (BERT batch >= 16 x seq >= 256; the MLP at tokens <= 256) and where it won
+        case $name in bert) shapes=(--shape batch=32,seq=256 --shape batch=16,seq=512 --shape batch=1,seq=128) ;;
+                      resnet50|mobilenet_v2) shapes=(--shape batch=32,height=224 --shape batch=1,height=224
+                                                     --tie width=height) ;;
+                      *) shapes=(--dim tokens=1,128,4096) ;; esac
+      fi
+      step 7 "profile $name" "$share" "$s7/$name.log" -- \
+        "$PY" benchmarks/profile_kernels.py --suite "$name" "${profile_args[@]}" "${shapes[@]}" \
+        --workdir "$work/models" --optimize-arg=--db="$work/tuning.db" --optimize-arg=--quiet \
+        --json "$s7/$name.json" --out "$s7/$name.txt"
     done
   fi
   clocks; pack

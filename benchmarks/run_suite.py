@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from dietcode_ort import bench, bench_report  # noqa: E402  (the repository root must be on the path first)
 from dietcode_ort.errors import DietcodeError  # noqa: E402
 
-__all__ = ["Suite", "SUITES", "slugify", "results_dir", "shape_log", "run_suite", "main"]
+__all__ = ["Suite", "SUITES", "slugify", "results_dir", "shape_log", "suite_tag", "suite_models", "run_suite", "main"]
 
 
 @dataclass(frozen=True)
@@ -127,31 +127,45 @@ def _optimize(cmd: Sequence[str], note: Path) -> None:
     _run([*cmd, "--min-speedup", "0"], "dietcode-ort optimize --min-speedup 0")
 
 
-def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, preset: str | None = None,
-              repeat: int | None = None, warmup: int = 5, rebuild: bool = False,
-              optimize_args: Sequence[str] = (), dtype: str = "float32", plot: bool = True) -> Path:
-    """Build, optimize and benchmark one suite; returns the JSON results file."""
+def suite_tag(suite: Suite, preset: str | None = None, dtype: str = "float32") -> str:
+    """The suite's file name stem: ``<suite>-<preset>`` plus ``-fp16`` for float16 (``bert-base-fp16``)."""
     if dtype not in DTYPE_SUFFIX:
         raise DietcodeError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_SUFFIX)}")
+    return f"{suite.name}-{preset or suite.preset}{DTYPE_SUFFIX[dtype]}"
+
+
+def suite_models(suite: Suite, provider: str, workdir: Path, note: Path, *, preset: str | None = None,
+                 dtype: str = "float32", rebuild: bool = False, optimize_args: Sequence[str] = ()) -> tuple[Path, Path]:
+    """The suite's model and its model optimized for the suite's sweep on ``provider``, both under ``workdir``:
+    reused when there (and the optimized one is not older), else built (``python -m models``) and optimized
+    (``dietcode-ort optimize --shapes``, ``optimize_args`` added; ``note`` as in ``_optimize``)."""
     preset = preset or suite.preset
-    tag = f"{suite.name}-{preset}{DTYPE_SUFFIX[dtype]}"
+    tag = suite_tag(suite, preset, dtype)
     workdir.mkdir(parents=True, exist_ok=True)
     model, optimized = workdir / f"{tag}.onnx", workdir / f"{tag}.{provider}.dietcode.onnx"
     py = sys.executable
     if rebuild or not model.exists():
         _run([py, "-m", "models", suite.model, "--preset", preset, "--dtype", dtype, "-o", str(model)],
              "building the model")
-    out = results_dir(results, provider)
-    stem = out / f"{tag}-{provider}"
-    note = Path(f"{stem}.note.txt")
     if rebuild or not optimized.exists() or optimized.stat().st_mtime < model.stat().st_mtime:
         shapes = workdir / f"{tag}.{provider}.shapes.json"
         shapes.write_text(json.dumps(shape_log(model, suite, provider), indent=1) + "\n")
         note.unlink(missing_ok=True)  # about an earlier optimized model
         _optimize([py, "-m", "dietcode_ort", "optimize", str(model), "-o", str(optimized), "--shapes", str(shapes),
                    *optimize_args], note)
+    return model, optimized
+
+
+def run_suite(suite: Suite, provider: str, workdir: Path, results: Path, *, preset: str | None = None,
+              repeat: int | None = None, warmup: int = 5, rebuild: bool = False,
+              optimize_args: Sequence[str] = (), dtype: str = "float32", plot: bool = True) -> Path:
+    """Build, optimize and benchmark one suite; returns the JSON results file."""
+    out = results_dir(results, provider)
+    stem = out / f"{suite_tag(suite, preset, dtype)}-{provider}"
+    model, optimized = suite_models(suite, provider, workdir, Path(f"{stem}.note.txt"), preset=preset, dtype=dtype,
+                                    rebuild=rebuild, optimize_args=optimize_args)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [py, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized),
+    cmd = [sys.executable, "-m", "dietcode_ort", "bench", str(model), "--optimized", str(optimized),
            "--provider", provider, "--repeat", str(repeat or (suite.repeat or {}).get(provider, 20)),
            "--warmup", str(warmup), "--json", f"{stem}.json"]
     if plot and importlib.util.find_spec("matplotlib") is not None:

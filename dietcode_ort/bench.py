@@ -461,14 +461,19 @@ class _DeviceCall:
 
 
 class OrtRunner:
-    """An InferenceSession on one provider; ``register`` adds the custom-op library to its options."""
+    """An InferenceSession on one provider; ``register`` adds the custom-op library to its options; with
+    ``profile`` (a file prefix) ORT's own profiler records every run until ``session.end_profiling()``."""
 
-    def __init__(self, path: Path, provider: str, register: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, path: Path, provider: str, register: Callable[[Any], Any] | None = None, *,
+                 profile: str | None = None) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         # Two sessions alternate: an idle one's spinning intra-op threads would steal cores from the other.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if profile is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = profile
         if register is not None:
             register(options)
         try:

@@ -51,6 +51,19 @@ def test_the_default_session_is_one_install_call_then_the_table() -> None:
     assert table.deadline >= dp.MIN_TAIL_S
 
 
+def test_the_followup_session_reruns_the_gpu_tests_and_profiles_bert_and_the_mlp() -> None:
+    """Stage 1 (the GPU tests the bring-up cut off) and stage 7 (per-kernel profiles) ride in the followup's
+    main call, each capped, with stage 3's ResNet-50."""
+    main, table = dp.plan(1, "followup")
+    args = shlex.split(main.command)
+    assert args[args.index("--stage") + 1] == "1,3,7,4" and args[args.index("--suites") + 1] == "resnet50"
+    assert args[args.index("--profile") + 1] == "bert,mlp"
+    caps = dict(kv.split("=") for kv in args[args.index("--cap") + 1].split(","))
+    assert caps.keys() == {"1", "7"} and caps["7"] == str(dp.PROFILE_S)
+    assert int(caps["1"]) + dp.PROFILE_S <= main.deadline * 3 // 4  # stage 3 gets the rest
+    assert "--stage 2 --sets conv" in table.command
+
+
 def test_more_time_lengthens_the_calls_up_to_the_command_limit() -> None:
     short = dp.plan(1, "bringup", dp.DeviceTime(device_s=900))
     long = dp.plan(1, "bringup", dp.DeviceTime(device_s=3600))
@@ -93,7 +106,7 @@ def test_the_planned_arguments_are_ones_the_runner_takes(tmp_path: Path) -> None
             for arg in shlex.split(call.command)[2:]:
                 if arg.startswith("--"):
                     assert arg in usage, (session, arg)
-    for bad in ("7=10", "1=soon", "1"):
+    for bad in ("8=10", "1=soon", "1"):
         proc = subprocess.run(["bash", str(runner), "--dry-run", "--out", str(tmp_path / "o"), "--stage", "1",
                                "--cap", bad], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and "--cap takes STAGE=SECONDS" in proc.stderr, bad

@@ -229,7 +229,8 @@ def test_prepare_device_sizes_parts_to_the_room_left_and_plans_the_calls(tmp_pat
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--stage", "7"], "unknown stage '7'"),
+    (["--stage", "8"], "unknown stage '8'"),
+    (["--stage", "7", "--cap", "8=10"], "--cap takes STAGE=SECONDS"),
     ([], "nothing to do"),
     (["--stage", "2", "--deadline", "soon"], "whole numbers"),
     (["--ortgpu", "nowhere"], "holds no MANIFEST"),
@@ -359,6 +360,30 @@ def test_dry_run_stage_1_keeps_doctor_and_gpu_test_reports(tmp_path: Path) -> No
     assert [s["step"] for s in steps] == ["doctor", "doctor --json", "pytest -m gpu (kernels)",
                                           "pytest -m gpu (end to end)"]
     assert proc.returncode == (0 if all(s["rc"] == 0 for s in steps) else 1)
+
+
+@pytest.mark.slow
+def test_dry_run_stage_7_profiles_a_suite_it_builds_itself(tmp_path: Path) -> None:
+    """Stage 7 on a fresh work folder: the tiny MLP is built and optimized as stage 3 would, then both sessions
+    are profiled (CPU: ORT's profiler) at the dry run's shapes; JSON, table and log come back."""
+    out = tmp_path / "out"
+    proc = _run(out, "--stage", "7", "--profile", "mlp", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "work" / "models" / "mlp-tiny-fp16.cpu.dietcode.onnx").is_file()
+    members = _members(out / "device-run.tar.gz")
+    (profile,) = [n for n in members if n.endswith("/device-run/stage7/mlp.json")]
+    base = profile.removesuffix("mlp.json")
+    assert base + "mlp.txt" in members and base + "mlp.log" in members
+    record = json.loads(_read(out / "device-run.tar.gz", profile))
+    assert record["complete"] and record["settings"]["source"] == "ort"
+    assert [s["dims"] for s in record["shapes"]] == [{"tokens": 7}, {"tokens": 64}]
+    for shape in record["shapes"]:
+        assert shape["disagreement"] is None
+        assert "dietcode op" in shape["sessions"]["dietcode"]["categories"]
+        assert "dietcode op" not in shape["sessions"]["stock"]["categories"]
+    assert "## tokens=64" in _read(out / "device-run.tar.gz", base + "mlp.txt")
+    steps = [json.loads(line) for line in (tmp_path / "work" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["stage"], s["step"], s["rc"]) for s in steps] == [(7, "profile mlp", 0)]
 
 
 @pytest.mark.slow
