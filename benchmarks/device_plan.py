@@ -38,7 +38,7 @@ STASH_S = 60          # a stash call's deadline: the preflight, copying one part
 MIN_MAIN_S = 240      # below this the session's main call would not get past onnxruntime-gpu's install
 MIN_TAIL_S = 90       # a second call shorter than this is left out, and its time goes to the main call
 TAIL_SHARE = 0.3      # of the time after the stash calls, what the second call gets
-PROFILE_S = 120       # stage 7's cap in the followup call: BERT-base and the MLP layer rebuilt from the tuning DB
+PROFILE_S = 150       # stage 7's cap in the followup call: BERT-base and the MLP layer rebuilt from the tuning DB
 
 
 class PlanError(ValueError):

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from dietcode_ort.errors import DietcodeError
+from tuner.dispatch import VENDOR, build_dispatch, settled_dispatch
 from tuner.hardware import get_profile
-from tuner.measure import ReplayMeasurer
-from tuner.search import SearchOptions, neighbours, tune_joint, tune_per_shape
+from tuner.measure import MeasureResult, ReplayMeasurer
+from tuner.search import SearchOptions, neighbours, settle, tune_joint, tune_per_shape
 from tuner.simulate import bert_dense_case
 from tuner.space import Family, MicroKernel, enumerate_space
+from tuner.workload import Instance
 
 FAMILY = Family("gemm", "float16", "sm_90")
 PROFILE = get_profile("sm_90")
@@ -205,3 +208,78 @@ def test_optimize_takes_no_prior():
     parser = build_parser()
     assert parser.parse_args(["optimize", "m.onnx", "-o", "out"]).prior is True
     assert parser.parse_args(["optimize", "m.onnx", "-o", "out", "--no-prior"]).prior is False
+
+
+class _Slow(ReplayMeasurer):
+    """The replay table, but ``factor`` times slower on problems with M below ``below`` (what a cost model
+    fitted on large problems does not foresee), failing outright on ``fail_m``; counts what it is asked."""
+
+    def __init__(self, path, below: int, factor: float, fail_m: int | None = None) -> None:
+        super().__init__(path)
+        self.below, self.factor, self.fail_m, self.asked = below, factor, fail_m, []
+
+    def measure(self, family, configs_and_problems):
+        self.asked += list(configs_and_problems)
+        out = super().measure(family, configs_and_problems)
+        return [MeasureResult(math.inf, "div16 assumption fails") if p.m == self.fail_m
+                else MeasureResult(r.seconds * (self.factor if p.m < self.below else 1.0), r.error)
+                for (_, p), r in zip(configs_and_problems, out)]
+
+
+def _predicted_picks(result) -> list[tuple[int, int]]:
+    col = {c: j for j, c in enumerate(result.candidates)}
+    return [(i, col[c]) for i, c in enumerate(result.choice) if c is not None and not result.measured[i, col[c]]]
+
+
+def test_settle_times_the_predicted_picks_once_and_counts_them(case):
+    """A small budget leaves most problems' choices resting on the model's prediction (the first round times a
+    new config where its f_adapt is best); settle times exactly those, per problem: a failure costs inf there
+    alone, and timing the same pairs again asks the measurer nothing."""
+    problems = sorted(case.problems, key=lambda p: p.m)[::16]
+    small = problems[1].m
+    measurer = _Slow(case.path, below=0, factor=1.0, fail_m=small)
+    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], case.configs, measurer, PROFILE,
+                        SearchOptions(max_trials=16, progress=False, seed=0))
+    pending = _predicted_picks(result)
+    assert len(pending) >= len(problems) // 2, "the budget of 16 should leave predicted picks to settle"
+    asked = len(measurer.asked)
+    settled = settle(result, pending, measurer)
+    assert len(measurer.asked) - asked == len(pending) and settled.trials == result.trials + len(pending)
+    assert len(settled.measurements) == len(result.measurements) + len(pending)
+    for i, j in pending:
+        assert settled.measured[i, j] and not result.measured[i, j]
+        config, problem = result.candidates[j], result.problems[i]
+        if problem.m == small:
+            assert settled.times[i, j] == math.inf
+        else:
+            assert settled.times[i, j] == pytest.approx(case.seconds[(config.key(), problem)])
+    failed = [j for i, j in pending if result.problems[i].m == small]
+    assert failed and all(np.isfinite(settled.times[i, j]) for i in range(len(problems)) for j in failed
+                          if result.problems[i].m != small)  # one problem's failure is that problem's only
+    assert settle(settled, pending, measurer) is settled and len(measurer.asked) - asked == len(pending)
+
+
+def test_settled_dispatch_sends_a_mispredicted_instance_to_the_vendor_leaf(case):
+    """The kernels are 20x slower than the model learned below M = 512 and the vendor library is 2x slower
+    than the table's best everywhere: built on the predictions, the tree keeps compiled kernels there; settled,
+    every instance it sends to a compiled kernel was measured there, and the small ones go to the vendor."""
+    problems = sorted(case.problems, key=lambda p: p.m)[::8]
+    measurer = _Slow(case.path, below=512, factor=20.0)
+    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], case.configs, measurer, PROFILE,
+                        SearchOptions(max_trials=16, progress=False, seed=0))
+    vendor = [2.0 * case.oracle(p) for p in result.problems]
+    instances = [Instance((("M", p.m),)) for p in result.problems]
+    naive = build_dispatch(("M",), instances, result.candidates, result.times, vendor)
+    small = [inst for inst, p in zip(instances, result.problems) if p.m < 512]
+    assert any(naive.select(inst.as_dict()) != VENDOR for inst in small)
+    dispatch, settled = settled_dispatch(("M",), instances, result, vendor, measurer)
+    col = {c: j for j, c in enumerate(settled.candidates)}
+    for i, inst in enumerate(instances):
+        k = dispatch.select(inst.as_dict())
+        if k != VENDOR:
+            assert settled.measured[i, col[k]]
+            assert settled.times[i, col[k]] <= vendor[i]
+    assert all(dispatch.select(inst.as_dict()) == VENDOR for inst in small)
+    assert settled.trials > result.trials
+    # the report judges measured picks: nothing it dispatches is slower than the vendor leaf
+    assert all(row.seconds <= v for row, v in zip(dispatch.report.rows, vendor))

@@ -10,6 +10,10 @@
    goes left). sklearn splits integer features at midpoints (x <= 16.5); for integer x that is x <= 16.
 4. A regret report: per instance, the dispatched kernel's time against the best known, and the
    weighted geometric mean of the ratios.
+
+``settled_dispatch`` (what ``optimize`` ships) times the picks that rest on predictions before the tree is
+final, so that the vendor comparison in step 2 is between two measurements wherever the tree sends an instance
+to a compiled kernel.
 """
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ from tuner.space import MicroKernel
 from tuner.workload import Instance, Problem, Workload
 
 if TYPE_CHECKING:
+    from tuner.measure import Measurer
     from tuner.search import TuningResult
 
 __all__ = ["VENDOR", "RegretRow", "RegretReport", "Dispatch", "greedy_cover", "build_dispatch",
-           "dispatch_from_tuning", "regret_report"]
+           "settled_dispatch", "dispatch_from_tuning", "regret_report", "SETTLE_PASSES"]
 
 VENDOR = "vendor"
 Kernel = Union[MicroKernel, str]
@@ -163,6 +168,34 @@ def build_dispatch(symbols: Sequence[str], instances: Sequence[Instance], candid
                            [options[i, c] for i, c in enumerate(chosen)],
                            [all_names[b] for b in best_idx], all_times[np.arange(len(x)), best_idx])
     return Dispatch(tuple(symbols), tuple(kernels), tree, report)
+
+
+SETTLE_PASSES = 3  # rounds of timing the tree's predicted picks before it is final
+
+
+def settled_dispatch(symbols: Sequence[str], instances: Sequence[Instance], result: "TuningResult",
+                     vendor: Sequence[float] | np.ndarray | None, measurer: "Measurer", max_kernels: int = 8,
+                     seed: int = 0, passes: int = SETTLE_PASSES) -> tuple[Dispatch, "TuningResult"]:
+    """``build_dispatch`` over ``result`` (``instances`` row for row with ``result.problems``) once the kernels
+    it picks are measured on every instance where their times were predicted (``tuner.search.settle``):
+    up to ``passes`` rounds, since a measurement can change which kernels the cover picks. With vendor times the
+    final tree then weighs measurements only (a kernel never measured on an instance cannot take it from the
+    vendor leaf); without them (conv) predictions fill the gaps. Returns the dispatch and the result with the
+    new measurements."""
+    from tuner.search import settle
+
+    if len(instances) != len(result.problems):
+        raise DietcodeError(f"{len(instances)} instances for {len(result.problems)} tuned problems")
+    col = {c: j for j, c in enumerate(result.candidates)}
+    for _ in range(passes):
+        dispatch = build_dispatch(symbols, instances, result.candidates, result.times, vendor, max_kernels, seed)
+        pending = [(i, col[k]) for k in dispatch.kernels if not isinstance(k, str)
+                   for i in range(len(instances)) if not result.measured[i, col[k]]]
+        if not pending:
+            break
+        result = settle(result, pending, measurer)
+    times = result.times if vendor is None else np.where(result.measured, result.times, np.inf)
+    return build_dispatch(symbols, instances, result.candidates, times, vendor, max_kernels, seed), result
 
 
 def dispatch_from_tuning(workload: Workload, result: "TuningResult", vendor: Sequence[float] | None = None,

@@ -673,7 +673,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
           log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
     import numpy as np
 
-    from tuner.dispatch import build_dispatch
+    from tuner.dispatch import settled_dispatch
     from tuner.hardware import get_profile
     from tuner.search import SearchOptions, tune_joint
     from tuner.workload import Instance
@@ -704,8 +704,8 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     # correctness fallback (cuDNN's heuristic choice within a 256 MiB workspace, symmetric pads), not the algorithm
     # torch's conv2d runs when it is timed here;
     # the vendor time stays a comparison
-    dispatch = build_dispatch(names, instances, result.candidates, result.times,
-                              None if w.op == "conv" else vendor, options.max_kernels, options.seed)
+    dispatch, result = settled_dispatch(names, instances, result, None if w.op == "conv" else vendor, measurer,
+                                         options.max_kernels, options.seed)
     rows = dispatch.report.rows
     dispatched = np.array([r.seconds for r in rows])
     weights = [r.weight for r in rows]
