@@ -8,7 +8,12 @@ Per workload (the table's ``family`` tag), against the vendor library's time on 
 - the best single config (one kernel for all shapes): its geomean speed vs vendor;
 - DietCode by replay: joint search with ``--budget`` measurements (``tuner.search.tune_joint`` on a
   ``ReplayMeasurer``), then the dispatcher (``tuner.dispatch.build_dispatch``, vendor leaves allowed):
-  the dispatched kernels' geomean speed vs vendor, and their regret against the oracle.
+  the dispatched kernels' geomean speed vs vendor, and their regret against the oracle (the best of the
+  configs and the vendor per instance). A dispatched kernel the runtime refuses on an instance (a row whose
+  error is the runtime's fit check, ``tuner.measure.REFUSED``: e.g. a TMA kernel's div16 assumption on a
+  T that is not a multiple of 16) runs the vendor path there, as the custom op does (custom_ops/ort_ops.cc:
+  a call dc_launch_fit refuses runs cuBLAS / cuDNN), so it costs the vendor's time; ``fallbacks`` counts
+  those instances.
 - the roofline fraction (dense and attention sets): per instance, min-time bound / measured time, where the
   bound is max(2*M*N*K*batch / peak, bytes / bandwidth) with bytes = (M*K + K*N + M*N) * batch * 2 (fp16,
   each operand moved once); the median over the instances with M >= 512, for the dispatched kernels and the
@@ -18,7 +23,8 @@ Per workload (the table's ``family`` tag), against the vendor library's time on 
   the same configs (every config on every instance, each config compiled once). With the recorder's cost
   units in table.json beside the CSV (seconds per compiled config and per timed launch), the ratio of
   compile-plus-measure seconds; else the ratio of measurements alone.
-Speeds are unweighted geometric means of vendor_seconds / seconds (> 1: faster than the vendor).
+Speeds are unweighted geometric means of vendor_seconds / seconds (> 1: faster than the vendor). The
+oracle and the best single config take only calls the runtime launches.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dietcode_ort.errors import DietcodeError  # noqa: E402
+from tuner.measure import MeasureResult  # noqa: E402
 from tuner.workload import Problem  # noqa: E402
 
 __all__ = ["TagTable", "load_table", "WorkloadFigures", "report", "main", "DEVICE_PEAKS", "Peaks", "CostUnits",
@@ -53,18 +60,24 @@ ROOFLINE_MIN_M = 512
 
 @dataclass(frozen=True)
 class TagTable:
-    """One workload's measurements: times[i, j] of config j on problem i (inf: failed or missing)."""
+    """One workload's measurements: times[i, j] of config j on problem i (inf: failed or missing);
+    refused[i, j]: the runtime refuses that call (the instance runs the vendor path; None: no refusals)."""
 
     tag: str
     problems: tuple[Problem, ...]
     configs: tuple[str, ...]
     times: np.ndarray
     vendor: np.ndarray
+    refused: np.ndarray | None = None
+
+    def refuses(self, i: int, j: int) -> bool:
+        return self.refused is not None and bool(self.refused[i, j])
 
 
 def load_table(path: Path) -> dict[str, TagTable]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows: dict[str, dict[tuple[str, Problem], float]] = {}
+    refusals: dict[str, set[tuple[str, Problem]]] = {}
     try:
         with opener(path, "rt", newline="") as fh:  # type: ignore[operator]
             reader = csv.DictReader(fh)
@@ -75,6 +88,8 @@ def load_table(path: Path) -> dict[str, TagTable]:
                 seconds = math.inf if row.get("error") else float(row["seconds"])
                 p = Problem(int(row["m"]), int(row["n"]), int(row["k"]), int(row["batch"]))
                 rows.setdefault(row["family"], {})[(row["config"], p)] = seconds
+                if MeasureResult(seconds, row.get("error") or None).refused:
+                    refusals.setdefault(row["family"], set()).add((row["config"], p))
     except (OSError, EOFError, ValueError, csv.Error) as exc:
         raise DietcodeError(f"cannot read measurement table {path}: {exc}") from None
     out = {}
@@ -85,7 +100,9 @@ def load_table(path: Path) -> dict[str, TagTable]:
         vendor = np.array([cells.get(("vendor", p), math.inf) for p in problems])
         if not configs or not np.isfinite(vendor).all():
             raise DietcodeError(f"{path}: workload {tag!r} needs config rows and a vendor time for every instance")
-        out[tag] = TagTable(tag, problems, configs, times, vendor)
+        refused = refusals.get(tag, set())
+        out[tag] = TagTable(tag, problems, configs, times, vendor,
+                            np.array([[(c, p) in refused for c in configs] for p in problems], dtype=bool))
     if not out:
         raise DietcodeError(f"{path} holds no measurements")
     return out
@@ -104,6 +121,7 @@ class WorkloadFigures:
     dispatched_vs_vendor: float | None = None
     dispatched_kernels: int | None = None
     regret: float | None = None
+    fallbacks: int | None = None  # instances whose dispatched kernel the runtime refuses: they run the vendor path
     roofline_instances: int = 0  # instances with M >= ROOFLINE_MIN_M
     roofline_dispatched: float | None = None  # median fraction of the bound there, dispatched kernels
     roofline_oracle: float | None = None  # the same for the per-instance oracle
@@ -201,7 +219,7 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
             ) -> tuple[WorkloadFigures, np.ndarray]:
     from dataclasses import replace
 
-    from tuner.dispatch import build_dispatch
+    from tuner.dispatch import settled_dispatch
     from tuner.hardware import get_profile
     from tuner.measure import ReplayMeasurer
     from tuner.search import SearchOptions, tune_joint
@@ -211,22 +229,26 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
     op = "bmm" if any(p.batch > 1 for p in t.problems) else "gemm"
     family = Family(op, "float16", target)
     space = [MicroKernel.from_key(c) for c in t.configs]
-    result = tune_joint(family, [(p, 1.0) for p in t.problems], space, ReplayMeasurer(path, family=t.tag),
+    measurer = ReplayMeasurer(path, family=t.tag)
+    result = tune_joint(family, [(p, 1.0) for p in t.problems], space, measurer,
                         get_profile(target), SearchOptions(max_trials=budget, seed=seed, progress=False))
     names = ("M", "N", "K", "batch")
     instances = [Instance(tuple(zip(names, (p.m, p.n, p.k, p.batch)))) for p in result.problems]
     row = {p: i for i, p in enumerate(t.problems)}
     vendor = t.vendor[[row[p] for p in result.problems]]
-    dispatch = build_dispatch(names, instances, result.candidates, result.times, vendor, 8, seed)
-    # judge the dispatched choice by the table's real times, not by the model's predictions
+    # as optimize ships it: the tree's picks timed where they were predicted (tuner.dispatch.settled_dispatch)
+    dispatch, result = settled_dispatch(names, instances, result, vendor, measurer, 8, seed)
+    # judge the dispatched choice by the table's real times, not by the model's predictions; a kernel the
+    # runtime refuses on an instance runs the vendor path there (custom_ops/ort_ops.cc), at the vendor's time
     col = {c: j for j, c in enumerate(t.configs)}
     picked = [dispatch.select(inst.as_dict()) for inst in instances]
-    real = np.array([vendor[i] if k == "vendor" else t.times[row[p], col[k.key()]]
+    fell_back = [k != "vendor" and t.refuses(row[p], col[k.key()]) for p, k in zip(result.problems, picked)]
+    real = np.array([vendor[i] if k == "vendor" or fell_back[i] else t.times[row[p], col[k.key()]]
                      for i, (p, k) in enumerate(zip(result.problems, picked))])
     oracle = np.minimum(t.times[[row[p] for p in result.problems]].min(axis=1), vendor)
     order = np.argsort([row[p] for p in result.problems])
     return replace(fig, search_trials=result.trials, dispatched_vs_vendor=_geomean(vendor / real),
-                   dispatched_kernels=len(dispatch.kernels), regret=_geomean(real / oracle),
+                   dispatched_kernels=len(dispatch.kernels), regret=_geomean(real / oracle), fallbacks=sum(fell_back),
                    joint_measurements=len(result.measurements),
                    joint_configs=len({m.config for m in result.measurements})), real[order]
 
@@ -310,13 +332,13 @@ def _print(figures: Sequence[WorkloadFigures]) -> None:
 
     table = Table(title="speed vs vendor (geomean over instances; > 1 is faster)")
     for col in ("workload", "inst", "configs", "oracle", "vendor wins", "best single", "DietCode", "kernels",
-                "regret", "trials"):
+                "regret", "fallbacks", "trials"):
         table.add_column(col)
     fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
     for f in figures:
         table.add_row(f.tag, str(f.instances), str(f.configs), fmt(f.oracle_vs_vendor), str(f.vendor_wins),
                       f"{fmt(f.best_single_vs_vendor)} ({f.best_single})", fmt(f.dispatched_vs_vendor),
-                      fmt(f.dispatched_kernels, "d"), fmt(f.regret), fmt(f.search_trials, "d"))
+                      fmt(f.dispatched_kernels, "d"), fmt(f.regret), fmt(f.fallbacks, "d"), fmt(f.search_trials, "d"))
     Console(width=160).print(table)
     extra = Table(title=f"roofline (median fraction of the bound, M >= {ROOFLINE_MIN_M}) and tuning cost "
                         "(joint search / per-shape autotuning over the same configs)")

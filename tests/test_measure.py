@@ -80,6 +80,59 @@ def test_replay_device_choice_and_bad_files(tmp_path):
         ReplayMeasurer(tmp_path / "absent.csv.gz")
 
 
+def test_replay_of_the_recorded_h100_table():
+    """The committed H100 table (gzip) replays row for row: times, errors, the runtime's refusals (also
+    foreseen by ``refusals`` without measuring) and the vendor's times."""
+    from _recorded import H100_ROWS, H100_TABLE, REFUSAL, cells, rows
+
+    assert len(rows()) == H100_ROWS
+    family = Family("bmm", "float16", "sm_90")
+    qk = cells("attention-qk")
+    replay = ReplayMeasurer(H100_TABLE, family="attention-qk")
+    assert replay.device_key().startswith("model=NVIDIA H100 80GB HBM3;arch=sm_90;") and not replay.synthetic
+    pairs = [(MicroKernel.from_key(c), Problem(*p)) for c, p in qk if c != "vendor"]
+    got = replay.measure(family, pairs)
+    for (config, problem), r in zip(pairs, got):
+        seconds, error = qk[(config.key(), (problem.m, problem.n, problem.k, problem.batch))]
+        if error:
+            assert r.seconds == math.inf and r.error == error and r.refused == error.startswith(REFUSAL)
+        else:
+            assert r.ok and r.seconds == seconds and not r.refused
+    assert sum(r.refused for r in got) == 4440  # 37 TMA configs on the 120 T that are not multiples of 16
+    assert [why for why in replay.refusals(family, pairs)] == [r.error if r.refused else None for r in got]
+    problems = sorted({p for _, p in pairs})
+    vendor = replay.measure_vendor(family, problems)
+    assert [r.seconds for r in vendor] == [qk[("vendor", (p.m, p.n, p.k, p.batch))][0] for p in problems]
+
+
+def test_gpu_measurer_foresees_the_recorded_h100_refusals():
+    """GpuMeasurer.refusals (the div16 part of the runtime's per-call check, with the div16 each set was compiled
+    with: record_table.shipped_div16) names exactly the calls the H100's runtime refused, and no other; so does
+    a remote (Ray) GPU measurer's."""
+    from _recorded import REFUSAL, cells
+    from _scripts import load_script
+    from tuner.distributed import RemoteMeasurer
+    from tuner.measure import MeasurerSpec
+
+    record_table = load_script("record_table")
+    foreseen = 0
+    for s in (*record_table.dense_sets(), *record_table.attention_sets()):
+        m = object.__new__(GpuMeasurer)  # its refusals need no GPU; constructing one starts the timing child
+        m.epilogue, m.div16 = s.epilogue, record_table.shipped_div16(s)
+        recorded = [(MicroKernel.from_key(c), Problem(*p), error) for (c, p), (_, error) in cells(s.tag).items()
+                    if c != "vendor"]
+        family = Family(s.op, "float16", "sm_90")
+        answers = m.refusals(family, [(c, p) for c, p, _ in recorded])
+        # a Ray worker's GPU measurer: the driver works the same answers out from the spec
+        remote = RemoteMeasurer(None, MeasurerSpec("gpu", epilogue=s.epilogue, div16=m.div16))
+        assert remote.refusals(family, [(c, p) for c, p, _ in recorded]) == answers
+        for (config, problem, error), why in zip(recorded, answers):
+            assert (why is not None) == error.startswith(REFUSAL), (s.tag, config.key(), problem, error, why)
+            assert why is None or MeasureResult(math.inf, why).refused
+        foreseen += sum(why is not None for why in answers)
+    assert foreseen == 4440 + 2040
+
+
 def test_analytic_measurer_is_a_roofline():
     m = AnalyticMeasurer(H100, "float16")
     big = Problem(8192, 8192, 8192)

@@ -1,33 +1,67 @@
-"""Joint search against the per-shape baseline on a synthetic replay table (no GPU needed).
+"""Joint search against the per-shape baseline by replay (no GPU needed).
 
-These are unit tests of the search machinery, not evidence for DietCode's claims: the table comes from
-tuner/simulate.py, which is built from the cost model's own formulas (marked ``simulated``). The claims
-are scored on a recorded GPU table by benchmarks/report_table.py.
+Most tests replay the table recorded on an H100 (tests/_recorded.py; benchmarks/report_table.py scores the
+same table): the search machinery, its edge cases, the runtime's refusals, and joint against per-shape
+search at equal budget. Those marked ``simulated`` replay synthetic tables from tuner/simulate.py, built from
+the cost model's own formulas, where a test needs what a recorded table cannot give: a roofline prior of
+known quality, a per-shape tuner far from the oracle at ten times joint search's trials.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from _recorded import H100_TABLE, cells
 from dietcode_ort.errors import DietcodeError
 from tuner.dispatch import VENDOR, build_dispatch, settled_dispatch
 from tuner.hardware import get_profile
-from tuner.measure import MeasureResult, ReplayMeasurer
+from tuner.measure import REFUSED, MeasureResult, Measurer, ReplayMeasurer
 from tuner.search import SearchOptions, neighbours, settle, tune_joint, tune_per_shape
 from tuner.simulate import bert_dense_case
 from tuner.space import Family, MicroKernel, enumerate_space
-from tuner.workload import Instance
+from tuner.workload import Instance, Problem
 
 FAMILY = Family("gemm", "float16", "sm_90")
+BMM = Family("bmm", "float16", "sm_90")
 PROFILE = get_profile("sm_90")
-pytestmark = pytest.mark.simulated
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     return bert_dense_case(tmp_path_factory.mktemp("synthetic"), PROFILE, enumerate_space(FAMILY))
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One set of the H100 table: its measurer, configs, problems and times (the interface of simulate's cases)."""
+
+    measurer: ReplayMeasurer
+    configs: tuple[MicroKernel, ...]
+    problems: tuple[Problem, ...]
+    seconds: dict[tuple[str, Problem], float]  # inf: failed or refused
+    vendor: dict[Problem, float]
+
+    def oracle(self, p: Problem) -> float:
+        return min(self.seconds[(c.key(), p)] for c in self.configs)
+
+
+def recorded_set(tag: str) -> Recorded:
+    data = cells(tag)
+    seconds = {(c, Problem(*p)): math.inf if error else s for (c, p), (s, error) in data.items()}
+    configs = tuple(sorted({MicroKernel.from_key(c) for c, _ in data if c != "vendor"}))
+    problems = tuple(sorted({Problem(*p) for _, p in data}))
+    return Recorded(ReplayMeasurer(H100_TABLE, family=tag), configs, problems,
+                    {k: v for k, v in seconds.items() if k[0] != "vendor"},
+                    {p: v for (c, p), v in seconds.items() if c == "vendor"})
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """dense-768x768 of the H100 table: 97 configs on M = 16..2048 (N = K = 768)."""
+    return recorded_set("dense-768x768")
 
 
 def geomean_ratio(case, choice, problems) -> float:
@@ -43,6 +77,7 @@ def first_within(case, result, tolerance: float = 1.03) -> int | None:
     return None
 
 
+@pytest.mark.simulated
 def test_joint_search_reaches_3_percent_with_a_tenth_of_per_shape_trials(case):
     measurer = ReplayMeasurer(case.path)
     instances = [(p, 1.0) for p in case.problems]
@@ -62,19 +97,17 @@ def test_joint_search_reaches_3_percent_with_a_tenth_of_per_shape_trials(case):
     assert 0.0 < joint.model.alpha <= 1.0 and joint.model.latency > 0
 
 
-def test_search_is_deterministic_under_a_seed(case):
-    measurer = ReplayMeasurer(case.path)
-    instances = [(p, 1.0) for p in case.problems[:16]]
+def test_search_is_deterministic_under_a_seed(dense):
+    instances = [(p, 1.0) for p in dense.problems[:16]]
     opts = SearchOptions(max_trials=96, round_size=32, progress=False, seed=3)
-    a = tune_joint(FAMILY, instances, case.configs, measurer, PROFILE, opts)
-    b = tune_joint(FAMILY, instances, case.configs, measurer, PROFILE, opts)
+    a = tune_joint(FAMILY, instances, dense.configs, dense.measurer, PROFILE, opts)
+    b = tune_joint(FAMILY, instances, dense.configs, dense.measurer, PROFILE, opts)
     assert [(m.config, m.problem) for m in a.measurements] == [(m.config, m.problem) for m in b.measurements]
     assert a.choice == b.choice and a.trials == b.trials == 96
 
 
-def test_result_table_marks_measured_and_predicted(case):
-    measurer = ReplayMeasurer(case.path)
-    result = tune_joint(FAMILY, [(p, 1.0) for p in case.problems[:8]], case.configs, measurer, PROFILE,
+def test_result_table_marks_measured_and_predicted(dense):
+    result = tune_joint(FAMILY, [(p, 1.0) for p in dense.problems[:8]], dense.configs, dense.measurer, PROFILE,
                         SearchOptions(max_trials=64, round_size=32, progress=False))
     assert result.times.shape == result.measured.shape == (8, len(result.candidates))
     for m in result.measurements:
@@ -103,20 +136,98 @@ def test_neighbours_move_one_field_to_an_adjacent_value():
     ({"round_size": 0}, None, "budget"),
     ({"max_seconds": 0}, None, "time budget"),
 ])
-def test_bad_inputs_name_the_problem(case, kwargs, instances, words):
-    measurer = ReplayMeasurer(case.path)
-    instances = [(p, 1.0) for p in case.problems[:2]] if instances is None else instances
+def test_bad_inputs_name_the_problem(dense, kwargs, instances, words):
+    instances = [(p, 1.0) for p in dense.problems[:2]] if instances is None else instances
     with pytest.raises(DietcodeError, match=words):
-        tune_joint(FAMILY, instances, case.configs, measurer, PROFILE, SearchOptions(progress=False, **kwargs))
+        tune_joint(FAMILY, instances, dense.configs, dense.measurer, PROFILE, SearchOptions(progress=False, **kwargs))
 
 
-def test_replay_gap_during_search_names_missing_instances(case):
-    from tuner.workload import Problem
-
-    measurer = ReplayMeasurer(case.path)
-    with pytest.raises(DietcodeError, match=r"no row for .*m=7 n=768 k=768"):
-        tune_joint(FAMILY, [(Problem(7, 768, 768), 1.0)], case.configs, measurer, PROFILE,
+def test_replay_gap_during_search_names_missing_instances(dense):
+    with pytest.raises(DietcodeError, match=r"no row for .*m=7 n=768 k=768"):  # the table has M = 16 * T
+        tune_joint(FAMILY, [(Problem(7, 768, 768), 1.0)], dense.configs, dense.measurer, PROFILE,
                    SearchOptions(max_trials=8, progress=False))
+
+
+def test_joint_search_beats_per_shape_at_equal_budget_on_the_h100_table():
+    """dense-768x3072 as recorded: after 128 measurements (one per instance) joint search's choice is within
+    5% of the per-instance oracle (geomean over the 128 instances); per-shape tuning, each instance given
+    its one measurement (the roofline prior's pick), is more than 15% off."""
+    s = recorded_set("dense-768x3072")
+    instances = [(p, 1.0) for p in s.problems]
+    joint = tune_joint(FAMILY, instances, s.configs, s.measurer, PROFILE,
+                       SearchOptions(max_trials=128, progress=False, seed=0))
+    per_shape = tune_per_shape(FAMILY, instances, s.configs, s.measurer, PROFILE,
+                               SearchOptions(max_trials=128, round_size=1, progress=False, seed=0))
+    assert joint.trials == per_shape.trials == 128
+    joint_ratio = geomean_ratio(s, joint.choice, joint.problems)
+    per_shape_ratio = geomean_ratio(s, per_shape.choice, per_shape.problems)
+    print(f"geomean time / oracle after 128 measurements: joint {joint_ratio:.3f}, per-shape {per_shape_ratio:.3f}")
+    assert 1.0 <= joint_ratio <= 1.05 and per_shape_ratio > 1.15
+
+
+# the runtime's refusals --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qk():
+    """attention-qk of the H100 table (batch 192, M = N = T, K = 64): its 37 TMA configs assume N a multiple of
+    16, and the runtime refuses them on the other T (the recorded rows' error)."""
+    return recorded_set("attention-qk")
+
+
+def _refused(s: Recorded, config: MicroKernel, p: Problem) -> bool:
+    return not math.isfinite(s.seconds[(config.key(), p)])
+
+
+class Blind(ReplayMeasurer):
+    """The table, without foreseeing its refusals: they show only when measured (as the runtime's checks
+    other than div16 do on a GPU)."""
+
+    refusals = Measurer.refusals
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_a_refused_call_leaves_the_config_for_the_instances_it_fits(qk, blind):
+    """T = 32 and 33: the TMA configs are the fastest at 32 and refused at 33. Whether the refusal is foreseen
+    (never measured) or measured, the config stays a candidate at 32 and is infinite at 33."""
+    tma = [c for c in qk.configs if c.tma][:3]
+    plain = [c for c in qk.configs if not c.tma][:2]
+    problems = [Problem(32, 32, 64, 192), Problem(33, 33, 64, 192)]
+    measurer = Blind(H100_TABLE, family="attention-qk") if blind else qk.measurer
+    result = tune_joint(BMM, [(p, 1.0) for p in problems], tma + plain, measurer, PROFILE,
+                        SearchOptions(max_trials=64, progress=False))
+    refused = [m for m in result.measurements if m.error is not None]
+    assert all(m.error.startswith(REFUSED) and m.problem == problems[1] and m.config.tma for m in refused)
+    assert bool(refused) == blind  # a foreseen refusal is never measured
+    assert set(tma) <= set(result.candidates)
+    for j, c in enumerate(result.candidates):
+        assert (result.times[1, j] == math.inf) == bool(c.tma)
+        assert result.times[0, j] == qk.seconds[(c.key(), problems[0])]  # everything at 32 was measured
+    assert all(c is not None and c.tma for c in result.choice[:1]) and not result.choice[1].tma
+
+
+def test_joint_search_on_attention_never_dispatches_a_refused_call(qk):
+    """All 128 T with every config: the result is infinite on every refused pair of its candidates, no refused
+    call is measured, and the dispatcher (vendor leaf) picks no kernel the runtime refuses, nor one measured
+    slower than the vendor."""
+    from tuner.dispatch import build_dispatch
+
+    result = tune_joint(BMM, [(p, 1.0) for p in qk.problems], qk.configs, qk.measurer, PROFILE,
+                        SearchOptions(max_trials=128, progress=False, seed=0))
+    assert all(m.error is None for m in result.measurements)
+    refused = np.array([[_refused(qk, c, p) for c in result.candidates] for p in result.problems])
+    assert refused.any() and np.isinf(result.times[refused]).all()
+    assert any(c.tma for c in result.candidates)  # measured where they fit
+    names = ("M", "N", "K", "batch")
+    instances = [Instance(tuple(zip(names, (p.m, p.n, p.k, p.batch)))) for p in result.problems]
+    dispatch = build_dispatch(names, instances, result.candidates, result.times,
+                              [qk.vendor[p] for p in result.problems])
+    picks = [(dispatch.select(inst.as_dict()), p) for inst, p in zip(instances, result.problems)]
+    assert not any(k != "vendor" and _refused(qk, k, p) for k, p in picks)
+    # where the dispatched kernel's time was measured, it is the table's and no slower than the vendor's
+    measured = [(i, k, p) for i, (k, p) in enumerate(picks)
+                if k != "vendor" and result.measured[i, result.candidates.index(k)]]
+    assert measured
+    for i, k, p in measured:
+        assert result.times[i, result.candidates.index(k)] == qk.seconds[(k.key(), p)] <= qk.vendor[p]
 
 
 # the roofline prior ---------------------------------------------------------------------------------------
@@ -210,19 +321,19 @@ def test_optimize_takes_no_prior():
     assert parser.parse_args(["optimize", "m.onnx", "-o", "out", "--no-prior"]).prior is False
 
 
-class _Slow(ReplayMeasurer):
-    """The replay table, but ``factor`` times slower on problems with M below ``below`` (what a cost model
-    fitted on large problems does not foresee), failing outright on ``fail_m``; counts what it is asked."""
+class _Failing(Measurer):
+    """``inner``, but failing every call at M = ``fail_m``; counts what it is asked."""
 
-    def __init__(self, path, below: int, factor: float, fail_m: int | None = None) -> None:
-        super().__init__(path)
-        self.below, self.factor, self.fail_m, self.asked = below, factor, fail_m, []
+    def __init__(self, inner: Measurer, fail_m: int) -> None:
+        self.inner, self.fail_m, self.asked = inner, fail_m, []
+
+    def device_key(self) -> str:
+        return self.inner.device_key()
 
     def measure(self, family, configs_and_problems):
         self.asked += list(configs_and_problems)
-        out = super().measure(family, configs_and_problems)
-        return [MeasureResult(math.inf, "div16 assumption fails") if p.m == self.fail_m
-                else MeasureResult(r.seconds * (self.factor if p.m < self.below else 1.0), r.error)
+        out = self.inner.measure(family, configs_and_problems)
+        return [MeasureResult(math.inf, "div16 assumption fails") if p.m == self.fail_m else r
                 for (_, p), r in zip(configs_and_problems, out)]
 
 
@@ -231,17 +342,17 @@ def _predicted_picks(result) -> list[tuple[int, int]]:
     return [(i, col[c]) for i, c in enumerate(result.choice) if c is not None and not result.measured[i, col[c]]]
 
 
-def test_settle_times_the_predicted_picks_once_and_counts_them(case):
+def test_settle_times_the_predicted_picks_once_and_counts_them(dense):
     """A small budget leaves most problems' choices resting on the model's prediction (the first round times a
     new config where its f_adapt is best); settle times exactly those, per problem: a failure costs inf there
     alone, and timing the same pairs again asks the measurer nothing."""
-    problems = sorted(case.problems, key=lambda p: p.m)[::16]
+    problems = dense.problems[::16]
     small = problems[1].m
-    measurer = _Slow(case.path, below=0, factor=1.0, fail_m=small)
-    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], case.configs, measurer, PROFILE,
+    measurer = _Failing(dense.measurer, fail_m=small)
+    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], dense.configs, measurer, PROFILE,
                         SearchOptions(max_trials=16, progress=False, seed=0))
     pending = _predicted_picks(result)
-    assert len(pending) >= len(problems) // 2, "the budget of 16 should leave predicted picks to settle"
+    assert len(pending) >= len(problems) // 2, "a budget of 16 should leave predicted picks to settle"
     asked = len(measurer.asked)
     settled = settle(result, pending, measurer)
     assert len(measurer.asked) - asked == len(pending) and settled.trials == result.trials + len(pending)
@@ -249,37 +360,36 @@ def test_settle_times_the_predicted_picks_once_and_counts_them(case):
     for i, j in pending:
         assert settled.measured[i, j] and not result.measured[i, j]
         config, problem = result.candidates[j], result.problems[i]
-        if problem.m == small:
-            assert settled.times[i, j] == math.inf
-        else:
-            assert settled.times[i, j] == pytest.approx(case.seconds[(config.key(), problem)])
-    failed = [j for i, j in pending if result.problems[i].m == small]
+        want = math.inf if problem.m == small else dense.seconds[(config.key(), problem)]
+        assert settled.times[i, j] == want
+    failed = {j for i, j in pending if result.problems[i].m == small}
     assert failed and all(np.isfinite(settled.times[i, j]) for i in range(len(problems)) for j in failed
                           if result.problems[i].m != small)  # one problem's failure is that problem's only
     assert settle(settled, pending, measurer) is settled and len(measurer.asked) - asked == len(pending)
 
 
-def test_settled_dispatch_sends_a_mispredicted_instance_to_the_vendor_leaf(case):
-    """The kernels are 20x slower than the model learned below M = 512 and the vendor library is 2x slower
-    than the table's best everywhere: built on the predictions, the tree keeps compiled kernels there; settled,
-    every instance it sends to a compiled kernel was measured there, and the small ones go to the vendor."""
-    problems = sorted(case.problems, key=lambda p: p.m)[::8]
-    measurer = _Slow(case.path, below=512, factor=20.0)
-    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], case.configs, measurer, PROFILE,
+def test_settled_dispatch_never_sends_an_instance_to_a_kernel_slower_than_cublas(dense):
+    """On the H100 table with its cuBLAS times: after 16 trials the tree built on predictions sends instances to
+    kernels that the table times slower than cuBLAS there; the settled tree sends an instance to a compiled
+    kernel only where that kernel was measured there, and so never to one slower than cuBLAS."""
+    problems = dense.problems[::4]
+    result = tune_joint(FAMILY, [(p, 1.0) for p in problems], dense.configs, dense.measurer, PROFILE,
                         SearchOptions(max_trials=16, progress=False, seed=0))
-    vendor = [2.0 * case.oracle(p) for p in result.problems]
+    vendor = [dense.vendor[p] for p in result.problems]
     instances = [Instance((("M", p.m),)) for p in result.problems]
+
+    def real(dispatch) -> list[float]:
+        picks = [dispatch.select(inst.as_dict()) for inst in instances]
+        return [v if k == VENDOR else dense.seconds[(k.key(), p)] for k, v, p in zip(picks, vendor, result.problems)]
+
     naive = build_dispatch(("M",), instances, result.candidates, result.times, vendor)
-    small = [inst for inst, p in zip(instances, result.problems) if p.m < 512]
-    assert any(naive.select(inst.as_dict()) != VENDOR for inst in small)
-    dispatch, settled = settled_dispatch(("M",), instances, result, vendor, measurer)
+    assert any(t > v for t, v in zip(real(naive), vendor))
+    dispatch, settled = settled_dispatch(("M",), instances, result, vendor, dense.measurer)
+    assert all(t <= v for t, v in zip(real(dispatch), vendor))
+    assert settled.trials > result.trials
     col = {c: j for j, c in enumerate(settled.candidates)}
     for i, inst in enumerate(instances):
         k = dispatch.select(inst.as_dict())
-        if k != VENDOR:
-            assert settled.measured[i, col[k]]
-            assert settled.times[i, col[k]] <= vendor[i]
-    assert all(dispatch.select(inst.as_dict()) == VENDOR for inst in small)
-    assert settled.trials > result.trials
-    # the report judges measured picks: nothing it dispatches is slower than the vendor leaf
-    assert all(row.seconds <= v for row, v in zip(dispatch.report.rows, vendor))
+        assert k == VENDOR or settled.measured[i, col[k]]
+    # the report it carries judges the real times
+    assert [r.seconds for r in dispatch.report.rows] == pytest.approx(real(dispatch))

@@ -47,11 +47,11 @@ from dietcode_ort.toolchain import MMA_KINDS, ptx_mma, ptx_mma_shapes
 from tuner import templates
 from tuner.space import (DEFAULT_FP32_PRECISION, FP32_PRECISIONS, Family, MicroKernel, check_family,
                          check_fp32_precision, uses_tf32)
-from tuner.workload import ConvParams, Epilogue
+from tuner.workload import ConvParams, Epilogue, Problem
 
 __all__ = ["CompiledKernel", "CompileJob", "CompileResult", "CompileToolchain", "GRID_RULE", "PERSISTENT_GRID_RULE", "compile_kernel", "compile_many",
            "aligned_params", "default_cache_dir", "ensure_cache_dir", "cache_key", "template_hash", "aot_hash",
-           "shipped_div16", "tma_div16", "check_scratch", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes", "FP32_PRECISIONS",
+           "shipped_div16", "tma_div16", "kernel_div16", "div16_refusal", "check_scratch", "MMA_KINDS", "ptx_mma", "ptx_mma_shapes", "FP32_PRECISIONS",
            "DEFAULT_FP32_PRECISION", "check_fp32_precision", "uses_tf32"]
 
 GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, batch)
@@ -114,6 +114,33 @@ def tma_div16(op: str) -> tuple[str, ...]:
     if op not in _TMA_DIV16:
         raise DietcodeError(f"{op}: no TMA variant (TMA loads exist in the gemm and bmm templates)")
     return _TMA_DIV16[op]
+
+
+def kernel_div16(op: str, config: MicroKernel, epilogue: Epilogue, div16: Sequence[str]) -> tuple[str, ...]:
+    """The ``div16`` set ``compile_kernel`` compiles ``config`` with for a workload's ``div16``: without the
+    pointers the kernel does not take, with a TMA config's ``tma_div16`` (TMA's hardware rules, checked per
+    call as div16: docs/abi.md); sorted."""
+    div16 = tuple(p for p in div16 if (epilogue.bias or p != "bias") and (epilogue.residual or p != "residual"))
+    if config.tma:
+        div16 = (*div16, *tma_div16(op))
+    return tuple(sorted(set(div16)))
+
+
+def div16_refusal(op: str, div16: Sequence[str], problem: Problem) -> str | None:
+    """Which int parameter of the node call a gemm / bmm ``problem`` stands for (a MatMul or Gemm of
+    [M, K] x [K, N], batched for bmm: K, N and the batch strides M*K and K*N) breaks a kernel compiled with
+    ``div16`` (``kernel_div16``): the div16 part of the runtime's per-call check (dc_kernel_fit's code 6),
+    which sends that call to the vendor path. A message, or None when they all hold or for other ops (a conv's
+    K is the layer's, fixed for the workload). Pointers are not judged: ORT's allocations are aligned."""
+    if op not in ("gemm", "bmm"):
+        return None
+    p = problem
+    values = {"K": p.k, "N": p.n} if op == "gemm" else {"K": p.k, "N": p.n, "stride_a_batch": p.m * p.k,
+                                                         "stride_b_batch": p.k * p.n}
+    for name in sorted(div16):
+        if name in values and values[name] % 16:
+            return f"div16 assumption: compiled for {name} a multiple of 16, and this call's is {values[name]}"
+    return None
 
 
 def launch_features(metadata: Any) -> list[str]:
@@ -422,15 +449,9 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     artifacts that driver loads."""
     import triton
 
-    if not epilogue.bias:  # nothing to assume about a pointer the kernel does not take
-        div16 = tuple(p for p in div16 if p != "bias")
-    if not epilogue.residual:
-        div16 = tuple(p for p in div16 if p != "residual")
-    if config.tma:  # TMA's hardware rules, checked per call as div16 (docs/abi.md)
-        div16 = (*div16, *tma_div16(family.op))
+    div16 = kernel_div16(family.op, config, epilogue, div16)
     _check_inputs(family, config, epilogue, trans_b, conv, div16, allow_tf32)
     profile = check_family(family)
-    div16 = tuple(sorted(set(div16)))
     toolchain.check()
     key = cache_key(family, config, epilogue=epilogue, trans_b=trans_b, conv=conv, div16=div16,
                     allow_tf32=allow_tf32, toolchain=toolchain)

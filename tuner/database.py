@@ -210,6 +210,9 @@ class CachingMeasurer(Measurer):
     def context(self) -> str:
         return self._context
 
+    def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
+        return self.inner.refusals(family, configs_and_problems)
+
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The vendor library's times, stored like kernels' under the config key VENDOR_KEY."""
         return self._cached(family, [(VENDOR_KEY, p) for p in problems],

@@ -176,12 +176,12 @@ SETTLE_PASSES = 3  # rounds of timing the tree's predicted picks before it is fi
 def settled_dispatch(symbols: Sequence[str], instances: Sequence[Instance], result: "TuningResult",
                      vendor: Sequence[float] | np.ndarray | None, measurer: "Measurer", max_kernels: int = 8,
                      seed: int = 0, passes: int = SETTLE_PASSES) -> tuple[Dispatch, "TuningResult"]:
-    """``build_dispatch`` over ``result`` (``instances`` row for row with ``result.problems``) once the kernels
-    it picks are measured on every instance where their times were predicted (``tuner.search.settle``):
-    up to ``passes`` rounds, since a measurement can change which kernels the cover picks. With vendor times the
-    final tree then weighs measurements only (a kernel never measured on an instance cannot take it from the
-    vendor leaf); without them (conv) predictions fill the gaps. Returns the dispatch and the result with the
-    new measurements."""
+    """``build_dispatch`` over ``result`` (``instances`` row for row with ``result.problems``) once each
+    instance's pick is measured there where it was predicted (``tuner.search.settle``; one measurement per
+    instance and round, at most ``passes`` rounds, since a measurement can send an instance to another kernel).
+    With vendor times the final tree weighs measurements only: a kernel never measured on an instance cannot take
+    it from the vendor leaf, so no instance is dispatched to a kernel measured slower than the vendor; without
+    them (conv) predictions fill the gaps. Returns the dispatch and the result with the new measurements."""
     from tuner.search import settle
 
     if len(instances) != len(result.problems):
@@ -189,8 +189,8 @@ def settled_dispatch(symbols: Sequence[str], instances: Sequence[Instance], resu
     col = {c: j for j, c in enumerate(result.candidates)}
     for _ in range(passes):
         dispatch = build_dispatch(symbols, instances, result.candidates, result.times, vendor, max_kernels, seed)
-        pending = [(i, col[k]) for k in dispatch.kernels if not isinstance(k, str)
-                   for i in range(len(instances)) if not result.measured[i, col[k]]]
+        picks = [dispatch.select(inst.as_dict()) for inst in instances]
+        pending = [(i, col[k]) for i, k in enumerate(picks) if not isinstance(k, str) and not result.measured[i, col[k]]]
         if not pending:
             break
         result = settle(result, pending, measurer)

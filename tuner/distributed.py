@@ -417,5 +417,13 @@ class RemoteMeasurer(Measurer):
                      store: Callable[[Sequence[Pair], list[MeasureResult]], None]) -> list[MeasureResult]:
         return self.executor.measure_pairs(self.spec, family, configs_and_problems, False, store)
 
+    def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
+        """A GPU spec's div16 refusals (as ``GpuMeasurer.refusals``, worked out here); none foreseen for others."""
+        from tuner.measure import div16_refusals
+
+        if isinstance(self.spec, MeasurerSpec) and self.spec.kind == "gpu":
+            return div16_refusals(family, configs_and_problems, self.spec.epilogue, self.spec.div16)
+        return super().refusals(family, configs_and_problems)
+
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         return self.executor.measure_pairs(self.spec, family, [(VENDOR_KEY, p) for p in problems], True, None)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dietcode_ort.errors import DietcodeError
-from tuner.measure import MeasureResult
+from tuner.measure import REFUSED, MeasureResult
 from tuner.workload import ConvParams, Problem
 
 __all__ = ["TimingSettings", "TimingItem", "TimingBackend", "CudaBackend", "ContextLost", "ChildTimer",
@@ -299,7 +299,7 @@ class CudaBackend(TimingBackend):
         core = self._core
         fit, message = bundle.fit(0, args)  # what the runtime checks before each launch (dc_launch again)
         if fit != "fits":
-            return MeasureResult(math.inf, f"the runtime would not launch it: {fit}: {message}")
+            return MeasureResult(math.inf, f"{REFUSED}: {fit}: {message}")
         if bundle.persistent(0):  # the grid dc_launch runs, its scratch sized as the custom op sizes it
             args.sm_count = core.sm_count(self._stream)
         workspace = bundle.workspace_bytes(0, args)  # split-K, TMA scratch: what the custom op allocates per call

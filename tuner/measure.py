@@ -13,6 +13,12 @@ tuning run.
 - ``ReplayMeasurer`` answers from a recorded table (CSV or CSV.gz); missing rows are an error naming them.
 - ``AnalyticMeasurer`` needs no hardware: a roofline with occupancy (``tuner.roofline``).
 
+A call the runtime's per-call fit check refuses (``dc_kernel_fit``: e.g. a TMA kernel's div16 assumption on an
+N that is not a multiple of 16) is not a failure of the config: the custom op runs the vendor path for that call
+and the kernel still serves the instances it fits. Such a result's error starts with ``REFUSED``
+(``MeasureResult.refused``), and ``Measurer.refusals`` says, without timing anything, which calls a measurer
+knows the runtime refuses (a replay table's recorded ones, the GPU measurer's div16 ones).
+
 ``MeasurerSpec`` names a measurer without building it (a small picklable value), so a measurer can be
 built where the batch runs: in this process, or on a cluster worker with the GPU (tuner.distributed).
 """
@@ -37,9 +43,12 @@ if TYPE_CHECKING:
     from tuner.roofline import RooflineTerms
 
 __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
-           "problem_key", "VENDOR_KEY"]
+           "problem_key", "VENDOR_KEY", "REFUSED", "div16_refusals"]
 
 VENDOR_KEY = "vendor"
+# How a result's error starts when the runtime's per-call fit check refuses the call (tuner.gpu_timing writes it,
+# recorded tables carry it): the custom op would run the vendor path for that instance.
+REFUSED = "the runtime would not launch it"
 # ONNX Runtime's CUDA EP runs float32 MatMul/Gemm (cuBLAS) and Conv (cuDNN) with TF32 unless its provider
 # option use_tf32 is 0 (the default is 1): the vendor baseline a dietcode kernel must beat does the same.
 ORT_CUDA_USES_TF32 = True
@@ -61,6 +70,12 @@ class MeasureResult:
     @property
     def ok(self) -> bool:
         return self.error is None and math.isfinite(self.seconds)
+
+    @property
+    def refused(self) -> bool:
+        """The runtime refuses this call of the kernel (its per-call fit check), so the instance runs the
+        vendor path; the config may fit other instances."""
+        return self.error is not None and self.error.startswith(REFUSED)
 
 
 def make_device_key(model: str, arch: str, driver: str, triton: str) -> str:
@@ -87,6 +102,12 @@ class Measurer(ABC):
         """What besides the family and the problem fixes the timed kernel (epilogue, trans_b, conv
         geometry); the database keys rows by it. Measurers whose answers do not depend on it return ""."""
         return ""
+
+    def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
+        """Without timing anything: per pair, why the runtime would refuse that call of the config (a
+        ``REFUSED`` error, as ``measure`` would answer), or None where it would launch it or this measurer
+        cannot tell before measuring (here: always None)."""
+        return [None] * len(configs_and_problems)
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The stock library's time per problem; measurers without one say so."""
@@ -135,6 +156,21 @@ class MeasurerSpec:
     def label(self) -> str:
         """How reports name the timings' source."""
         return {"gpu": "gpu", "analytic": "analytic (no GPU timing)"}.get(self.kind, f"replay of {self.path}")
+
+
+def div16_refusals(family: Family, configs_and_problems: Sequence[Pair], epilogue: Epilogue, div16: Sequence[str]
+                   ) -> list[str | None]:
+    """Per pair, a ``REFUSED`` error where the problem breaks the div16 assumptions the config's kernel is
+    compiled with for a workload's ``epilogue`` and ``div16`` (``aot.div16_refusal`` on ``aot.kernel_div16``:
+    e.g. a TMA config on an N or K that is not a multiple of 16), else None."""
+    from tuner.aot import div16_refusal, kernel_div16
+
+    assumed = {c: kernel_div16(family.op, c, epilogue, div16) for c in {c for c, _ in configs_and_problems}}
+    out: list[str | None] = []
+    for config, p in configs_and_problems:
+        why = div16_refusal(family.op, assumed[config], p)
+        out.append(None if why is None else f"{REFUSED}: {why} (foreseen)")
+    return out
 
 
 class ReplayMeasurer(Measurer):
@@ -198,6 +234,15 @@ class ReplayMeasurer(Measurer):
 
     def measure(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[MeasureResult]:
         return self._lookup([(c.key(), problem_key(p)) for c, p in configs_and_problems])
+
+    def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
+        """The table's recorded refusals (the recorder's runtime fit check ran before timing); None for the
+        other pairs, a missing row included."""
+        out: list[str | None] = []
+        for c, p in configs_and_problems:
+            row = self._rows.get((c.key(), problem_key(p)))
+            out.append(row.error if row is not None and row.refused else None)
+        return out
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         return self._lookup([(VENDOR_KEY, problem_key(p)) for p in problems])
@@ -298,6 +343,11 @@ class GpuMeasurer(Measurer):
 
     def device_key(self) -> str:
         return self._device
+
+    def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
+        """The calls whose shipped kernel's div16 assumptions the problem breaks (``div16_refusals``); the
+        runtime's other per-call checks show only when measured."""
+        return div16_refusals(family, configs_and_problems, self.epilogue, self.div16)
 
     def close(self) -> None:
         self._timer.close()

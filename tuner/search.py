@@ -32,6 +32,14 @@ Per-shape tuning runs the same loop for each instance on its own (its own model,
 measurer), round-robin; it is what a shape-specific auto-tuner (Ansor, MetaSchedule) would do and the
 baseline joint search is compared with.
 
+Calls the runtime refuses (``MeasureResult.refused``: its per-call fit check, e.g. a TMA kernel's div16
+assumption on an N that is not a multiple of 16; the custom op runs the vendor path for them) are per instance,
+not failures of the config: the pairs the measurer knows beforehand (``Measurer.refusals``, e.g. a replay
+table's recorded refusals) and the refusals measured are never proposed again and are infinite in the result,
+so the dispatcher gives those instances another kernel or the vendor, while the config stays a candidate for
+the instances it fits. A refusal the measurer did not foresee leaves the config's unmeasured instances
+unknown: the result holds it only where it was measured launching. Any other failure drops the config.
+
 A candidate's score is the weighted sum over the instances it has not been measured on of
 softplus(log(reference / predicted seconds)), reference being that instance's best measured time (or,
 before any, 1.1 x its best prediction). Both searches stop at the trial budget, the time budget, or
@@ -49,7 +57,7 @@ import numpy as np
 from dietcode_ort.errors import DietcodeError
 from tuner.cost_model import CostModel, LearnedCostModel, f_adapt_matrix, launch_weight, useful_flops
 from tuner.hardware import HardwareProfile
-from tuner.measure import Measurer
+from tuner.measure import REFUSED, Measurer
 from tuner.roofline import roofline_matrix
 from tuner.space import Family, MicroKernel, wgmma_eligible
 from tuner.workload import Problem
@@ -109,7 +117,8 @@ class TuningResult:
 
     ``candidates`` are the configs measured successfully at least once; ``times[p, c]`` is the best
     knowledge of candidate c on problem p: the measurement where there is one, else the model's
-    prediction; ``measured[p, c]`` says which. ``model`` is the joint model, or one model per problem
+    prediction, inf where the runtime refuses the call (or may: see the module docstring); ``measured[p, c]``
+    says which. ``model`` is the joint model, or one model per problem
     for the per-shape search.
     """
 
@@ -167,15 +176,20 @@ class _Search:
 
     def __init__(self, space: Sequence[MicroKernel], problems: Sequence[Problem], weights: Sequence[float],
                  model: CostModel, profile: HardwareProfile, dtype: str, options: SearchOptions,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, refused: np.ndarray | None = None) -> None:
         self.space = list(space)
         self.problems = list(problems)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.model, self.profile, self.dtype, self.opts, self.rng = model, profile, dtype, options, rng
         self.flops = np.array([useful_flops(p) for p in problems])
         self.launches = np.array([launch_weight(c) for c in self.space], dtype=np.float64)
+        # nan: not measured; inf: the runtime refuses that call (known beforehand or measured); else seconds
         self.measured = np.full((len(self.space), len(problems)), np.nan)
+        if refused is not None:
+            self.measured[np.asarray(refused, dtype=bool)] = np.inf
         self.failed = np.zeros(len(self.space), dtype=bool)
+        self.touched = np.zeros(len(self.space), dtype=bool)  # measured on some problem
+        self.unforeseen = np.zeros(len(self.space), dtype=bool)  # refused where the measurer did not say so
         self._alpha = model.alpha
         self.adapt = f_adapt_matrix(self.space, problems, profile, dtype, model.alpha)
         self.failed |= self.adapt.max(axis=1) <= 0  # cannot launch at all
@@ -240,11 +254,18 @@ class _Search:
         own = np.where(count > 0, logs.sum(axis=1) / np.maximum(count, 1), overall)
         return np.exp(own)[:, None] * self.prior
 
+    def open_pairs(self) -> np.ndarray:
+        """[C, P]: the pairs still worth measuring (not measured, not refused, config not failed)."""
+        return np.isnan(self.measured) & ~self.failed[:, None]
+
     def known(self) -> tuple[np.ndarray, np.ndarray]:
-        """(times [C, P]: measured else predicted, mask of configs measured successfully somewhere)."""
+        """(times [C, P]: measured else predicted, inf where refused, failed, or unmeasured on a config with an
+        unforeseen refusal; mask of configs measured successfully somewhere)."""
         pred = self.predicted()
         ok = np.isfinite(self.measured)
         times = np.where(ok, self.measured, pred)
+        times[np.isinf(self.measured)] = np.inf
+        times[self.unforeseen[:, None] & np.isnan(self.measured)] = np.inf
         times[self.failed] = np.inf
         return times, ok.any(axis=1) & ~self.failed
 
@@ -267,7 +288,7 @@ class _Search:
         with np.errstate(divide="ignore", invalid="ignore"):
             log_ratio = np.log(ref[None, :]) - np.log(pred)
         log_ratio = np.where(np.isfinite(log_ratio), log_ratio, -50.0)
-        open_pair = np.isnan(self.measured) & ~self.failed[:, None]
+        open_pair = self.open_pairs()
         raw = np.where(open_pair, np.maximum(log_ratio, 0.0), 0.0) * self.weights[None, :]
         smooth = np.where(open_pair, _softplus(log_ratio), 0.0) * self.weights[None, :]
         return raw, smooth
@@ -287,8 +308,8 @@ class _Search:
         return ranked
 
     def propose(self, n: int) -> list[tuple[int, int]]:
-        open_pair = np.isnan(self.measured) & ~self.failed[:, None]
-        fresh = [i for i in range(len(self.space)) if not self.failed[i] and open_pair[i].all()]
+        open_pair = self.open_pairs()
+        fresh = [i for i in range(len(self.space)) if not self.touched[i] and open_pair[i].any()]
         if not open_pair.any():
             return []
         pred = self.predicted()
@@ -320,7 +341,7 @@ class _Search:
         if extra > 0:
             picked += [pool[int(j)] for j in self.rng.choice(len(pool), size=extra, replace=False)]
         for i in picked:
-            if open_pair[i].all():  # new config: its cleanest label, on its best-f_adapt instance
+            if not self.touched[i]:  # new config: its cleanest label, on its best-f_adapt instance
                 key = self.adapt[i] + 1e-9 * self.weights * self.flops / self.flops.max()
             else:  # known config: where it is predicted to help most
                 key = np.where(open_pair[i], smooth[i], -np.inf)
@@ -335,7 +356,7 @@ class _Search:
         usable = ~self.failed & open_pair.any(axis=1)
         if self.prior is None or n <= 0 or not usable.any():
             return []
-        prior = np.where(usable[:, None], self.prior, np.inf)
+        prior = np.where(usable[:, None] & ~np.isinf(self.measured), self.prior, np.inf)  # not where refused
         best = prior.min(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             slowdown = np.where(np.isfinite(prior), np.log(prior / best[None, :]), np.inf)
@@ -384,8 +405,12 @@ class _Search:
             self._score_models(pairs, seconds)
         for (i, p), sec, err in zip(pairs, seconds, errors):
             self.measured[i, p] = sec if math.isfinite(sec) else np.inf
+            self.touched[i] = True
             if not math.isfinite(sec):
-                self.failed[i] = True
+                if err is not None and err.startswith(REFUSED):  # this instance runs the vendor path
+                    self.unforeseen[i] = True  # (the pairs foreseen were never proposed)
+                else:
+                    self.failed[i] = True
             self.log.append(Measurement(self.space[i], self.problems[p], sec, err))
         self.model.update([(self.space[i], self.problems[p]) for i, p in pairs], list(seconds))
 
@@ -403,8 +428,7 @@ class _Search:
                            float(np.mean((logs[:, 0] - np.log(logs[:, 2])) ** 2)))
 
     def done(self) -> bool:
-        return self.stale_rounds >= self.opts.patience or not (np.isnan(self.measured)
-                                                                & ~self.failed[:, None]).any()
+        return self.stale_rounds >= self.opts.patience or not self.open_pairs().any()
 
 
 def _check_inputs(problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
@@ -422,6 +446,13 @@ def _check_inputs(problems: Sequence[tuple[Problem, float]], space: Sequence[Mic
         merged[problem] = merged.get(problem, 0.0) + float(weight)
     order = sorted(merged)
     return order, [merged[p] for p in order]
+
+
+def _refused(measurer: Measurer, family: Family, space: Sequence[MicroKernel], problems: Sequence[Problem]
+             ) -> np.ndarray:
+    """[C, P]: the calls the measurer knows the runtime refuses (``Measurer.refusals``)."""
+    answers = measurer.refusals(family, [(c, p) for c in space for p in problems])
+    return np.array([a is not None for a in answers], dtype=bool).reshape(len(space), len(problems))
 
 
 def _progress(options: SearchOptions, label: str):  # -> rich Progress or a no-op stand-in
@@ -481,7 +512,8 @@ def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space:
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
     model = model or LearnedCostModel(profile, family.dtype, seed=options.seed, tf32=tf32)
-    search = _Search(space, order, weights, model, profile, family.dtype, options, rng)
+    search = _Search(space, order, weights, model, profile, family.dtype, options, rng,
+                     _refused(measurer, family, space, order))
     history: list[RoundRecord] = []
     trials, started = 0, time.perf_counter()
     with _progress(options, f"joint {family.op} x{len(order)}") as bar:
@@ -508,7 +540,9 @@ def tune_per_shape(family: Family, problems: Sequence[tuple[Problem, float]], sp
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
     models = tuple(LearnedCostModel(profile, family.dtype, seed=options.seed) for _ in order)
-    searches = [_Search(space, [p], [1.0], m, profile, family.dtype, options, rng) for p, m in zip(order, models)]
+    refused = _refused(measurer, family, space, order)
+    searches = [_Search(space, [p], [1.0], m, profile, family.dtype, options, rng, refused[:, [j]])
+                for j, (p, m) in enumerate(zip(order, models))]
     history: list[RoundRecord] = []
     trials, started = 0, time.perf_counter()
     with _progress(options, f"per-shape {family.op} x{len(order)}") as bar:
