@@ -5,6 +5,7 @@
  * fixed ranking) and dc_vendor_conv with host pointers. It checks the arguments the real
  * libraries check and records the last call for the tests. Data types: cuBLAS CUDA_R_32F (0), CUDA_R_16F (2),
  * CUDA_R_16BF (14); cuDNN FLOAT (0), HALF (2), BFLOAT16 (9); accumulation in double. */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -165,8 +166,23 @@ void* fake_lt_last_ws = 0;
 size_t fake_lt_last_ws_size = 0;
 int fake_lt_last_in_place = -1; /* 1: C and D were the same pointer */
 
+/* The CUDA context current at each cublasLtCreate (a cuBLASLt context is tied to it), read from the process's
+ * libcuda.so.1 when one is loaded (tests/_fake_libcuda.c in tests/_fake_cuda_cases.py's child), else NULL. */
+void* fake_lt_create_contexts[8];
+
+static void* current_cuda_context(void) {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == 0) return 0;
+  int (*get)(void**) = (int (*)(void**))dlsym(lib, "cuCtxGetCurrent");
+  void* ctx = 0;
+  if (get != 0) get(&ctx);
+  dlclose(lib);
+  return ctx;
+}
+
 int cublasLtCreate(void** handle) {
   if (handle == 0) return kInvalidValue;
+  fake_lt_create_contexts[fake_lt_creates & 7] = current_cuda_context();
   *handle = (void*)(uintptr_t)(0x17 + fake_lt_creates);
   fake_lt_creates++;
   return kOk;

@@ -57,8 +57,8 @@ def fake_libs(tmp_path_factory) -> ctypes.CDLL:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("fake_vendor_libs") / "libfakevendor.so"
     lang = ["-x", "c"] if cc.endswith("g++") else []
-    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm"],
-                   check=True, capture_output=True)
+    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm",
+                    "-ldl"], check=True, capture_output=True)
     load_core().vendor_cublas_load(out)
     load_core().vendor_cublaslt_load(out)
     load_core().vendor_cudnn_load(out)
@@ -1023,7 +1023,7 @@ def _torch_reference(op_type: str, attrs: dict, feeds: dict[str, np.ndarray]) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("size", ["odd", "aligned"])
+@pytest.mark.parametrize("size", ["odd", "aligned", "one_row"])
 @pytest.mark.parametrize("case", LT_GPU_CASES, ids=[c[0] + ("-beta" if "beta" in c[1] else "") for c in LT_GPU_CASES])
 def test_vendor_leaf_fuses_the_epilogue_into_one_cublaslt_call_on_cuda(case, size, dtype) -> None:
     """Through ORT's CUDA EP with a vendor-only bundle: the op types dc_gemm_lt_plan fuses run one cuBLASLt call
@@ -1034,15 +1034,14 @@ def test_vendor_leaf_fuses_the_epilogue_into_one_cublaslt_call_on_cuda(case, siz
     from tests.test_custom_ops import _model, bundle_initializer
 
     op_type, attrs, fused = case
-    m, k, n = (5, 8, 6) if size == "odd" else (40, 64, 48)
+    lead, m, k, n = {"odd": (2, 5, 8, 6), "aligned": (2, 40, 64, 48), "one_row": (1, 1, 64, 48)}[size]
     rng = np.random.default_rng(23)
-    gemm = op_type.startswith("Gemm")
-    if gemm:
-        sa = (k, 2 * m) if attrs.get("transA") else (2 * m, k)
+    if op_type.startswith("Gemm"):
+        sa = (k, lead * m) if attrs.get("transA") else (lead * m, k)
         sb = (n, k) if attrs.get("transB") else (k, n)
-        out_shape = (2 * m, n)
+        out_shape = (lead * m, n)
     else:
-        sa, sb, out_shape = (2, m, k), (k, n), (2, m, n)
+        sa, sb, out_shape = (lead, m, k), (k, n), (lead, m, n)
     feeds = {"A": rng.standard_normal(sa).astype(dtype), "B": rng.standard_normal(sb).astype(dtype)}
     if "Bias" in op_type:
         feeds["bias"] = rng.standard_normal(n).astype(dtype)
