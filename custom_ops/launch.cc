@@ -318,6 +318,13 @@ bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* erro
   return PtxFunction(on, ptx, entry, &fn, error);
 }
 
+bool InStreamContext(void* stream, bool (*fn)(void* context, void* arg, std::string* error), void* arg,
+                     std::string* error) {
+  const StreamCall on(stream);
+  if (!on.ok()) return *error = on.error, false;
+  return fn(static_cast<void*>(on.ctx), arg, error);
+}
+
 bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned grid_y, unsigned block_x,
                unsigned block_y, void** params, void* stream, std::string* error) {
   const StreamCall on(stream);

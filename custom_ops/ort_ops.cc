@@ -8,8 +8,9 @@
 // and vendor paths read the attribute.
 // CUDA: evaluate the bundle's dispatch tree on the input shapes and launch the chosen cubin on ORT's
 // compute stream (no allocation, no synchronization), or, for "vendor" leaves and calls no compiled kernel
-// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue
-// (never ORT's kernel through Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
+// takes, the vendor path of vendor.h: cuBLAS or cuDNN on ORT's own handles and stream plus a PTX epilogue, or
+// one cuBLASLt call with the epilogue fused where dc_gemm_lt_plan takes the call (never ORT's kernel through
+// Ort::Op: its standalone context has no stream, see vendor.h). CPU: ORT's own
 // MatMul/Gemm/Conv (fp32, through Ort::Op, which needs no stream there) plus the epilogue in C++.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -47,6 +48,9 @@ constexpr int kReasonWorkspace = 17;  // ORT's scratch allocator gives no worksp
 // workspace because cuDNN's heuristic gave none, or because ORT gave no memory for the chosen one's workspace.
 constexpr int kNoteConvAlgo = 18;
 constexpr int kNoteConvWorkspace = 19;
+// Note of the vendor GEMM (logged once per node): a call dc_gemm_lt_plan fuses into one cuBLASLt call runs cuBLAS
+// and the PTX epilogue instead, because cuBLASLt is not loaded or the fused call failed.
+constexpr int kNoteLt = 20;
 constexpr int kFitWorkspaceSize = 8;  // dc_kernel_fit's "workspace size" (core.h): the size overflows int64
 // ORT's CUDA resources for custom ops (core/providers/cuda/cuda_resource.h): version 1 has these ids, and
 // CudaStream::GetResource accepts any version up to its own.
@@ -315,6 +319,8 @@ class DietcodeKernel {
     if (!has_vendor_kernel_) return;
     if (spec_.base != BaseOp::kConv) {
       if (dc_vendor_cublas_load(nullptr) != 0) Throw(std::string("the vendor path needs cuBLAS: ") + dc_last_error());
+      // optional: without cuBLASLt every call runs cuBLAS and the PTX epilogue (said at the first call it fuses)
+      if (dc_vendor_cublaslt_load(nullptr) != 0) lt_absent_ = dc_last_error();
       return;
     }
     if (dc_vendor_cudnn_load(nullptr) != 0) Throw(std::string("the vendor path needs cuDNN: ") + dc_last_error());
@@ -646,15 +652,23 @@ class DietcodeKernel {
                   const Ort::ConstValue& residual, Ort::UnownedValue& out, const char* why) {
     void* stream = Ort::KernelContext(raw).GetGPUComputeStream();
     void* y = out.GetTensorMutableRawData();
-    dc_epilogue epilogue = spec_.base == BaseOp::kConv ? VendorConv(raw, in, shapes, n_in, y, stream, why)
-                                                       : VendorGemm(raw, in, shapes, n_in, y, stream, why);
-    // the residual, of the output's shape (checked by the caller), is the epilogue's on either path
-    epilogue.has_residual = spec_.residual ? 1 : 0;
-    epilogue.residual_first = spec_.residual_first ? 1 : 0;
-    epilogue.residual_mul = spec_.residual_mul ? 1 : 0;
     const void* bias = n_in > 2 ? in[2].GetTensorRawData() : nullptr;
     const void* res = spec_.residual ? residual.GetTensorRawData() : nullptr;
+    dc_epilogue epilogue{};
+    if (spec_.base == BaseOp::kConv) {
+      epilogue = VendorConv(raw, in, shapes, n_in, y, stream, why);
+      WithResidual(&epilogue);
+    } else if (VendorGemm(raw, in, shapes, n_in, bias, res, y, stream, why, &epilogue)) {
+      return;  // one cuBLASLt call did the GEMM and its epilogue
+    }
     if (dc_vendor_epilogue(&epilogue, y, bias, res, stream) != 0) Throw(dc_last_error());
+  }
+
+  // The residual, of the output's shape (checked by the caller), is the epilogue's on every path.
+  void WithResidual(dc_epilogue* epilogue) const {
+    epilogue->has_residual = spec_.residual ? 1 : 0;
+    epilogue->residual_first = spec_.residual_first ? 1 : 0;
+    epilogue->residual_mul = spec_.residual_mul ? 1 : 0;
   }
 
   // The cuDNN part of VendorCuda (Conv): the convolution into y on `stream`; returns the epilogue it plans.
@@ -698,9 +712,11 @@ class DietcodeKernel {
     return plan.epilogue;
   }
 
-  // The cuBLAS part of VendorCuda (MatMul, Gemm): the call into y on `stream`; returns the epilogue it plans.
-  dc_epilogue VendorGemm(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in, void* y,
-                         void* stream, const char* why) {
+  // The GEMM part of VendorCuda (MatMul, Gemm) into y on `stream`: one cuBLASLt call with the epilogue fused where
+  // dc_gemm_lt_plan takes the call (true: done), else cuBLAS, leaving *epilogue to the caller (false).
+  bool VendorGemm(OrtKernelContext* raw, const Ort::ConstValue* in, const Shape* shapes, size_t n_in,
+                  const void* bias, const void* residual, void* y, void* stream, const char* why,
+                  dc_epilogue* epilogue) {
     const int dtype = DtypeCode(dtype_);
     const bool gemm = spec_.base == BaseOp::kGemm;
     dc_gemm_plan plan{};
@@ -710,11 +726,37 @@ class DietcodeKernel {
                                           static_cast<int>(gemm_.trans_b), gemm ? gemm_.alpha : scale_, gemm_.beta, dtype,
                                           static_cast<int>(spec_.activation), kOrtCudaUsesTf32, &plan);
     if (planned != 1) Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
+    WithResidual(&plan.epilogue);
+    *epilogue = plan.epilogue;
     void* cublas = CudaResource(raw, kCudaResourceCublasHandle, "cuBLAS");
-    if (dc_vendor_gemm(&plan, in[0].GetTensorRawData(), in[1].GetTensorRawData(), y, cublas, stream) != 0) {
-      Throw(dc_last_error());
+    // The fused form: one cublasLtMatmul on this context's cuBLASLt handle, with a workspace from ORT's scratch
+    // allocator on this stream (none when it gives none: the heuristic then picks among algorithms needing none).
+    dc_gemm_lt lt{};
+    const bool fuse = dc_gemm_lt_plan(&plan, &lt) == 1;
+    void* lt_handle = nullptr;
+    ScratchBuffer workspace;
+    uint64_t workspace_bytes = 0;
+    if (fuse && !lt_absent_.empty()) {
+      NoteOnce(kNoteLt, "MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: " + lt_absent_);
+    } else if (fuse && dc_vendor_cublaslt_handle(stream, &lt_handle) != 0) {
+      NoteOnce(kNoteLt, std::string("MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: ") +
+                            dc_last_error());
+      lt_handle = nullptr;
+    } else if (fuse) {
+      std::string error;
+      if (workspace.Allocate(raw, device_memory_->info(), DC_LT_WORKSPACE_BYTES, &error)) {
+        workspace_bytes = DC_LT_WORKSPACE_BYTES;
+      }
     }
-    return plan.epilogue;
+    const int fused = dc_vendor_gemm_call(&plan, lt_handle != nullptr ? &lt : nullptr, in[0].GetTensorRawData(),
+                                          in[1].GetTensorRawData(), y, bias, residual, cublas, lt_handle,
+                                          reinterpret_cast<void*>(workspace.address()), workspace_bytes, stream);
+    if (fused < 0) Throw(dc_last_error());
+    if (fused == 0 && lt_handle != nullptr) {
+      NoteOnce(kNoteLt, std::string("MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: ") +
+                            dc_last_error());
+    }
+    return fused == 1;
   }
 
   OpSpec spec_;
@@ -725,6 +767,7 @@ class DietcodeKernel {
   std::vector<std::array<int32_t, 9>> conv_geometry_;  // per kernel, CUDA only (see CheckKernelsBuiltForNode)
   int32_t n_kernels_ = 0;
   bool has_vendor_kernel_ = false;
+  std::string lt_absent_;  // CUDA MatMul/Gemm: why cuBLASLt is not there (CheckVendorPathCuda), empty when it is
   bool has_bias_input_ = false;
   float scale_ = 1.0f;  // MatMul: the fused scalar Mul/Div (compiled kernels have it baked in)
   std::vector<int64_t> features_;

@@ -157,6 +157,43 @@ extern "C" int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int6
   return 1;
 }
 
+extern "C" int dc_gemm_lt_plan(const dc_gemm_plan* p, dc_gemm_lt* out) {
+  using namespace dietcode;
+  if (p == nullptr || out == nullptr) return Invalid("null argument");
+  const dc_epilogue& e = p->epilogue;
+  const bool residual = e.has_residual != 0;
+  const int act = e.activation;
+  if (!e.has_bias && act == 0 && !residual) return Refuse("no epilogue: the call is one cublasGemmEx");
+  if (p->batch > 1) {
+    return Refuse("a batch of " + std::to_string(p->batch) + " GEMMs (cublasGemmStridedBatchedEx); the epilogue is "
+                  "fused into single GEMMs only");
+  }
+  if (p->k < 1 || p->m < 1 || p->n < 1) return Refuse("an empty GEMM (m, n or k is 0)");
+  if (e.has_bias && !(e.bias_rows == 1 && e.bias_cs == 1)) {
+    return Refuse("the bias is not one vector along the output's last dim; cuBLASLt's bias epilogue adds one value "
+                  "per output column");
+  }
+  if (e.has_bias && e.bias_scale != 1.0f) {
+    return Refuse("the bias is scaled by Gemm's beta " + std::to_string(e.bias_scale) +
+                  "; cuBLASLt's bias epilogue adds it unscaled");
+  }
+  if (act != 0 && act != 1 && act != 3) {
+    const char* name = act == 2 ? "the erf GELU (cuBLASLt's GELU is the tanh approximation)" : act == 4 ? "silu"
+                       : act == 5 ? "relu6" : "this activation";
+    return Refuse(std::string(name) + " has no cuBLASLt epilogue (relu and the tanh GELU have)");
+  }
+  if (residual && e.residual_mul) return Refuse("the residual multiplies the activation's result; cuBLASLt adds C");
+  if (residual && act != 0 && !e.residual_first) {
+    return Refuse("the residual is added after the activation; cuBLASLt adds C before its epilogue's activation");
+  }
+  const bool bias = e.has_bias != 0;
+  out->epilogue = act == 0 ? (bias ? 4 : 1) : act == 1 ? (bias ? 6 : 2) : (bias ? 36 : 32);
+  out->has_bias = bias ? 1 : 0;
+  out->residual_c = residual ? 1 : 0;
+  out->beta = residual ? 1.0f : 0.0f;
+  return 1;
+}
+
 extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b,
                                  size_t rb, const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                  int64_t group, int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out) {
@@ -819,6 +856,301 @@ int dc_vendor_conv(const dc_conv_plan* p, const dc_conv_algo* algo, void* worksp
                 " (cuDNN status " + std::to_string(st) + ")");
   }
   return 0;
+}
+
+}  // extern "C"
+
+// --- cuBLASLt, resolved at run time (dc_gemm_lt_plan says which calls) -------------------------------------
+
+namespace dietcode {
+namespace {
+
+// cublasLt.h (cuBLAS 11 to 13; checked against the nvidia-cublas-cu12 12.9 wheel's header and its
+// libcublasLt.so.12's exports): the attribute and preference ids used, and the heuristic's result record.
+constexpr int kLtDescTransA = 3, kLtDescTransB = 4, kLtDescEpilogue = 7, kLtDescBiasPointer = 8;
+constexpr int kLtPrefMaxWorkspace = 1;  // uint64_t
+constexpr int kLtPrefAlignA = 5, kLtPrefAlignB = 6, kLtPrefAlignC = 7, kLtPrefAlignD = 8;  // uint32_t, bytes
+struct LtHeuristicResult {  // cublasLtMatmulHeuristicResult_t
+  uint64_t algo[8];  // cublasLtMatmulAlgo_t
+  size_t workspace_size;
+  int state;  // cublasStatus_t
+  float waves;
+  int reserved[4];
+};
+static_assert(sizeof(LtHeuristicResult) == 96, "cublasLtMatmulHeuristicResult_t is 96 bytes");
+
+struct CublasLt {
+  std::string origin;
+  int (*create)(void**) = nullptr;
+  int (*desc_create)(void**, int compute_type, int scale_type) = nullptr;
+  int (*desc_destroy)(void*) = nullptr;
+  int (*desc_set)(void*, int attr, const void* buf, size_t size) = nullptr;
+  int (*layout_create)(void**, int type, uint64_t rows, uint64_t cols, int64_t ld) = nullptr;
+  int (*layout_destroy)(void*) = nullptr;
+  int (*pref_create)(void**) = nullptr;
+  int (*pref_destroy)(void*) = nullptr;
+  int (*pref_set)(void*, int attr, const void* buf, size_t size) = nullptr;
+  int (*heuristic)(void* handle, void* op, void* a, void* b, void* c, void* d, void* pref, int requested,
+                   LtHeuristicResult* results, int* returned) = nullptr;
+  int (*matmul)(void* handle, void* op, const void* alpha, const void* a, void* a_desc, const void* b, void* b_desc,
+                const void* beta, const void* c, void* c_desc, void* d, void* d_desc, const void* algo,
+                void* workspace, size_t workspace_bytes, void* stream) = nullptr;
+  const char* (*status_name)(int) = nullptr;  // optional
+};
+
+const CublasLt* ResolveCublasLt(void* lib, const std::string& origin, std::string* error) {
+  auto* t = new CublasLt;
+  t->origin = origin;
+  std::string missing;
+  Sym(lib, "cublasLtCreate", &t->create, &missing);
+  Sym(lib, "cublasLtMatmulDescCreate", &t->desc_create, &missing);
+  Sym(lib, "cublasLtMatmulDescDestroy", &t->desc_destroy, &missing);
+  Sym(lib, "cublasLtMatmulDescSetAttribute", &t->desc_set, &missing);
+  Sym(lib, "cublasLtMatrixLayoutCreate", &t->layout_create, &missing);
+  Sym(lib, "cublasLtMatrixLayoutDestroy", &t->layout_destroy, &missing);
+  Sym(lib, "cublasLtMatmulPreferenceCreate", &t->pref_create, &missing);
+  Sym(lib, "cublasLtMatmulPreferenceDestroy", &t->pref_destroy, &missing);
+  Sym(lib, "cublasLtMatmulPreferenceSetAttribute", &t->pref_set, &missing);
+  Sym(lib, "cublasLtMatmulAlgoGetHeuristic", &t->heuristic, &missing);
+  Sym(lib, "cublasLtMatmul", &t->matmul, &missing);
+  std::string optional;
+  Sym(lib, "cublasLtGetStatusName", &t->status_name, &optional);
+  if (!missing.empty()) {
+    *error = origin + " lacks " + missing;
+    delete t;
+    return nullptr;
+  }
+  return t;
+}
+
+VendorLibrary<CublasLt> g_cublaslt{ResolveCublasLt, {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so.11"},
+                                   "no cuBLASLt in this process (libcublasLt.so.13, .12 or .11): the fused path "
+                                   "calls the cuBLASLt that ONNX Runtime's CUDA execution provider loads"};
+
+const CublasLt* LoadCublasLt(const char* path, std::string* error) {
+  return LoadVendorLibrary(&g_cublaslt, path, error);
+}
+
+std::string LtStatus(const CublasLt& lt, const char* what, int st) {
+  const char* name = lt.status_name != nullptr ? lt.status_name(st) : nullptr;
+  return std::string(what) + " (" + lt.origin + ") failed with cuBLAS status " + std::to_string(st) +
+         (name != nullptr ? std::string(" ") + name : std::string());
+}
+
+// The descriptors of one call, destroyed with the scope.
+struct LtDescriptors {
+  const CublasLt& lt;
+  void *op = nullptr, *a = nullptr, *b = nullptr, *c = nullptr, *d = nullptr, *pref = nullptr;
+  explicit LtDescriptors(const CublasLt& l) : lt(l) {}
+  ~LtDescriptors() {
+    if (op) lt.desc_destroy(op);
+    if (a) lt.layout_destroy(a);
+    if (b) lt.layout_destroy(b);
+    if (c) lt.layout_destroy(c);
+    if (d) lt.layout_destroy(d);
+    if (pref) lt.pref_destroy(pref);
+  }
+};
+
+// The plan's call as cuBLASLt descriptors: A = x (the node's B), B = y (the node's A), C and D the column-major
+// [m, n] output with ldc (C's layout only with the residual as C; else C is D), the epilogue and the bias pointer
+// (whose value the heuristic reads for its alignment).
+bool MakeLtDescriptors(const CublasLt& lt, const dc_gemm_plan& p, const dc_gemm_lt& f, const void* bias,
+                       LtDescriptors* d, std::string* error) {
+  auto check = [&](int st, const char* what) { return st == 0 || (*error = LtStatus(lt, what, st), false); };
+  const int32_t ta = p.trans_x, tb = p.trans_y;
+  const uint32_t epilogue = static_cast<uint32_t>(f.epilogue);
+  const uint64_t m = static_cast<uint64_t>(p.m), n = static_cast<uint64_t>(p.n), k = static_cast<uint64_t>(p.k);
+  // scale type float: alpha and beta are float for every compute type used here (as for cublasGemmEx)
+  return check(lt.desc_create(&d->op, p.compute_type, kCudaR32F), "cublasLtMatmulDescCreate") &&
+         check(lt.desc_set(d->op, kLtDescTransA, &ta, sizeof(ta)), "cublasLtMatmulDescSetAttribute (TRANSA)") &&
+         check(lt.desc_set(d->op, kLtDescTransB, &tb, sizeof(tb)), "cublasLtMatmulDescSetAttribute (TRANSB)") &&
+         check(lt.desc_set(d->op, kLtDescEpilogue, &epilogue, sizeof(epilogue)),
+               "cublasLtMatmulDescSetAttribute (EPILOGUE)") &&
+         (!f.has_bias || check(lt.desc_set(d->op, kLtDescBiasPointer, &bias, sizeof(bias)),
+                               "cublasLtMatmulDescSetAttribute (BIAS_POINTER)")) &&
+         check(lt.layout_create(&d->a, p.data_type, ta ? k : m, ta ? m : k, p.ldx), "cublasLtMatrixLayoutCreate (A)") &&
+         check(lt.layout_create(&d->b, p.data_type, tb ? n : k, tb ? k : n, p.ldy), "cublasLtMatrixLayoutCreate (B)") &&
+         check(lt.layout_create(&d->d, p.data_type, m, n, p.ldc), "cublasLtMatrixLayoutCreate (D)") &&
+         (!f.residual_c || check(lt.layout_create(&d->c, p.data_type, m, n, p.ldc), "cublasLtMatrixLayoutCreate (C)"));
+}
+
+// A pointer's alignment in bytes, up to the 256 cuBLASLt assumes unless told (its MIN_ALIGNMENT preferences).
+uint32_t Alignment(const void* ptr) {
+  const uint64_t v = reinterpret_cast<uint64_t>(ptr);
+  return v == 0 ? 256u : static_cast<uint32_t>(std::min<uint64_t>(v & (~v + 1), 256));
+}
+
+// What the heuristic's answer depends on: the handle (its device), sizes, transposes, leading dims, types, the
+// epilogue, C's role, the alignments of A, B, C, D and the bias, and the workspace allowed.
+using LtKey = std::tuple<void*, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t,
+                         int32_t, int32_t, int32_t, uint64_t, uint64_t>;
+struct LtChoice {
+  bool ok = false;
+  uint64_t algo[8] = {};
+  std::string why;  // when !ok
+};
+constexpr size_t kLtCacheCap = 4096;  // distinct keys kept; past it the cache starts over (dynamic shapes)
+
+std::mutex g_lt_mutex;
+std::map<LtKey, LtChoice> g_lt_algos;  // under g_lt_mutex
+std::atomic<int64_t> g_lt_calls{0}, g_lt_queries{0};
+
+// The heuristic's first algorithm for the call (uncached); false with *why.
+bool QueryLt(const CublasLt& lt, void* handle, LtDescriptors* d, const uint32_t align[4], uint64_t workspace_bytes,
+             LtChoice* out, std::string* why) {
+  auto check = [&](int st, const char* what) { return st == 0 || (*why = LtStatus(lt, what, st), false); };
+  if (!check(lt.pref_create(&d->pref), "cublasLtMatmulPreferenceCreate") ||
+      !check(lt.pref_set(d->pref, kLtPrefMaxWorkspace, &workspace_bytes, sizeof(workspace_bytes)),
+             "cublasLtMatmulPreferenceSetAttribute (MAX_WORKSPACE_BYTES)")) {
+    return false;
+  }
+  const int ids[4] = {kLtPrefAlignA, kLtPrefAlignB, kLtPrefAlignC, kLtPrefAlignD};
+  for (int i = 0; i < 4; ++i) {
+    if (!check(lt.pref_set(d->pref, ids[i], &align[i], sizeof(align[i])),
+               "cublasLtMatmulPreferenceSetAttribute (MIN_ALIGNMENT)")) {
+      return false;
+    }
+  }
+  LtHeuristicResult result{};
+  int returned = 0;
+  if (!check(lt.heuristic(handle, d->op, d->a, d->b, d->c ? d->c : d->d, d->d, d->pref, 1, &result, &returned),
+             "cublasLtMatmulAlgoGetHeuristic")) {
+    return false;
+  }
+  if (returned < 1 || result.state != 0) {
+    *why = "cublasLtMatmulAlgoGetHeuristic (" + lt.origin + ") found no algorithm within a " +
+           std::to_string(workspace_bytes) + "-byte workspace" +
+           (returned < 1 ? std::string() : " (result status " + std::to_string(result.state) + ")");
+    return false;
+  }
+  std::copy(result.algo, result.algo + 8, out->algo);
+  out->ok = true;
+  return true;
+}
+
+struct HandleRequest {
+  const CublasLt* lt;
+  void* handle;
+};
+
+// The handle of the current context (InStreamContext made it current), created once per (library, context).
+bool ContextHandle(void* context, void* arg, std::string* error) {
+  auto* request = static_cast<HandleRequest*>(arg);
+  static std::mutex mutex;
+  static std::map<std::pair<const CublasLt*, void*>, void*> handles;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(request->lt, context);
+  auto it = handles.find(key);
+  if (it == handles.end()) {
+    void* handle = nullptr;
+    const int st = request->lt->create(&handle);
+    if (st != 0 || handle == nullptr) return *error = LtStatus(*request->lt, "cublasLtCreate", st), false;
+    it = handles.emplace(key, handle).first;
+  }
+  request->handle = it->second;
+  return true;
+}
+
+}  // namespace
+}  // namespace dietcode
+
+extern "C" {
+
+int dc_vendor_cublaslt_load(const char* path) {
+  std::string error;
+  return dietcode::LoadCublasLt(path, &error) != nullptr ? 0 : dietcode::Fail(error);
+}
+
+int dc_vendor_cublaslt_handle(void* stream, void** handle) {
+  using dietcode::Fail;
+  if (handle == nullptr) return Fail("null handle");
+  std::string error;
+  const dietcode::CublasLt* lt = dietcode::LoadCublasLt(nullptr, &error);
+  if (lt == nullptr) return Fail(error);
+  dietcode::HandleRequest request{lt, nullptr};
+  if (!dietcode::InStreamContext(stream, dietcode::ContextHandle, &request, &error)) return Fail(error);
+  *handle = request.handle;
+  return 0;
+}
+
+int dc_vendor_gemm_lt(const dc_gemm_plan* p, const dc_gemm_lt* f, const void* a, const void* b, void* d,
+                      const void* bias, const void* residual, void* workspace, uint64_t workspace_bytes,
+                      void* handle, void* stream) {
+  using dietcode::Fail;
+  if (p == nullptr || f == nullptr) return Fail("null plan");
+  if (handle == nullptr) return Fail("no cuBLASLt handle");
+  if (p->batch > 1) return Fail("the fused cuBLASLt call takes one GEMM, not a batch");
+  if (f->has_bias && bias == nullptr) return Fail("the fused call adds a bias but none was given");
+  if (f->residual_c && residual == nullptr) return Fail("the fused call adds a residual but none was given");
+  if (workspace_bytes != 0 && workspace == nullptr) return Fail("a workspace size without a workspace");
+  std::string error;
+  const dietcode::CublasLt* lt = dietcode::LoadCublasLt(nullptr, &error);
+  if (lt == nullptr) return Fail(error);
+  dietcode::LtDescriptors desc(*lt);
+  if (!dietcode::MakeLtDescriptors(*lt, *p, *f, bias, &desc, &error)) return Fail(error);
+  const void* c = f->residual_c ? residual : d;
+  // cuBLASLt's A is the node's B (x), its B the node's A (y)
+  const uint32_t align[4] = {dietcode::Alignment(b), dietcode::Alignment(a), dietcode::Alignment(c),
+                             dietcode::Alignment(d)};
+  const uint32_t bias_align = f->has_bias ? dietcode::Alignment(bias) : 256u;
+  const uint64_t aligns = align[0] | uint64_t{align[1]} << 9 | uint64_t{align[2]} << 18 | uint64_t{align[3]} << 27 |
+                          uint64_t{bias_align} << 36;
+  const dietcode::LtKey key(handle, p->trans_x, p->trans_y, p->m, p->n, p->k, p->ldx, p->ldy, p->ldc, p->data_type,
+                            p->compute_type, f->epilogue, f->residual_c, aligns, workspace_bytes);
+  dietcode::LtChoice choice;
+  {
+    std::lock_guard<std::mutex> lock(dietcode::g_lt_mutex);  // held over the query: one query per key
+    auto hit = dietcode::g_lt_algos.find(key);
+    if (hit != dietcode::g_lt_algos.end()) {
+      choice = hit->second;
+    } else {
+      dietcode::g_lt_queries++;
+      std::string why;
+      if (!dietcode::QueryLt(*lt, handle, &desc, align, workspace_bytes, &choice, &why)) choice.why = why;
+      if (dietcode::g_lt_algos.size() >= dietcode::kLtCacheCap) dietcode::g_lt_algos.clear();
+      dietcode::g_lt_algos.emplace(key, choice);
+    }
+  }
+  if (!choice.ok) return Fail(choice.why);
+  const float alpha = p->alpha, beta = f->beta;
+  const int st = lt->matmul(handle, desc.op, &alpha, b, desc.a, a, desc.b, &beta, c, desc.c ? desc.c : desc.d, d,
+                            desc.d, choice.algo, workspace, static_cast<size_t>(workspace_bytes), stream);
+  if (st != 0) {
+    const std::string why = dietcode::LtStatus(*lt, "cublasLtMatmul", st) + " for m=" + std::to_string(p->m) +
+                            " n=" + std::to_string(p->n) + " k=" + std::to_string(p->k) + " epilogue " +
+                            std::to_string(f->epilogue);
+    {  // not again for this key: its calls take the unfused path
+      std::lock_guard<std::mutex> lock(dietcode::g_lt_mutex);
+      dietcode::LtChoice failed;
+      failed.why = why;
+      dietcode::g_lt_algos[key] = failed;
+    }
+    return Fail(why);
+  }
+  dietcode::g_lt_calls++;
+  return 0;
+}
+
+int dc_vendor_gemm_call(const dc_gemm_plan* p, const dc_gemm_lt* lt, const void* a, const void* b, void* c,
+                        const void* bias, const void* residual, void* cublas_handle, void* lt_handle,
+                        void* workspace, uint64_t workspace_bytes, void* stream) {
+  std::string why;
+  if (lt != nullptr) {
+    if (lt_handle != nullptr &&
+        dc_vendor_gemm_lt(p, lt, a, b, c, bias, residual, workspace, workspace_bytes, lt_handle, stream) == 0) {
+      return 1;
+    }
+    why = lt_handle == nullptr ? std::string("no cuBLASLt handle") : std::string(dc_last_error());
+  }
+  if (dc_vendor_gemm(p, a, b, c, cublas_handle, stream) != 0) return -1;
+  dietcode::SetError(why);
+  return 0;
+}
+
+void dc_vendor_lt_stats(int64_t* calls, int64_t* queries) {
+  if (calls != nullptr) *calls = dietcode::g_lt_calls.load();
+  if (queries != nullptr) *queries = dietcode::g_lt_queries.load();
 }
 
 }  // extern "C"

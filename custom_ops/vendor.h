@@ -1,7 +1,8 @@
 // The vendor path on CUDA: a node call that no compiled kernel takes (a "vendor" leaf of the dispatch tree, a
 // kernel unfit for the device, a per-call hazard) runs as one cuBLAS GEMM (MatMul, Gemm) or one cuDNN
 // convolution (Conv) on ONNX Runtime's own handles and compute stream, then the fused epilogue (bias,
-// activation, residual) as a small PTX kernel on the same stream.
+// activation, residual) as a small PTX kernel on the same stream; or, for the GEMMs whose epilogue cuBLASLt can
+// express exactly (dc_gemm_lt_plan), one cublasLtMatmul with the epilogue fused, no second pass over the output.
 //
 // Why not ORT's own kernel (Ort::Op / InvokeOp): InvokeOp runs the kernel in a StandAloneKernelContext whose
 // GetComputeStream() returns nullptr (onnxruntime/core/session/standalone_op_invoker.cc), and the CUDA EP's
@@ -12,10 +13,11 @@
 // ORT hands its per-stream handles to custom ops through KernelContext_GetResource (CudaResource ids in
 // core/providers/cuda/cuda_resource.h: cuda_stream_t = 10000, cudnn_handle_t, cublas_handle_t; since 1.16).
 //
-// cuBLAS and cuDNN are never linked: dc_vendor_cublas_load / dc_vendor_cudnn_load find the libraries ORT's
-// CUDA EP already loaded (dlopen RTLD_NOLOAD of libcublas.so.13, .12, .11 and libcudnn.so.9, .8), or a given
-// file (a host-memory stand-in in the tests). The call planning (row-major node -> column-major cuBLAS call,
-// cuDNN descriptors, epilogue indexing) is pure functions, dc_gemm_plan_make and dc_conv_plan_make, so it is
+// cuBLAS, cuBLASLt and cuDNN are never linked: dc_vendor_cublas_load / dc_vendor_cublaslt_load /
+// dc_vendor_cudnn_load find the libraries ORT's CUDA EP already loaded (dlopen RTLD_NOLOAD of libcublas.so.13,
+// .12, .11, libcublasLt.so.13, .12, .11 and libcudnn.so.9, .8), or a given file (a host-memory stand-in in the
+// tests). The call planning (row-major node -> column-major cuBLAS call, cuDNN descriptors, epilogue indexing,
+// what cuBLASLt fuses) is pure functions, dc_gemm_plan_make, dc_gemm_lt_plan and dc_conv_plan_make, so it is
 // tested without a GPU. See docs/abi.md ("The vendor path").
 #ifndef DIETCODE_VENDOR_H_
 #define DIETCODE_VENDOR_H_
@@ -99,6 +101,65 @@ int dc_vendor_cublas_load(const char* path);
 int dc_vendor_gemm(const dc_gemm_plan* plan, const void* a, const void* b, void* c, void* cublas_handle,
                    void* stream);
 
+// --- cuBLASLt: the GEMM and its epilogue as one call ------------------------------------------------------
+// cublasLtMatmul computes D = epilogue(alpha op(A) op(B) + beta C + bias) (bias: one value per row of the
+// column-major D, i.e. per column of the node's row-major output; the epilogue's activation comes after the bias
+// and after beta C). With the plan's operands (A = x = the node's B, B = y = the node's A) and D = the output, it
+// replaces cublasGemmEx + the PTX epilogue exactly when the epilogue is one of:
+//   act(y + bias)              act none, relu or gelu_tanh (cuBLASLt's GELU is the tanh approximation, so the
+//                              erf GELU ONNX's Gelu means is never fused); bias optional
+//   act(y + bias + residual)   C = the residual (the output's shape and layout), beta 1: the residual inside the
+//                              activation, so with an activation only for residual_first; with act none the
+//                              residual's place does not matter
+// and the plan is one call (batch 1), the bias (if any) is a vector along the output's last dim (bias_rows 1,
+// bias_cs 1) with bias_scale 1, and k >= 1. Everything else (a batch, a broadcast or scaled bias, erf GELU,
+// silu, relu6, the residual after an activation or multiplying it, no epilogue at all) keeps cublasGemmEx + PTX.
+typedef struct dc_gemm_lt {
+  int32_t epilogue;                     // cublasLtEpilogue_t: 1 DEFAULT, 2 RELU, 4 BIAS, 6 RELU_BIAS, 32 GELU,
+                                        // 36 GELU_BIAS
+  int32_t has_bias;                     // 1: CUBLASLT_MATMUL_DESC_BIAS_POINTER = the node's bias
+  int32_t residual_c;                   // 1: C = the residual, beta 1; 0: beta 0 (C is D, not read)
+  float beta;
+} dc_gemm_lt;
+
+// The cuBLASLt form of a planned call whose dc_epilogue has its residual flags set (as ort_ops.cc sets them):
+// 1 with *out filled, 0 when the call keeps cublasGemmEx + the PTX epilogue (why in dc_last_error), -1 for a null
+// argument. Pure: no library, no GPU.
+int dc_gemm_lt_plan(const dc_gemm_plan* plan, dc_gemm_lt* out);
+
+// Which cuBLASLt the fused path calls, as dc_vendor_cublas_load (libcublasLt.so.13, .12, .11: ORT's CUDA EP
+// links it, and libcublas needs it, so it is in the process whenever cuBLAS is). 0, or -1 with a message.
+int dc_vendor_cublaslt_load(const char* path);
+
+// The process's cuBLASLt handle for the CUDA context `stream` belongs to (cuBLASLt's context is tied to the device
+// current at cublasLtCreate): created on first use with that context current, kept for the process (one per
+// context; the handle holds no stream or workspace, so the threads of a context share it). 0, or -1 with a message.
+int dc_vendor_cublaslt_handle(void* stream, void** handle);
+
+// The workspace ort_ops.cc gives each fused call (ORT's scratch allocator on the node's stream; the cuBLAS handle's
+// own workspace is not exposed): the heuristic is asked for algorithms needing at most what the call gives.
+#define DC_LT_WORKSPACE_BYTES (4ull << 20)
+
+// One cublasLtMatmul for a plan and its dc_gemm_lt_plan form on `lt_handle` and `stream`: a = the node's A, b = its
+// B, d = the output, bias (has_bias), residual (residual_c), workspace of workspace_bytes (NULL and 0: none); all
+// device pointers. The algorithm is cublasLtMatmulAlgoGetHeuristic's first result for (handle, sizes, types,
+// epilogue, the pointers' alignments, workspace_bytes), queried once and kept for the process (failures too).
+// Loads cuBLASLt (path NULL) on first use. 0, or -1 with a message (nothing was written: run the unfused path).
+int dc_vendor_gemm_lt(const dc_gemm_plan* plan, const dc_gemm_lt* lt, const void* a, const void* b, void* d,
+                      const void* bias, const void* residual, void* workspace, uint64_t workspace_bytes,
+                      void* lt_handle, void* stream);
+
+// The GEMM part of a call with its fused form `lt` (NULL: none): the cuBLASLt call on `lt_handle` when lt is given,
+// else, or when that fails (it writes nothing then), dc_vendor_gemm on `cublas_handle`. 1: fused, the epilogue is
+// done; 0: cuBLAS ran and the epilogue is the caller's (dc_vendor_epilogue), with the reason the fused call was
+// not taken in dc_last_error when lt was given (empty otherwise); -1: cuBLAS failed (message).
+int dc_vendor_gemm_call(const dc_gemm_plan* plan, const dc_gemm_lt* lt, const void* a, const void* b, void* c,
+                        const void* bias, const void* residual, void* cublas_handle, void* lt_handle,
+                        void* workspace, uint64_t workspace_bytes, void* stream);
+
+// Process-wide counts: fused calls run, heuristic queries made (one per distinct key), for tests and stats.
+void dc_vendor_lt_stats(int64_t* calls, int64_t* queries);
+
 // Which cuDNN the vendor path calls: as dc_vendor_cublas_load, for libcudnn.so.9 / .8.
 int dc_vendor_cudnn_load(const char* path);
 
@@ -166,6 +227,10 @@ bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned gri
                unsigned block_y, void** params, void* stream, std::string* error);
 // Only the load LaunchPtx does on its first call in the stream's context (nothing when it is done).
 bool LoadPtx(const char* ptx, const char* entry, void* stream, std::string* error);
+// Calls fn(context) with the CUDA context `stream` belongs to current (pushed for the call when another one is);
+// false with *error when the driver or the stream's context is not there, else fn's result.
+bool InStreamContext(void* stream, bool (*fn)(void* context, void* arg, std::string* error), void* arg,
+                     std::string* error);
 }  // namespace dietcode
 #endif
 

@@ -236,6 +236,13 @@ class GemmPlan(ctypes.Structure):
                 + [("epilogue", Epilogue)])
 
 
+class GemmLt(ctypes.Structure):
+    """Mirror of ``dc_gemm_lt``: a planned call as one cublasLtMatmul with its epilogue fused
+    (``cublasLtEpilogue_t``), the bias as the epilogue's bias pointer, the residual as C with beta 1."""
+
+    _fields_ = [(n, ctypes.c_int32) for n in ("epilogue", "has_bias", "residual_c")] + [("beta", ctypes.c_float)]
+
+
 class ConvPlan(ctypes.Structure):
     """Mirror of ``dc_conv_plan``: a Conv call as one cuDNN convolution plus its epilogue."""
 
@@ -481,6 +488,54 @@ class Core:
         if self.lib.dc_vendor_gemm(ctypes.byref(plan), a, b, c, handle, stream) != 0:
             raise DietcodeError(self.error())
 
+    def gemm_lt_plan(self, plan: GemmPlan) -> GemmLt | None:
+        """The cuBLASLt form of a plan whose epilogue has its residual flags set (``dc_gemm_lt_plan``); None
+        when the call keeps cuBLAS + the PTX epilogue (the reason in ``error()``)."""
+        out = GemmLt()
+        r = self.lib.dc_gemm_lt_plan(ctypes.byref(plan), ctypes.byref(out))
+        if r < 0:
+            raise DietcodeError(self.error())
+        return out if r == 1 else None
+
+    def vendor_cublaslt_load(self, path: str | Path | None = None) -> None:
+        """Point the fused path at a cuBLASLt: None = the one this process loaded (ONNX Runtime's CUDA EP)."""
+        if self.lib.dc_vendor_cublaslt_load(None if path is None else str(path).encode()) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_cublaslt_handle(self, stream: int) -> int:
+        """The process's cuBLASLt handle for ``stream``'s CUDA context (``dc_vendor_cublaslt_handle``)."""
+        handle = ctypes.c_void_p()
+        if self.lib.dc_vendor_cublaslt_handle(stream or None, ctypes.byref(handle)) != 0:
+            raise DietcodeError(self.error())
+        return handle.value or 0
+
+    def vendor_gemm_lt(self, plan: GemmPlan, lt: GemmLt, a: int, b: int, d: int, *, bias: int = 0,
+                       residual: int = 0, handle: int, stream: int = 0, workspace: int = 0,
+                       workspace_bytes: int = 0) -> None:
+        """Run a plan as one cublasLtMatmul (``dc_vendor_gemm_lt``) on raw pointers: A, B, the output, the bias,
+        the residual, a workspace, on a cuBLASLt handle and stream."""
+        if self.lib.dc_vendor_gemm_lt(ctypes.byref(plan), ctypes.byref(lt), a, b, d, bias or None, residual or None,
+                                      workspace or None, workspace_bytes, handle, stream or None) != 0:
+            raise DietcodeError(self.error())
+
+    def vendor_gemm_call(self, plan: GemmPlan, lt: GemmLt | None, a: int, b: int, c: int, *, bias: int = 0,
+                         residual: int = 0, handle: int, lt_handle: int = 0, stream: int = 0, workspace: int = 0,
+                         workspace_bytes: int = 0) -> tuple[bool, str]:
+        """The GEMM part of a node call as the CUDA EP runs it (``dc_vendor_gemm_call``): the fused cuBLASLt call
+        when ``lt`` is given and it succeeds, else cuBLAS. (fused, why the fused call was not taken)."""
+        r = self.lib.dc_vendor_gemm_call(ctypes.byref(plan), ctypes.byref(lt) if lt is not None else None, a, b, c,
+                                         bias or None, residual or None, handle, lt_handle or None, workspace or None,
+                                         workspace_bytes, stream or None)
+        if r < 0:
+            raise DietcodeError(self.error())
+        return r == 1, "" if r == 1 else self.error()
+
+    def vendor_lt_stats(self) -> tuple[int, int]:
+        """Process-wide (fused cuBLASLt calls run, heuristic queries made)."""
+        calls, queries = ctypes.c_int64(), ctypes.c_int64()
+        self.lib.dc_vendor_lt_stats(ctypes.byref(calls), ctypes.byref(queries))
+        return calls.value, queries.value
+
     def vendor_epilogue_ptx(self, dtype: str) -> str:
         """The vendor epilogue kernel's PTX for float32, float16 or bfloat16."""
         dtypes = ("float32", "float16", "bfloat16")
@@ -574,6 +629,15 @@ def _bind_vendor(lib: Any) -> None:
                                       ci, ci, ci, ctypes.POINTER(GemmPlan)]
     lib.dc_vendor_cublas_load.argtypes = [ctypes.c_char_p]
     lib.dc_vendor_gemm.argtypes = [ctypes.POINTER(GemmPlan), vp, vp, vp, vp, vp]
+    lib.dc_gemm_lt_plan.argtypes = [ctypes.POINTER(GemmPlan), ctypes.POINTER(GemmLt)]
+    lib.dc_vendor_cublaslt_load.argtypes = [ctypes.c_char_p]
+    lib.dc_vendor_cublaslt_handle.argtypes = [vp, ctypes.POINTER(vp)]
+    lib.dc_vendor_gemm_lt.argtypes = [ctypes.POINTER(GemmPlan), ctypes.POINTER(GemmLt), vp, vp, vp, vp, vp, vp,
+                                      ctypes.c_uint64, vp, vp]
+    lib.dc_vendor_gemm_call.argtypes = [ctypes.POINTER(GemmPlan), ctypes.POINTER(GemmLt), vp, vp, vp, vp, vp, vp, vp,
+                                        vp, ctypes.c_uint64, vp]
+    lib.dc_vendor_lt_stats.restype = None
+    lib.dc_vendor_lt_stats.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     lib.dc_vendor_epilogue_ptx.restype = ctypes.c_char_p
     lib.dc_vendor_epilogue_ptx.argtypes = [ci]
     lib.dc_conv_plan_make.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, i64p, i64p, ctypes.c_int64, ci, ci, ci,

@@ -330,6 +330,10 @@ def main() -> int:
         out["vendor_epilogue"] = vendor_epilogue(core, fake, stream)
     except Exception as exc:  # reported to the parent
         out["vendor_epilogue"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        out["lt_handles"] = lt_handles(core, fake, folder)
+    except Exception as exc:  # reported to the parent
+        out["lt_handles"] = {"error": f"{type(exc).__name__}: {exc}"}
     for name, keep in kept.items():  # only now import torch and triton (interpreted)
         case = next(c for c in CASES if c.name == name)
         try:
@@ -407,6 +411,25 @@ def contexts(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
     out["freed"] = _events(fake)
     out["streams"] = {"first": first, "other": other}
     return out
+
+
+def lt_handles(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
+    """dc_vendor_cublaslt_handle with the host stand-in for cuBLASLt (tests/_fake_vendor_libs.c, built by the
+    parent into ``folder``): the handle of each stream's context, created once per context with that context
+    current (pushed for it and popped after), the same handle for every stream of a context."""
+    lib = folder / "libfakevendor.so"
+    if not lib.exists():
+        return {"skipped": "no C compiler for the stand-in"}
+    core.vendor_cublaslt_load(lib)
+    vendor = ctypes.CDLL(str(lib))
+    first = fake.fake_cuda_stream(fake.fake_cuda_context(0))
+    second = fake.fake_cuda_stream(fake.fake_cuda_context(0))
+    other = fake.fake_cuda_stream(fake.fake_cuda_context(1))
+    handles = [core.vendor_cublaslt_handle(s) for s in (first, second, other, first)]
+    creates = ctypes.c_int.in_dll(vendor, "fake_lt_creates").value
+    contexts = list((ctypes.c_void_p * 8).in_dll(vendor, "fake_lt_create_contexts"))[:creates]
+    return {"handles": handles, "creates": creates, "contexts": contexts, "depth": fake.fake_cuda_context_depth(),
+            "context_of": [fake.fake_cuda_context(0), fake.fake_cuda_context(1)]}
 
 
 def eager(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:

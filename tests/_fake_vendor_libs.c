@@ -1,9 +1,11 @@
-/* A host-memory stand-in for the cuBLAS and cuDNN entry points the vendor path calls (custom_ops/vendor.cc),
- * with their real signatures and semantics (cuBLAS: column-major; cuDNN: NCHW cross-correlation with groups),
+/* A host-memory stand-in for the cuBLAS, cuBLASLt and cuDNN entry points the vendor path calls
+ * (custom_ops/vendor.cc), with their real signatures and semantics (cuBLAS and cuBLASLt: column-major, cuBLASLt's
+ * bias and activation epilogues and beta C; cuDNN: NCHW cross-correlation with groups),
  * so the tests drive dc_vendor_gemm, dc_vendor_conv_algo (cuDNN's forward heuristic and workspace sizes, with a
  * fixed ranking) and dc_vendor_conv with host pointers. It checks the arguments the real
  * libraries check and records the last call for the tests. Data types: cuBLAS CUDA_R_32F (0), CUDA_R_16F (2),
  * CUDA_R_16BF (14); cuDNN FLOAT (0), HALF (2), BFLOAT16 (9); accumulation in double. */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -132,6 +134,220 @@ int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int 
                                int compute, int algo) {
   return gemm(handle, transa, transb, m, n, k, alpha, A, atype, lda, sa, B, btype, ldb, sb, beta, C, ctype, ldc, sc,
               batch, compute, algo);
+}
+
+/* ---- cuBLASLt ------------------------------------------------------------------------------------------ */
+/* D = epilogue(alpha op(A) op(B) + beta C + bias), column-major, with the cublasLt.h signatures and ids the
+ * fused path uses (descriptor attributes TRANSA 3, TRANSB 4, EPILOGUE 7, BIAS_POINTER 8; preferences
+ * MAX_WORKSPACE_BYTES 1, MIN_ALIGNMENT_A..D_BYTES 5..8; epilogues DEFAULT 1, RELU 2, BIAS 4, RELU_BIAS 6, GELU 32,
+ * GELU_BIAS 36, GELU being the tanh approximation). The heuristic answers one algorithm needing
+ * fake_lt_workspace bytes, or none when that exceeds the preference's maximum. */
+
+typedef struct { int compute, scale, transa, transb; unsigned epilogue; const void* bias; } LtDesc;
+typedef struct { int type; uint64_t rows, cols; int64_t ld; } LtLayout;
+typedef struct { uint64_t max_ws; uint32_t align[4]; } LtPref;
+typedef struct { uint64_t algo[8]; size_t ws; int state; float waves; int reserved[4]; } LtResult;
+
+enum { kLtAlgoMagic = 0x4C74 };
+
+int fake_lt_creates = 0;
+int fake_lt_heuristic_calls = 0;
+int fake_lt_heuristic_status = 0; /* != 0: the query fails with it */
+int fake_lt_matmul_status = 0;    /* != 0: cublasLtMatmul fails with it, writing nothing */
+int fake_lt_matmuls = 0;
+int fake_lt_live_descriptors = 0;
+size_t fake_lt_workspace = 0; /* the algorithm's workspace */
+uint64_t fake_lt_last_max_ws = 0;
+uint32_t fake_lt_last_align[4] = {0, 0, 0, 0};
+void* fake_lt_last_stream = 0;
+unsigned fake_lt_last_epilogue = 0;
+int fake_lt_last_compute = -1;
+void* fake_lt_last_ws = 0;
+size_t fake_lt_last_ws_size = 0;
+int fake_lt_last_in_place = -1; /* 1: C and D were the same pointer */
+
+/* The CUDA context current at each cublasLtCreate (a cuBLASLt context is tied to it), read from the process's
+ * libcuda.so.1 when one is loaded (tests/_fake_libcuda.c in tests/_fake_cuda_cases.py's child), else NULL. */
+void* fake_lt_create_contexts[8];
+
+static void* current_cuda_context(void) {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == 0) return 0;
+  int (*get)(void**) = (int (*)(void**))dlsym(lib, "cuCtxGetCurrent");
+  void* ctx = 0;
+  if (get != 0) get(&ctx);
+  dlclose(lib);
+  return ctx;
+}
+
+int cublasLtCreate(void** handle) {
+  if (handle == 0) return kInvalidValue;
+  fake_lt_create_contexts[fake_lt_creates & 7] = current_cuda_context();
+  *handle = (void*)(uintptr_t)(0x17 + fake_lt_creates);
+  fake_lt_creates++;
+  return kOk;
+}
+
+int cublasLtDestroy(void* handle) { return handle == 0 ? kNotInitialized : kOk; }
+
+const char* cublasLtGetStatusName(int status) {
+  return status == kInvalidValue ? "CUBLAS_STATUS_INVALID_VALUE" : status == kNotSupported ? "CUBLAS_STATUS_NOT_SUPPORTED"
+         : status == kNotInitialized ? "CUBLAS_STATUS_NOT_INITIALIZED" : "CUBLAS_STATUS_OTHER";
+}
+
+int cublasLtMatmulDescCreate(void** desc, int compute, int scale) {
+  if (desc == 0) return kInvalidValue;
+  if ((compute != 68 && compute != 77) || scale != 0) return kInvalidValue;
+  LtDesc* d = calloc(1, sizeof(LtDesc));
+  d->compute = compute, d->scale = scale, d->epilogue = 1;
+  *desc = d;
+  fake_lt_live_descriptors++;
+  return kOk;
+}
+
+int cublasLtMatmulDescDestroy(void* desc) { free(desc); fake_lt_live_descriptors--; return kOk; }
+
+int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, size_t size) {
+  LtDesc* d = desc;
+  if (d == 0 || buf == 0) return kInvalidValue;
+  if (attr == 3 || attr == 4) {
+    int32_t v;
+    if (size != sizeof(v)) return kInvalidValue;
+    memcpy(&v, buf, sizeof(v));
+    if (v != 0 && v != 1) return kInvalidValue;
+    if (attr == 3) d->transa = v; else d->transb = v;
+  } else if (attr == 7) {
+    uint32_t v;
+    if (size != sizeof(v)) return kInvalidValue;
+    memcpy(&v, buf, sizeof(v));
+    if (v != 1 && v != 2 && v != 4 && v != 6 && v != 32 && v != 36) return kInvalidValue;
+    d->epilogue = v;
+  } else if (attr == 8) {
+    if (size != sizeof(void*)) return kInvalidValue;
+    memcpy(&d->bias, buf, sizeof(void*));
+  } else {
+    return kInvalidValue;
+  }
+  return kOk;
+}
+
+int cublasLtMatrixLayoutCreate(void** layout, int type, uint64_t rows, uint64_t cols, int64_t ld) {
+  if (layout == 0 || (type != 0 && type != 2 && type != 14)) return kInvalidValue;
+  if (ld < (int64_t)(rows > 1 ? rows : 1)) return kInvalidValue;
+  LtLayout* l = calloc(1, sizeof(LtLayout));
+  l->type = type, l->rows = rows, l->cols = cols, l->ld = ld;
+  *layout = l;
+  fake_lt_live_descriptors++;
+  return kOk;
+}
+
+int cublasLtMatrixLayoutDestroy(void* layout) { free(layout); fake_lt_live_descriptors--; return kOk; }
+
+int cublasLtMatmulPreferenceCreate(void** pref) {
+  if (pref == 0) return kInvalidValue;
+  LtPref* p = calloc(1, sizeof(LtPref));
+  for (int i = 0; i < 4; ++i) p->align[i] = 256;
+  *pref = p;
+  fake_lt_live_descriptors++;
+  return kOk;
+}
+
+int cublasLtMatmulPreferenceDestroy(void* pref) { free(pref); fake_lt_live_descriptors--; return kOk; }
+
+int cublasLtMatmulPreferenceSetAttribute(void* pref, int attr, const void* buf, size_t size) {
+  LtPref* p = pref;
+  if (p == 0 || buf == 0) return kInvalidValue;
+  if (attr == 1) {
+    if (size != sizeof(uint64_t)) return kInvalidValue;
+    memcpy(&p->max_ws, buf, sizeof(uint64_t));
+  } else if (attr >= 5 && attr <= 8) {
+    if (size != sizeof(uint32_t)) return kInvalidValue;
+    memcpy(&p->align[attr - 5], buf, sizeof(uint32_t));
+  } else {
+    return kInvalidValue;
+  }
+  return kOk;
+}
+
+/* The shapes agree: op(A) [m, k], op(B) [k, n], C and D [m, n], one data type; C's layout is D's. */
+static int lt_shapes(const LtDesc* op, const LtLayout* A, const LtLayout* B, const LtLayout* C, const LtLayout* D) {
+  const uint64_t m = D->rows, n = D->cols;
+  const uint64_t am = op->transa ? A->cols : A->rows, ak = op->transa ? A->rows : A->cols;
+  const uint64_t bk = op->transb ? B->cols : B->rows, bn = op->transb ? B->rows : B->cols;
+  if (am != m || bn != n || ak != bk) return 0;
+  if (A->type != B->type || A->type != C->type || A->type != D->type) return 0;
+  if (C->rows != D->rows || C->cols != D->cols || C->ld != D->ld) return 0;
+  return op->compute != 77 || A->type == 0;
+}
+
+int cublasLtMatmulAlgoGetHeuristic(void* handle, void* opd, void* ad, void* bd, void* cd, void* dd, void* prefd,
+                                   int requested, void* results, int* returned) {
+  const LtPref* pref = prefd;
+  if (handle == 0) return kNotInitialized;
+  if (requested <= 0 || returned == 0 || results == 0 || opd == 0 || ad == 0 || bd == 0 || cd == 0 || dd == 0 ||
+      pref == 0)
+    return kInvalidValue;
+  fake_lt_heuristic_calls++;
+  if (fake_lt_heuristic_status != 0) return fake_lt_heuristic_status;
+  if (!lt_shapes(opd, ad, bd, cd, dd)) return kNotSupported;
+  fake_lt_last_max_ws = pref->max_ws;
+  memcpy(fake_lt_last_align, pref->align, sizeof(fake_lt_last_align));
+  *returned = 0;
+  if (fake_lt_workspace > pref->max_ws) return kOk; /* nothing within the workspace allowed */
+  LtResult r;
+  memset(&r, 0, sizeof(r));
+  r.algo[0] = kLtAlgoMagic;
+  r.algo[1] = ((const LtDesc*)opd)->epilogue;
+  r.ws = fake_lt_workspace;
+  r.waves = 1.0f;
+  *(LtResult*)results = r;
+  *returned = 1;
+  return kOk;
+}
+
+int cublasLtMatmul(void* handle, void* opd, const void* alpha, const void* A, void* ad, const void* B, void* bd,
+                   const void* beta, const void* C, void* cd, void* D, void* dd, const void* algo, void* ws,
+                   size_t ws_size, void* stream) {
+  const LtDesc* op = opd;
+  const LtLayout *La = ad, *Lb = bd, *Lc = cd, *Ld = dd;
+  const uint64_t* al = algo;
+  if (handle == 0) return kNotInitialized;
+  if (op == 0 || La == 0 || Lb == 0 || Lc == 0 || Ld == 0 || alpha == 0 || beta == 0 || A == 0 || B == 0 || D == 0)
+    return kInvalidValue;
+  if (al == 0 || al[0] != kLtAlgoMagic || al[1] != op->epilogue) return kInvalidValue; /* not this call's algorithm */
+  if (ws_size < fake_lt_workspace || (ws_size > 0 && ws == 0)) return kInvalidValue;
+  if (!lt_shapes(op, La, Lb, Lc, Ld)) return kInvalidValue;
+  if ((op->epilogue & 4) && op->bias == 0) return kInvalidValue;
+  if (fake_lt_matmul_status != 0) return fake_lt_matmul_status;
+  if (ws_size > 0) memset(ws, 0xA5, ws_size); /* it must be writable memory of that size */
+  const float a_ = *(const float*)alpha, b_ = *(const float*)beta;
+  if (b_ != 0.0f && C == 0) return kInvalidValue;
+  const int t = Ld->type;
+  const int64_t m = (int64_t)Ld->rows, n = (int64_t)Ld->cols, k = (int64_t)(op->transa ? La->rows : La->cols);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < m; ++i) {
+      double acc = 0.0;
+      for (int64_t l = 0; l < k; ++l) {
+        const int64_t ia = op->transa == 0 ? i + l * La->ld : l + i * La->ld;
+        const int64_t ib = op->transb == 0 ? l + j * Lb->ld : j + l * Lb->ld;
+        acc += load(A, t, ia) * load(B, t, ib);
+      }
+      double v = a_ * acc;
+      if (b_ != 0.0f) v += b_ * load(C, t, i + j * Lc->ld); /* beta == 0: C is not read */
+      if (op->epilogue & 4) v += load(op->bias, t, i);       /* one value per row of D */
+      if (op->epilogue & 2) v = v > 0.0 ? v : 0.0;           /* NaN -> 0 */
+      if (op->epilogue & 32) v = 0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+      store(D, t, i + j * Ld->ld, v);
+    }
+  }
+  fake_lt_matmuls++;
+  fake_lt_last_stream = stream;
+  fake_lt_last_epilogue = op->epilogue;
+  fake_lt_last_compute = op->compute;
+  fake_lt_last_ws = ws;
+  fake_lt_last_ws_size = ws_size;
+  fake_lt_last_in_place = C == D;
+  return kOk;
 }
 
 /* ---- cuDNN ---------------------------------------------------------------------------------------------- */

@@ -92,8 +92,9 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # activations 3 gelu_tanh, 4 silu, 5 relu6 in dc_epilogue, the vendor plans and dc_bundle_check_node, and the
     # residual multiplied after the activation: dc_bundle_kernel_residual_mul and dc_epilogue.residual_mul, and an
     # attention call's head dim, last, checked against the kernel's HEAD_DIM; 11 grouped conv kernels:
-    # dc_bundle_kernel_grouped, and the conv view of group > 1 as batch = group)
-    assert load_core().lib.dc_abi_version() == 11
+    # dc_bundle_kernel_grouped, and the conv view of group > 1 as batch = group; 12 the vendor GEMM's cuBLASLt
+    # path: dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call)
+    assert load_core().lib.dc_abi_version() == 12
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,10 @@ def bundles(bundled: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
 
     load_core()  # built before the children, which only load it
     folder = tmp_path_factory.mktemp("bundles")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is not None:  # the cuBLASLt stand-in, for the child's lt_handles
+        subprocess.run([cc, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o",
+                        str(folder / "libfakevendor.so"), "-lm", "-ldl"], check=True, capture_output=True)
     for name, kernel in bundled.items():
         (folder / f"{name}.bundle").write_bytes(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
     (folder / "eager.bundle").write_bytes(eager_bundle(bundled))
@@ -344,6 +349,20 @@ def test_vendor_epilogue_launch_runs_its_ptx_to_the_result(launched: dict[str, A
     assert got["mul_max_err"] <= 2e-3 * max(1.0, got["mul_scale"]), got["mul_max_err"]
     refused, message, launches = got["both_refused"]
     assert refused != 0 and "both adds the residual first and multiplies by it" in message and launches == 0
+
+
+def test_cublaslt_handle_is_created_once_per_context_with_it_current(launched: dict[str, Any]) -> None:
+    """dc_vendor_cublaslt_handle: cublasLtCreate runs with the stream's context current (a cuBLASLt context is
+    tied to the device current at creation), once per context: two streams of one context share the handle, a
+    stream of the other context gets its own; the pushed context is popped after."""
+    got = launched["lt_handles"]
+    if "skipped" in got:
+        pytest.skip(got["skipped"])
+    assert "error" not in got, got.get("error")
+    first, second, other, again = got["handles"]
+    assert first == second == again and other != first and first and other
+    assert got["creates"] == 2 and got["contexts"] == got["context_of"]
+    assert got["depth"] == 0
 
 
 def test_probe_and_sm_count_through_the_driver(launched: dict[str, Any]) -> None:

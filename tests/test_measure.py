@@ -285,7 +285,10 @@ def _check_vendor_tf32(torch, monkeypatch, vendor_tf32):
 
 @pytest.mark.parametrize("op, trans_b", [("gemm", False), ("gemm", True), ("bmm", False), ("bmm", True)])
 @pytest.mark.parametrize("bias, activation, alpha, residual", [(False, "none", 1.0, False), (True, "gelu", 0.125, True),
-                                                               (True, "relu", 2.0, False), (False, "none", 0.5, True)])
+                                                               (True, "relu", 2.0, False), (False, "none", 0.5, True),
+                                                               (True, "gelu_tanh", 0.5, False),
+                                                               (False, "gelu_tanh", 1.0, False), (False, "relu", 1.0, False),
+                                                               (True, "none", 1.0, True)])
 def test_vendor_baseline_computes_the_fused_epilogue(op, trans_b, bias, activation, alpha, residual):
     """The vendor baseline times what the fused node computes, act(alpha * A @ B + bias) + residual (checked
     on CPU tensors against numpy), so a scale or residual the kernels fuse is not free for the vendor."""
@@ -302,9 +305,67 @@ def test_vendor_baseline_computes_the_fused_epilogue(op, trans_b, bias, activati
     got = m.vendor_call(Family(op, "float32", "sm_90"), t(a), t(b), t(c), t(r))().numpy()
     want = alpha * (a @ (np.swapaxes(b, -1, -2) if trans_b else b)) + (0 if c is None else c)
     want = {"none": want, "relu": np.maximum(want, 0),
-            "gelu": 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2)))}[activation]
+            "gelu": 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2))),
+            "gelu_tanh": 0.5 * want * (1 + np.tanh(math.sqrt(2 / math.pi) * (want + 0.044715 * want ** 3)))}[activation]
     want = want + (0 if r is None else r)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+EPILOGUE_GRID = [Epilogue(bias, act, 1.0, residual != "", residual == "first", residual == "mul")
+                 for bias in (False, True) for act in ("none", "relu", "gelu", "gelu_tanh", "silu", "relu6")
+                 for residual in ("", "after", "first", "mul") if act != "none" or residual in ("", "after")]
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUE_GRID)
+def test_lt_fuses_follows_the_runtime_plan(epilogue):
+    """The vendor baseline's ``lt_fuses`` says what dc_gemm_lt_plan (custom_ops/vendor.h) decides for the
+    runtime: for the gemm family (one GEMM) the same, for bmm (a batch) never."""
+    from dietcode_ort.runtime import load_core
+    from tuner.measure import lt_fuses
+
+    core = load_core()
+    e = epilogue
+    for op, b_shape in (("gemm", (6, 5)), ("bmm", (2, 6, 5))):
+        plan = core.gemm_plan("MatMul", (2, 3, 6) if op == "bmm" else (3, 6), b_shape, (5,) if e.bias else None,
+                              activation=e.activation)
+        plan.epilogue.has_residual, plan.epilogue.residual_first = int(e.residual), int(e.residual_first)
+        plan.epilogue.residual_mul = int(e.residual_mul)
+        assert lt_fuses(op, e) == (core.gemm_lt_plan(plan) is not None), (op, e, core.error())
+
+
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_vendor_baseline_of_a_fused_residual_is_one_gemm_reading_it(residual_first):
+    """A residual the runtime fuses (C of its cuBLASLt call) is timed as one addmm_ into a copy of residual +
+    bias made beforehand: the first call's value is the node's, the residual itself stays as it was."""
+    torch = pytest.importorskip("torch")
+    act = "relu" if residual_first else "none"
+    m = GpuMeasurer(backend="_fake_timing:FakeBackend",
+                    epilogue=Epilogue(bias=True, activation=act, residual=True, residual_first=residual_first))
+    rng = np.random.default_rng(2)
+    a, b, c, r = (rng.standard_normal(s).astype(np.float32) for s in ((5, 7), (7, 6), (6,), (5, 6)))
+    tr = torch.from_numpy(r.copy())
+    got = m.vendor_call(Family("gemm", "float32", "sm_90"), torch.from_numpy(a), torch.from_numpy(b),
+                        torch.from_numpy(c), tr)().numpy()
+    want = a.astype(np.float64) @ b + c + r
+    np.testing.assert_allclose(got, np.maximum(want, 0) if residual_first else want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(tr.numpy(), r)
+
+
+def test_vendor_baseline_context_names_the_fused_form():
+    """The vendor timings of the epilogues the runtime now fuses into cuBLASLt (an activation, a residual) are
+    another measurement than before: their context says vendor=lt; the others' stays vendor=addmm."""
+    def form(**kw) -> str:
+        conv = kw.pop("conv", None)
+        ctx = GpuMeasurer(backend="_fake_timing:FakeBackend", epilogue=Epilogue(**kw), conv=conv).context()
+        return ctx.split(";vendor=")[1].split(";")[0]
+
+    assert form(bias=True) == form() == form(bias=True, activation="gelu") == "addmm"
+    assert form(bias=True, activation="silu", residual=True, residual_mul=True) == "addmm"
+    assert form(bias=True, activation="relu", residual=True) == "addmm"  # residual after: not fused
+    assert form(bias=True, activation="gelu_tanh") == form(bias=True, residual=True) == "lt"
+    assert form(activation="relu", residual=True, residual_first=True) == "lt"
+    conv = ConvParams(4, 8, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1))
+    assert form(bias=True, activation="relu", residual=True, residual_first=True, conv=conv) == "addmm"
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ kind for every call against stock ORT.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 import re
@@ -50,15 +51,16 @@ def _bf16_value(bits: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def fake_libs(tmp_path_factory) -> ctypes.CDLL:
-    """The stand-in, built and made the vendor path's cuBLAS and cuDNN for this process."""
+    """The stand-in, built and made the vendor path's cuBLAS, cuBLASLt and cuDNN for this process."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("fake_vendor_libs") / "libfakevendor.so"
     lang = ["-x", "c"] if cc.endswith("g++") else []
-    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm"],
-                   check=True, capture_output=True)
+    subprocess.run([cc, *lang, "-O1", "-shared", "-fPIC", str(HERE / "_fake_vendor_libs.c"), "-o", str(out), "-lm",
+                    "-ldl"], check=True, capture_output=True)
     load_core().vendor_cublas_load(out)
+    load_core().vendor_cublaslt_load(out)
     load_core().vendor_cudnn_load(out)
     return ctypes.CDLL(str(out))
 
@@ -190,6 +192,324 @@ def test_epilogue_bias_indexing_equals_numpy_broadcasting(case) -> None:
 
 def test_gemm_beta_zero_adds_no_bias() -> None:
     assert load_core().gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.0).epilogue.has_bias == 0
+
+
+# --- cuBLASLt: the GEMM and its epilogue as one call ----------------------------------------------------------
+
+RESIDUALS = {"": {}, "after": {"has_residual": 1}, "first": {"has_residual": 1, "residual_first": 1},
+             "mul": {"has_residual": 1, "residual_mul": 1}}
+
+
+def _with_residual(plan, residual: str):
+    """The plan with its epilogue's residual flags set, as ort_ops.cc sets them from the op type."""
+    for name, value in RESIDUALS[residual].items():
+        setattr(plan.epilogue, name, value)
+    return plan
+
+
+# (bias, activation, residual) -> the cublasLtEpilogue_t of the one fused call, or None: cuBLAS + the PTX epilogue
+LT_EPILOGUES = {
+    (True, "none", ""): 4, (True, "relu", ""): 6, (True, "gelu_tanh", ""): 36,
+    (False, "relu", ""): 2, (False, "gelu_tanh", ""): 32,
+    (True, "none", "after"): 4, (False, "none", "after"): 1,
+    (True, "relu", "first"): 6, (True, "gelu_tanh", "first"): 36, (False, "relu", "first"): 2,
+    (False, "gelu_tanh", "first"): 32,
+}
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "relu6")
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_lt_plan_fuses_exactly_the_epilogues_cublaslt_computes(bias, activation, residual) -> None:
+    """cuBLASLt computes act(alpha A B + beta C + bias) with relu or the tanh GELU: a bias vector along the
+    output's last dim, those activations, and the residual as C where it comes before the activation (or there
+    is none) fuse; the erf GELU, silu, relu6, the residual after an activation or multiplying it do not."""
+    core = load_core()
+    plan = _with_residual(core.gemm_plan("MatMul", (2, 3, 4), (4, 5), (5,) if bias else None,
+                                         activation=activation), residual)
+    lt = core.gemm_lt_plan(plan)
+    want = LT_EPILOGUES.get((bias, activation, residual))
+    if residual == "first" and activation == "none":
+        want = LT_EPILOGUES[(bias, "none", "after")]  # the residual's place does not matter without an activation
+    if not bias and activation == "none" and not residual:
+        assert lt is None and "no epilogue" in core.error()
+        return
+    if want is None:
+        assert lt is None, (lt.epilogue, bias, activation, residual)
+        why = core.error()
+        assert any(w in why for w in ("erf GELU", "silu", "relu6", "after the activation", "multiplies")), why
+        return
+    assert lt is not None, core.error()
+    assert (lt.epilogue, lt.has_bias, lt.residual_c, lt.beta) == (want, int(bias), int(bool(residual)),
+                                                                  1.0 if residual else 0.0)
+
+
+def test_lt_plan_keeps_batches_broadcast_and_scaled_biases_unfused() -> None:
+    core = load_core()
+    batched = core.gemm_plan("MatMul", (2, 3, 4), (2, 4, 5), (5,))
+    assert core.gemm_lt_plan(batched) is None and "batch of 2" in core.error()
+    for bias in ((3, 5), (3, 1), (1,)):  # per row, per row and column, a scalar
+        assert core.gemm_lt_plan(core.gemm_plan("MatMul", (3, 4), (4, 5), bias)) is None, bias
+        assert "one vector along the output's last dim" in core.error()
+    assert core.gemm_lt_plan(core.gemm_plan("Gemm", (3, 4), (4, 5), (5,), beta=0.5)) is None
+    assert "scaled by Gemm's beta" in core.error()
+    assert core.gemm_lt_plan(core.gemm_plan("Gemm", (3, 4), (4, 5), (5,), alpha=0.5, beta=1.0)) is not None
+    assert core.gemm_lt_plan(core.gemm_plan("MatMul", (3, 0), (0, 5), (5,))) is None and "empty" in core.error()
+    assert core.gemm_lt_plan(core.gemm_plan("MatMul", (1, 2, 3, 4), (4, 5), (1, 5))) is not None  # folds to one
+
+
+def _lt_counts(fake) -> tuple[int, int]:
+    return ctypes.c_int.in_dll(fake, "fake_lt_matmuls").value, ctypes.c_int.in_dll(fake, "fake_calls").value
+
+
+def _alignment(address: int) -> int:
+    return 256 if address == 0 else min(256, address & -address)
+
+
+def _values(dtype: str, shape, rng, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Random data in ``dtype`` (bfloat16 as uint16 bits) and its exact float64 values."""
+    x = _to_dtype_bits((rng.standard_normal(shape) * scale).astype(np.float32), dtype)
+    return x, _from_dtype_bits(x, dtype).astype(np.float64)
+
+
+LT_CALLS = [  # (id, op, A, B, bias, attrs)
+    ("matmul3d", "MatMul", (2, 3, 6), (6, 5), (5,), {}),
+    ("matmul_scaled", "MatMul", (4, 6), (6, 5), (1, 5), {"alpha": 0.25}),
+    ("gemm_transA", "Gemm", (6, 4), (6, 5), (5,), {"trans_a": True, "alpha": 0.5}),
+    ("gemm_transB", "Gemm", (4, 6), (5, 6), (5,), {"trans_b": True}),
+    ("gemm_transA_transB", "Gemm", (6, 4), (5, 6), (5,), {"trans_a": True, "trans_b": True, "alpha": 2.0}),
+]
+LT_TAKEN = [(b, a, r) for (b, a, r) in LT_EPILOGUES] + [(True, "none", "first")]
+_LT_HANDLES = itertools.count(0x1000)  # stand-in cuBLASLt handles: the choice is kept per handle
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("epilogue", LT_TAKEN, ids=lambda e: f"{'bias' if e[0] else 'nobias'}-{e[1]}-{e[2] or 'nores'}")
+@pytest.mark.parametrize("case", LT_CALLS, ids=[c[0] for c in LT_CALLS])
+def test_lt_fused_call_equals_numpy(fake_libs, case, epilogue, dtype) -> None:
+    """dc_vendor_gemm_call with the fused form: one cublasLtMatmul (the stand-in computes D = epilogue(alpha
+    op(A) op(B) + beta C + bias) as cuBLASLt does), no cublasGemmEx; the operands, transposes, epilogue, bias
+    pointer, the residual as C with beta 1, the pointers' alignments, compute type and stream it passes make
+    the node's act(alpha A B + bias + residual)."""
+    _, op, sa, sb, sbias, attrs = case
+    has_bias, activation, residual = epilogue
+    core, fake = load_core(), fake_libs
+    rng = np.random.default_rng(len(sa) + len(sb) + 7)
+    a, a64 = _values(dtype, sa, rng)
+    b, b64 = _values(dtype, sb, rng)
+    bias, bias64 = _values(dtype, sbias, rng) if has_bias else (None, 0.0)
+    plan = _with_residual(core.gemm_plan(op, sa, sb, sbias if has_bias else None, dtype=dtype,
+                                         activation=activation, **attrs), residual)
+    lt = core.gemm_lt_plan(plan)
+    assert lt is not None, core.error()
+    y64 = attrs.get("alpha", 1.0) * _reference(op, a64, b64, {k: v for k, v in attrs.items() if k != "alpha"})
+    res, res64 = _values(dtype, y64.shape, rng, 2.0) if residual else (None, 0.0)
+    h = y64 + bias64 + res64
+    if activation == "relu":
+        h = np.maximum(h, 0.0)
+    elif activation == "gelu_tanh":
+        h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+    out = np.zeros(y64.shape, dtype=np.uint16 if dtype == "bfloat16" else DTYPES[dtype])
+    lt_before, gemm_before = _lt_counts(fake)
+    fused, why = core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                                       bias=bias.ctypes.data if has_bias else 0,
+                                       residual=res.ctypes.data if residual else 0, handle=1,
+                                       lt_handle=next(_LT_HANDLES), stream=STREAM)  # a handle of its own: a query
+    assert (fused, why) == (True, "")
+    assert _lt_counts(fake) == (lt_before + 1, gemm_before)  # the fused call only
+    assert ctypes.c_uint.in_dll(fake, "fake_lt_last_epilogue").value == lt.epilogue
+    assert ctypes.c_int.in_dll(fake, "fake_lt_last_compute").value == (77 if dtype == "float32" else 68)
+    assert ctypes.c_void_p.in_dll(fake, "fake_lt_last_stream").value == STREAM
+    assert ctypes.c_int.in_dll(fake, "fake_lt_last_in_place").value == (0 if residual else 1)
+    c_ptr = res.ctypes.data if residual else out.ctypes.data  # cuBLASLt's A is the node's B, its B the node's A
+    want_align = [_alignment(p) for p in (b.ctypes.data, a.ctypes.data, c_ptr, out.ctypes.data)]
+    assert list((ctypes.c_uint32 * 4).in_dll(fake, "fake_lt_last_align")) == want_align
+    got = _from_dtype_bits(out, dtype)
+    want = h.astype(np.float32)
+    if dtype != "float32":  # one rounding to the dtype at the end
+        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert ctypes.c_int.in_dll(fake, "fake_lt_live_descriptors").value == 0  # all destroyed
+
+
+UNFUSED = [  # (id, op, A, B, bias, activation, residual, attrs)
+    ("erf_gelu", "MatMul", (3, 6), (6, 5), (5,), "gelu", "", {}),
+    ("silu_mul", "MatMul", (3, 6), (6, 5), (5,), "silu", "mul", {}),
+    ("relu_then_residual", "MatMul", (3, 6), (6, 5), (5,), "relu", "after", {}),
+    ("relu6", "MatMul", (3, 6), (6, 5), None, "relu6", "", {}),
+    ("batched", "MatMul", (2, 3, 6), (2, 6, 5), (5,), "none", "", {}),
+    ("bias_per_row", "MatMul", (3, 6), (6, 5), (3, 1), "relu", "", {}),
+    ("gemm_beta", "Gemm", (3, 6), (6, 5), (5,), "none", "", {"beta": 0.5}),
+]
+
+
+@pytest.mark.parametrize("case", UNFUSED, ids=[c[0] for c in UNFUSED])
+def test_unfused_calls_run_cublas_and_the_ptx_epilogue(fake_libs, case) -> None:
+    """The calls cuBLASLt cannot fuse exactly: no fused form, so the call runs cublasGemmEx (or the batched
+    call) and no cublasLtMatmul, and cuBLAS's output with the PTX epilogue run on it (tests/_ptx_run.py) is the
+    node's result."""
+    from tests import _ptx_run
+
+    _, op, sa, sb, sbias, activation, residual, attrs = case
+    core, fake = load_core(), fake_libs
+    rng = np.random.default_rng(5)
+    a, a64 = _values("float32", sa, rng)
+    b, b64 = _values("float32", sb, rng)
+    plan = _with_residual(core.gemm_plan(op, sa, sb, sbias, activation=activation, **attrs), residual)
+    assert core.gemm_lt_plan(plan) is None
+    y = np.zeros(np.matmul(a64, b64).shape, np.float32)
+    lt_before, gemm_before = _lt_counts(fake)
+    assert core.vendor_gemm_call(plan, None, a.ctypes.data, b.ctypes.data, y.ctypes.data, handle=1, lt_handle=1,
+                                 stream=STREAM) == (False, "")
+    assert _lt_counts(fake) == (lt_before, gemm_before + 1)
+    h = np.matmul(a64, b64)
+    memory = _ptx_run.Memory()
+    params = {"p_y": memory.place(y), "p_bias": 0, "p_res": 0}
+    e = plan.epilogue
+    if sbias is not None:
+        bias, bias64 = _values("float32", sbias, rng)
+        params["p_bias"] = memory.place(bias)
+        h = h + attrs.get("beta", 1.0) * np.broadcast_to(bias64, h.shape)
+    act = {"none": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "relu6": lambda x: np.clip(x, 0.0, 6.0),
+           "gelu": lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0))),
+           "silu": lambda x: x / (1.0 + np.exp(-x))}[activation]
+    h = act(h)
+    if residual:
+        r, r64 = _values("float32", h.shape, rng)
+        params["p_res"] = memory.place(r)
+        h = h * r64 if residual == "mul" else h + r64
+    params |= {"p_rows": e.rows, "p_cols": e.cols, "p_brows": max(e.bias_rows, 1),
+               "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale, "p_act": e.activation,
+               "p_first": 2 if residual == "mul" else 0}
+    _ptx_run.run(core.vendor_epilogue_ptx("float32"), params, memory, grid=(-(-e.cols // 4), 2), block=(4, 1))
+    np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-5)
+
+
+def _lt_case(core, handle_m: int = 4):
+    """A float32 MatMulBiasRelu call [m, 6] x [6, 5] and its buffers."""
+    rng = np.random.default_rng(handle_m)
+    a, b = rng.standard_normal((handle_m, 6)).astype(np.float32), rng.standard_normal((6, 5)).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    plan = core.gemm_plan("MatMul", a.shape, b.shape, bias.shape, activation="relu")
+    want = np.maximum(a.astype(np.float64) @ b + bias, 0.0)
+    return plan, core.gemm_lt_plan(plan), a, b, bias, want
+
+
+@pytest.fixture
+def fresh_lt(fake_libs):
+    """The stand-in's cuBLASLt answering and succeeding, restored after the test."""
+    names = ("fake_lt_heuristic_status", "fake_lt_matmul_status")
+    yield fake_libs
+    for name in names:
+        ctypes.c_int.in_dll(fake_libs, name).value = 0
+    ctypes.c_size_t.in_dll(fake_libs, "fake_lt_workspace").value = 0
+
+
+def test_lt_heuristic_runs_once_per_key(fresh_lt) -> None:
+    """cublasLtMatmulAlgoGetHeuristic once per (handle, sizes, types, epilogue, alignments, workspace), the choice
+    kept for the process: repeated calls query nothing; another M, handle or alignment queries once more, with
+    the pointers' alignment as the MIN_ALIGNMENT preferences."""
+    core, fake = load_core(), fresh_lt
+    heuristic = ctypes.c_int.in_dll(fake, "fake_lt_heuristic_calls")
+    plan, lt, a, b, bias, want = _lt_case(core, 7)
+    out = np.zeros_like(want, dtype=np.float32)
+    calls0, queries0 = core.vendor_lt_stats()
+    before = heuristic.value
+    for _ in range(3):
+        assert core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data,
+                                     handle=1, lt_handle=101, stream=STREAM) == (True, "")
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert heuristic.value == before + 1 and core.vendor_lt_stats() == (calls0 + 3, queries0 + 1)
+    core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data, handle=1,
+                          lt_handle=102, stream=STREAM)  # another handle (device)
+    plan9, lt9, a9, b9, bias9, want9 = _lt_case(core, 9)  # another M
+    out9 = np.zeros_like(want9, dtype=np.float32)
+    core.vendor_gemm_call(plan9, lt9, a9.ctypes.data, b9.ctypes.data, out9.ctypes.data, bias=bias9.ctypes.data,
+                          handle=1, lt_handle=101, stream=STREAM)
+    np.testing.assert_allclose(out9, want9, rtol=1e-5, atol=1e-5)
+    assert heuristic.value == before + 3
+    buffer = np.zeros(out.size + 1, np.float32)  # an output at a 4-byte offset: alignment 4 (or more) apart
+    shifted = buffer[1:].reshape(out.shape)
+    core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, shifted.ctypes.data, bias=bias.ctypes.data,
+                          handle=1, lt_handle=101, stream=STREAM)
+    assert heuristic.value == before + 4
+    align = list((ctypes.c_uint32 * 4).in_dll(fake, "fake_lt_last_align"))
+    assert align[3] == _alignment(shifted.ctypes.data) and align[2] == align[3]  # C is D without a residual
+    np.testing.assert_allclose(shifted, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lt_failures_fall_back_to_cublas_with_the_reason_once_per_key(fresh_lt) -> None:
+    """A failing heuristic query or cublasLtMatmul: the call runs cuBLAS (the caller adds the PTX epilogue) and
+    says why; the failure is kept for the key, so later calls neither query nor try again."""
+    core, fake = load_core(), fresh_lt
+    heuristic = ctypes.c_int.in_dll(fake, "fake_lt_heuristic_calls")
+    plan, lt, a, b, bias, _ = _lt_case(core, 11)
+    out = np.zeros((11, 5), np.float32)
+    product = a.astype(np.float64) @ b
+    ctypes.c_int.in_dll(fake, "fake_lt_heuristic_status").value = 15  # CUBLAS_STATUS_NOT_SUPPORTED
+    before = heuristic.value
+    for _ in range(2):
+        lt_before, gemm_before = _lt_counts(fake)
+        fused, why = core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                                           bias=bias.ctypes.data, handle=1, lt_handle=201, stream=STREAM)
+        assert not fused and "cublasLtMatmulAlgoGetHeuristic" in why and "status 15" in why, why
+        assert _lt_counts(fake) == (lt_before, gemm_before + 1)
+        np.testing.assert_allclose(out, product, rtol=1e-5, atol=1e-5)  # cuBLAS's product, the epilogue to come
+    assert heuristic.value == before + 1
+
+    ctypes.c_int.in_dll(fake, "fake_lt_heuristic_status").value = 0
+    ctypes.c_int.in_dll(fake, "fake_lt_matmul_status").value = 15
+    for _ in range(2):
+        fused, why = core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                                           bias=bias.ctypes.data, handle=1, lt_handle=202, stream=STREAM)
+        assert not fused and "cublasLtMatmul (" in why and "status 15 CUBLAS_STATUS_NOT_SUPPORTED" in why, why
+    ctypes.c_int.in_dll(fake, "fake_lt_matmul_status").value = 0
+    assert core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data,
+                                 handle=1, lt_handle=202, stream=STREAM)[0] is False  # kept for the key
+    assert core.vendor_gemm_call(plan, None, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=1,
+                                 lt_handle=202, stream=STREAM) == (False, "")  # no fused form: nothing to say
+    _, why = core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data,
+                                   handle=1, stream=STREAM)
+    assert why == "no cuBLASLt handle"
+    with pytest.raises(DietcodeError, match="adds a bias but none was given"):
+        core.vendor_gemm_lt(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, handle=203, stream=STREAM)
+
+
+def test_lt_takes_an_algorithm_within_the_workspace_it_is_given(fresh_lt) -> None:
+    """The heuristic is asked for algorithms needing at most the workspace the call gives: none within 0 bytes
+    (the call falls back, saying so); within 1 MiB it runs, with that buffer."""
+    core, fake = load_core(), fresh_lt
+    ctypes.c_size_t.in_dll(fake, "fake_lt_workspace").value = 4096
+    plan, lt, a, b, bias, want = _lt_case(core, 13)
+    out = np.zeros_like(want, dtype=np.float32)
+    fused, why = core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                                       bias=bias.ctypes.data, handle=1, lt_handle=301, stream=STREAM)
+    assert not fused and "found no algorithm within a 0-byte workspace" in why
+    workspace = np.zeros(1 << 20, np.uint8)
+    assert core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data,
+                                 handle=1, lt_handle=301, stream=STREAM, workspace=workspace.ctypes.data,
+                                 workspace_bytes=workspace.size) == (True, "")
+    assert ctypes.c_uint64.in_dll(fake, "fake_lt_last_max_ws").value == workspace.size
+    assert ctypes.c_void_p.in_dll(fake, "fake_lt_last_ws").value == workspace.ctypes.data
+    assert (workspace == 0xA5).all()  # cuBLASLt wrote the workspace it was given
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_loaded_cublaslt_the_fused_path_says_so() -> None:
+    code = ("import sys; from dietcode_ort.runtime import load_core\n"
+            "if 'libcublasLt.so' in open('/proc/self/maps').read(): sys.exit(3)\n"
+            "c = load_core(); r = c.lib.dc_vendor_cublaslt_load(None)\n"
+            "print(r, c.error())\n"
+            "sys.exit(4 if 'libcublasLt.so' in open('/proc/self/maps').read() else 0)")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         cwd=HERE.parent, env=env)
+    if res.returncode == 3:
+        pytest.skip("this process image already maps a libcublasLt")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("-1 no cuBLASLt in this process (libcublasLt.so.13")
 
 
 # (id, X shape, W shape, attrs as ONNX takes them)
@@ -645,6 +965,101 @@ def test_conv_vendor_leaf_with_the_residual_on_cuda(op_type, dtype) -> None:
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
     with pytest.raises(Exception, match=r"residual input has shape \[2, 4, 6, 4\], not the output's"):
         sess.run(None, feeds | {"R": r[:, :, :, :4]})
+
+
+# (op type, attributes, whether dc_gemm_lt_plan fuses it into one cuBLASLt call)
+LT_GPU_CASES = [
+    ("MatMulBias", {}, True), ("MatMulBiasRelu", {}, True), ("MatMulBiasGeluTanh", {"scale": 0.5}, True),
+    ("MatMulRelu", {}, True), ("MatMulGeluTanh", {}, True), ("MatMulBiasResidual", {}, True),
+    ("MatMulResidual", {"scale": 0.25}, True), ("MatMulBiasResidualRelu", {}, True),
+    ("MatMulBiasResidualGeluTanh", {}, True), ("GemmBiasRelu", {"transB": 1, "alpha": 0.5}, True),
+    ("GemmBiasGeluTanh", {"transA": 1}, True),
+    ("MatMulBiasGelu", {}, False), ("MatMulBiasReluResidual", {}, False), ("MatMulBiasSiluMul", {}, False),
+    ("GemmBias", {"transB": 1, "beta": 2.0}, False),
+]
+
+
+def _torch_reference(op_type: str, attrs: dict, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The node's result in float64, by torch on the GPU (numpy where torch has no CUDA)."""
+    try:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    except ImportError:
+        on_cuda = False
+
+    def t(x):
+        x = x.astype(np.float64)
+        return torch.from_numpy(x).cuda() if on_cuda else x
+
+    a, b = t(feeds["A"]), t(feeds["B"])
+    if op_type.startswith("Gemm"):
+        a = a.T if attrs.get("transA") else a
+        b = b.T if attrs.get("transB") else b
+        y = attrs.get("alpha", 1.0) * (a @ b)
+    else:
+        y = attrs.get("scale", 1.0) * (a @ b)
+    if "bias" in feeds:
+        y = y + attrs.get("beta", 1.0) * t(feeds["bias"])
+    r = t(feeds["R"]) if "R" in feeds else None
+    rest = op_type.removeprefix("Gemm").removeprefix("MatMul").removeprefix("Bias")
+    if rest.startswith("Residual") and rest != "Residual":  # the residual before the activation
+        y, rest = y + r, rest.removeprefix("Residual")
+    act = rest.removesuffix("Residual").removesuffix("Mul")
+    if on_cuda:
+        fn = torch.nn.functional
+        acts = {"": lambda x: x, "Relu": torch.relu, "Gelu": fn.gelu, "Silu": fn.silu,
+                "GeluTanh": lambda x: fn.gelu(x, approximate="tanh")}
+    else:
+        acts = {"": lambda x: x, "Relu": lambda x: np.maximum(x, 0.0), "Silu": lambda x: x / (1.0 + np.exp(-x)),
+                "Gelu": lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0))),
+                "GeluTanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))}
+    y = acts[act](y)
+    if rest.endswith("Mul"):
+        y = y * r
+    elif rest.endswith("Residual"):
+        y = y + r
+    return y.cpu().numpy() if on_cuda else y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("size", ["odd", "aligned", "one_row"])
+@pytest.mark.parametrize("case", LT_GPU_CASES, ids=[c[0] + ("-beta" if "beta" in c[1] else "") for c in LT_GPU_CASES])
+def test_vendor_leaf_fuses_the_epilogue_into_one_cublaslt_call_on_cuda(case, size, dtype) -> None:
+    """Through ORT's CUDA EP with a vendor-only bundle: the op types dc_gemm_lt_plan fuses run one cuBLASLt call
+    per node call (dc_vendor_lt_stats counts them; cuBLASLt found in ORT's process, a handle for its context, a
+    workspace from ORT's allocator), the others none (cuBLAS + the PTX epilogue); both equal torch's result."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    op_type, attrs, fused = case
+    lead, m, k, n = {"odd": (2, 5, 8, 6), "aligned": (2, 40, 64, 48), "one_row": (1, 1, 64, 48)}[size]
+    rng = np.random.default_rng(23)
+    if op_type.startswith("Gemm"):
+        sa = (k, lead * m) if attrs.get("transA") else (lead * m, k)
+        sb = (n, k) if attrs.get("transB") else (k, n)
+        out_shape = (lead * m, n)
+    else:
+        sa, sb, out_shape = (lead, m, k), (k, n), (lead, m, n)
+    feeds = {"A": rng.standard_normal(sa).astype(dtype), "B": rng.standard_normal(sb).astype(dtype)}
+    if "Bias" in op_type:
+        feeds["bias"] = rng.standard_normal(n).astype(dtype)
+    if "Residual" in op_type or op_type.endswith("Mul"):
+        feeds["R"] = rng.standard_normal(out_shape).astype(dtype)
+    node = helper.make_node(op_type, [*feeds, "bundle"], ["Y"], domain="ai.dietcode", name="lt0", **attrs)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    model = _model([node], list(feeds), elem, initializers=[bundle_initializer(_vendor_only_bundle())])
+    sess = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    core = load_core()
+    calls = core.vendor_lt_stats()[0]
+    for _ in range(3):
+        (got,) = sess.run(None, feeds)
+    assert core.vendor_lt_stats()[0] - calls == (3 if fused else 0)
+    want = _torch_reference(op_type, attrs, feeds)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
 
 
 GPU_CONV_CASES = [

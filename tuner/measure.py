@@ -296,6 +296,19 @@ class AnalyticMeasurer(Measurer):
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
+def lt_fuses(op: str, epilogue: Epilogue) -> bool:
+    """Whether the CUDA vendor path runs a call of family ``op`` with ``epilogue`` as one cuBLASLt call with the
+    epilogue fused (custom_ops/vendor.h, dc_gemm_lt_plan, which this follows for the tuner's families): a single
+    GEMM (the gemm family; bmm is a batch), an epilogue of a bias and/or relu or the tanh GELU, a residual only
+    where cuBLASLt adds C, inside the activation (none, or residual_first), never multiplying."""
+    e = epilogue
+    if op != "gemm" or e.activation not in ("none", "relu", "gelu_tanh") or e.residual_mul:
+        return False
+    if e.residual and e.activation != "none" and not e.residual_first:
+        return False
+    return e.bias or e.activation != "none" or e.residual
+
+
 class GpuMeasurer(Measurer):
     """Times the kernels that ship on the CUDA device: per config, ``tuner.aot.compile_kernel`` with the
     workload's epilogue, ``trans_b``, conv geometry and ``div16`` assumptions (the same call, cache and
@@ -372,9 +385,17 @@ class GpuMeasurer(Measurer):
             + (";residual_first=1" if e.residual_first else "") + (";residual_mul=1" if e.residual_mul else "")
         return (f"bias={int(e.bias)};act={e.activation};trans_b={int(self.trans_b)}" + scale
                 + conv + f";templates={template_hash()[:16]};aot={aot_hash()[:16]};div16={','.join(self.div16)}"
-                f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor=addmm"
+                f";timing=aot-cubin-{self.settings.key()};vendor_tf32={int(self.vendor_tf32)};vendor={self._vendor_form()}"
                 f";min_driver={self.toolchain.min_driver};ptxas={self.toolchain.ptxas or 'triton'}"
                 + (";dot=tf32" if self.allow_tf32 else "")).replace(" ", "")
+
+    def _vendor_form(self) -> str:
+        """How the vendor baseline runs this epilogue, for ``context``: "addmm" where it is timed as before the
+        runtime fused epilogues into cuBLASLt (a bias alone was already in addmm), "lt" where ``vendor_call``
+        now times one fused call instead of addmm and passes after it (an activation, a residual)."""
+        e = self.epilogue
+        fused = self.conv is None and lt_fuses("gemm", e) and (e.activation != "none" or e.residual)
+        return "lt" if fused else "addmm"
 
     def _compile(self, family: Family, configs: Sequence[MicroKernel]) -> dict[MicroKernel, bytes | str]:
         """Each config's one-kernel bundle as it ships, or its compile error."""
@@ -460,23 +481,36 @@ class GpuMeasurer(Measurer):
 
     def vendor_call(self, family: Family, a: Any, b: Any, bias: Any, residual: Any) -> Callable[[], Any]:
         """What the vendor baseline times: ``act(alpha * A @ B + bias) + residual`` (with residual_first
-        ``act(alpha * A @ B + bias + residual)``, with residual_mul ``act(alpha * A @ B + bias) * residual``) as the CUDA vendor path runs it (custom_ops/vendor.h: one cuBLAS
-        call carrying alpha, then the epilogue), here as torch's addmm/baddbmm (alpha and the bias in the cuBLAS
-        call) then the activation and the residual Add; conv: cuDNN's conv2d with the bias, then the residual
-        and the activation in the epilogue's order."""
+        ``act(alpha * A @ B + bias + residual)``, with residual_mul ``act(alpha * A @ B + bias) * residual``) in
+        the passes the CUDA vendor path (custom_ops/vendor.h) runs it in:
+
+        - where it fuses the epilogue into one cuBLASLt call (``lt_fuses``: the gemm family with a bias and/or
+          relu / the tanh GELU, a residual only before the activation), one torch call that does the same:
+          ``addmm`` (bias: cuBLASLt's BIAS epilogue), ``torch._addmm_activation`` (its RELU_BIAS / GELU_BIAS; a
+          zero bias where the node has none; its CPU kernel computes the erf GELU, so on the CPU the tanh GELU
+          follows ``addmm``), or with a residual an in-place ``addmm_`` into a copy of the residual plus the bias
+          made beforehand (one GEMM reading C, as cuBLASLt reads the residual; the value is right at the first
+          call, later calls accumulate: only the time counts), then for residual_first an activation pass the
+          runtime does not run (no torch call fuses it);
+        - else one cuBLAS call carrying alpha, then the PTX epilogue's pass over the output, here addmm/baddbmm
+          with the bias in it, then the activation and the residual (a bmm's bias alone makes its pass too:
+          baddbmm copies the broadcast bias into the output before the GEMM reads it back as C);
+
+        conv: cuDNN's conv2d with the bias, then the residual and the activation in the epilogue's order."""
         import torch
 
         fn = torch.nn.functional
         fn_act = {"none": lambda x: x, "relu": torch.relu, "gelu": fn.gelu,
                   "gelu_tanh": lambda x: fn.gelu(x, approximate="tanh"), "silu": fn.silu, "relu6": fn.relu6}
-        act = fn_act[self.epilogue.activation]
-        first = self.epilogue.residual_first
+        e = self.epilogue
+        act = fn_act[e.activation]
+        first = e.residual_first
 
         def finish(y: Any) -> Any:
             if residual is None:
                 return act(y)
             res = residual.view(y.shape) if family.op == "conv" else residual
-            if self.epilogue.residual_mul:
+            if e.residual_mul:
                 return act(y).mul_(res)
             return act(y.add_(res)) if first else act(y).add_(res)
 
@@ -493,10 +527,22 @@ class GpuMeasurer(Measurer):
                                                              b, bias, stride=c.strides, dilation=c.dilations,
                                                              groups=c.groups))
         bb = b.transpose(-1, -2) if self.trans_b else b
-        alpha = self.epilogue.alpha
-        # beta=0 ignores the (broadcast) input: no bias costs no read
-        base, beta = (bias, 1) if bias is not None else (torch.zeros(1, dtype=a.dtype, device=a.device), 0)
+        alpha = e.alpha
         mm = torch.baddbmm if family.op == "bmm" else torch.addmm
+        zero = torch.zeros(1, dtype=a.dtype, device=a.device)
+        if lt_fuses(family.op, e):
+            if residual is not None:  # C = the residual: one GEMM reading it
+                c_in = residual + bias if bias is not None else residual.clone()
+                return lambda: act(c_in.addmm_(a, bb, alpha=alpha))
+            if e.activation == "none":
+                return lambda: torch.addmm(bias, a, bb, alpha=alpha)
+            base = bias if bias is not None else torch.zeros(bb.shape[-1], dtype=a.dtype, device=a.device)
+            if e.activation == "gelu_tanh" and not a.is_cuda:
+                return lambda: act(torch.addmm(base, a, bb, alpha=alpha))
+            gelu = e.activation == "gelu_tanh"
+            return lambda: torch._addmm_activation(base, a, bb, alpha=alpha, use_gelu=gelu)
+        # beta=0 ignores the (broadcast) input: no bias costs no read
+        base, beta = (bias, 1) if bias is not None else (zero, 0)
         return lambda: finish(mm(base, a, bb, beta=beta, alpha=alpha))
 
     def _time(self, fn: Callable[[], Any]) -> float:
