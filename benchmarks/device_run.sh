@@ -24,7 +24,8 @@
 #      stage 3's bench file where there is one. Runs before stage 4 when both are asked.
 #   7  benchmarks/profile_kernels.py per suite of --profile (default bert,mlp): stock ORT and the optimized model
 #      under torch.profiler (CUPTI: every CUDA kernel of the process) at a few shapes, where the bench loses and
-#      one where it wins; per kernel and category, device busy time against wall time. The models are stage 3's
+#      one where it wins; per kernel and category, device busy time against wall time; and each shape's first
+#      call (after a warm-up shape, as bench) against its steady runs. The models are stage 3's
 #      (built and optimized when missing, with the tuning database committed for this device as a start). Runs
 #      after stage 3, before stages 5, 6 and 4.
 #

@@ -13,8 +13,10 @@ NAME=V,NAME=V`` adds one point (repeatable); symbols left out take bench's defau
 
 The two sessions are bench's (``bench.OrtRunner``): stock ORT with its default graph optimizations, and the
 optimized model with the custom-op library registered (on the CPU EP too, so its nodes run the library's
-kernels), fed the same seeded inputs (``bench.make_feeds``; on CUDA bound on the device, I/O binding). Per
-shape, one session after the other (the order alternating by shape): ``--warmup`` runs, ``--iters`` runs timed
+kernels), fed the same seeded inputs (``bench.make_feeds``; on CUDA bound on the device, I/O binding). As
+bench, each session first runs once at a warm-up shape (``bench.warmup_shape``: none of the profiled shapes'
+values in any symbol). Per shape (the sessions' order alternating by shape): each session's first call of the
+shape, one run under the profiler; then one session after the other: ``--warmup`` runs, ``--iters`` runs timed
 without a profiler (the wall time: their median), then ``--iters`` runs under the profiler. Where the time is
 read (``--source``; ``auto``: cupti on cuda, ort on cpu):
 
@@ -33,8 +35,16 @@ Per shape and session the JSON (``--json``, re-written after every shape) holds 
 the same per category; the wall time per iteration without the profiler (median) and under it (mean), the busy
 time (the union of the event intervals: the device's, for cupti) and the sum of event times, and so the host
 gap (profiled wall - busy); for cupti the CUDA API calls on the host per iteration; and the optimized model's
-largest output error against stock's. The text table (``--out``, also printed) gives per shape the totals, the
-categories side by side and each session's top kernels.
+largest output error against stock's. Per shape and session, ``first_call``: the first call's wall time under
+the profiler against the steady runs' under it (per iteration), and side by side the busy time, event sum and
+events; for cupti the host's time inside the recorded CUDA calls (of it in synchronize calls) and outside them
+(Python, ORT, cuBLAS(Lt)'s host work, the driver calls Kineto leaves out: it keeps the runtime API, cudaMalloc
+included, and of the driver API the kernel launches, not module loads), every CUDA call by name (calls, time, longest one)
+and the longest single calls with the kernel each launched (a lazily loaded module's first launch shows there);
+for ort ORT's ``model_run`` span, its time outside the nodes and its session-level events
+(``SequentialExecutor::Execute``); the kernels (nodes) by time and those beyond their steady time. The text
+table (``--out``, also printed) gives per shape the totals, the categories side by side, each session's top
+kernels and the first call against the steady runs.
 """
 from __future__ import annotations
 
@@ -49,9 +59,10 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -114,6 +125,7 @@ class Event:
     start_us: float
     dur_us: float
     launch: str = ""  # a GPU kernel's "grid 8x4x1 block 128x1x1 smem 98320"
+    correlation: int = 0  # Kineto's: a CUDA call on the host and the kernel it launched share it
 
 
 def _launch(args: Mapping[str, Any]) -> str:
@@ -134,11 +146,13 @@ def kineto_events(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> tup
         if e.get("ph") != "X":
             continue
         cat = str(e.get("cat", "")).lower()
+        args = e.get("args") or {}
+        correlation = int(args.get("correlation") or 0)
         if cat in _DEVICE_CATS:
-            launch = _launch(e.get("args") or {}) if cat == "kernel" else ""
-            device.append(Event(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0)), launch))
+            launch = _launch(args) if cat == "kernel" else ""
+            device.append(Event(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0)), launch, correlation))
         elif cat in _API_CATS:
-            api.append(Event(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0))))
+            api.append(Event(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0)), "", correlation))
     return device, api
 
 
@@ -169,6 +183,25 @@ def ort_events(trace: Sequence[Mapping[str, Any]], custom: Iterable[str] = (),
         if provider and where and where != provider:
             label += f" [{where}]"
         out[i].append(Event(label, ts, float(e.get("dur", 0))))
+    return out
+
+
+def ort_run_spans(trace: Sequence[Mapping[str, Any]]) -> list[tuple[float, dict[str, float]]]:
+    """Per model run of ORT's profile (run order, as ``ort_events``): the ``model_run`` span's microseconds and
+    the other session-level events inside it (``SequentialExecutor::Execute``, ...), microseconds by name."""
+    runs = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in trace
+                  if e.get("cat") == "Session" and e.get("name") == "model_run")
+    starts = [start for start, _ in runs]
+    out: list[tuple[float, dict[str, float]]] = [(stop - start, {}) for start, stop in runs]
+    for e in trace:
+        if e.get("cat") != "Session" or e.get("name") == "model_run":
+            continue
+        ts = float(e["ts"])
+        i = bisect.bisect_right(starts, ts) - 1
+        if i < 0 or ts > runs[i][1]:
+            continue  # model loading, session initialization: before the runs
+        name = str(e.get("name", ""))
+        out[i][1][name] = out[i][1].get(name, 0.0) + float(e.get("dur", 0))
     return out
 
 
@@ -289,6 +322,136 @@ def summarize(events: Sequence[Event], iterations: int, wall_ms: float, profiled
                           total_us / iterations / 1e3, tuple(stats), tuple(host[:8]))
 
 
+# --- the first call of a shape ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recording:
+    """What a source recorded over some runs: the device's events (ORT's profiler: the node events), the CUDA
+    calls on the host (cupti), and per run ORT's ``model_run`` span with its session-level events (ort)."""
+
+    device: Sequence[Event]
+    api: Sequence[Event] = ()
+    runs: Sequence[tuple[float, Mapping[str, float]]] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One kernel name or CUDA call in a shape's first call, against the shape's steady runs (per iteration)."""
+
+    name: str
+    calls: int
+    ms: float
+    steady_calls: float
+    steady_ms: float
+    max_ms: float  # the longest single one in the first call
+
+    @property
+    def excess_ms(self) -> float:
+        return self.ms - self.steady_ms
+
+    def as_json(self, category: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "calls": self.calls, "ms": self.ms, "max_ms": self.max_ms,
+                               "steady_calls_per_iter": self.steady_calls, "steady_ms_per_iter": self.steady_ms,
+                               "excess_ms": self.excess_ms}
+        if category:
+            out["category"] = categorize(self.name)
+        return out
+
+
+def deltas(first: Iterable[Event], steady: Iterable[Event], iterations: int) -> tuple[Delta, ...]:
+    """Per name (the first call's or the steady runs'): the first call's calls and time against the steady
+    runs' per iteration, largest first-call time first."""
+    ones: dict[str, list[Event]] = defaultdict(list)
+    many: dict[str, list[Event]] = defaultdict(list)
+    for e in first:
+        ones[e.name].append(e)
+    for e in steady:
+        many[e.name].append(e)
+    out = [Delta(name, len(ones[name]), sum(e.dur_us for e in ones[name]) / 1e3, len(many[name]) / iterations,
+                 sum(e.dur_us for e in many[name]) / iterations / 1e3,
+                 max((e.dur_us for e in ones[name]), default=0.0) / 1e3)
+           for name in set(ones) | set(many)]
+    return tuple(sorted(out, key=lambda d: (-d.ms, -d.steady_ms, d.name)))
+
+
+_SYNC = re.compile(r"synchroni[sz]e", re.IGNORECASE)  # cudaStreamSynchronize, cuCtxSynchronize, ...
+
+
+def _host_figures(api: Sequence[Event], wall_ms: float, iterations: int) -> list[tuple[str, float]]:
+    """The host's time split by the recorded CUDA calls (per iteration): inside them (the union of their
+    intervals), of that in synchronize calls (the host waiting on the device), and outside them (Python, ORT,
+    the custom op's host work, driver calls Kineto leaves out)."""
+    inside = busy_us(api) / iterations / 1e3
+    return [("api_calls", len(api) / iterations), ("host_in_calls_ms", inside),
+            ("host_sync_ms", busy_us(e for e in api if _SYNC.search(e.name)) / iterations / 1e3),
+            ("host_outside_calls_ms", max(0.0, wall_ms - inside))]
+
+
+def _run_figures(runs: Sequence[tuple[float, Mapping[str, float]]], wall_ms: float,
+                 node_ms: float) -> dict[str, float]:
+    """ORT's runs (their mean): outside ``model_run`` (Python, the binding), ``model_run``, in it outside the
+    nodes, and each session-level event inside it."""
+    if not runs:
+        return {}
+    run_ms = sum(d for d, _ in runs) / len(runs) / 1e3
+    out = {"outside_run_ms": max(0.0, wall_ms - run_ms), "run_ms": run_ms, "non_node_ms": run_ms - node_ms}
+    for name in sorted({k for _, s in runs for k in s}):
+        out[f"session:{name}"] = sum(s.get(name, 0.0) for _, s in runs) / len(runs) / 1e3
+    return out
+
+
+@dataclass(frozen=True)
+class FirstCall:
+    """A shape's first run in a session warm on other shapes, under the profiler, against the shape's steady
+    runs under it (per iteration): wall time, figures side by side, kernels and CUDA calls by name, and the
+    longest single CUDA calls with the kernel each launched."""
+
+    wall_ms: float
+    steady_wall_ms: float
+    figures: tuple[tuple[str, float, float], ...]  # (figure, first call, steady per iteration)
+    kernels: tuple[Delta, ...]
+    host_api: tuple[Delta, ...] = ()
+    slowest: tuple[tuple[str, float, str], ...] = ()  # (CUDA call, ms, the kernel it launched or "")
+
+    @property
+    def ratio(self) -> float | None:
+        return self.wall_ms / self.steady_wall_ms if self.steady_wall_ms > 0 else None
+
+    def as_json(self, top: int = 10) -> dict[str, Any]:
+        excess = sorted((k for k in self.kernels if k.excess_ms > 0), key=lambda k: (-k.excess_ms, k.name))
+        return {"wall_ms": self.wall_ms, "steady_wall_ms": self.steady_wall_ms, "ratio": self.ratio,
+                "excess_ms": self.wall_ms - self.steady_wall_ms,
+                "figures": {name: {"first": f, "steady": s} for name, f, s in self.figures},
+                "kernels": [k.as_json(True) for k in self.kernels[:top]],
+                "excess_kernels": [k.as_json(True) for k in excess[:5]],
+                "host_api": [a.as_json() for a in self.host_api],
+                "slowest_calls": [{"name": n, "ms": ms, "kernel": k} for n, ms, k in self.slowest]}
+
+
+def summarize_first(first: Recording, wall_ms: float, steady: Recording, iterations: int, steady_wall_ms: float,
+                    slowest: int = 5) -> FirstCall:
+    """A first call (one run, ``wall_ms`` under the profiler) against ``iterations`` steady runs under it
+    (``steady_wall_ms`` per iteration): device busy time and event sum, events, the host split by the CUDA
+    calls (cupti), ORT's run and session-level events (ort), kernels and CUDA calls by name."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1 (got {iterations})")
+    f_sum = sum(e.dur_us for e in first.device) / 1e3
+    s_sum = sum(e.dur_us for e in steady.device) / iterations / 1e3
+    figures = [("busy_ms", busy_us(first.device) / 1e3, busy_us(steady.device) / iterations / 1e3),
+               ("kernel_sum_ms", f_sum, s_sum), ("events", float(len(first.device)), len(steady.device) / iterations)]
+    if first.api or steady.api:
+        figures += [(name, f, s) for (name, f), (_, s) in zip(_host_figures(first.api, wall_ms, 1),
+                                                            _host_figures(steady.api, steady_wall_ms, iterations))]
+    f_runs, s_runs = _run_figures(first.runs, wall_ms, f_sum), _run_figures(steady.runs, steady_wall_ms, s_sum)
+    figures += [(name, f_runs.get(name, 0.0), s_runs.get(name, 0.0)) for name in dict.fromkeys([*f_runs, *s_runs])]
+    launched = {e.correlation: e.name for e in first.device if e.correlation}
+    longest = sorted(first.api, key=lambda e: (-e.dur_us, e.start_us))[:slowest]
+    return FirstCall(wall_ms, steady_wall_ms, tuple(figures), deltas(first.device, steady.device, iterations),
+                     deltas(first.api, steady.api, iterations),
+                     tuple((e.name, e.dur_us / 1e3, launched.get(e.correlation, "") if e.correlation else "")
+                           for e in longest))
+
+
 # --- sources ------------------------------------------------------------------------------------------
 
 Runner = bench.OrtRunner
@@ -316,8 +479,22 @@ class CuptiSource:
     def runner(self, timing: Runner, path: Path, provider: str, register: Register | None, side: str) -> Runner:
         return timing  # the same session, profiled around its runs
 
-    def record(self, key: Key, call: bench.Prepared, iters: int, warmup: int) -> tuple[float, tuple | None]:
-        """Runs ``call`` ``iters`` times under the profiler: (wall seconds, (device events, API calls))."""
+    def warm(self, side: str, call: bench.Prepared) -> None:
+        call.run()
+
+    def first(self, key: Key, call: bench.Prepared) -> tuple[float, Recording | None]:
+        """The first call of a shape: one run under the profiler (its trace kept as ``<i>-<side>.first``)."""
+        return self._profiled(key, call, 1, ".first")
+
+    def record(self, key: Key, call: bench.Prepared, iters: int, warmup: int) -> tuple[float, Recording | None]:
+        """Runs ``call`` ``iters`` times under the profiler: (wall seconds, the device events and API calls)."""
+        wall, got = self._profiled(key, call, iters, "")
+        if not got.device:
+            raise ProfileError(f"CUPTI recorded no kernel in {iters} runs of the {key[1]} session "
+                               f"(torch {self._torch.__version__})")
+        return wall, got
+
+    def _profiled(self, key: Key, call: bench.Prepared, runs: int, suffix: str) -> tuple[float, Recording]:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
@@ -326,7 +503,7 @@ class CuptiSource:
             try:
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                     start = time.perf_counter()
-                    for _ in range(iters):
+                    for _ in range(runs):
                         call.run()
                     self._torch.cuda.synchronize()
                     wall = time.perf_counter() - start
@@ -336,14 +513,11 @@ class CuptiSource:
             text = trace.read_text()
             if self.traces is not None:
                 self.traces.mkdir(parents=True, exist_ok=True)
-                (self.traces / f"{key[0]}-{key[1]}.json.gz").write_bytes(gzip.compress(text.encode()))
+                (self.traces / f"{key[0]}-{key[1]}{suffix}.json.gz").write_bytes(gzip.compress(text.encode()))
             device, api = kineto_events(json.loads(text))
-        if not device:
-            raise ProfileError(f"CUPTI recorded no kernel in {iters} runs of the {key[1]} session "
-                               f"(torch {self._torch.__version__})")
-        return wall, (device, api)
+        return wall, Recording(device, api)
 
-    def finish(self) -> dict[Key, tuple]:
+    def finish(self) -> dict[tuple[str, Key], Recording]:
         return {}
 
 
@@ -357,7 +531,7 @@ class OrtSource:
         self.folder = folder
         self.sessions: dict[str, tuple[Runner, set[str]]] = {}
         self.runs: dict[str, int] = defaultdict(int)
-        self.spans: dict[Key, tuple[int, int]] = {}
+        self.spans: dict[tuple[str, Key], tuple[int, int]] = {}  # (kind, key): (first run, runs)
 
     def runner(self, timing: Runner, path: Path, provider: str, register: Register | None, side: str) -> Runner:
         prefix = str(self.folder / f"ort-{side}")
@@ -365,7 +539,20 @@ class OrtSource:
         self.sessions[side] = (profiled, custom_node_names(path))
         return profiled
 
-    def record(self, key: Key, call: bench.Prepared, iters: int, warmup: int) -> tuple[float, tuple | None]:
+    def warm(self, side: str, call: bench.Prepared) -> None:
+        call.run()
+        self.runs[side] += 1
+
+    def first(self, key: Key, call: bench.Prepared) -> tuple[float, Recording | None]:
+        side = key[1]
+        start = time.perf_counter()
+        call.run()
+        wall = time.perf_counter() - start
+        self.spans[("first", key)] = (self.runs[side], 1)
+        self.runs[side] += 1
+        return wall, None
+
+    def record(self, key: Key, call: bench.Prepared, iters: int, warmup: int) -> tuple[float, Recording | None]:
         side = key[1]
         for _ in range(warmup):  # a session of its own: warmed up again, those runs left out
             call.run()
@@ -373,21 +560,24 @@ class OrtSource:
         for _ in range(iters):
             call.run()
         wall = time.perf_counter() - start
-        self.spans[key] = (self.runs[side] + warmup, iters)
+        self.spans[("steady", key)] = (self.runs[side] + warmup, iters)
         self.runs[side] += warmup + iters
         return wall, None
 
-    def finish(self) -> dict[Key, tuple]:
+    def finish(self) -> dict[tuple[str, Key], Recording]:
+        """Per ("first" or "steady", key): the node events and the runs' spans of those runs."""
         main = bench.PROVIDERS[self.provider][0]
-        per_run = {}
+        per_run, spans = {}, {}
         for side, (runner, custom) in self.sessions.items():
             path = Path(runner.session.end_profiling())
-            per_run[side] = ort_events(json.loads(path.read_text()), custom, main)
+            trace = json.loads(path.read_text())
+            per_run[side], spans[side] = ort_events(trace, custom, main), ort_run_spans(trace)
             if len(per_run[side]) != self.runs[side]:
                 raise ProfileError(f"ORT's profile of the {side} session holds {len(per_run[side])} runs, "
                                    f"{self.runs[side]} were made")
-        return {key: ([e for run in per_run[key[1]][first:first + n] for e in run], [])
-                for key, (first, n) in self.spans.items()}
+        return {(kind, key): Recording([e for run in per_run[key[1]][first:first + n] for e in run], (),
+                                       spans[key[1]][first:first + n])
+                for (kind, key), (first, n) in self.spans.items()}
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -420,20 +610,46 @@ class ShapeProfile:
     sessions: dict[str, SessionProfile] = field(default_factory=dict)
     max_abs_error: dict[str, float] | None = None
     disagreement: str | None = None
+    first_calls: dict[str, FirstCall] = field(default_factory=dict)
+    first_call_note: str | None = None  # why the shape has no first call
 
     def as_json(self) -> dict[str, Any]:
-        return {"dims": self.dims, "label": " ".join(f"{k}={v}" for k, v in self.dims.items()),
-                "sessions": {side: s.as_json() for side, s in self.sessions.items()},
-                "max_abs_error": self.max_abs_error, "disagreement": self.disagreement}
+        sessions = {side: s.as_json() for side, s in self.sessions.items()}
+        for side, first in self.first_calls.items():
+            sessions.setdefault(side, {})["first_call"] = first.as_json()
+        return {"dims": self.dims, "label": _label(self.dims), "sessions": sessions,
+                "max_abs_error": self.max_abs_error, "disagreement": self.disagreement,
+                "first_call_note": self.first_call_note}
+
+
+def _label(shape: Mapping[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+@contextmanager
+def _failing(side: str, label: str) -> Iterator[None]:
+    """ORT's errors (pybind's, no useful base class) as the session and shape that raised them."""
+    try:
+        yield
+    except DietcodeError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DietcodeError(f"the {side} model fails at shape {label}: {first}") from exc
 
 
 def profile(model: Path, optimized: Path, provider: str, shapes: Sequence[Mapping[str, int]], *, source: str,
             iters: int, warmup: int, seed: int = 0, register: Register | None = None,
-            traces: Path | None = None, done: Callable[[list[ShapeProfile]], None] = lambda _: None
-            ) -> list[ShapeProfile]:
+            traces: Path | None = None, warm_shape: Mapping[str, int] | None = None,
+            done: Callable[[list[ShapeProfile]], None] = lambda _: None) -> list[ShapeProfile]:
     """Profile both models at every shape with ``source`` ("cupti" or "ort"); ``done`` gets the shapes finished
     so far after each one (cupti) or all at the end (ort, whose events come when its sessions end). ``traces``:
-    a folder for cupti's chrome traces (``<shape index>-<side>.json.gz``)."""
+    a folder for cupti's chrome traces (``<shape index>-<side>[.first].json.gz``).
+
+    As bench: each session runs once at ``warm_shape`` (``bench.warmup_shape``: no profiled shape's value in any
+    symbol); without one, or where a model rejects it, at the first shape, whose first call is then left out.
+    Per shape, both sessions' first call (one run under the profiler, the sessions' order alternating by shape),
+    then per session ``warmup`` runs, ``iters`` timed without the profiler and ``iters`` under it."""
     if iters < 1 or warmup < 0:
         raise DietcodeError(f"--iters must be >= 1 and --warmup >= 0 (got {iters}, {warmup})")
     info = bench.load_model_info(model)
@@ -447,35 +663,66 @@ def profile(model: Path, optimized: Path, provider: str, shapes: Sequence[Mappin
         paths = {"stock": (model, None), "dietcode": (optimized, register)}
         timing = {side: bench.OrtRunner(path, provider, reg) for side, (path, reg) in paths.items()}
         profiled = {side: src.runner(timing[side], path, provider, reg, side) for side, (path, reg) in paths.items()}
+
+        def warm(side: str, feeds: Mapping[str, Any]) -> None:
+            timing[side].prepare(feeds).run()
+            if profiled[side] is not timing[side]:
+                src.warm(side, profiled[side].prepare(feeds))
+
+        note = None
+        if warm_shape is None:
+            note = "no warm-up shape (a model without symbolic dims has one): its first run warmed the sessions"
+        else:
+            try:
+                warm_feeds = bench.make_feeds(info, warm_shape, seed)
+                for side in SIDES:
+                    warm(side, warm_feeds)
+            except Exception as exc:  # a model that rejects the extra shape: bench warms up on the first
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                note = (f"the warm-up shape {_label(warm_shape)} failed ({first}): the first shape's first run "
+                        "warmed the sessions")
+        if note is not None:
+            feeds = bench.make_feeds(info, shapes[0], seed)
+            for side in SIDES:
+                with _failing(side, _label(shapes[0])):
+                    warm(side, feeds)
         results: list[ShapeProfile] = []
         pending: dict[Key, tuple[float, float]] = {}
+        firsts: dict[Key, float] = {}
+        first_recs: dict[Key, Recording] = {}
         for i, shape in enumerate(shapes):
             feeds = bench.make_feeds(info, shape, seed)
-            result = ShapeProfile(dict(shape))
-            label = " ".join(f"{k}={v}" for k, v in shape.items())
-            outputs = {}
-            for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
-                try:
-                    call = timing[side].prepare(feeds)
+            result = ShapeProfile(dict(shape), first_call_note=note if i == 0 else None)
+            label = _label(shape)
+            order = SIDES if i % 2 == 0 else SIDES[::-1]
+            calls, pcalls, outputs = {}, {}, {}
+            for side in order:  # both first calls before either session's steady runs, as in bench
+                with _failing(side, label):
+                    calls[side] = timing[side].prepare(feeds)
+                    pcalls[side] = calls[side] if profiled[side] is timing[side] else profiled[side].prepare(feeds)
+                    if result.first_call_note is None:
+                        wall, got = src.first((i, side), pcalls[side])
+                        firsts[(i, side)] = wall * 1e3
+                        if got is not None:
+                            first_recs[(i, side)] = got
+            for side in order:
+                with _failing(side, label):
                     times = []
                     for n in range(warmup + iters):
                         start = time.perf_counter()
-                        call.run()
+                        calls[side].run()
                         if n >= warmup:
                             times.append(time.perf_counter() - start)
-                    outputs[side] = call.outputs()
-                    pcall = call if profiled[side] is timing[side] else profiled[side].prepare(feeds)
-                    wall, events = src.record((i, side), pcall, iters, warmup)
-                except DietcodeError:
-                    raise
-                except Exception as exc:  # ORT's pybind errors share no useful base class
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                    raise DietcodeError(f"the {side} model fails at shape {label}: {first}") from exc
+                    outputs[side] = calls[side].outputs()
+                    wall, got = src.record((i, side), pcalls[side], iters, warmup)
                 walls = (statistics.median(times) * 1e3, wall / iters * 1e3)
-                if events is None:
+                if got is None:
                     pending[(i, side)] = walls
-                else:
-                    result.sessions[side] = summarize(events[0], iters, *walls, api=events[1])
+                    continue
+                result.sessions[side] = summarize(got.device, iters, *walls, api=got.api)
+                if (i, side) in first_recs:
+                    result.first_calls[side] = summarize_first(first_recs[(i, side)], firsts[(i, side)], got, iters,
+                                                               walls[1])
             try:
                 result.max_abs_error = bench.check_agreement(label, outputs["stock"], outputs["dietcode"],
                                                              info.computes_in)
@@ -485,8 +732,13 @@ def profile(model: Path, optimized: Path, provider: str, shapes: Sequence[Mappin
             if not pending:
                 done(results)
         if pending:
-            for key, events in src.finish().items():
-                results[key[0]].sessions[key[1]] = summarize(events[0], iters, *pending[key], api=events[1])
+            got_all = src.finish()
+            for key, walls in pending.items():
+                steady = got_all[("steady", key)]
+                results[key[0]].sessions[key[1]] = summarize(steady.device, iters, *walls, api=steady.api)
+                if ("first", key) in got_all:
+                    results[key[0]].first_calls[key[1]] = summarize_first(got_all[("first", key)], firsts[key],
+                                                                          steady, iters, walls[1])
             done(results)
     return results
 
@@ -545,6 +797,53 @@ def _render_shape(shape: Mapping[str, Any], top: int) -> list[str]:
         if api:
             lines.append(f"{'':<22}host: " + ", ".join(f"{a['name']} {a['calls_per_iter']:.0f}x "
                                                        f"{a['ms_per_iter']:.3f} ms" for a in api[:4]))
+    return lines + _render_first(shape, sides)
+
+
+# the first call's figures, as the table names them (ORT's session-level events: "session:<name>")
+_FIGURES = {"busy_ms": "busy ms (union of events)", "kernel_sum_ms": "event sum ms", "events": "events",
+            "api_calls": "CUDA calls on the host", "host_in_calls_ms": "host in CUDA calls ms",
+            "host_sync_ms": "  of it synchronize ms", "host_outside_calls_ms": "host outside CUDA calls ms",
+            "outside_run_ms": "outside ORT's model_run ms", "run_ms": "ORT's model_run ms",
+            "non_node_ms": "  of it outside the nodes ms"}
+_COUNTS = {"events", "api_calls"}
+
+
+def _render_first(shape: Mapping[str, Any], sides: Sequence[str]) -> list[str]:
+    """The first call of the shape against its steady runs (both under the profiler), per session."""
+    firsts = {s: shape["sessions"][s]["first_call"] for s in sides if shape["sessions"][s].get("first_call")}
+    if not firsts:
+        return [f"first call: none ({shape['first_call_note']})"] if shape.get("first_call_note") else []
+    have = list(firsts)
+    lines = [f"{'first call vs steady (profiled)':<34}" + "".join(f"{s + ' 1st':>14}{'steady':>10}" for s in have)]
+
+    def cells(values: Iterable[tuple[float, float] | None], fmt: str = "{:14.3f}{:10.3f}") -> str:
+        return "".join(fmt.format(*v) if v is not None else f"{'-':>14}{'-':>10}" for v in values)
+
+    lines.append(f"{'wall ms':<34}" + cells((f["wall_ms"], f["steady_wall_ms"]) for f in firsts.values())
+                 + "".join(f"  {s} {f['ratio']:.2f}x" for s, f in firsts.items() if f["ratio"] is not None))
+    # the event sum is the busy time but for overlaps (and in the JSON): the table leaves it out
+    keys = [k for k in dict.fromkeys(k for f in firsts.values() for k in f["figures"]) if k != "kernel_sum_ms"]
+    for key in keys:
+        label = _FIGURES.get(key) or (f"  {key.removeprefix('session:')} ms" if key.startswith("session:") else key)
+        fmt = "{:14.1f}{:10.1f}" if key in _COUNTS else "{:14.3f}{:10.3f}"
+        values = [(f["figures"][key]["first"], f["figures"][key]["steady"]) if key in f["figures"] else None
+                  for f in firsts.values()]
+        lines.append(f"{_cut(label, 33):<34}" + cells(values, fmt))
+    for side, f in firsts.items():
+        api = sorted((a for a in f["host_api"] if a["excess_ms"] > 0), key=lambda a: -a["excess_ms"])[:3]
+        if api:
+            lines.append(f"  {side} CUDA calls beyond steady: " + ", ".join(
+                f"{a['name']} {a['calls']}x {a['ms']:.3f} ms (steady {a['steady_calls_per_iter']:.1f}x "
+                f"{a['steady_ms_per_iter']:.3f})" for a in api))
+        if f["slowest_calls"]:
+            lines.append(f"  {side} longest CUDA calls: " + ", ".join(
+                f"{c['name']} {c['ms']:.3f} ms" + (f" ({_cut(c['kernel'], 40)})" if c["kernel"] else "")
+                for c in f["slowest_calls"][:3]))
+        if f["excess_kernels"]:
+            lines.append(f"  {side} {'kernels' if 'api_calls' in f['figures'] else 'nodes'} beyond steady: "
+                         + ", ".join(f"{_cut(k['name'], 40)} +{k['excess_ms']:.3f} ms ({k['calls']}x, steady "
+                                     f"{k['steady_calls_per_iter']:.1f}x)" for k in f["excess_kernels"][:3]))
     return lines
 
 
@@ -558,6 +857,10 @@ def render(report: Mapping[str, Any], top: int = 8) -> str:
              f"$ {env['command']}"]
     if s.get("fallback"):
         lines.append(f"# {s['fallback']}")
+    if "warmup_shape" in s:
+        warm = s["warmup_shape"]
+        lines.append(f"# first call of each shape: one run under the profiler in sessions warm on "
+                     f"{_label(warm) if warm else 'no other shape'} and the shapes before it, before its warm-up")
     if not report.get("complete", True):
         lines.append("# INCOMPLETE: the run stopped before its last shape")
     for shape in report["shapes"]:
@@ -597,7 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=8, help="kernels listed per session in the table")
     p.add_argument("--json", type=Path, help="write the profile here (re-written after every shape)")
     p.add_argument("--traces", type=Path, help="cupti: keep each profiled loop's chrome trace here (Perfetto), "
-                   "as <shape index>-<side>.json.gz")
+                   "as <shape index>-<side>.json.gz (<...>.first.json.gz: the shape's first call)")
     p.add_argument("--out", type=Path, help="write the table here (also printed)")
     p.add_argument("--from-json", type=Path, help="print the table of an earlier --json and stop")
     args = p.parse_args(argv)
@@ -629,7 +932,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, optimized = args.model, args.optimized
         else:
             p.error("give MODEL --optimized OPT, or --suite NAME")
-        shapes = profile_shapes(bench.load_model_info(model).symbols, args.dim, args.shape, args.tie)
+        symbols = bench.load_model_info(model).symbols
+        shapes = profile_shapes(symbols, args.dim, args.shape, args.tie)
+        warm = bench.warmup_shape(shapes, args.tie) if symbols else None
         source, fallback = args.source, None
         if source == "auto":
             source = "cupti" if args.provider == "cuda" else "ort"
@@ -639,13 +944,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              + shlex.join(sys.argv[1:] if argv is None else argv)), "torch": _torch_version()}
         settings: dict[str, Any] = {"model": str(model), "optimized": str(optimized), "provider": args.provider,
                                     "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
-                                    "shapes": shapes, "library_registered": True}
+                                    "shapes": shapes, "library_registered": True, "warmup_shape": warm}
 
         def run(source: str) -> list[ShapeProfile]:
             clock = "device" if source == "cupti" else ("cpu" if args.provider == "cpu" else "host")
             settings.update(source=source, clock=clock, fallback=fallback)
             return profile(model, optimized, args.provider, shapes, source=source, iters=args.iters,
-                           warmup=args.warmup, seed=args.seed, traces=args.traces,
+                           warmup=args.warmup, seed=args.seed, traces=args.traces, warm_shape=warm,
                            done=lambda got: write(report_json(env, settings, got, len(got) == len(shapes)), False))
 
         try:

@@ -381,7 +381,12 @@ def test_dry_run_stage_7_profiles_a_suite_it_builds_itself(tmp_path: Path) -> No
         assert shape["disagreement"] is None
         assert "dietcode op" in shape["sessions"]["dietcode"]["categories"]
         assert "dietcode op" not in shape["sessions"]["stock"]["categories"]
-    assert "## tokens=64" in _read(out / "device-run.tar.gz", base + "mlp.txt")
+        # each shape's first call, after the warm-up shape, against its steady runs
+        for ses in shape["sessions"].values():
+            assert ses["first_call"]["wall_ms"] > 0 and "run_ms" in ses["first_call"]["figures"]
+    assert record["settings"]["warmup_shape"] == {"tokens": 6}
+    table = _read(out / "device-run.tar.gz", base + "mlp.txt")
+    assert "## tokens=64" in table and table.count("first call vs steady") == 2
     steps = [json.loads(line) for line in (tmp_path / "work" / "steps.jsonl").read_text().splitlines()]
     assert [(s["stage"], s["step"], s["rc"]) for s in steps] == [(7, "profile mlp", 0)]
 
