@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import hashlib
 import importlib
 import importlib.util
@@ -186,7 +187,8 @@ def extract_bundles(models: Sequence[Path], out: Path) -> dict[str, Any]:
             nodes[node.name or node.output[0]] = name
         (folder / "index.json").write_text(json.dumps({"model": path.name, "nodes": nodes}, indent=1) + "\n")
         try:
-            (folder / "inspect.json").write_text(json.dumps({"nodes": describe(model, path.parent)}, indent=1) + "\n")
+            text = json.dumps({"nodes": describe(model, path.parent)}, indent=1) + "\n"
+            (folder / "inspect.json.gz").write_bytes(gzip.compress(text.encode(), 9))  # every node's kernels: big
         except Exception as exc:  # the bundles are kept even if a description fails
             (folder / "inspect.error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
         index[path.name] = {"custom_nodes": len(nodes), "bundles": len(set(nodes.values()))}

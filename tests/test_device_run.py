@@ -315,7 +315,7 @@ def test_dry_run_suite_keeps_results_db_and_bundles(tmp_path: Path) -> None:
     assert report["optimized_custom_nodes"] > 0 and report["shapes"]
     for name in ("mlp-tiny-fp16-cpu.txt", "device-run/stage3/mlp.log", "device-run/stage4/tuning.db",
                  "device-run/stage4/bundles/index.json",
-                 "device-run/stage4/bundles/mlp-tiny-fp16.cpu.dietcode/inspect.json"):
+                 "device-run/stage4/bundles/mlp-tiny-fp16.cpu.dietcode/inspect.json.gz"):
         assert base + name in members, name
     bundles = [n for n in members if n.endswith(".bundle.xz")]
     index = json.loads(_read(out / "device-run.tar.gz", base + "device-run/stage4/bundles/index.json"))
