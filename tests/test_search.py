@@ -393,3 +393,9 @@ def test_settled_dispatch_never_sends_an_instance_to_a_kernel_slower_than_cublas
         assert k == VENDOR or settled.measured[i, col[k]]
     # the report it carries judges the real times
     assert [r.seconds for r in dispatch.report.rows] == pytest.approx(real(dispatch))
+    # an instance whose vendor call failed (no time) keeps a compiled kernel, predicted if need be (no rounds)
+    unmeasured = [i for i in range(len(instances)) if not result.measured[i].any()]
+    assert unmeasured
+    vendor[unmeasured[0]] = math.inf
+    dispatch, same = settled_dispatch(("M",), instances, result, vendor, dense.measurer, passes=0)
+    assert same is result and dispatch.select(instances[unmeasured[0]].as_dict()) != VENDOR

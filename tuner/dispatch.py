@@ -194,7 +194,10 @@ def settled_dispatch(symbols: Sequence[str], instances: Sequence[Instance], resu
         if not pending:
             break
         result = settle(result, pending, measurer)
-    times = result.times if vendor is None else np.where(result.measured, result.times, np.inf)
+    times = result.times
+    if vendor is not None:  # where the vendor has no time (its call failed there), predictions still count
+        vend = np.asarray(vendor, dtype=np.float64)
+        times = np.where(result.measured | ~np.isfinite(vend)[:, None], result.times, np.inf)
     return build_dispatch(symbols, instances, result.candidates, times, vendor, max_kernels, seed), result
 
 
