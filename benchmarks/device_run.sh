@@ -305,7 +305,7 @@ if has_stage 2; then
   # limit (90%) is the hard stop behind it; the report gets the rest
   step 2 "record_table $sets" "$(( lim * 9 / 10 ))" "$s2/record.log" -- \
     "$PY" benchmarks/record_table.py --out "$s2" --sets "$sets" --budget-s $(( lim * 8 / 10 > 20 ? lim * 8 / 10 - 10 : 10 )) \
-    "${table_args[@]}"
+    --order mixed "${table_args[@]}"
   if [ -f "$s2/table.csv" ]; then
     plot=(); "$PY" -c "import matplotlib" 2>/dev/null && plot=(--plot "$s2/speed.png")
     step 2 "report_table" "$(( lim - (SECONDS - t2) ))" "$s2/report.txt" -- \

@@ -27,7 +27,12 @@ the time left over the sets left, so what one set leaves unused flows to the nex
 configs in a seeded random order while the next group fits its share: a group is started only if the last
 group measured (this set's, else the run's) would have ended within it, so a set does not overrun into the
 sets after it (and the step's hard limit) by a group; ``--max-configs N``
-caps each set at N configs; ``--t-max`` shortens T = 1..128. ``table.json`` records per set how many configs
+caps each set at N configs; ``--t-max`` shortens T = 1..128. ``--order mixed`` takes, in turn, one config
+from the seeded random order and one the roofline model (tuner/roofline.py) ranks best for a problem (each
+problem's best, heaviest problems first, then each one's second best, and so on), so a short sample also
+holds the configs most likely to be each instance's best: the per-instance oracle of a small sample then
+says more about what the space can do, while half the sample stays an unbiased draw for replaying searches;
+``--order random`` (the default) keeps the plain random sample. ``table.json`` records per set how many configs
 of the space were measured (``done``) and what that cost (``cost``: wall seconds compiling, configs
 compiled, wall seconds timing, launches timed; the units of report_table.py's tuning-cost figure).
 ``--measure analytic`` (no GPU; rehearsals only) fills the table from the roofline model, the vendor rows
@@ -59,6 +64,7 @@ __all__ = ["TableSet", "dense_sets", "attention_sets", "conv_sets", "depthwise_s
 COLUMNS = ["config", "m", "n", "k", "batch", "seconds", "device", "error", "family"]
 GROUP = 16  # configs per measurement call: compiled in parallel, then timed in one batch
 _clock = time.monotonic  # the recorder's clock (tests step it)
+ORDERS = ("random", "mixed")
 
 
 @dataclass(frozen=True)
@@ -205,9 +211,43 @@ def _environment(command: str) -> dict:
     return env
 
 
+def sample_order(space: Sequence, problems: Sequence[Problem], target: str, dtype: str, tf32: bool, seed: int,
+                 order: str = "random") -> list:
+    """The order ``record`` measures ``space`` in (see the module docstring): the seeded random order, or
+    for ``mixed`` that order interleaved with the roofline's per-problem rankings, each config once."""
+    if order not in ORDERS:
+        raise DietcodeError(f"unknown --order {order!r}; allowed: {', '.join(ORDERS)}")
+    shuffled = list(space)
+    random.Random(seed).shuffle(shuffled)
+    if order == "random" or not shuffled:
+        return shuffled
+    import numpy as np
+
+    from tuner.hardware import get_profile
+    from tuner.roofline import roofline_matrix
+
+    predicted = roofline_matrix(shuffled, problems, get_profile(target), dtype, tf32)
+    heaviest = sorted(range(len(problems)), key=lambda j: -problems[j].m * problems[j].n * problems[j].k
+                      * problems[j].batch)
+    ranks = [np.argsort(predicted[:, j], kind="stable") for j in heaviest]
+    by_model = [int(r[depth]) for depth in range(len(shuffled)) for r in ranks]  # unlaunchable (inf) last
+    out: list = []
+    seen: set[int] = set()
+    streams = [iter(range(len(shuffled))), iter(by_model)]
+    turn = 0
+    while len(out) < len(shuffled):
+        for i in streams[turn % 2]:
+            if i not in seen:
+                seen.add(i)
+                out.append(shuffled[i])
+                break
+        turn += 1
+    return out
+
+
 def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_configs: int | None = None,
            seed: int = 0, command: str = "", budget_s: float | None = None, measure: str = "gpu",
-           fp32_precision: str = "tf32") -> Path:
+           fp32_precision: str = "tf32", order: str = "random") -> Path:
     """Measure the configs of each set's space (all, or the sample ``max_configs`` / ``budget_s`` allow;
     see the module docstring) on each of its problems; returns the CSV path. float32 kernels are compiled in
     ``fp32_precision`` (tuner.aot: "tf32", optimize's default, or "ieee")."""
@@ -234,7 +274,8 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
         timing = {"kernels": "AOT cubins as shipped, launched through the custom-op library's C core "
                              "(dc_time_kernel); median of the timed launches", "vendor": "torch (cuBLAS / cuDNN)",
                   **asdict(TimingSettings(repeats=repeats))}
-    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "budget_s": budget_s, "timing": timing,
+    meta = {**env, "target_space": target, "repeats": repeats, "seed": seed, "order": order, "budget_s": budget_s,
+            "timing": timing,
             "max_configs": max_configs, "fp32_precision": fp32_precision,
             "sets": [{"tag": s.tag, "op": s.op, "dtype": s.dtype, "instances": len(s.problems), **s.meta}
                      for s in sets], "done": []}
@@ -255,8 +296,8 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
         for index, s in enumerate(sets):
             family = Family(s.op, s.dtype, target)
             full = enumerate_space(family, fp32_precision)  # every config, split-K too (it takes any epilogue)
-            space = list(full)
-            random.Random(seed).shuffle(space)  # a run cut off still covers the space evenly
+            # a run cut off still covers the space evenly (and, mixed, each problem's likeliest best)
+            space = sample_order(full, s.problems, target, s.dtype, uses_tf32(s.dtype, fp32_precision), seed, order)
             space = space[:max_configs] if max_configs else space
             deadline = None
             if budget_s is not None:  # this set's share of the time left
@@ -316,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median; default 10)")
     p.add_argument("--max-configs", type=int, help="measure only this many configs per set (a seeded sample)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--order", choices=ORDERS, default="random",
+                   help="random (default): a seeded random sample; mixed: half of it the roofline's per-problem picks")
     p.add_argument("--budget-s", type=float, help="seconds for the whole table, shared among the sets")
     p.add_argument("--t-max", type=int, default=128, help="T = 1..T_MAX for the dense and attention sets")
     p.add_argument("--conv-preset", default="full", help="the ResNet-50 preset the conv layers come from")
@@ -346,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sets = [s for n in names for s in makers[n]()]
         path = record(sets, args.out, repeats=args.repeats, max_configs=args.max_configs, seed=args.seed,
                       command=shlex.join(sys.argv), budget_s=args.budget_s, measure=args.measure,
-                      fp32_precision=args.fp32_precision)
+                      fp32_precision=args.fp32_precision, order=args.order)
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

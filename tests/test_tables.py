@@ -274,3 +274,35 @@ def test_tuning_cost_uses_the_recorders_units(table, tmp_path):
     want = (1.0 * f.joint_configs + 0.01 * f.joint_measurements) / (1.0 * len(t.configs) + 0.01 * f.per_shape_measurements)
     assert f.tuning_cost_unit == "seconds" and math.isclose(f.tuning_cost_ratio, want)
     assert figs["attention-qk"].tuning_cost_unit == "measurements"
+
+
+def test_mixed_order_puts_each_problems_likeliest_best_in_a_short_sample(tmp_path):
+    """--order mixed: a 16-config sample holds, besides 8 random configs, the roofline's best for each of the
+    problems (with the analytic rehearsal, whose measurer is the roofline, the sample's per-instance oracle is
+    then the whole space's), where the random order's 16 miss most of them; the order covers the space once."""
+    from tuner.space import Family, enumerate_space
+
+    problems = (Problem(16, 768, 768), Problem(512, 768, 3072), Problem(4096, 3072, 768), Problem(64, 64, 64))
+    space = enumerate_space(Family("gemm", "float16", "sm_90"))
+    mixed = record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "mixed")
+    rand = record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "random")
+    assert sorted(mixed) == sorted(space) and sorted(rand) == sorted(space) and mixed != rand
+    at = [rand.index(c) for c in mixed[0::2][:8]]  # its other half follows the random order
+    assert at[0] == 0 and at == sorted(at)
+    s = record_table.TableSet("dense-mix", "gemm", problems)
+    oracles = {}
+    for order in ("mixed", "random"):
+        out = tmp_path / order
+        path = record_table.record([s], out, max_configs=16, measure="analytic", order=order)
+        rows = [r for r in csv.DictReader(path.open()) if r["config"] != "vendor"]
+        assert len({r["config"] for r in rows}) == 16 and json.loads((out / "table.json").read_text())["order"] == order
+        oracles[order] = {int(r["m"]): min(float(q["seconds"]) for q in rows if q["m"] == r["m"]) for r in rows}
+    from tuner.hardware import get_profile
+    from tuner.roofline import roofline_matrix
+
+    full = roofline_matrix(space, problems, get_profile("sm_90"), "float16")
+    best = {p.m: float(full[:, j].min()) for j, p in enumerate(problems)}
+    assert all(oracles["mixed"][m] == pytest.approx(best[m]) for m in best)
+    assert sum(oracles["random"][m] > best[m] * 1.001 for m in best) >= 2
+    with pytest.raises(Exception, match="unknown --order"):
+        record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "best")
