@@ -497,21 +497,6 @@ def test_lt_takes_an_algorithm_within_the_workspace_it_is_given(fresh_lt) -> Non
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_without_a_loaded_cublaslt_the_fused_path_says_so() -> None:
-    code = ("import sys; from dietcode_ort.runtime import load_core\n"
-            "if 'libcublasLt.so' in open('/proc/self/maps').read(): sys.exit(3)\n"
-            "c = load_core(); r = c.lib.dc_vendor_cublaslt_load(None)\n"
-            "print(r, c.error())\n"
-            "sys.exit(4 if 'libcublasLt.so' in open('/proc/self/maps').read() else 0)")
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                         cwd=HERE.parent, env=env)
-    if res.returncode == 3:
-        pytest.skip("this process image already maps a libcublasLt")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("-1 no cuBLASLt in this process (libcublasLt.so.13")
-
-
 # (id, X shape, W shape, attrs as ONNX takes them)
 CONV_CASES = [
     ("plain", (2, 3, 7, 6), (4, 3, 3, 3), {}),
@@ -797,22 +782,25 @@ def test_epilogue_ptx_assembles_for_ampere_and_hopper(tmp_path, dtype) -> None:
         assert res.returncode == 0, res.stderr
 
 
-def test_without_a_loaded_cublas_the_vendor_path_says_so() -> None:
-    """In a fresh process that has not loaded cuBLAS (no CUDA EP ran), the path names what is missing instead
-    of loading a second cuBLAS."""
+@pytest.mark.parametrize("loader, soname, says", [
+    ("dc_vendor_cublas_load", "libcublas.so", "-1 no cuBLAS in this process (libcublas.so.13"),
+    ("dc_vendor_cublaslt_load", "libcublasLt.so", "-1 no cuBLASLt in this process (libcublasLt.so.13"),
+])
+def test_without_a_loaded_cublas_the_vendor_path_says_so(loader: str, soname: str, says: str) -> None:
+    """In a fresh process that has not loaded cuBLAS or cuBLASLt (no CUDA EP ran), the path names what is
+    missing instead of loading a second copy."""
     code = ("import sys; from dietcode_ort.runtime import load_core\n"
-            "maps = open('/proc/self/maps').read()\n"
-            "if 'libcublas.so' in maps: sys.exit(3)\n"
-            "c = load_core(); r = c.lib.dc_vendor_cublas_load(None)\n"
+            f"if {soname!r} in open('/proc/self/maps').read(): sys.exit(3)\n"
+            f"c = load_core(); r = c.lib.{loader}(None)\n"
             "print(r, c.error())\n"
-            "sys.exit(4 if 'libcublas.so' in open('/proc/self/maps').read() else 0)")
+            f"sys.exit(4 if {soname!r} in open('/proc/self/maps').read() else 0)")
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          cwd=HERE.parent, env=env)
     if res.returncode == 3:
-        pytest.skip("this process image already maps a libcublas")
+        pytest.skip(f"this process image already maps a {soname}")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("-1 no cuBLAS in this process (libcublas.so.13")
+    assert res.stdout.startswith(says)
 
 
 # --- on a GPU: every call through the vendor path against stock ONNX Runtime --------------------------------
