@@ -736,11 +736,13 @@ class DietcodeKernel {
     void* lt_handle = nullptr;
     ScratchBuffer workspace;
     uint64_t workspace_bytes = 0;
+    auto unfused = [this](const std::string& reason) {
+      NoteOnce(kNoteLt, "MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: " + reason);
+    };
     if (fuse && !lt_absent_.empty()) {
-      NoteOnce(kNoteLt, "MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: " + lt_absent_);
+      unfused(lt_absent_);
     } else if (fuse && dc_vendor_cublaslt_handle(stream, &lt_handle) != 0) {
-      NoteOnce(kNoteLt, std::string("MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: ") +
-                            dc_last_error());
+      unfused(dc_last_error());
       lt_handle = nullptr;
     } else if (fuse) {
       std::string error;
@@ -752,10 +754,7 @@ class DietcodeKernel {
                                           in[1].GetTensorRawData(), y, bias, residual, cublas, lt_handle,
                                           reinterpret_cast<void*>(workspace.address()), workspace_bytes, stream);
     if (fused < 0) Throw(dc_last_error());
-    if (fused == 0 && lt_handle != nullptr) {
-      NoteOnce(kNoteLt, std::string("MatMul/Gemm runs cuBLAS and the PTX epilogue, not one fused cuBLASLt call: ") +
-                            dc_last_error());
-    }
+    if (fused == 0 && lt_handle != nullptr) unfused(dc_last_error());
     return fused == 1;
   }
 

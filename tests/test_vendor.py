@@ -325,12 +325,7 @@ def test_lt_fused_call_equals_numpy(fake_libs, case, epilogue, dtype) -> None:
     c_ptr = res.ctypes.data if residual else out.ctypes.data  # cuBLASLt's A is the node's B, its B the node's A
     want_align = [_alignment(p) for p in (b.ctypes.data, a.ctypes.data, c_ptr, out.ctypes.data)]
     assert list((ctypes.c_uint32 * 4).in_dll(fake, "fake_lt_last_align")) == want_align
-    got = _from_dtype_bits(out, dtype)
-    want = h.astype(np.float32)
-    if dtype != "float32":  # one rounding to the dtype at the end
-        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
-    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    _assert_rounded_close(out, h, dtype, {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype])
     assert ctypes.c_int.in_dll(fake, "fake_lt_live_descriptors").value == 0  # all destroyed
 
 
@@ -366,11 +361,10 @@ def test_unfused_calls_run_cublas_and_the_ptx_epilogue(fake_libs, case) -> None:
     assert _lt_counts(fake) == (lt_before, gemm_before + 1)
     h = np.matmul(a64, b64)
     memory = _ptx_run.Memory()
-    params = {"p_y": memory.place(y), "p_bias": 0, "p_res": 0}
-    e = plan.epilogue
+    y_addr, bias_addr, res_addr = memory.place(y), 0, 0
     if sbias is not None:
         bias, bias64 = _values("float32", sbias, rng)
-        params["p_bias"] = memory.place(bias)
+        bias_addr = memory.place(bias)
         h = h + attrs.get("beta", 1.0) * np.broadcast_to(bias64, h.shape)
     act = {"none": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "relu6": lambda x: np.clip(x, 0.0, 6.0),
            "gelu": lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0))),
@@ -378,12 +372,10 @@ def test_unfused_calls_run_cublas_and_the_ptx_epilogue(fake_libs, case) -> None:
     h = act(h)
     if residual:
         r, r64 = _values("float32", h.shape, rng)
-        params["p_res"] = memory.place(r)
+        res_addr = memory.place(r)
         h = h * r64 if residual == "mul" else h + r64
-    params |= {"p_rows": e.rows, "p_cols": e.cols, "p_brows": max(e.bias_rows, 1),
-               "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale, "p_act": e.activation,
-               "p_first": 2 if residual == "mul" else 0}
-    _ptx_run.run(core.vendor_epilogue_ptx("float32"), params, memory, grid=(-(-e.cols // 4), 2), block=(4, 1))
+    _run_epilogue(core, "float32", plan.epilogue, memory, y_addr, bias_addr, res_addr, 2 if residual == "mul" else 0,
+                  row_threads=2)
     np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-5)
 
 
@@ -687,6 +679,27 @@ def _from_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
     return _bf16_value(x) if dtype == "bfloat16" else x.astype(np.float32)
 
 
+def _run_epilogue(core, dtype: str, e, memory, y_addr: int, bias_addr: int, res_addr: int, first: int,
+                  row_threads: int) -> None:
+    """The epilogue kernel's PTX run on the host with the arguments dc_vendor_epilogue passes, over blocks of 4
+    column threads (some past the last column) and ``row_threads`` row threads in all: each thread walks its
+    column over several rows, and a bias row (r % bias_rows) wraps as it steps."""
+    from tests import _ptx_run
+
+    params = {"p_y": y_addr, "p_bias": bias_addr, "p_rows": e.rows, "p_cols": e.cols,
+              "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
+              "p_act": e.activation, "p_res": res_addr, "p_first": first}
+    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory, grid=(-(-e.cols // 4), row_threads), block=(4, 1))
+
+
+def _assert_rounded_close(out: np.ndarray, ref: np.ndarray, dtype: str, tol: float) -> None:
+    """``out`` (the dtype's bits) against ``ref`` rounded once to the dtype at the end."""
+    want = ref.astype(np.float32)
+    if dtype != "float32":
+        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
+    np.testing.assert_allclose(_from_dtype_bits(out, dtype), want, rtol=tol, atol=tol)
+
+
 EPILOGUE_CASES = [  # (id, plan maker, output shape, bias shape, bias scale)
     ("matmul_bias_n", lambda c, act, dt: c.gemm_plan("MatMul", (2, 3, 4), (4, 5), (5,), activation=act, dtype=dt),
      (2, 3, 5), (5,), 1.0),
@@ -746,19 +759,10 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
         ref = ref + res64
     elif residual == "mul":
         ref = ref * res64
-    params = {"p_y": memory.place(y), "p_bias": bias_addr, "p_rows": e.rows, "p_cols": e.cols,
-              "p_brows": max(e.bias_rows, 1), "p_brs": e.bias_rs, "p_bcs": e.bias_cs, "p_scale": e.bias_scale,
-              "p_act": e.activation, "p_res": res_addr,
-              "p_first": {"first": 1, "mul": 2}.get(residual, 0)}
-    # blocks of 4 column threads (some past the last column), 3 row threads in all: each thread walks its column
-    # over several rows, and the bias row (r % bias_rows: 4 for the conv) wraps as it steps
-    _ptx_run.run(core.vendor_epilogue_ptx(dtype), params, memory, grid=(-(-e.cols // 4), 3), block=(4, 1))
-    got = _from_dtype_bits(y, dtype)
-    want = ref.astype(np.float32)
-    if dtype != "float32":  # one rounding to the dtype at the end
-        want = _from_dtype_bits(_to_dtype_bits(want, dtype), dtype)
-    tol = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    # 3 row threads: the conv's bias row (r % 4) wraps as a thread steps
+    _run_epilogue(core, dtype, e, memory, memory.place(y), bias_addr, res_addr, {"first": 1, "mul": 2}.get(residual, 0),
+                  row_threads=3)
+    _assert_rounded_close(y, ref, dtype, {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype])
 
 
 def _ptxas() -> Path | None:
