@@ -529,7 +529,6 @@ class GpuMeasurer(Measurer):
         bb = b.transpose(-1, -2) if self.trans_b else b
         alpha = e.alpha
         mm = torch.baddbmm if family.op == "bmm" else torch.addmm
-        zero = torch.zeros(1, dtype=a.dtype, device=a.device)
         if lt_fuses(family.op, e):
             if residual is not None:  # C = the residual: one GEMM reading it
                 c_in = residual + bias if bias is not None else residual.clone()
@@ -542,7 +541,7 @@ class GpuMeasurer(Measurer):
             gelu = e.activation == "gelu_tanh"
             return lambda: torch._addmm_activation(base, a, bb, alpha=alpha, use_gelu=gelu)
         # beta=0 ignores the (broadcast) input: no bias costs no read
-        base, beta = (bias, 1) if bias is not None else (zero, 0)
+        base, beta = (bias, 1) if bias is not None else (torch.zeros(1, dtype=a.dtype, device=a.device), 0)
         return lambda: finish(mm(base, a, bb, beta=beta, alpha=alpha))
 
     def _time(self, fn: Callable[[], Any]) -> float:
