@@ -493,8 +493,21 @@ class AttentionKernel {
       return;
     }
     if (fit < 0) Throw(dc_last_error());
-    Throw("bundle kernel " + std::to_string(k) + " cannot take this call (" + dc_last_error() +
-          "), and Attention has no vendor path");
+    // The pick refuses this call (its pointers not 16-byte aligned, as the tuned kernels assume, say). Attention
+    // has no vendor path, but every kernel of the bundle computes the node: the first other one that takes the
+    // call runs (optimize ships one compiled without alignment assumptions for this).
+    const std::string why = dc_last_error();
+    for (int32_t other = 0; other < n_kernels_; ++other) {
+      if (other == k || !device_fits_[other]) continue;
+      const int taken = dc_launch_fit(bundle_.get(), other, &args, ctx.GetGPUComputeStream());
+      if (taken < 0) Throw(dc_last_error());
+      if (taken == 0) {
+        dc_node_count_launch(counter_);
+        return;
+      }
+    }
+    Throw("bundle kernel " + std::to_string(k) + " cannot take this call (" + why +
+          "), no other kernel of the bundle can, and Attention has no vendor path");
   }
 
   void Compute(OrtKernelContext* raw) {

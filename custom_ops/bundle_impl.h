@@ -137,7 +137,8 @@ struct Kernel {
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile
-  uint16_t div16 = 0;  // bit p set: param p was compiled as 16-byte aligned (pointers) / a multiple of 16 (ints)
+  uint32_t div16 = 0;  // bit p set: param p (absolute index) was compiled as 16-byte aligned (pointers) / a
+                       // multiple of 16 (ints); the record's u16 counts from kQ for an attention kernel
   // What a compiled kernel was built for (its constexprs): element type (0 f32, 1 f16, 2 bf16), activation
   // (0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu, 5 relu6), transposed B, and for conv kernels the layer
   // geometry: channels, KH, KW, stride h/w, pad top/left, dilation h/w (all 0 for other kernels and for vendor

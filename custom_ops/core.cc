@@ -17,12 +17,13 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 9;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+constexpr uint32_t kVersion = 10;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                   // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                   // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
                                   // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
                                   // its bit 3 (grouped conv kernels) came later in format 9: a library older
-                                  // than C ABI 11 refuses such a bundle at that flag
+                                  // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
+                                  // div16 bit i names param kQ + i (its params all sit from kQ on)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -299,7 +300,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     const bool ok = seen[kImgH] ? (k.conv[i] >= kConvMin[i] && k.conv[i] <= kConvMax[i]) : k.conv[i] == 0;
     if (!ok) Fail(where + ": conv geometry field " + std::to_string(i) + " = " + std::to_string(k.conv[i]) + " invalid");
   }
-  for (uint32_t p = 0; p < 16; ++p) {
+  for (uint32_t p = 0; p < 32; ++p) {  // k.div16 holds absolute param indices (the parser shifted attention's)
     if ((k.div16 >> p & 1u) && (p >= kParamCount || !seen[p])) {
       Fail(where + ": div16 mask names param " + std::to_string(p) + ", which the kernel does not take");
     }
@@ -380,6 +381,9 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
       }
       k.params.push_back(params[p]);
     }
+    // Format 10: an attention kernel's 16-bit div16 mask counts from kQ (its params are kQ..kStrideMaskK);
+    // from here on k.div16 names absolute param indices, whatever the view.
+    if (n_params > 0 && IsAttentionParam(params[0])) k.div16 <<= kQ;
     uint32_t n_images = sub.Count("image count", kMaxImages);
     for (uint32_t i = 0; i < n_images; ++i) {
       Image img;

@@ -34,7 +34,8 @@ MAGIC = b"DCBUNDLE"
 # residual_first, and conv kernels may take the residual (param 15); 9: activations 3 gelu_tanh, 4 silu,
 # 5 relu6, and after the PTX scratch the epilogue flags (bit 0 residual_mul: the residual multiplies; bits 1, 2
 # an attention kernel's mask_rows, nan_to_zero) and a u32 head_dim ending the kernel record
-VERSION = 9
+# 10: an attention kernel's div16 bit i names param 16 + i (q, k, v, mask, out, ...: all its params sit there)
+VERSION = 10
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -47,8 +48,9 @@ PARAM_NAMES: tuple[str, ...] = (
     "stride_mask_k", "workspace",
 )
 # residual (15), the attention params (16..27) and the split-K workspace (28) came after out_w, so the indices
-# earlier bundles store keep their meaning. The div16 mask is 16 bits: params from index 16 on (all of
-# attention's, the workspace, which the launcher checks itself) take no div16 bit.
+# earlier bundles store keep their meaning. The div16 mask is 16 bits and counts from param 0, or from param 16
+# for an attention kernel (format 10), whose params are all 16..27; the workspace (28), which the launcher
+# checks itself, takes no div16 bit.
 POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out",
                                    "workspace")  # the rest int32
 # The params of the attention view (q .. stride_mask_k): a kernel takes all of them or none.
@@ -306,6 +308,15 @@ class BundleKernel:
                    div16=tuple(p for p in PARAM_NAMES if p in tuple(getattr(first, "div16", ()))),
                    **_built_for(first))
 
+    def _div16_base(self) -> int:
+        """The param index the div16 mask's bit 0 names: 16 (``q``) for an attention kernel, else 0."""
+        return PARAM_NAMES.index("q") if "q" in self.params else 0
+
+    def _div16_mask(self) -> int:
+        """The record's u16 div16 mask (names outside its 16 bits, which ``validate`` refuses, left out)."""
+        bits = (PARAM_NAMES.index(p) - self._div16_base() for p in self.div16)
+        return sum(1 << bit for bit in bits if 0 <= bit < 16)
+
     def validate(self, index: int) -> None:
         """Check the fields the C++ reader checks; raises DietcodeError naming the kernel."""
         where = f"kernel {index} ({self.name!r})"
@@ -401,9 +412,10 @@ class BundleKernel:
         for p in self.div16:
             if p not in self.params:
                 raise _fail(f"{where}: div16 mask names param {p!r}, which the kernel does not take")
-            if PARAM_NAMES.index(p) >= 16:
-                raise _fail(f"{where}: div16 names {p!r} (param {PARAM_NAMES.index(p)}), but the mask is 16 bits: "
-                            "params from index 16 on carry no divisibility assumption")
+            if not 0 <= PARAM_NAMES.index(p) - self._div16_base() < 16:
+                raise _fail(f"{where}: div16 names {p!r} (param {PARAM_NAMES.index(p)}), but the mask is 16 bits "
+                            "from param 0 (16 for an attention kernel): the workspace carries no divisibility "
+                            "assumption")
         if self.dtype not in DTYPE_CODES or self.activation not in ACTIVATION_CODES:
             raise _fail(f"{where}: dtype {self.dtype!r} / activation {self.activation!r}; allowed "
                         f"{DTYPE_CODES} / {ACTIVATION_CODES}")
@@ -812,7 +824,7 @@ class Bundle:
             flags = (FLAG_CAUSAL if k.causal else 0) | (FLAG_TF32 if k.tf32 else 0) | k.layout << FLAG_LAYOUT_SHIFT \
                 | (FLAG_RESIDUAL_FIRST if k.residual_first else 0)
             body = struct.pack("<BBHIIIII", KERNEL_KINDS.index(k.kind), flags,
-                               sum(1 << PARAM_NAMES.index(p) for p in k.div16), k.num_warps, k.shared, k.block_m,
+                               k._div16_mask(), k.num_warps, k.shared, k.block_m,
                                k.block_n, k.split_k)
             body += struct.pack("<BBBB9If", DTYPE_CODES.index(k.dtype), ACTIVATION_CODES.index(k.activation),
                                 int(k.trans_b), k.persistent, *(k.conv or (0,) * len(CONV_FIELDS)), k.alpha)

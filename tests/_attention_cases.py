@@ -42,6 +42,12 @@ CASES: tuple[Case, ...] = (
     Case("t1_decode_keys17", (1, 2), 1, 17, 16, ((16, 16, 2, 1),), mask=(1, 1, 1, 17), scale=0.5),
     Case("t17_causal", (1, 2), 17, 17, 16, ((16, 16, 2, 1), (32, 16, 2, 1)), causal=True),
     Case("t5_d24_padded_head", (1, 2), 5, 5, 24, ((16, 16, 2, 1),), scale=0.3),
+    # keys in whole blocks (the kernel's unmasked loop) before or without a tail: a padded head, BERT's mask
+    # with masked keys inside a whole block, and a per-row mask whose query tile runs past seq_q
+    Case("t32_whole_blocks_padded_head_bert_mask", (2, 2), 32, 32, 24, ((16, 16, 2, 1), (16, 32, 2, 1)),
+         mask=(2, 1, 1, 32), scale=0.2, masked_cols=6),
+    Case("t17_keys48_whole_blocks_dead_rows", (2, 2), 17, 48, 16, ((16, 16, 2, 1), (32, 32, 4, 2)),
+         mask=(2, 1, 17, 48), dead_rows=3, nan_to_zero=True),
     Case("t17_dead_rows_nan_to_zero", (2, 2), 17, 17, 16, ((16, 16, 2, 1),), mask=(2, 1, 17, 17), dead_rows=3,
          nan_to_zero=True),
     # the head-split layouts (the Transposes around the node absorbed): every operand, each alone, mixed, with

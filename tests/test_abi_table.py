@@ -39,20 +39,23 @@ def test_bundle_param_enum_is_the_cores(core_names) -> None:
     assert POINTER_PARAMS == POINTERS
 
 
-def test_the_div16_mask_cannot_name_attention_params() -> None:
-    """The bundle's div16 mask is 16 bits: every attention param sits at index 16 or later, so a div16 set
-    naming one is refused with the reason (it would not fit the mask)."""
+def test_the_div16_mask_counts_attention_params_from_q() -> None:
+    """The bundle's div16 mask is 16 bits and every attention param sits at index 16 or later: since format 10
+    an attention kernel's bits count from q, so its pointers carry their alignment, while a GEMM kernel's mask
+    still ends at param 15 (the workspace, 28, is refused with the reason)."""
     from dietcode_ort.bundle import BundleKernel
     from dietcode_ort.errors import DietcodeError
     from tuner import aot, templates
 
     assert min(PARAM_NAMES.index(p) for p in templates.ATTENTION_PARAMS) >= 16
+    # format 10: an attention kernel's div16 bits count from q, so its pointers can carry the alignment
     kernel = BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=templates.ATTENTION_PARAMS,
-                          div16=("q",), head_dim=64)
-    with pytest.raises(DietcodeError, match="16 bits"):
-        kernel.validate(0)
-    with pytest.raises(DietcodeError, match="16-bit div16 mask"):
-        aot.aligned_params("attention")
+                          div16=aot.aligned_params("attention"), head_dim=64)
+    kernel.validate(0)
+    assert all(PARAM_NAMES.index(p) - 16 < 16 for p in templates.ATTENTION_PARAMS)
+    with pytest.raises(DietcodeError, match="16 bits"):  # a GEMM kernel's mask still ends at param 15
+        BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=("a", "b", "c", "workspace"),
+                     div16=("workspace",), split_k=2).validate(0)
 
 
 def test_the_core_reads_the_residual_pointer_as_a_pointer() -> None:

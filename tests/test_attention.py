@@ -196,7 +196,7 @@ def test_attention_view_of_shapes() -> None:
 def test_compile_filter_drops_spilling_configs() -> None:
     from tuner.attention import compile_attention_space
 
-    small, large = AttentionConfig(64, 32, 4, 2), AttentionConfig(128, 128, 8, 2)
+    small, large = AttentionConfig(64, 32, 4, 2), AttentionConfig(32, 128, 2, 1)  # large spills 2 warps
     space = compile_attention_space("float16", "sm_90", 64, has_mask=True, mask_rows=False, configs=[small, large])
     assert [k.config for k in space.kept] == [small]
     ((config, why),) = space.dropped

@@ -3,6 +3,7 @@ choice and launch view for attention shapes, and the nodes' refusals of bundles 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,21 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
         assert (args.stride_mask_b, args.stride_mask_h, args.stride_mask_q, args.stride_mask_k) == \
             (seq if batch > 1 else 0, 0, 0, 1 if seq > 1 else 0)
         assert bundle.fit(k, args)[0] == "fits"
+        # the tree's kernels assume Q, K, V and the output 16-byte aligned (what was timed): a call whose Q is
+        # not is refused by the pick and taken by the bundle's last kernel, the first one compiled without the
+        # assumption, outside the tree (the CUDA path runs the first kernel that takes the call)
+        args.q += 2
+        assert bundle.fit(k, args)[0] == "div16 assumption"
+        assert bundle.fit(len(decoded.kernels) - 1, args)[0] == "fits"
+    *tree_kernels, unaligned = decoded.kernels
+    assert all(kernel.div16 == ("q", "k", "v", "out") for kernel in tree_kernels) and unaligned.div16 == ()
+    assert (unaligned.block_m, unaligned.block_n, unaligned.num_warps) == \
+        (tree_kernels[0].block_m, tree_kernels[0].block_n, tree_kernels[0].num_warps)
+    # aligned, Triton pipelines 16-byte copies (cp.async of 0x10 bytes); without, at most one float per copy
+    copies = [set(re.findall(r"cp\.async\.c[ag]\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)", kernel.ptx))
+              for kernel in (tree_kernels[0], unaligned)]
+    assert "0x10" in copies[0] and "0x10" not in copies[1]
+    assert max(decoded.tree.leaf) < len(tree_kernels) and info["kernels"][-1].endswith(" unaligned")
     with pytest.raises(DietcodeError, match="head dim 32 differs"):
         core.attention_view([1, 2, 3, 32], [1, 2, 32, 3], [1, 2, 3, 32], None, head_dim=64)
     # the same shapes in the contiguous layout disagree (Kt's d is not Q's): the view reads the layouts

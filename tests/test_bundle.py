@@ -329,6 +329,37 @@ def test_div16_naming_a_param_the_kernel_lacks_is_refused(core) -> None:
         _refused(core, bytes(bad_bytes), pattern)
 
 
+def test_attention_div16_counts_from_q_round_trips_and_is_checked_per_call(core) -> None:
+    """Format 10: an attention kernel's div16 bit i names param 16 + i (its params all sit from ``q`` on), so its
+    pointers can carry the alignment Triton vectorizes and pipelines with; both readers agree, the C core checks
+    it per call, and a mask bit past the attention params (the workspace's, 28) is refused."""
+    from dietcode_ort.runtime import LaunchArgs
+
+    attention = ("q", "k", "v", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
+                 "stride_mask_q", "stride_mask_k")
+    aligned = _kernel("aligned", params=attention, div16=("q", "k", "v", "out"), head_dim=64)
+    bundle = Bundle((), (aligned, _kernel("plain", params=attention, div16=(), head_dim=64)), DispatchTree.single(0))
+    data = bundle.to_bytes()
+    at = data.index(b"aligned") - 70  # the u16 mask: 5 u32s, 4 u8s, the 9 u32 conv fields, alpha, name length
+    assert struct.unpack_from("<H", data, at)[0] == 0b10111  # q, k, v, out: params 16, 17, 18, 20
+    back = read_bundle(data)
+    assert back == bundle and back.kernels[0].div16 == ("q", "k", "v", "out") and back.kernels[1].div16 == ()
+    parsed = core.parse(data)
+    ok = LaunchArgs(q=0x1000, k=0x2000, v=0x3000, out=0x4000, seq_q=17, seq_k=17, heads=2, batch=2, head_dim=64)
+    for field, value in (("q", 0x1002), ("k", 0x2008), ("v", 0x3004), ("out", 0x4006)):
+        args = LaunchArgs(**{**{f: getattr(ok, f) for f, _ in LaunchArgs._fields_}, field: value})
+        accepted, why = parsed.accepts(0, args)
+        assert not accepted and f"{field} 16-byte aligned" in why
+        assert parsed.accepts(1, args)[0]  # the kernel compiled without the assumption takes the call
+    assert parsed.accepts(0, ok) == (True, "")
+    for mask, pattern in ((1 << 12, "div16 mask names param 28"), (1 << 3, "div16 mask names param 19")):
+        bad = bytearray(data)  # 28: the workspace, no attention param; 19: the mask, which this kernel lacks
+        struct.pack_into("<H", bad, at, mask)
+        _refused(core, bytes(bad), pattern)
+    with pytest.raises(DietcodeError, match="div16 names 'a'|div16 mask names param 'a'"):
+        Bundle((), (_kernel("mixed", params=attention, div16=("a",), head_dim=64),), DispatchTree.single(0)).to_bytes()
+
+
 def _conv_kernel(**kw: object) -> BundleKernel:
     base = dict(params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"),
                 div16=(), dtype="float16", activation="relu", conv=(64, 3, 3, 2, 2, 1, 1, 1, 1))
@@ -570,11 +601,11 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6, 7, 8):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output, flag
-        # bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv
-        # residual; 8: activations 0..2 only
+    for version in (2, 4, 5, 6, 7, 8, 9):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output,
+        # flag bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv
+        # residual; 8: activations 0..2 only; 9: attention kernels without div16 bits
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 9")
+        _refused(core, bytes(data), f"version {version}, this reader knows 10")
 
 
 def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:

@@ -60,6 +60,9 @@ PERSISTENT_GRID_RULE = "min(tiles_mn*batch,sms*persistent),1,1"
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
 _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
+# attention's operand pointers (bundle format 10: its div16 bits count from q); its sizes stay free (seq is the
+# dynamic dim), and the mask, read as a vector of one key per lane, gains nothing from its alignment
+_ATTENTION_ALIGNED = ("q", "k", "v", "out")
 # How float32 dots are computed (FP32_PRECISIONS, DEFAULT_FP32_PRECISION, check_fp32_precision, uses_tf32): the
 # precision shapes the float32 search space too, so tuner.space owns them (and says why tf32 is the default).
 _FORMAT = 4  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
@@ -90,8 +93,8 @@ def ensure_cache_dir(cache_dir: Path | None = None) -> Path:
 def aligned_params(op: str, bias: bool = True, residual: bool = False) -> tuple[str, ...]:
     """The ``div16`` set that lets Triton vectorize and pipeline ``op``'s operand loads."""
     templates.kernel_for(op)
-    if op not in _ALIGNED:  # attention: its params sit at index 16 on, past the bundle's 16-bit div16 mask
-        raise DietcodeError(f"{op}: no div16 assumptions (its params are past the 16-bit div16 mask)")
+    if op == "attention":
+        return _ATTENTION_ALIGNED
     return tuple(p for p in _POINTERS if (bias or p != "bias") and (residual or p != "residual")) + _ALIGNED[op]
 
 
@@ -382,10 +385,11 @@ def _ptxas_override(path: str | None) -> Any:
                 os.environ[key] = value
 
 
-def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], attrs: dict[Any, Any],
+def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], aligned: Sequence[str],
                     arch: int, num_warps: int, num_stages: int, scratch: Path | None = None,
                     toolchain: CompileToolchain = CompileToolchain()) -> tuple[Any, str]:
-    """Compile and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
+    """Compile, with the params named in ``aligned`` assumed divisible by 16 (pointers: 16-byte aligned; Triton's
+    ``tt.divisibility``), and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
     is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts.
     Triton still writes its working files to a cache folder: ``scratch`` (inside this module's cache,
     so a read-only ~/.triton does not matter) when given. The PTX ISA is the lower of the ptxas's own and
@@ -407,6 +411,7 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
         if scratch is not None:
             triton.knobs.cache.dir = str(scratch)
         with contextlib.redirect_stdout(log), _ptxas_override(toolchain.ptxas):
+            attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": num_warps, "num_stages": num_stages,
@@ -463,8 +468,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     fn = templates.kernel_for(family.op)
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
     aligned = (*div16, "workspace") if config.split_k > 1 else div16  # the launcher checks the workspace
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    compiled, log = _triton_compile(fn, signature, constants, attrs, profile.arch, config.num_warps,
+    compiled, log = _triton_compile(fn, signature, constants, aligned, profile.arch, config.num_warps,
                                     config.num_stages, scratch=folder / "triton", toolchain=toolchain)
     md = compiled.metadata
     scratch_align = int(getattr(md, "global_scratch_align", 1) or 1)

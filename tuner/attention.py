@@ -314,9 +314,12 @@ class CompiledAttention:
 def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
                       has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
                       toolchain: "CompileToolchain | None" = None, allow_tf32: bool = False,
-                      layout: int = 0) -> CompiledAttention:
+                      layout: int = 0, aligned: bool = True) -> CompiledAttention:
     """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
-    needed); ``allow_tf32``: a float32 kernel's two dots in TF32 (tuner.aot's precision). A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
+    needed); ``allow_tf32``: a float32 kernel's two dots in TF32 (tuner.aot's precision). ``aligned``: Q, K, V
+    and the output assumed 16-byte aligned (``aot.aligned_params("attention")``, the kernel's ``div16``, which
+    the runtime checks per call), which lets Triton vectorize the operand loads and pipeline them (cp.async);
+    without it every load is one element, in registers. A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
     plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
     import triton
 
@@ -340,7 +343,8 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     fn = templates.attention_kernel
     signature = {name: "constexpr" if name in constants else pointer if name in ("q", "k", "v", "mask", "out")
                  else "i32" for name in fn.arg_names}
-    compiled, log = aot._triton_compile(fn, signature, constants, {}, profile.arch, config.num_warps,
+    div16 = aot.aligned_params("attention") if aligned else ()
+    compiled, log = aot._triton_compile(fn, signature, constants, div16, profile.arch, config.num_warps,
                                         config.num_stages, toolchain=chain)
     md = compiled.metadata
     what = f"attention {config.key()} for {target}"
@@ -355,7 +359,7 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     return CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
                              md.num_warps, md.shared, n_regs, n_spills, config,
                              tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
-                             triton_version=triton.__version__, **facts)
+                             triton_version=triton.__version__, div16=tuple(div16), **facts)
 
 
 @dataclass(frozen=True)
@@ -376,12 +380,13 @@ class AttentionCompileJob:
     toolchain: "CompileToolchain | None" = None
     allow_tf32: bool = False
     layout: int = 0  # LAYOUT_BITS
+    aligned: bool = True  # Q, K, V and the output assumed 16-byte aligned (compile_attention)
 
     def compile(self) -> CompiledAttention:
         return compile_attention(self.config, self.dtype, self.target, self.head_dim, scale=self.scale,
                                  has_mask=self.has_mask, mask_rows=self.mask_rows, causal=self.causal,
                                  nan_to_zero=self.nan_to_zero, toolchain=self.toolchain, allow_tf32=self.allow_tf32,
-                                 layout=self.layout)
+                                 layout=self.layout, aligned=self.aligned)
 
 
 @dataclass(frozen=True)

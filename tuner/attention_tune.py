@@ -404,24 +404,29 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
                   min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None) -> bytes:
     """Compile the chosen configs for every target and return the node's bundle bytes. The compiles are
     ``AttentionCompileJob``s run by ``executor`` (default: this machine's compile pool; under ``--ray`` the
-    cluster's CPU tasks, as the GEMM kernels' are)."""
+    cluster's CPU tasks, as the GEMM kernels' are). The chosen kernels assume Q, K, V and the output 16-byte
+    aligned (what was timed; ORT's allocations are); the bundle's last kernel, outside the tree, is the first
+    chosen config compiled without that assumption, which the runtime runs for a call whose pointers are not
+    aligned (Attention has no vendor path to take it instead)."""
     from tuner import aot
     from tuner.attention import AttentionCompileJob
     from tuner.executor import LocalExecutor
 
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
+    shipped = [(config, True) for config in tuned.kernels] + [(tuned.kernels[0], False)]
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
-                                w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout) for config in tuned.kernels
-                 for t in targets]
+                                w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout, aligned=aligned)
+            for config, aligned in shipped for t in targets]
     # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
     results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
     kernels = []
-    for i, config in enumerate(tuned.kernels):
+    for i, (config, aligned) in enumerate(shipped):
         compiled = []
         for t, result in zip(targets, results[i * len(targets):(i + 1) * len(targets)]):
             if not result.ok:
-                raise DietcodeError(f"attention {config.key()} for {t} did not compile: {result.error}")
+                raise DietcodeError(f"attention {config.key()}{'' if aligned else ' (unaligned)'} for {t} did not "
+                                    f"compile: {result.error}")
             compiled.append(result.kernel)
         kernels.append(BundleKernel.from_compiled(compiled))
     bundle = Bundle(features, tuple(kernels), tuned.dispatch.tree)
@@ -451,7 +456,8 @@ def info_json(tuned: TunedAttention) -> str:
                      "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
                      "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale,
                      "precision": "tf32" if tuned.allow_tf32 else "ieee", "layout": w.layout},
-        "kernels": [c.key() for c in tuned.kernels],
+        # the bundle's kernels: the tree's, then its fallback for unaligned pointers (compile_tuned)
+        "kernels": [c.key() for c in tuned.kernels] + [f"{tuned.kernels[0].key()} unaligned"],
         "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
         "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
                    "regret": tuned.dispatch.report.geomean, "geomean_vs_vendor": None,

@@ -355,6 +355,9 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
                 HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): attention_kernel keeps its scores in base 2, for exp2
+
+
 @triton.jit
 def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
                      stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
@@ -370,9 +373,10 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     additive mask is read at (z // heads) * stride_mask_b + (z % heads) * stride_mask_h + row * stride_mask_q
     + col * stride_mask_k (a stride of 0 broadcasts that axis; the last two terms in int32, so the caller
     keeps seq_q * stride_mask_q + seq_k * stride_mask_k below 2^31). Without MASK_ROWS the mask is one row
-    for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32 statistics and
-    accumulator (one pass over the keys, BLOCK_N at a time); CAUSAL drops keys col > row + seq_k - seq_q. A row
-    with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
+    for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32
+    statistics and accumulator (one pass over the keys, BLOCK_N at a time), in base 2: the scores are (Q Kt *
+    SCALE + mask) * log2(e), one multiply-add each, and exp2 stands for exp (the same softmax); CAUSAL drops keys
+    col > row + seq_k - seq_q. A row with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
     (torch's export: Where(IsNaN(P), 0, P)).
 
     Layouts (docs/abi.md "attention layouts"): Q_BSHD reads Q as [batch, seq_q, heads, HEAD_DIM] (the head
@@ -427,24 +431,28 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
         else:
             kt = tl.load(k_base + offs_d[:, None].to(tl.int64) * seq_k + offs_n[None, :],
                          mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION) * SCALE
+        s = tl.dot(q_tile, kt, input_precision=DOT_PRECISION)
         if HAS_MASK:
             # int64 base per (batch, head), int32 offsets inside it (the caller keeps them below 2^31)
             mask_base = mask + (z // heads) * stride_mask_b + (z % heads) * stride_mask_h
             if MASK_ROWS:
-                s += tl.load(mask_base + (offs_m[:, None] * stride_mask_q + offs_n[None, :] * stride_mask_k),
-                             mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+                add = tl.load(mask_base + (offs_m[:, None] * stride_mask_q + offs_n[None, :] * stride_mask_k),
+                              mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+                s = s * (SCALE * LOG2E) + add * LOG2E
             else:  # one mask row for every query (BERT's [batch, 1, 1, T_k]): a vector over the keys
-                s += tl.load(mask_base + offs_n * stride_mask_k, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                add_row = tl.load(mask_base + offs_n * stride_mask_k, mask=n_ok, other=0.0).to(tl.float32)
+                s = s * (SCALE * LOG2E) + (add_row * LOG2E)[None, :]
+        else:
+            s = s * (SCALE * LOG2E)
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seq_k - seq_q))
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row whose keys are all masked so far keeps m = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
+        # A row whose keys are all masked so far keeps m = -inf; subtract 0 there (exp2(-inf) = 0, not NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_BSHD:
             vt = tl.load(v_base + (offs_n[:, None] * row + offs_d[None, :]),
