@@ -376,8 +376,8 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
     for every query (stride_mask_q must be 0), loaded as a vector over the keys. Online softmax with fp32
     statistics and accumulator (one pass over the keys, BLOCK_N at a time), in base 2: the scores are (Q Kt *
     SCALE + mask) * log2(e), one multiply-add each, and exp2 stands for exp (the same softmax); CAUSAL drops keys
-    col > row + seq_k - seq_q. A row with no finite score (every key masked with -inf) is NaN, as ONNX Softmax gives, or 0 with NAN_TO_ZERO
-    (torch's export: Where(IsNaN(P), 0, P)).
+    col > row + seq_k - seq_q. A row with no finite score (every key masked with -inf) is NaN, as ONNX Softmax
+    gives, or 0 with NAN_TO_ZERO (torch's export: Where(IsNaN(P), 0, P)).
 
     Layouts (docs/abi.md "attention layouts"): Q_BSHD reads Q as [batch, seq_q, heads, HEAD_DIM] (the head
     split's Reshape output before its Transpose), K_BSHD reads K as [batch, seq_k, heads, HEAD_DIM] (the
