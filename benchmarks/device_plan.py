@@ -13,9 +13,11 @@ Sessions (``session_for`` picks the first whose results are not committed yet):
   stage 3 on BERT-base and the LLaMA-7B MLP layer (fp16, tuned on the GPU, against stock ORT's CUDA EP);
   stage 4; then stage 2, the measurement table's dense and attention sets, in a second call.
 - ``followup``: onnxruntime-gpu; stage 1 again (the bring-up's GPU tests ran out of time); stage 3 on
-  ResNet-50 fp16; stage 7 (per-kernel profiles of BERT-base and the MLP layer against stock ORT, where the
-  bring-up's bench lost and one shape where it won, their host gaps included); stage 4; then the table's conv
-  sets. Stage 5 (host overhead) waits for a session with time to spare (``--stage 5``, about 90 s).
+  BERT-base and the MLP layer again (none of the changes made for their losses since the bring-up was
+  measured: the settled trees, the cuBLASLt-fused vendor leaf, the aligned attention kernels) and on ResNet-50
+  fp16, at budget 8; stage 7 on stage 3's BERT-base and MLP models (per-kernel profiles against stock ORT, where
+  the bring-up's bench lost and one shape where it won, their host gaps included); stage 4; then the table's
+  conv sets. Stage 5 (host overhead) waits for a session with time to spare (``--stage 5``, about 90 s).
 - ``compare``: stage 6 (PyTorch eager and torch.compile on BERT-base and ResNet-50; ``torch_report.py`` joins
   them with the committed bench files afterwards); it needs no onnxruntime-gpu, so no parts travel.
 
@@ -38,7 +40,9 @@ STASH_S = 60          # a stash call's deadline: the preflight, copying one part
 MIN_MAIN_S = 240      # below this the session's main call would not get past onnxruntime-gpu's install
 MIN_TAIL_S = 90       # a second call shorter than this is left out, and its time goes to the main call
 TAIL_SHARE = 0.3      # of the time after the stash calls, what the second call gets
-PROFILE_S = 150       # stage 7's cap in the followup call: BERT-base and the MLP layer rebuilt from the tuning DB
+PROFILE_S = 90        # stage 7's cap in the followup call: the profiles of stage 3's BERT-base and MLP models
+STAGE1_SHARE = 0.2    # of the followup's main call, stage 1's cap (at least 90 s; the bring-up's, 0.3)
+RESERVE_S = 40        # of the followup's main call, beside stages 1, 3 and 7: the install, stage 4, packing
 
 
 class PlanError(ValueError):
@@ -106,13 +110,14 @@ def _main_and_tail(session: str, part: str | None, main_s: int, tail_s: int) -> 
                               "cuBLAS on every instance), then its report", ("--stage", "2", "--sets", "dense,attention"),
                               (".device",), tail_s))
     elif session == "followup":
-        stage1 = max(90, main_s * 3 // 10)  # the GPU tests: cut off twice in the bring-up, run in parallel now
+        stage1 = max(90, int(main_s * STAGE1_SHARE))  # the GPU tests: cut off twice in the bring-up, in parallel now
+        stage3 = main_s - stage1 - PROFILE_S - RESERVE_S
         calls.append(Call(f"install onnxruntime-gpu; stage 1 (its check, doctor, GPU tests, at most {stage1} s); "
-                          "stage 3: ResNet-50 fp16 (stock with EXHAUSTIVE and HEURISTIC cuDNN search); stage 7: "
-                          "per-kernel profiles of BERT-base and the LLaMA-7B MLP layer against stock ORT (at most "
-                          f"{PROFILE_S} s); stage 4",
-                          (*ort, "--stage", "1,3,7,4", "--suites", "resnet50", "--profile", "bert,mlp", "--budget",
-                           "8", "--cap", f"1={stage1},7={PROFILE_S}"), carry, main_s))
+                          "stage 3: the LLaMA-7B MLP layer and BERT-base again, then ResNet-50 (stock with EXHAUSTIVE "
+                          f"and HEURISTIC cuDNN search), fp16, budget 8, at most {stage3} s; stage 7: per-kernel "
+                          f"profiles of stage 3's BERT-base and MLP against stock ORT (at most {PROFILE_S} s); stage 4",
+                          (*ort, "--stage", "1,3,7,4", "--suites", "mlp,bert,resnet50", "--profile", "bert,mlp",
+                           "--budget", "8", "--cap", f"1={stage1},3={stage3},7={PROFILE_S}"), carry, main_s))
         if tail_s:
             calls.append(Call("stage 2: the table's conv sets, then its report", ("--stage", "2", "--sets", "conv"),
                               (".device",), tail_s))
