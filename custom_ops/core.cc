@@ -18,12 +18,12 @@ namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
 constexpr uint32_t kVersion = 10;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
-                                  // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
-                                  // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
-                                  // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
-                                  // its bit 3 (grouped conv kernels) came later in format 9: a library older
-                                  // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
-                                  // div16 bit i names param kQ + i (its params all sit from kQ on)
+                                   // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
+                                   // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
+                                   // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
+                                   // its bit 3 (grouped conv kernels) came later in format 9: a library older
+                                   // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
+                                   // div16 bit i names param kQ + i (its params all sit from kQ on)
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;

@@ -42,12 +42,13 @@ def _seeds() -> list[bytes]:
 
     out.append(toolchain_bundle(toolchain_kernel("t"), BundleKernel.vendor()).to_bytes())
     # the params after out_w: a gemm kernel with a residual (15, with a div16 bit) and an attention kernel
-    # (16..27, past the 16-bit div16 mask)
+    # (16..27, its div16 bits counting from q since format 10)
     from dietcode_ort.bundle import ATTENTION_PARAMS
 
     out.append(Bundle((), (_kernel("r", params=("a", "b", "c", "M", "N", "K", "residual"), div16=("a", "residual")),),
                       DispatchTree.single(0)).to_bytes())
-    out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=(), block_n=64, head_dim=64, mask_rows=True),),
+    out.append(Bundle((), (_kernel("att", params=ATTENTION_PARAMS, div16=("q", "k", "v", "out"), block_n=64, head_dim=64,
+                                   mask_rows=True),),
                       DispatchTree.single(0)).to_bytes())
     # persistent kernels (the record's programs-per-SM byte): a gemm, and a TMA bmm, which takes the batch
     bmm = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch")

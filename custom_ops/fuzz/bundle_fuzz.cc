@@ -6,6 +6,7 @@
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined $INC \
 //       custom_ops/fuzz/bundle_fuzz.cc custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_fuzz
 //   ./bundle_fuzz -max_total_time=60 custom_ops/fuzz/corpus
+// The corpus is tests/test_fuzz.py's seeds in the current format (seed-NN.bin, written from its _seeds()).
 // Without clang, build with g++ and -DDC_FUZZ_STANDALONE to replay files given on the command line:
 //   g++ -std=c++17 -g -fsanitize=address,undefined -DDC_FUZZ_STANDALONE $INC custom_ops/fuzz/bundle_fuzz.cc \
 //       custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_replay && ./bundle_replay FILE...
