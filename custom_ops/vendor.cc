@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -937,26 +938,27 @@ std::string LtStatus(const CublasLt& lt, const char* what, int st) {
          (name != nullptr ? std::string(" ") + name : std::string());
 }
 
-// The descriptors of one call, destroyed with the scope.
+// The descriptors of one distinct call, destroyed with the object.
 struct LtDescriptors {
   const CublasLt& lt;
-  void *op = nullptr, *a = nullptr, *b = nullptr, *c = nullptr, *d = nullptr, *pref = nullptr;
+  void *op = nullptr, *a = nullptr, *b = nullptr, *c = nullptr, *d = nullptr;
   explicit LtDescriptors(const CublasLt& l) : lt(l) {}
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
   ~LtDescriptors() {
     if (op) lt.desc_destroy(op);
     if (a) lt.layout_destroy(a);
     if (b) lt.layout_destroy(b);
     if (c) lt.layout_destroy(c);
     if (d) lt.layout_destroy(d);
-    if (pref) lt.pref_destroy(pref);
   }
 };
 
 // The plan's call as cuBLASLt descriptors: A = x (the node's B), B = y (the node's A), C and D the column-major
-// [m, n] output with ldc (C's layout only with the residual as C; else C is D), the epilogue and the bias pointer
-// (whose value the heuristic reads for its alignment).
-bool MakeLtDescriptors(const CublasLt& lt, const dc_gemm_plan& p, const dc_gemm_lt& f, const void* bias,
-                       LtDescriptors* d, std::string* error) {
+// [m, n] output with ldc (C's layout only with the residual as C; else C is D) and the epilogue. The bias pointer
+// is set per call (SetLtBias), so the descriptors serve every call of the same plan.
+bool MakeLtDescriptors(const CublasLt& lt, const dc_gemm_plan& p, const dc_gemm_lt& f, LtDescriptors* d,
+                       std::string* error) {
   auto check = [&](int st, const char* what) { return st == 0 || (*error = LtStatus(lt, what, st), false); };
   const int32_t ta = p.trans_x, tb = p.trans_y;
   const uint32_t epilogue = static_cast<uint32_t>(f.epilogue);
@@ -967,12 +969,43 @@ bool MakeLtDescriptors(const CublasLt& lt, const dc_gemm_plan& p, const dc_gemm_
          check(lt.desc_set(d->op, kLtDescTransB, &tb, sizeof(tb)), "cublasLtMatmulDescSetAttribute (TRANSB)") &&
          check(lt.desc_set(d->op, kLtDescEpilogue, &epilogue, sizeof(epilogue)),
                "cublasLtMatmulDescSetAttribute (EPILOGUE)") &&
-         (!f.has_bias || check(lt.desc_set(d->op, kLtDescBiasPointer, &bias, sizeof(bias)),
-                               "cublasLtMatmulDescSetAttribute (BIAS_POINTER)")) &&
          check(lt.layout_create(&d->a, p.data_type, ta ? k : m, ta ? m : k, p.ldx), "cublasLtMatrixLayoutCreate (A)") &&
          check(lt.layout_create(&d->b, p.data_type, tb ? n : k, tb ? k : n, p.ldy), "cublasLtMatrixLayoutCreate (B)") &&
          check(lt.layout_create(&d->d, p.data_type, m, n, p.ldc), "cublasLtMatrixLayoutCreate (D)") &&
          (!f.residual_c || check(lt.layout_create(&d->c, p.data_type, m, n, p.ldc), "cublasLtMatrixLayoutCreate (C)"));
+}
+
+// This call's bias pointer on the operation descriptor (the heuristic reads its alignment, the matmul its value).
+bool SetLtBias(const CublasLt& lt, LtDescriptors* d, const void* bias, std::string* error) {
+  const int st = lt.desc_set(d->op, kLtDescBiasPointer, &bias, sizeof(bias));
+  return st == 0 || (*error = LtStatus(lt, "cublasLtMatmulDescSetAttribute (BIAS_POINTER)", st), false);
+}
+
+// One thread's descriptors per distinct plan (library, transposes, sizes, leading dims, types, epilogue, bias,
+// C's role): a steady shape then sets one attribute per call instead of creating and destroying five or six
+// descriptors. Per thread, so no two calls share one (the bias pointer changes per call); bounded like the
+// algorithm cache (past kLtDescCap plans the cache frees them and starts over). The entries are not freed at
+// thread exit, when cuBLASLt may already be gone: a few hundred bytes per plan a thread has run.
+using LtDescKey = std::tuple<const CublasLt*, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t,
+                             int32_t, int32_t, int32_t, int32_t, int32_t>;
+constexpr size_t kLtDescCap = 256;
+thread_local std::map<LtDescKey, LtDescriptors*>* t_lt_descs = nullptr;
+
+// The thread's descriptors of plan (p, f), made on its first call; null with *error when cuBLASLt refuses one.
+LtDescriptors* CachedLtDescriptors(const CublasLt& lt, const dc_gemm_plan& p, const dc_gemm_lt& f,
+                                   std::string* error) {
+  if (t_lt_descs == nullptr) t_lt_descs = new std::map<LtDescKey, LtDescriptors*>();  // kept: see above
+  const LtDescKey key(&lt, p.trans_x, p.trans_y, p.m, p.n, p.k, p.ldx, p.ldy, p.ldc, p.data_type, p.compute_type,
+                      f.epilogue, f.has_bias, f.residual_c);
+  auto hit = t_lt_descs->find(key);
+  if (hit != t_lt_descs->end()) return hit->second;
+  auto made = std::make_unique<LtDescriptors>(lt);
+  if (!MakeLtDescriptors(lt, p, f, made.get(), error)) return nullptr;  // the partial ones freed with it
+  if (t_lt_descs->size() >= kLtDescCap) {
+    for (auto& entry : *t_lt_descs) delete entry.second;
+    t_lt_descs->clear();
+  }
+  return t_lt_descs->emplace(key, made.release()).first->second;
 }
 
 // A pointer's alignment in bytes, up to the 256 cuBLASLt assumes unless told (its MIN_ALIGNMENT preferences).
@@ -997,24 +1030,32 @@ std::map<LtKey, LtChoice> g_lt_algos;  // under g_lt_mutex
 std::atomic<int64_t> g_lt_calls{0}, g_lt_queries{0};
 
 // The heuristic's first algorithm for the call (uncached); false with *why.
-bool QueryLt(const CublasLt& lt, void* handle, LtDescriptors* d, const uint32_t align[4], uint64_t workspace_bytes,
-             LtChoice* out, std::string* why) {
+bool QueryLt(const CublasLt& lt, void* handle, const LtDescriptors* d, const uint32_t align[4],
+             uint64_t workspace_bytes, LtChoice* out, std::string* why) {
   auto check = [&](int st, const char* what) { return st == 0 || (*why = LtStatus(lt, what, st), false); };
-  if (!check(lt.pref_create(&d->pref), "cublasLtMatmulPreferenceCreate") ||
-      !check(lt.pref_set(d->pref, kLtPrefMaxWorkspace, &workspace_bytes, sizeof(workspace_bytes)),
+  struct Preference {  // destroyed with the scope
+    const CublasLt& lt;
+    void* p = nullptr;
+    ~Preference() {
+      if (p) lt.pref_destroy(p);
+    }
+  } owned{lt};
+  if (!check(lt.pref_create(&owned.p), "cublasLtMatmulPreferenceCreate")) return false;
+  void* const pref = owned.p;
+  if (!check(lt.pref_set(pref, kLtPrefMaxWorkspace, &workspace_bytes, sizeof(workspace_bytes)),
              "cublasLtMatmulPreferenceSetAttribute (MAX_WORKSPACE_BYTES)")) {
     return false;
   }
   const int ids[4] = {kLtPrefAlignA, kLtPrefAlignB, kLtPrefAlignC, kLtPrefAlignD};
   for (int i = 0; i < 4; ++i) {
-    if (!check(lt.pref_set(d->pref, ids[i], &align[i], sizeof(align[i])),
+    if (!check(lt.pref_set(pref, ids[i], &align[i], sizeof(align[i])),
                "cublasLtMatmulPreferenceSetAttribute (MIN_ALIGNMENT)")) {
       return false;
     }
   }
   LtHeuristicResult result{};
   int returned = 0;
-  if (!check(lt.heuristic(handle, d->op, d->a, d->b, d->c ? d->c : d->d, d->d, d->pref, 1, &result, &returned),
+  if (!check(lt.heuristic(handle, d->op, d->a, d->b, d->c ? d->c : d->d, d->d, pref, 1, &result, &returned),
              "cublasLtMatmulAlgoGetHeuristic")) {
     return false;
   }
@@ -1087,8 +1128,9 @@ int dc_vendor_gemm_lt(const dc_gemm_plan* p, const dc_gemm_lt* f, const void* a,
   std::string error;
   const dietcode::CublasLt* lt = dietcode::LoadCublasLt(nullptr, &error);
   if (lt == nullptr) return Fail(error);
-  dietcode::LtDescriptors desc(*lt);
-  if (!dietcode::MakeLtDescriptors(*lt, *p, *f, bias, &desc, &error)) return Fail(error);
+  dietcode::LtDescriptors* cached = dietcode::CachedLtDescriptors(*lt, *p, *f, &error);
+  if (cached == nullptr || (f->has_bias && !dietcode::SetLtBias(*lt, cached, bias, &error))) return Fail(error);
+  const dietcode::LtDescriptors& desc = *cached;
   const void* c = f->residual_c ? residual : d;
   // cuBLASLt's A is the node's B (x), its B the node's A (y)
   const uint32_t align[4] = {dietcode::Alignment(b), dietcode::Alignment(a), dietcode::Alignment(c),
@@ -1107,7 +1149,7 @@ int dc_vendor_gemm_lt(const dc_gemm_plan* p, const dc_gemm_lt* f, const void* a,
     } else {
       dietcode::g_lt_queries++;
       std::string why;
-      if (!dietcode::QueryLt(*lt, handle, &desc, align, workspace_bytes, &choice, &why)) choice.why = why;
+      if (!dietcode::QueryLt(*lt, handle, cached, align, workspace_bytes, &choice, &why)) choice.why = why;
       if (dietcode::g_lt_algos.size() >= dietcode::kLtCacheCap) dietcode::g_lt_algos.clear();
       dietcode::g_lt_algos.emplace(key, choice);
     }

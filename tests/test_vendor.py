@@ -326,7 +326,6 @@ def test_lt_fused_call_equals_numpy(fake_libs, case, epilogue, dtype) -> None:
     want_align = [_alignment(p) for p in (b.ctypes.data, a.ctypes.data, c_ptr, out.ctypes.data)]
     assert list((ctypes.c_uint32 * 4).in_dll(fake, "fake_lt_last_align")) == want_align
     _assert_rounded_close(out, h, dtype, {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype])
-    assert ctypes.c_int.in_dll(fake, "fake_lt_live_descriptors").value == 0  # all destroyed
 
 
 UNFUSED = [  # (id, op, A, B, bias, activation, residual, attrs)
@@ -397,6 +396,33 @@ def fresh_lt(fake_libs):
     for name in names:
         ctypes.c_int.in_dll(fake_libs, name).value = 0
     ctypes.c_size_t.in_dll(fake_libs, "fake_lt_workspace").value = 0
+
+
+def test_lt_descriptors_are_made_once_per_plan_and_take_each_calls_bias(fresh_lt) -> None:
+    """A thread keeps its cuBLASLt descriptors per plan: after a plan's first call its calls create and destroy
+    none (the stand-in counts the live ones), each still adds its own bias (the pointer is set per call, on the
+    kept operation descriptor), and another M makes one more set: the operation and the A, B and D layouts."""
+    core, fake = load_core(), fresh_lt
+    live = ctypes.c_int.in_dll(fake, "fake_lt_live_descriptors")
+    plan, lt, a, b, bias, want = _lt_case(core, 23)
+    out = np.zeros_like(want, dtype=np.float32)
+    assert core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=bias.ctypes.data,
+                                 handle=1, lt_handle=101, stream=STREAM) == (True, "")
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    made = live.value
+    for shift in (1.0, -2.0, 3.5):  # other bias buffers on the same plan
+        other = (bias + shift).astype(np.float32)
+        out[:] = 0.0
+        assert core.vendor_gemm_call(plan, lt, a.ctypes.data, b.ctypes.data, out.ctypes.data, bias=other.ctypes.data,
+                                     handle=1, lt_handle=101, stream=STREAM) == (True, "")
+        np.testing.assert_allclose(out, np.maximum(a.astype(np.float64) @ b + other, 0.0), rtol=1e-5, atol=1e-5)
+    assert live.value == made
+    plan29, lt29, a29, b29, bias29, want29 = _lt_case(core, 29)
+    out29 = np.zeros_like(want29, dtype=np.float32)
+    assert core.vendor_gemm_call(plan29, lt29, a29.ctypes.data, b29.ctypes.data, out29.ctypes.data,
+                                 bias=bias29.ctypes.data, handle=1, lt_handle=101, stream=STREAM) == (True, "")
+    np.testing.assert_allclose(out29, want29, rtol=1e-5, atol=1e-5)
+    assert live.value == made + 4
 
 
 def test_lt_heuristic_runs_once_per_key(fresh_lt) -> None:
