@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["AttentionWorkload", "AttentionProblem", "attention_workload", "attention_features",
            "problem_values", "attention_time", "attention_instances", "tune_attention", "TunedAttention",
            "compile_tuned", "carrier", "report_line", "FEATURE_NAMES", "gpu_times", "one_kernel_bundle",
-           "tune_sites", "info_json", "unfit_reason"]
+           "tune_sites", "info_json", "unfit_reason", "shipped_kernels"]
 
 FEATURE_NAMES = ("seq_q", "seq_k", "batch")
 _STEP_SECONDS = 4e-8  # one key block of the online softmax, per program (latency, not throughput)
@@ -400,21 +400,26 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     return TunedAttention(w, kernels, dispatch, tuple(problems), label, len(space), from_db, allow_tf32)
 
 
+def shipped_kernels(tuned: TunedAttention) -> list[tuple[AttentionConfig, bool]]:
+    """The bundle's kernels in order as (config, aligned): the tree's, compiled assuming Q, K, V and the output
+    16-byte aligned (what was timed), then the first of them without that assumption, outside the tree, for the
+    calls the others refuse (Attention has no vendor path to take them instead)."""
+    return [(config, True) for config in tuned.kernels] + [(tuned.kernels[0], False)]
+
+
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
                   min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None) -> bytes:
     """Compile the chosen configs for every target and return the node's bundle bytes. The compiles are
     ``AttentionCompileJob``s run by ``executor`` (default: this machine's compile pool; under ``--ray`` the
-    cluster's CPU tasks, as the GEMM kernels' are). The chosen kernels assume Q, K, V and the output 16-byte
-    aligned (what was timed; ORT's allocations are); the bundle's last kernel, outside the tree, is the first
-    chosen config compiled without that assumption, which the runtime runs for a call whose pointers are not
-    aligned (Attention has no vendor path to take it instead)."""
+    cluster's CPU tasks, as the GEMM kernels' are). The kernels are ``shipped_kernels``: the runtime runs the
+    last, unaligned one for a call whose pointers the tree's kernels refuse."""
     from tuner import aot
     from tuner.attention import AttentionCompileJob
     from tuner.executor import LocalExecutor
 
     w = tuned.workload
     chain = aot.CompileToolchain(min_driver, ptxas)
-    shipped = [(config, True) for config in tuned.kernels] + [(tuned.kernels[0], False)]
+    shipped = shipped_kernels(tuned)
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
                                 w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout, aligned=aligned)
             for config, aligned in shipped for t in targets]
@@ -456,8 +461,7 @@ def info_json(tuned: TunedAttention) -> str:
                      "head_dim": w.head_dim, "dtype": w.dtype, "mask": w.has_mask, "mask_rows": w.mask_rows,
                      "causal": w.causal, "nan_to_zero": w.nan_to_zero, "scale": w.scale,
                      "precision": "tf32" if tuned.allow_tf32 else "ieee", "layout": w.layout},
-        # the bundle's kernels: the tree's, then its fallback for unaligned pointers (compile_tuned)
-        "kernels": [c.key() for c in tuned.kernels] + [f"{tuned.kernels[0].key()} unaligned"],
+        "kernels": [c.key() + ("" if aligned else " unaligned") for c, aligned in shipped_kernels(tuned)],
         "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
         "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
                    "regret": tuned.dispatch.report.geomean, "geomean_vs_vendor": None,
