@@ -493,6 +493,9 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["alpha"] = _float32(float(alpha))
     conv = getattr(compiled, "conv", None)
     if conv is not None:
+        if getattr(conv, "channels_last", False):
+            raise DietcodeError("a channels-last (NHWC) conv kernel cannot go in a bundle yet: the runtime's Conv "
+                              "is NCHW (bundle format 10 has no layout for conv kernels)")
         out["conv"] = tuple(conv.geometry())
         out["grouped"] = getattr(conv, "groups", 1) > 1
     return out

@@ -135,6 +135,22 @@ CASES: tuple[Case, ...] = (
          conv={"pads": (2, 2, 2, 2), "dilations": (2, 2), "groups": 3}),
     Case("conv_bias_relu_mul", "conv", (2, 4, 6, 5), (7, 4, 3, 3), ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 2)),
          bias=True, activation="relu", residual=True, residual_mul=True, conv={"pads": (1, 1, 1, 1)}),
+    # channels-last convs (X, the residual and Y NHWC, W [OC, KH, KW, C]; a and b give the NCHW shapes, the case
+    # permutes them): K slices within one (kh, kw) (channels a multiple of BLOCK_K, the vector path) and across
+    # them (the per-element path: BLOCK_K above the channels, and 3 channels), split-K whose last slices lie past
+    # K, stride, asymmetric pads, dilation, every residual form
+    Case("conv_nhwc_3x3_bias_relu_fp16", "conv", (2, 32, 7, 6), (24, 32, 3, 3),
+         ((16, 16, 16, 2, 2), (32, 16, 32, 2, 2), (16, 16, 64, 2, 2)), dtype="float16", bias=True,
+         activation="relu", conv={"pads": (1, 1, 1, 1), "channels_last": True}),
+    Case("conv_nhwc_stride_dilation_asym_splitk", "conv", (2, 16, 9, 8), (5, 16, 3, 2),
+         ((16, 16, 16, 2, 2), (16, 16, 16, 2, 2, 8, 4)), bias=True, residual=True,
+         conv={"strides": (2, 1), "pads": (1, 2, 0, 1), "dilations": (2, 1), "channels_last": True}),
+    Case("conv_nhwc_1x1_residual_first_relu_bf16", "conv", (2, 16, 5, 4), (20, 16, 1, 1),
+         ((16, 16, 16, 2, 2), (16, 32, 16, 2, 2, 8, 2)), dtype="bfloat16", bias=True, activation="relu",
+         residual=True, residual_first=True, conv={"channels_last": True}),
+    Case("conv_nhwc_3_channels_gelu_mul", "conv", (1, 3, 9, 9), (6, 3, 3, 3), ((16, 16, 16, 2, 2),),
+         activation="gelu", residual=True, residual_mul=True,
+         conv={"strides": (2, 2), "pads": (1, 1, 1, 1), "channels_last": True}),
 )
 
 
@@ -196,6 +212,10 @@ def _run_case(case: Case) -> dict[str, Any]:
     elif case.residual:
         residual = torch.randn(case.a[-2], n_out, generator=gen).to(dtype)
     ref = _reference(case, a, b, bias, residual)
+    nhwc = conv is not None and conv.channels_last  # run on NHWC X and residual, W [OC, KH, KW, C]; Y back to NCHW
+    if nhwc:
+        a, b = a.permute(0, 2, 3, 1).contiguous(), b.permute(0, 2, 3, 1).contiguous()
+        residual = residual.permute(0, 2, 3, 1).contiguous() if residual is not None else None
     rtol, atol = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)}[case.dtype]
     if case.allow_tf32:
         rtol, atol = 1e-2, 1e-2
@@ -207,6 +227,8 @@ def _run_case(case: Case) -> dict[str, Any]:
                                   case.residual_mul),
                 trans_b=case.trans_b,
                 conv=conv, allow_tf32=case.allow_tf32)
+        if nhwc:
+            y = y.permute(0, 3, 1, 2)
         excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()
         results.append({"config": config.key(), "shape_ok": tuple(y.shape) == tuple(ref.shape),
                         "dtype_ok": y.dtype == dtype, "excess": excess,

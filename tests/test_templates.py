@@ -51,6 +51,15 @@ def test_cases_cover_the_brief() -> None:
     assert any(case.residual_mul and len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
     assert any(case.op == "conv" and case.residual_mul for case in CASES)
     assert any(case.op == "bmm" and case.alpha != 1.0 for case in CASES)
+    # channels-last conv: the vector path (channels a multiple of BLOCK_K) and the per-element one, split-K
+    # whose last slices lie past K, every residual form
+    nhwc = [case for case in CASES if case.conv.get("channels_last")]
+    assert any(case.a[1] % cfg[2] == 0 for case in nhwc for cfg in case.configs)
+    assert any(case.a[1] % cfg[2] for case in nhwc for cfg in case.configs)
+    assert any(len(cfg) == 7 and -(-case.a[1] * case.b[2] * case.b[3] // (cfg[2] * cfg[6])) * cfg[2] * cfg[6]
+               > case.a[1] * case.b[2] * case.b[3] + cfg[2] for case in nhwc for cfg in case.configs)
+    assert {(c.residual_first, c.residual_mul) for c in nhwc if c.residual} == {(False, False), (True, False),
+                                                                               (False, True)}
 
 
 def test_launcher_rejects_bad_epilogues() -> None:
@@ -96,3 +105,9 @@ def test_launcher_rejects_bad_epilogues() -> None:
         run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 5, 5), torch.zeros(4, 3, 1, 1), conv=conv)
     with pytest.raises(DietcodeError, match="smaller than the dilated kernel"):
         run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 2, 5), torch.zeros(4, 3, 3, 3), conv=conv)
+    nhwc = ConvParams(3, 4, (3, 3), channels_last=True)
+    with pytest.raises(DietcodeError, match=r"channels-last expects X \[n, H, W, 3\] and W \[4, 3, 3, 3\]"):
+        run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 3, 5, 5), torch.zeros(4, 3, 3, 3), conv=nhwc)
+    with pytest.raises(DietcodeError, match="channels-last form is ungrouped only, got groups=3"):
+        run("conv", MicroKernel(16, 16, 16, 2, 2), torch.zeros(1, 5, 5, 3), torch.zeros(3, 3, 3, 1),
+            conv=ConvParams(3, 3, (3, 3), groups=3, channels_last=True))

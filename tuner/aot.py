@@ -59,7 +59,7 @@ GRID_RULE = "tiles_mn,split_k,batch"  # grid = (cdiv(M,BM)*cdiv(N,BN), SPLIT_K, 
 PERSISTENT_GRID_RULE = "min(tiles_mn*batch,sms*persistent),1,1"
 _TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _POINTERS = ("a", "b", "bias", "c", "residual")
-_ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K",)}
+_ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_batch"), "conv": ("K", "N")}
 # attention's operand pointers (bundle format 10: its div16 bits count from q); its sizes stay free (seq is the
 # dynamic dim), and the mask, read as a vector of one key per lane, gains nothing from its alignment
 _ATTENTION_ALIGNED = ("q", "k", "v", "out")
@@ -269,7 +269,7 @@ class CompiledKernel:
             conv=None if conv is None else ConvParams(
                 in_channels=conv["in_channels"], out_channels=conv["out_channels"], kernel=tuple(conv["kernel"]),
                 strides=tuple(conv["strides"]), pads=tuple(conv["pads"]), dilations=tuple(conv["dilations"]),
-                groups=int(conv.get("groups", 1))),
+                groups=int(conv.get("groups", 1)), channels_last=bool(conv.get("channels_last", False))),
             div16=tuple(data["div16"]), allow_tf32=bool(data["allow_tf32"]),
             triton_version=data["triton_version"], n_regs=data.get("n_regs"), n_spills=data.get("n_spills"),
             constants=tuple((k, v) for k, v in data.get("constants", ())),
@@ -284,6 +284,8 @@ def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans
     templates.check_epilogue(family.op, epilogue, config.split_k)
     if (family.op == "conv") != (conv is not None):
         raise DietcodeError(f"{family.op}: ConvParams are {'required' if family.op == 'conv' else 'only for conv'}")
+    if conv is not None and conv.channels_last and conv.groups != 1:
+        raise DietcodeError(f"conv: the channels-last form is ungrouped only, got groups={conv.groups}")
     if family.op == "conv" and trans_b:
         raise DietcodeError("conv: trans_b does not apply (the weight is always [OC, C*KH*KW])")
     allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"}) - \
@@ -322,6 +324,7 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
     if family.op == "conv":
         assert conv is not None
         constants.update(templates.conv_geometry(conv))
+        constants["CHANNELS_LAST"] = conv.channels_last
     else:
         constants["TRANS_B"] = trans_b
         constants["ALPHA"] = float(epilogue.alpha)  # a model constant, baked in: the ABI is unchanged

@@ -110,6 +110,9 @@ def node_call(item: TimingItem) -> dict[str, Any]:
         c = item.conv
         if c is None or p.image is None:
             raise DietcodeError("conv items need ConvParams and Problem.image")
+        if c.channels_last:
+            raise DietcodeError("conv: channels-last (NHWC) kernels have no ONNX node call yet: the runtime's Conv "
+                                "view is NCHW, so they are compiled and run in the interpreter only")
         n_img, h, w = p.image
         return dict(op="Conv", a=(n_img, c.in_channels, h, w),
                     b=(c.out_channels, c.in_channels // c.groups, *c.kernel),

@@ -379,7 +379,8 @@ class GpuMeasurer(Measurer):
 
         c = self.conv
         conv = "" if c is None else (f";conv={c.in_channels}x{c.out_channels}k{c.kernel}s{c.strides}"
-                                     f"p{c.pads}d{c.dilations}" + (f"g{c.groups}" if c.groups > 1 else ""))
+                                     f"p{c.pads}d{c.dilations}" + (f"g{c.groups}" if c.groups > 1 else "")
+                                     + ("nhwc" if c.channels_last else ""))
         e = self.epilogue
         scale = (f";alpha={e.alpha!r}" if e.alpha != 1.0 else "") + (";residual=1" if e.residual else "") \
             + (";residual_first=1" if e.residual_first else "") + (";residual_mul=1" if e.residual_mul else "")

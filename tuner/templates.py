@@ -291,6 +291,76 @@ def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, wo
 
 
 @triton.jit
+def _conv_nhwc(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
+               CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+               STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+               DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               RESIDUAL_FIRST: tl.constexpr, RESIDUAL_MUL: tl.constexpr):
+    """``conv_kernel`` with CHANNELS_LAST: the implicit GEMM over NHWC X, rows (n, oh, ow), cols oc, reduction
+    (kh, kw, c) with W [OC, KH, KW, CHANNELS] read as B [K, N] transposed (contiguous along K, as NCHW's W).
+    X's offset of (row, k) is (pixel(row) + dh * img_w + dw) * CHANNELS + c, the row's pixel (img, ih0, iw0)
+    in int64 and the rest in int32 (the launcher keeps X per image below 2^31). With CHANNELS % BLOCK_K == 0
+    (EVEN) a K slice lies in one (kh, kw): its window offset and bounds test are scalars per slice and the
+    load's predicate is the row's alone (constant along K), so the load vectorizes; otherwise each element
+    finds its own (kh, kw, c)."""
+    EVEN: tl.constexpr = CHANNELS % BLOCK_K == 0
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    hw_out = out_h * out_w
+    img = offs_m // hw_out
+    pix = offs_m % hw_out
+    ih0 = (pix // out_w) * STRIDE_H - PAD_H
+    iw0 = (pix % out_w) * STRIDE_W - PAD_W
+    # the row's window origin as a pixel index (may lie outside the image: only offsets inside it are loaded)
+    row_base = ((img.to(tl.int64) * img_h + ih0) * img_w + iw0) * CHANNELS
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
+        k_first = (k0 * SPLIT_K + pid_k) * BLOCK_K
+        offs_k = k_first + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        if EVEN:
+            kr = k_first // CHANNELS  # the slice's (kh, kw), the same for all its channels
+            dh = (kr // KW) * DIL_H
+            dw = (kr % KW) * DIL_W
+            cs = k_first % CHANNELS + tl.arange(0, BLOCK_K)
+            ih = (ih0 + dh).to(tl.uint32, bitcast=True)
+            iw = (iw0 + dw).to(tl.uint32, bitcast=True)
+            # a slice past K (split-K's last) loads nothing: its rows end at 0
+            rows = tl.where(k_first < K, M, 0)
+            row_ok = (offs_m < rows) & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
+            x = tl.load(a + (row_base + (dh * img_w + dw) * CHANNELS)[:, None] + cs[None, :],
+                        mask=tl.broadcast_to(row_ok[:, None], (BLOCK_M, BLOCK_K)), other=0.0)
+        else:
+            kr = offs_k // CHANNELS
+            dh = (kr // KW) * DIL_H
+            dw = (kr % KW) * DIL_W
+            col_off = (dh * img_w + dw) * CHANNELS + offs_k % CHANNELS
+            ih = (ih0[:, None] + dh[None, :]).to(tl.uint32, bitcast=True)
+            iw = (iw0[:, None] + dw[None, :]).to(tl.uint32, bitcast=True)
+            x_ok = m_ok[:, None] & k_ok[None, :] & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
+            x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
+        w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    offs_y = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
+        if last:
+            _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
+                    HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
+    else:
+        _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
+                HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
+
+
+@triton.jit
 def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
                 CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                 STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
@@ -298,7 +368,8 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
-                RESIDUAL_FIRST: tl.constexpr = False, RESIDUAL_MUL: tl.constexpr = False):
+                RESIDUAL_FIRST: tl.constexpr = False, RESIDUAL_MUL: tl.constexpr = False,
+                CHANNELS_LAST: tl.constexpr = False):
     """Y = act(conv2d(X, W) + bias) + residual, with RESIDUAL_FIRST act(conv2d(X, W) + bias + residual) (ResNet's
     Conv -> Add(shortcut) -> Relu), with RESIDUAL_MUL act(conv2d(X, W) + bias) * residual, NCHW, as implicit
     GEMM: rows (n, oh, ow), cols oc, reduction (c, kh, kw). X [img_n, CHANNELS, img_h, img_w], Y and the
@@ -307,7 +378,18 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
     A grouped conv (ONNX ``group`` G) is G independent implicit GEMMs, one per grid z = program_id(2): the grid's
     z extent is G (the ABI's batch), N = OC / G and K = (CHANNELS / G) * KH * KW are one group's, W is
     [OC, CHANNELS / G, KH, KW] and group z reads input channels z * CHANNELS / G on, W's rows, the bias and Y's
-    channels z * N on. With G = 1 (grid z 1) this is the ungrouped conv."""
+    channels z * N on. With G = 1 (grid z 1) this is the ungrouped conv.
+
+    CHANNELS_LAST (ungrouped only, grid z 1): X is NHWC [img_n, img_h, img_w, CHANNELS], W [OC, KH, KW,
+    CHANNELS], Y and the residual NHWC [img_n, out_h, out_w, OC] (Y is then the GEMM's row-major [M, N]); the
+    reduction runs (kh, kw, c), so a K slice is a run of channels of one input pixel: contiguous, and with
+    CHANNELS a multiple of BLOCK_K (a whole slice in one (kh, kw)) one bounds predicate per row, so Triton loads
+    it in 16-byte vectors (cp.async) where NCHW gathers element by element (``_conv_nhwc``)."""
+    if CHANNELS_LAST:
+        _conv_nhwc(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace, CHANNELS, KH, KW,
+                   STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, HAS_BIAS, ACTIVATION, DOT_PRECISION,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
+        return
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     # the group: its first input channel (K / (KH * KW) channels per group), W rows and output channels
@@ -615,7 +697,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
 
     gemm: a [M, K], b [K, N] (or [N, K] with ``trans_b``). bmm: a [..., M, K], b [..., K, N] where each
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
-    b = W [OC, C / groups, KH, KW], ``conv`` gives the layer (one program grid z per group). ``bias`` is required iff ``epilogue.bias``, ``residual``
+    b = W [OC, C / groups, KH, KW], ``conv`` gives the layer (one program grid z per group); with
+    ``conv.channels_last`` a = X [n, H, W, C], b = W [OC, KH, KW, C] and the output (and residual) [n, OH, OW, OC]. ``bias`` is required iff ``epilogue.bias``, ``residual``
     (the output's shape: gemm [M, N], conv [n, OC, OH, OW]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
     of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
     one); the kernel leaves its counters at zero again. A persistent config (gemm, bmm) launches
@@ -673,17 +756,27 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         if conv is None:
             raise DietcodeError("conv: ConvParams are required")
         g = conv.groups
-        weight_shape = (conv.out_channels, conv.in_channels // g, *conv.kernel)
-        if a.dim() != 4 or a.shape[1] != conv.in_channels or tuple(b.shape) != weight_shape:
-            raise DietcodeError(f"conv: expects X [n, {conv.in_channels}, H, W] and W {list(weight_shape)}, "
-                                f"got {list(a.shape)} and {list(b.shape)}")
-        n_img, _, h, w = a.shape
+        if conv.channels_last:
+            if g != 1:
+                raise DietcodeError(f"conv: the channels-last form is ungrouped only, got groups={g}")
+            weight_shape = (conv.out_channels, *conv.kernel, conv.in_channels)
+            if a.dim() != 4 or a.shape[3] != conv.in_channels or tuple(b.shape) != weight_shape:
+                raise DietcodeError(f"conv: channels-last expects X [n, H, W, {conv.in_channels}] and W "
+                                    f"{list(weight_shape)}, got {list(a.shape)} and {list(b.shape)}")
+            n_img, h, w, _ = a.shape
+        else:
+            weight_shape = (conv.out_channels, conv.in_channels // g, *conv.kernel)
+            if a.dim() != 4 or a.shape[1] != conv.in_channels or tuple(b.shape) != weight_shape:
+                raise DietcodeError(f"conv: expects X [n, {conv.in_channels}, H, W] and W {list(weight_shape)}, "
+                                    f"got {list(a.shape)} and {list(b.shape)}")
+            n_img, _, h, w = a.shape
         oh = conv_out_size(h, conv.kernel[0], conv.strides[0], conv.pads[0], conv.pads[2], conv.dilations[0])
         ow = conv_out_size(w, conv.kernel[1], conv.strides[1], conv.pads[1], conv.pads[3], conv.dilations[1])
         if oh <= 0 or ow <= 0:
             raise DietcodeError(f"conv: input {h}x{w} is smaller than the dilated kernel (output {oh}x{ow})")
         m, n, k = n_img * oh * ow, conv.out_channels // g, conv.in_channels // g * conv.kernel[0] * conv.kernel[1]
-        out = torch.empty((n_img, conv.out_channels, oh, ow), dtype=a.dtype, device=a.device)
+        out_shape = (n_img, oh, ow, conv.out_channels) if conv.channels_last else (n_img, conv.out_channels, oh, ow)
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
         if residual is not None and tuple(residual.shape) != tuple(out.shape):
             raise DietcodeError(f"conv: the residual must have the output's shape {tuple(out.shape)}, got "
                                 f"{tuple(residual.shape)}")
@@ -691,7 +784,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, g)
         kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, g),
                      HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
-                     RESIDUAL_MUL=epilogue.residual_mul,
+                     RESIDUAL_MUL=epilogue.residual_mul, CHANNELS_LAST=conv.channels_last,
                      **conv_geometry(conv), **meta)
         return out
     m, k = a.shape[-2:]

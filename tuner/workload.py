@@ -25,7 +25,12 @@ class ConvParams:
     """NCHW Conv2d attributes and the constant channel counts: ``in_channels`` is X's (all groups), the weight
     is [out_channels, in_channels / groups, *kernel]. A grouped conv (``groups`` > 1, depthwise when groups ==
     in_channels) is ``groups`` GEMMs of n = out_channels / groups, k = in_channels / groups * KH * KW: its
-    workload's batch."""
+    workload's batch.
+
+    ``channels_last``: the layer computed on NHWC tensors (X [N, H, W, C], W [OC, KH, KW, C], Y [N, OH, OW, OC]),
+    the conv template's CHANNELS_LAST form, which loads X in 16-byte vectors where NCHW gathers it element by
+    element; ungrouped only. The runtime (bundle, custom op, rewrite) does not take such kernels yet: only the
+    template, its compiles and its interpreter runs do."""
 
     in_channels: int
     out_channels: int
@@ -34,6 +39,7 @@ class ConvParams:
     pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # top, left, bottom, right (ONNX order)
     dilations: tuple[int, int] = (1, 1)
     groups: int = 1
+    channels_last: bool = False
 
     def geometry(self) -> tuple[int, ...]:
         """What a compiled conv kernel records of the layer, in ``dietcode_ort.bundle.CONV_FIELDS``' order:
