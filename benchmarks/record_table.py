@@ -99,20 +99,25 @@ CONV_IMAGES = ((1, 224, 224), (8, 224, 224), (32, 224, 224), (8, 160, 160), (8, 
 def _model_conv_sets(name: str, preset: str, images: Sequence[tuple[int, int, int]],
                      grouped: bool) -> list[TableSet]:
     """The distinct conv layers of model ``name`` (as the scanner sees its ``preset``), grouped or not, at
-    ``images``."""
+    ``images``, each in the layout optimize gives it (``--conv-layout``'s default: channels-last where
+    tuner.layout chooses it, tagged ``-nhwc``)."""
+    from pathlib import Path
+
     import models
+    from tuner.optimize import OptimizeOptions, _layouts
     from tuner.scan import scan_model
     from tuner.workload import Instance
 
     out = []
-    for w in scan_model(models.build(name, preset)).workloads:
+    model = models.build(name, preset)
+    for w in _layouts(model, scan_model(model).workloads, OptimizeOptions().conv_layout, Path(".")):
         if w.op != "conv" or (w.conv.groups > 1) != grouped:
             continue
         c = w.conv
         problems = tuple(w.problem(Instance.of({"batch": n, "height": h, "width": wd})) for n, h, wd in images)
         tag = (f"conv-{c.in_channels}x{c.out_channels}-k{c.kernel[0]}s{c.strides[0]}"
                f"{f'-g{c.groups}' if c.groups > 1 else ''}"
-               f"-{'bias' if w.epilogue.bias else 'nobias'}-{w.epilogue.activation}")
+               f"-{'bias' if w.epilogue.bias else 'nobias'}-{w.epilogue.activation}{'-nhwc' if c.channels_last else ''}")
         out.append(TableSet(tag, "conv", problems, w.epilogue, c, meta={"nodes": len(w.nodes)}))
     return out
 

@@ -181,7 +181,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
-        fp32_precision=args.fp32_precision, prior=args.prior, min_speedup=args.min_speedup)
+        fp32_precision=args.fp32_precision, prior=args.prior, min_speedup=args.min_speedup,
+        conv_layout=args.conv_layout)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -211,6 +212,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "less than X times cuDNN's speed (weighted geomean over its shapes; a conv's dispatch tree "
                         "has no vendor leaf, a GEMM's takes cuBLAS per shape); 0 rewrites every workload "
                         "(default 1.0)")
+    p.add_argument("--conv-layout", choices=("nhwc", "nchw"), default="nhwc",
+                   help="nhwc (default): conv nodes run channels-last where they can (ungrouped, X's channels a "
+                        "whole number of 16-byte vectors, the weight an initializer), with Transposes only where "
+                        "such a chain starts and ends; nchw: in the model's own layout")
     p.add_argument("--db", help="tuning database (SQLite); default tuning.db in $XDG_CACHE_HOME/dietcode-ort "
                                 "or ~/.cache/dietcode-ort (created on first use)")
     p.add_argument("--cache-dir", default=None,

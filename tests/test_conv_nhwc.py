@@ -52,3 +52,14 @@ def test_channels_last_is_its_own_kernel_and_ungrouped_only(tmp_path: Path) -> N
     with pytest.raises(DietcodeError, match="channels-last form is ungrouped only, got groups=2"):
         compile_kernel(FP16_H100, TILE, conv=ConvParams(64, 64, (3, 3), groups=2, channels_last=True),
                        cache_dir=tmp_path)
+
+
+def test_channels_last_space_admits_the_tiles_nchw_gathers_cannot():
+    """The registers rule charges the NHWC form a 64-bit address and a predicate per 16-byte vector, not per
+    element: its space holds every NCHW config and the large wgmma tiles the NCHW gather spills on."""
+    from tuner.space import enumerate_space
+
+    nchw, nhwc = (set(enumerate_space(FP16_H100, channels_last=cl)) for cl in (False, True))
+    assert nchw < nhwc and len(nhwc) > 2 * len(nchw)
+    assert TILE in nhwc and TILE not in nchw
+    assert MicroKernel(128, 128, 64, 8, 5) in nhwc and MicroKernel(128, 128, 64, 8, 5) not in nchw

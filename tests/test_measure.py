@@ -407,15 +407,18 @@ def test_gpu_timings_are_keyed_by_template_source_and_timing_settings(monkeypatc
     assert context() != base
 
 
-@pytest.mark.parametrize("op", ["gemm", "conv"])
+@pytest.mark.parametrize("op", ["gemm", "conv", "conv_nhwc"])
 @pytest.mark.parametrize("mode", ["after", "first", "mul"])
 def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, mode):
     """The vendor baseline of a residual epilogue adds it where the node does: before the Relu for
     residual_first (ResNet's ConvBiasResidualRelu), after it otherwise, or multiplies by it after the Relu for
     residual_mul (the SwiGLU gate's form); conv's residual comes as the output's [n, OC, OH*OW] (how _operands
-    makes it) and is applied as the output's shape."""
+    makes it), a channels-last conv's as [n, OH*OW, OC] with X and W in channels_last memory, and is applied
+    at the output's elements."""
     torch = pytest.importorskip("torch")
-    conv = ConvParams(3, 4, (3, 3), pads=(1, 1, 1, 1)) if op == "conv" else None
+    nhwc = op == "conv_nhwc"
+    op = "conv" if nhwc else op
+    conv = ConvParams(3, 4, (3, 3), pads=(1, 1, 1, 1), channels_last=nhwc) if op == "conv" else None
     first = mode == "first"
     m = GpuMeasurer(backend="_fake_timing:FakeBackend", conv=conv,
                     epilogue=Epilogue(bias=True, activation="relu", residual=True, residual_first=first,
@@ -423,14 +426,17 @@ def test_vendor_baseline_adds_the_residual_in_the_epilogues_order(op, mode):
     rng = np.random.default_rng(1)
     if op == "conv":
         a, b = rng.standard_normal((2, 3, 5, 6)), rng.standard_normal((4, 3, 3, 3))
-        c, r = rng.standard_normal(4), rng.standard_normal((2, 4, 30))
+        c, r = rng.standard_normal(4), rng.standard_normal((2, 30, 4) if nhwc else (2, 4, 30))
         y = torch.nn.functional.conv2d(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c),
                                        padding=1).numpy()
-        res = r.reshape(y.shape)
+        res = r.reshape(2, 5, 6, 4).transpose(0, 3, 1, 2) if nhwc else r.reshape(y.shape)
     else:
         a, b, c, r = (rng.standard_normal(s) for s in ((5, 7), (7, 6), (6,), (5, 6)))
         y, res = a @ b + c, r
     t = lambda x: torch.from_numpy(x.astype(np.float32))  # noqa: E731
-    got = m.vendor_call(Family(op, "float32", "sm_90"), t(a), t(b), t(c), t(r))().numpy()
+    a_, b_ = t(a), t(b)
+    if nhwc:
+        a_, b_ = (x.contiguous(memory_format=torch.channels_last) for x in (a_, b_))
+    got = m.vendor_call(Family(op, "float32", "sm_90"), a_, b_, t(c), t(r))().numpy()
     want = np.maximum(y + res, 0) if first else np.maximum(y, 0) * res if mode == "mul" else np.maximum(y, 0) + res
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

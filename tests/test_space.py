@@ -35,8 +35,8 @@ def _workload(instances: tuple[Instance, ...]) -> Workload:
 
 
 def test_space_does_not_depend_on_shapes() -> None:
-    # the family and the float32 precision (which shapes the float32 spaces), never a shape
-    assert list(inspect.signature(enumerate_space).parameters) == ["family", "fp32_precision"]
+    # the family, the float32 precision (which shapes the float32 spaces) and a conv's layout, never a shape
+    assert list(inspect.signature(enumerate_space).parameters) == ["family", "fp32_precision", "channels_last"]
     small = _workload((Instance.of({"batch": 1, "seq": 1}), Instance.of({"batch": 1, "seq": 7})))
     large = _workload(tuple(Instance.of({"batch": b, "seq": s}) for b in (8, 32) for s in (128, 512)))
     assert small.problems() != large.problems()

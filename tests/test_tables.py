@@ -40,6 +40,9 @@ def test_conv_sets_are_resnet50_layers():
     stem = next(s for s in sets if s.conv.kernel == (7, 7))
     assert stem.problems == (Problem(112 * 112, 64, 3 * 49, 1, (1, 224, 224)),)
     assert len({s.tag for s in sets}) == len(sets) > 15
+    # timed in the layout optimize gives them: channels-last but for the stem (3 input channels)
+    assert [s for s in sets if not s.conv.channels_last] == [stem]
+    assert all(s.tag.endswith("-nhwc") for s in sets if s is not stem)
 
 
 @pytest.mark.slow

@@ -468,11 +468,17 @@ class GpuMeasurer(Measurer):
                 raise DietcodeError("GpuMeasurer: conv problems need ConvParams and Problem.image")
             n_img, h, w = p.image
             c = self.conv
-            # the output's [n, OC, OH, OW] with its spatial dims as one (M = n * OH * OW): vendor_call views it
-            residual = make(n_img, c.out_channels, p.m // n_img) if self.epilogue.residual else None
+            # the output's [n, OC, OH, OW] with its spatial dims as one (M = n * OH * OW): vendor_call views it;
+            # channels-last: [n, OH * OW, OC], and X and W in torch's channels_last memory format (cuDNN's NHWC)
+            residual = None
+            if self.epilogue.residual:
+                residual = make(n_img, p.m // n_img, c.out_channels) if c.channels_last else \
+                    make(n_img, c.out_channels, p.m // n_img)
             bias = make(c.out_channels) if self.epilogue.bias else None  # every group's (p.n is one group's)
-            return (make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels // c.groups, *c.kernel),
-                    bias, residual)
+            x, w = make(n_img, c.in_channels, h, w), make(c.out_channels, c.in_channels // c.groups, *c.kernel)
+            if c.channels_last:
+                x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+            return x, w, bias, residual
         b_shape = (p.n, p.k) if self.trans_b else (p.k, p.n)
         residual = make(p.batch, p.m, p.n) if family.op == "bmm" else make(p.m, p.n)
         residual = residual if self.epilogue.residual else None
@@ -497,7 +503,8 @@ class GpuMeasurer(Measurer):
           with the bias in it, then the activation and the residual (a bmm's bias alone makes its pass too:
           baddbmm copies the broadcast bias into the output before the GEMM reads it back as C);
 
-        conv: cuDNN's conv2d with the bias, then the residual and the activation in the epilogue's order."""
+        conv: cuDNN's conv2d with the bias, then the residual and the activation in the epilogue's order; a
+        channels-last layer's on torch's channels_last tensors (cuDNN's NHWC, as the CUDA vendor path runs it)."""
         import torch
 
         fn = torch.nn.functional
@@ -510,7 +517,11 @@ class GpuMeasurer(Measurer):
         def finish(y: Any) -> Any:
             if residual is None:
                 return act(y)
-            res = residual.view(y.shape) if family.op == "conv" else residual
+            res = residual
+            if family.op == "conv" and self.conv is not None and self.conv.channels_last:  # y: NCHW dims, NHWC memory
+                res = residual.view(y.shape[0], y.shape[2], y.shape[3], y.shape[1]).permute(0, 3, 1, 2)
+            elif family.op == "conv":
+                res = residual.view(y.shape)
             if e.residual_mul:
                 return act(y).mul_(res)
             return act(y.add_(res)) if first else act(y).add_(res)

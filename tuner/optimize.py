@@ -19,6 +19,7 @@ from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
+from tuner.layout import NodeValues, choose_layouts
 from tuner.scan import ScanResult, Skipped, attach_instances, load_model, prepare_graph
 from tuner.workload import Problem, Workload
 
@@ -58,6 +59,7 @@ class OptimizeOptions:
     # measured tuning only: a conv workload whose kernels reach less than this times cuDNN's speed (weighted
     # geomean over its shapes) is left to ORT (``_loses``)
     min_speedup: float = 1.0
+    conv_layout: str = "nhwc"  # "nhwc": conv workloads run channels-last where they can (tuner.layout); "nchw"
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,9 @@ def features_for(w: Workload, node_index: int) -> tuple[Feature, ...]:
     """The same features as products of the node's input dims, for the C++ runtime."""
     rank_a, rank_b = w.ranks[node_index] if w.ranks else (2, 2)
     dims: dict[str, tuple[tuple[int, int], ...]]
-    if w.op == "conv":
-        dims = {"img_n": ((0, 0),), "img_h": ((0, 2),), "img_w": ((0, 3),)}
+    if w.op == "conv":  # X [N, C, H, W], or [N, H, W, C] channels-last
+        h = 1 if w.conv is not None and w.conv.channels_last else 2
+        dims = {"img_n": ((0, 0),), "img_h": ((0, h),), "img_w": ((0, h + 1),)}
     elif w.op == "gemm":
         n = ((1, 0),) if w.trans_b else ((1, -1),)
         dims = {"M": tuple((0, d) for d in range(rank_a - 1)), "N": n, "K": ((0, -1),)}
@@ -172,6 +175,8 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
     for u in units:
         dims = _model_dims(options.dims, u.scanned.symbols) if several or u.branch else options.dims
         u.scanned = attach_instances(u.scanned, dims, options.shapes_file)
+        u.scanned = replace(u.scanned, workloads=_layouts(u.model, u.scanned.workloads, options.conv_layout,
+                                                           base_dir))
     if not units[0].scanned.symbols:
         raise DietcodeError(f"{model_path} has no symbolic dims: nothing to optimize")
     if not any(u.scanned.workloads or u.scanned.skipped for u in units):
@@ -181,6 +186,20 @@ def _scan(model_path: Path, output: Path, options: OptimizeOptions, several: boo
         raise DietcodeError(f"{model_path}: no MatMul/Gemm/Conv node with symbolic dims can be optimized: "
                             + "; ".join(f"{located(u.where, s.node)}: {s.reason}" for u in units for s in u.scanned.skipped))
     return units
+
+
+def _layouts(model: "onnx.ModelProto", workloads: Sequence[Workload], layout: str,
+             base_dir: Path) -> tuple[Workload, ...]:
+    """The conv workloads' layouts (tuner.layout.choose_layouts), from the rewrite's plan of their nodes."""
+    from dietcode_ort.bundle import op_takes_residual
+    from tuner.rewrite import plan_rewrite
+
+    if layout == "nchw" or not any(w.conv is not None for w in workloads):
+        return tuple(workloads)
+    sites = plan_rewrite(model, [w for w in workloads if w.conv is not None], base_dir=base_dir)
+    nodes = {key: NodeValues(s.inputs[0], s.inputs[-1] if op_takes_residual(s.op) else None, s.output,
+                             frozenset((s.index, *s.absorbed))) for key, s in sites.items()}
+    return choose_layouts(model.graph, workloads, layout, nodes)
 
 
 def _log_at(log: Callable[[str], None], where: str, line: str) -> None:
@@ -661,8 +680,9 @@ def candidate_space(w: Workload, options: OptimizeOptions) -> list[MicroKernel]:
     from tuner.space import enumerate_space
 
     precision = options.fp32_precision  # shapes the float32 spaces (tf32 dots use sm_90's wgmma and TMA)
-    others = [set(enumerate_space(_family(w, t), precision)) for t in options.targets[1:]]
-    space = [c for c in enumerate_space(_family(w, options.targets[0]), precision)
+    nhwc = w.conv is not None and w.conv.channels_last  # the template's NHWC form gathers in vectors: larger tiles
+    others = [set(enumerate_space(_family(w, t), precision, nhwc)) for t in options.targets[1:]]
+    space = [c for c in enumerate_space(_family(w, options.targets[0]), precision, nhwc)
              if all(c in other for other in others)]
     if not {"K", "N"} <= set(_div16(w)):
         space = [c for c in space if not c.tma]

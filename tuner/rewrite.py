@@ -21,6 +21,7 @@ names empty or repeat them.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from onnx import helper, numpy_helper
 
 from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
+from tuner.layout import ChannelsLast, channels_last, nhwc_body
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import MOVABLE, GraphLinks, node_reads
 from tuner.workload import Workload
@@ -99,8 +101,9 @@ def _function(op: str, onnx_op: str, body: tuple[onnx.NodeProto, ...], opsets: l
     output Y; the last input, the kernel bundle, is read by the custom op and ignored here."""
     inputs = ["A", "B"] + (["bias"] if "Bias" in op else []) + (["residual"] if bundle_format.op_takes_residual(op) else []) \
         + ["bundle"]
+    layout = ["channels_last"] if onnx_op == "Conv" else []  # a channels-last node's body transposes (tuner.layout)
     return helper.make_function(DOMAIN, op, inputs, ["Y"], list(body), opsets,
-                                attributes=["info"] + list(_FORWARDED[onnx_op]),
+                                attributes=["info"] + list(_FORWARDED[onnx_op]) + layout,
                                 overload=overload or None)
 
 
@@ -461,9 +464,23 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
         {o for n in graph.node for o in n.output}
     # a Conv's pads as scan resolved them (auto_pad VALID / SAME made explicit): the node and its body use these
     conv_pads = {name: list(w.conv.pads) for w in workloads if w.conv is not None for name in w.nodes}
+    # channels-last conv nodes (tuner.layout): NHWC in and out, Transposes only where NCHW meets NHWC
+    nhwc_nodes = {name for w in workloads if channels_last(w) for name in w.nodes} & set(sites)
+    layout = ChannelsLast(graph, {sites[n].output for n in nhwc_nodes}, taken,
+                          None if base_dir is None else Path(base_dir))
+    nhwc_members = {i for n in nhwc_nodes for i in (sites[n].index, *sites[n].absorbed)}
+    links = GraphLinks(graph)
+    position = {id(n): i for i, n in enumerate(graph.node)}
     for node_name, site in sites.items():
         payload = bundles[node_name]
         node = graph.node[site.index]
+        nhwc = node_name in nhwc_nodes
+        if nhwc:
+            residual = bundle_format.op_takes_residual(site.op)
+            inputs = [layout.input(site.inputs[0]), layout.weight(site.inputs[1]), *site.inputs[2:]]
+            if residual:
+                inputs[-1] = layout.input(site.inputs[-1])
+            site = dataclasses.replace(site, inputs=tuple(inputs), body=nhwc_body(site.body, residual))
         overload = _overload(functions, new_functions, site, node.op_type, opsets)
         if payload not in shared:
             new_initializers.append(_bundle_initializer(payload, taken))
@@ -471,7 +488,14 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
         attributes = _node_attributes(node)
         if node_name in conv_pads:
             attributes["pads"] = conv_pads[node_name]
-        custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [site.output], name=node.name,
+        output, back = layout.output(site.output) if nhwc else (site.output, None)
+        if nhwc:
+            attributes["channels_last"] = 1
+            # the NCHW value stays where something else still reads it
+            if site.output not in links.graph_outputs and all(
+                    position[id(r)] in nhwc_members for r in links.consumers.get(site.output, [])):
+                back = None
+        custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [output], name=node.name,
                                   domain=DOMAIN, **attributes)
         if site.scale != 1.0:
             custom.attribute.append(helper.make_attribute("scale", site.scale))
@@ -479,15 +503,25 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
             custom.overload = overload
         if info and node_name in info:
             custom.attribute.append(helper.make_attribute("info", info[node_name]))
-        replace[site.place] = [custom] + ([site.reshape] if site.reshape is not None else [])
+        replace[site.place] = [custom] + ([site.reshape] if site.reshape is not None else []) + \
+            ([back] if back is not None else [])
         drop.update(i for i in (site.index, *site.absorbed) if i != site.place)
         used_ops.add(site.op)
         rewritten.append(node_name)
-    new_nodes = [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
+    head = []  # the NHWC copies of values no node makes (graph inputs), first; the others right after their maker
+    for value, transpose in layout.transposes.items():
+        maker = links.producers.get(value)
+        if maker is None:
+            head.append(transpose)
+        else:
+            at = position[id(maker)]
+            replace[at] = replace.get(at, [maker]) + [transpose]
+    new_nodes = head + [m for i, n in enumerate(graph.node) if i not in drop for m in replace.get(i, [n])]
     del graph.node[:]
     graph.node.extend(new_nodes)
     _drop_unread(graph, before)
     graph.initializer.extend(new_initializers)
+    graph.initializer.extend(layout.weights.values())
     if new_functions:
         if out.ir_version < 4:  # initializers were constant inputs there; from IR 4 they are overridable
             _drop_inputs(graph, {t.name for t in graph.initializer})

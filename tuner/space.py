@@ -265,13 +265,16 @@ def estimate_shared(config: MicroKernel, dtype: str) -> int:
     return config.num_stages * tile * DTYPE_BYTES[dtype]
 
 
-def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32, op: str = "gemm") -> int:
+def estimate_registers(config: MicroKernel, dtype: str, warp_size: int = 32, op: str = "gemm",
+                       channels_last: bool = False) -> int:
     """Registers per thread: fp32 accumulator + one stage of operand fragments + a fixed overhead; conv
-    also keeps, per pipeline stage, a 64-bit address and a predicate for each gathered input element."""
+    also keeps, per pipeline stage, a 64-bit address and a predicate for each gathered input element, or with
+    ``channels_last`` (the template's NHWC form) for each 16-byte vector of them."""
     threads = config.num_warps * warp_size
     acc = config.block_m * config.block_n // threads
     operands = (config.block_m * config.block_k + config.block_k * config.block_n) * DTYPE_BYTES[dtype]
-    gather = config.num_stages * -(-config.block_m * config.block_k // threads) * 3 if op == "conv" else 0
+    vector = 16 // DTYPE_BYTES[dtype] if channels_last else 1
+    gather = config.num_stages * -(-config.block_m * config.block_k // (threads * vector)) * 3 if op == "conv" else 0
     return acc + -(-operands // (4 * threads)) + gather + _REG_OVERHEAD
 
 
@@ -307,7 +310,8 @@ def persistent_programs(config: MicroKernel, dtype: str, profile: HardwareProfil
     return max(1, min(_PERSISTENT_MAX, resident))
 
 
-def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, tf32: bool = False) -> str | None:
+def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, tf32: bool = False,
+                 channels_last: bool = False) -> str | None:
     mma_m, mma_n, mma_k = p.mma_min_tile
     k_min = max(16, mma_k * 2 // DTYPE_BYTES[dtype])
     if config.num_warps * p.warp_size > p.max_threads_per_block:
@@ -320,7 +324,7 @@ def _failed_rule(config: MicroKernel, op: str, dtype: str, p: HardwareProfile, t
         return "warp_tile"
     if estimate_shared(config, dtype) > p.smem_per_block_optin:
         return "shared_memory"
-    if estimate_registers(config, dtype, p.warp_size, op) > p.regs_per_thread:
+    if estimate_registers(config, dtype, p.warp_size, op, channels_last) > p.regs_per_thread:
         return "registers"
     if config.split_k > 1 and (config.block_m > config.block_n or config.block_m * config.block_n > _SPLIT_K_MAX_TILE):
         return "split_k"
@@ -340,15 +344,19 @@ def _product(profile: HardwareProfile) -> list[MicroKernel]:
     return [MicroKernel(*values) for values in itertools.product(*axes_for(profile).values())]
 
 
-def enumerate_space(family: Family, fp32_precision: str = DEFAULT_FP32_PRECISION) -> list[MicroKernel]:
+def enumerate_space(family: Family, fp32_precision: str = DEFAULT_FP32_PRECISION,
+                    channels_last: bool = False) -> list[MicroKernel]:
     """All configs of the axes that pass every pruning rule for ``family``, sorted (deterministic).
+    ``channels_last``: a conv family's space for the template's NHWC form, whose gathers cost registers per
+    16-byte vector instead of per element (rule ``registers``): larger tiles pass.
 
     ``fp32_precision`` (how float32 dots are computed, ``FP32_PRECISIONS``) shapes the float32 spaces only: a
     tf32 dot runs on the tensor cores, so on sm_90 its space follows the 16-bit spaces' ``wgmma`` and ``tma``
     rules; an ieee one keeps the FMA units' space. It is not a shape: every shape still shares the space."""
     profile = check_family(family)
     tf32 = uses_tf32(family.dtype, fp32_precision)
-    return sorted(c for c in _product(profile) if _failed_rule(c, family.op, family.dtype, profile, tf32) is None)
+    return sorted(c for c in _product(profile)
+                  if _failed_rule(c, family.op, family.dtype, profile, tf32, channels_last) is None)
 
 
 def prune_report(family: Family, fp32_precision: str = DEFAULT_FP32_PRECISION) -> dict[str, int]:
