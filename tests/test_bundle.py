@@ -867,3 +867,21 @@ def test_attention_head_dim_mask_rows_and_nan_to_zero_round_trip_and_are_checked
         with pytest.raises(DietcodeError, match=pattern):
             Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
         _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)
+
+
+def test_channels_last_comes_from_the_compiled_kernels_conv() -> None:
+    """A kernel compiled for a channels-last layer (ConvParams.channels_last) goes in a bundle with the flag set
+    (the writer once refused it); an NCHW one, grouped or not, without it."""
+    from types import SimpleNamespace
+
+    from tuner.workload import ConvParams
+
+    params = ("a", "b", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w")
+    for conv, channels_last, grouped in ((ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1), channels_last=True), True, False),
+                                         (ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1)), False, False),
+                                         (ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1), groups=2), False, True)):
+        compiled = SimpleNamespace(name="k", arch=90, cubin=b"\x7fELF", ptx="", params=params, num_warps=4, shared=0,
+                                   block_m=64, block_n=64, split_k=1, conv=conv)
+        kernel = BundleKernel.from_compiled([compiled])
+        assert (kernel.channels_last, kernel.grouped) == (channels_last, grouped)
+        assert read_bundle(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()).kernels[0] == kernel
