@@ -372,7 +372,7 @@ class AttentionKernel {
         Throw("bundle kernel " + std::to_string(k) + " is the vendor kind; Attention has no vendor kernel");
       }
     }
-    if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1) != 0) Throw(dc_last_error());
+    if (dc_bundle_check_node(bundle_.get(), DtypeCode(dtype_), 3, 0, 0, nullptr, 1, 0) != 0) Throw(dc_last_error());
     // on both EPs: the kernels' baked-in SCALE (their alpha) must be the scale the CPU path applies
     if (dc_bundle_check_scale(bundle_.get(), scale_) != 0) Throw(dc_last_error());
     // the kernels read and write the operands in the layouts and head dim compiled into them, index the mask

@@ -134,6 +134,7 @@ struct Kernel {
   uint32_t head_dim = 0;
   bool mask_rows = false, nan_to_zero = false;
   bool grouped = false;  // conv kernels: compiled for a grouped conv (the epilogue flags' bit 3)
+  bool channels_last = false;  // conv kernels: compiled for NHWC tensors (the epilogue flags' bit 4, format 11)
   bool tf32 = false;  // float32 kernels only: dots in TF32 on the tensor cores (flags bit 2)
   uint8_t layout = 0;   // attention kernels only: operand layouts, kLayout* bits (flags bits 3..6)
   uint8_t persistent = 0;  // gemm / bmm kernels: programs per SM of a persistent kernel, 0 for one per tile

@@ -111,6 +111,11 @@ int dc_bundle_kernel_grouped(const dc_bundle* b, int32_t k) {
   return kernel == nullptr ? -1 : kernel->grouped ? 1 : 0;
 }
 
+int dc_bundle_kernel_channels_last(const dc_bundle* b, int32_t k) {
+  const dietcode::Kernel* kernel = KernelAt(b, k);
+  return kernel == nullptr ? -1 : kernel->channels_last ? 1 : 0;
+}
+
 int dc_bundle_kernel_tf32(const dc_bundle* b, int32_t k) {
   const dietcode::Kernel* kernel = KernelAt(b, k);
   return kernel == nullptr ? -1 : kernel->tf32 ? 1 : 0;

@@ -17,13 +17,14 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 10;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+constexpr uint32_t kVersion = 11;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                    // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                    // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
                                    // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
                                    // its bit 3 (grouped conv kernels) came later in format 9: a library older
                                    // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
-                                   // div16 bit i names param kQ + i (its params all sit from kQ on)
+                                   // div16 bit i names param kQ + i (its params all sit from kQ on); 11: the
+                                   // epilogue flags' bit 4, channels-last (NHWC) conv kernels
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -38,6 +39,7 @@ constexpr uint8_t kEpilogueResidualMul = 1;  // the kernel record's epilogue fla
 constexpr uint8_t kEpilogueMaskRows = 2;  // attention: the mask varies along the queries (MASK_ROWS)
 constexpr uint8_t kEpilogueNanToZero = 4;  // attention: a row with no finite score gives 0 (NAN_TO_ZERO)
 constexpr uint8_t kEpilogueGrouped = 8;    // conv: compiled for a grouped conv, its group from the grid's z
+constexpr uint8_t kEpilogueChannelsLast = 16;  // conv: compiled for NHWC X, OHWI W, NHWC Y (format 11; ungrouped)
 constexpr uint32_t kMaxHeadDim = 256;  // an attention kernel's HEAD_DIM (tuner/attention.py MAX_HEAD_DIM)
 
 // Limits shared with dietcode_ort/bundle.py (LIMITS).
@@ -220,7 +222,7 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
     for (uint32_t v : k.conv) any_conv |= v != 0;
     if (!k.images.empty() || !k.ptx.empty() || !k.params.empty() || k.div16 || k.dtype || k.activation ||
         k.trans_b || any_conv || k.alpha != 1.0f || k.causal || k.residual_first || k.residual_mul || k.tf32 || k.layout || k.persistent ||
-        k.head_dim || k.mask_rows || k.nan_to_zero || k.grouped || !k.ptx_toolchain.empty() ||
+        k.head_dim || k.mask_rows || k.nan_to_zero || k.grouped || k.channels_last || !k.ptx_toolchain.empty() ||
         k.ptx_scratch_size || k.ptx_scratch_align != 1) {
       Fail(where + ": a vendor kernel carries no cubin, PTX, params, div16 assumptions or build facts");
     }
@@ -293,6 +295,10 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
          (!seen[kResidual] ? "no residual" : k.activation == 0 ? "no activation" : "it before the activation"));
   }
   if (k.grouped && !seen[kImgH]) Fail(where + ": grouped applies to conv kernels only");
+  if (k.channels_last && !seen[kImgH]) Fail(where + ": channels_last applies to conv kernels only");
+  if (k.channels_last && k.grouped) {
+    Fail(where + ": channels_last applies to ungrouped conv kernels only, the kernel is grouped");
+  }
   // conv kernels (they take img_h) carry their layer geometry; other kernels carry none
   static const uint32_t kConvMin[9] = {1, 1, 1, 1, 1, 0, 0, 1, 1};
   static const uint32_t kConvMax[9] = {1u << 20, 64, 64, 64, 64, 1024, 1024, 64, 64};
@@ -415,13 +421,15 @@ void ReadKernels(Reader r, const uint8_t* data, dc_bundle* b) {
     k.ptx_scratch_align = sub.Get<uint32_t>("PTX scratch align");
     CheckScratch(k.ptx_scratch_size, k.ptx_scratch_align, "kernel " + std::to_string(index) + ": PTX");
     const uint8_t epilogue = sub.Get<uint8_t>("epilogue flags");
-    if (epilogue & ~(kEpilogueResidualMul | kEpilogueMaskRows | kEpilogueNanToZero | kEpilogueGrouped)) {
+    if (epilogue &
+        ~(kEpilogueResidualMul | kEpilogueMaskRows | kEpilogueNanToZero | kEpilogueGrouped | kEpilogueChannelsLast)) {
       Fail("kernel " + std::to_string(index) + ": epilogue flags " + std::to_string(epilogue) + " invalid");
     }
     k.residual_mul = epilogue & kEpilogueResidualMul;
     k.mask_rows = epilogue & kEpilogueMaskRows;
     k.nan_to_zero = epilogue & kEpilogueNanToZero;
     k.grouped = epilogue & kEpilogueGrouped;
+    k.channels_last = epilogue & kEpilogueChannelsLast;
     k.head_dim = sub.Get<uint32_t>("head_dim");
     sub.Done();
     r.Seek(start + record);
@@ -1185,13 +1193,18 @@ int dc_bundle_kernel_built_for(const dc_bundle* b, int32_t k, int32_t* dtype, in
 }
 
 int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation, int trans_b, const int64_t* conv9,
-                         int explicit_pads) {
+                         int explicit_pads, int channels_last) {
   if (b == nullptr || (base == 2 && conv9 == nullptr)) {
     SetError("dc_bundle_check_node: null bundle or conv attributes");
     return -1;
   }
   if (base == 2 && conv9[8] < 1) {
     SetError("Conv group " + std::to_string(conv9[8]) + " must be at least 1");
+    return -1;
+  }
+  if (channels_last != 0 && (base != 2 || channels_last != 1)) {
+    SetError("dc_bundle_check_node: channels_last " + std::to_string(channels_last) +
+             " (0 or 1, and 1 on Conv only)");
     return -1;
   }
   for (size_t k = 0; k < b->kernels.size(); ++k) {
@@ -1221,6 +1234,11 @@ int dc_bundle_check_node(const dc_bundle* b, int dtype, int base, int activation
       return -1;
     }
     if (!conv_kernel) continue;
+    if (kernel.channels_last != (channels_last == 1)) {
+      SetError(which + " was compiled for " + (kernel.channels_last ? "NHWC" : "NCHW") + ", the node is " +
+               (channels_last ? "NHWC (channels_last=1)" : "NCHW (channels_last=0)") + ": optimize again");
+      return -1;
+    }
     if (!explicit_pads) {
       SetError(which + " needs explicit pads, the node has auto_pad");
       return -1;

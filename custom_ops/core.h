@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 12  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9); 11: grouped conv kernels (dc_bundle_kernel_grouped; dc_abi_view's conv view takes group > 1 as batch = group); 12: the vendor GEMM's cuBLASLt path (dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call in vendor.h)
+#define DC_ABI_VERSION 13  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9); 11: grouped conv kernels (dc_bundle_kernel_grouped; dc_abi_view's conv view takes group > 1 as batch = group); 12: the vendor GEMM's cuBLASLt path (dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call in vendor.h); 13: channels-last (NHWC) conv kernels (bundle format 11, dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int, dc_conv_plan_make's channels_last in vendor.h)
 
 typedef struct dc_bundle dc_bundle;
 
@@ -84,10 +84,11 @@ int dc_bundle_kernel_built_for(const dc_bundle* bundle, int32_t k, int32_t* dtyp
 // Whether every compiled kernel of the bundle was built for this node: dtype (as above), base op (0 MatMul,
 // 1 Gemm, 2 Conv, 3 Attention: the attention view, activation 0, trans_b 0), activation, trans_b, and for Conv conv9 = strides h, w, pads top, left, dilations h, w,
 // kernel_shape h, w (0 where the node does not give it), group (C ABI 11: a node with group > 1 takes only
-// kernels compiled for a grouped conv) and explicit_pads (0 when the node uses auto_pad).
+// kernels compiled for a grouped conv), explicit_pads (0 when the node uses auto_pad) and channels_last (the
+// node's attribute, 0 or 1, 1 on Conv only; C ABI 13: every compiled conv kernel's flag must equal it).
 // 0 if they all fit, -1 with a message naming the first that does not.
 int dc_bundle_check_node(const dc_bundle* bundle, int dtype, int base, int activation, int trans_b,
-                         const int64_t* conv9, int explicit_pads);
+                         const int64_t* conv9, int explicit_pads, int channels_last);
 
 // Whether every compiled kernel's baked-in alpha equals the node's scale (exact float32 equality; vendor
 // kernels carry none). 0 if they do, -1 with a message naming the first kernel and both values.
@@ -118,6 +119,11 @@ int dc_bundle_kernel_residual_mul(const dc_bundle* bundle, int32_t k);
 // group program_id(2) of batch = group (dc_abi_view's conv view), so a node with group > 1 runs only such
 // kernels; 1 or 0; -1 for an out-of-range kernel id.
 int dc_bundle_kernel_grouped(const dc_bundle* bundle, int32_t k);
+
+// Whether conv kernel k was compiled for channels-last tensors (the kernel record's epilogue flags bit 4, format
+// 11; never with grouped): X [N, H, W, C], W [OC, KH, KW, C], Y and the residual [N, OH, OW, OC]. A node runs it
+// only with channels_last=1 (dc_bundle_check_node); 1 or 0; -1 for an out-of-range kernel id.
+int dc_bundle_kernel_channels_last(const dc_bundle* bundle, int32_t k);
 
 // Kernel k's programs per SM (the kernel record's persistent byte, docs/abi.md): n > 0 for a persistent gemm or
 // bmm kernel launched as min(tiles x batch, SMs x n) programs that loop over the tiles, 0 for one program per

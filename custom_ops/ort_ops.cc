@@ -105,6 +105,18 @@ void ApplyActivation(float* y, int64_t n, Activation act) {
   }
 }
 
+// dst[b][c][r] = src[b][r][c]: a channels-last [N, spatial..., C] tensor as [N, C, spatial...] (rows the
+// spatial positions, cols the channels), or the way back with rows and cols swapped.
+void SwapLastTwo(const float* src, float* dst, int64_t batch, int64_t rows, int64_t cols) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* s = src + b * rows * cols;
+    float* d = dst + b * rows * cols;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) d[c * rows + r] = s[r * cols + c];
+    }
+  }
+}
+
 template <typename T>
 void ToFloat(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i].ToFloat();
@@ -176,6 +188,18 @@ class DietcodeKernel {
       conv_.kernel_shape = IntsOr(info, where_, "kernel_shape");
       conv_.group = AttrOr<int64_t>(info, where_, "group", 1);
       conv_.auto_pad = AttrOr<std::string>(info, where_, "auto_pad", "NOTSET");
+      const int64_t channels_last = AttrOr<int64_t>(info, where_, "channels_last", 0);
+      if (channels_last != 0 && channels_last != 1) {
+        Throw("the channels_last attribute is " + std::to_string(channels_last) + "; allowed: 0 (NCHW) or 1 (NHWC)");
+      }
+      if (channels_last == 1 && conv_.group != 1) {
+        Throw("channels_last=1 takes group 1 only, the node has group " + std::to_string(conv_.group));
+      }
+      conv_.channels_last = channels_last == 1;
+      CheckLayout();
+    }
+    if (spec.base != BaseOp::kConv && HasAttribute(info, "channels_last")) {
+      Throw("the channels_last attribute applies to Conv op types only");
     }
     if (cuda_) {
       device_memory_ = std::make_unique<NodeMemory>(raw_info);
@@ -229,7 +253,7 @@ class DietcodeKernel {
   }
 
   // The bundle must fit the node: features read existing inputs, compiled kernels take a bias exactly when
-  // the op type has one.
+  // the op type has one (and, CheckLayout, conv kernels are compiled for the node's layout).
   void CheckBundleFitsNode(size_t n_inputs) {
     const int max_input = dc_bundle_max_feature_input(bundle_.get());
     if (max_input >= static_cast<int>(n_inputs)) {
@@ -266,6 +290,19 @@ class DietcodeKernel {
     }
   }
 
+  // On both EPs: a conv node's compiled kernels were compiled for its layout (channels_last), or the bundle was
+  // made for another model (CUDA checks it again with the rest of the build facts, dc_bundle_check_node).
+  void CheckLayout() const {
+    for (int32_t k = 0; k < n_kernels_; ++k) {
+      if (dc_bundle_kernel_is_vendor(bundle_.get(), k) == 0 &&
+          (dc_bundle_kernel_channels_last(bundle_.get(), k) == 1) != conv_.channels_last) {
+        Throw("bundle kernel " + std::to_string(k) + " was compiled for " +
+              (conv_.channels_last ? "NCHW, the node is NHWC (channels_last=1)" : "NHWC, the node is NCHW (channels_last=0)") +
+              ": optimize again");
+      }
+    }
+  }
+
   // Compiled kernels run on CUDA with their constexprs baked in: the element type, activation, transposed B
   // and a conv layer's geometry must be this node's, or a kernel would compute something else or read past
   // its inputs. (The CPU EP never launches them.) Per call, ComputeCuda also checks a conv's channels and
@@ -278,7 +315,7 @@ class DietcodeKernel {
                               at(conv_.pads, 1, 0), at(conv_.dilations, 0, 1), at(conv_.dilations, 1, 1),
                               at(conv_.kernel_shape, 0, 0), at(conv_.kernel_shape, 1, 0), conv_.group};
     if (dc_bundle_check_node(bundle_.get(), dtype, static_cast<int>(spec_.base), static_cast<int>(spec_.activation),
-                             trans_b, conv9, conv_.auto_pad == "NOTSET") != 0) {
+                             trans_b, conv9, conv_.auto_pad == "NOTSET", conv_.channels_last ? 1 : 0) != 0) {
       Throw(dc_last_error());
     }
     conv_geometry_.assign(n_kernels_, {});
@@ -414,6 +451,51 @@ class DietcodeKernel {
     for (size_t i = 0; i < n_in; ++i) f[i] = AsFloat(in[i], shapes[i], dtype_);
     std::vector<float> y_storage;
     float* y = nullptr;
+    if (spec_.base == BaseOp::kConv && conv_.channels_last) {
+      y = is_float ? out.GetTensorMutableData<float>() : (y_storage.resize(total), y_storage.data());
+      ConvChannelsLastCpu(raw, f, n_op_inputs, out_shape, y);
+    } else {
+      InvokeCpu(raw, in, f, n_op_inputs, is_float, out, out_shape, total, &y_storage, &y);
+    }
+    Epilogue(y, out_shape, total, f, residual, residual_shape, out);
+  }
+
+  // ORT's Conv (NCHW) for a channels-last node: X [N, spatial..., C] -> [N, C, spatial...] and W
+  // [OC, spatial..., C] -> [OC, C, spatial...] into fp32 buffers, the op on those, its output back to
+  // [N, out spatial..., OC] in y (the epilogue follows in NHWC: the residual has Y's layout).
+  void ConvChannelsLastCpu(OrtKernelContext* raw, const FloatTensor* f, size_t n_op_inputs, const Shape& out_shape,
+                           float* y) {
+    const OrtMemoryInfo* mem = cpu_memory_;  // made once per kernel
+    const Shape& xs = *f[0].shape;
+    const Shape& ws = *f[1].shape;
+    const Shape x_nchw = ChannelsFirst(xs), w_nchw = ChannelsFirst(ws), y_nchw = ChannelsFirst(out_shape);
+    const int64_t n_x = NumElements(xs), n_w = NumElements(ws), n_y = NumElements(out_shape);
+    // the spatial positions: the dims between the first and the channels
+    auto spatial = [](const Shape& s) { return NumElements(Shape(s.begin() + 1, s.end() - 1)); };
+    std::vector<float> x_t(n_x), w_t(n_w), y_t(n_y);
+    SwapLastTwo(f[0].data, x_t.data(), xs[0], spatial(xs), xs.back());
+    SwapLastTwo(f[1].data, w_t.data(), ws[0], spatial(ws), ws.back());
+    Ort::Value values[4] = {
+        Ort::Value::CreateTensor<float>(mem, x_t.data(), x_t.size(), x_nchw.data(), x_nchw.size()),
+        Ort::Value::CreateTensor<float>(mem, w_t.data(), w_t.size(), w_nchw.data(), w_nchw.size()),
+        n_op_inputs > 2 ? Ort::Value::CreateTensor<float>(mem, const_cast<float*>(f[2].data),
+                                                          static_cast<size_t>(NumElements(*f[2].shape)),
+                                                          f[2].shape->data(), f[2].shape->size())
+                        : Ort::Value{nullptr},
+        Ort::Value::CreateTensor<float>(mem, y_t.data(), y_t.size(), y_nchw.data(), y_nchw.size())};
+    const OrtValue* op_inputs[3] = {values[0], values[1], values[2]};
+    OrtValue* op_output = values[3];
+    base_op_.Invoke(raw, op_inputs, n_op_inputs, &op_output, 1);
+    SwapLastTwo(y_t.data(), y, out_shape[0], out_shape.back(), spatial(out_shape));
+  }
+
+  // ORT's op on the node's own layout: the inputs as given (fp32) or converted, the output in place (fp32) or
+  // in *y_storage.
+  void InvokeCpu(OrtKernelContext* raw, const Ort::ConstValue* in, const FloatTensor* f, size_t n_op_inputs,
+                 bool is_float, Ort::UnownedValue& out, const Shape& out_shape, int64_t total,
+                 std::vector<float>* y_storage_out, float** y_out) {
+    std::vector<float>& y_storage = *y_storage_out;
+    float*& y = *y_out;
     const OrtMemoryInfo* mem = cpu_memory_;  // made once per kernel
     Ort::Value owned[3] = {Ort::Value{nullptr}, Ort::Value{nullptr}, Ort::Value{nullptr}};
     const OrtValue* op_inputs[3] = {};
@@ -438,6 +520,12 @@ class DietcodeKernel {
       op_output = y_value;
     }
     base_op_.Invoke(raw, op_inputs, n_op_inputs, &op_output, 1);
+  }
+
+  // scale, MatMul's bias, the residual and activation in fp32 on y (the output's layout), then the output's
+  // element type.
+  void Epilogue(float* y, const Shape& out_shape, int64_t total, const FloatTensor* f, const Ort::ConstValue& residual,
+                const Shape& residual_shape, Ort::UnownedValue& out) const {
     if (scale_ != 1.0f) {
       for (int64_t i = 0; i < total; ++i) y[i] *= scale_;
     }
@@ -506,8 +594,11 @@ class DietcodeKernel {
       abi_ok = GemmView(shapes[0], shapes[1], n_in > 2 ? &shapes[2] : nullptr, gemm_, &args);
     } else {
       const std::array<int32_t, 9>& g = conv_geometry_[k];
-      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][1] != g[0] || shapes[1][1] * conv_.group != g[0] ||
-          shapes[1][2] != g[1] || shapes[1][3] != g[2]) {
+      // C, KH, KW: X [N, C, H, W], W [OC, C/group, KH, KW], or channels-last X [N, H, W, C], W [OC, KH, KW, C]
+      const bool cl = conv_.channels_last;
+      const size_t c = cl ? 3 : 1, kh = cl ? 1 : 2, kw = cl ? 2 : 3;
+      if (shapes[0].size() != 4 || shapes[1].size() != 4 || shapes[0][c] != g[0] || shapes[1][c] * conv_.group != g[0] ||
+          shapes[1][kh] != g[1] || shapes[1][kw] != g[2]) {
         Throw("input or weight shape does not match the conv geometry bundle kernel " + std::to_string(k) +
               " was compiled for");
       }
@@ -685,7 +776,7 @@ class DietcodeKernel {
     if (dc_conv_plan_make(shapes[0].data(), shapes[0].size(), shapes[1].data(), shapes[1].size(),
                           n_in > 2 ? shapes[2].data() : nullptr, n_in > 2 ? shapes[2].size() : 0, strides, pads,
                           dilations, conv_.group, auto_pad, dtype, static_cast<int>(spec_.activation),
-                          kOrtCudaUsesTf32, &plan) != 1) {
+                          kOrtCudaUsesTf32, conv_.channels_last ? 1 : 0, &plan) != 1) {
       Throw(std::string("the vendor path (") + why + ") cannot run this call: " + dc_last_error());
     }
     void* cudnn = CudaResource(raw, kCudaResourceCudnnHandle, "cuDNN");

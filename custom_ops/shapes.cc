@@ -140,7 +140,46 @@ bool GemmShape(const Shape& a, const Shape& b, const GemmAttrs& attrs, Shape* ou
   return true;
 }
 
+Shape ChannelsFirst(const Shape& s) {
+  if (s.size() < 2) return s;
+  Shape t(s);
+  std::rotate(t.begin() + 1, t.end() - 1, t.end());
+  return t;
+}
+
+Shape ChannelsLast(const Shape& s) {
+  if (s.size() < 2) return s;
+  Shape t(s);
+  std::rotate(t.begin() + 1, t.begin() + 2, t.end());
+  return t;
+}
+
+namespace {
+bool ConvShapeNchw(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* out, std::string* error);
+}  // namespace
+
 bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* out, std::string* error) {
+  if (!attrs.channels_last) return ConvShapeNchw(x, w, attrs, out, error);
+  if (attrs.group != 1) {
+    *error = "a channels-last Conv must have group 1, got group " + std::to_string(attrs.group);
+    return false;
+  }
+  if (x.size() < 3 || w.size() != x.size()) {
+    *error = "a channels-last Conv needs X [N, spatial..., C] and W [OC, spatial..., C] of the same rank, got " +
+             ToString(x) + " and " + ToString(w);
+    return false;
+  }
+  Shape nchw;
+  if (!ConvShapeNchw(ChannelsFirst(x), ChannelsFirst(w), attrs, &nchw, error)) {
+    *error += " (channels-last X " + ToString(x) + ", W " + ToString(w) + ")";
+    return false;
+  }
+  *out = ChannelsLast(nchw);
+  return true;
+}
+
+namespace {
+bool ConvShapeNchw(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* out, std::string* error) {
   if (x.size() < 3 || w.size() != x.size()) {
     *error = "Conv needs X [N, C, spatial...] and W of the same rank, got " + ToString(x) + " and " + ToString(w);
     return false;
@@ -193,6 +232,7 @@ bool ConvShape(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape* ou
   }
   return true;
 }
+}  // namespace
 
 bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is_batched, dc_launch_args* args) {
   if (a.size() < 2 || b.size() < 2) return false;
@@ -234,15 +274,19 @@ bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& a
 
 bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args) {
   // a grouped conv: `group` GEMMs of one group's output channels and reduction, the group the grid's z (batch)
-  if (x.size() != 4 || attrs.group < 1 || w[0] % attrs.group != 0) return false;
-  const int64_t m = out[0] * out[2] * out[3], n = w[0] / attrs.group, k = w[1] * w[2] * w[3];
-  for (int64_t v : {m, n, k, x[0], x[2], x[3], out[2], out[3], attrs.group}) {
+  if (x.size() != 4 || w.size() != 4 || out.size() != 4 || attrs.group < 1 || w[0] % attrs.group != 0) return false;
+  // channels-last (ungrouped only; ConvShape refuses others): the channels-first view of the permuted shapes
+  if (attrs.channels_last && attrs.group != 1) return false;
+  const bool cl = attrs.channels_last;
+  const size_t c = cl ? 3 : 1, h = cl ? 1 : 2, wd = cl ? 2 : 3;  // the positions of C, H, W
+  const int64_t m = out[0] * out[h] * out[wd], n = w[0] / attrs.group, k = w[c] * w[h] * w[wd];
+  for (int64_t v : {m, n, k, x[0], x[h], x[wd], out[h], out[wd], attrs.group}) {
     if (!FitsInt32(v)) return false;
   }
   args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
   args->batch = static_cast<int32_t>(attrs.group);
-  args->img_n = static_cast<int32_t>(x[0]), args->img_h = static_cast<int32_t>(x[2]), args->img_w = static_cast<int32_t>(x[3]);
-  args->out_h = static_cast<int32_t>(out[2]), args->out_w = static_cast<int32_t>(out[3]);
+  args->img_n = static_cast<int32_t>(x[0]), args->img_h = static_cast<int32_t>(x[h]), args->img_w = static_cast<int32_t>(x[wd]);
+  args->out_h = static_cast<int32_t>(out[h]), args->out_w = static_cast<int32_t>(out[wd]);
   return true;
 }
 
@@ -273,13 +317,18 @@ extern "C" int dc_abi_view(int op, const int64_t* a, size_t ra, const int64_t* b
     attrs.trans_a = ints[0], attrs.trans_b = ints[1], attrs.alpha = floats[0], attrs.beta = floats[1];
     ok = GemmShape(sa, sb, attrs, &shape, &error) && GemmView(sa, sb, c != nullptr ? &sc : nullptr, attrs, out);
   } else if (op == 2) {
-    if (n_ints != 9 || ints == nullptr) {
-      SetError("dc_abi_view: Conv takes ints (strides[2], pads[4], dilations[2], group)");
+    if ((n_ints != 9 && n_ints != 10) || ints == nullptr) {
+      SetError("dc_abi_view: Conv takes ints (strides[2], pads[4], dilations[2], group[, channels_last])");
+      return -1;
+    }
+    if (n_ints == 10 && ints[9] != 0 && ints[9] != 1) {
+      SetError("dc_abi_view: Conv's channels_last (the 10th int) must be 0 or 1, got " + std::to_string(ints[9]));
       return -1;
     }
     ConvAttrs attrs;
     attrs.strides = {ints[0], ints[1]}, attrs.pads = {ints[2], ints[3], ints[4], ints[5]};
     attrs.dilations = {ints[6], ints[7]}, attrs.group = ints[8];
+    attrs.channels_last = n_ints == 10 && ints[9] == 1;
     ok = ConvShape(sa, sb, attrs, &shape, &error) && ConvView(sa, sb, shape, attrs, out);
   } else {
     SetError("dc_abi_view: op must be 0 (MatMul), 1 (Gemm) or 2 (Conv)");

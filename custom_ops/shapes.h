@@ -55,7 +55,15 @@ struct ConvAttrs {
   std::vector<int64_t> strides, pads, dilations, kernel_shape;
   int64_t group = 1;
   std::string auto_pad = "NOTSET";
+  // the node's `channels_last` attribute: X [N, spatial..., C], W [OC, spatial..., C], Y (and a residual)
+  // [N, out spatial..., OC]; ungrouped only. Strides, pads etc. keep their ONNX order (spatial dims).
+  bool channels_last = false;
 };
+
+// A channels-last shape [N, spatial..., C] as its channels-first [N, C, spatial...] (and back); a shape of
+// rank below 2 is returned as is.
+Shape ChannelsFirst(const Shape& s);
+Shape ChannelsLast(const Shape& s);
 
 // Each returns false with a message naming the shapes when ONNX would reject them.
 bool MatMulShape(const Shape& a, const Shape& b, Shape* out, std::string* error);
@@ -69,7 +77,8 @@ int64_t NumElements(const Shape& shape);
 // kernel.
 bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is_batched, dc_launch_args* args);
 bool GemmView(const Shape& a, const Shape& b, const Shape* c, const GemmAttrs& attrs, dc_launch_args* args);
-// (a grouped conv: one group's N and K, batch = group)
+// (a grouped conv: one group's N and K, batch = group; channels_last: the same M, N, K and image sizes as
+// the channels-first view of the permuted shapes)
 bool ConvView(const Shape& x, const Shape& w, const Shape& out, const ConvAttrs& attrs, dc_launch_args* args);
 
 }  // namespace dietcode

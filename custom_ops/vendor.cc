@@ -27,7 +27,7 @@ constexpr int32_t kCompute32F = 68, kCompute32FFastTf32 = 77;
 constexpr int kGemmDefault = -1;  // cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
 constexpr int32_t kCudnnFloat = 0, kCudnnHalf = 2, kCudnnBfloat16 = 9;  // cudnnDataType_t
 constexpr int32_t kCudnnTensorOpMath = 1, kCudnnFmaMath = 3;  // cudnnMathType_t
-constexpr int kCudnnNchw = 0, kCudnnCrossCorrelation = 1, kCudnnFwdImplicitGemm = 0;
+constexpr int kCudnnNchw = 0, kCudnnNhwc = 1, kCudnnCrossCorrelation = 1, kCudnnFwdImplicitGemm = 0;
 
 int Refuse(const std::string& message) {
   SetError(message);
@@ -197,7 +197,8 @@ extern "C" int dc_gemm_lt_plan(const dc_gemm_plan* p, dc_gemm_lt* out) {
 
 extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b,
                                  size_t rb, const int64_t* strides, const int64_t* pads, const int64_t* dilations,
-                                 int64_t group, int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out) {
+                                 int64_t group, int auto_pad, int dtype, int activation, int tf32, int channels_last,
+                                 dc_conv_plan* out) {
   using namespace dietcode;
   if (out == nullptr || x == nullptr || w == nullptr || (rb && b == nullptr) || strides == nullptr ||
       pads == nullptr || dilations == nullptr) {
@@ -206,19 +207,27 @@ extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, 
   if (dtype < 0 || dtype > 2) return Invalid("dtype " + std::to_string(dtype) + " (0 float32, 1 float16, 2 bfloat16)");
   if (activation < 0 || activation >= kActivationCount) return Invalid("activation " + std::to_string(activation) + " (0..5)");
   if (auto_pad < 0 || auto_pad > 3) return Invalid("auto_pad " + std::to_string(auto_pad) + " (0..3)");
+  if (channels_last != 0 && channels_last != 1) {
+    return Invalid("channels_last " + std::to_string(channels_last) + " (0 or 1)");
+  }
+  if (channels_last && group != 1) return Invalid("a channels-last Conv must have group 1, got " + std::to_string(group));
   if (rx != 4 || rw != 4) {
     return Refuse("Conv with X of rank " + std::to_string(rx) + ": the vendor path runs 2-D convolutions only");
   }
-  const Shape sx(x, x + rx), sw(w, w + rw);
+  // the NCHW view below (sx, sw, shape); channels-last shapes are permuted into it
+  const Shape sx = channels_last ? ChannelsFirst(Shape(x, x + rx)) : Shape(x, x + rx);
+  const Shape sw = channels_last ? ChannelsFirst(Shape(w, w + rw)) : Shape(w, w + rw);
   ConvAttrs attrs;
   attrs.strides = {strides[0], strides[1]};
   attrs.dilations = {dilations[0], dilations[1]};
   attrs.pads = {pads[0], pads[1], pads[2], pads[3]};
   attrs.group = group;
   attrs.auto_pad = auto_pad == 0 ? "NOTSET" : auto_pad == 1 ? "SAME_UPPER" : auto_pad == 2 ? "SAME_LOWER" : "VALID";
+  attrs.channels_last = channels_last == 1;
   Shape shape;
-  std::string error;
-  if (!ConvShape(sx, sw, attrs, &shape, &error)) return Invalid(error);
+  std::string error;  // (the node's shapes in its messages; the output then in the NCHW view too)
+  if (!ConvShape(Shape(x, x + rx), Shape(w, w + rw), attrs, &shape, &error)) return Invalid(error);
+  if (channels_last) shape = ChannelsFirst(shape);
   // The pads ONNX applies: explicit, or those auto_pad implies (ONNX: the extra one goes at the end for
   // SAME_UPPER, at the beginning for SAME_LOWER).
   int64_t begin[2], end[2];
@@ -264,18 +273,25 @@ extern "C" int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, 
   // Tensor cores for 16-bit data and for float32 with TF32 (ORT's use_tf32 default); use_tf32=0 asks ORT's
   // CUDA EP for FMA math, which rules TF32 out.
   p.math_type = dtype == 0 && !tf32 ? kCudnnFmaMath : kCudnnTensorOpMath;
-  dc_epilogue& e = p.epilogue;  // the output [N, K, OH, OW] as [N*K, OH*OW]: B is indexed by row % K
+  p.channels_last = channels_last;
+  // NCHW: the output [N, K, OH, OW] as [N*K, OH*OW], B indexed by row % K; NHWC: [N, OH, OW, K] as
+  // [N*OH*OW, K], B indexed by column (as a GEMM's bias along N)
+  dc_epilogue& e = p.epilogue;
   e.dtype = dtype;
   e.activation = activation;
-  e.cols = shape[2] * shape[3];
-  e.rows = shape[0] * shape[1];
+  e.cols = channels_last ? shape[1] : shape[2] * shape[3];
+  e.rows = channels_last ? shape[0] * shape[2] * shape[3] : shape[0] * shape[1];
   e.bias_rows = 1;
   e.bias_scale = 1.0f;
   if (b != nullptr) {
     if (!(rb == 1 && b[0] == sw[0])) {
       return Invalid("Conv's B must be 1-D with one value per output channel (" + std::to_string(sw[0]) + ")");
     }
-    e.has_bias = 1, e.bias_rows = sw[0], e.bias_rs = 1, e.bias_cs = 0;
+    if (channels_last) {
+      e.has_bias = 1, e.bias_rows = 1, e.bias_rs = 0, e.bias_cs = 1;
+    } else {
+      e.has_bias = 1, e.bias_rows = sw[0], e.bias_rs = 1, e.bias_cs = 0;
+    }
   }
   *out = p;
   return 1;
@@ -687,6 +703,8 @@ struct ConvDescriptors {
 
 // The descriptors of a plan's call, with `math` as the convolution's math type; false with *error.
 bool MakeDescriptors(const Cudnn& dnn, const dc_conv_plan& p, int math, ConvDescriptors* d, std::string* error) {
+  // dims stay (n, c, h, w) / (k, kc, kh, kw) either way; NHWC filters are cuDNN's KRSC ([k, kh, kw, kc])
+  const int format = p.channels_last ? kCudnnNhwc : kCudnnNchw;
   auto check = [&](int st, const char* what) {
     if (st == 0) return true;
     const char* text = dnn.error_string(st);
@@ -695,12 +713,12 @@ bool MakeDescriptors(const Cudnn& dnn, const dc_conv_plan& p, int math, ConvDesc
     return false;
   };
   return check(dnn.create_tensor(&d->x), "cudnnCreateTensorDescriptor") &&
-         check(dnn.set_tensor_4d(d->x, kCudnnNchw, p.data_type, p.n, p.c, p.h, p.w), "cudnnSetTensor4dDescriptor (X)") &&
+         check(dnn.set_tensor_4d(d->x, format, p.data_type, p.n, p.c, p.h, p.w), "cudnnSetTensor4dDescriptor (X)") &&
          check(dnn.create_tensor(&d->y), "cudnnCreateTensorDescriptor") &&
-         check(dnn.set_tensor_4d(d->y, kCudnnNchw, p.data_type, p.n, p.k, p.out_h, p.out_w),
+         check(dnn.set_tensor_4d(d->y, format, p.data_type, p.n, p.k, p.out_h, p.out_w),
                "cudnnSetTensor4dDescriptor (Y)") &&
          check(dnn.create_filter(&d->w), "cudnnCreateFilterDescriptor") &&
-         check(dnn.set_filter_4d(d->w, p.data_type, kCudnnNchw, p.k, p.kc, p.kh, p.kw), "cudnnSetFilter4dDescriptor") &&
+         check(dnn.set_filter_4d(d->w, p.data_type, format, p.k, p.kc, p.kh, p.kw), "cudnnSetFilter4dDescriptor") &&
          check(dnn.create_conv(&d->conv), "cudnnCreateConvolutionDescriptor") &&
          check(dnn.set_conv_2d(d->conv, p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dil_h, p.dil_w,
                                kCudnnCrossCorrelation, kCudnnFloat),
@@ -724,10 +742,10 @@ bool BindStream(const Cudnn& dnn, void* handle, void* stream, std::string* error
 
 // The key of a plan's algorithm choice: its shapes, conv attributes, data and math type.
 using AlgoKey = std::tuple<int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t,
-                           int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t>;
-AlgoKey KeyOf(const dc_conv_plan& p) {
+                           int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t>;
+AlgoKey KeyOf(const dc_conv_plan& p) {  // the layout too: NCHW and NHWC calls of one shape choose apart
   return AlgoKey(p.n, p.c, p.h, p.w, p.k, p.kc, p.kh, p.kw, p.group, p.pad_h, p.pad_w, p.stride_h, p.stride_w,
-                 p.dil_h, p.dil_w, p.out_h, p.out_w, p.data_type, p.math_type);
+                 p.dil_h, p.dil_w, p.out_h, p.out_w, p.data_type, p.math_type, p.channels_last);
 }
 
 // The heuristic's choice for a plan (uncached); true: chosen, false: the fallback with *why.

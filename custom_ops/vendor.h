@@ -70,8 +70,8 @@ int dc_gemm_plan_make(int op, const int64_t* a, size_t ra, const int64_t* b, siz
                       int trans_a, int trans_b, float alpha, float beta, int dtype, int activation, int tf32,
                       dc_gemm_plan* out);
 
-// One 2-D Conv call as cuDNN's legacy cudnnConvolutionForward (NCHW, cross-correlation, symmetric pads,
-// groups); the algorithm comes from dc_vendor_conv_algo.
+// One 2-D Conv call as cuDNN's legacy cudnnConvolutionForward (NCHW, or NHWC for a channels-last node,
+// cross-correlation, symmetric pads, groups); the algorithm comes from dc_vendor_conv_algo.
 typedef struct dc_conv_plan {
   int32_t n, c, h, w;                   // X
   int32_t k, kc, kh, kw;                // W: [k, kc = c / group, kh, kw]
@@ -80,16 +80,20 @@ typedef struct dc_conv_plan {
   int32_t data_type;                    // cudnnDataType_t: 0 FLOAT, 2 HALF, 9 BFLOAT16; compute type FLOAT
   int32_t math_type;                    // cudnnMathType_t: 1 TENSOR_OP (16-bit, or float32 with TF32), 3 FMA
                                         // (float32 without TF32)
-  dc_epilogue epilogue;                 // Conv's B: one value per output channel
+  int32_t channels_last;                // 1: X, Y CUDNN_TENSOR_NHWC and W NHWC (KRSC: [k, kh, kw, kc]); the
+                                        // fields above keep their NCHW meaning
+  dc_epilogue epilogue;                 // Conv's B: one value per output channel (per row for NCHW, per
+                                        // column for NHWC)
 } dc_conv_plan;
 
 // Plan one Conv call: x [N, C, H, W], w [K, C/group, KH, KW], b (Conv's B, [K]) or NULL; strides[2],
 // pads[4] (top, left, bottom, right), dilations[2], group; auto_pad 0 NOTSET, 1 SAME_UPPER, 2 SAME_LOWER,
-// 3 VALID. 1: planned; 0: no cuDNN form here (pads that stay asymmetric, not 2-D, sizes past int32; message);
-// -1: invalid shapes (message).
+// 3 VALID. channels_last 1 (C ABI 13; group 1 only): x [N, H, W, C], w [K, KH, KW, C], the output [N, OH, OW, K]
+// (the epilogue's rows N*OH*OW, cols K, B per column). 1: planned; 0: no cuDNN form here (pads that stay
+// asymmetric, not 2-D, sizes past int32; message); -1: invalid shapes or arguments (message).
 int dc_conv_plan_make(const int64_t* x, size_t rx, const int64_t* w, size_t rw, const int64_t* b, size_t rb,
                       const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t group,
-                      int auto_pad, int dtype, int activation, int tf32, dc_conv_plan* out);
+                      int auto_pad, int dtype, int activation, int tf32, int channels_last, dc_conv_plan* out);
 
 // Which cuBLAS the vendor path calls: path NULL = the libcublas this process already loaded (ONNX Runtime's
 // CUDA EP), path given = that file (loaded now). 0 on success, -1 with a message. Thread-safe.

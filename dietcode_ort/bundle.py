@@ -35,7 +35,8 @@ MAGIC = b"DCBUNDLE"
 # 5 relu6, and after the PTX scratch the epilogue flags (bit 0 residual_mul: the residual multiplies; bits 1, 2
 # an attention kernel's mask_rows, nan_to_zero) and a u32 head_dim ending the kernel record
 # 10: an attention kernel's div16 bit i names param 16 + i (q, k, v, mask, out, ...: all its params sit there)
-VERSION = 10
+# 11: epilogue flags bit 4, a channels-last (NHWC) conv kernel (EPILOGUE_CHANNELS_LAST)
+VERSION = 11
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -89,6 +90,10 @@ EPILOGUE_NAN_TO_ZERO = 4
 # program_id(2) of the launch's batch = group; a node with group > 1 runs only such kernels (added within format
 # 9: a library older than C ABI 11 refuses a bundle with it)
 EPILOGUE_GROUPED = 8
+# bit 4 of the epilogue flags (format 11): a conv kernel compiled for channels-last tensors (ConvParams.channels_last:
+# X [N, H, W, C], W [OC, KH, KW, C], Y and the residual [N, OH, OW, OC]); never with grouped. A node's
+# `channels_last` attribute must say the same.
+EPILOGUE_CHANNELS_LAST = 16
 MAX_HEAD_DIM = 256  # tuner/attention.py's MAX_HEAD_DIM
 LAYOUT_CONSTEXPRS: tuple[str, ...] = ("Q_BSHD", "K_BSHD", "V_BSHD", "O_BSHD", "QKV_PACKED")  # bit 0..4 of ``layout``
 _PACKED_QKV = 0b10111  # packed (bit 4) comes with Q, K and V (bits 0..2)
@@ -197,6 +202,7 @@ class BundleKernel:
     mask_rows: bool = False
     nan_to_zero: bool = False
     grouped: bool = False  # conv kernels only: compiled for a grouped conv (EPILOGUE_GROUPED)
+    channels_last: bool = False  # conv kernels only: compiled for NHWC tensors (EPILOGUE_CHANNELS_LAST)
     tf32: bool = False  # float32 kernels only: dots in TF32 on the tensor cores (else exact float32 products)
     # attention kernels only: the operand layouts compiled in (bit set of LAYOUT_CONSTEXPRS; the Attention
     # node's `layout` attribute must equal it)
@@ -328,7 +334,7 @@ class BundleKernel:
             if (self.images or self.image_shared or self.ptx or self.params or self.div16 or self.dtype != "float32"
                     or self.activation != "none" or self.trans_b or self.conv or self.alpha != 1.0 or self.causal
                     or self.residual_first or self.residual_mul or self.head_dim or self.mask_rows or self.nan_to_zero
-                    or self.grouped
+                    or self.grouped or self.channels_last
                     or self.tf32 or self.layout or self.persistent or self.image_toolchains or self.image_scratch
                     or self.ptx_scratch != (0, 1)
                     or self.ptx_toolchain != Toolchain()):
@@ -424,6 +430,10 @@ class BundleKernel:
         conv = self.conv or (0,) * len(CONV_FIELDS)
         if self.grouped and "img_h" not in self.params:
             raise _fail(f"{where}: grouped applies to conv kernels only")
+        if self.channels_last and "img_h" not in self.params:
+            raise _fail(f"{where}: channels_last applies to conv kernels only")
+        if self.channels_last and self.grouped:
+            raise _fail(f"{where}: channels_last applies to ungrouped conv kernels only, the kernel is grouped")
         if len(conv) != len(CONV_FIELDS):
             raise _fail(f"{where}: conv geometry needs {len(CONV_FIELDS)} values {CONV_FIELDS}, got {len(conv)}")
         for i, (v, (lo, hi)) in enumerate(zip(conv, CONV_RANGES)):
@@ -493,11 +503,9 @@ def _built_for(compiled: Any) -> dict[str, Any]:
         out["alpha"] = _float32(float(alpha))
     conv = getattr(compiled, "conv", None)
     if conv is not None:
-        if getattr(conv, "channels_last", False):
-            raise DietcodeError("a channels-last (NHWC) conv kernel cannot go in a bundle yet: the runtime's Conv "
-                              "is NCHW (bundle format 10 has no layout for conv kernels)")
         out["conv"] = tuple(conv.geometry())
         out["grouped"] = getattr(conv, "groups", 1) > 1
+        out["channels_last"] = bool(getattr(conv, "channels_last", False))
     return out
 
 
@@ -843,7 +851,8 @@ class Bundle:
             body += struct.pack("<BI", (EPILOGUE_RESIDUAL_MUL if k.residual_mul else 0)
                                 | (EPILOGUE_MASK_ROWS if k.mask_rows else 0)
                                 | (EPILOGUE_NAN_TO_ZERO if k.nan_to_zero else 0)
-                                | (EPILOGUE_GROUPED if k.grouped else 0), k.head_dim)
+                                | (EPILOGUE_GROUPED if k.grouped else 0)
+                                | (EPILOGUE_CHANNELS_LAST if k.channels_last else 0), k.head_dim)
             out.append(struct.pack("<I", 4 + len(body)) + body)
         return b"".join(out)
 

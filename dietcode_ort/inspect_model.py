@@ -146,7 +146,8 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
                          "split_k": k.split_k, "workspace": "workspace" in k.params, "div16": list(k.div16),
                          "alpha": k.alpha, "ptx_mma": _ptx_mma(k.ptx),
                          "built_for": {"dtype": k.dtype, "activation": k.activation, "trans_b": k.trans_b,
-                                       "conv": list(k.conv), "grouped": k.grouped, "precision": _precision(k)}}
+                                       "conv": list(k.conv), "grouped": k.grouped, "nhwc": k.channels_last,
+                                       "precision": _precision(k)}}
                         for k in bundle.kernels],
             "configs": info.get("kernels"),
             "features": [f.name for f in bundle.features],
@@ -164,9 +165,10 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
 
 
 def _kernel_facts(k: dict) -> str:
-    """" tf32 (mma.sync, sm_80 PTX)": a compiled float32 kernel's precision and the MMA its PTX uses."""
+    """" tf32 (mma.sync, sm_80 PTX)": a compiled float32 kernel's precision and the MMA its PTX uses (" nhwc" first
+    for a channels-last conv kernel)."""
     precision = f" {k['built_for']['precision']}" if k["built_for"]["precision"] else ""
-    return precision + (f" ({k['ptx_mma']['mma']}, {k['ptx_mma']['target']} PTX)" if k["ptx_mma"] else "")
+    return (" nhwc" if k["built_for"].get("nhwc") else "") + precision + (f" ({k['ptx_mma']['mma']}, {k['ptx_mma']['target']} PTX)" if k["ptx_mma"] else "")
 
 
 def _precision(k: BundleKernel) -> str | None:

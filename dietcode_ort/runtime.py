@@ -248,7 +248,7 @@ class ConvPlan(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_int32) for n in (
         "n", "c", "h", "w", "k", "kc", "kh", "kw", "group", "pad_h", "pad_w", "stride_h", "stride_w", "dil_h",
-        "dil_w", "out_h", "out_w", "data_type", "math_type")] + [("epilogue", Epilogue)]
+        "dil_w", "out_h", "out_w", "data_type", "math_type", "channels_last")] + [("epilogue", Epilogue)]
 
 
 class ConvAlgo(ctypes.Structure):
@@ -339,7 +339,7 @@ class Core:
                                         ctypes.POINTER(LaunchArgs), ctypes.c_int64, ctypes.POINTER(i32),
                                         ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_double)]
         lib.dc_bundle_check_node.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64p,
-                                             ctypes.c_int]
+                                             ctypes.c_int, ctypes.c_int]
         lib.dc_bundle_check_scale.argtypes = [vp, ctypes.c_float]
         sz, fp = ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)
         lib.dc_abi_view.argtypes = [ctypes.c_int, i64p, sz, i64p, sz, i64p, sz, i64p, sz, fp, sz, ctypes.c_int,
@@ -374,13 +374,18 @@ class Core:
         return live.value, parses.value
 
     def abi_view(self, op: str, a: Sequence[int], b: Sequence[int], c: Sequence[int] | None = None, *,
-                 ints: Sequence[int] = (), floats: Sequence[float] = (), batched: bool = False
-                 ) -> LaunchArgs | None:
+                 ints: Sequence[int] = (), floats: Sequence[float] = (), batched: bool = False,
+                 channels_last: bool = False) -> LaunchArgs | None:
         """The launch arguments the CUDA path gives a compiled kernel for a node call with these input
-        shapes (``dc_abi_view``); None when ORT's own kernel runs that call instead."""
+        shapes (``dc_abi_view``); None when ORT's own kernel runs that call instead. ``channels_last`` (Conv
+        only): a, b are NHWC X and [OC, KH, KW, C] W, passed as the 10th int after the 9 of ``ints``."""
         ops = {"MatMul": 0, "Gemm": 1, "Conv": 2}
         if op not in ops:
             raise DietcodeError(f"abi_view: op {op!r}, allowed: {', '.join(ops)}")
+        if channels_last:
+            if op != "Conv":
+                raise DietcodeError("abi_view: channels_last applies to Conv only")
+            ints = (*ints, 1)
         arr = lambda v, t=ctypes.c_int64: (t * max(1, len(v)))(*v)  # noqa: E731
         out = LaunchArgs()
         r = self.lib.dc_abi_view(ops[op], arr(a), len(a), arr(b), len(b), arr(c) if c is not None else None,
@@ -435,9 +440,11 @@ class Core:
     def conv_plan(self, x: Sequence[int], w: Sequence[int], b: Sequence[int] | None = None, *,
                   strides: Sequence[int] = (1, 1), pads: Sequence[int] = (0, 0, 0, 0),
                   dilations: Sequence[int] = (1, 1), group: int = 1, auto_pad: str = "NOTSET",
-                  dtype: str = "float32", activation: str = "none", tf32: bool = True) -> ConvPlan | None:
+                  dtype: str = "float32", activation: str = "none", tf32: bool = True,
+                  channels_last: bool = False) -> ConvPlan | None:
         """The vendor path's cuDNN call for a 2-D Conv node call (``dc_conv_plan_make``); None when the call
-        has no cuDNN form there (the reason in ``error()``). DietcodeError for invalid shapes."""
+        has no cuDNN form there (the reason in ``error()``). DietcodeError for invalid shapes. ``channels_last``:
+        x [N, H, W, C], w [OC, KH, KW, C] (group 1), cuDNN's NHWC formats, B indexed per output column."""
         from dietcode_ort.bundle import ACTIVATION_CODES as acts, DTYPE_CODES as dtypes
 
         pads_modes = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
@@ -449,7 +456,7 @@ class Core:
         r = self.lib.dc_conv_plan_make(arr(x), len(x), arr(w), len(w), arr(b) if b is not None else None,
                                        len(b) if b is not None else 0, arr(strides), arr(pads), arr(dilations), group,
                                        pads_modes.index(auto_pad), dtypes.index(dtype), acts.index(activation),
-                                       int(tf32), ctypes.byref(out))
+                                       int(tf32), int(channels_last), ctypes.byref(out))
         if r < 0:
             raise DietcodeError(self.error())
         return out if r == 1 else None
@@ -620,6 +627,8 @@ def _bind_reading(lib: ctypes.CDLL) -> None:
     lib.dc_bundle_kernel_residual_mul.restype = i32
     lib.dc_bundle_kernel_grouped.argtypes = [vp, i32]
     lib.dc_bundle_kernel_grouped.restype = i32
+    lib.dc_bundle_kernel_channels_last.argtypes = [vp, i32]
+    lib.dc_bundle_kernel_channels_last.restype = i32
 
 
 def _bind_vendor(lib: Any) -> None:
@@ -641,7 +650,7 @@ def _bind_vendor(lib: Any) -> None:
     lib.dc_vendor_epilogue_ptx.restype = ctypes.c_char_p
     lib.dc_vendor_epilogue_ptx.argtypes = [ci]
     lib.dc_conv_plan_make.argtypes = [i64p, sz, i64p, sz, i64p, sz, i64p, i64p, i64p, ctypes.c_int64, ci, ci, ci,
-                                      ci, ctypes.POINTER(ConvPlan)]
+                                      ci, ci, ctypes.POINTER(ConvPlan)]
     lib.dc_vendor_cudnn_load.argtypes = [ctypes.c_char_p]
     lib.dc_vendor_conv.argtypes = [ctypes.POINTER(ConvPlan), ctypes.POINTER(ConvAlgo), vp, vp, vp, vp, vp, vp]
     lib.dc_vendor_conv_algo.argtypes = [vp, ctypes.POINTER(ConvPlan), vp, ctypes.c_uint64,
@@ -749,8 +758,8 @@ class CoreBundle:
         causal, tf32 = lib.dc_bundle_kernel_causal(h, k), lib.dc_bundle_kernel_tf32(h, k)
         layout, persistent = lib.dc_bundle_kernel_layout(h, k), lib.dc_bundle_kernel_persistent(h, k)
         residual_first, residual_mul = lib.dc_bundle_kernel_residual_first(h, k), lib.dc_bundle_kernel_residual_mul(h, k)
-        grouped = lib.dc_bundle_kernel_grouped(h, k)
-        if min(causal, tf32, layout, persistent, residual_first, residual_mul, grouped) < 0:
+        grouped, channels_last = lib.dc_bundle_kernel_grouped(h, k), lib.dc_bundle_kernel_channels_last(h, k)
+        if min(causal, tf32, layout, persistent, residual_first, residual_mul, grouped, channels_last) < 0:
             raise DietcodeError(self.core.error())
         head_dim, mask_rows, nan_to_zero = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
         if lib.dc_bundle_kernel_attention(h, k, ctypes.byref(head_dim), ctypes.byref(mask_rows),
@@ -764,6 +773,7 @@ class CoreBundle:
             split_k=meta.split_k, causal=bool(causal), tf32=bool(tf32), layout=layout, persistent=persistent,
             residual_first=bool(residual_first), residual_mul=bool(residual_mul), head_dim=head_dim.value,
             mask_rows=bool(mask_rows.value), nan_to_zero=bool(nan_to_zero.value), grouped=bool(grouped),
+            channels_last=bool(channels_last),
             div16=tuple(p for i, p in enumerate(fmt.PARAM_NAMES) if meta.div16 >> i & 1),
             dtype=fmt.DTYPE_CODES[dtype.value], activation=fmt.ACTIVATION_CODES[act.value], trans_b=bool(trans_b.value),
             conv=tuple(conv) if any(conv) else (), alpha=alpha.value, **self._toolchains(k, len(images)))
@@ -812,11 +822,12 @@ class CoreBundle:
         return kind, arch
 
     def check_node(self, dtype: str, op: str, activation: str = "none", trans_b: bool = False,
-                   conv: Sequence[int] = (1, 1, 0, 0, 1, 1, 0, 0), explicit_pads: bool = True, group: int = 1) -> None:
+                   conv: Sequence[int] = (1, 1, 0, 0, 1, 1, 0, 0), explicit_pads: bool = True, group: int = 1,
+                   channels_last: bool = False) -> None:
         """Whether the compiled kernels fit a node (what the CUDA path checks at session creation);
         DietcodeError naming the first that does not. ``conv``: strides h, w, pads top, left, dilations
         h, w, kernel_shape h, w (0 = not given); ``group``: the Conv's (above 1, only kernels compiled for a
-        grouped conv fit)."""
+        grouped conv fit); ``channels_last``: the node's attribute (every compiled kernel's flag must equal it)."""
         from dietcode_ort.bundle import ACTIVATION_CODES, DTYPE_CODES
 
         if len(conv) != 8:
@@ -825,7 +836,7 @@ class CoreBundle:
         arr = (ctypes.c_int64 * 9)(*conv, group)
         if self.core.lib.dc_bundle_check_node(self.handle, DTYPE_CODES.index(dtype), ("MatMul", "Gemm", "Conv", "Attention").index(op),
                                               ACTIVATION_CODES.index(activation), int(trans_b), arr,
-                                              int(explicit_pads)):
+                                              int(explicit_pads), int(channels_last)):
             raise DietcodeError(self.core.error())
 
     def check_scale(self, scale: float) -> None:

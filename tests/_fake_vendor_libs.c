@@ -372,6 +372,8 @@ int fake_dnn_heuristic_results = 4; /* how many of the ranking below it returns 
 size_t fake_dnn_big_workspace = (size_t)1 << 40;
 void* fake_dnn_last_ws = 0;
 size_t fake_dnn_last_ws_size = 0;
+/* the cudnnTensorFormat_t of the last forward call's X, W and Y descriptors (0 NCHW, 1 NHWC; -1: none yet) */
+int fake_dnn_last_x_format = -1, fake_dnn_last_w_format = -1, fake_dnn_last_y_format = -1;
 
 /* cudnnConvolutionFwdAlgoPerf_t */
 typedef struct { int algo, status; float time; size_t memory; int determinism, mathType, reserved[3]; } FwdAlgoPerf;
@@ -392,14 +394,14 @@ int cudnnCreateConvolutionDescriptor(void** d) {
 int cudnnDestroyConvolutionDescriptor(void* d) { free(d); fake_dnn_live_descriptors--; return kDnnOk; }
 
 int cudnnSetTensor4dDescriptor(void* d, int format, int type, int n, int c, int h, int w) {
-  if (format != 0 || cublas_type(type) < 0 || n <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
+  if ((format != 0 && format != 1) || cublas_type(type) < 0 || n <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
   Tensor4d t = {1, format, type, n, c, h, w};
   *(Tensor4d*)d = t;
   return kDnnOk;
 }
 
 int cudnnSetFilter4dDescriptor(void* d, int type, int format, int k, int c, int h, int w) {
-  if (format != 0 || cublas_type(type) < 0 || k <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
+  if ((format != 0 && format != 1) || cublas_type(type) < 0 || k <= 0 || c <= 0 || h <= 0 || w <= 0) return kDnnBadParam;
   Filter4d f = {1, type, format, k, c, h, w};
   *(Filter4d*)d = f;
   return kDnnOk;
@@ -505,7 +507,11 @@ int cudnnConvolutionForward(void* handle, const void* alpha, void* xd, const voi
   fake_dnn_last_math = C->math;
   fake_dnn_last_algo = algo;
   fake_dnn_last_stream = fake_dnn_bound_stream;
+  fake_dnn_last_x_format = X->format, fake_dnn_last_w_format = W->format, fake_dnn_last_y_format = Y->format;
   const int t = cublas_type(X->type), kg = W->k / g;
+  /* element (a, b, h, w) of a 4-D tensor in NCHW (format 0) or NHWC (format 1, a filter's KRSC) */
+#define FAKE_AT(fmt, B, H, W_, a, b, hh, ww) \
+  ((fmt) == 1 ? ((((int64_t)(a) * (H) + (hh)) * (W_) + (ww)) * (B) + (b)) : ((((int64_t)(a) * (B) + (b)) * (H) + (hh)) * (W_) + (ww)))
   const float al = *(const float*)alpha, be = *(const float*)beta;
   for (int n = 0; n < X->n; ++n)
     for (int k = 0; k < W->k; ++k)
@@ -518,12 +524,12 @@ int cudnnConvolutionForward(void* handle, const void* alpha, void* xd, const voi
               for (int s = 0; s < W->w; ++s) {
                 const int hi = i * C->u - C->pad_h + r * C->dil_h, wi = j * C->v - C->pad_w + s * C->dil_w;
                 if (hi < 0 || hi >= X->h || wi < 0 || wi >= X->w) continue;
-                const int64_t xi = (((int64_t)n * X->c + grp * W->c + c) * X->h + hi) * X->w + wi;
-                const int64_t wi_ = (((int64_t)k * W->c + c) * W->h + r) * W->w + s;
-                const int64_t kidx = C->mode == 1 ? wi_ : (((int64_t)k * W->c + c) * W->h + (W->h - 1 - r)) * W->w + (W->w - 1 - s);
+                const int64_t xi = FAKE_AT(X->format, X->c, X->h, X->w, n, grp * W->c + c, hi, wi);
+                const int64_t wi_ = FAKE_AT(W->format, W->c, W->h, W->w, k, c, r, s);
+                const int64_t kidx = C->mode == 1 ? wi_ : FAKE_AT(W->format, W->c, W->h, W->w, k, c, W->h - 1 - r, W->w - 1 - s);
                 acc += load(x, t, xi) * load(w, t, kidx);
               }
-          const int64_t yi = (((int64_t)n * Y->c + k) * oh + i) * ow + j;
+          const int64_t yi = FAKE_AT(Y->format, Y->c, oh, ow, n, k, i, j);
           const double old = be == 0.0f ? 0.0 : load(y, t, yi);
           store(y, t, yi, al * acc + be * old);
         }

@@ -68,6 +68,56 @@ def test_view_errors_are_clear() -> None:
         core.abi_view("Conv", (1, 4, 8, 8), (5, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2))
 
 
+@pytest.mark.parametrize("x, w, ints", [
+    ((2, 4, 8, 8), (6, 4, 3, 3), (1, 1, 1, 1, 1, 1, 1, 1, 1)),
+    ((1, 3, 17, 11), (8, 3, 5, 3), (2, 1, 2, 1, 2, 1, 1, 2, 1)),
+    ((3, 16, 9, 7), (32, 16, 1, 1), (2, 2, 0, 0, 0, 0, 1, 1, 1)),
+])
+def test_channels_last_conv_view_is_the_channels_first_view_of_the_permuted_shapes(x, w, ints) -> None:
+    """dc_abi_view's 10th conv int, channels_last: X [N, H, W, C] and W [OC, KH, KW, C] give the M, N, K and image
+    sizes of the NCHW call on the permuted shapes (what the CHANNELS_LAST template computes with)."""
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    nchw = core.abi_view("Conv", x, w, ints=ints)
+    x_nhwc, w_ohwi = (x[0], x[2], x[3], x[1]), (w[0], w[2], w[3], w[1])
+    nhwc = core.abi_view("Conv", x_nhwc, w_ohwi, ints=(*ints, 1))
+    assert nchw is not None and nhwc is not None
+    fields = ("M", "N", "K", "batch", "img_n", "img_h", "img_w", "out_h", "out_w")
+    assert [getattr(nhwc, f) for f in fields] == [getattr(nchw, f) for f in fields]
+    assert nhwc.M == x[0] * nhwc.out_h * nhwc.out_w and nhwc.N == w[0] and nhwc.K == x[1] * w[2] * w[3]
+    # the keyword form, and a 10th int of 0 is the NCHW view
+    via_keyword = core.abi_view("Conv", x_nhwc, w_ohwi, ints=ints, channels_last=True)
+    assert via_keyword is not None and [getattr(via_keyword, f) for f in fields] == [getattr(nchw, f) for f in fields]
+    zero = core.abi_view("Conv", x, w, ints=(*ints, 0))
+    assert zero is not None and [getattr(zero, f) for f in fields] == [getattr(nchw, f) for f in fields]
+    # the NCHW call on the NHWC shapes is another conv (or none): the flag is what makes them the same
+    try:
+        other = core.abi_view("Conv", x_nhwc, w_ohwi, ints=ints)
+    except Exception:
+        other = None
+    assert other is None or [getattr(other, f) for f in fields] != [getattr(nchw, f) for f in fields]
+
+
+def test_channels_last_conv_view_refuses_bad_flags_and_groups() -> None:
+    from dietcode_ort.errors import DietcodeError
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    ints = (1, 1, 1, 1, 1, 1, 1, 1, 1)
+    for bad in (2, -1, 2**40):
+        with pytest.raises(DietcodeError, match=f"channels_last \\(the 10th int\\) must be 0 or 1, got {bad}"):
+            core.abi_view("Conv", (1, 8, 8, 4), (6, 3, 3, 4), ints=(*ints, bad))
+    with pytest.raises(DietcodeError, match=r"group\[, channels_last\]"):
+        core.abi_view("Conv", (1, 8, 8, 4), (6, 3, 3, 4), ints=(*ints, 1, 0))
+    with pytest.raises(DietcodeError, match="channels-last Conv must have group 1, got group 2"):
+        core.abi_view("Conv", (1, 8, 8, 4), (6, 3, 3, 2), ints=(*ints[:8], 2, 1))
+    with pytest.raises(DietcodeError, match="channels-last"):  # C of X [.., 4] and W [.., 3] differ
+        core.abi_view("Conv", (1, 8, 8, 4), (6, 3, 3, 3), ints=(*ints, 1))
+    with pytest.raises(DietcodeError, match="applies to Conv only"):
+        core.abi_view("MatMul", (3, 4), (4, 5), channels_last=True)
+
+
 def test_attention_view_refuses_head_split_offsets_past_int32() -> None:
     """With a head-split layout the template's offsets inside one head (rows of heads x d elements) are int32:
     the view refuses an operand of 2^31 elements or more there (the contiguous layout computes them in int64)."""

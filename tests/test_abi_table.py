@@ -96,8 +96,10 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # residual multiplied after the activation: dc_bundle_kernel_residual_mul and dc_epilogue.residual_mul, and an
     # attention call's head dim, last, checked against the kernel's HEAD_DIM; 11 grouped conv kernels:
     # dc_bundle_kernel_grouped, and the conv view of group > 1 as batch = group; 12 the vendor GEMM's cuBLASLt
-    # path: dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call)
-    assert load_core().lib.dc_abi_version() == 12
+    # path: dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call; 13 channels-last conv kernels:
+    # dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int and
+    # dc_conv_plan_make's channels_last, which grew dc_conv_plan)
+    assert load_core().lib.dc_abi_version() == 13
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

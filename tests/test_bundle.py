@@ -2,6 +2,7 @@
 C++ agree on dispatch, and the reader refuses bad payloads."""
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 import struct
@@ -601,11 +602,12 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6, 7, 8, 9):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output,
+    for version in (2, 4, 5, 6, 7, 8, 9, 10):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output,
         # flag bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv
-        # residual; 8: activations 0..2 only; 9: attention kernels without div16 bits
+        # residual; 8: activations 0..2 only; 9: attention kernels without div16 bits; 10: no channels-last conv
+        # kernels (epilogue flags bit 4)
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 10")
+        _refused(core, bytes(data), f"version {version}, this reader knows 11")
 
 
 def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:
@@ -658,21 +660,13 @@ def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -
     assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 0) == 0
     assert core.lib.dc_bundle_kernel_residual_mul(added.handle, 1) == -1
 
-    def with_epilogue_flags(kernel: BundleKernel, value: int) -> bytes:
-        data = bytearray(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
-        _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
-        (record,) = struct.unpack_from("<I", data, k_off + 4)  # after the kernel count
-        at = k_off + 4 + record - 5  # the epilogue flags, before the u32 head_dim ending the record
-        assert data[at] == 0
-        data[at] = value
-        return bytes(data)
-
+    with_epilogue_flags = _with_epilogue_flags
     _refused(core, with_epilogue_flags(_kernel("k", activation="relu"), 1),
              "residual_mul multiplies an activation's result by a residual, and the kernel takes no residual")
     _refused(core, with_epilogue_flags(_kernel("k", **gemm), 1), "and the kernel takes no activation")  # type: ignore[arg-type]
     _refused(core, with_epilogue_flags(_kernel("k", residual_first=True, activation="relu", **gemm), 1),  # type: ignore[arg-type]
              "and the kernel takes it before the activation")
-    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 16), "epilogue flags 16 invalid")  # type: ignore[arg-type]
+    _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 32), "epilogue flags 32 invalid")  # type: ignore[arg-type]
     _refused(core, with_epilogue_flags(_kernel("k", activation="silu", **gemm), 8), "grouped applies to conv kernels only")  # type: ignore[arg-type]
     for bad, why in ((_kernel("k", residual_mul=True, **gemm), "takes no activation"),  # type: ignore[arg-type]
                      (_kernel("k", residual_mul=True, activation="silu"), "takes no residual"),
@@ -682,6 +676,71 @@ def test_residual_mul_round_trips_and_needs_a_residual_and_an_activation(core) -
             Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
     with pytest.raises(DietcodeError, match="a vendor kernel carries no"):
         Bundle((), (replace(BundleKernel.vendor(), residual_mul=True),), DispatchTree.single(0)).to_bytes()
+
+
+def _with_epilogue_flags(kernel: BundleKernel, value: int) -> bytes:
+    """A one-kernel bundle's payload with the kernel record's epilogue flags byte set to ``value``."""
+    data = bytearray(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
+    _, _, k_off, _ = struct.unpack_from("<IIQQ", data, 32 + 24)
+    (record,) = struct.unpack_from("<I", data, k_off + 4)  # after the kernel count
+    at = k_off + 4 + record - 5  # the epilogue flags, before the u32 head_dim ending the record
+    assert data[at] == 0
+    data[at] = value
+    return bytes(data)
+
+
+def test_channels_last_flag_round_trips_on_ungrouped_conv_kernels_only(core) -> None:
+    """Format 11: epilogue flags bit 4 marks a channels-last (NHWC) conv kernel. It round trips through the writer,
+    the C reader and its accessor; both readers refuse it on a gemm kernel, a vendor kernel, or with grouped."""
+    conv = dict(params=("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual"),
+                conv=(8, 3, 3, 1, 1, 1, 1, 1, 1), activation="relu")
+    for channels_last in (True, False):
+        kernel = _kernel("k", channels_last=channels_last, **conv)  # type: ignore[arg-type]
+        data = Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()
+        back = read_bundle(data).kernels[0]
+        assert back == kernel and back.channels_last == channels_last
+        parsed = core.parse(data)
+        assert core.lib.dc_bundle_kernel_channels_last(parsed.handle, 0) == int(channels_last)
+        assert core.lib.dc_bundle_kernel_grouped(parsed.handle, 0) == 0
+        assert parsed.decode().kernels[0].channels_last == channels_last
+    assert core.lib.dc_bundle_kernel_channels_last(core.parse(data).handle, 1) == -1
+    assert _with_epilogue_flags(_kernel("k", **conv), 16) == (  # type: ignore[arg-type]
+        Bundle((), (_kernel("k", channels_last=True, **conv),), DispatchTree.single(0)).to_bytes())  # type: ignore[arg-type]
+    # the C reader: on a gemm kernel, or with grouped (8 | 16)
+    _refused(core, _with_epilogue_flags(_kernel("k", activation="relu"), 16), "channels_last applies to conv kernels only")
+    _refused(core, _with_epilogue_flags(_kernel("k", **conv), 8 | 16),  # type: ignore[arg-type]
+             "channels_last applies to ungrouped conv kernels only")
+    # the writer, the same rules
+    with pytest.raises(DietcodeError, match="channels_last applies to conv kernels only"):
+        Bundle((), (_kernel("k", channels_last=True),), DispatchTree.single(0)).to_bytes()
+    with pytest.raises(DietcodeError, match="channels_last applies to ungrouped conv kernels only"):
+        Bundle((), (_kernel("k", channels_last=True, grouped=True, **conv),), DispatchTree.single(0)).to_bytes()  # type: ignore[arg-type]
+    with pytest.raises(DietcodeError, match="a vendor kernel carries no"):
+        Bundle((), (replace(BundleKernel.vendor(), channels_last=True),), DispatchTree.single(0)).to_bytes()
+
+
+def test_check_node_needs_the_nodes_layout(core) -> None:
+    """C ABI 13: every compiled conv kernel's channels-last flag must be the node's ``channels_last``; vendor kernels
+    take either layout; channels_last outside 0/1 or on another op is refused."""
+    geometry = (2, 2, 1, 1, 1, 1, 3, 3)
+    tree = DispatchTree((0, -1, -1), (8, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
+    nhwc = core.parse(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(channels_last=True), BundleKernel.vendor()),
+                             tree).to_bytes())
+    nchw = core.parse(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(), BundleKernel.vendor()), tree).to_bytes())
+    nhwc.check_node("float16", "Conv", "relu", conv=geometry, channels_last=True)
+    nchw.check_node("float16", "Conv", "relu", conv=geometry, channels_last=False)
+    with pytest.raises(DietcodeError, match=r"bundle kernel 0 \('conv_k'\) was compiled for NHWC, the node is NCHW "
+                                            r"\(channels_last=0\): optimize again"):
+        nhwc.check_node("float16", "Conv", "relu", conv=geometry)
+    with pytest.raises(DietcodeError, match=r"was compiled for NCHW, the node is NHWC \(channels_last=1\): optimize "
+                                            r"again"):
+        nchw.check_node("float16", "Conv", "relu", conv=geometry, channels_last=True)
+    vendor = core.parse(Bundle((), (BundleKernel.vendor(),), DispatchTree.single(0)).to_bytes())
+    vendor.check_node("float16", "Conv", "relu", conv=geometry, channels_last=True)
+    arr = (ctypes.c_int64 * 9)(*geometry, 1)
+    for base, value in ((2, 2), (2, -1), (0, 1)):
+        assert core.lib.dc_bundle_check_node(nchw.handle, 1, base, 1, 0, arr, 1, value) == -1
+        assert "channels_last" in core.error()
 
 
 def test_grouped_flag_round_trips_on_conv_kernels_only(core) -> None:
@@ -808,3 +867,21 @@ def test_attention_head_dim_mask_rows_and_nan_to_zero_round_trip_and_are_checked
         with pytest.raises(DietcodeError, match=pattern):
             Bundle((), (bad,), DispatchTree.single(0)).to_bytes()
         _refused(core, Bundle((), (bad,), DispatchTree.single(0)).to_bytes(validate=False), pattern)
+
+
+def test_channels_last_comes_from_the_compiled_kernels_conv() -> None:
+    """A kernel compiled for a channels-last layer (ConvParams.channels_last) goes in a bundle with the flag set
+    (the writer once refused it); an NCHW one, grouped or not, without it."""
+    from types import SimpleNamespace
+
+    from tuner.workload import ConvParams
+
+    params = ("a", "b", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w")
+    for conv, channels_last, grouped in ((ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1), channels_last=True), True, False),
+                                         (ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1)), False, False),
+                                         (ConvParams(8, 16, (3, 3), pads=(1, 1, 1, 1), groups=2), False, True)):
+        compiled = SimpleNamespace(name="k", arch=90, cubin=b"\x7fELF", ptx="", params=params, num_warps=4, shared=0,
+                                   block_m=64, block_n=64, split_k=1, conv=conv)
+        kernel = BundleKernel.from_compiled([compiled])
+        assert (kernel.channels_last, kernel.grouped) == (channels_last, grouped)
+        assert read_bundle(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()).kernels[0] == kernel

@@ -463,6 +463,116 @@ def test_conv_residual_on_the_cpu_ep(op_type, dtype) -> None:
             sess.run(None, feeds | {"R": bad})
 
 
+def _nhwc_payload(op_type: str, channels: int, kernel: tuple[int, int], strides: tuple[int, int],
+                  pads: tuple[int, int], channels_last: bool = True) -> bytes:
+    """A vendor leaf and a compiled conv kernel for ``op_type`` (its bias, activation and residual), compiled for
+    channels-last tensors (epilogue flags bit 4) unless ``channels_last`` is False."""
+    from dietcode_ort.inspect_model import epilogue_of
+
+    named = epilogue_of(helper.make_node(op_type, [], []))
+    params = ("a", "b") + (("bias",) if "Bias" in op_type else ()) + ("c", "M", "N", "K", "img_h", "img_w", "out_h",
+                                                                      "out_w") + (("residual",) if "Residual" in op_type
+                                                                                  or op_type.endswith("Mul") else ())
+    conv = BundleKernel(name="k", images=(("sm_90a", b"\x7fELF"),), ptx=PTX80, params=params, block_m=64,
+                        block_n=64, activation=named["activation"], residual_first=named["residual_first"],
+                        residual_mul=named["residual_mul"], channels_last=channels_last,
+                        conv=(channels, *kernel, *strides, *pads, 1, 1))
+    tree = DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))
+    return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), conv), tree).to_bytes()
+
+
+def _stock_conv(x: np.ndarray, w: np.ndarray, attrs: dict) -> np.ndarray:
+    """ONNX Runtime's own NCHW Conv in float32 (the reference)."""
+    graph = helper.make_graph([helper.make_node("Conv", ["X", "W"], ["Y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("W", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"X": x, "W": w})[0]
+
+
+# (op type, X NCHW, W OIHW, strides, pads (top, left, bottom, right), dilations)
+NHWC_CASES = [
+    ("ConvBiasResidualRelu", (2, 3, 7, 6), (4, 3, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1)),
+    ("ConvBiasReluResidual", (1, 5, 9, 8), (6, 5, 3, 2), (2, 1), (1, 0, 1, 1), (1, 2)),
+    ("Conv", (2, 4, 5, 5), (3, 4, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1)),
+    ("ConvBiasSilu", (1, 8, 6, 7), (5, 8, 3, 3), (1, 2), (0, 1, 2, 1), (1, 1)),
+    ("ConvBiasReluMul", (2, 3, 6, 5), (4, 3, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("case", NHWC_CASES, ids=[c[0] for c in NHWC_CASES])
+def test_channels_last_conv_on_the_cpu_ep(case, dtype) -> None:
+    """channels_last=1: X [N, H, W, C], W [OC, KH, KW, C], B [OC], the residual and Y [N, OH, OW, OC], with
+    strides/pads/dilations in ONNX's (H, W) order; the CPU EP runs ORT's NCHW Conv on transposed copies and the
+    epilogue on NHWC. Checked against ORT's own Conv of the NCHW tensors, permuted."""
+    from dietcode_ort.inspect_model import epilogue_of
+
+    op_type, sx, sw, strides, pads, dilations = case
+    named = epilogue_of(helper.make_node(op_type, [], []))
+    has_bias, has_res = "Bias" in op_type, "Residual" in op_type or op_type.endswith("Mul")
+    rng = np.random.default_rng(sum(sx) + sum(sw))
+    x, w = rng.standard_normal(sx).astype(dtype), rng.standard_normal(sw).astype(dtype)
+    attrs = {"strides": list(strides), "pads": list(pads), "dilations": list(dilations)}
+    y = _stock_conv(x.astype(np.float32), w.astype(np.float32), attrs).astype(np.float64)
+    b = rng.standard_normal(sw[0]).astype(dtype)
+    if has_bias:
+        y += b.astype(np.float64)[None, :, None, None]
+    y = y.transpose(0, 2, 3, 1)  # NHWC
+    r = rng.standard_normal(y.shape).astype(dtype)
+    act = {"none": lambda v: v, "relu": lambda v: np.maximum(v, 0.0), "silu": lambda v: v / (1.0 + np.exp(-v))}[
+        named["activation"]]
+    r64 = r.astype(np.float64)
+    want = (act(y + r64) if named["residual_first"] else act(y) * r64 if named["residual_mul"]
+            else act(y) + r64 if has_res else act(y))
+    inputs = ["X", "W"] + (["B"] if has_bias else []) + (["R"] if has_res else [])
+    node = helper.make_node(op_type, inputs + ["bundle"], ["Y"], domain="ai.dietcode", name="nhwc",
+                            channels_last=1, kernel_shape=list(sw[2:]), **attrs)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    payload = _nhwc_payload(op_type, sx[1], sw[2:], strides, pads[:2])
+    sess = dietcode_ort.InferenceSession(_model([node], inputs, elem, initializers=[bundle_initializer(payload)]),
+                                         providers=CPU)
+    feeds = {"X": np.ascontiguousarray(x.transpose(0, 2, 3, 1)), "W": np.ascontiguousarray(w.transpose(0, 2, 3, 1)),
+             "B": b, "R": r}
+    (got,) = sess.run(None, {k: v for k, v in feeds.items() if k in inputs})
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    if has_res:  # the residual is NHWC like Y: the NCHW shape is refused
+        with pytest.raises(Exception, match=r"nhwc.*residual input has shape"):
+            sess.run(None, {k: v for k, v in feeds.items() if k in inputs} | {"R": r.transpose(0, 3, 1, 2).copy()})
+
+
+def test_channels_last_attribute_is_checked_at_session_creation() -> None:
+    """channels_last other than 0/1, with group > 1, on a MatMul op type, or with a bundle compiled for the other
+    layout is refused when the session is made, naming the node."""
+    payload = _nhwc_payload("ConvBiasRelu", 4, (3, 3), (1, 1), (1, 1))
+
+    def model(op_type: str, payload: bytes, **attrs) -> onnx.ModelProto:
+        inputs = ["X", "W", "B"] if "Bias" in op_type else ["X", "W"]
+        node = helper.make_node(op_type, inputs + ["bundle"], ["Y"], domain="ai.dietcode", name="n_cl", **attrs)
+        return _model([node], inputs, TensorProto.FLOAT, initializers=[bundle_initializer(payload)])
+
+    dietcode_ort.InferenceSession(model("ConvBiasRelu", payload, channels_last=1, pads=[1, 1, 1, 1]), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*channels_last attribute is 2; allowed: 0 \(NCHW\) or 1"):
+        dietcode_ort.InferenceSession(model("ConvBiasRelu", payload, channels_last=2), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*channels_last attribute is -1"):
+        dietcode_ort.InferenceSession(model("ConvBiasRelu", payload, channels_last=-1), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*channels_last=1 takes group 1 only, the node has group 2"):
+        dietcode_ort.InferenceSession(model("ConvBiasRelu", payload, channels_last=1, group=2), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*channels_last attribute applies to Conv op types only"):
+        dietcode_ort.InferenceSession(model("MatMul", bundle_bytes(), channels_last=0), providers=CPU)
+    nchw = _nhwc_payload("ConvBiasRelu", 4, (3, 3), (1, 1), (1, 1), channels_last=False)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*bundle kernel 1 was compiled for NCHW, the node is NHWC "
+                                            r"\(channels_last=1\): optimize again"):
+        dietcode_ort.InferenceSession(model("ConvBiasRelu", nchw, channels_last=1), providers=CPU)
+    with pytest.raises(DietcodeError, match=r"node 'n_cl' .*bundle kernel 1 was compiled for NHWC, the node is NCHW"):
+        dietcode_ort.InferenceSession(model("ConvBiasRelu", payload), providers=CPU)
+    dietcode_ort.InferenceSession(model("ConvBiasRelu", nchw, channels_last=0), providers=CPU)
+
+
 def test_residual_order_must_be_the_kernels() -> None:
     """A bundle whose kernels add the residual after the activation on a node whose op type adds it before (or
     the other way round) is refused at session creation, naming both, as a residual the kernel does not take is."""

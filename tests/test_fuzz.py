@@ -75,6 +75,13 @@ def _seeds() -> list[bytes]:
     # flag onto the gemm kernel and set the bits past it
     out.append(Bundle((Feature("N", ((0, 0),)),), (_conv_kernel(grouped=True), _kernel("gm", activation="relu")),
                       DispatchTree((0, -1, -1), (64, 0, 0), (1, -1, -1), (2, -1, -1), (-1, 0, 1))).to_bytes())
+    # format 11: a channels-last conv kernel (epilogue flags bit 4) taking the residual, next to a gemm one and a
+    # vendor kernel: mutants move the flag onto the gemm kernel and combine it with grouped (bit 3)
+    out.append(Bundle((Feature("N", ((0, 0),)), Feature("H", ((0, 1),))),
+                      (_conv_kernel(params=conv_params, channels_last=True, div16=("a", "b", "residual")),
+                       _kernel("gl", activation="relu"), BundleKernel.vendor()),
+                      DispatchTree((0, 1, -1, -1, -1), (64, 32, 0, 0, 0), (1, 3, -1, -1, -1), (2, 4, -1, -1, -1),
+                                   (-1, -1, 2, 0, 1))).to_bytes())
     return out
 
 
@@ -206,7 +213,8 @@ def run_view_fuzz(seconds: float, seed: int) -> dict[str, int]:
                                   batched=rng.random() < .5)
             elif kind == 1:
                 r = core.abi_view("Conv", shape(4), shape(4), shape(1) if rng.random() < .5 else None,
-                                  ints=[dim() for _ in range(8)] + [rng.choice([1, 2, 3, 0, -1, dim(), 2**62, -2**63])])
+                                  ints=[dim() for _ in range(8)] + [rng.choice([1, 2, 3, 0, -1, dim(), 2**62, -2**63])],
+                                  channels_last=rng.random() < .3)
             elif kind == 2:
                 rank = rng.choice([3, 4])
                 q = shape(rank)
@@ -222,7 +230,7 @@ def run_view_fuzz(seconds: float, seed: int) -> dict[str, int]:
                 r = core.conv_plan(shape(4), shape(4), shape(1) if rng.random() < .5 else None, strides=[dim(), dim()],
                                    pads=[dim() for _ in range(4)], dilations=[dim(), dim()],
                                    group=rng.choice([1, 2, 0, -1, 2**40, 2**62, -2**63]),
-                                   auto_pad=rng.choice(["NOTSET", "SAME_UPPER", "VALID"]))
+                                   auto_pad=rng.choice(["NOTSET", "SAME_UPPER", "VALID"]), channels_last=rng.random() < .3)
             stats["answered"] += r is not None
         except DietcodeError as exc:
             assert str(exc), "a refusal without a message"

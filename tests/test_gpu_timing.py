@@ -166,6 +166,25 @@ def test_node_call_gives_the_runtime_launch_view(op, problem, conv, want):
     assert [view.M, view.N, view.K, view.batch, view.stride_a_batch, view.stride_b_batch] == want
 
 
+def test_node_call_of_a_channels_last_conv_is_the_nhwc_node_call():
+    """A channels-last conv item times the node call a channels_last=1 node makes: X [n, H, W, C], W [OC, KH, KW, C]
+    and the flag; its launch view is the NCHW layer's."""
+    from dietcode_ort.runtime import load_core
+
+    problem = Problem(2 * 4 * 4, 8, 4 * 9, 1, (2, 8, 8))
+    layer = ConvParams(4, 8, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1))
+    nhwc = ConvParams(**{**layer.__dict__, "channels_last": True})
+    call = node_call(TimingItem(0, "c", b"", "conv", "float16", problem, conv=nhwc))
+    assert (call["a"], call["b"], call["channels_last"]) == ((2, 8, 8, 4), (8, 3, 3, 4), True)
+    core = load_core()
+    view = core.abi_view(**call)
+    nchw = core.abi_view(**node_call(TimingItem(0, "c", b"", "conv", "float16", problem, conv=layer)))
+    assert view is not None and nchw is not None
+    fields = ("M", "N", "K", "batch", "img_n", "img_h", "img_w", "out_h", "out_w")
+    assert [getattr(view, f) for f in fields] == [getattr(nchw, f) for f in fields]
+    assert [view.M, view.N, view.K] == [32, 8, 36]
+
+
 def test_gpu_timing_key_covers_code_div16_and_settings(monkeypatch):
     """The database context changes with the AOT compiler's source, the div16 set and every timing setting
     (checked without a GPU: the fake backend)."""

@@ -100,7 +100,7 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         assert (node["op"], node["epilogue"]["residual_mul"]) == (("MatMulSiluMul", True) if gate else ("MatMul", False))
         act = "silu" if gate else "none"
         assert all(k["built_for"] == {"dtype": "float32", "activation": act, "trans_b": False, "conv": [],
-                                      "grouped": False, "precision": "tf32"}  # --fp32-precision's default
+                                      "grouped": False, "nhwc": False, "precision": "tf32"}  # --fp32-precision's default
                    for k in node["kernels"])
         assert node["tree"]["if_chain"]
     # the same bundle and tree describe() reads in-process

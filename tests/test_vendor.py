@@ -30,7 +30,7 @@ from onnx import TensorProto
 import dietcode_ort
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
-from dietcode_ort.runtime import load_core
+from dietcode_ort.runtime import ConvAlgoCache, ConvPlan, load_core
 from tests.test_custom_ops import SUFFIXES, custom_model, reference_model
 
 HERE = Path(__file__).resolve().parent
@@ -569,6 +569,73 @@ def test_vendor_conv_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype
     assert ctypes.c_int.in_dll(fake_libs, "fake_dnn_live_descriptors").value == 0  # all destroyed
     tol = 1e-5 if dtype == "float32" else 2e-3
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if "group" not in c[3]], ids=[c[0] for c in CONV_CASES
+                                                                                     if "group" not in c[3]])
+def test_vendor_conv_nhwc_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype) -> None:
+    """channels_last: dc_conv_plan_make takes X [N, H, W, C] and W [OC, KH, KW, C], and dc_vendor_conv gives cuDNN
+    NHWC X and Y descriptors and an NHWC (KRSC) filter with the NCHW dims; the output, [N, OH, OW, OC], is ONNX's
+    Conv of the permuted tensors, and the epilogue indexes B by column."""
+    _, sx, sw, attrs = case
+    core = load_core()
+    rng = np.random.default_rng(sum(sx) + sum(sw) + 1)
+    x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
+    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs).transpose(0, 2, 3, 1)
+    x_nhwc, w_ohwi = np.ascontiguousarray(x.transpose(0, 2, 3, 1)), np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+    plan = core.conv_plan(x_nhwc.shape, w_ohwi.shape, (sw[0],), dtype=dtype, channels_last=True,
+                          **_plan_kwargs(attrs))
+    assert plan is not None, core.error()
+    nchw = core.conv_plan(sx, sw, (sw[0],), dtype=dtype, **_plan_kwargs(attrs))
+    assert nchw is not None and plan.channels_last == 1 and nchw.channels_last == 0
+    fields = ("n", "c", "h", "w", "k", "kc", "kh", "kw", "group", "pad_h", "pad_w", "stride_h", "stride_w", "out_h",
+              "out_w")
+    assert [getattr(plan, f) for f in fields] == [getattr(nchw, f) for f in fields]  # the NCHW dims either way
+    out = np.full(want.shape, np.nan, dtype=DTYPES[dtype])
+    for name in ("fake_dnn_last_x_format", "fake_dnn_last_w_format", "fake_dnn_last_y_format"):
+        _dnn(fake_libs, name).value = -1
+    core.vendor_conv(plan, x_nhwc.ctypes.data, w_ohwi.ctypes.data, out.ctypes.data, handle=1, stream=STREAM)
+    assert [_dnn(fake_libs, f"fake_dnn_last_{t}_format").value for t in "xwy"] == [1, 1, 1]  # CUDNN_TENSOR_NHWC
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=tol, atol=tol)
+    core.vendor_conv(nchw, x.ctypes.data, w.ctypes.data, np.empty(want.shape[:1] + want.shape[3:] + want.shape[1:3],
+                                                                  DTYPES[dtype]).ctypes.data, handle=1, stream=STREAM)
+    assert [_dnn(fake_libs, f"fake_dnn_last_{t}_format").value for t in "xwy"] == [0, 0, 0]
+    # the epilogue: rows N*OH*OW, cols OC, B per column (a GEMM's bias along N)
+    e = plan.epilogue
+    assert (e.rows, e.cols, e.has_bias, e.bias_rows, e.bias_cs) == (want.shape[0] * want.shape[1] * want.shape[2],
+                                                                    sw[0], 1, 1, 1)
+    bias = np.arange(1.0, sw[0] + 1.0)
+    i = np.arange(out.size)
+    got = bias[(i // e.cols % e.bias_rows) * e.bias_rs + (i % e.cols) * e.bias_cs]
+    np.testing.assert_array_equal(got, np.broadcast_to(bias, want.shape).reshape(-1))
+
+
+def test_conv_plan_channels_last_refuses_groups_and_bad_flags() -> None:
+    core = load_core()
+    with pytest.raises(DietcodeError, match="channels-last Conv must have group 1"):
+        core.conv_plan((1, 6, 6, 4), (4, 3, 3, 2), group=2, channels_last=True)
+    i64 = ctypes.c_int64
+    assert core.lib.dc_conv_plan_make((i64 * 4)(1, 6, 6, 4), 4, (i64 * 4)(4, 3, 3, 4), 4, None, 0, (i64 * 2)(1, 1),
+                                      (i64 * 4)(), (i64 * 2)(1, 1), 1, 0, 0, 0, 1, 2, ctypes.byref(ConvPlan())) == -1
+    assert "channels_last 2 (0 or 1)" in core.error()
+    with pytest.raises(DietcodeError, match="channels-last"):  # X's C (last) 4, W's C (last) 3
+        core.conv_plan((1, 6, 6, 4), (4, 3, 3, 3), channels_last=True)
+
+
+def test_conv_algo_cache_keys_the_layout(fresh_heuristic) -> None:
+    """One node's algorithm cache: an NHWC call of the same dims as an NCHW one asks the heuristic again."""
+    core = load_core()
+    cache = ConvAlgoCache(core)
+    nchw = core.conv_plan((1, 4, 8, 8), (8, 4, 3, 3))
+    nhwc = core.conv_plan((1, 8, 8, 4), (8, 3, 3, 4), channels_last=True)
+    assert nchw is not None and nhwc is not None
+    core.vendor_conv_algo(nchw, handle=1, cache=cache)
+    core.vendor_conv_algo(nchw, handle=1, cache=cache)
+    assert cache.queries == 1
+    core.vendor_conv_algo(nhwc, handle=1, cache=cache)
+    assert cache.queries == 2
 
 
 def _dnn(fake_libs, name: str, kind=ctypes.c_int):

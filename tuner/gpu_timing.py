@@ -95,7 +95,8 @@ class TimingItem:
 def node_call(item: TimingItem) -> dict[str, Any]:
     """The ONNX node call the item's problem stands for, as ``Core.abi_view`` arguments: gemm is a MatMul
     ``[M, K] x [K, N]`` (a Gemm with transB for ``trans_b``), bmm a batched MatMul ``[batch, M, K] x
-    [batch, K, N]``, conv a Conv of the image ``problem.image`` with the layer's weights."""
+    [batch, K, N]``, conv a Conv of the image ``problem.image`` with the layer's weights (NHWC X and
+    [OC, KH, KW, C] W, ``channels_last``, for a channels-last layer)."""
     p = item.problem
     if item.op == "gemm":
         if item.trans_b:
@@ -110,10 +111,10 @@ def node_call(item: TimingItem) -> dict[str, Any]:
         c = item.conv
         if c is None or p.image is None:
             raise DietcodeError("conv items need ConvParams and Problem.image")
-        if c.channels_last:
-            raise DietcodeError("conv: channels-last (NHWC) kernels have no ONNX node call yet: the runtime's Conv "
-                                "view is NCHW, so they are compiled and run in the interpreter only")
         n_img, h, w = p.image
+        if c.channels_last:  # a node with channels_last=1: X [n, H, W, C], W [OC, KH, KW, C] (ungrouped)
+            return dict(op="Conv", a=(n_img, h, w, c.in_channels), b=(c.out_channels, *c.kernel, c.in_channels),
+                        ints=(*c.strides, *c.pads, *c.dilations, c.groups), channels_last=True)
         return dict(op="Conv", a=(n_img, c.in_channels, h, w),
                     b=(c.out_channels, c.in_channels // c.groups, *c.kernel),
                     ints=(*c.strides, *c.pads, *c.dilations, c.groups))
