@@ -3,6 +3,7 @@ them (and only there), the permuted weights, the fallback bodies, and the optimi
 EP with and without the custom-op library."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -146,6 +147,9 @@ def test_resnet_transposes_only_where_the_chain_starts_and_ends(optimized):
     stem = [n for n in model.graph.node if n.domain == "ai.dietcode" and n.op_type.startswith("Conv")
             and n not in nhwc]
     assert len(stem) == 1
+    layouts = [json.loads(next(a.s for a in n.attribute if a.name == "info"))["workload"]["layout"]
+               for n in stem + nhwc]
+    assert layouts == ["nchw"] + ["nhwc"] * 16  # what inspect shows
     flat = onnx.load(str(out["nchw"]))
     assert "Transpose" not in {n.op_type for n in flat.graph.node}
     assert not any(a.name == "channels_last" for n in flat.graph.node for a in n.attribute)
