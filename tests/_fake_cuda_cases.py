@@ -80,6 +80,13 @@ CASES: tuple[FakeCase, ...] = (
              bias=True, activation="relu", conv=(12, 24, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 12)),
     FakeCase("conv_grouped_split_k", "conv", (32, 16, 16, 4, 2, 8, 4), {"x": (1, 12, 8, 8), "w": (16, 3, 3, 3)},
              bias=True, conv=(12, 16, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 4)),
+    # channels-last: X NHWC, W [OC, KH, KW, C], Y and the residual NHWC; 16 channels in K slices of 16 (one
+    # (kh, kw) each, the vector path), stride 2, and a 1x1 under split-K
+    FakeCase("conv_nhwc_stride2_bias_relu_residual", "conv", (32, 32, 16, 4, 2),
+             {"x": (2, 9, 7, 16), "w": (24, 3, 3, 16)}, bias=True, activation="relu", residual=True,
+             conv=(16, 24, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 1, True)),
+    FakeCase("conv_nhwc_1x1_split_k", "conv", (32, 16, 16, 4, 2, 8, 2), {"x": (1, 5, 6, 32), "w": (16, 1, 1, 32)},
+             conv=(32, 16, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1, True)),
     # compiled for sm_80 only: the sm_90 device JIT-compiles its PTX
     FakeCase("gemm_ptx_jit", "gemm", (32, 32, 32, 4, 2), {"a": (40, 48), "b": (48, 40)}, bias=True, target="sm_80"),
     FakeCase("attention_mask", "attention", (64, 64, 4, 2), {"q": (2, 3, 17, 16), "kt": (2, 3, 16, 17),
@@ -183,7 +190,10 @@ def _args(core: Any, case: FakeCase, bufs: dict[str, np.ndarray]) -> tuple[Any, 
 
         conv = ConvParams(*case.conv)
         args = core.abi_view("Conv", s["x"], s["w"], (s["w"][0],) if case.bias else None,
-                             ints=(*conv.strides, *conv.pads, *conv.dilations, conv.groups))
+                             ints=(*conv.strides, *conv.pads, *conv.dilations, conv.groups),
+                             channels_last=conv.channels_last)
+        if conv.channels_last:
+            return args, (args.img_n, args.out_h, args.out_w, s["w"][0])
         return args, (args.img_n, s["w"][0], args.out_h, args.out_w)
     args = core.abi_view("MatMul", s["a"], s["b"], batched=case.op == "bmm")
     out = np.broadcast_shapes(s["a"][:-2], s["b"][:-2]) + (s["a"][-2], s["b"][-1])
@@ -273,9 +283,13 @@ def interpret(case: FakeCase, bufs: dict[str, np.ndarray], workspace: np.ndarray
     else:
         if case.op == "conv":
             layer = ConvParams(*case.conv)
-            want = torch.nn.functional.conv2d(t["x"], t["w"], stride=layer.strides, padding=layer.pads[:2],
+            x, w = t["x"], t["w"]
+            if layer.channels_last:  # computed NCHW, compared NHWC
+                x, w = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)
+            want = torch.nn.functional.conv2d(x, w, stride=layer.strides, padding=layer.pads[:2],
                                               dilation=layer.dilations, groups=layer.groups)
             want = want + t["bias"][None, :, None, None] if case.bias else want
+            want = want.permute(0, 2, 3, 1) if layer.channels_last else want
         else:
             want = case.alpha * torch.matmul(t["a"], t["b"])
             want = want + t["bias"] if case.bias else want
