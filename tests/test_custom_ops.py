@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import dietcode_ort
+from _conv_reference import ort_conv
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 
@@ -481,17 +482,6 @@ def _nhwc_payload(op_type: str, channels: int, kernel: tuple[int, int], strides:
     return Bundle((Feature("M", ((0, 0),)),), (BundleKernel.vendor(), conv), tree).to_bytes()
 
 
-def _stock_conv(x: np.ndarray, w: np.ndarray, attrs: dict) -> np.ndarray:
-    """ONNX Runtime's own NCHW Conv in float32 (the reference)."""
-    graph = helper.make_graph([helper.make_node("Conv", ["X", "W"], ["Y"], **attrs)], "g",
-                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("W", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    return ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"X": x, "W": w})[0]
-
-
 # (op type, X NCHW, W OIHW, strides, pads (top, left, bottom, right), dilations)
 NHWC_CASES = [
     ("ConvBiasResidualRelu", (2, 3, 7, 6), (4, 3, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1)),
@@ -516,7 +506,7 @@ def test_channels_last_conv_on_the_cpu_ep(case, dtype) -> None:
     rng = np.random.default_rng(sum(sx) + sum(sw))
     x, w = rng.standard_normal(sx).astype(dtype), rng.standard_normal(sw).astype(dtype)
     attrs = {"strides": list(strides), "pads": list(pads), "dilations": list(dilations)}
-    y = _stock_conv(x.astype(np.float32), w.astype(np.float32), attrs).astype(np.float64)
+    y = ort_conv(x.astype(np.float32), w.astype(np.float32), attrs).astype(np.float64)
     b = rng.standard_normal(sw[0]).astype(dtype)
     if has_bias:
         y += b.astype(np.float64)[None, :, None, None]

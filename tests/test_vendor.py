@@ -28,6 +28,7 @@ import pytest
 from onnx import TensorProto
 
 import dietcode_ort
+from _conv_reference import ort_conv
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import ConvAlgoCache, ConvPlan, load_core
@@ -526,20 +527,6 @@ CONV_CASES = [
 ]
 
 
-def _onnx_conv(x: np.ndarray, w: np.ndarray, attrs: dict) -> np.ndarray:
-    """ONNX Runtime's CPU Conv: the reference."""
-    from onnx import helper
-
-    graph = helper.make_graph([helper.make_node("Conv", ["X", "W"], ["Y"], **attrs)], "g",
-                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("W", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {"X": x, "W": w})[0]
-
-
 def _plan_kwargs(attrs: dict) -> dict:
     return {"strides": attrs.get("strides", (1, 1)), "pads": attrs.get("pads", (0, 0, 0, 0)),
             "dilations": attrs.get("dilations", (1, 1)), "group": attrs.get("group", 1),
@@ -556,7 +543,7 @@ def test_vendor_conv_through_the_c_abi_equals_onnxruntime(fake_libs, case, dtype
     core = load_core()
     rng = np.random.default_rng(sum(sx) + sum(sw))
     x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
-    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
+    want = ort_conv(x.astype(np.float32), w.astype(np.float32), attrs)
     plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
     assert plan is not None, core.error()
     assert (plan.out_h, plan.out_w) == want.shape[2:]
@@ -582,7 +569,7 @@ def test_vendor_conv_nhwc_through_the_c_abi_equals_onnxruntime(fake_libs, case, 
     core = load_core()
     rng = np.random.default_rng(sum(sx) + sum(sw) + 1)
     x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
-    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs).transpose(0, 2, 3, 1)
+    want = ort_conv(x.astype(np.float32), w.astype(np.float32), attrs).transpose(0, 2, 3, 1)
     x_nhwc, w_ohwi = np.ascontiguousarray(x.transpose(0, 2, 3, 1)), np.ascontiguousarray(w.transpose(0, 2, 3, 1))
     plan = core.conv_plan(x_nhwc.shape, w_ohwi.shape, (sw[0],), dtype=dtype, channels_last=True,
                           **_plan_kwargs(attrs))
@@ -656,7 +643,7 @@ def _run_conv(core, fake_libs, sx, sw, attrs, dtype, cache, cap=None):
     returns the output, the algorithm, the fallback reason and the workspace buffer."""
     rng = np.random.default_rng(sum(sx) + sum(sw))
     x, w = rng.standard_normal(sx).astype(DTYPES[dtype]), rng.standard_normal(sw).astype(DTYPES[dtype])
-    want = _onnx_conv(x.astype(np.float32), w.astype(np.float32), attrs)
+    want = ort_conv(x.astype(np.float32), w.astype(np.float32), attrs)
     plan = core.conv_plan(sx, sw, dtype=dtype, **_plan_kwargs(attrs))
     kw = {} if cap is None else {"cap": cap}
     algo, why = core.vendor_conv_algo(plan, handle=1, cache=cache, **kw)

@@ -291,76 +291,6 @@ def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, wo
 
 
 @triton.jit
-def _conv_nhwc(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
-               CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-               STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-               DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               RESIDUAL_FIRST: tl.constexpr, RESIDUAL_MUL: tl.constexpr):
-    """``conv_kernel`` with CHANNELS_LAST: the implicit GEMM over NHWC X, rows (n, oh, ow), cols oc, reduction
-    (kh, kw, c) with W [OC, KH, KW, CHANNELS] read as B [K, N] transposed (contiguous along K, as NCHW's W).
-    X's offset of (row, k) is (pixel(row) + dh * img_w + dw) * CHANNELS + c, the row's pixel (img, ih0, iw0)
-    in int64 and the rest in int32 (the launcher keeps X per image below 2^31). With CHANNELS % BLOCK_K == 0
-    (EVEN) a K slice lies in one (kh, kw): its window offset and bounds test are scalars per slice and the
-    load's predicate is the row's alone (constant along K), so the load vectorizes; otherwise each element
-    finds its own (kh, kw, c)."""
-    EVEN: tl.constexpr = CHANNELS % BLOCK_K == 0
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    hw_out = out_h * out_w
-    img = offs_m // hw_out
-    pix = offs_m % hw_out
-    ih0 = (pix // out_w) * STRIDE_H - PAD_H
-    iw0 = (pix % out_w) * STRIDE_W - PAD_W
-    # the row's window origin as a pixel index (may lie outside the image: only offsets inside it are loaded)
-    row_base = ((img.to(tl.int64) * img_h + ih0) * img_w + iw0) * CHANNELS
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
-        k_first = (k0 * SPLIT_K + pid_k) * BLOCK_K
-        offs_k = k_first + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if EVEN:
-            kr = k_first // CHANNELS  # the slice's (kh, kw), the same for all its channels
-            dh = (kr // KW) * DIL_H
-            dw = (kr % KW) * DIL_W
-            cs = k_first % CHANNELS + tl.arange(0, BLOCK_K)
-            ih = (ih0 + dh).to(tl.uint32, bitcast=True)
-            iw = (iw0 + dw).to(tl.uint32, bitcast=True)
-            # a slice past K (split-K's last) loads nothing: its rows end at 0
-            rows = tl.where(k_first < K, M, 0)
-            row_ok = (offs_m < rows) & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
-            x = tl.load(a + (row_base + (dh * img_w + dw) * CHANNELS)[:, None] + cs[None, :],
-                        mask=tl.broadcast_to(row_ok[:, None], (BLOCK_M, BLOCK_K)), other=0.0)
-        else:
-            kr = offs_k // CHANNELS
-            dh = (kr // KW) * DIL_H
-            dw = (kr % KW) * DIL_W
-            col_off = (dh * img_w + dw) * CHANNELS + offs_k % CHANNELS
-            ih = (ih0[:, None] + dh[None, :]).to(tl.uint32, bitcast=True)
-            iw = (iw0[:, None] + dw[None, :]).to(tl.uint32, bitcast=True)
-            x_ok = m_ok[:, None] & k_ok[None, :] & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
-            x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
-        w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    offs_y = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    y_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
-        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
-        if last:
-            _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
-                    HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
-    else:
-        _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
-                HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
-
-
-@triton.jit
 def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
                 CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                 STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
@@ -384,21 +314,19 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
     CHANNELS], Y and the residual NHWC [img_n, out_h, out_w, OC] (Y is then the GEMM's row-major [M, N]); the
     reduction runs (kh, kw, c), so a K slice is a run of channels of one input pixel: contiguous, and with
     CHANNELS a multiple of BLOCK_K (a whole slice in one (kh, kw)) one bounds predicate per row, so Triton loads
-    it in 16-byte vectors (cp.async) where NCHW gathers element by element (``_conv_nhwc``)."""
-    if CHANNELS_LAST:
-        _conv_nhwc(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace, CHANNELS, KH, KW,
-                   STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, HAS_BIAS, ACTIVATION, DOT_PRECISION,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
-        return
+    it in 16-byte vectors (cp.async) where NCHW gathers element by element. The row's pixel is int64, the rest
+    int32 (the launcher keeps X per image below 2^31)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    # the group: its first input channel (K / (KH * KW) channels per group), W rows and output channels
+    # the group: its first input channel (K / (KH * KW) channels per group), W rows and output channels (a
+    # channels-last conv is ungrouped, and its pointers keep their known alignment)
     z = tl.program_id(2).to(tl.int64)
     groups = tl.num_programs(2)
-    a += z * (K // (KH * KW)) * img_h * img_w
-    b += z * N * K
-    if HAS_BIAS:
-        bias += z * N
+    if not CHANNELS_LAST:
+        a += z * (K // (KH * KW)) * img_h * img_w
+        b += z * N * K
+        if HAS_BIAS:
+            bias += z * N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     hw_out = out_h * out_w
@@ -406,27 +334,55 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
     pix = offs_m % hw_out
     ih0 = (pix // out_w) * STRIDE_H - PAD_H
     iw0 = (pix % out_w) * STRIDE_W - PAD_W
-    # X offset of (row, col) = row_base + col_off: per-row and per-column parts, added once per tile.
-    row_base = img.to(tl.int64) * (CHANNELS * img_h * img_w) + ih0 * img_w + iw0
+    # X offset of (row, col) = row_base + col_off: per-row and per-column parts, added once per tile; channels-last,
+    # the row's window origin as a pixel (maybe outside the image: only offsets inside it are loaded) times C
+    if CHANNELS_LAST:
+        row_base = ((img.to(tl.int64) * img_h + ih0) * img_w + iw0) * CHANNELS
+    else:
+        row_base = img.to(tl.int64) * (CHANNELS * img_h * img_w) + ih0 * img_w + iw0
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K * SPLIT_K)):
-        offs_k = (k0 * SPLIT_K + pid_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_first = (k0 * SPLIT_K + pid_k) * BLOCK_K
+        offs_k = k_first + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        kr = offs_k % (KH * KW)
-        dh = (kr // KW) * DIL_H
-        dw = (kr % KW) * DIL_W
-        col_off = (offs_k // (KH * KW)) * (img_h * img_w) + dh * img_w + dw
-        # 0 <= ih < img_h as one unsigned compare (a negative ih wraps to a large value).
-        ih = (ih0[:, None] + dh[None, :]).to(tl.uint32, bitcast=True)
-        iw = (iw0[:, None] + dw[None, :]).to(tl.uint32, bitcast=True)
-        x_ok = m_ok[:, None] & k_ok[None, :] & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
-        x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
+        if CHANNELS_LAST and CHANNELS % BLOCK_K == 0:
+            # the slice lies in one (kh, kw): its window offset and bounds test are scalars, the load's predicate
+            # the row's alone (constant along K), so Triton loads it in vectors
+            kr = k_first // CHANNELS
+            dh = (kr // KW) * DIL_H
+            dw = (kr % KW) * DIL_W
+            cs = k_first % CHANNELS + tl.arange(0, BLOCK_K)
+            ih = (ih0 + dh).to(tl.uint32, bitcast=True)
+            iw = (iw0 + dw).to(tl.uint32, bitcast=True)
+            rows = tl.where(k_first < K, M, 0)  # a slice past K (split-K's last) loads nothing
+            row_ok = (offs_m < rows) & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
+            x = tl.load(a + (row_base + (dh * img_w + dw) * CHANNELS)[:, None] + cs[None, :],
+                        mask=tl.broadcast_to(row_ok[:, None], (BLOCK_M, BLOCK_K)), other=0.0)
+        else:
+            if CHANNELS_LAST:  # reduction (kh, kw, c): each element finds its own window offset
+                kr = offs_k // CHANNELS
+                dh = (kr // KW) * DIL_H
+                dw = (kr % KW) * DIL_W
+                col_off = (dh * img_w + dw) * CHANNELS + offs_k % CHANNELS
+            else:  # reduction (c, kh, kw)
+                kr = offs_k % (KH * KW)
+                dh = (kr // KW) * DIL_H
+                dw = (kr % KW) * DIL_W
+                col_off = (offs_k // (KH * KW)) * (img_h * img_w) + dh * img_w + dw
+            # 0 <= ih < img_h as one unsigned compare (a negative ih wraps to a large value).
+            ih = (ih0[:, None] + dh[None, :]).to(tl.uint32, bitcast=True)
+            iw = (iw0[:, None] + dw[None, :]).to(tl.uint32, bitcast=True)
+            x_ok = m_ok[:, None] & k_ok[None, :] & (ih < img_h.to(tl.uint32)) & (iw < img_w.to(tl.uint32))
+            x = tl.load(a + row_base[:, None] + col_off[None, :], mask=x_ok, other=0.0)
         w = tl.load(b + offs_n[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    offs_y = (img.to(tl.int64) * (N * groups) * hw_out + z * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
+    if CHANNELS_LAST:  # Y is the row-major [M, N]
+        offs_y = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    else:
+        offs_y = (img.to(tl.int64) * (N * groups) * hw_out + z * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     if SPLIT_K > 1:
         acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
