@@ -134,3 +134,36 @@ def test_grouped_and_depthwise_convs_launch_and_match(tmp_path):
     onnx.save(model, str(tmp_path / "ungrouped.onnx"))
     with pytest.raises(Exception, match="compiled for an ungrouped conv"):
         dietcode_ort.InferenceSession(str(tmp_path / "ungrouped.onnx"), providers=["CUDAExecutionProvider"])
+
+
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_resnet_conv_layouts_launch_and_match(tmp_path, layout):
+    """Tiny ResNet-50 (fp16) optimized channels-last (the default: every conv but the stem, two Transposes) and
+    in the model's layout: every conv node launches its compiled kernels and the model gives stock ORT's result
+    on shapes off the tuned grid (odd sizes: the windows' edges, tiles past the last row)."""
+    import onnx
+
+    from dietcode_ort.bundle import node_bundles
+
+    src, out = tmp_path / "r.onnx", tmp_path / f"r.{layout}.onnx"
+    models.save_model(models.build("resnet50", "tiny", "float16"), src)
+    optimize(src, out, OptimizeOptions(targets=default_targets(), measure="analytic", budget=4, max_kernels=2,
+                                       dims=("batch=1:2", "height=32:64:32", "width=32:64:32"), db=tmp_path / "t.db",
+                                       cache_dir=tmp_path / "k", progress=False, conv_layout=layout),
+             log=lambda _: None)
+    model = onnx.load(str(out))
+    nhwc = {n.output[0] for n in model.graph.node if any(a.name == "channels_last" and a.i for a in n.attribute)}
+    assert len(nhwc) == (16 if layout == "nhwc" else 0)
+    stock = ort.InferenceSession(str(src), providers=["CUDAExecutionProvider"])
+    tuned = dietcode_ort.InferenceSession(str(out), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    dietcode_ort.reset_node_stats()
+    for shape in ({"batch": 1, "height": 32, "width": 32}, {"batch": 3, "height": 37, "width": 51},
+                  {"batch": 2, "height": 70, "width": 33}):
+        feeds = models.get("resnet50").example_inputs("tiny", shape, "float16", seed=1)
+        np.testing.assert_allclose(tuned.run(None, feeds)[0].astype(np.float32),
+                                   stock.run(None, feeds)[0].astype(np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=str(shape))
+    stats = dietcode_ort.node_stats()
+    convs = [nb.node for nb in node_bundles(model) if nb.op_type.startswith("Conv")]
+    assert len(convs) == 17 and all(stats.get(node, {}).get("launches", 0) > 0 for node in convs), stats
