@@ -21,18 +21,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dietcode_ort.errors import DietcodeError
 from tuner.model_file import inline_tensor
 from tuner.scan import GraphLinks
 from tuner.workload import Workload
 
 __all__ = ["LAYOUTS", "TO_NHWC", "TO_NCHW", "NodeValues", "nchw_reason", "choose_layouts", "channels_last",
-           "ChannelsLast", "nhwc_body"]
+           "read_elsewhere", "ChannelsLast", "nhwc_body"]
 
 LAYOUTS = ("nhwc", "nchw")  # optimize's --conv-layout: channels-last where a workload allows it, or never
 TO_NHWC = (0, 2, 3, 1)  # Transpose perm: NCHW -> NHWC
@@ -60,12 +61,19 @@ def nchw_reason(w: Workload, initializers: set[str], weights: dict[str, str]) ->
 
 class NodeValues(NamedTuple):
     """What a workload node's custom node will read and make (tuner.rewrite's plan): X, the residual (None
-    without one), the output, and the graph positions of the nodes it replaces."""
+    without one), the output, the graph positions of the nodes it replaces, and its weight."""
 
     x: str
     residual: str | None
     output: str
     members: frozenset[int]
+    weight: str = ""
+
+
+def read_elsewhere(value: str, members: set[int], links: GraphLinks, position: Mapping[int, int]) -> bool:
+    """Whether ``value`` is a graph output or read by a node outside ``members`` (graph positions;
+    ``position``: a node's by its id), so that it must exist in NCHW."""
+    return value in links.graph_outputs or any(position[id(r)] not in members for r in links.consumers.get(value, []))
 
 
 def _chains(nodes: Mapping[str, NodeValues]) -> list[set[str]]:
@@ -97,9 +105,7 @@ def _transposes(chain: set[str], nodes: Mapping[str, NodeValues], links: GraphLi
     members = set().union(*(nodes[key].members for key in chain))
     made = {nodes[key].output for key in chain}
     read = {v for key in chain for v in (nodes[key].x, nodes[key].residual) if v is not None}
-    outside = {v for v in made if v in links.graph_outputs
-               or any(position[id(r)] not in members for r in links.consumers.get(v, []))}
-    return len(read - made) + len(outside)
+    return len(read - made) + sum(read_elsewhere(v, members, links, position) for v in made)
 
 
 def choose_layouts(graph: onnx.GraphProto, workloads: Sequence[Workload], layout: str,
@@ -112,7 +118,7 @@ def choose_layouts(graph: onnx.GraphProto, workloads: Sequence[Workload], layout
     if layout == "nchw":
         return tuple(workloads)
     initializers = {t.name for t in graph.initializer}
-    weights = {n.output[0]: n.input[1] for n in graph.node if n.op_type == "Conv" and len(n.input) > 1 and n.output}
+    weights = {key: v.weight for key, v in nodes.items()}
     able = {key: nodes[key] for w in workloads if w.conv is not None and nchw_reason(w, initializers, weights) is None
             for key in w.nodes if key in nodes}
     links = GraphLinks(graph)
@@ -159,24 +165,16 @@ def nhwc_body(body: Sequence[onnx.NodeProto], residual: bool) -> tuple[onnx.Node
 
 class ChannelsLast:
     """The values and nodes a rewrite adds for its channels-last custom nodes. ``made``: the (NCHW) outputs
-    of the channels-last nodes, each then made NHWC by its node under ``output(value)``; ``taken``: the names
-    in use (new names are added to it)."""
+    of the channels-last nodes, each then made NHWC by its node under ``output(value)``; ``names``: a fresh
+    name of the graph from a base (tuner.rewrite.unique_name over its names)."""
 
-    def __init__(self, graph: onnx.GraphProto, made: set[str], taken: set[str], base_dir: Path | None):
-        self.graph = graph
-        self.taken = taken
+    def __init__(self, graph: onnx.GraphProto, made: set[str], names: Callable[[str], str], base_dir: Path | None):
+        self._name = names
         self.base_dir = base_dir
         self.initializers = {t.name: t for t in graph.initializer}
-        self.nhwc: dict[str, str] = {v: self._name(v + "_nhwc") for v in sorted(made)}
+        self.nhwc: dict[str, str] = {v: names(v + "_nhwc") for v in sorted(made)}
         self.transposes: dict[str, onnx.NodeProto] = {}  # NCHW value -> the Transpose making its NHWC copy
         self.weights: dict[str, onnx.TensorProto] = {}  # weight -> its [OC, KH, KW, C] copy
-
-    def _name(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
 
     def input(self, value: str) -> str:
         """The NHWC form of an activation ``value`` (X or a residual): the name a channels-last node makes it
@@ -202,7 +200,7 @@ class ChannelsLast:
         if name not in self.weights:
             t = inline_tensor(self.initializers[name], self.base_dir)
             if len(t.dims) != 4:
-                raise ValueError(f"conv weight {name!r} has rank {len(t.dims)}, not 4")
+                raise DietcodeError(f"conv weight {name!r} has rank {len(t.dims)}, not 4")
             array = numpy_helper.to_array(t)
             copy = onnx.TensorProto()
             copy.name = self._name(name + "_ohwi")

@@ -198,7 +198,7 @@ def _layouts(model: "onnx.ModelProto", workloads: Sequence[Workload], layout: st
         return tuple(workloads)
     sites = plan_rewrite(model, [w for w in workloads if w.conv is not None], base_dir=base_dir)
     nodes = {key: NodeValues(s.inputs[0], s.inputs[-1] if op_takes_residual(s.op) else None, s.output,
-                             frozenset((s.index, *s.absorbed))) for key, s in sites.items()}
+                             frozenset((s.index, *s.absorbed)), s.inputs[1]) for key, s in sites.items()}
     return choose_layouts(model.graph, workloads, layout, nodes)
 
 

@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
-from tuner.layout import ChannelsLast, channels_last, nhwc_body
+from tuner.layout import ChannelsLast, channels_last, nhwc_body, read_elsewhere
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import MOVABLE, GraphLinks, node_reads
 from tuner.workload import Workload
@@ -466,7 +466,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
     conv_pads = {name: list(w.conv.pads) for w in workloads if w.conv is not None for name in w.nodes}
     # channels-last conv nodes (tuner.layout): NHWC in and out, Transposes only where NCHW meets NHWC
     nhwc_nodes = {name for w in workloads if channels_last(w) for name in w.nodes} & set(sites)
-    layout = ChannelsLast(graph, {sites[n].output for n in nhwc_nodes}, taken,
+    layout = ChannelsLast(graph, {sites[n].output for n in nhwc_nodes}, lambda base: unique_name(base, taken),
                           None if base_dir is None else Path(base_dir))
     nhwc_members = {i for n in nhwc_nodes for i in (sites[n].index, *sites[n].absorbed)}
     links = GraphLinks(graph)
@@ -492,8 +492,7 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
         if nhwc:
             attributes["channels_last"] = 1
             # the NCHW value stays where something else still reads it
-            if site.output not in links.graph_outputs and all(
-                    position[id(r)] in nhwc_members for r in links.consumers.get(site.output, [])):
+            if not read_elsewhere(site.output, nhwc_members, links, position):
                 back = None
         custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [output], name=node.name,
                                   domain=DOMAIN, **attributes)
