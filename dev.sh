@@ -5,6 +5,10 @@
 #   ./dev.sh test    set everything up, then run the test suite
 #   ./dev.sh lint    set everything up, then run ruff and mypy as pyproject.toml configures them
 #   ./dev.sh setup   only set up: .venv (project-local virtual environment) and the ORT headers in .deps/
+#   ./dev.sh ptx [VERSION] [pytest args]
+#                    set everything up, then run the tests that assert what Triton compiles (-m ptx) under
+#                    Triton VERSION (default: the lent GPU machines' Triton, which compiles the kernels there),
+#                    installed on its own into .deps/triton-VERSION ahead of the .venv's own Triton
 # Every command is idempotent: a second run reuses the environment (it reinstalls only when
 # pyproject.toml changed).
 set -euo pipefail
@@ -51,6 +55,27 @@ run_tests() {
   "$VENV/bin/python" -m pytest -q "$@"
 }
 
+# The lent GPU machines' Triton (../shared/docs/DESIGN.md, "The lent GPU machines"; each device run's
+# metadata.json records it): optimize compiles the kernels with it there, so what the compile tests claim of
+# the PTX must hold under it as well as under the .venv's newer Triton.
+DEVICE_TRITON=3.6.0
+
+ptx_tests() {
+  local version=$DEVICE_TRITON
+  if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]]; then
+    version=$1
+    shift
+  fi
+  local dir=.deps/triton-$version
+  if [ ! -f "$dir/.installed" ]; then
+    echo "installing triton $version into $dir (its own folder; the .venv keeps its Triton)" >&2
+    rm -rf "$dir"
+    "$VENV/bin/python" -m pip install -q --no-deps --target "$dir" "triton==$version"
+    touch "$dir/.installed"
+  fi
+  PYTHONPATH="$PWD/$dir${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest -q -m ptx "$@"
+}
+
 lint() {
   "$VENV/bin/ruff" check .
   "$VENV/bin/mypy" dietcode_ort tuner models
@@ -63,5 +88,6 @@ case "$cmd" in
   demo) setup; demo ;;
   test) setup; run_tests "$@" ;;
   lint) setup; lint ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | lint | setup" >&2; exit 2 ;;
+  ptx) setup; ptx_tests "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | lint | setup | ptx [TRITON_VERSION] [pytest args]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which Triton compiles the kernels (``./dev.sh ptx`` runs the compile tests under another one)."""
+    try:
+        import triton
+    except ImportError:
+        return "triton: not installed"
+    return f"triton {triton.__version__} ({Path(triton.__file__).parent})"
+
+
 def _unwritable(path: Path) -> bool:
     try:
         fd, probe = tempfile.mkstemp(dir=path)

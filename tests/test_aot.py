@@ -51,6 +51,7 @@ def sample(cache: Path) -> list[CompileResult]:
     return compile_many(_jobs(cache), workers=2)
 
 
+@pytest.mark.ptx
 def test_sample_of_each_family_compiles_within_limits(sample: list[CompileResult]) -> None:
     assert len(sample) == 6
     assert {r.job.family.op for r in sample if r.job.config.split_k > 1} == {"gemm", "bmm", "conv"}

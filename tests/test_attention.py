@@ -82,6 +82,7 @@ def test_template_arguments_are_the_attention_params() -> None:
     assert runtime_args == list(templates.ATTENTION_PARAMS)
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_aot_compiles_bert_configs_within_limits(target: str) -> None:
     from tuner.attention import compile_attention
@@ -115,6 +116,7 @@ def _code(ptx: str) -> list[str]:
     return out
 
 
+@pytest.mark.ptx
 def test_aot_layouts_compile_and_are_recorded_in_the_bundle_kernel() -> None:
     """The head-split layouts compile ahead of time within the same limits, to other code than the contiguous
     layout (which stays the default and takes no new params), and the bundle kernel records them."""
@@ -238,6 +240,7 @@ def test_attention_view_of_a_packed_projection() -> None:
     assert core.attention_view(split, split, split, head_dim=64, layout=7) is not None
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_aot_packed_layout_compiles_without_more_spills_than_the_head_split_layout(target: str) -> None:
     """The packed layout (Q, K, V read from one [B, S, 3*H*d] projection) compiles ahead of time to its own

@@ -184,6 +184,7 @@ def test_optimized_bert_runs_on_the_cpu_ep_like_stock_ort(optimized) -> None:
         np.testing.assert_allclose(fallback.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.ptx
 def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized) -> None:
     """Through ctypes: the tree over (seq_q, seq_k, batch x heads) read from Q and Kt picks what the tuner's
     dispatch picks, and dc_attention_view gives the launch scalars and the mask's broadcast strides."""

@@ -14,6 +14,8 @@ from tuner.aot import cache_key, compile_kernel, shipped_div16
 from tuner.space import Family, MicroKernel
 from tuner.workload import ConvParams, Epilogue
 
+pytestmark = pytest.mark.ptx
+
 FP16_H100 = Family("conv", "float16", "sm_90")
 TILE = MicroKernel(128, 64, 64, 4, 3)  # a wgmma tile that BERT-sized GEMMs pick; NCHW conv spills on it
 RESNET_3X3 = ConvParams(64, 64, (3, 3), pads=(1, 1, 1, 1))  # ResNet-50's first-stage 3x3 conv

@@ -31,6 +31,7 @@ def _evidence(path: Path = EVIDENCE) -> list[dict[str, str]]:
         return list(csv.DictReader(line for line in handle if not line.startswith("#")))
 
 
+@pytest.mark.ptx
 def test_wgmma_rule_matches_the_compiled_evidence() -> None:
     """Every config of the committed sm_90 sample compiled to wgmma exactly when ``wgmma_eligible`` says so;
     ieee float32 uses no tensor core. The sample holds the whole float16 and bfloat16 gemm spaces."""
@@ -46,6 +47,7 @@ def test_wgmma_rule_matches_the_compiled_evidence() -> None:
         assert not r["error"], r
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("name", EVIDENCE_AFTER)
 def test_the_sm90_spaces_compile_as_the_wgmma_rule_says(name: str) -> None:
     """The committed compiles of today's sm_90 16-bit spaces: each config's PTX uses wgmma exactly when
@@ -68,6 +70,7 @@ def test_ptx_mma_reads_the_instruction() -> None:
     assert ptx_mma(ms + "\n" + wg) == "wgmma"  # a kernel with both is a wgmma kernel
 
 
+@pytest.mark.ptx
 def test_compiled_kernels_record_their_mma(tmp_path: Path) -> None:
     """Fresh compiles agree with the rule: 64 rows on a warpgroup is wgmma on sm_90, two warps or sm_80
     is mma.sync; the kind survives the kernel cache's record."""
@@ -81,6 +84,7 @@ def test_compiled_kernels_record_their_mma(tmp_path: Path) -> None:
     assert got == {("sm_90", 4): "wgmma", ("sm_90", 2): "mma.sync", ("sm_80", 4): "mma.sync"}
 
 
+@pytest.mark.ptx
 def test_tf32_space_compiles_to_wgmma_on_sm90(tmp_path: Path) -> None:
     """A real sm_90 AOT compile of configs of the float32 space in tf32 precision (optimize's default): the PTX
     uses wgmma on tf32 operands exactly where ``wgmma_eligible`` says so: a warpgroup tile with pointer loads,

@@ -248,6 +248,7 @@ def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in bad.stderr
 
 
+@pytest.mark.ptx
 def test_two_targets_give_a_cubin_each_and_portable_ptx(work, tmp_path):
     from dietcode_ort.bundle import node_bundles, read_bundle
 

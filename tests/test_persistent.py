@@ -164,6 +164,7 @@ def _back_edges(ptx: str) -> int:
                if (m := re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)) and labels.get(m.group(1), i) < i)
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("target, op, config", [
     ("sm_90", "gemm", MicroKernel(128, 128, 64, 8, 4, tma=1, persistent=1)),
     ("sm_90", "bmm", MicroKernel(64, 128, 64, 4, 4, tma=1, persistent=2)),

@@ -30,6 +30,7 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             for target in ("sm_80", "sm_90")}
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_split_k_gelu_residual_compiles_with_the_workspace(kernels: dict[str, object], target: str) -> None:
     kernel = kernels[target]
@@ -50,6 +51,7 @@ def _barrier_line() -> int:
     return first + next(i for i, line in enumerate(source) if "tl.debug_barrier()" in line)
 
 
+@pytest.mark.ptx
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_the_counter_is_one_threads_acq_rel_atomic_after_a_barrier(kernels: dict[str, object], target: str) -> None:
     lines = [line.strip() for line in kernels[target].ptx.splitlines()]

@@ -33,6 +33,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, aot.Compiled
     return {p: aot.compile_kernel(F32_80, TILE, cache_dir=cache, allow_tf32=p == "tf32") for p in ("tf32", "ieee")}
 
 
+@pytest.mark.ptx
 def test_precision_reaches_the_constexprs_and_the_ptx(compiled):
     """A real AOT compile for sm_80: tf32 lowers the dot to TF32 mma.sync, ieee to FMAs without tensor cores."""
     tf32, ieee = compiled["tf32"], compiled["ieee"]
@@ -184,6 +185,7 @@ def test_interpreter_tf32_within_tf32_error_of_float64():
     assert result["probe_tf32"] == result["probe_ieee"] == result["probe_exact"] != result["probe_tf32_rounded"]
 
 
+@pytest.mark.ptx
 def test_attention_kernels_follow_the_precision(tmp_path):
     """float32 attention kernels take the precision too: TF32 mma.sync in their PTX and the bundle's flag; the
     analytic attention cost uses the TF32 rate; the GPU timing context keys them apart."""

@@ -83,6 +83,7 @@ def test_tma_keys_and_records_leave_other_configs_unchanged() -> None:
 
 # ---- ahead-of-time compilation ----
 
+@pytest.mark.ptx
 def test_tma_gemm_compiles_to_bulk_tensor_copies_and_wgmma_on_sm90(tmp_path: Path) -> None:
     from tuner.aot import compile_kernel, shipped_div16
 
@@ -99,6 +100,7 @@ def test_tma_gemm_compiles_to_bulk_tensor_copies_and_wgmma_on_sm90(tmp_path: Pat
     assert "K" not in plain.div16
 
 
+@pytest.mark.ptx
 def test_tma_split_k_and_bmm_compile_on_sm90(tmp_path: Path) -> None:
     from tuner.aot import compile_kernel
 

@@ -215,6 +215,7 @@ def test_inspect_shows_the_toolchain(tmp_path: Path, capsys) -> None:
     assert "global scratch 256 B per program (aligned to 128)" in text and text.count("global scratch") == 1
 
 
+@pytest.mark.ptx
 def test_inspect_says_which_mma_each_kernels_ptx_uses(tmp_path: Path, capsys) -> None:
     wgmma = PTX80_94.replace("sm_80", "sm_90a") + "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1}, %rd1;\n"
     path = _model(tmp_path / "m.onnx", _bundle(_kernel("k"), _kernel("j", ptx=wgmma, ptx_toolchain=PTX_94)))
@@ -236,6 +237,7 @@ def test_optimize_refuses_a_ptxas_that_does_not_run(tmp_path: Path, capsys) -> N
     assert "older than every driver" in capsys.readouterr().err
 
 
+@pytest.mark.ptx
 @pytest.mark.slow
 def test_aot_caps_the_ptx_isa_at_the_drivers(tmp_path: Path) -> None:
     """A real compile: Triton 3.9's ptxas-blackwell (CUDA 13.4) would write PTX ISA 9.4, which driver 13.0

@@ -855,6 +855,7 @@ def _ptxas() -> Path | None:
     return path if path.is_file() else None
 
 
+@pytest.mark.ptx
 @pytest.mark.skipif(_ptxas() is None, reason="needs ptxas (the triton wheel ships one)")
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_epilogue_ptx_assembles_for_ampere_and_hopper(tmp_path, dtype) -> None:

@@ -353,7 +353,9 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
             kr = k_first // CHANNELS
             dh = (kr // KW) * DIL_H
             dw = (kr % KW) * DIL_W
-            cs = k_first % CHANNELS + tl.arange(0, BLOCK_K)
+            # k_first % CHANNELS, written so that Triton 3.6 too proves it a multiple of BLOCK_K (its alignment
+            # analysis knows nothing of a remainder, and without it the slice loads one element at a time)
+            cs = (k_first - kr * CHANNELS) + tl.arange(0, BLOCK_K)
             ih = (ih0 + dh).to(tl.uint32, bitcast=True)
             iw = (iw0 + dw).to(tl.uint32, bitcast=True)
             rows = tl.where(k_first < K, M, 0)  # a slice past K (split-K's last) loads nothing

@@ -29,8 +29,7 @@ class ConvParams:
 
     ``channels_last``: the layer computed on NHWC tensors (X [N, H, W, C], W [OC, KH, KW, C], Y [N, OH, OW, OC]),
     the conv template's CHANNELS_LAST form, which loads X in 16-byte vectors where NCHW gathers it element by
-    element; ungrouped only. The runtime (bundle, custom op, rewrite) does not take such kernels yet: only the
-    template, its compiles and its interpreter runs do."""
+    element; ungrouped only. ``optimize`` picks the layout per chain of convs (tuner/layout.py)."""
 
     in_channels: int
     out_channels: int
