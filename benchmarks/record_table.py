@@ -137,14 +137,16 @@ SETS = {"dense": dense_sets, "attention": attention_sets, "conv": conv_sets, "de
 
 
 def shipped_div16(s: TableSet) -> tuple[str, ...]:
-    """The divisibility assumptions ``optimize`` would compile the set's workload with: N and K count as
-    constant where every instance has the same value (conv: always; gemm: the dense (N, K); bmm: the 64)."""
+    """The divisibility assumptions ``optimize`` would compile the set's workload with: M, N and K count as
+    constant where every instance has the same value (conv: always; gemm: the dense (N, K); bmm: the 64, which
+    makes batch strides multiples of 16 too)."""
     from tuner.aot import shipped_div16 as div16
 
     def constant(values: set[int]) -> int | None:
         return next(iter(values)) if len(values) == 1 else None
 
-    return div16(s.op, s.epilogue.bias, constant({p.n for p in s.problems}), constant({p.k for p in s.problems}))
+    return div16(s.op, s.epilogue.bias, constant({p.n for p in s.problems}), constant({p.k for p in s.problems}),
+                 m=constant({p.m for p in s.problems}))
 
 
 def _analytic_environment(command: str, target: str) -> dict:

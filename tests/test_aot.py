@@ -216,3 +216,39 @@ def test_conv_with_the_residual_before_the_relu_compiles_for_sm80_and_sm90(cache
         bundled = BundleKernel.from_compiled([kernel])
         assert bundled.residual_first and bundled.activation == "relu" and bundled.view == "conv"
         assert read_bundle(Bundle((), (bundled,), DispatchTree.single(0)).to_bytes()).kernels[0] == bundled
+
+
+@pytest.mark.parametrize("m, n, k, strides", [
+    (None, None, 64, ("stride_a_batch", "stride_b_batch")),  # attention's Q x K^T: K is the head dim
+    (None, 64, None, ("stride_b_batch",)),  # its scores x V: N is the head dim, A's M x K is T x T
+    (32, None, None, ("stride_a_batch",)),
+    (None, 24, 40, ()),  # constants that are not multiples of 16 prove nothing
+    (None, None, None, ()),
+])
+def test_bmm_batch_strides_are_assumed_where_a_constant_dim_makes_them_multiples_of_16(m, n, k, strides) -> None:
+    div16 = aot.shipped_div16("bmm", False, n, k, m=m)
+    assert {p for p in div16 if p.startswith("stride")} == set(strides)
+    assert aot.shipped_div16("gemm", False, n, k, m=m) == tuple(p for p in div16 if not p.startswith("stride"))
+    # what is assumed holds on every call of the workload: the runtime's per-call check never refuses one
+    from tuner.workload import Problem
+    for free in (1, 3, 17, 100, 511):
+        p = Problem(m or free, n or free + 2, k or free + 5, 12)
+        assert aot.div16_refusal("bmm", div16, p) is None, p
+
+
+@pytest.mark.ptx
+def test_bmm_with_its_batch_strides_assumed_loads_in_vectors_without_spills(cache: Path) -> None:
+    """Without a batch stride's alignment Triton knows nothing of an operand's base, so it loads every element
+    alone; Q x K^T's A (rows of K = 64) then comes in 16-byte cp.async copies, and this tile's spills go."""
+    import re
+
+    family = Family("bmm", "float16", "sm_90")
+    config = MicroKernel(64, 128, 64, 4, 5)
+    kernels = {assumed: compile_kernel(family, config, epilogue=Epilogue(alpha=0.125), cache_dir=cache,
+                                       div16=tuple(p for p in aot.shipped_div16("bmm", False, None, 64)
+                                                   if assumed or not p.startswith("stride")))
+               for assumed in (True, False)}
+    copies = {assumed: set(re.findall(r"cp\.async\.c[ag]\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)",
+                                      k.ptx)) for assumed, k in kernels.items()}
+    assert copies[True] == {"0x10"} and not copies[False]
+    assert kernels[True].n_spills == 0 < kernels[False].n_spills

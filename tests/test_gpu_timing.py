@@ -265,7 +265,7 @@ def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
     monkeypatch.setattr(measure, "GpuMeasurer", Rehearsal)
     monkeypatch.setattr(record_table, "_environment", lambda command: {"device": "fake", "arch": "sm_90"})
     qk = record_table.attention_sets(2)[:1]
-    assert record_table.shipped_div16(qk[0]) == ("a", "b", "c", "K")
+    assert record_table.shipped_div16(qk[0]) == ("a", "b", "c", "K", "stride_a_batch", "stride_b_batch")
     table = record_table.record(qk, tmp_path / "out", max_configs=2, repeats=4)
     meta = json.loads((tmp_path / "out" / "table.json").read_text())
     timing = meta["timing"]
@@ -277,7 +277,8 @@ def test_record_table_times_the_shipped_cubins(tmp_path, monkeypatch):
     assert len(timed) == 4 and {float(r["seconds"]) for r in timed} == {1e-6, 2e-6}  # the fake's 1 us per M
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     # a TMA config (key ending in t) is compiled with TMA's div16 rules on top of the shipped set (aot.tma_div16)
-    want = {False: ["K", "a", "b", "c"], True: sorted({"K", "a", "b", "c", "N", "stride_a_batch", "stride_b_batch"})}
+    shipped = ["K", "a", "b", "c", "stride_a_batch", "stride_b_batch"]  # K = 64 makes both batch strides 16-divisible
+    want = {False: shipped, True: sorted({*shipped, "N"})}
     assert len(seen) == 4 and all(sorted(s["div16"]) == want[s["config"].endswith("t")] for s in seen)
     assert {tuple(s["view"]) for s in seen} == {(1, 1, 64, 192, 64, 64), (2, 2, 64, 192, 128, 128)}
 

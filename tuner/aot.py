@@ -655,9 +655,19 @@ def aot_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def shipped_div16(op: str, bias: bool, n: int | None, k: int | None, residual: bool = False) -> tuple[str, ...]:
+def shipped_div16(op: str, bias: bool, n: int | None, k: int | None, residual: bool = False,
+                  m: int | None = None) -> tuple[str, ...]:
     """The ``div16`` set ``optimize`` compiles a workload's kernels with: every pointer (ORT's allocations
     are aligned; the runtime checks each call) and N / K where they are constant for the workload (``None``:
-    symbolic) and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
-    fixed = {name: value for name, value in (("N", n), ("K", k)) if value is not None and value % 16 == 0}
+    symbolic) and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads.
+
+    bmm: a batch stride moves an operand's base, so without it Triton vectorizes neither operand's loads. The
+    strides are products of the matrices' dims (A's M x K, B's K x N, 0 for a broadcast operand:
+    custom_ops/shapes.cc MatMulView, ``div16_refusal``), so each is a multiple of 16 for every call where one of
+    its dims is a constant multiple of 16 (``m``: M where it is constant): attention's K = 64 makes both of
+    Q x K^T's."""
+    fixed = {name for name, value in (("N", n), ("K", k)) if value is not None and value % 16 == 0}
+    if op == "bmm":
+        strides = {"stride_a_batch": (m, k), "stride_b_batch": (k, n)}
+        fixed |= {name for name, dims in strides.items() if any(d is not None and d % 16 == 0 for d in dims)}
     return tuple(p for p in aligned_params(op, bias, residual) if p in _POINTERS or p in fixed)

@@ -594,8 +594,10 @@ def _div16(w: Workload) -> tuple[str, ...]:
     the workload and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads."""
     from tuner import aot
 
-    return aot.shipped_div16(w.op, w.epilogue.bias, int(w.n) if w.n.isdigit() else None,
-                             int(w.k) if w.k.isdigit() else None, w.epilogue.residual)
+    def constant(dim: str) -> int | None:
+        return int(dim) if dim.isdigit() else None
+
+    return aot.shipped_div16(w.op, w.epilogue.bias, constant(w.n), constant(w.k), w.epilogue.residual, constant(w.m))
 
 
 def _summary(index: int, r: WorkloadReport) -> str:
