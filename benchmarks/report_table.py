@@ -255,8 +255,7 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
                          for i, (r, k) in enumerate(zip(rows, picked))]), fell_back
 
     real, fell_back = real_times(dispatch)
-    launched = np.where(t.refused, np.inf, t.times) if t.refused is not None else t.times
-    kernel_oracle = launched[rows].min(axis=1)
+    kernel_oracle = t.times[rows].min(axis=1)  # refused calls are inf in the table (their rows carry an error)
     oracle = np.minimum(kernel_oracle, vendor)
     # the same search's kernels alone (no vendor leaf, settled on its own): how well it ranks the configs
     kernels_only, _ = settled_dispatch(names, instances, searched, None, measurer, 8, seed)

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import tempfile
@@ -100,6 +101,9 @@ def aligned_params(op: str, bias: bool = True, residual: bool = False) -> tuple[
 
 SCRATCH_MAX = LIMITS["scratch"]  # bytes of global scratch per program the runtime passes
 SCRATCH_ALIGN_MAX = LIMITS["scratch_align"]
+# a bmm operand's batch stride is the product of its matrix's dims (0 when broadcast: custom_ops/shapes.cc
+# MatMulView)
+_BATCH_STRIDES = {"stride_a_batch": ("M", "K"), "stride_b_batch": ("K", "N")}
 _TMA_DIV16 = {"gemm": ("a", "b", "K", "N"), "bmm": ("a", "b", "K", "N", "stride_a_batch", "stride_b_batch")}
 
 
@@ -138,8 +142,10 @@ def div16_refusal(op: str, div16: Sequence[str], problem: Problem) -> str | None
     if op not in ("gemm", "bmm"):
         return None
     p = problem
-    values = {"K": p.k, "N": p.n} if op == "gemm" else {"K": p.k, "N": p.n, "stride_a_batch": p.m * p.k,
-                                                         "stride_b_batch": p.k * p.n}
+    dims = {"M": p.m, "N": p.n, "K": p.k}
+    values = {"K": p.k, "N": p.n}
+    if op == "bmm":
+        values |= {name: math.prod(dims[d] for d in factors) for name, factors in _BATCH_STRIDES.items()}
     for name in sorted(div16):
         if name in values and values[name] % 16:
             return f"div16 assumption: compiled for {name} a multiple of 16, and this call's is {values[name]}"
@@ -662,12 +668,11 @@ def shipped_div16(op: str, bias: bool, n: int | None, k: int | None, residual: b
     symbolic) and divisible by 16. Without these Triton neither vectorizes nor pipelines the loads.
 
     bmm: a batch stride moves an operand's base, so without it Triton vectorizes neither operand's loads. The
-    strides are products of the matrices' dims (A's M x K, B's K x N, 0 for a broadcast operand:
-    custom_ops/shapes.cc MatMulView, ``div16_refusal``), so each is a multiple of 16 for every call where one of
-    its dims is a constant multiple of 16 (``m``: M where it is constant): attention's K = 64 makes both of
-    Q x K^T's."""
-    fixed = {name for name, value in (("N", n), ("K", k)) if value is not None and value % 16 == 0}
+    strides are products of the matrices' dims (``_BATCH_STRIDES``: A's M x K, B's K x N, 0 for a broadcast
+    operand), so each is a multiple of 16 for every call where one of its dims is a constant multiple of 16
+    (``m``: M where it is constant): attention's K = 64 makes both of Q x K^T's."""
+    multiples = {name for name, value in (("M", m), ("N", n), ("K", k)) if value is not None and value % 16 == 0}
+    fixed = multiples & {"N", "K"}
     if op == "bmm":
-        strides = {"stride_a_batch": (m, k), "stride_b_batch": (k, n)}
-        fixed |= {name for name, dims in strides.items() if any(d is not None and d % 16 == 0 for d in dims)}
+        fixed |= {name for name, factors in _BATCH_STRIDES.items() if multiples & set(factors)}
     return tuple(p for p in aligned_params(op, bias, residual) if p in _POINTERS or p in fixed)
