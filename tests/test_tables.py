@@ -162,10 +162,12 @@ def test_report_on_the_recorded_h100_table(tmp_path):
         assert 0 < f["dispatched_vs_vendor"] <= want["best_of_both_vs_vendor"] * (1 + 1e-12)
         assert f["dispatched_vs_vendor"] * f["regret"] == pytest.approx(want["best_of_both_vs_vendor"])
         # the kernels alone: where the vendor hides the search (dense: it wins 127 or 128 of 128 instances, so
-        # the regret above is 1.000), the tree without vendor leaves still trails the best config per instance
-        assert 1.0 <= f["kernel_regret"] < 1.5
+        # the regret above is 1.000), the tree without vendor leaves against the best config per instance: within
+        # 10% at 64 measurements (1.097x to 1.160x on the dense sets before the search spread a small budget over
+        # rounds and timed the roofline's picks where it picked them)
+        assert 1.0 <= f["kernel_regret"] < 1.10
         if tag.startswith("dense"):
-            assert f["regret"] < 1.01 < f["kernel_regret"]
+            assert f["regret"] < 1.01
 
 
 def test_replay_never_dispatches_a_refused_pick_even_unforeseen(monkeypatch):

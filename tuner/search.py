@@ -1,12 +1,14 @@
 """Joint search (DietCode) and the per-shape baseline over the same micro-kernel space.
 
 Joint search: every instance of a workload shares one candidate population and one cost model. Each
-round measures ``round_size`` candidates; a new candidate is timed on the instance where its f_adapt is
-best (its cleanest label), an already measured one on the instance where it is predicted to gain most
-over that instance's best so far, and the label fed back is throughput / f_adapt, so one measurement
-informs every shape. Candidates come from an evolving population: the model ranks a population drawn
-from the space plus single-field mutations (one field moved to an adjacent value present in the space)
-of the elite, and an epsilon share of every round is spent on random configs.
+round measures ``SearchOptions.round_trials()`` candidates (``round_size``, less where the budget would
+otherwise fit in fewer than ``min_rounds`` rounds: a search that spends its whole budget in the first round
+never uses what it learns); a new candidate is timed on the instance where its f_adapt is best (its
+cleanest label), except in the prior's first round (below), an already measured one on the instance where it
+is predicted to gain most over that instance's best so far, and the label fed back is throughput / f_adapt,
+so one measurement informs every shape. Candidates come from an evolving population: the model ranks a
+population drawn from the space plus single-field mutations (one field moved to an adjacent value present in
+the space) of the elite, and an epsilon share of every round is spent on random configs.
 
 The roofline prior (``SearchOptions.prior``, on by default): the analytic roofline (tuner/roofline.py, the
 analytic measurer's model) predicts every (config, instance) before anything is measured, and the search
@@ -14,9 +16,13 @@ uses it twice.
 - The first round, with no data, takes the configs it ranks best, in turn from these lists: each instance's
   best (heaviest instances first); per kind (split-K or not, persistent or not, TMA or not, wgmma or
   mma.sync) the kind's best on each instance where that is within ``_KIND_SLACK`` (1.25x) of the
-  instance's best; all configs by their weighted mean log slowdown against the instances' bests. An
-  epsilon share of the round stays random, so the learned model sees spread. Without the prior the first
-  round is all random.
+  instance's best; all configs by their weighted mean log slowdown against the instances' bests. Each is
+  timed on the instance where the prior ranks it closest to that instance's best (an instance's best on an
+  instance it is best on), so the round checks the prior's per-instance claims and its labels span the
+  instances. (Timed on their best-f_adapt instance instead, the largest, the configs picked for small
+  instances were never timed on one, and on the recorded H100 table the dispatcher then chose them there by
+  the roofline's word.) An epsilon share of the round stays random, so the learned model sees spread.
+  Without the prior the first round is all random.
 - Every prediction (ranking, gains, the per-instance choice where a pair is not measured) is the geometric
   blend prior^(1 - w) x learned^w. The prior is scaled to the measurements: a measured config's roofline by
   its own geometric-mean measured / roofline ratio, an unmeasured one's by that ratio over all
@@ -66,11 +72,15 @@ __all__ = ["SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_
            "neighbours", "settle"]
 
 
+MIN_ROUND_TRIALS = 8  # the smallest round min_rounds makes (smaller rounds hardly move the model)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """Every knob of both searches (defaults follow DietCode: 64 measurements per round)."""
 
     round_size: int = 64
+    min_rounds: int = 4  # joint search: a budget below min_rounds x round_size spreads over this many rounds
     max_trials: int = 1000
     max_seconds: float = math.inf
     epsilon: float = 0.1  # share of each round spent on random configs
@@ -92,6 +102,15 @@ class SearchOptions:
             raise DietcodeError(f"search time budget must be positive, got max_seconds={self.max_seconds}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise DietcodeError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        if self.min_rounds <= 0:
+            raise DietcodeError(f"min_rounds must be positive, got {self.min_rounds}")
+
+    def round_trials(self) -> int:
+        """Measurements per round of the joint search: ``round_size``, or max_trials / ``min_rounds`` (at least
+        ``MIN_ROUND_TRIALS``) where that is smaller. (The per-shape baseline keeps ``round_size``: its rounds
+        are per problem already.)"""
+        spread = math.ceil(self.max_trials / self.min_rounds)
+        return max(1, min(self.round_size, max(MIN_ROUND_TRIALS, spread)))
 
 
 @dataclass(frozen=True)
@@ -321,9 +340,11 @@ class _Search:
         ranked = self._evolve(score)
         picked: list[int] = []
         verified: set[int] = set()
+        placed: dict[int, int] = {}  # the prior's picks: config -> the problem it is timed on
         if len(self.log) == 0:  # no data yet: the prior's picks (a random first round without one)
             n_random = n if self.prior is None else int(round(self.opts.epsilon * n))
-            picked = self._prior_picks(n - n_random, open_pair)
+            placed = dict(self._prior_picks(n - n_random, open_pair))
+            picked = list(placed)
         else:
             n_random = int(round(self.opts.epsilon * n))
             pairs = self._verification(int(round(self.opts.verify * n)), open_pair)
@@ -341,6 +362,9 @@ class _Search:
         if extra > 0:
             picked += [pool[int(j)] for j in self.rng.choice(len(pool), size=extra, replace=False)]
         for i in picked:
+            if i in placed:  # checks the prior's claim where it made it
+                pairs.append((i, placed[i]))
+                continue
             if not self.touched[i]:  # new config: its cleanest label, on its best-f_adapt instance
                 key = self.adapt[i] + 1e-9 * self.weights * self.flops / self.flops.max()
             else:  # known config: where it is predicted to help most
@@ -348,11 +372,12 @@ class _Search:
             pairs.append((i, int(np.argmax(np.where(open_pair[i], key, -np.inf)))))
         return pairs
 
-    def _prior_picks(self, n: int, open_pair: np.ndarray) -> list[int]:
-        """Up to n configs the roofline ranks best, in turn from these lists: per problem (heaviest first) its
-        best config; per kind (split-K, persistent, TMA, wgmma or not) the kind's best on each problem where
-        that is within ``_KIND_SLACK`` of the problem's best; every config by its weighted mean log slowdown
-        against the problems' bests."""
+    def _prior_picks(self, n: int, open_pair: np.ndarray) -> list[tuple[int, int]]:
+        """Up to n (config, problem) pairs: distinct configs the roofline ranks best, in turn from these lists:
+        per problem (heaviest first) its best config; per kind (split-K, persistent, TMA, wgmma or not) the
+        kind's best on each problem where that is within ``_KIND_SLACK`` of the problem's best; every config by
+        its weighted mean log slowdown against the problems' bests. Each is paired with the problem where its
+        slowdown is least (a problem's best: one it is best on)."""
         usable = ~self.failed & open_pair.any(axis=1)
         if self.prior is None or n <= 0 or not usable.any():
             return []
@@ -385,7 +410,8 @@ class _Search:
                     picked.append(items[cursors[k]])
                     taken.add(items[cursors[k]])
                     cursors[k] += 1
-        return picked
+        # each on the problem where the roofline ranks it closest to that problem's best (ties: the heaviest)
+        return [(i, int(np.lexsort((-self.weights, slowdown[i]))[0])) for i in picked]
 
     def _verification(self, n: int, open_pair: np.ndarray) -> list[tuple[int, int]]:
         """Up to n (choice, problem) pairs whose choice rests on a prediction, heaviest problems first."""
@@ -519,7 +545,7 @@ def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space:
     with _progress(options, f"joint {family.op} x{len(order)}") as bar:
         task = bar.add_task("tune", total=options.max_trials)
         while trials < options.max_trials and time.perf_counter() - started < options.max_seconds:
-            proposal = search.propose(min(options.round_size, options.max_trials - trials))
+            proposal = search.propose(min(options.round_trials(), options.max_trials - trials))
             if not proposal or search.done():
                 break
             trials += _measure_round([search], [proposal], family, measurer)
