@@ -344,6 +344,25 @@ def test_prior_with_the_analytic_measurer_stops_at_its_optimum():
     assert result.trials < 640
 
 
+def test_the_first_round_times_a_shared_optimum_on_its_heaviest_problem():
+    """The roofline's best for M = 16, 48 and 128 is one config: the first round times it once, on the heaviest
+    of the three (not on the largest-f_adapt problem, where no pick of the prior is the best)."""
+    import numpy as np
+
+    from tuner.measure import AnalyticMeasurer
+    from tuner.workload import Problem
+
+    space = enumerate_space(FAMILY)[::4]
+    problems = [Problem(16 * t, 768, 768) for t in (1, 3, 8, 20, 64)]
+    prior = _roofline(space, problems)
+    shared = space[int(np.argmin(prior[:, 0]))]
+    assert all(space[int(np.argmin(prior[:, p]))] == shared for p in (1, 2))
+    result = tune_joint(FAMILY, list(zip(problems, (1.0, 5.0, 1.0, 1.0, 1.0))), space,
+                        AnalyticMeasurer(PROFILE, "float16"), PROFILE, SearchOptions(max_trials=8, progress=False))
+    timed = [m.problem for m in result.measurements if m.config == shared]
+    assert timed == [problems[1]]
+
+
 def test_optimize_takes_no_prior():
     from dietcode_ort.cli import build_parser
 
