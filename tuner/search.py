@@ -592,10 +592,10 @@ def tune_per_shape(family: Family, problems: Sequence[tuple[Problem, float]], sp
 def settle(result: TuningResult, pairs: Sequence[tuple[int, int]], measurer: Measurer) -> TuningResult:
     """``result`` with the (problem row, candidate column) ``pairs`` that rest on a prediction measured.
 
-    A search with a small budget measures most configs on one problem only (a new config is timed where its
-    f_adapt is best: the largest), so what a dispatcher picks for the other problems is the model's word; this
-    times it before it ships (on the first H100, a budget of 16 had measured no config below M = 4096 on the
-    LLaMA MLP's GEMMs). A failure costs ``inf`` on that problem alone: a kernel's divisibility assumptions can
+    A search with a small budget measures most configs on one problem only (the prior's picks where it picked
+    them, later new configs where their f_adapt is best: the largest), so what a dispatcher picks for the other
+    problems is the model's word; this times it before it ships (on the first H100, a budget of 16 had measured
+    no config below M = 4096 on the LLaMA MLP's GEMMs, when every new config was timed on its largest problem). A failure costs ``inf`` on that problem alone: a kernel's divisibility assumptions can
     fail at one shape and hold at another. The measurements count as trials."""
     todo = sorted({(int(p), int(c)) for p, c in pairs if not result.measured[p, c]})
     if not todo:
