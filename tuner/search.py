@@ -80,7 +80,7 @@ class SearchOptions:
     """Every knob of both searches (defaults follow DietCode: 64 measurements per round)."""
 
     round_size: int = 64
-    min_rounds: int = 4  # joint search: a budget below min_rounds x round_size spreads over this many rounds
+    min_rounds: int = 4  # joint search: rounds of max_trials / min_rounds where that is under round_size
     max_trials: int = 1000
     max_seconds: float = math.inf
     epsilon: float = 0.1  # share of each round spent on random configs
