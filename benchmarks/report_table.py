@@ -1,13 +1,15 @@
 """Report on a recorded measurement table (``record_table.py``) on any machine, GPU or not.
 
-    python benchmarks/report_table.py TABLE.csv[.gz] [--target sm_90] [--budget 512] [--plot F.png] [--json F]
+    python benchmarks/report_table.py TABLE.csv[.gz] [--target sm_90] [--budget 512] [--no-warm-start] [--plot F.png]
+        [--json F]
 
 Per workload (the table's ``family`` tag), against the vendor library's time on each instance:
 - the per-instance oracle (the best config on every instance): geomean speed vs vendor, and on how many
   instances the vendor kernel is faster than every config;
 - the best single config (one kernel for all shapes): its geomean speed vs vendor;
 - DietCode by replay: joint search with ``--budget`` measurements (``tuner.search.tune_joint`` on a
-  ``ReplayMeasurer``), then the dispatcher (``tuner.dispatch.build_dispatch``, vendor leaves allowed):
+  ``ReplayMeasurer``; in tag order, each gemm search warm-started from the earlier gemm ones as optimize
+  does, unless ``--no-warm-start``), then the dispatcher (``tuner.dispatch.build_dispatch``, vendor leaves allowed):
   the dispatched kernels' geomean speed vs vendor, and their regret against the oracle (the best of the
   configs and the vendor per instance); and the search's regret among the kernels alone: the same search's
   settled tree without vendor leaves, against the best config per instance (where the vendor wins nearly
@@ -219,8 +221,14 @@ def _figures(t: TagTable) -> tuple[WorkloadFigures, np.ndarray]:
     return figures, oracle
 
 
-def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: int, seed: int
-            ) -> tuple[WorkloadFigures, np.ndarray]:
+def _op(t: TagTable) -> str:
+    return "bmm" if any(p.batch > 1 for p in t.problems) else "gemm"
+
+
+def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: int, seed: int, warm: Sequence = ()
+            ) -> tuple[WorkloadFigures, np.ndarray, tuple]:
+    """The replayed search and settled tree's figures, the dispatched seconds per instance, and what the search
+    and the settling measured (the next workload's warm start, as optimize passes it on)."""
     from dataclasses import replace
 
     from tuner.dispatch import settled_dispatch
@@ -230,12 +238,11 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
     from tuner.space import Family, MicroKernel
     from tuner.workload import Instance
 
-    op = "bmm" if any(p.batch > 1 for p in t.problems) else "gemm"
-    family = Family(op, "float16", target)
+    family = Family(_op(t), "float16", target)
     space = [MicroKernel.from_key(c) for c in t.configs]
     measurer = ReplayMeasurer(path, family=t.tag)
     result = tune_joint(family, [(p, 1.0) for p in t.problems], space, measurer,
-                        get_profile(target), SearchOptions(max_trials=budget, seed=seed, progress=False))
+                        get_profile(target), SearchOptions(max_trials=budget, seed=seed, progress=False), warm=warm)
     names = ("M", "N", "K", "batch")
     instances = [Instance(tuple(zip(names, (p.m, p.n, p.k, p.batch)))) for p in result.problems]
     row = {p: i for i, p in enumerate(t.problems)}
@@ -265,7 +272,7 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
                    dispatched_kernels=len(dispatch.kernels), regret=_geomean(real / oracle), fallbacks=sum(fell_back),
                    kernel_regret=_geomean(np.maximum(kernel_real, kernel_oracle) / kernel_oracle),
                    joint_measurements=len(result.measurements),
-                   joint_configs=len({m.config for m in result.measurements})), real[order]
+                   joint_configs=len({m.config for m in result.measurements})), real[order], result.measurements
 
 
 def _roofline(t: TagTable, fig: WorkloadFigures, oracle: np.ndarray, dispatched: np.ndarray | None, peaks: Peaks
@@ -298,16 +305,22 @@ def _tuning_cost(t: TagTable, fig: WorkloadFigures, units: CostUnits | None) -> 
 
 
 def report(path: Path, *, target: str = "sm_90", budget: int = 512, seed: int = 0, plot: Path | None = None,
-           peaks: Peaks | None = None) -> list[WorkloadFigures]:
+           peaks: Peaks | None = None, warm_start: bool = True) -> list[WorkloadFigures]:
+    """The figures per workload, replayed in tag order; with ``warm_start`` each gemm search starts from what
+    the gemm searches before it measured, as optimize runs a model's workloads (tuner.optimize.warm_family)."""
     tables = load_table(path)
     peaks = peaks or device_peaks(path, target)
     units = cost_units(path)
     figures, curves = [], {}
+    measured: dict[str, list] = {}  # op -> the earlier replays' measurements
     for tag, t in sorted(tables.items()):
         fig, oracle = _figures(t)
         dispatched = None
         if not tag.startswith("conv"):  # conv rows lack the layer geometry a replay search needs
-            fig, dispatched = _replay(path, t, fig, target, budget, seed)
+            earlier = measured.setdefault(_op(t), [])
+            warm = tuple(earlier) if warm_start and _op(t) == "gemm" else ()
+            fig, dispatched, log = _replay(path, t, fig, target, budget, seed, warm)
+            earlier += [m for m in log if math.isfinite(m.seconds)]
             fig = _tuning_cost(t, _roofline(t, fig, oracle, dispatched, peaks), units.get(tag))
         figures.append(fig)
         curves[tag] = (t, oracle, dispatched)
@@ -377,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target", default="sm_90", help="hardware profile for the cost model (default sm_90)")
     p.add_argument("--budget", type=int, default=512, help="joint-search measurements per workload (default 512)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="each gemm workload's search starts from what the gemm searches before it (tag order) "
+                        "measured, as optimize's do (default; --no-warm-start: each on its own)")
     p.add_argument("--plot", type=Path, help="PNG of speed vs M per workload")
     p.add_argument("--json", type=Path, help="write the figures as JSON")
     p.add_argument("--peak-tflops", type=float, help="the roofline's fp16 tensor-core TFLOP/s (default: by device)")
@@ -385,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         peaks = device_peaks(args.table, args.target, args.peak_tflops, args.bandwidth_gbs)
         figures = report(args.table, target=args.target, budget=args.budget, seed=args.seed, plot=args.plot,
-                         peaks=peaks)
+                         peaks=peaks, warm_start=args.warm_start)
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -181,8 +181,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         shapes_file=Path(args.shapes) if args.shapes else None, progress=not args.quiet, ray=args.ray,
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
-        fp32_precision=args.fp32_precision, prior=args.prior, min_speedup=args.min_speedup,
-        conv_layout=args.conv_layout)
+        fp32_precision=args.fp32_precision, prior=args.prior, warm_start=args.warm_start,
+        min_speedup=args.min_speedup, conv_layout=args.conv_layout)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -245,6 +245,11 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "roofline ranks best, and its predictions are blended with the learned model's until "
                         "that predicts measurements better (default; --no-prior: a random first round and the "
                         "learned model alone)")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="a MatMul/Gemm workload's search starts from what the searches before it in this run "
+                        "measured on the same dtype and target (their kernels' speeds train its cost model before "
+                        "its first round; default; --no-warm-start: each workload on its own). Searches run at "
+                        "once on a Ray cluster, and batched MatMuls and convs, start on their own")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--ray", metavar="auto|local|ADDRESS",
                    help="run compiles (CPU tasks) and measurements (one GPU each) on a Ray cluster: auto (the "

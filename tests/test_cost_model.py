@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dietcode_ort.errors import DietcodeError
-from tuner.cost_model import (AnalyticCostModel, LearnedCostModel, adapt_terms, calibrate_device, f_adapt,
-                              f_adapt_matrix, load_model)
+from tuner.cost_model import (AnalyticCostModel, LearnedCostModel, adapt_terms, blocks_per_sm, calibrate_device,
+                              f_adapt, f_adapt_matrix, launch_weight, load_model)
 from tuner.hardware import get_profile
 from tuner.simulate import TRUE_WAVE_ALPHA, simulate_seconds
 from tuner.space import Family, MicroKernel, enumerate_space
@@ -132,3 +132,37 @@ def test_analytic_model_and_bad_inputs(tmp_path):
         load_model(tmp_path / "junk.pkl")
     with pytest.raises(DietcodeError, match="pairs"):
         LearnedCostModel(H100, "float16").update([(small, Problem(1, 1, 1))], [])
+
+
+def test_warm_start_answers_for_configs_this_workload_has_not_measured():
+    """Another workload's measurements (same device and op, other N and K) give a config its label here; a
+    measurement of this workload's own replaces it; a failure here is not covered by a label from there, and a
+    failure there says nothing here."""
+    fast, slow, broken, failed_there = (MicroKernel(32, 64, 32, 2, 2), MicroKernel(128, 128, 64, 8, 3),
+                                        MicroKernel(64, 128, 64, 4, 3), MicroKernel(64, 64, 64, 4, 4))
+    there = Problem(2048, 3072, 768)
+    warm_pairs = [(fast, there), (slow, there), (broken, there), (failed_there, there)]
+    model = LearnedCostModel(H100, "float16")
+    model.warm_start(warm_pairs, [20e-6, 80e-6, 30e-6, math.inf])
+    assert model.warm_samples == 3 and model.samples == 0
+    cold = LearnedCostModel(H100, "float16")
+    here = Problem(2048, 768, 768)
+    fast_here, slow_here = model.predict([(fast, here), (slow, here)])
+    assert fast_here < slow_here
+    swapped = LearnedCostModel(H100, "float16")  # the other workload's times swapped: so is the ranking here
+    swapped.warm_start(warm_pairs[:2], [80e-6, 20e-6])
+    swapped_fast, swapped_slow = swapped.predict([(fast, here), (slow, here)])
+    assert swapped_fast > swapped_slow
+    assert np.isfinite(model.predict([(failed_there, here)])[0])
+    label = model.f_mk([fast])[0]
+    model.update([(fast, here)], [50e-6])  # measured here: its own label, not a mean with the other workload's
+    assert model.f_mk([fast])[0] != pytest.approx(label)
+    flops = 2 * here.m * here.n * here.k
+    adapt = f_adapt(fast, here, H100, blocks_per_sm(fast, H100, "float16"), model.alpha, "float16")
+    busy = 50e-6 - model.latency * launch_weight(fast)
+    assert model.f_mk([fast])[0] == pytest.approx(flops / busy / adapt, rel=1e-9)
+    model.update([(broken, here)], [math.inf])  # fails here: the other workload's label does not revive it
+    assert model.f_mk([broken])[0] == 0.0 and model.predict([(broken, here)])[0] == math.inf
+    assert cold.warm_samples == 0 and AnalyticCostModel(H100, "float16").warm_samples == 0
+    with pytest.raises(DietcodeError, match="warm_start: 1 pairs but 0"):
+        model.warm_start(warm_pairs[:1], [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.inspect_model import describe
 from tuner.optimize import OptimizeOptions, features_for, optimize, problem_features
 from tuner.scan import scan_model
+from tuner.space import Family
 from tuner.workload import Instance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,6 +294,44 @@ def test_several_models_share_the_tuning_of_identical_workloads(work, tmp_path):
         output_paths([tmp_path / "a.onnx", tmp_path / "out" / "a.onnx"], tmp_path / "o2")
     with pytest.raises(DietcodeError, match="names a folder"):
         output_paths([tmp_path / "a.onnx", tmp_path / "b.onnx"], tmp_path / "c.onnx")
+
+
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_each_search_starts_warm_from_the_earlier_ones_of_its_family(work, tmp_path, monkeypatch, warm_start):
+    """The tiny MLP's three float32 GEMM workloads (gate with its SiLU, up, down) are tuned one after another: the
+    second search is given what the first measured (its search's and its tree's settling), the third what both
+    did (--no-warm-start: nothing); bmm and conv workloads are never warm-started."""
+    import tuner.search
+    from tuner.optimize import warm_family
+
+    calls: list[tuple[set, set]] = []  # per search: what it was given, what it measured
+    sizes: list[int] = []
+    real = tuner.search.tune_joint
+
+    def spy(*args, warm=(), **kw):
+        result = real(*args, warm=warm, **kw)
+        calls.append((set(warm), {m for m in result.measurements if np.isfinite(m.seconds)}))
+        sizes.append(len(warm))
+        return result
+
+    monkeypatch.setattr(tuner.search, "tune_joint", spy)
+    src = tmp_path / "mlp.onnx"
+    models.save_model(models.build("mlp", "tiny"), src)
+    options = _options(work, "tokens=1:64", warm_start=warm_start)
+    optimize(src, tmp_path / "mlp.opt.onnx", replace(options, budget=16, db=tmp_path / "t.db"), log=lambda _: None)
+    assert len(calls) == 3 and all(measured for _, measured in calls)
+    if not warm_start:
+        assert all(not given for given, _ in calls)
+    else:
+        (first, ran_first), (second, ran_second), (third, _) = calls
+        assert not first and ran_first < second and second | ran_second <= third
+        # gate and up have the same shapes: with the analytic measurer their measurements are equal, not merged
+        assert sizes[2] > sizes[1] > len(ran_first)  # the settling's measurements too
+    conv = [w for w in scan_model(models.build("resnet50", "tiny")).workloads if w.op == "conv"]
+    bmm = [w for w in scan_model(models.build("bert", "tiny")).workloads if w.op == "bmm"]
+    assert conv and bmm and all(warm_family(w, options) is None for w in conv + bmm)
+    gemm = scan_model(models.build("mlp", "tiny")).workloads[0]
+    assert warm_family(gemm, options) == Family("gemm", "float32", "sm_90")
 
 
 def _ort_optimized_ops(path: Path, library: bool) -> list[str]:

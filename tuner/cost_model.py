@@ -52,8 +52,8 @@ __all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
-_MODEL_MAGIC = "dietcode-cost-model-v3"  # v2: kernel_features gained "wgmma" (older regressors take 13); v3:
-# "persistent" (they take 14)
+_MODEL_MAGIC = "dietcode-cost-model-v4"  # v2: kernel_features gained "wgmma" (older regressors take 13); v3:
+# "persistent" (they take 14); v4: LearnedCostModel keeps other workloads' measurements (warm_start)
 
 
 PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (assumed)
@@ -309,6 +309,13 @@ def calibrate_device(pairs: Sequence[Pair], seconds: Sequence[float], profile: H
     return float(_ALPHA_GRID[a]), float(latencies[t])
 
 
+def _checked(what: str, pairs: Sequence[Pair], seconds: Sequence[float]) -> list[tuple[Pair, float | None]]:
+    """(pair, seconds) per measurement, None for a failure (inf, or not positive); refuses unequal lengths."""
+    if len(pairs) != len(seconds):
+        raise DietcodeError(f"{what}: {len(pairs)} pairs but {len(seconds)} measurements")
+    return [(pair, float(sec) if math.isfinite(sec) and sec > 0 else None) for pair, sec in zip(pairs, seconds)]
+
+
 class CostModel(ABC):
     """update(pairs, measured seconds) / predict(pairs) -> predicted seconds / save / load."""
 
@@ -328,6 +335,15 @@ class CostModel(ABC):
 
     def update(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
         """Learn from measurements (seconds; inf = failed). The analytic model ignores them."""
+
+    def warm_start(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
+        """Learn from other workloads' measurements on the same device (``LearnedCostModel``); the analytic
+        model ignores them."""
+
+    @property
+    def warm_samples(self) -> int:
+        """How many of other workloads' measurements the model learned from."""
+        return 0
 
     def predict(self, pairs: Sequence[Pair]) -> np.ndarray:
         """Predicted seconds per (config, problem): latency + useful FLOPs / (f_MK x f_adapt)."""
@@ -390,6 +406,12 @@ class LearnedCostModel(CostModel):
     Target: log(throughput / f_adapt). Configs measured at least once are answered from their own labels
     (geometric mean), which are exact where the regressor would only approximate; failed configs predict
     inf seconds. Before any measurement f_MK is a constant, so predictions rank by f_adapt alone.
+
+    ``warm_start`` gives it measurements of the same configs on other workloads of the same device and op
+    (f_MK is the micro-kernel's, whatever the shape: DietCode's premise, so another workload's label is
+    evidence about this one's): they train the regressor and the device fit (alpha, latency) with this
+    workload's own, and answer for a config this workload has not measured; a config measured here is
+    answered from its own labels alone.
     """
 
     def __init__(self, profile: HardwareProfile, dtype: str, seed: int = 0, n_estimators: int = 120,
@@ -399,7 +421,10 @@ class LearnedCostModel(CostModel):
         self.n_estimators = n_estimators
         self._pairs: list[Pair] = []
         self._seconds: list[float] = []
+        self._warm_pairs: list[Pair] = []  # other workloads' measurements (warm_start)
+        self._warm_seconds: list[float] = []
         self._known: dict[MicroKernel, float] = {}  # config -> mean log label
+        self._own: set[MicroKernel] = set()  # configs with labels of this workload's own
         self._failed: set[MicroKernel] = set()
         self._regressor = None
         self._prior = 0.0
@@ -408,30 +433,53 @@ class LearnedCostModel(CostModel):
     def samples(self) -> int:
         return len(self._seconds)
 
+    @property
+    def warm_samples(self) -> int:
+        """How many of other workloads' measurements ``warm_start`` gave it."""
+        return len(self._warm_seconds)
+
     def update(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
-        if len(pairs) != len(seconds):
-            raise DietcodeError(f"update: {len(pairs)} pairs but {len(seconds)} measurements")
-        for pair, sec in zip(pairs, seconds):
-            if math.isfinite(sec) and sec > 0:
-                self._pairs.append(pair)
-                self._seconds.append(float(sec))
-            else:
+        for pair, sec in _checked("update", pairs, seconds):
+            if sec is None:
                 self._failed.add(pair[0])
-        fitted = calibrate_device(self._pairs, self._seconds, self.profile, self.dtype)
+            else:
+                self._pairs.append(pair)
+                self._seconds.append(sec)
+        self._refit()
+
+    def warm_start(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> None:
+        """Learn from measurements of other workloads (same device, dtype and op; their problems are theirs).
+        Failures there say nothing of this workload's calls (a refusal is per shape) and are skipped."""
+        for pair, sec in _checked("warm_start", pairs, seconds):
+            if sec is not None:
+                self._warm_pairs.append(pair)
+                self._warm_seconds.append(sec)
+        self._refit()
+
+    def _refit(self) -> None:
+        fitted = calibrate_device(self._warm_pairs + self._pairs, self._warm_seconds + self._seconds,
+                                  self.profile, self.dtype)
         if fitted is not None:
             self.alpha, self.latency = fitted
         self._fit()
 
-    def _fit(self) -> None:
-        from sklearn.ensemble import GradientBoostingRegressor
-
+    def _labels(self, pairs: Sequence[Pair], seconds: Sequence[float]) -> dict[MicroKernel, float]:
+        """Per config, the mean log of useful FLOP/s / f_adapt (after the launch latency) over ``pairs``."""
         logs: dict[MicroKernel, list[float]] = {}
-        for (config, problem), sec in zip(self._pairs, self._seconds):
+        for (config, problem), sec in zip(pairs, seconds):
             adapt = f_adapt(config, problem, self.profile, blocks_per_sm(config, self.profile, self.dtype),
                             self.alpha, self.dtype)
             busy = max(sec - self.latency * launch_weight(config), 1e-3 * sec)
             logs.setdefault(config, []).append(math.log(useful_flops(problem) / busy / max(adapt, 1e-12)))
-        self._known = {c: float(np.mean(v)) for c, v in logs.items()}
+        return {c: float(np.mean(v)) for c, v in logs.items()}
+
+    def _fit(self) -> None:
+        from sklearn.ensemble import GradientBoostingRegressor
+
+        # this workload's own labels win over the other workloads' for a config measured in both
+        own = self._labels(self._pairs, self._seconds)
+        self._known = {**self._labels(self._warm_pairs, self._warm_seconds), **own}
+        self._own = set(own)
         if not self._known:
             return
         configs = sorted(self._known)
@@ -455,6 +503,6 @@ class LearnedCostModel(CostModel):
                 logs[i] = self._known[config]
         out = np.exp(logs)
         for i, config in enumerate(configs):
-            if config in self._failed and config not in self._known:
+            if config in self._failed and config not in self._own:  # failed here: another workload's label says nothing
                 out[i] = 0.0
         return out

@@ -26,6 +26,8 @@ from tuner.workload import Problem, Workload
 if TYPE_CHECKING:
     import onnx
 
+    from tuner.space import Family
+
     from tuner.branches import Unit
     from tuner.space import MicroKernel
 
@@ -56,6 +58,7 @@ class OptimizeOptions:
     fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
     fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
     prior: bool = True  # the search starts from the analytic roofline (tuner/search.py, SearchOptions.prior)
+    warm_start: bool = True  # a gemm search starts from the run's earlier ones of its family (_tune_all)
     # measured tuning only: a conv workload whose kernels reach less than this times cuDNN's speed (weighted
     # geomean over its shapes) is left to ORT (``_loses``)
     min_speedup: float = 1.0
@@ -371,6 +374,15 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             for i, (_, output) in enumerate(pairs)]
 
 
+def warm_family(w: Workload, options: OptimizeOptions) -> Family | None:
+    """The family whose earlier measurements warm-start ``w``'s search (its own: op, dtype, first target), for
+    a gemm workload; None for the others. Replayed over the recorded H100 table, a dense GEMM warm-started from
+    the others ranks its kernels better at budgets 32 to 128 and about as well at 16 and 256, while attention's
+    Q x K^T warm-started from scores x V (bmm, K and N moving with the sequence) ranked them slightly worse at
+    most budgets; a conv config's speed depends on the geometry it gathers for, and no conv table is recorded."""
+    return _family(w, options.targets[0]) if w.op == "gemm" else None
+
+
 def _loses(report: WorkloadReport, min_speedup: float) -> str:
     """Why a conv workload's tuned kernels are not worth writing into the model (its nodes are left to ORT, which
     runs cuDNN itself), or "": where its tuning was measured with the vendor timed, ``min_speedup`` is above 0,
@@ -388,12 +400,22 @@ def _loses(report: WorkloadReport, min_speedup: float) -> str:
 def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float]]]]], options: OptimizeOptions,
               log: Callable[[str], None], executor: Executor) -> dict[tuple, "_Chosen"]:
     """Tune each distinct workload: one after another, or as many at once as the executor runs (each
-    search is deterministic on its own, so the order they finish in changes nothing)."""
+    search is deterministic on its own, so the order they finish in changes nothing).
+
+    One after another, a gemm search starts warm from what the searches before it in this run measured for the
+    same family (op, dtype, target: ``warm_family``; tuner.search, "Warm start"): the same order and the same
+    answers (a restarted run's from the database) give the same searches. Searches run at once start cold, as
+    do bmm and conv searches (``warm_family`` says why)."""
     chosen: dict[tuple, _Chosen] = {}
     parallel = min(executor.searches(), len(items))
     if parallel <= 1:
+        seen: dict[object, list] = {}
         for index, (key, (w, problems)) in enumerate(items):
-            chosen[key] = _tune(w, problems, options, log, executor)
+            family = warm_family(w, options)
+            warm = seen.get(family, []) if options.warm_start and family is not None else []
+            chosen[key] = _tune(w, problems, options, log, executor, warm=tuple(warm))
+            if family is not None:
+                seen.setdefault(family, []).extend(m for m in chosen[key].measurements if math.isfinite(m.seconds))
             log(_summary(index, chosen[key].report))
         return chosen
     from concurrent.futures import ThreadPoolExecutor
@@ -614,6 +636,7 @@ class _Chosen:
     kernels: tuple  # MicroKernel | "vendor"
     tree: DispatchTree
     report: WorkloadReport
+    measurements: tuple = ()  # the search's (tuner.search.Measurement): later workloads' warm start
 
 
 def default_targets() -> tuple[str, ...]:
@@ -693,7 +716,7 @@ def candidate_space(w: Workload, options: OptimizeOptions) -> list[MicroKernel]:
 
 
 def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeOptions,
-          log: Callable[[str], None], executor: Executor | None = None) -> _Chosen:
+          log: Callable[[str], None], executor: Executor | None = None, warm: Sequence = ()) -> _Chosen:
     import numpy as np
 
     from tuner.dispatch import settled_dispatch
@@ -710,7 +733,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed, prior=options.prior,
                                       progress=options.progress and not (executor and executor.shows_progress)),
-                        tf32=_tf32(w, options))
+                        tf32=_tf32(w, options), warm=warm)
     vendor = None
     try:
         answers = measurer.measure_vendor(family, list(result.problems))
@@ -739,4 +762,4 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
                             kernels=tuple(k if isinstance(k, str) else k.key() for k in dispatch.kernels),
                             instances=len(w.instances), geomean_vs_vendor=vs_vendor,
                             regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")))
-    return _Chosen(dispatch.kernels, dispatch.tree, report)
+    return _Chosen(dispatch.kernels, dispatch.tree, report, result.measurements)

@@ -26,11 +26,20 @@ uses it twice.
 - Every prediction (ranking, gains, the per-instance choice where a pair is not measured) is the geometric
   blend prior^(1 - w) x learned^w. The prior is scaled to the measurements: a measured config's roofline by
   its own geometric-mean measured / roofline ratio, an unmeasured one's by that ratio over all
-  measurements. w is 0 for the first two rounds (the learned model has predicted nothing from data yet),
-  then e_prior / (e_prior + e_learned), where each e is the mean squared log error of that model's
-  predictions of the last round's measurements, made before they were recorded: each model is trusted in
-  inverse proportion to its error on data it had not seen. Where the roofline ranks a device's kernels
-  badly the learned model takes over within a few rounds.
+  measurements. w is 0 for the first two rounds (the learned model has predicted nothing from this
+  workload's data yet, warm-started or not: below), then e_prior / (e_prior + e_learned),
+  where each e is the mean squared log error of that model's predictions of the last round's measurements,
+  made before they were recorded: each model is trusted in inverse proportion to its error on data it had
+  not seen. Where the roofline ranks a device's kernels badly the learned model takes over within a few rounds.
+
+Warm start (``tune_joint(..., warm=)``): the measurements of the same device's other workloads of the same
+family (op, dtype, target; optimize passes a gemm workload those of the gemm workloads it tuned before in the
+same run: ``tuner.optimize.warm_family``) train the learned model before the first round
+(``LearnedCostModel.warm_start``). f_MK is the micro-kernel's, whatever the shape, so a config timed on another
+workload's GEMM is evidence here; the first round is still the prior's picks, and the model earns its share of
+the blend from its error on the second round, as above. Replayed over the recorded H100 table's three dense
+sets (``benchmarks/report_table.py``, seeds 0-2), the kernels' tree reaches 0.880, 0.950, 0.973, 0.985 and 0.987
+of the per-instance best config at budgets 16, 32, 64, 128 and 256 (cold: 0.874, 0.917, 0.954, 0.983, 0.988).
 With the analytic measurer the prior is the measurer: the first round measures the instances' optima first,
 w stays 0 (the prior's error is 0), and the search stops when nothing more is predicted to gain.
 
@@ -442,7 +451,9 @@ class _Search:
 
     def _score_models(self, pairs: Sequence[tuple[int, int]], seconds: Sequence[float]) -> None:
         """Set ``errors`` from how well the prior and the learned model predicted these measurements (not
-        the first round's: the learned model had no data to predict them from)."""
+        the first round's: the learned model had no data of this workload's to predict them from; a
+        warm-started model's predictions of it, from other workloads alone, weighed it too early on the
+        recorded H100 table)."""
         if not self.log or self.prior is None:
             return
         prior, learned = self._scaled_prior(), self._learned()  # before the measurements are recorded
@@ -532,12 +543,17 @@ def _result(method: str, family: Family, searches: Sequence[_Search], problems: 
 
 def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space: Sequence[MicroKernel],
                measurer: Measurer, profile: HardwareProfile, options: SearchOptions = SearchOptions(),
-               model: CostModel | None = None, tf32: bool = False) -> TuningResult:
+               model: CostModel | None = None, tf32: bool = False, warm: Sequence[Measurement] = ()
+               ) -> TuningResult:
     """DietCode's joint search over all ``problems`` (problem, weight) with one model and population.
-    ``tf32``: the float32 kernels compute their dots in TF32 (the default model's peak and wgmma feature)."""
+    ``tf32``: the float32 kernels compute their dots in TF32 (the default model's peak and wgmma feature).
+    ``warm``: other workloads' measurements on the same device and family (op, dtype, target), e.g. the
+    earlier searches of the same optimize run: the model starts from them (``CostModel.warm_start``)."""
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
     model = model or LearnedCostModel(profile, family.dtype, seed=options.seed, tf32=tf32)
+    if warm:
+        model.warm_start([(m.config, m.problem) for m in warm], [m.seconds for m in warm])
     search = _Search(space, order, weights, model, profile, family.dtype, options, rng,
                      _refused(measurer, family, space, order))
     history: list[RoundRecord] = []
