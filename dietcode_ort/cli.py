@@ -206,8 +206,8 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                    help="gpu (time on this machine's GPU), analytic (roofline model, no GPU), replay:FILE "
                         "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
     p.add_argument("--budget", type=int, default=256,
-                   help="measured trials per workload, in rounds of 64, or of budget / 4 (at least 8) under 256 "
-                        "(default 256)")
+                   help="measured trials per workload, in rounds of 64, or of budget / 4 (at least 8, and two "
+                        "rounds under 16) under 256 (default 256)")
     p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
     p.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
                    help="with measured tuning (gpu, replay), leave a conv workload to ORT where its kernels reach "

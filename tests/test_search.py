@@ -144,9 +144,10 @@ def test_bad_inputs_name_the_problem(dense, kwargs, instances, words):
 
 
 @pytest.mark.parametrize("max_trials, round_size, want", [
-    (8, 64, 8), (16, 64, 8), (32, 64, 8), (64, 64, 16), (100, 64, 25), (256, 64, 64), (1000, 64, 64),
-    (128, 1, 1), (96, 32, 24)])
+    (1, 64, 1), (4, 64, 2), (8, 64, 4), (12, 64, 6), (15, 64, 8), (16, 64, 8), (32, 64, 8), (64, 64, 16),
+    (100, 64, 25), (256, 64, 64), (1000, 64, 64), (128, 1, 1), (96, 32, 24), (8, 2, 2)])
 def test_a_small_budget_spreads_over_four_rounds(max_trials, round_size, want):
+    """Rounds of budget / 4, at least 8 measurements, but never a single round: a budget under 16 runs two."""
     assert SearchOptions(max_trials=max_trials, round_size=round_size).round_trials() == want
 
 
@@ -387,8 +388,9 @@ def test_the_first_round_times_a_shared_optimum_on_its_heaviest_problem():
     assert all(space[int(np.argmin(prior[:, p]))] == shared for p in (1, 2))
     result = tune_joint(FAMILY, list(zip(problems, (1.0, 5.0, 1.0, 1.0, 1.0))), space,
                         AnalyticMeasurer(PROFILE, "float16"), PROFILE, SearchOptions(max_trials=8, progress=False))
-    timed = [m.problem for m in result.measurements if m.config == shared]
-    assert timed == [problems[1]]
+    first = result.measurements[:result.history[0].trials]  # a budget of 8 runs two rounds of 4
+    assert len(first) == 4 and len(result.history) == 2
+    assert [m.problem for m in first if m.config == shared] == [problems[1]]
 
 
 def test_optimize_takes_no_prior():

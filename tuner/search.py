@@ -81,7 +81,8 @@ __all__ = ["SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_
            "neighbours", "settle"]
 
 
-MIN_ROUND_TRIALS = 8  # the smallest round min_rounds makes (smaller rounds hardly move the model)
+MIN_ROUND_TRIALS = 8  # the smallest round min_rounds makes (smaller rounds hardly move the model), except
+# that a budget under 2 x this runs two rounds of half of it (one round is the prior's picks alone)
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,11 @@ class SearchOptions:
 
     def round_trials(self) -> int:
         """Measurements per round of the joint search: ``round_size``, or max_trials / ``min_rounds`` (at least
-        ``MIN_ROUND_TRIALS``) where that is smaller. (The per-shape baseline keeps ``round_size``: its rounds
-        are per problem already.)"""
+        ``MIN_ROUND_TRIALS``, or half the budget where that is less: a budget under 16 runs two rounds) where
+        that is smaller. (The per-shape baseline keeps ``round_size``: its rounds are per problem already.)"""
         spread = math.ceil(self.max_trials / self.min_rounds)
-        return max(1, min(self.round_size, max(MIN_ROUND_TRIALS, spread)))
+        floor = min(MIN_ROUND_TRIALS, math.ceil(self.max_trials / 2))
+        return max(1, min(self.round_size, max(floor, spread)))
 
 
 @dataclass(frozen=True)
