@@ -306,8 +306,11 @@ def _tuning_cost(t: TagTable, fig: WorkloadFigures, units: CostUnits | None) -> 
 
 def report(path: Path, *, target: str = "sm_90", budget: int = 512, seed: int = 0, plot: Path | None = None,
            peaks: Peaks | None = None, warm_start: bool = True) -> list[WorkloadFigures]:
-    """The figures per workload, replayed in tag order; with ``warm_start`` each gemm search starts from what
-    the gemm searches before it measured, as optimize runs a model's workloads (tuner.optimize.warm_family)."""
+    """The figures per workload, replayed in tag order; with ``warm_start`` a search of an op in
+    ``tuner.search.WARM_START_OPS`` (gemm) starts from what the searches of its op before it measured, as optimize
+    runs a model's workloads (tuner.optimize.warm_family)."""
+    from tuner.search import WARM_START_OPS
+
     tables = load_table(path)
     peaks = peaks or device_peaks(path, target)
     units = cost_units(path)
@@ -317,10 +320,10 @@ def report(path: Path, *, target: str = "sm_90", budget: int = 512, seed: int = 
         fig, oracle = _figures(t)
         dispatched = None
         if not tag.startswith("conv"):  # conv rows lack the layer geometry a replay search needs
-            earlier = measured.setdefault(_op(t), [])
-            warm = tuple(earlier) if warm_start and _op(t) == "gemm" else ()
+            op = _op(t)
+            warm = tuple(measured.get(op, ())) if warm_start and op in WARM_START_OPS else ()
             fig, dispatched, log = _replay(path, t, fig, target, budget, seed, warm)
-            earlier += [m for m in log if math.isfinite(m.seconds)]
+            measured.setdefault(op, []).extend(log)
             fig = _tuning_cost(t, _roofline(t, fig, oracle, dispatched, peaks), units.get(tag))
         figures.append(fig)
         curves[tag] = (t, oracle, dispatched)

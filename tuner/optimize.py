@@ -26,10 +26,8 @@ from tuner.workload import Problem, Workload
 if TYPE_CHECKING:
     import onnx
 
-    from tuner.space import Family
-
     from tuner.branches import Unit
-    from tuner.space import MicroKernel
+    from tuner.space import Family, MicroKernel
 
 __all__ = ["default_targets", "default_db", "optimize_command", "make_measurer", "OptimizeOptions", "WorkloadReport",
            "OptimizeReport", "features_for", "problem_features", "check_output", "merge_problems", "optimize",
@@ -376,11 +374,10 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
 
 def warm_family(w: Workload, options: OptimizeOptions) -> Family | None:
     """The family whose earlier measurements warm-start ``w``'s search (its own: op, dtype, first target), for
-    a gemm workload; None for the others. Replayed over the recorded H100 table, a dense GEMM warm-started from
-    the others ranks its kernels better at budgets 32 to 128 and about as well at 16 and 256, while attention's
-    Q x K^T warm-started from scores x V (bmm, K and N moving with the sequence) ranked them slightly worse at
-    most budgets; a conv config's speed depends on the geometry it gathers for, and no conv table is recorded."""
-    return _family(w, options.targets[0]) if w.op == "gemm" else None
+    an op of ``tuner.search.WARM_START_OPS`` (gemm: the comment there says why); None for the others."""
+    from tuner.search import WARM_START_OPS
+
+    return _family(w, options.targets[0]) if w.op in WARM_START_OPS else None
 
 
 def _loses(report: WorkloadReport, min_speedup: float) -> str:
@@ -405,17 +402,17 @@ def _tune_all(items: list[tuple[tuple, tuple[Workload, list[tuple[Problem, float
     One after another, a gemm search starts warm from what the searches before it in this run measured for the
     same family (op, dtype, target: ``warm_family``; tuner.search, "Warm start"): the same order and the same
     answers (a restarted run's from the database) give the same searches. Searches run at once start cold, as
-    do bmm and conv searches (``warm_family`` says why)."""
+    do bmm and conv searches (``warm_family``). ``LearnedCostModel.warm_start`` skips the failures."""
     chosen: dict[tuple, _Chosen] = {}
     parallel = min(executor.searches(), len(items))
     if parallel <= 1:
-        seen: dict[object, list] = {}
+        seen: dict[Family, list] = {}
         for index, (key, (w, problems)) in enumerate(items):
             family = warm_family(w, options)
             warm = seen.get(family, []) if options.warm_start and family is not None else []
             chosen[key] = _tune(w, problems, options, log, executor, warm=tuple(warm))
             if family is not None:
-                seen.setdefault(family, []).extend(m for m in chosen[key].measurements if math.isfinite(m.seconds))
+                seen.setdefault(family, []).extend(chosen[key].measurements)
             log(_summary(index, chosen[key].report))
         return chosen
     from concurrent.futures import ThreadPoolExecutor
@@ -636,7 +633,7 @@ class _Chosen:
     kernels: tuple  # MicroKernel | "vendor"
     tree: DispatchTree
     report: WorkloadReport
-    measurements: tuple = ()  # the search's (tuner.search.Measurement): later workloads' warm start
+    measurements: tuple = ()  # the search's and the settling's (tuner.search.Measurement): later ones' warm start
 
 
 def default_targets() -> tuple[str, ...]:

@@ -77,10 +77,16 @@ from tuner.roofline import roofline_matrix
 from tuner.space import Family, MicroKernel, wgmma_eligible
 from tuner.workload import Problem
 
-__all__ = ["SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_joint", "tune_per_shape",
+__all__ = ["WARM_START_OPS", "SearchOptions", "Measurement", "RoundRecord", "TuningResult", "tune_joint", "tune_per_shape",
            "neighbours", "settle"]
 
 
+# the ops whose searches optimize warm-starts (tuner.optimize.warm_family; benchmarks/report_table.py replays the
+# same): replayed over the recorded H100 table, a dense GEMM warm-started from the others ranks its kernels
+# better at budgets 32 to 128 and about as well at 16 and 256, while attention's Q x K^T warm-started from scores x
+# V (bmm, K and N moving with the sequence) ranked them slightly worse at most budgets; a conv config's speed
+# depends on the geometry it gathers for, and no conv table is recorded
+WARM_START_OPS = frozenset({"gemm"})
 MIN_ROUND_TRIALS = 8  # the smallest round min_rounds makes (smaller rounds hardly move the model), except
 # that a budget under 2 x this runs two rounds of half of it (one round is the prior's picks alone)
 
