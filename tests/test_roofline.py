@@ -81,14 +81,14 @@ def test_split_k_workspace_is_written_and_read_in_full_in_both_models(space: lis
 def test_the_counter_memset_weighs_the_same_in_both_models() -> None:
     """The launcher issues one kernel launch per call and, before a split-K kernel, one memset of its counters
     (custom_ops/launch.cc): the roofline's launch term and the learned model's fitted latency both take
-    launch_weight of it, which is more than one launch and less than two."""
+    launch_weight of it: a second launch's worth, as the recorded H100 table has it (tuner/roofline.py)."""
     measurer = AnalyticMeasurer(H100, "float16")
     plain, split = MicroKernel(16, 64, 64, 2, 3), MicroKernel(16, 64, 64, 2, 3, split_k=8)
     problem = Problem(16, 768, 3072)
     for config in (plain, split):
         terms = measurer.terms(config, problem)
         assert terms is not None and terms.launch == pytest.approx(LAUNCH_SECONDS * launch_weight(config))
-    assert launch_weight(plain) == 1.0 and 1.0 < launch_weight(split) < 2.0
+    assert launch_weight(plain) == 1.0 and launch_weight(split) == 2.0
     model = AnalyticCostModel(H100, "float16")
     model.latency = 1e-3  # large enough to dominate the predictions
     got = model.predict([(plain, problem), (split, problem)])
@@ -103,20 +103,20 @@ def test_the_counter_memset_weighs_the_same_in_both_models() -> None:
 # ---- the pipeline's latency hiding (Little's law) ----
 
 def test_shallow_pipelines_are_charged_on_load_bound_tiles() -> None:
-    """BERT's FFN2 at 16 tokens: 12 tiles of 16x64, one program per busy SM and 48 BLOCK_K steps of 10 KiB.
+    """BERT's FFN2 at 16 tokens: 12 tiles of 16x128, one program per busy SM and 24 BLOCK_K steps of 36 KiB.
     Two stages keep one step in flight, so each step waits a DRAM round trip: the pipeline term binds. Four
-    stages keep 30 KiB in flight, more than latency x the per-SM cap (25 KB): the bandwidth binds instead."""
+    stages keep 108 KiB in flight, more than latency x the per-SM cap (76 KB): the bandwidth binds instead."""
     measurer = AnalyticMeasurer(H100, "float16")
     problem = Problem(16, 768, 3072)
-    shallow, deep = (measurer.terms(MicroKernel(16, 64, 64, 2, s), problem) for s in (2, 4))
+    shallow, deep = (measurer.terms(MicroKernel(16, 128, 128, 4, s), problem) for s in (2, 4))
     assert shallow is not None and deep is not None
-    assert (shallow.resident, shallow.k_steps, deep.resident) == (1, 48, 1)
-    assert shallow.pipeline == pytest.approx(48 * DRAM_LATENCY_SECONDS)
-    assert deep.pipeline == pytest.approx(48 / 3 * DRAM_LATENCY_SECONDS)
-    step = (16 + 64) * 64 * 2
+    assert (shallow.resident, shallow.k_steps, deep.resident) == (1, 24, 1)
+    assert shallow.pipeline == pytest.approx(24 * DRAM_LATENCY_SECONDS)
+    assert deep.pipeline == pytest.approx(24 / 3 * DRAM_LATENCY_SECONDS)
+    step = (16 + 128) * 128 * 2
     assert 1 * 1 * step < DRAM_LATENCY_SECONDS * CAP < 1 * 3 * step
     assert shallow.pipeline > shallow.sm_memory and deep.pipeline < deep.sm_memory
-    assert shallow.seconds > 2 * deep.seconds
+    assert shallow.seconds > 1.5 * deep.seconds
     # a compute-bound call (4096 tokens, FFN1, 128x256 tiles) hides its latency behind the MMAs
     big = measurer.terms(MicroKernel(128, 256, 64, 8, 3), Problem(4096, 3072, 768))
     assert big is not None and big.pipeline < big.mma
@@ -206,14 +206,14 @@ def test_bert_predictions_never_exceed_the_peak(space: list[MicroKernel], bert_t
 
 def test_bert_best_throughput_grows_with_m(space: list[MicroKernel], bert_times) -> None:
     """More rows fill more of the GPU: the best config's predicted throughput does not fall as M grows, and a
-    2048-token call runs far closer to the peak than a 16-token one (still below half of it: analytic, memory
-    bound at the per-SM cap)."""
+    2048-token call runs far closer to the peak than a 16-token one (still well below it: the H100 table's
+    best at 2048 tokens ran 0.39 to 0.50 of it, cuBLAS included, L2 cold)."""
     for n, k in BERT:
         problems = [Problem(m, n, k) for m in BERT_M]
         flops = [useful_flops(p) / _best(space, bert_times[p])[0] for p in problems]
         shown = [f"{f / 1e12:.0f}" for f in flops]
         assert all(b >= 0.97 * a for a, b in zip(flops, flops[1:])), (n, k, shown)
-        assert flops[-1] > 10 * flops[0] and flops[-1] < 0.5 * peak_flops(H100, "float16")
+        assert flops[-1] > 10 * flops[0] and flops[-1] < 0.7 * peak_flops(H100, "float16")
 
 
 def test_bert_split_k_only_for_few_rows_and_long_k(space: list[MicroKernel], bert_times) -> None:
@@ -227,8 +227,8 @@ def test_bert_split_k_only_for_few_rows_and_long_k(space: list[MicroKernel], ber
 
 
 def test_bert_prefers_wgmma_once_the_mmas_matter(space: list[MicroKernel], bert_times) -> None:
-    """From 256 rows on the best config is a wgmma one, and from 512 the best mma.sync config is at least 10%
-    slower than the best wgmma one. Below that the calls are load-bound and a 32-row mma.sync tile, making
+    """From 256 rows on the best config is a wgmma one, and from 512 the best mma.sync config is at least 5%
+    slower than the best wgmma one (the H100 table: 6% to 35% at 512 rows, 28% to 56% at 1024). Below that the calls are load-bound and a 32-row mma.sync tile, making
     twice the programs, can win: the MMA rate is not what limits them."""
     def wgmma(c: MicroKernel) -> bool:
         return wgmma_eligible(c, "float16", H100)
@@ -240,4 +240,4 @@ def test_bert_prefers_wgmma_once_the_mmas_matter(space: list[MicroKernel], bert_
             if m >= 256:
                 assert wgmma(config), (m, n, k, config.key())
             if m >= 512:
-                assert _best(space, times, lambda c: not wgmma(c))[0] > 1.1 * best, (m, n, k)
+                assert _best(space, times, lambda c: not wgmma(c))[0] > 1.05 * best, (m, n, k)

@@ -173,15 +173,17 @@ def test_report_on_the_recorded_h100_table(tmp_path):
 def test_report_warm_starts_each_gemm_search_from_the_earlier_ones():
     """report_table replays the workloads in tag order as optimize runs a model's: a gemm search starts from what
     the gemm searches before it measured. The first gemm set (dense-3072x768) and the bmm sets start cold either
-    way, so their figures do not move; dense-768x768, last, ranks its kernels within 1% of the per-instance best
-    config at --budget 32 (cold: 5.7% off)."""
+    way, so their figures do not move; the later gemm sets' do, and dense-768x768, last, ranks its kernels within
+    1% of the per-instance best config at --budget 32 either way (with the roofline's constants fitted to this
+    table the cold search gets there too; with the assumed ones it was 5.7% off cold)."""
     from _recorded import H100_TABLE
 
     warm, cold = ({f.tag: f for f in report_table.report(H100_TABLE, budget=32, warm_start=w)} for w in (True, False))
     for tag in ("dense-3072x768", "attention-qk", "attention-av"):
         assert warm[tag] == cold[tag], tag
     assert warm["dense-768x3072"] != cold["dense-768x3072"]
-    assert warm["dense-768x768"].kernel_regret <= 1.01 < 1.05 < cold["dense-768x768"].kernel_regret
+    assert warm["dense-768x768"] != cold["dense-768x768"]
+    assert max(warm["dense-768x768"].kernel_regret, cold["dense-768x768"].kernel_regret) <= 1.01
 
 
 def test_replay_never_dispatches_a_refused_pick_even_unforeseen(monkeypatch):
@@ -330,3 +332,35 @@ def test_mixed_order_puts_each_problems_likeliest_best_in_a_short_sample(tmp_pat
     assert sum(oracles["random"][m] > best[m] * 1.001 for m in best) >= 2
     with pytest.raises(Exception, match="unknown --order"):
         record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "best")
+
+
+# ---- the roofline's constants, fitted to the recorded table (benchmarks/calibrate_roofline.py) ----
+
+def test_the_shipped_roofline_constants_rank_the_recorded_dense_sets_better_than_the_assumed_ones():
+    """tuner/roofline.py's constants were fitted to the H100 table: on each dense set the model's first pick per
+    instance runs within 11% of the instance's best sampled config (geomean; the assumed constants: 20% to 35%
+    off), and log(measured / predicted) spreads less."""
+    from _recorded import H100_TABLE
+    from tuner.roofline import CONSTANTS
+
+    calibrate = load_script("calibrate_roofline")
+    tables = calibrate.load_table(H100_TABLE)
+    for tag in ("dense-768x768", "dense-3072x768", "dense-768x3072"):
+        shipped, assumed = (calibrate.score(tables[tag], c) for c in (CONSTANTS, calibrate.ASSUMED))
+        assert shipped.top1 <= 1.11 and assumed.top1 >= 1.19, (tag, shipped, assumed)
+        assert shipped.spread < assumed.spread, tag
+
+
+def test_calibration_picks_the_grid_point_that_fits_and_names_a_missing_set(monkeypatch, capsys):
+    from _recorded import H100_TABLE
+    from tuner.roofline import CONSTANTS
+
+    calibrate = load_script("calibrate_roofline")
+    grid = {name: (getattr(calibrate.ASSUMED, name), getattr(CONSTANTS, name)) for name in calibrate.GRID}
+    monkeypatch.setattr(calibrate, "GRID", grid)
+    dense = calibrate.load_table(H100_TABLE)["dense-768x768"]
+    fitted, objective = calibrate.fit([dense])
+    assert fitted != calibrate.ASSUMED and objective == pytest.approx(calibrate.score(dense, fitted).objective)
+    assert objective <= calibrate.score(dense, CONSTANTS).objective
+    assert calibrate.main([str(H100_TABLE), "--sets", "conv"]) == 2
+    assert "no set" in capsys.readouterr().err

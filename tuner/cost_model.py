@@ -16,7 +16,7 @@
   slots (``slots_per_sm``) and its partial last round costs ``r ** tail_alpha``, halfway from alpha to 1
   (``tail_alpha``): no per-tile launch or prologue, but whole tiles still.
 - A fixed per-launch latency (seconds, also fitted per device) times ``launch_weight`` (1 kernel launch, plus
-  under split-K the counter memset the launcher issues first, weighed as a fraction of a launch) is added to
+  under split-K the counter memset the launcher issues first, weighed as another launch) is added to
   every prediction: small problems on a fast GPU are dominated by it, and leaving it in the label would make
   f_MK depend on the shape.
 - ``f_MK`` depends on the micro-kernel only. ``LearnedCostModel`` learns it with scikit-learn's gradient
@@ -52,13 +52,14 @@ __all__ = ["AdaptTerms", "adapt_terms", "f_adapt", "f_adapt_matrix", "blocks_per
 
 Pair = tuple[MicroKernel, Problem]
 _ALPHA_GRID = np.linspace(0.0, 1.0, 21)
-_MODEL_MAGIC = "dietcode-cost-model-v4"  # v2: kernel_features gained "wgmma" (older regressors take 13); v3:
-# "persistent" (they take 14); v4: LearnedCostModel keeps other workloads' measurements (warm_start)
+_MODEL_MAGIC = "dietcode-cost-model-v5"  # v2: kernel_features gained "wgmma" (older regressors take 13); v3:
+# "persistent" (they take 14); v4: LearnedCostModel keeps other workloads' measurements (warm_start); v5: a
+# split-K call's latency weighs two launches (MEMSET_SECONDS), so a v4 model's fitted latency means another thing
 
 
 PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (assumed)
 LAUNCH_SECONDS = 3e-6  # the analytic fixed cost of one kernel launch (tuner/roofline.py, attention's cost)
-MEMSET_SECONDS = 0.5e-6  # the analytic cost of split-K's counter memset: a stream command, not a launch
+MEMSET_SECONDS = 3e-6  # split-K's counter memset: as much as a launch (fitted: tuner/roofline.py's docstring)
 
 
 def persistent_loops(persistent: Any, tiles: Any, num_sms: int) -> Any:
@@ -93,14 +94,14 @@ def _roundup(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def launch_weight(config: MicroKernel) -> float:
+def launch_weight(config: MicroKernel, memset_s: float = MEMSET_SECONDS) -> float:
     """A call's fixed cost in kernel launches. The launcher (dc_launch_fit, custom_ops/launch.cc) issues one
     kernel launch per call and, before a split-K kernel, one cuMemsetD8Async of its tile counters (4 bytes per
-    tile and batch) on the same stream: a command the GPU's front end runs, not a second kernel, weighed as
-    ``MEMSET_SECONDS`` / ``LAUNCH_SECONDS`` of a launch (an assumption until a GPU run times the two). The
-    learned model's fitted per-launch latency and the analytic roofline's ``LAUNCH_SECONDS`` are both
-    multiplied by it."""
-    return 1.0 + (MEMSET_SECONDS / LAUNCH_SECONDS if config.split_k > 1 else 0.0)
+    tile and batch) on the same stream, weighed as ``memset_s`` / ``LAUNCH_SECONDS`` of a launch: a whole one
+    by default, as the H100 table says (the split-K configs there ran 1.25x to 1.35x slower than the roofline
+    predicted with the memset at a sixth of a launch; tuner/roofline.py). The learned model's fitted per-launch
+    latency and the analytic roofline's ``LAUNCH_SECONDS`` are both multiplied by it."""
+    return 1.0 + (memset_s / LAUNCH_SECONDS if config.split_k > 1 else 0.0)
 
 
 def split_k_partials(split_k: Any) -> Any:

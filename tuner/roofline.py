@@ -19,8 +19,7 @@ SPLIT_K). The call takes
   pointer increment) on the blocks' schedulers; a TMA config (key suffix ``t``, sm_90 only) issues one tensor
   copy per operand from one thread (``TMA_LOAD_INSTRUCTIONS``) and leaves the address generation to the
   copy engine. That is TMA's whole advantage here, and a modest one (about 2% of a large fp16 GEMM on the
-  H100, less on small-M calls): a TMA twin is predicted a little faster than its pointer-load config, never
-  slower.
+  H100, less on small-M calls), against its descriptors' ``setup`` (below).
 - ``sm_memory``: the busiest SM's bytes (its programs' operand slices, and its output tile or, under
   split-K, its fp32 partial) at a per-SM cap of ``SM_BANDWIDTH_FACTOR`` x its even share of DRAM bandwidth.
   So the achievable bandwidth is min(DRAM bandwidth, B x cap): a call on few SMs cannot use the whole
@@ -51,27 +50,38 @@ SPLIT_K). The call takes
   others finish (no per-tile launch or prologue) but still finish whole tiles. An assumption, shared with the
   learned model. A persistent config that does not loop launches one program per tile and gets no credit.
 - ``launch``: ``LAUNCH_SECONDS`` x ``cost_model.launch_weight``: one kernel launch per call, plus under
-  split-K the launcher's cuMemsetD8Async of the tile counters (4 bytes per tile) on the kernel's stream, one
-  more command the GPU's front end runs (``MEMSET_SECONDS``), not another kernel launch. The learned model
-  weighs its fitted latency the same way.
+  split-K the launcher's cuMemsetD8Async of the tile counters (4 bytes per tile) on the kernel's stream
+  (``memset_s``). The learned model weighs its fitted latency the same way.
+- ``setup``: a TMA config's in-kernel descriptors (``tma_setup_s``), once per call.
 
 Each term is non-decreasing in M, N, K and batch for a fixed config, so the predicted time is too.
 
-Constants (all but the first two are assumptions, named so a GPU run can replace them):
-- ``SM_BANDWIDTH_FACTOR`` = 2: one SM can pull at most twice its even share of DRAM bandwidth (H100: 2 x 3.35
-  TB/s / 132 = 51 GB/s), so half the SMs saturate DRAM. The L2 bounds it from above: the A100 whitepaper
-  quotes 5,120 B/clk of L2 read bandwidth, 7.2 TB/s at 1,410 MHz, 3.5x its 2,039 GB/s of DRAM.
-- ``DRAM_LATENCY_SECONDS`` = 500 ns: a load's round trip to DRAM while the memory system is busy. An assumed
-  figure of the order published pointer-chasing microbenchmarks give for HBM GPUs (several hundred ns; a
-  loaded system adds queueing), the same for every target, not measured here. Only the ratio of bytes in
-  flight to latency x bandwidth matters, so a GPU run that times one load-bound tile at two stage counts
-  fixes it.
-- ``LAUNCH_SECONDS`` = 3 us per kernel launch (the figure the analytic measurer always used and attention's
-  analytic cost uses); ``MEMSET_SECONDS`` = 0.5 us for split-K's counter memset (both in tuner/cost_model.py,
-  which owns the launch accounting).
-- The clock that turns issue cycles into seconds is the profile's (``HardwareProfile.tensor_clock_hz``: the
-  clock its datasheet peak is quoted at, 1,830 MHz on the H100 SXM5), the peaks and bandwidths are the
-  datasheets' (tuner/hardware.py: H100 SXM5 989.4 TFLOP/s dense fp16, 3.35 TB/s, 132 SMs).
+Constants: the peaks and bandwidths are the datasheets' (tuner/hardware.py: H100 SXM5 989.4 TFLOP/s dense fp16,
+3.35 TB/s, 132 SMs) and the clock that turns issue cycles into seconds is the profile's
+(``HardwareProfile.tensor_clock_hz``: the clock its datasheet peak is quoted at, 1,830 MHz on the H100 SXM5).
+``LAUNCH_SECONDS`` = 3 us per kernel launch (tuner/cost_model.py, which owns the launch accounting) shifts every
+config alike. The four that no datasheet gives (``RooflineConstants``) are fitted to the measurement table
+recorded on an H100 (``benchmarks/results/nvidia-h100-80gb-hbm3/device-run/stage2/table.csv.gz``: 97 to 113 of
+the space's configs on BERT's three dense GEMMs at 128 sizes each, L2 flushed before every launch) by
+``benchmarks/calibrate_roofline.py``, which ranks each instance's configs by the model and scores the first
+pick against the instance's best, and the spread of log(measured / predicted):
+
+- ``dram_latency_s`` = 750 ns (was an assumed 500 ns): a load's round trip to DRAM under load, L2 cold.
+- ``sm_bandwidth_factor`` = 4 (was an assumed 2): one SM pulls at most 4x its even share of DRAM bandwidth
+  (H100: 4 x 3.35 TB/s / 132 = 102 GB/s, about 56 bytes per clock), so a quarter of the SMs saturate DRAM.
+- ``memset_s`` = 3 us (``cost_model.MEMSET_SECONDS``, was an assumed 0.5 us): split-K's counter memset costs
+  a kernel launch's worth (the table's split-K configs ran 1.25x to 1.35x slower than the model said, split 8
+  worse than split 2); the learned model's fitted latency counts it the same way (``cost_model.launch_weight``).
+- ``tma_setup_s`` = 1.5 us (was none): a TMA config makes its descriptors in the kernel (global scratch, then a
+  tensormap fence) before its first copy, on every call's critical path; the table's TMA configs ran about 8%
+  slower than the others on small calls, so a TMA twin is now predicted slower than its pointer-load config on
+  a launch-bound call and faster (its cheaper load issue) only on a large one.
+
+Fitted on the three dense sets, each held out in turn, the fit moved only ``memset_s`` (2.5 to 4.5 us) and
+``tma_setup_s`` (0.5 to 1.5 us); the model's first pick per instance runs 1.02x to 1.11x the instance's best
+sampled config, against 1.20x to 1.35x with the assumed constants. The table's attention sets were not fitted:
+their kernels were compiled before the batch strides' alignment was assumed, loaded operands element by
+element, and ran about twice what any constant here predicts.
 """
 from __future__ import annotations
 
@@ -88,13 +98,32 @@ from tuner.hardware import HardwareProfile
 from tuner.space import DTYPE_BYTES, MicroKernel
 from tuner.workload import Problem
 
-__all__ = ["RooflineTerms", "roofline", "roofline_matrix", "SM_BANDWIDTH_FACTOR", "LAUNCH_SECONDS", "MEMSET_SECONDS",
-           "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION", "PERSISTENT_TAIL_CREDIT",
-           "DRAM_LATENCY_SECONDS"]
+__all__ = ["RooflineTerms", "RooflineConstants", "CONSTANTS", "roofline", "roofline_matrix", "SM_BANDWIDTH_FACTOR",
+           "LAUNCH_SECONDS", "MEMSET_SECONDS", "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION",
+           "PERSISTENT_TAIL_CREDIT", "DRAM_LATENCY_SECONDS", "TMA_SETUP_SECONDS"]
 
-MODEL_VERSION = 4  # part of the analytic measurer's device key: answers of another version are not reused
-SM_BANDWIDTH_FACTOR = 2.0
-DRAM_LATENCY_SECONDS = 500e-9  # a load's round trip to DRAM under load (an assumption, see the docstring)
+MODEL_VERSION = 5  # part of the analytic measurer's device key: answers of another version are not reused
+
+
+@dataclass(frozen=True)
+class RooflineConstants:
+    """The model's constants that no datasheet gives (the module docstring says where the defaults come from)."""
+
+    dram_latency_s: float = 750e-9  # a load's round trip to DRAM under load
+    sm_bandwidth_factor: float = 4.0  # one SM's bandwidth cap, in even shares of DRAM bandwidth
+    memset_s: float = MEMSET_SECONDS  # split-K's counter memset
+    tma_setup_s: float = 1.5e-6  # a TMA config's in-kernel descriptors, once per call
+
+    def __post_init__(self) -> None:
+        if not (self.dram_latency_s > 0 and self.sm_bandwidth_factor > 0 and self.memset_s >= 0
+                and self.tma_setup_s >= 0):
+            raise ValueError(f"roofline constants out of range: {self}")
+
+
+CONSTANTS = RooflineConstants()
+SM_BANDWIDTH_FACTOR = CONSTANTS.sm_bandwidth_factor
+DRAM_LATENCY_SECONDS = CONSTANTS.dram_latency_s
+TMA_SETUP_SECONDS = CONSTANTS.tma_setup_s
 POINTER_LOAD_INSTRUCTIONS = 2  # warp instructions per 16-byte chunk a warp copies: cp.async + pointer add
 TMA_LOAD_INSTRUCTIONS = 2  # per BLOCK_K step: one cp.async.bulk.tensor for A and one for B, from one thread
 _SCHEDULERS = 4  # warp schedulers (partitions, one tensor core each) per SM: [CG], cc 8.x and 9.0
@@ -117,19 +146,20 @@ class RooflineTerms:
     launch: float
     resident: int = 1  # programs the busiest SM runs at once: min(P, resident blocks, a persistent one's n)
     pipeline: float = 0.0  # the busiest SM's loads at the rate its pipelines' bytes in flight allow
+    setup: float = 0.0  # a TMA config's descriptors
 
     @property
     def seconds(self) -> float:
         bound = max(self.mma, self.sm_memory, self.dram, self.pipeline)
-        return bound + self.issue + self.reduce + self.launch
+        return bound + self.issue + self.reduce + self.launch + self.setup
 
 
 def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dtype: str, peak_flops: float,
-             blocks_per_sm: int) -> RooflineTerms | None:
+             blocks_per_sm: int, constants: RooflineConstants = CONSTANTS) -> RooflineTerms | None:
     """The terms of ``config`` on ``problem`` (None when it cannot launch: 0 resident blocks per SM).
 
     ``peak_flops``: the config's device-wide peak (``cost_model.config_peak_flops``); ``blocks_per_sm``: its
-    residency (``cost_model.blocks_per_sm``)."""
+    residency (``cost_model.blocks_per_sm``); ``constants``: the fitted ones unless a calibration tries others."""
     if blocks_per_sm <= 0:
         return None
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
@@ -156,7 +186,7 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     mma = rounds * k_steps * mma_cycles / clock
     issue = rounds * k_steps * issue_cycles / clock
 
-    cap = SM_BANDWIDTH_FACTOR * profile.dram_bandwidth_gbs * 1e9 / sms
+    cap = constants.sm_bandwidth_factor * profile.dram_bandwidth_gbs * 1e9 / sms
     partial = bm * bn * 4.0  # an fp32 partial tile in the split-K workspace
     _, read = split_k_partials(split)  # the last split of a tile reads all SPLIT_K partials
     program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)  # its partial or C tile
@@ -166,19 +196,20 @@ def roofline(config: MicroKernel, problem: Problem, profile: HardwareProfile, dt
     # Little's law: a program keeps at most num_stages - 1 BLOCK_K steps in flight (the pipeline's prefetch
     # depth, no more than its loop has), so its loop takes at least one DRAM round trip per that many steps
     depth = max(1, min(config.num_stages - 1, k_steps))
-    pipeline = max(1.0, rounds / concurrent) * k_steps / depth * DRAM_LATENCY_SECONDS
+    pipeline = max(1.0, rounds / concurrent) * k_steps / depth * constants.dram_latency_s
 
     operands = (problem.m * problem.k + problem.k * problem.n + problem.m * problem.n) * elem * problem.batch
     dram = (operands + workspace_bytes_moved(config, problem)) / (profile.dram_bandwidth_gbs * 1e9)
 
     reduce = reduce_bytes / cap
-    launch = LAUNCH_SECONDS * launch_weight(config)
+    launch = LAUNCH_SECONDS * launch_weight(config, constants.memset_s)
+    setup = constants.tma_setup_s if tma else 0.0
     return RooflineTerms(programs, busy, per_sm, k_steps, mma, issue, sm_memory, dram, reduce, launch,
-                         concurrent, pipeline)
+                         concurrent, pipeline, setup)
 
 
 def roofline_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem], profile: HardwareProfile,
-                    dtype: str, tf32: bool = False) -> np.ndarray:
+                    dtype: str, tf32: bool = False, constants: RooflineConstants = CONSTANTS) -> np.ndarray:
     """Predicted seconds of every (config, problem): array [len(configs), len(problems)], inf where a config
     cannot launch. The analytic measurer's answers (same peaks and residency), computed once per config for
     the search's prior (tuner/search.py)."""
@@ -189,7 +220,7 @@ def roofline_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem],
         if resident <= 0:
             continue
         for j, problem in enumerate(problems):
-            terms = roofline(config, problem, profile, dtype, peak, resident)
+            terms = roofline(config, problem, profile, dtype, peak, resident, constants)
             if terms is not None:
                 out[i, j] = terms.seconds
     return out
