@@ -77,9 +77,9 @@ pick against the instance's best, and the spread of log(measured / predicted):
   slower than the others on small calls, so a TMA twin is now predicted slower than its pointer-load config on
   a launch-bound call and faster (its cheaper load issue) only on a large one.
 
-Fitted on the three dense sets, each held out in turn, the fit moved only ``memset_s`` (2.5 to 4.5 us) and
-``tma_setup_s`` (0.5 to 1.5 us); the model's first pick per instance runs 1.02x to 1.11x the instance's best
-sampled config, against 1.20x to 1.35x with the assumed constants. The table's attention sets were not fitted:
+Fitted on the three dense sets with each held out in turn (``--hold-out``), only ``tma_setup_s`` moved (to 0.5 us
+without the 768x3072 set); the model's first pick per instance runs 1.02x to 1.11x the instance's best sampled
+config, against 1.20x to 1.35x with the assumed constants. The table's attention sets were not fitted:
 their kernels were compiled before the batch strides' alignment was assumed, loaded operands element by
 element, and ran about twice what any constant here predicts.
 """
