@@ -71,14 +71,9 @@ def score(t: TagTable, constants: RooflineConstants, target: str = "sm_90", dtyp
 
 def fit(tables: Sequence[TagTable], target: str = "sm_90") -> tuple[RooflineConstants, float]:
     """The grid's constants with the least summed objective over ``tables``, and that objective."""
-    best: tuple[float, RooflineConstants] | None = None
-    for values in itertools.product(*GRID.values()):
-        c = RooflineConstants(**dict(zip(GRID, values)))
-        total = sum(score(t, c, target).objective for t in tables)
-        if best is None or total < best[0]:
-            best = (total, c)
-    assert best is not None
-    return best[1], best[0]
+    grid = (RooflineConstants(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values()))
+    total, best = min(((sum(score(t, c, target).objective for t in tables), c) for c in grid), key=lambda x: x[0])
+    return best, total
 
 
 def _line(name: str, c: RooflineConstants, tables: Sequence[TagTable], target: str) -> str:

@@ -205,7 +205,7 @@ def test_tma_twins_pay_their_descriptors_and_issue_less_on_sm90_and_are_absent_o
     """A TMA twin issues less than its pointer-load config and pays its in-kernel descriptors once per call
     (tuner/roofline.py, fitted to the H100 table, where TMA configs ran slower on small calls): slower by at most
     that on any call, slower on a launch-bound one, and a little faster on a large one."""
-    from tuner.roofline import TMA_SETUP_SECONDS
+    from tuner.roofline import CONSTANTS
 
     m = AnalyticMeasurer(H100, "float16")
     twins = [c for c in enumerate_space(FAMILY) if c.tma]
@@ -214,14 +214,14 @@ def test_tma_twins_pay_their_descriptors_and_issue_less_on_sm90_and_are_absent_o
         pairs = [(p, problem) for c in twins for p in (replace(c, tma=0), c)]
         times = [r.seconds for r in m.measure(FAMILY, pairs)]
         for base, twin in zip(times[::2], times[1::2]):
-            assert twin <= base + TMA_SETUP_SECONDS * (1 + 1e-9)
+            assert twin <= base + CONSTANTS.tma_setup_s * (1 + 1e-9)
             if problem.m == 16:
                 assert twin > base
     big = Problem(16384, 3072, 768)
     config = MicroKernel(128, 256, 64, 8, 3)
     base, twin = (m.terms(c, big) for c in (config, replace(config, tma=1)))
     assert base is not None and twin is not None
-    assert twin.setup == TMA_SETUP_SECONDS and base.setup == 0
+    assert twin.setup == CONSTANTS.tma_setup_s and base.setup == 0
     assert twin.issue < base.issue and 0.95 * base.seconds < twin.seconds < base.seconds  # modest
     # sm_80 has no TMA: the space offers none and the model gives a tma config no advantage there
     a100 = get_profile("sm_80")

@@ -100,7 +100,7 @@ from tuner.workload import Problem
 
 __all__ = ["RooflineTerms", "RooflineConstants", "CONSTANTS", "roofline", "roofline_matrix", "SM_BANDWIDTH_FACTOR",
            "LAUNCH_SECONDS", "MEMSET_SECONDS", "POINTER_LOAD_INSTRUCTIONS", "TMA_LOAD_INSTRUCTIONS", "MODEL_VERSION",
-           "PERSISTENT_TAIL_CREDIT", "DRAM_LATENCY_SECONDS", "TMA_SETUP_SECONDS"]
+           "PERSISTENT_TAIL_CREDIT", "DRAM_LATENCY_SECONDS"]
 
 MODEL_VERSION = 5  # part of the analytic measurer's device key: answers of another version are not reused
 
@@ -123,7 +123,6 @@ class RooflineConstants:
 CONSTANTS = RooflineConstants()
 SM_BANDWIDTH_FACTOR = CONSTANTS.sm_bandwidth_factor
 DRAM_LATENCY_SECONDS = CONSTANTS.dram_latency_s
-TMA_SETUP_SECONDS = CONSTANTS.tma_setup_s
 POINTER_LOAD_INSTRUCTIONS = 2  # warp instructions per 16-byte chunk a warp copies: cp.async + pointer add
 TMA_LOAD_INSTRUCTIONS = 2  # per BLOCK_K step: one cp.async.bulk.tensor for A and one for B, from one thread
 _SCHEDULERS = 4  # warp schedulers (partitions, one tensor core each) per SM: [CG], cc 8.x and 9.0
