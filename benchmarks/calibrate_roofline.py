@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dietcode_ort.errors import DietcodeError  # noqa: E402
-from report_table import TagTable, load_table  # noqa: E402
-from tuner.hardware import get_profile  # noqa: E402
+from report_table import TagTable, load_table, table_device  # noqa: E402
+from tuner.hardware import HardwareProfile, device_profile, get_profile  # noqa: E402
 from tuner.roofline import CONSTANTS, RooflineConstants, roofline_matrix  # noqa: E402
 from tuner.space import MicroKernel  # noqa: E402
 
@@ -56,9 +56,11 @@ class Score:
         return self.top1 + 2.0 * self.spread
 
 
-def score(t: TagTable, constants: RooflineConstants, target: str = "sm_90", dtype: str = "float16") -> Score:
+def score(t: TagTable, constants: RooflineConstants, profile: HardwareProfile | None = None,
+          dtype: str = "float16") -> Score:
+    """How well the roofline with ``constants`` on ``profile`` (default: sm_90's) ranks and times ``t``."""
     configs = [MicroKernel.from_key(c) for c in t.configs]
-    pred = roofline_matrix(configs, t.problems, get_profile(target), dtype, constants=constants).T
+    pred = roofline_matrix(configs, t.problems, profile or get_profile("sm_90"), dtype, constants=constants).T
     ok = np.isfinite(t.times) & np.isfinite(pred)
     if not ok.any(axis=1).all():
         raise DietcodeError(f"set {t.tag}: an instance has no config both timed and launchable")
@@ -69,15 +71,15 @@ def score(t: TagTable, constants: RooflineConstants, target: str = "sm_90", dtyp
     return Score(float(np.exp(np.mean(np.log(picked / best)))), float(np.var(logs)))
 
 
-def fit(tables: Sequence[TagTable], target: str = "sm_90") -> tuple[RooflineConstants, float]:
+def fit(tables: Sequence[TagTable], profile: HardwareProfile | None = None) -> tuple[RooflineConstants, float]:
     """The grid's constants with the least summed objective over ``tables``, and that objective."""
     grid = (RooflineConstants(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values()))
-    total, best = min(((sum(score(t, c, target).objective for t in tables), c) for c in grid), key=lambda x: x[0])
+    total, best = min(((sum(score(t, c, profile).objective for t in tables), c) for c in grid), key=lambda x: x[0])
     return best, total
 
 
-def _line(name: str, c: RooflineConstants, tables: Sequence[TagTable], target: str) -> str:
-    scores = {t.tag: score(t, c, target) for t in tables}
+def _line(name: str, c: RooflineConstants, tables: Sequence[TagTable], profile: HardwareProfile) -> str:
+    scores = {t.tag: score(t, c, profile) for t in tables}
     sets = ", ".join(f"{tag} {s.top1:.3f} ({s.spread:.3f})" for tag, s in scores.items())
     return (f"{name:8s} latency {c.dram_latency_s * 1e9:.0f} ns, SM bandwidth x{c.sm_bandwidth_factor:g}, memset "
             f"{c.memset_s * 1e6:g} us, TMA setup {c.tma_setup_s * 1e6:g} us: first pick / best (spread): {sets}")
@@ -87,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("table", type=Path, help="table.csv.gz from record_table.py")
     p.add_argument("--sets", default="dense", help="fit the sets whose tag starts with one of these (comma list)")
-    p.add_argument("--target", default="sm_90", help="the hardware profile the table's device runs (default sm_90)")
+    p.add_argument("--target", default="sm_90", help="the table's GPU architecture (default sm_90); the profile is "
+                   "its device's (table.json's name: an H200's bandwidth), else the architecture's")
     p.add_argument("--hold-out", action="store_true", help="also fit once per set with that set left out")
     args = p.parse_args(argv)
     try:
@@ -96,14 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [t for tag, t in sorted(tables.items()) if tag.startswith(prefixes)]
         if not chosen:
             raise DietcodeError(f"no set of {args.table} starts with {args.sets!r}; it has {sorted(tables)}")
-        fitted, _ = fit(chosen, args.target)
-        print(_line("assumed", ASSUMED, chosen, args.target))
-        print(_line("shipped", CONSTANTS, chosen, args.target))
-        print(_line("fitted", fitted, chosen, args.target))
+        profile = device_profile(table_device(args.table), args.target)
+        print(f"profile: {profile.name} ({profile.dram_bandwidth_gbs:g} GB/s, {profile.num_sms} SMs)")
+        fitted, _ = fit(chosen, profile)
+        print(_line("assumed", ASSUMED, chosen, profile))
+        print(_line("shipped", CONSTANTS, chosen, profile))
+        print(_line("fitted", fitted, chosen, profile))
         if args.hold_out and len(chosen) > 1:
             for held in chosen:
-                c, _ = fit([t for t in chosen if t is not held], args.target)
-                print(_line(f"w/o {held.tag}", c, [held], args.target))
+                c, _ = fit([t for t in chosen if t is not held], profile)
+                print(_line(f"w/o {held.tag}", c, [held], profile))
     except DietcodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,8 +22,9 @@ Per workload (the table's ``family`` tag), against the vendor library's time on 
 - the roofline fraction (dense and attention sets): per instance, min-time bound / measured time, where the
   bound is max(2*M*N*K*batch / peak, bytes / bandwidth) with bytes = (M*K + K*N + M*N) * batch * 2 (fp16,
   each operand moved once); the median over the instances with M >= 512, for the dispatched kernels and the
-  oracle. Peaks are the datasheet figures of the table's device (``DEVICE_PEAKS``; else ``--target``'s
-  profile), or ``--peak-tflops`` / ``--bandwidth-gbs``.
+  oracle. Peaks are the datasheet figures of the table's device (``tuner.hardware.device_profile``: an H200's
+  or an H100 PCIe's own; else ``--target``'s profile), or ``--peak-tflops`` / ``--bandwidth-gbs``. The
+  replayed search models the same device.
 - the tuning cost: the joint search's measurements and distinct configs against per-shape autotuning over
   the same configs (every config on every instance, each config compiled once). With the recorder's cost
   units in table.json beside the CSV (seconds per compiled config and per timed launch), the ratio of
@@ -52,14 +53,9 @@ from dietcode_ort.errors import DietcodeError  # noqa: E402
 from tuner.measure import MeasureResult  # noqa: E402
 from tuner.workload import Problem  # noqa: E402
 
-__all__ = ["TagTable", "load_table", "WorkloadFigures", "report", "main", "DEVICE_PEAKS", "Peaks", "CostUnits",
-           "device_peaks", "cost_units", "roofline_fraction"]
+__all__ = ["TagTable", "load_table", "WorkloadFigures", "report", "main", "Peaks", "CostUnits",
+           "device_peaks", "table_device", "cost_units", "roofline_fraction"]
 
-# Dense fp16 tensor-core TFLOP/s and DRAM GB/s by device name (NVIDIA datasheets: H100 SXM5 989.4 and 3350,
-# H100 PCIe 756.5 and 2000, H100 NVL 835.5 and 3900, H200 989.4 and 4800; the sparse figures halved). The
-# first key contained in the table's device name wins, so the specific names come first.
-DEVICE_PEAKS = {"H100 PCIe": (756.5, 2000.0), "H100 NVL": (835.5, 3900.0), "H200": (989.4, 4800.0),
-                "H100": (989.4, 3350.0)}
 ROOFLINE_MIN_M = 512
 
 
@@ -155,18 +151,14 @@ class CostUnits:
 
 def device_peaks(table: Path, target: str, tflops: float | None = None, bandwidth_gbs: float | None = None
                  ) -> Peaks:
-    """The roofline's peaks: the overrides, else the datasheet figures of table.json's device, else the
-    ``target`` profile's (tuner.hardware)."""
-    from tuner.hardware import get_profile
+    """The roofline's peaks: the overrides, else the datasheet figures of table.json's device
+    (``tuner.hardware.device_profile``), else the ``target`` profile's."""
+    from tuner.hardware import device_profile
 
-    meta = _metadata(table)
-    device = str(meta.get("device", ""))
-    named = next(((key, v) for key, v in DEVICE_PEAKS.items() if key in device), None)
-    if named is not None:
-        base = Peaks(named[1][0], named[1][1], f"datasheet for {named[0]} ({device})")
-    else:
-        profile = get_profile(target)
-        base = Peaks(profile.fp16_tensor_tflops, profile.dram_bandwidth_gbs, f"profile {profile.name}")
+    device = table_device(table)
+    profile = device_profile(device, target)
+    base = Peaks(profile.fp16_tensor_tflops, profile.dram_bandwidth_gbs,
+                 f"profile {profile.name}" + (f" for {device}" if device else ""))
     if tflops is None and bandwidth_gbs is None:
         return base
     if (tflops is not None and not tflops > 0) or (bandwidth_gbs is not None and not bandwidth_gbs > 0):
@@ -188,6 +180,11 @@ def _metadata(table: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def table_device(table: Path) -> str:
+    """The name of the GPU the table was recorded on (table.json's ``device``; "" when it has none)."""
+    return str(_metadata(table).get("device", ""))
 
 
 def cost_units(table: Path) -> dict[str, CostUnits]:
@@ -232,8 +229,7 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
     from dataclasses import replace
 
     from tuner.dispatch import settled_dispatch
-    from tuner.hardware import get_profile
-    from tuner.measure import ReplayMeasurer
+    from tuner.measure import ReplayMeasurer, tuning_profile
     from tuner.search import SearchOptions, tune_joint
     from tuner.space import Family, MicroKernel
     from tuner.workload import Instance
@@ -241,8 +237,8 @@ def _replay(path: Path, t: TagTable, fig: WorkloadFigures, target: str, budget: 
     family = Family(_op(t), "float16", target)
     space = [MicroKernel.from_key(c) for c in t.configs]
     measurer = ReplayMeasurer(path, family=t.tag)
-    result = tune_joint(family, [(p, 1.0) for p in t.problems], space, measurer,
-                        get_profile(target), SearchOptions(max_trials=budget, seed=seed, progress=False), warm=warm)
+    result = tune_joint(family, [(p, 1.0) for p in t.problems], space, measurer,  # modelling the table's GPU
+                        tuning_profile(measurer, target), SearchOptions(max_trials=budget, seed=seed, progress=False), warm=warm)
     names = ("M", "N", "K", "batch")
     instances = [Instance(tuple(zip(names, (p.m, p.n, p.k, p.batch)))) for p in result.problems]
     row = {p: i for i, p in enumerate(t.problems)}

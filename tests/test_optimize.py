@@ -397,3 +397,35 @@ def test_fused_attention_runs_fewer_nodes_than_the_unfused_rewrite(work):
     ours, theirs = _ort_optimized_ops(fused, True), _ort_optimized_ops(unfused, True)
     assert ours.count("Attention") == 2 and "Softmax" not in ours and "Softmax" in theirs
     assert len(ours) < len(theirs), (len(ours), len(theirs))
+
+
+def test_tuning_models_the_gpu_its_timings_come_from(monkeypatch) -> None:
+    """The search over a measurer's timings models the GPU its device key names (an H200's bandwidth, not that of
+    the sm_90 profile's H100 SXM5), and the workload's summary says which; a key naming no product of the target
+    (the analytic model's own) keeps the target's profile."""
+    from tuner import optimize as opt
+    from tuner import search
+    from tuner.hardware import get_profile
+    from tuner.measure import AnalyticMeasurer, make_device_key, tuning_profile
+    from tuner.scan import attach_instances
+
+    class OnH200(AnalyticMeasurer):
+        def device_key(self) -> str:
+            return make_device_key("NVIDIA H200", "sm_90", "13000", "3.6.0")
+
+    monkeypatch.setattr(opt, "make_measurer", lambda o, w, executor=None: (
+        OnH200(get_profile("sm_90"), w.dtype), "replay:h200"))
+    seen, real = [], search.tune_joint
+
+    def spy(family, problems, space, measurer, profile, *args, **kwargs):
+        seen.append(profile)
+        return real(family, problems, space, measurer, profile, *args, **kwargs)
+
+    monkeypatch.setattr(search, "tune_joint", spy)
+    w = attach_instances(scan_model(models.build("mlp", "tiny")), ("tokens=1:64",)).workloads[0]
+    chosen = opt._tune(w, opt.merge_problems(w), OptimizeOptions(budget=8, max_kernels=2, progress=False),
+                       lambda _: None)
+    assert [(p.name, p.dram_bandwidth_gbs) for p in seen] == [("NVIDIA H200 SXM", 4800.0)]
+    assert chosen.report.profile == "NVIDIA H200 SXM"
+    assert "with replay:h200 (NVIDIA H200 SXM);" in opt._summary(0, chosen.report)
+    assert tuning_profile(AnalyticMeasurer(get_profile("sm_90"), "float16"), "sm_90") == get_profile("sm_90")

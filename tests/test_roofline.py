@@ -241,3 +241,21 @@ def test_bert_prefers_wgmma_once_the_mmas_matter(space: list[MicroKernel], bert_
                 assert wgmma(config), (m, n, k, config.key())
             if m >= 512:
                 assert _best(space, times, lambda c: not wgmma(c))[0] > 1.05 * best, (m, n, k)
+
+
+def test_the_roofline_models_the_product_it_is_given() -> None:
+    """An H200 (4.8 TB/s) streams a weight-bound call's bytes faster than the H100 SXM5 (3.35 TB/s), an H100 PCIe
+    (2 TB/s, 114 SMs) slower; a call of 32 programs on 32 SMs waits on DRAM's latency, not its bandwidth, and
+    takes as long on the H200 as on the H100."""
+    from tuner.hardware import device_profile
+
+    h200, pcie = device_profile("NVIDIA H200", "sm_90"), device_profile("NVIDIA H100 PCIe", "sm_90")
+    config = MicroKernel(64, 128, 64, 4, 4)
+    weights, latency = Problem(64, 11008, 4096), Problem(16, 4096, 11008)
+
+    def seconds(profile, problem):
+        (r,) = AnalyticMeasurer(profile, "float16").measure(FAMILY, [(config, problem)])
+        return r.seconds
+
+    assert seconds(h200, weights) < 0.8 * seconds(H100, weights) < 0.8 * 0.8 * seconds(pcie, weights)
+    assert seconds(h200, latency) == pytest.approx(seconds(H100, latency))

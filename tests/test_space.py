@@ -297,3 +297,34 @@ def test_sm90_16bit_space_spends_its_candidates_on_wgmma(dtype: str) -> None:
     report = prune_report(family)
     assert report["total"] == 28800 and report["wgmma"] > 0  # 4800 axis combinations x tma 0, 1 x persistent 0, 1, 2
 
+
+
+def test_a_device_name_picks_its_products_figures_over_its_architectures_limits() -> None:
+    """A GPU of a target's architecture other than the profile's own product (an H200, an H100 PCIe) is modelled
+    with its datasheet's SMs, bandwidth and peaks and the architecture's limits (so the same kernel space); the
+    profile's own product, a GPU without figures here and another architecture's name keep the target's profile."""
+    from tuner.hardware import PRODUCTS, device_profile
+
+    h100 = get_profile("sm_90")
+    cases = {"NVIDIA H200": ("NVIDIA H200 SXM", 132, 4800.0, 989.4), "NVIDIA H200 NVL": ("NVIDIA H200 NVL", 132, 4800.0, 835.5),
+             "NVIDIA H100 PCIe": ("NVIDIA H100 PCIe", 114, 2000.0, 756.5),
+             "NVIDIA H100 NVL": ("NVIDIA H100 NVL", 132, 3900.0, 835.5),
+             "model=NVIDIA H200;arch=sm_90;driver=13000;triton=3.6.0": ("NVIDIA H200 SXM", 132, 4800.0, 989.4)}
+    for device, want in cases.items():
+        got = device_profile(device, "sm_90")
+        assert (got.name, got.num_sms, got.dram_bandwidth_gbs, got.fp16_tensor_tflops) == want, device
+        assert {k: v for k, v in got.limits().items() if k != "num_sms"} == \
+            {k: v for k, v in h100.limits().items() if k != "num_sms"}
+        assert (got.arch, got.wgmma, got.fp16_flops_per_clk_sm) == (90, True, 4096)
+    for device in ("NVIDIA H100 80GB HBM3", "NVIDIA H800", "Fake CUDA device (host memory)", "", h100.name):
+        assert device_profile(device, "sm_90") == h100, device
+    assert device_profile("NVIDIA H200", "sm_80") == get_profile("sm_80")  # the H200 is no sm_80 product
+    assert device_profile("NVIDIA A100-SXM4-40GB", "sm_80").dram_bandwidth_gbs == 1555.0
+    assert device_profile("NVIDIA A100-PCIE-40GB", "sm_80").dram_bandwidth_gbs == 1555.0
+    assert device_profile("NVIDIA A100 80GB PCIe", "sm_80").dram_bandwidth_gbs == 1935.0
+    assert device_profile("NVIDIA A100-SXM4-80GB", "sm_80") == get_profile("sm_80")
+    for p in PRODUCTS:  # each product's name names it again, and its peaks imply a boost clock a GPU runs at
+        profile = device_profile(p.name, p.target)
+        assert profile.name == p.name and 1.2e9 < profile.tensor_clock_hz < 2.0e9, p
+    for target in TARGETS:  # an analytic device key names the profile: it must not read as another product
+        assert device_profile(get_profile(target).name, target) == get_profile(target)

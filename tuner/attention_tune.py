@@ -304,24 +304,33 @@ class AttentionMeasurer(Measurer):
         return results  # type: ignore[return-value]
 
 
+def attention_measurer(w: AttentionWorkload, target: str, toolchain: Any, backend: str | None = None,
+                       settings: "TimingSettings | None" = None, executor: "Executor | None" = None,
+                       allow_tf32: bool = False) -> Measurer:
+    """The measurer of ``w``'s configs where ``executor`` measures (an executor builds any spec with build()
+    there; RayExecutor: a GPU task for kind "gpu")."""
+    from tuner.executor import LocalExecutor
+
+    spec = AttentionTimingSpec(w, target, toolchain, backend, settings, allow_tf32=allow_tf32)
+    return (executor or LocalExecutor()).measurer(spec)  # type: ignore[arg-type]
+
+
 def gpu_times(w: AttentionWorkload, problems: Sequence[tuple[AttentionProblem, float]],
               configs: Sequence[AttentionConfig], target: str, toolchain: Any,
               backend: str | None = None, db: "Database | None" = None,
               settings: "TimingSettings | None" = None, executor: "Executor | None" = None,
-              allow_tf32: bool = False) -> tuple["np.ndarray", int]:
+              allow_tf32: bool = False, measurer: Measurer | None = None) -> tuple["np.ndarray", int]:
     """Seconds [problem, config] of each config's shipped cubin (``AttentionMeasurer``, run where ``executor``
-    measures: this machine by default, a Ray GPU task under ``--ray``); inf where it failed. With ``db``,
-    stored timings are reused and new ones stored (compile errors too; transient failures never): returns the
-    times and how many came from the database."""
+    measures: this machine by default, a Ray GPU task under ``--ray``; ``measurer``: one ``attention_measurer``
+    made already); inf where it failed. With ``db``, stored timings are reused and new ones stored (compile
+    errors too; transient failures never): returns the times and how many came from the database."""
     import numpy as np
 
     from tuner.database import row_key
-    from tuner.executor import LocalExecutor
     from tuner.workload import Problem
 
-    # an executor builds any spec with build() where it measures (RayExecutor: a GPU task for kind "gpu")
-    spec = AttentionTimingSpec(w, target, toolchain, backend, settings, allow_tf32=allow_tf32)
-    measurer = (executor or LocalExecutor()).measurer(spec)  # type: ignore[arg-type]
+    if measurer is None:
+        measurer = attention_measurer(w, target, toolchain, backend, settings, executor, allow_tf32)
     shapes = [Problem(m=p.seq_q, n=p.seq_k, k=w.head_dim, batch=p.batch) for p, _ in problems]
     family, _ = timing_family(w, target)
     device, context = "", ""
@@ -374,26 +383,32 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
     names = w.dynamic()
     if not names:
         raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
+    if measure not in ("analytic", "gpu"):
+        raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
     profile = get_profile(targets[0])
+    measurer = None
+    if measure == "gpu":  # the analytic ranking that picks what to time models the GPU it is timed on
+        from tuner import aot
+        from tuner.measure import tuning_profile
+
+        toolchain = toolchain or aot.CompileToolchain()
+        measurer = attention_measurer(w, targets[0], toolchain, backend, settings, executor, allow_tf32)
+        profile = tuning_profile(measurer, targets[0])
     times = np.array([[attention_time(c, w, p, profile, allow_tf32) for c in space] for p, _ in problems])
     label = f"analytic({targets[0]})"
     from_db: tuple[int, int] | None = None
-    if measure == "gpu":
-        from tuner import aot
-
+    if measurer is not None:
         weights = np.array([wt for _, wt in problems])
         rank = np.argsort((np.log(times) * weights[:, None]).sum(axis=0), kind="stable")[:max(1, budget)]
         space = [space[j] for j in sorted(rank)]
-        times, stored = gpu_times(w, problems, space, targets[0], toolchain or aot.CompileToolchain(), backend,
-                                  db, settings, executor, allow_tf32)
+        times, stored = gpu_times(w, problems, space, targets[0], toolchain, backend, db, settings, executor,
+                                  allow_tf32, measurer)
         from_db = None if db is None else (stored, int(times.size))
         ok = np.isfinite(times).all(axis=0)
         if not ok.any():
             raise DietcodeError(f"attention d={w.head_dim} {w.dtype}: no config ran on every shape on the GPU")
         space, times = [c for c, good in zip(space, ok) if good], times[:, ok]
         label = "gpu (aot cubin)"
-    elif measure != "analytic":
-        raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
     instances = [Instance(tuple(zip(names, problem_values(w, p))), wt) for p, wt in problems]
     dispatch = build_dispatch(names, instances, space, times, None, max_kernels, seed)  # type: ignore[arg-type]
     kernels = tuple(k for k in dispatch.kernels if isinstance(k, AttentionConfig))

@@ -8,21 +8,30 @@ Sources, cited per figure below:
   whitepaper (2020), A100 SXM4.
 - [L4] NVIDIA L4 Tensor Core GPU datasheet (2023).
 - [H100] NVIDIA H100 Tensor Core GPU datasheet (2023) and the NVIDIA H100 Tensor Core GPU Architecture
-  whitepaper (2022), H100 SXM5.
+  whitepaper (2022), H100 SXM5 (the datasheet's other columns: H100 PCIe, H100 NVL; the whitepaper gives the
+  PCIe card's 114 SMs).
+- [H200] NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM and H200 NVL (GH100 with 141 GB of HBM3e).
 - [FA3] J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
   arXiv:2407.08608 (2024), section 2.2 (Hopper's wgmma against mma.sync).
 - [Luo] W. Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture", arXiv:2402.13499
   (2024): tensor-core throughput of mma and wgmma instructions measured on an H800.
 Tensor throughputs are dense (the datasheets' headline figures with sparsity are twice these).
+
+A target's profile describes one product of that architecture (sm_90: the H100 SXM5). Other products of the
+same architecture share its limits (so its kernel space) but not its SM count, bandwidth or peaks: ``PRODUCTS``
+lists them, and ``device_profile`` gives the profile of the GPU a CUDA device name (``cuDeviceGetName``) names,
+which is what tuning on that GPU, or replaying its table, models (``tuner.measure.tuning_profile``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "get_profile", "resident_blocks"]
+__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "Product", "PRODUCTS", "get_profile", "device_profile",
+           "resident_blocks"]
 
 KIB = 1024
 
@@ -151,6 +160,55 @@ def get_profile(target: str) -> HardwareProfile:
         return PROFILES[target]
     except KeyError:
         raise DietcodeError(f"unknown target {target!r}; known targets: {', '.join(TARGETS)}") from None
+
+
+@dataclass(frozen=True)
+class Product:
+    """A GPU of ``target``'s architecture whose datasheet figures differ from the target profile's product."""
+
+    pattern: str  # a regular expression searched for in the CUDA device name, case-insensitive
+    target: str
+    name: str
+    num_sms: int
+    dram_bandwidth_gbs: float
+    fp16_tensor_tflops: float  # dense
+    tf32_tensor_tflops: float  # dense
+    fp32_tflops: float
+
+
+# The first product whose pattern the device name contains wins, so the more specific names come first. The
+# device names are what the driver reports: "NVIDIA H100 80GB HBM3" (SXM5, the sm_90 profile itself),
+# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB",
+# "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe".
+PRODUCTS: tuple[Product, ...] = (
+    # [H100] datasheet, PCIe: 2 TB/s HBM2e, FP16 1,513 / TF32 756 TFLOPS with sparsity, FP32 51 TFLOPS;
+    # whitepaper: 114 SMs
+    Product(r"\bH100\b.*\bPCIe\b", "sm_90", "NVIDIA H100 PCIe", 114, 2000.0, 756.5, 378.0, 51.2),
+    # [H100] datasheet, NVL: 3.9 TB/s, FP16 1,671 / TF32 835 TFLOPS with sparsity, FP32 60 TFLOPS; the SXM5's 132 SMs
+    Product(r"\bH100\b.*\bNVL\b", "sm_90", "NVIDIA H100 NVL", 132, 3900.0, 835.5, 417.5, 60.0),
+    # [H200] datasheet, NVL: 4.8 TB/s, FP16 1,671 / TF32 835 TFLOPS with sparsity, FP32 60 TFLOPS
+    Product(r"\bH200\b.*\bNVL\b", "sm_90", "NVIDIA H200 NVL", 132, 4800.0, 835.5, 417.5, 60.0),
+    # [H200] datasheet, SXM: 4.8 TB/s, FP16 1,979 / TF32 989 TFLOPS with sparsity, FP32 67 TFLOPS (the H100
+    # SXM5's compute)
+    Product(r"\bH200\b", "sm_90", "NVIDIA H200 SXM", 132, 4800.0, 989.4, 494.7, 66.9),
+    # [A100] datasheet: 40GB (SXM and PCIe) 1,555 GB/s, 80GB PCIe 1,935 GB/s; the same SMs and peaks
+    Product(r"\bA100\b.*\b40\s*GB\b", "sm_80", "NVIDIA A100 40GB", 108, 1555.0, 312.0, 156.0, 19.5),
+    Product(r"\bA100\b.*\bPCIe\b", "sm_80", "NVIDIA A100 80GB PCIe", 108, 1935.0, 312.0, 156.0, 19.5),
+)
+
+
+def device_profile(device: str, target: str) -> HardwareProfile:
+    """The profile of the GPU ``device`` (a CUDA device name, or a tuning database's device key) names, for
+    ``target``: the first of ``PRODUCTS`` of that target whose pattern it contains, with its SM count,
+    bandwidth and peaks over the target's limits; else the target's profile (its own product, or a GPU this
+    module has no datasheet figures for)."""
+    base = get_profile(target)
+    for p in PRODUCTS:
+        if p.target == target and re.search(p.pattern, device, re.IGNORECASE):
+            return replace(base, name=p.name, num_sms=p.num_sms, dram_bandwidth_gbs=p.dram_bandwidth_gbs,
+                           fp16_tensor_tflops=p.fp16_tensor_tflops, tf32_tensor_tflops=p.tf32_tensor_tflops,
+                           fp32_tflops=p.fp32_tflops)
+    return base
 
 
 def resident_blocks(profile: HardwareProfile, threads: int, regs_per_thread: int, shared_bytes: int) -> int:

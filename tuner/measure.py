@@ -40,10 +40,11 @@ from tuner.workload import ConvParams, Epilogue, Problem
 
 if TYPE_CHECKING:
     from tuner.aot import CompileToolchain
+    from tuner.hardware import HardwareProfile
     from tuner.roofline import RooflineTerms
 
 __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
-           "problem_key", "VENDOR_KEY", "REFUSED", "div16_refusals"]
+           "device_model", "tuning_profile", "problem_key", "VENDOR_KEY", "REFUSED", "div16_refusals"]
 
 VENDOR_KEY = "vendor"
 # How a result's error starts when the runtime's per-call fit check refuses the call (tuner.gpu_timing writes it,
@@ -81,6 +82,23 @@ class MeasureResult:
 def make_device_key(model: str, arch: str, driver: str, triton: str) -> str:
     """The database's device identity: every field that changes a timing."""
     return f"model={model};arch={arch};driver={driver};triton={triton}"
+
+
+def device_model(key: str) -> str:
+    """The device name in a device key (``make_device_key``'s model field); the whole key when it has none."""
+    for field in key.split(";"):
+        if field.startswith("model="):
+            return field[len("model="):]
+    return key
+
+
+def tuning_profile(measurer: "Measurer", target: str) -> "HardwareProfile":
+    """The hardware a search over ``measurer``'s timings models (the roofline prior, f_adapt's waves and
+    occupancy): the GPU product its device key names (``hardware.device_profile``: an H200's bandwidth, an
+    H100 PCIe's 114 SMs), else ``target``'s profile."""
+    from tuner.hardware import device_profile
+
+    return device_profile(device_model(measurer.device_key()), target)
 
 
 def problem_key(problem: Problem) -> tuple[int, int, int, int]:

@@ -74,6 +74,7 @@ class WorkloadReport:
     geomean_vs_vendor: float | None  # > 1: dispatched kernels faster than the vendor kernel (weighted)
     regret: float  # weighted geomean of dispatched / best known time, >= 1
     measured: bool  # whether the times behind the figures were measured (else predicted / analytic)
+    profile: str = ""  # the hardware profile the search modelled (tuner.measure.tuning_profile)
 
 
 @dataclass(frozen=True)
@@ -567,7 +568,8 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]],
                      **({"layout": "nhwc" if w.conv.channels_last else "nchw"} if w.conv is not None else {})},
         "kernels": list(r.kernels), "ranges": ranges,
         "tuning": {"measurer": r.measurer, "trials": r.trials, "seconds": round(r.seconds, 3),
-                   "regret": r.regret, "geomean_vs_vendor": r.geomean_vs_vendor, "instances": r.instances},
+                   "regret": r.regret, "geomean_vs_vendor": r.geomean_vs_vendor, "instances": r.instances,
+                   **({"profile": r.profile} if r.profile else {})},
     })
 
 
@@ -624,7 +626,7 @@ def _summary(index: int, r: WorkloadReport) -> str:
     vs = "n/a" if r.geomean_vs_vendor is None else f"{r.geomean_vs_vendor:.3f}x"
     kind = "measured" if r.measured else "predicted"
     return (f"workload {index} {w.op} M={w.m} N={w.n} K={w.k} ({len(w.nodes)} nodes, {r.instances} shapes): "
-            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}; {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''}; "
+            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}{f' ({r.profile})' if r.profile else ''}; {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''}; "
             f"{kind} geomean vs vendor {vs}; regret {r.regret:.3f}")
 
 
@@ -717,15 +719,15 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     import numpy as np
 
     from tuner.dispatch import settled_dispatch
-    from tuner.hardware import get_profile
+    from tuner.measure import tuning_profile
     from tuner.search import SearchOptions, tune_joint
     from tuner.workload import Instance
 
     if options.budget <= 0:
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     family = _family(w, options.targets[0])
-    profile = get_profile(options.targets[0])
     measurer, label = make_measurer(options, w, executor)
+    profile = tuning_profile(measurer, options.targets[0])  # the measured GPU's product (an H200's bandwidth)
     space = candidate_space(w, options)
     result = tune_joint(family, problems, space, measurer, profile,
                         SearchOptions(max_trials=options.budget, seed=options.seed, prior=options.prior,
@@ -758,5 +760,6 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     report = WorkloadReport(workload=w, measurer=label, trials=result.trials, seconds=result.seconds,
                             kernels=tuple(k if isinstance(k, str) else k.key() for k in dispatch.kernels),
                             instances=len(w.instances), geomean_vs_vendor=vs_vendor,
-                            regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")))
+                            regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")),
+                            profile=profile.name)
     return _Chosen(dispatch.kernels, dispatch.tree, report, result.measurements)
