@@ -219,9 +219,10 @@ def _environment(command: str) -> dict:
 
 
 def sample_order(space: Sequence, problems: Sequence[Problem], target: str, dtype: str, tf32: bool, seed: int,
-                 order: str = "random") -> list:
+                 order: str = "random", device: str = "") -> list:
     """The order ``record`` measures ``space`` in (see the module docstring): the seeded random order, or
-    for ``mixed`` that order interleaved with the roofline's per-problem rankings, each config once."""
+    for ``mixed`` that order interleaved with the roofline's per-problem rankings (on ``device``'s profile,
+    ``tuner.hardware.device_profile``: the GPU recorded on), each config once."""
     if order not in ORDERS:
         raise DietcodeError(f"unknown --order {order!r}; allowed: {', '.join(ORDERS)}")
     shuffled = list(space)
@@ -230,10 +231,10 @@ def sample_order(space: Sequence, problems: Sequence[Problem], target: str, dtyp
         return shuffled
     import numpy as np
 
-    from tuner.hardware import get_profile
+    from tuner.hardware import device_profile
     from tuner.roofline import roofline_matrix
 
-    predicted = roofline_matrix(shuffled, problems, get_profile(target), dtype, tf32)
+    predicted = roofline_matrix(shuffled, problems, device_profile(device, target), dtype, tf32)
     heaviest = sorted(range(len(problems)), key=lambda j: -problems[j].m * problems[j].n * problems[j].k
                       * problems[j].batch)
     ranks = [np.argsort(predicted[:, j], kind="stable") for j in heaviest]
@@ -304,7 +305,8 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             family = Family(s.op, s.dtype, target)
             full = enumerate_space(family, fp32_precision)  # every config, split-K too (it takes any epilogue)
             # a run cut off still covers the space evenly (and, mixed, each problem's likeliest best)
-            space = sample_order(full, s.problems, target, s.dtype, uses_tf32(s.dtype, fp32_precision), seed, order)
+            space = sample_order(full, s.problems, target, s.dtype, uses_tf32(s.dtype, fp32_precision), seed, order,
+                                 str(env.get("device", "")))
             space = space[:max_configs] if max_configs else space
             deadline = None
             if budget_s is not None:  # this set's share of the time left

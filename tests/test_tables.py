@@ -332,6 +332,13 @@ def test_mixed_order_puts_each_problems_likeliest_best_in_a_short_sample(tmp_pat
     assert sum(oracles["random"][m] > best[m] * 1.001 for m in best) >= 2
     with pytest.raises(Exception, match="unknown --order"):
         record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "best")
+    # recorded on an H100 PCIe (114 SMs, 2 TB/s), the sample holds that GPU's likeliest bests, not the SXM5's
+    from tuner.hardware import device_profile
+
+    pcie = record_table.sample_order(space, problems, "sm_90", "float16", False, 0, "mixed", "NVIDIA H100 PCIe")
+    modelled = roofline_matrix(space, problems, device_profile("NVIDIA H100 PCIe", "sm_90"), "float16")
+    bests = [space[int(modelled[:, j].argmin())] for j in range(3)]  # the three larger problems (no ties)
+    assert all(pcie.index(c) < 16 for c in bests) and not all(mixed.index(c) < 16 for c in bests)
 
 
 # ---- the roofline's constants, fitted to the recorded table (benchmarks/calibrate_roofline.py) ----
