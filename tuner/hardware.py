@@ -11,6 +11,7 @@ Sources, cited per figure below:
   whitepaper (2022), H100 SXM5 (the datasheet's other columns: H100 PCIe, H100 NVL; the whitepaper gives the
   PCIe card's 114 SMs).
 - [H200] NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM and H200 NVL (GH100 with 141 GB of HBM3e).
+- [L40] NVIDIA L40 and L40S datasheets (2023): AD102 with 142 SMs (18,176 CUDA cores) and 864 GB/s GDDR6.
 - [FA3] J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
   arXiv:2407.08608 (2024), section 2.2 (Hopper's wgmma against mma.sync).
 - [Luo] W. Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture", arXiv:2402.13499
@@ -174,12 +175,13 @@ class Product:
     fp16_tensor_tflops: float  # dense
     tf32_tensor_tflops: float  # dense
     fp32_tflops: float
+    fp16_flops_per_clk_sm: int = 0  # where the product's tensor cores differ from the target profile's (0: the same)
 
 
 # The first product whose pattern the device name contains wins, so the more specific names come first. The
 # device names are what the driver reports: "NVIDIA H100 80GB HBM3" (SXM5, the sm_90 profile itself),
 # "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB",
-# "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe".
+# "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA L40S", "NVIDIA L40".
 PRODUCTS: tuple[Product, ...] = (
     # [H100] datasheet, PCIe: 2 TB/s HBM2e, FP16 1,513 / TF32 756 TFLOPS with sparsity, FP32 51 TFLOPS;
     # whitepaper: 114 SMs
@@ -194,6 +196,12 @@ PRODUCTS: tuple[Product, ...] = (
     # [A100] datasheet: 40GB (SXM and PCIe) 1,555 GB/s, 80GB PCIe 1,935 GB/s; the same SMs and peaks
     Product(r"\bA100\b.*\b40\s*GB\b", "sm_80", "NVIDIA A100 40GB", 108, 1555.0, 312.0, 156.0, 19.5),
     Product(r"\bA100\b.*\bPCIe\b", "sm_80", "NVIDIA A100 80GB PCIe", 108, 1935.0, 312.0, 156.0, 19.5),
+    # [L40] L40S: FP16 362.05 / TF32 183 TFLOPS dense, FP32 91.6 TFLOPS; the L4's 1,024 FLOP per clock per SM
+    # (362 TFLOPS over 142 SMs at its 2,520 MHz boost clock)
+    Product(r"\bL40S\b", "sm_89", "NVIDIA L40S", 142, 864.0, 362.05, 183.0, 91.6),
+    # [L40] L40: FP16 181.05 / TF32 90.5 TFLOPS dense, FP32 90.5 TFLOPS: half the L40S's tensor rate at the
+    # same clock, 512 FLOP per clock per SM
+    Product(r"\bL40\b", "sm_89", "NVIDIA L40", 142, 864.0, 181.05, 90.5, 90.5, fp16_flops_per_clk_sm=512),
 )
 
 
@@ -207,7 +215,8 @@ def device_profile(device: str, target: str) -> HardwareProfile:
         if p.target == target and re.search(p.pattern, device, re.IGNORECASE):
             return replace(base, name=p.name, num_sms=p.num_sms, dram_bandwidth_gbs=p.dram_bandwidth_gbs,
                            fp16_tensor_tflops=p.fp16_tensor_tflops, tf32_tensor_tflops=p.tf32_tensor_tflops,
-                           fp32_tflops=p.fp32_tflops)
+                           fp32_tflops=p.fp32_tflops,
+                           fp16_flops_per_clk_sm=p.fp16_flops_per_clk_sm or base.fp16_flops_per_clk_sm)
     return base
 
 
