@@ -182,7 +182,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         ray_gpu=args.ray_gpu, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         min_driver=min_driver, ptxas=args.ptxas, fuse_attention=args.fuse_attention,
         fp32_precision=args.fp32_precision, prior=args.prior, warm_start=args.warm_start,
-        min_speedup=args.min_speedup, conv_layout=args.conv_layout)
+        min_speedup=args.min_speedup, conv_layout=args.conv_layout, analytic_gpu=args.analytic_gpu)
     return optimize.optimize_command(args.model, args.output, options)
 
 
@@ -205,6 +205,10 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure", default="auto",
                    help="gpu (time on this machine's GPU), analytic (roofline model, no GPU), replay:FILE "
                         "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
+    p.add_argument("--analytic-gpu", default="", metavar="NAME",
+                   help="with --measure analytic: the GPU of the first --target to model, by name (NVIDIA H200, "
+                        "H100 PCIe, H100 NVL, L40S...); default: the target's own (sm_90: H100 SXM5). Measured "
+                        "tuning models the GPU it measures")
     p.add_argument("--budget", type=int, default=256,
                    help="measured trials per workload, in rounds of 64, or of budget / 4 (at least 8, and two "
                         "rounds under 16) under 256 (default 256)")

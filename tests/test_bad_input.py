@@ -247,7 +247,11 @@ def test_bad_shape_logs(work, capsys, tmp_path):
 @pytest.mark.parametrize("option, needle", [(("--seed", "-1"), "--seed"), (("--seed", str(2 ** 32)), "--seed"),
                                              (("--budget", "0"), "--budget"),
                                              (("--max-kernels", "0"), "--max-kernels"),
-                                             (("--measure", "magic"), "magic")])
+                                             (("--measure", "magic"), "magic"),
+                                             (("--analytic-gpu", "H800"), "'H800' names no sm_90 GPU"),
+                                             (("--analytic-gpu", "L40S"), "known: NVIDIA H100 SXM5, NVIDIA H100 PCIe"),
+                                             (("--analytic-gpu", "H200", "--measure", "replay:t.csv"),
+                                              "--measure replay:t.csv models the GPU its timings come from")])
 def test_bad_numbers_and_measurers(work, capsys, option, needle):
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", work / "never.onnx", *option), needle)
     assert not (work / "never.onnx").exists()

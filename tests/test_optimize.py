@@ -429,3 +429,22 @@ def test_tuning_models_the_gpu_its_timings_come_from(monkeypatch) -> None:
     assert chosen.report.profile == "NVIDIA H200 SXM"
     assert "with replay:h200 (NVIDIA H200 SXM);" in opt._summary(0, chosen.report)
     assert tuning_profile(AnalyticMeasurer(get_profile("sm_90"), "float16"), "sm_90") == get_profile("sm_90")
+
+
+def test_analytic_tuning_models_the_gpu_it_is_told(tmp_path, capsys) -> None:
+    """``--analytic-gpu "NVIDIA H200"``: the analytic measurer and the search model the H200 (4.8 TB/s), its answers
+    are stored apart from the H100 model's, and the summary names the profile."""
+    import sqlite3
+
+    from dietcode_ort.cli import main
+
+    src = tmp_path / "mlp.onnx"
+    models.save_model(models.build("mlp", "tiny"), src)
+    argv = ["optimize", str(src), "-o", str(tmp_path / "out.onnx"), "--dim", "tokens=1:64", "--measure",
+            "analytic", "--target", "sm_90", "--budget", "8", "--quiet", "--db", str(tmp_path / "t.db"),
+            "--cache-dir", str(tmp_path / "k"), "--analytic-gpu", "NVIDIA H200"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "with analytic (no GPU timing) (NVIDIA H200 SXM);" in err, err
+    devices = {r[0] for r in sqlite3.connect(str(tmp_path / "t.db")).execute("SELECT device FROM measurements")}
+    assert devices and all("NVIDIA H200 SXM" in d for d in devices), devices

@@ -27,7 +27,7 @@ from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
 from tuner.cost_model import LAUNCH_SECONDS  # one kernel launch, as the GEMM roofline charges it
-from tuner.hardware import HardwareProfile, get_profile
+from tuner.hardware import HardwareProfile, get_profile, named_profile
 from tuner.measure import Measurer
 from tuner.workload import Instance, Workload
 
@@ -363,11 +363,13 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
                    targets: Sequence[str], max_kernels: int = 8, seed: int = 0, *, measure: str = "analytic",
                    budget: int = 16, toolchain: Any = None, backend: str | None = None,
                    db: "Database | None" = None, settings: "TimingSettings | None" = None,
-                   executor: "Executor | None" = None, allow_tf32: bool = False) -> TunedAttention:
+                   executor: "Executor | None" = None, allow_tf32: bool = False,
+                   analytic_gpu: str = "") -> TunedAttention:
     """Cost every config valid on all targets on every problem and build the dispatch (no vendor leaf).
     ``measure="gpu"``: the ``budget`` configs the analytic cost ranks best (weighted geomean over the
     problems) are compiled and timed on the GPU instead, and the dispatch is built from those times (with
-    ``db``, stored timings are reused: see ``gpu_times``; ``executor`` runs them: see ``gpu_times``)."""
+    ``db``, stored timings are reused: see ``gpu_times``; ``executor`` runs them: see ``gpu_times``); the
+    analytic cost models that GPU, else ``analytic_gpu`` (``hardware.named_profile``), else ``targets[0]``'s."""
     import numpy as np
 
     from tuner.dispatch import build_dispatch
@@ -385,7 +387,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
     if measure not in ("analytic", "gpu"):
         raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
-    profile = get_profile(targets[0])
+    profile = named_profile(analytic_gpu, targets[0]) if analytic_gpu else get_profile(targets[0])
     measurer = None
     if measure == "gpu":  # the analytic ranking that picks what to time models the GPU it is timed on
         from tuner import aot
@@ -489,13 +491,13 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
                db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None,
-               fp32_precision: str = "tf32") -> list[dict[str, tuple[bytes, str]]]:
+               fp32_precision: str = "tf32", analytic_gpu: str = "") -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
     timings are reused from and stored in (``--db``). ``executor`` (optimize's; default this machine's) compiles
     the chosen kernels (the compile pool, or Ray's CPU tasks under ``--ray``) and runs the GPU timings (this
-    machine's GPU, or Ray GPU tasks)."""
+    machine's GPU, or Ray GPU tasks). ``analytic_gpu``: the GPU the analytic cost models (``--analytic-gpu``)."""
     from tuner.executor import LocalExecutor
 
     runner = executor or LocalExecutor()
@@ -515,6 +517,9 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
             log(f"attention workloads are tuned with the analytic attention cost: {where} has no GPU to time "
                 "them on")
         kind = "analytic"
+    if analytic_gpu and kind == "gpu":
+        raise DietcodeError("--analytic-gpu names the GPU analytic tuning models; --measure gpu models the GPU its "
+                            "timings come from")
     store = None
     if kind == "gpu" and db is not None:
         from tuner.database import Database
@@ -523,7 +528,7 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
     try:
         return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
                             ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend,
-                            executor=executor, fp32_precision=fp32_precision)
+                            executor=executor, fp32_precision=fp32_precision, analytic_gpu=analytic_gpu)
     finally:
         if store is not None:
             store.close()
@@ -533,7 +538,8 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                                         dict]],
                  targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                  kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None,
-                 executor: "Executor | None" = None, fp32_precision: str = "tf32") -> list[dict[str, tuple[bytes, str]]]:
+                 executor: "Executor | None" = None, fp32_precision: str = "tf32",
+                 analytic_gpu: str = "") -> list[dict[str, tuple[bytes, str]]]:
     from tuner.scan import ScanResult, attach_instances
 
     tuned: dict[tuple, tuple[bytes, str]] = {}
@@ -552,7 +558,8 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
 
                 result = tune_attention(w, problems, targets, max_kernels, seed, measure=kind, budget=budget,
                                         toolchain=aot.CompileToolchain(min_driver, ptxas), backend=backend, db=db,
-                                        executor=executor, allow_tf32=aot.uses_tf32(w.dtype, fp32_precision))
+                                        executor=executor, allow_tf32=aot.uses_tf32(w.dtype, fp32_precision),
+                                        analytic_gpu=analytic_gpu)
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from dietcode_ort.errors import DietcodeError
 
-__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "Product", "PRODUCTS", "get_profile", "device_profile",
+__all__ = ["HardwareProfile", "PROFILES", "TARGETS", "Product", "PRODUCTS", "get_profile", "device_profile", "named_profile",
            "resident_blocks"]
 
 KIB = 1024
@@ -218,6 +218,22 @@ def device_profile(device: str, target: str) -> HardwareProfile:
                            fp32_tflops=p.fp32_tflops,
                            fp16_flops_per_clk_sm=p.fp16_flops_per_clk_sm or base.fp16_flops_per_clk_sm)
     return base
+
+
+# the target profiles' own products, as a device name or a user names them (after the PRODUCTS of the target)
+_OWN = {"sm_80": r"\bA100\b", "sm_89": r"\bL4\b", "sm_90": r"\bH100\b"}
+
+
+def named_profile(name: str, target: str) -> HardwareProfile:
+    """The profile of the GPU a user names for ``target`` (``optimize --analytic-gpu``: "NVIDIA H200", "H100 PCIe",
+    "L40S"; a CUDA device name works too): a product of ``PRODUCTS`` or the target profile's own; a name that is
+    neither is a DietcodeError listing the known ones (no figures for it here, and a wrong guess would
+    model the wrong GPU silently)."""
+    profile = device_profile(name, target)
+    if profile is not get_profile(target) or re.search(_OWN[target], name, re.IGNORECASE):
+        return profile
+    known = [get_profile(target).name] + [p.name for p in PRODUCTS if p.target == target]
+    raise DietcodeError(f"{name!r} names no {target} GPU with datasheet figures here (known: {', '.join(known)})")
 
 
 def resident_blocks(profile: HardwareProfile, threads: int, regs_per_thread: int, shared_bytes: int) -> int:

@@ -157,15 +157,17 @@ class MeasurerSpec:
     cache_dir: Path | None = None  # gpu: the kernel cache (tuner.aot's default when None)
     toolchain: "CompileToolchain | None" = None  # gpu: how the shipped kernels are compiled (tuner.aot)
     allow_tf32: bool = False  # float32 kernels with TF32 dots (gpu: as compiled; analytic: the TF32 peak)
+    gpu: str = ""  # analytic: the GPU of ``target`` it models, by name (hardware.named_profile; "": the target's)
 
     def build(self) -> "Measurer":
         if self.kind == "gpu":
             return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b, div16=self.div16,
                                cache_dir=self.cache_dir, toolchain=self.toolchain, allow_tf32=self.allow_tf32)
         if self.kind == "analytic":
-            from tuner.hardware import get_profile
+            from tuner.hardware import get_profile, named_profile
 
-            return AnalyticMeasurer(get_profile(self.target), self.dtype, tf32=self.allow_tf32)
+            profile = named_profile(self.gpu, self.target) if self.gpu else get_profile(self.target)
+            return AnalyticMeasurer(profile, self.dtype, tf32=self.allow_tf32)
         if self.kind == "replay" and self.path:
             return ReplayMeasurer(self.path)
         raise DietcodeError(f"unknown measurer kind {self.kind!r}; allowed: gpu, analytic, replay (with a path)")

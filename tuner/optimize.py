@@ -61,6 +61,7 @@ class OptimizeOptions:
     # geomean over its shapes) is left to ORT (``_loses``)
     min_speedup: float = 1.0
     conv_layout: str = "nhwc"  # "nhwc": conv workloads run channels-last where they can (tuner.layout); "nchw"
+    analytic_gpu: str = ""  # the GPU analytic tuning models (tuner.hardware.named_profile); "": the target's
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                  for (_, u), sites in zip(flat, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
-                executor=executor, fp32_precision=options.fp32_precision)
+                executor=executor, fp32_precision=options.fp32_precision, analytic_gpu=options.analytic_gpu)
     rewritten: list[list[str]] = [[] for _ in pairs]
     reports: list[list[WorkloadReport]] = [[] for _ in pairs]
     left: list[list[tuple[str, str]]] = [[] for _ in pairs]  # (node, why it is left as it is)
@@ -484,7 +485,7 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
     """Everything that would otherwise fail only after tuning: the input exists, the output can be written
     without touching the input's files, the database opens, the kernel cache is writable."""
     from tuner import aot
-    from tuner.hardware import get_profile
+    from tuner.hardware import get_profile, named_profile
 
     if options.budget <= 0:
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
@@ -502,6 +503,11 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
     aot.check_fp32_precision(options.fp32_precision)
     for target in options.targets:
         get_profile(target)
+    if options.analytic_gpu:
+        named_profile(options.analytic_gpu, options.targets[0])  # a DietcodeError naming the known GPUs
+        if options.measure not in ("auto", "analytic"):
+            raise DietcodeError(f"--analytic-gpu names the GPU analytic tuning models; --measure {options.measure} "
+                                "models the GPU its timings come from")
     if not model_path.is_file():
         raise DietcodeError(f"model file not found: {model_path}")
     check_output(model_path, output)
@@ -677,6 +683,9 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
     kind = options.measure
     if kind == "auto":
         kind = "gpu" if executor.gpu_available() else "analytic"
+    if options.analytic_gpu and kind != "analytic":
+        raise DietcodeError(f"--analytic-gpu names the GPU analytic tuning models; --measure {kind} models the "
+                            "GPU its timings come from (leave --analytic-gpu out, or tune with --measure analytic)")
     if kind == "gpu":
         if not executor.gpu_available():
             raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
@@ -684,7 +693,8 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
                             cache_dir=options.cache_dir, allow_tf32=_tf32(w, options),
                             toolchain=aot.CompileToolchain(options.min_driver, options.ptxas))
     elif kind == "analytic":
-        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype, allow_tf32=_tf32(w, options))
+        spec = MeasurerSpec("analytic", target=options.targets[0], dtype=w.dtype, allow_tf32=_tf32(w, options),
+                            gpu=options.analytic_gpu)
     elif kind.startswith("replay:") and kind[len("replay:"):]:
         spec = MeasurerSpec("replay", path=kind[len("replay:"):])
     else:
