@@ -75,9 +75,12 @@ def record(out: str, cache: str) -> dict[str, Any]:
     from tuner import measure as measure_module
     from tuner.measure import GpuMeasurer, MeasureResult
 
+    caches: list[str] = []  # the kernel cache the recorder gives each set's measurer
+
     class WithoutVendor(GpuMeasurer):
         def __init__(self, **kw: Any) -> None:
-            super().__init__(cache_dir=Path(cache), **kw)
+            caches.append(str(kw.get("cache_dir")))
+            super().__init__(**kw)
 
         def measure_vendor(self, family: Any, problems: Any) -> list[MeasureResult]:
             return [MeasureResult(math.inf, "no torch with CUDA against the stand-in driver") for _ in problems]
@@ -86,9 +89,9 @@ def record(out: str, cache: str) -> dict[str, Any]:
     from _scripts import load_script
 
     record_table = load_script("record_table")
-    table = record_table.record(record_table.dense_sets(2)[:1], Path(out), repeats=2, max_configs=3,
+    table = record_table.record(record_table.dense_sets(2)[:2], Path(out), repeats=2, max_configs=3,
                                 command="record_table (stand-in driver)")
-    return {"table": str(table)}
+    return {"table": str(table), "caches": caches}
 
 
 def targets() -> dict[str, Any]:

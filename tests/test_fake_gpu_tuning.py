@@ -151,7 +151,8 @@ def test_the_driver_alone_makes_a_gpu_visible_and_picks_the_target(fake_lib: Pat
 def test_record_table_stage_two_through_the_driver(fake_lib: Path, tmp_path: Path) -> None:
     """benchmarks/record_table.py's ``record`` (the device runner's stage 2) through GpuMeasurer and the stand-in:
     every config gets a row per instance keyed by the stand-in's device, and table.json names the device the
-    driver reports (the same probe as the rows' key)."""
+    driver reports (the same probe as the rows' key). Each set compiles into a kernel cache of its own, removed
+    after it (its compile seconds are compiles, not reads of the set before's kernels: the same binaries)."""
     got, _ = _run(fake_lib, "record", str(tmp_path / "table"), str(tmp_path / "kernels"))
     rows = list(csv.DictReader(Path(got["table"]).open()))
     meta = json.loads((tmp_path / "table" / "table.json").read_text())
@@ -159,6 +160,10 @@ def test_record_table_stage_two_through_the_driver(fake_lib: Path, tmp_path: Pat
     assert meta["driver"] == "13010" and meta["sms"] == 132
     assert {r["device"] for r in rows} == {rows[0]["device"]} and rows[0]["device"].startswith(FAKE_DEVICE)
     timed = [r for r in rows if r["config"] != "vendor"]
-    assert len(timed) == 3 * 2 and len({r["config"] for r in timed}) == 3
+    assert len(timed) == 2 * 3 * 2 and len({(r["family"], r["config"]) for r in timed}) == 2 * 3
     assert all(not r["error"] and 0 < float(r["seconds"]) < 1e-3 for r in timed)
-    assert meta["done"][0]["configs"] == 3 and meta["done"][0]["cost"]["timed"] == 6
+    for done in meta["done"]:
+        assert done["configs"] == 3 and done["cost"]["timed"] == 6 and done["cost"]["compiled"] == 3
+        assert done["cost"]["cache"] == "per-set"
+    caches = got["caches"]
+    assert len(caches) == len(set(caches)) == 2 and not any(Path(c).exists() for c in caches)

@@ -302,6 +302,30 @@ def test_tuning_cost_uses_the_recorders_units(table, tmp_path):
     assert figs["attention-qk"].tuning_cost_unit == "measurements"
 
 
+def test_a_shared_kernel_cache_does_not_make_later_sets_compile_for_free(tmp_path):
+    """The H100 table's sets shared one kernel cache, and the dense sets' kernels are the same binaries: the
+    later two sets' compile seconds were mostly cache reads (16 and 0 of their 113 configs new), three to four
+    times cheaper per config than 768x768's real compiles. Their tuning cost takes the op's least cached
+    compile unit; a table whose sets compiled into caches of their own keeps each set's own."""
+    from _recorded import H100_TABLE
+
+    meta = json.loads((H100_TABLE.parent / "table.json").read_text())
+    own = {d["tag"]: d["cost"]["compile_s"] / d["cost"]["compiled"] for d in meta["done"]}
+    assert own["dense-3072x768"] < own["dense-768x768"] / 2 and own["dense-768x3072"] < own["dense-768x768"] / 3
+    units = report_table.cost_units(H100_TABLE)
+    assert {units[t].compile_s for t in units if t.startswith("dense")} == {own["dense-768x768"]}
+    bmm = max(own["attention-qk"], own["attention-av"])
+    assert units["attention-qk"].compile_s == units["attention-av"].compile_s == bmm
+    assert all(units[t].timing_s == pytest.approx(d["cost"]["timing_s"] / d["cost"]["timed"])
+               for t, d in ((d["tag"], d) for d in meta["done"]))
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "table.json").write_text(json.dumps({**meta, "done": [
+        {**d, "cost": {**d["cost"], "cache": "per-set"}} for d in meta["done"]]}))
+    per_set = report_table.cost_units(folder / "table.csv.gz")
+    assert {t: u.compile_s for t, u in per_set.items()} == pytest.approx(own)
+
+
 def test_mixed_order_puts_each_problems_likeliest_best_in_a_short_sample(tmp_path):
     """--order mixed: a 16-config sample holds, besides 8 random configs, the roofline's best for each of the
     problems (with the analytic rehearsal, whose measurer is the roofline, the sample's per-instance oracle is
