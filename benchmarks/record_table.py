@@ -315,10 +315,11 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             deadline = None
             if budget_s is not None:  # this set's share of the time left
                 deadline = _clock() + (budget_s - (_clock() - started)) / (len(sets) - index)
-            kernels = tempfile.TemporaryDirectory(prefix="dietcode-table-kernels-")  # this set's compiles only
+            kernels = None
             if measure == "analytic":
                 measurer = _AnalyticTable(target, s.dtype, uses_tf32(s.dtype, fp32_precision))
             else:
+                kernels = tempfile.TemporaryDirectory(prefix="dietcode-table-kernels-")  # this set's compiles only
                 measurer = GpuMeasurer(repeats=repeats, conv=s.conv, epilogue=s.epilogue, div16=shipped_div16(s),
                                        allow_tf32=uses_tf32(s.dtype, fp32_precision), cache_dir=Path(kernels.name))
             try:
@@ -326,7 +327,8 @@ def record(sets: Sequence[TableSet], out: Path, *, repeats: int = 10, max_config
             finally:
                 if isinstance(measurer, GpuMeasurer):
                     measurer.close()
-                kernels.cleanup()
+                if kernels is not None:
+                    kernels.cleanup()
             done: dict = {"tag": s.tag, "configs": measured, "space": len(full)}
             if isinstance(measurer, GpuMeasurer):  # the tuning cost's units (report_table.py)
                 done["cost"] = {"compile_s": measurer.compile_seconds, "compiled": measurer.compiled,
