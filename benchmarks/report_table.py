@@ -213,10 +213,13 @@ def cost_units(table: Path) -> dict[str, CostUnits]:
         t = totals.setdefault(tag, [0.0] * 4)
         totals[tag] = [a + b for a, b in zip(t, values)]
     units = {tag: CostUnits(c / n, s / m) for tag, (c, n, s, m) in totals.items() if n > 0 and m > 0}
-    for tag in shared & set(units):
-        peers = [units[t].compile_s for t in shared & set(units) if ops.get(t, t) == ops.get(tag, tag)]
-        units[tag] = CostUnits(max(peers), units[tag].timing_s)
-    return units
+    shared &= set(units)
+    least_cached = {}  # op -> the largest compile seconds per config among its sets with a shared cache
+    for tag in shared:
+        op = ops.get(tag, tag)
+        least_cached[op] = max(least_cached.get(op, 0.0), units[tag].compile_s)
+    return {tag: CostUnits(least_cached[ops.get(tag, tag)], u.timing_s) if tag in shared else u
+            for tag, u in units.items()}
 
 
 def _geomean(x: np.ndarray) -> float:

@@ -27,8 +27,8 @@ from dietcode_ort.bundle import Bundle, BundleKernel, Feature
 from dietcode_ort.errors import DietcodeError
 from tuner.attention import ATTENTION_DTYPES, AttentionConfig, attention_space, block_d
 from tuner.cost_model import LAUNCH_SECONDS  # one kernel launch, as the GEMM roofline charges it
-from tuner.hardware import HardwareProfile, get_profile, named_profile
-from tuner.measure import Measurer
+from tuner.hardware import HardwareProfile, named_profile
+from tuner.measure import Measurer, check_analytic_gpu
 from tuner.workload import Instance, Workload
 
 if TYPE_CHECKING:
@@ -387,7 +387,7 @@ def tune_attention(w: AttentionWorkload, problems: list[tuple[AttentionProblem, 
         raise DietcodeError("an attention workload with no dynamic size has nothing to dispatch on")
     if measure not in ("analytic", "gpu"):
         raise DietcodeError(f"attention tuning: unknown measure {measure!r}; allowed: analytic, gpu")
-    profile = named_profile(analytic_gpu, targets[0]) if analytic_gpu else get_profile(targets[0])
+    profile = named_profile(analytic_gpu, targets[0])
     measurer = None
     if measure == "gpu":  # the analytic ranking that picks what to time models the GPU it is timed on
         from tuner import aot
@@ -517,9 +517,7 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
             log(f"attention workloads are tuned with the analytic attention cost: {where} has no GPU to time "
                 "them on")
         kind = "analytic"
-    if analytic_gpu and kind == "gpu":
-        raise DietcodeError("--analytic-gpu names the GPU analytic tuning models; --measure gpu models the GPU its "
-                            "timings come from")
+    check_analytic_gpu(analytic_gpu, kind)
     store = None
     if kind == "gpu" and db is not None:
         from tuner.database import Database

@@ -226,9 +226,11 @@ _OWN = {"sm_80": r"\bA100\b", "sm_89": r"\bL4\b", "sm_90": r"\bH100\b"}
 
 def named_profile(name: str, target: str) -> HardwareProfile:
     """The profile of the GPU a user names for ``target`` (``optimize --analytic-gpu``: "NVIDIA H200", "H100 PCIe",
-    "L40S"; a CUDA device name works too): a product of ``PRODUCTS`` or the target profile's own; a name that is
-    neither is a DietcodeError listing the known ones (no figures for it here, and a wrong guess would
-    model the wrong GPU silently)."""
+    "L40S"; a CUDA device name works too; "": the target's own): a product of ``PRODUCTS`` or the target
+    profile's own; a name that is neither is a DietcodeError listing the known ones (no figures for it here, and
+    a wrong guess would model the wrong GPU silently)."""
+    if not name:
+        return get_profile(target)
     profile = device_profile(name, target)
     if profile is not get_profile(target) or re.search(_OWN[target], name, re.IGNORECASE):
         return profile

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tuner.roofline import RooflineTerms
 
 __all__ = ["MeasureResult", "Measurer", "MeasurerSpec", "GpuMeasurer", "ReplayMeasurer", "AnalyticMeasurer", "make_device_key",
-           "device_model", "tuning_profile", "problem_key", "VENDOR_KEY", "REFUSED", "div16_refusals"]
+           "device_model", "tuning_profile", "check_analytic_gpu", "problem_key", "VENDOR_KEY", "REFUSED", "div16_refusals"]
 
 VENDOR_KEY = "vendor"
 # How a result's error starts when the runtime's per-call fit check refuses the call (tuner.gpu_timing writes it,
@@ -99,6 +99,14 @@ def tuning_profile(measurer: "Measurer", target: str) -> "HardwareProfile":
     from tuner.hardware import device_profile
 
     return device_profile(device_model(measurer.device_key()), target)
+
+
+def check_analytic_gpu(gpu: str, measure: str) -> None:
+    """``optimize --analytic-gpu`` names the GPU analytic tuning models; refused with ``measure`` (a --measure
+    value, or what auto resolved to) other than analytic: measured tuning models the GPU its timings come from."""
+    if gpu and measure != "analytic":
+        raise DietcodeError(f"--analytic-gpu names the GPU analytic tuning models; --measure {measure} models the "
+                            "GPU its timings come from")
 
 
 def problem_key(problem: Problem) -> tuple[int, int, int, int]:
@@ -164,10 +172,9 @@ class MeasurerSpec:
             return GpuMeasurer(conv=self.conv, epilogue=self.epilogue, trans_b=self.trans_b, div16=self.div16,
                                cache_dir=self.cache_dir, toolchain=self.toolchain, allow_tf32=self.allow_tf32)
         if self.kind == "analytic":
-            from tuner.hardware import get_profile, named_profile
+            from tuner.hardware import named_profile
 
-            profile = named_profile(self.gpu, self.target) if self.gpu else get_profile(self.target)
-            return AnalyticMeasurer(profile, self.dtype, tf32=self.allow_tf32)
+            return AnalyticMeasurer(named_profile(self.gpu, self.target), self.dtype, tf32=self.allow_tf32)
         if self.kind == "replay" and self.path:
             return ReplayMeasurer(self.path)
         raise DietcodeError(f"unknown measurer kind {self.kind!r}; allowed: gpu, analytic, replay (with a path)")

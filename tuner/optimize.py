@@ -486,6 +486,7 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
     without touching the input's files, the database opens, the kernel cache is writable."""
     from tuner import aot
     from tuner.hardware import get_profile, named_profile
+    from tuner.measure import check_analytic_gpu
 
     if options.budget <= 0:
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
@@ -505,9 +506,8 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         get_profile(target)
     if options.analytic_gpu:
         named_profile(options.analytic_gpu, options.targets[0])  # a DietcodeError naming the known GPUs
-        if options.measure not in ("auto", "analytic"):
-            raise DietcodeError(f"--analytic-gpu names the GPU analytic tuning models; --measure {options.measure} "
-                                "models the GPU its timings come from")
+        if options.measure != "auto":  # auto is checked where it resolves (make_measurer, tune_sites)
+            check_analytic_gpu(options.analytic_gpu, options.measure)
     if not model_path.is_file():
         raise DietcodeError(f"model file not found: {model_path}")
     check_output(model_path, output)
@@ -676,16 +676,14 @@ def make_measurer(options: OptimizeOptions, w: Workload, executor: Executor | No
     """The measurer ``--measure`` asks for (auto: gpu when a GPU is visible, else analytic), DB-cached,
     its batches run by ``executor`` (this process when None)."""
     from tuner import aot
-    from tuner.measure import MeasurerSpec
+    from tuner.measure import MeasurerSpec, check_analytic_gpu
 
     executor = executor or LocalExecutor(options.compile_workers)
     where = "visible to the CUDA driver" if isinstance(executor, LocalExecutor) else "on the Ray cluster"
     kind = options.measure
     if kind == "auto":
         kind = "gpu" if executor.gpu_available() else "analytic"
-    if options.analytic_gpu and kind != "analytic":
-        raise DietcodeError(f"--analytic-gpu names the GPU analytic tuning models; --measure {kind} models the "
-                            "GPU its timings come from (leave --analytic-gpu out, or tune with --measure analytic)")
+    check_analytic_gpu(options.analytic_gpu, kind)
     if kind == "gpu":
         if not executor.gpu_available():
             raise DietcodeError(f"--measure gpu needs a CUDA GPU {where}; none is (use analytic or replay:FILE)")
