@@ -20,7 +20,7 @@ enum Param : uint8_t {
   kA, kB, kBias, kC, kM, kN, kK, kBatch, kStrideABatch, kStrideBBatch,
   kImgN, kImgH, kImgW, kOutH, kOutW, kResidual,
   kQ, kKt, kV, kMask, kOut, kSeqQ, kSeqK, kHeads, kStrideMaskB, kStrideMaskH, kStrideMaskQ, kStrideMaskK,
-  kWorkspace,
+  kWorkspace, kCounters,
   kParamCount
 };
 
@@ -30,16 +30,18 @@ inline constexpr const char* kParamNames[kParamCount] = {
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
     "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
-    "stride_mask_k", "workspace"};
+    "stride_mask_k", "workspace", "counters"};
 
 // Whether param p is a device pointer (the rest are int32 scalars). kResidual (15), the attention params
-// (16..27) and the split-K workspace (28) came after out_w, so the indices older bundles store keep their meaning.
+// (16..27), the split-K workspace (28) and counters (29) came after out_w, so the indices older bundles store
+// keep their meaning.
 inline constexpr bool IsPointerParam(uint32_t p) {
-  return p <= kC || p == kResidual || (p >= kQ && p <= kOut) || p == kWorkspace;
+  return p <= kC || p == kResidual || (p >= kQ && p <= kOut) || p == kWorkspace || p == kCounters;
 }
 inline constexpr bool IsAttentionParam(uint32_t p) { return p >= kQ && p <= kStrideMaskK; }
 
-// The value of pointer param p in a launch's arguments (0 for a scalar param).
+// The value of pointer param p in a launch's arguments (0 for a scalar param, and for the split-K counters,
+// which the launcher gives: launch.cc SplitKCounters).
 inline uint64_t ArgPointer(const dc_launch_args& a, uint32_t p) {
   switch (p) {
     case kA: return a.a;
@@ -210,6 +212,14 @@ struct dc_bundle {
   std::map<std::pair<void*, int32_t>, dietcode::LoadedKernel> loaded;
   std::set<void*> eager_loaded;
   std::map<std::pair<void*, int32_t>, std::string> load_errors;
+  // Split-K counters kept per (context, stream) (launch.cc SplitKCounters): the device address and how many
+  // int32 counters it holds, and the smaller ones it replaced (launches still queued may use them), all freed
+  // with the bundle. Guarded by mutex.
+  struct Counters {
+    uint64_t address = 0, count = 0;
+    std::vector<uint64_t> retired;
+  };
+  std::map<std::pair<void*, void*>, Counters> counters;
 
   ~dc_bundle();
 };

@@ -17,14 +17,15 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 11;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+constexpr uint32_t kVersion = 12;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                    // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                    // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
                                    // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
                                    // its bit 3 (grouped conv kernels) came later in format 9: a library older
                                    // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
                                    // div16 bit i names param kQ + i (its params all sit from kQ on); 11: the
-                                   // epilogue flags' bit 4, channels-last (NHWC) conv kernels
+                                   // epilogue flags' bit 4, channels-last (NHWC) conv kernels; 12: split-K
+                                   // kernels take the counters (param 29), kept per stream by the launcher
 constexpr uint32_t kHeaderSize = 32;
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
@@ -253,12 +254,16 @@ void ValidateKernel(const Kernel& k, uint32_t index) {
   } else if (!seen[kC]) {
     Fail(where + ": params lack the output pointer 'c'");
   }
-  // split-K kernels meet their splits in the workspace (abi.md): they take it, and no other kernel does
-  if (k.split_k > 1 && !seen[kWorkspace]) {
-    Fail(where + ": split_k " + std::to_string(k.split_k) + " but the params lack the 'workspace' pointer split-K "
-         "kernels take (a kernel of an older split-K scheme: optimize the model again)");
+  // split-K kernels meet their splits in the workspace and count them in the counters (abi.md): they take
+  // both, and no other kernel takes either
+  for (const Param p : {kWorkspace, kCounters}) {
+    const std::string name = std::string("'") + kParamNames[p] + "'";
+    if (k.split_k > 1 && !seen[p]) {
+      Fail(where + ": split_k " + std::to_string(k.split_k) + " but the params lack the " + name + " pointer "
+           "split-K kernels take (a kernel of an older split-K scheme: optimize the model again)");
+    }
+    if (k.split_k == 1 && seen[p]) Fail(where + ": takes a " + name + " but has split_k 1");
   }
-  if (k.split_k == 1 && seen[kWorkspace]) Fail(where + ": takes a 'workspace' but has split_k 1");
   if (k.causal && !seen[kSeqQ]) Fail(where + ": causal applies to attention kernels only");
   if (seen[kSeqQ] ? k.head_dim < 1 || k.head_dim > kMaxHeadDim : k.head_dim != 0) {
     Fail(where + ": head_dim " + std::to_string(k.head_dim) +

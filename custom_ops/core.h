@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define DC_ABI_VERSION 13  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9); 11: grouped conv kernels (dc_bundle_kernel_grouped; dc_abi_view's conv view takes group > 1 as batch = group); 12: the vendor GEMM's cuBLASLt path (dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call in vendor.h); 13: channels-last (NHWC) conv kernels (bundle format 11, dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int, dc_conv_plan_make's channels_last in vendor.h)
+#define DC_ABI_VERSION 14  // 3: the device fit takes the driver version; 4: the residual pointer; 5: the attention params and view; 6: kernel alpha; 7: the split-K workspace, the kernel causal and tf32 flags and the images' global scratch (dc_bundle_image_scratch); 8: persistent kernels (dc_launch_args.sm_count, dc_kernel_grid, dc_bundle_kernel_persistent, dc_cuda_sm_count), the packed QKV layout (layout bit 16); 9: the residual before the activation (dc_bundle_kernel_residual_first, dc_epilogue.residual_first in vendor.h), conv kernels taking the residual; 10: activations 3 gelu_tanh, 4 silu, 5 relu6 (dc_bundle_check_node, the vendor plans, dc_epilogue), the residual multiplied after the activation (dc_bundle_kernel_residual_mul, dc_epilogue.residual_mul), attention kernels' HEAD_DIM, MASK_ROWS and NAN_TO_ZERO checked against the node (dc_bundle_check_attention, formerly dc_bundle_check_layout; dc_bundle_kernel_attention) and per launch (dc_launch_args.head_dim, last; dc_kernel_fit code 9); 11: grouped conv kernels (dc_bundle_kernel_grouped; dc_abi_view's conv view takes group > 1 as batch = group); 12: the vendor GEMM's cuBLASLt path (dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call in vendor.h); 13: channels-last (NHWC) conv kernels (bundle format 11, dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int, dc_conv_plan_make's channels_last in vendor.h); 14: split-K kernels take the counters (param 29, bundle format 12), which dc_launch_fit keeps per (context, stream) instead of zeroing them in the workspace per call
 
 typedef struct dc_bundle dc_bundle;
 
@@ -21,7 +21,8 @@ typedef struct dc_bundle dc_bundle;
 // kernel does not take are ignored. c_bytes is the output's size in bytes (the Attention path zeroes an output
 // with no keys). residual: a second tensor of the output's shape, added after the activation, or before it by a
 // residual_first kernel (dc_bundle_kernel_residual_first), or multiplying the activation's result in a residual_mul kernel (dc_bundle_kernel_residual_mul) (kernels of op types naming a Residual or ending in Mul). workspace: device memory of workspace_bytes bytes, 16-byte aligned, for split-K kernels
-// (dc_kernel_workspace_bytes says how much a call needs; dc_launch_fit zeroes its counters and passes it).
+// (dc_kernel_workspace_bytes says how much a call needs; dc_launch_fit passes it, and the split-K counters from
+// memory it keeps per (context, stream): docs/abi.md, "The split-K counters").
 // sm_count: the multiprocessor count of the device the call runs on, which sizes a persistent kernel's grid
 // (dc_kernel_grid) and so its global scratch; 0: unknown, dc_launch_fit asks the stream's device
 // (dc_cuda_sm_count) and the pure functions (dc_kernel_grid, dc_kernel_workspace_bytes) assume one program per
@@ -286,8 +287,10 @@ int dc_cuda_probe(int device, char* name, size_t name_size, int* major, int* min
 // Launch kernel k on `stream` (a CUstream; NULL is the legacy default stream) in the stream's context. The
 // bundle's first launch in a context loads every kernel the device runs from a cubin there (docs/abi.md,
 // "Launch"); a kernel run from PTX loads (JIT) at its own first launch in the context. For a split-K kernel, args->workspace must hold at least
-// dc_kernel_workspace_bytes (16-byte aligned): its counters are zeroed on the stream first (cuMemsetD8Async)
-// and it must stay allocated until the launch is done (stream order). 0 on success.
+// dc_kernel_workspace_bytes (16-byte aligned), and it must stay allocated until the launch is done (stream
+// order); its counters come from memory the bundle keeps per (context, stream), zeroed on the stream once when
+// allocated (the kernels leave them at zero), or when none can be allocated, from the workspace's counter room,
+// zeroed on the stream first (cuMemsetD8Async). 0 on success.
 int dc_launch(dc_bundle* bundle, int32_t k, const dc_launch_args* args, void* stream);
 
 // dc_launch deciding the call's fit in the same step, so that a caller checks it once per call: 0 launched;

@@ -6,6 +6,7 @@
 // cuCtxPushCurrent -> cuCtxPushCurrent_v2), obtained by stringizing the header's own macros.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -47,6 +48,8 @@ struct Driver {
   decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
   decltype(&::cuFuncSetAttribute) FuncSetAttribute = nullptr;
   decltype(&::cuMemsetD8Async) MemsetD8Async = nullptr;
+  decltype(&::cuMemAlloc) MemAlloc = nullptr;
+  decltype(&::cuMemFree) MemFree = nullptr;
   decltype(&::cuLaunchKernel) LaunchKernel = nullptr;
 };
 
@@ -86,6 +89,8 @@ Driver LoadDriver() {
   DC_LOAD(ModuleGetFunction, cuModuleGetFunction);
   DC_LOAD(FuncSetAttribute, cuFuncSetAttribute);
   DC_LOAD(MemsetD8Async, cuMemsetD8Async);
+  DC_LOAD(MemAlloc, cuMemAlloc);
+  DC_LOAD(MemFree, cuMemFree);
   DC_LOAD(LaunchKernel, cuLaunchKernel);
 #undef DC_LOAD
   if (!missing.empty()) {
@@ -338,13 +343,51 @@ bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned gri
 
 }  // namespace dietcode
 
+namespace dietcode {
+
+// The split-K counters of a launch of kernel `k` on (`ctx`, `s`) needing `count` of them: memory the bundle
+// keeps per (context, stream), zeroed on the stream when allocated. Every split-K launch puts the counters it
+// used back to zero (the last split of a tile resets its counter, docs/abi.md), and launches on one stream run
+// in order, so the next launch there finds them at zero without a memset per call. A larger call allocates a
+// larger block (at least twice the last), and the one it replaces stays allocated until the bundle is freed,
+// since launches queued before may still use it. 0 when no memory is had (cuMemAlloc refused: out of memory, or
+// allocation not allowed while the stream is captured into a CUDA graph): the caller falls back to the
+// workspace's counter room and a memset; so does a launch on CU_STREAM_PER_THREAD, one handle for a stream per
+// thread, whose launches from two threads may run at once.
+uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s, uint64_t count) {
+  if (s == CU_STREAM_PER_THREAD) return 0;
+  std::lock_guard<std::mutex> lock(b->mutex);
+  dc_bundle::Counters& kept = b->counters[std::make_pair(static_cast<void*>(ctx), static_cast<void*>(s))];
+  if (count <= kept.count) return kept.address;
+  const uint64_t grown = std::max<uint64_t>({count, 2 * kept.count, 256});  // 1 KiB at least
+  CUdeviceptr fresh = 0;
+  if (d.MemAlloc(&fresh, grown * 4) != CUDA_SUCCESS) return 0;
+  if (d.MemsetD8Async(fresh, 0, grown * 4, s) != CUDA_SUCCESS) {
+    d.MemFree(fresh);
+    return 0;
+  }
+  if (kept.address != 0) kept.retired.push_back(kept.address);
+  kept.address = static_cast<uint64_t>(fresh);
+  kept.count = grown;
+  return kept.address;
+}
+
+}  // namespace dietcode
+
+// cuMemFree waits for the work still using the memory (the driver synchronizes), so counters that launches
+// still queued use are freed after them.
 dc_bundle::~dc_bundle() {
-  if (loaded.empty()) return;
+  if (loaded.empty() && counters.empty()) return;
   const dietcode::Driver& d = dietcode::GetDriver();
   if (!d.ok) return;
   for (auto& entry : loaded) {
     dietcode::ContextScope scope(d, static_cast<CUcontext>(entry.first.first));
     d.ModuleUnload(static_cast<CUmodule>(entry.second.module));
+  }
+  for (auto& entry : counters) {
+    dietcode::ContextScope scope(d, static_cast<CUcontext>(entry.first.first));
+    for (uint64_t address : entry.second.retired) d.MemFree(static_cast<CUdeviceptr>(address));
+    if (entry.second.address != 0) d.MemFree(static_cast<CUdeviceptr>(entry.second.address));
   }
 }
 
@@ -528,11 +571,15 @@ int dc_launch_fit(dc_bundle* b, int32_t k, const dc_launch_args* args, void* str
   params[n_params++] = &scratch[0];
   params[n_params++] = &scratch[1];
 
-  if (kernel.split_k > 1) {  // the counters (one int32 per tile and batch) follow the partial tiles
-    const uint64_t counters = static_cast<uint64_t>(grid[0]) * static_cast<uint64_t>(batch);
-    const uint64_t partials = counters * kernel.split_k * kernel.block_m * kernel.block_n * 4;
-    rc = d.MemsetD8Async(static_cast<CUdeviceptr>(args->workspace + partials), 0, counters * 4, on.s);
-    if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the split-K counters)"));
+  if (kernel.split_k > 1) {  // one int32 counter per tile and batch: kept per stream, or in the workspace's room
+    const uint64_t count = static_cast<uint64_t>(grid[0]) * static_cast<uint64_t>(batch);
+    ptrs[dietcode::kCounters] = dietcode::SplitKCounters(d, b, on.ctx, on.s, count);
+    if (ptrs[dietcode::kCounters] == 0) {  // the room after the partial tiles, zeroed for this call
+      const uint64_t partials = count * kernel.split_k * kernel.block_m * kernel.block_n * 4;
+      ptrs[dietcode::kCounters] = args->workspace + partials;
+      rc = d.MemsetD8Async(static_cast<CUdeviceptr>(ptrs[dietcode::kCounters]), 0, count * 4, on.s);
+      if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuMemsetD8Async (zeroing the split-K counters)"));
+    }
   }
   rc = d.LaunchKernel(fn, grid[0], grid[1], grid[2], kernel.num_warps * 32, 1, 1, shared, on.s, params, nullptr);
   if (rc != CUDA_SUCCESS) return Fail(dietcode::CuError(d, rc, "cuLaunchKernel") + " for '" + kernel.name + "'");

@@ -27,8 +27,9 @@ int dc_mem_upload(uint64_t dst, const void* src, uint64_t bytes);
 // synchronization, then `repeat` timed launches, each preceded by writing `flush_bytes` at `flush` (evicts
 // L2 and keeps the GPU busy while the host enqueues the launch; 0 bytes: no flush) and bracketed by a CUDA
 // event pair; ms_out[i] receives launch i's milliseconds. Each launch goes through dc_launch, so it includes
-// what the runtime does per call (zeroing the counters of a split-K kernel's workspace, passing a TMA kernel's
-// global scratch from it; args must give it: dc_kernel_workspace_bytes). Returns 0 on success; -1 on an
+// what the runtime does per call (a split-K kernel's counters kept for the stream, zeroed at the warm-up's first
+// launch only, as in a session; a TMA kernel's global scratch from the workspace; args must give it:
+// dc_kernel_workspace_bytes). Returns 0 on success; -1 on an
 // error that leaves the context usable (bad arguments, a launch the kernel refuses, out of resources);
 // -2 on an error that poisons the context (illegal address, launch failure, ...): nothing more can run
 // in this process.

@@ -39,7 +39,7 @@ __all__ = ["BuildConfig", "find_config", "library_path", "source_dir", "cache_di
            "C_ABI_VERSION", "PACKAGED_DIR", "PackagedBuild", "packaged_library", "packaged_build",
            "prebuilt_library", "LibraryNeeds", "library_needs", "build_packaged"]
 
-C_ABI_VERSION = 13  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
+C_ABI_VERSION = 14  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K workspace, the kernel causal flag;
 # 8: persistent kernels: dc_launch_args.sm_count, dc_kernel_grid, dc_cuda_sm_count; the packed QKV attention layout;
 # 9: the residual before the activation: dc_bundle_kernel_residual_first, dc_epilogue.residual_first;
 # 10: activations 3 gelu_tanh, 4 silu, 5 relu6 in the plans, dc_epilogue and dc_bundle_check_node; the residual
@@ -51,7 +51,8 @@ C_ABI_VERSION = 13  # DC_ABI_VERSION in custom_ops/core.h (7: the split-K worksp
 # cuBLASLt path: dc_gemm_lt_plan, dc_vendor_cublaslt_load, dc_vendor_cublaslt_handle, dc_vendor_gemm_lt,
 # dc_vendor_gemm_call, dc_vendor_lt_stats; 13: channels-last (NHWC) conv kernels: bundle format 11,
 # dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int,
-# dc_conv_plan_make's channels_last and dc_conv_plan.channels_last)
+# dc_conv_plan_make's channels_last and dc_conv_plan.channels_last; 14: split-K kernels take the counters (param
+# 29, bundle format 12), kept per (context, stream) by dc_launch_fit)
 _REPO = Path(__file__).resolve().parents[1]
 # Where a platform wheel carries the library (setup.py builds it there); absent in a source checkout.
 PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"

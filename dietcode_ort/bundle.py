@@ -36,7 +36,8 @@ MAGIC = b"DCBUNDLE"
 # an attention kernel's mask_rows, nan_to_zero) and a u32 head_dim ending the kernel record
 # 10: an attention kernel's div16 bit i names param 16 + i (q, k, v, mask, out, ...: all its params sit there)
 # 11: epilogue flags bit 4, a channels-last (NHWC) conv kernel (EPILOGUE_CHANNELS_LAST)
-VERSION = 11
+# 12: split-K kernels also take the int32 counters (param 29), which the launcher keeps per stream
+VERSION = 12
 HEADER_SIZE = 32
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
@@ -46,14 +47,14 @@ PARAM_NAMES: tuple[str, ...] = (
     "a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch",
     "img_n", "img_h", "img_w", "out_h", "out_w", "residual",
     "q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h", "stride_mask_q",
-    "stride_mask_k", "workspace",
+    "stride_mask_k", "workspace", "counters",
 )
-# residual (15), the attention params (16..27) and the split-K workspace (28) came after out_w, so the indices
+# residual (15), the attention params (16..27), the split-K workspace (28) and counters (29) came after out_w, so the indices
 # earlier bundles store keep their meaning. The div16 mask is 16 bits and counts from param 0, or from param 16
-# for an attention kernel (format 10), whose params are all 16..27; the workspace (28), which the launcher
-# checks itself, takes no div16 bit.
+# for an attention kernel (format 10), whose params are all 16..27; the workspace (28) and counters (29), which
+# the launcher gives itself, take no div16 bit.
 POINTER_PARAMS: tuple[str, ...] = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out",
-                                   "workspace")  # the rest int32
+                                   "workspace", "counters")  # the rest int32
 # The params of the attention view (q .. stride_mask_k): a kernel takes all of them or none.
 ATTENTION_PARAMS: tuple[str, ...] = PARAM_NAMES[PARAM_NAMES.index("q"):PARAM_NAMES.index("stride_mask_k") + 1]
 KERNEL_KINDS: tuple[str, ...] = ("triton", "vendor")
@@ -398,11 +399,12 @@ class BundleKernel:
             raise _fail(f"{where}: params name attention params without seq_q")
         elif "c" not in self.params:
             raise _fail(f"{where}: params lack the output pointer 'c'")
-        if self.split_k > 1 and "workspace" not in self.params:
-            raise _fail(f"{where}: split_k {self.split_k} but the params lack the 'workspace' pointer split-K kernels "
-                        "take (a kernel of an older split-K scheme: optimize the model again)")
-        if self.split_k == 1 and "workspace" in self.params:
-            raise _fail(f"{where}: takes a 'workspace' but has split_k 1")
+        for pointer in ("workspace", "counters"):
+            if self.split_k > 1 and pointer not in self.params:
+                raise _fail(f"{where}: split_k {self.split_k} but the params lack the {pointer!r} pointer split-K "
+                            "kernels take (a kernel of an older split-K scheme: optimize the model again)")
+            if self.split_k == 1 and pointer in self.params:
+                raise _fail(f"{where}: takes a {pointer!r} but has split_k 1")
         if "img_h" in self.params and "stride_a_batch" in self.params:
             raise _fail(f"{where}: params name both a conv and a bmm view")
         if "residual" in self.params and "stride_a_batch" in self.params:

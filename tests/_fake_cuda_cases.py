@@ -7,8 +7,8 @@ host buffers, launches the bundle's kernel through the C ABI (``CoreBundle.launc
 LaunchArgs) on a stream of the stand-in's context and collects what the driver was given (its log). It then maps the launch's recorded parameter bytes back to its buffers and runs
 the interpreted Triton template with exactly those values, grid and constexprs, compared with float64 torch.
 Launches happen before torch or triton is imported, so no other libcuda can be loaded first. Besides the
-cases: context handling (``contexts``), a bundle's eager module load (``eager``) and the vendor path's epilogue
-launch (``vendor_epilogue``).
+cases: context handling (``contexts``), a bundle's eager module load (``eager``), the split-K counters kept per
+stream (``resident_counters``) and the vendor path's epilogue launch (``vendor_epilogue``).
 Prints one JSON object {case: {...}} (see ``run_case``).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = ["FakeCase", "CASES", "SM_COUNT", "WORKSPACE_OFFSET", "FILL", "EAGER_K
 
 SM_COUNT = 4  # the stand-in's multiprocessor count (a persistent grid of 2 programs per SM: 8 < 9 tiles)
 WORKSPACE_OFFSET = 16  # workspaces start 16 bytes past a 256-byte boundary: aligned as the ABI asks, not to 128
-FILL = 0xAB  # workspace bytes before the launch: the memset must zero exactly the counters
+FILL = 0xAB  # workspace bytes before the launch: the launcher writes none of them (the kernel is not run)
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,10 @@ def interpret(case: FakeCase, bufs: dict[str, np.ndarray], workspace: np.ndarray
     values = decode_params(launch)
     arrays = [*bufs.values(), *([workspace] if workspace is not None else [])]
     by_address = {int(b.ctypes.data): torch.from_numpy(b) for b in arrays}
+    # the split-K counters the launcher allocated for the stream (zeroed by its memset, freed with the bundle
+    # since): zeros of that size here, which the kernel must leave at zero
+    kept = {e["ptr"]: torch.zeros(e["bytes"] // 4, dtype=torch.int32) for e in events if e["event"] == "alloc"}
+    by_address.update(kept)
     if case.op == "attention":
         config = AttentionConfig(*case.config)
         params = templates.ATTENTION_PARAMS
@@ -276,6 +280,7 @@ def interpret(case: FakeCase, bufs: dict[str, np.ndarray], workspace: np.ndarray
         else:
             named[name] = value - (1 << 32) if value >= 1 << 31 else value
     fn[tuple(launch["grid"])](**named, **constants, num_warps=warps, num_stages=stages)
+    counters_left = sum(int(t.count_nonzero()) for t in kept.values())
     got = torch.from_numpy(bufs["out"]).double()
     t = {k: torch.from_numpy(v).double() for k, v in bufs.items() if k != "out"}
     if case.op == "attention":
@@ -299,7 +304,8 @@ def interpret(case: FakeCase, bufs: dict[str, np.ndarray], workspace: np.ndarray
             want = 0.5 * want * (1 + torch.erf(want / math.sqrt(2)))
         if case.residual:
             want = want + t["residual"]
-    return {"max_err": float((got - want).abs().max()), "scale": float(want.abs().max())}
+    return {"max_err": float((got - want).abs().max()), "scale": float(want.abs().max()),
+            "counters_left": counters_left}
 
 
 def main() -> int:
@@ -341,6 +347,10 @@ def main() -> int:
     except Exception as exc:  # reported to the parent
         out["head_dim"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
+        out["resident_counters"] = resident_counters(core, fake, folder)
+    except Exception as exc:  # reported to the parent
+        out["resident_counters"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
         out["vendor_epilogue"] = vendor_epilogue(core, fake, stream)
     except Exception as exc:  # reported to the parent
         out["vendor_epilogue"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -356,6 +366,46 @@ def main() -> int:
             out[name]["interpreted"] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out))
     return 0
+
+
+def resident_counters(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
+    """The split-K counters the launcher keeps per (context, stream), with the gemm_split_k case's kernel: per
+    launch (in order: ``first``, ``again`` on the same stream, ``larger`` needing 264 counters, ``small_after``,
+    ``other_stream``, a second stream of the context, and ``no_memory``, a stream of the other context while
+    cuMemAlloc fails) the driver log, the call's M, N and workspace, and whether the workspace kept its FILL
+    bytes; then the log of freeing the bundle."""
+    from dataclasses import replace
+
+    case = next(c for c in CASES if c.name == "gemm_split_k")
+    bundle = core.parse((folder / f"{case.name}.bundle").read_bytes())
+    first, second = (fake.fake_cuda_stream(fake.fake_cuda_context(0)) for _ in range(2))
+    other = fake.fake_cuda_stream(fake.fake_cuda_context(1))
+    larger = replace(case, shapes={"a": (4200, 256), "b": (256, 70)})  # 132 x 2 tiles
+    fails = ctypes.c_int.in_dll(fake, "fake_cuda_alloc_fails")
+    out: dict[str, Any] = {}
+    kept = []
+    for name, call, stream in (("first", case, first), ("again", case, first), ("larger", larger, first),
+                               ("small_after", case, first), ("other_stream", case, second),
+                               ("no_memory", case, other)):
+        args, bufs = _bound_args(core, call, np.random.default_rng(0))
+        size = bundle.workspace_bytes(0, args)
+        raw, start = _aligned(size, WORKSPACE_OFFSET)
+        raw[:] = FILL
+        args.workspace, args.workspace_bytes = raw.ctypes.data + start, size
+        fails.value = int(name == "no_memory")
+        fake.fake_cuda_log_clear()
+        try:
+            bundle.launch(0, args, stream)
+        finally:
+            fails.value = 0
+        window = raw[start:start + size]
+        out[name] = {"events": _events(fake), "M": args.M, "N": args.N, "workspace": args.workspace,
+                     "workspace_bytes": size, "stream": stream, "untouched": window.tobytes().count(FILL)}
+        kept.append((bufs, raw))
+    fake.fake_cuda_log_clear()
+    del bundle  # dc_bundle_free frees every block of counters it kept
+    out["freed"] = _events(fake)
+    return out
 
 
 def head_dim_refused(core: Any, fake: ctypes.CDLL, folder: Path, stream: int) -> dict[str, Any]:

@@ -30,11 +30,11 @@
  * CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (as the driver refuses a block whose registers exceed the SM's);
  * FAKE_CUDA_FAULT_THREADS=n: a launch of blocks of exactly n threads is accepted and the context then fails
  * as after an illegal address: every later synchronize, event record or query and launch returns
- * CUDA_ERROR_ILLEGAL_ADDRESS.
+ * CUDA_ERROR_ILLEGAL_ADDRESS. fake_cuda_alloc_fails (set through ctypes): cuMemAlloc answers out of memory.
  *
  * The log (fake_cuda_log) is one JSON object per line: "load" (module, image kind, size, FNV-1a 64 hash of
- * the image's bytes), "function", "set_attribute", "memset" and "launch" (kernel name, grid, block, shared
- * bytes, stream, each parameter's size and bytes in hex), and "error" for a refused call.
+ * the image's bytes), "function", "set_attribute", "alloc", "free", "memset" and "launch" (kernel name, grid,
+ * block, shared bytes, stream, each parameter's size and bytes in hex), and "error" for a refused call.
  */
 #include <cuda.h>
 
@@ -62,6 +62,7 @@
 
 /* Settings a test may change (through ctypes) before the calls that read them. */
 int fake_cuda_sm_count = 132;
+int fake_cuda_alloc_fails = 0; /* nonzero: cuMemAlloc answers CUDA_ERROR_OUT_OF_MEMORY */
 int fake_cuda_cc_major = 9;
 int fake_cuda_cc_minor = 0;
 int fake_cuda_smem_optin = 232448;
@@ -602,6 +603,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
   if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
   void* mem = NULL;
   if (!p || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (fake_cuda_alloc_fails) return refuse(CUDA_ERROR_OUT_OF_MEMORY, "cuMemAlloc", "fake_cuda_alloc_fails");
   if (posix_memalign(&mem, 256, bytes) != 0) return CUDA_ERROR_OUT_OF_MEMORY;  /* the driver aligns to 256 */
   *p = (CUdeviceptr)(uintptr_t)mem;
   record("{\"event\": \"alloc\", \"ptr\": %llu, \"bytes\": %zu}", (unsigned long long)*p, bytes);
@@ -610,6 +612,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
 
 CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
   if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  record("{\"event\": \"free\", \"ptr\": %llu}", (unsigned long long)p);
   free((void*)(uintptr_t)p);
   return CUDA_SUCCESS;
 }

@@ -12,7 +12,7 @@ import pytest
 from dietcode_ort.bundle import PARAM_NAMES, POINTER_PARAMS, VIEWS
 from dietcode_ort.runtime import LaunchArgs, load_core
 
-POINTERS = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out", "workspace")
+POINTERS = ("a", "b", "bias", "c", "residual", "q", "k", "v", "mask", "out", "workspace", "counters")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_bundle_param_enum_is_the_cores(core_names) -> None:
     assert core_names[15] == "residual"
     assert core_names[16:28] == templates.ATTENTION_PARAMS
     # the split-K workspace came after the attention params (28)
-    assert core_names[28:] == ("workspace",)
+    assert core_names[28:] == ("workspace", "counters")
     assert POINTER_PARAMS == POINTERS
 
 
@@ -54,7 +54,7 @@ def test_the_div16_mask_counts_attention_params_from_q() -> None:
     kernel.validate(0)
     assert all(PARAM_NAMES.index(p) - 16 < 16 for p in templates.ATTENTION_PARAMS)
     with pytest.raises(DietcodeError, match="16 bits"):  # a GEMM kernel's mask still ends at param 15
-        BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=("a", "b", "c", "workspace"),
+        BundleKernel(name="k", ptx=".version 8.0\n.target sm_80\n", params=("a", "b", "c", "workspace", "counters"),
                      div16=("workspace",), split_k=2).validate(0)
 
 
@@ -80,8 +80,9 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     fields = [name for name, _ in LaunchArgs._fields_]
     # dc_launch_args: the pointers before the attention view's, the output's byte size, the int params in enum
     # order; then the attention view's pointers and ints, each in enum order; then the split-K workspace and
-    # its size in bytes, the SM count and the attention call's head dim
-    first, attention, last = core_names[:16], core_names[16:28], core_names[28:]
+    # its size in bytes, the SM count and the attention call's head dim (the split-K counters, param 29, are the
+    # launcher's own: no field)
+    first, attention, last = core_names[:16], core_names[16:28], core_names[28:29]
     assert fields == ([p for p in first if p in POINTERS] + ["c_bytes"] + [p for p in first if p not in POINTERS]
                       + [p for p in attention if p in POINTERS] + [p for p in attention if p not in POINTERS]
                       + list(last) + ["workspace_bytes", "sm_count", "head_dim"])
@@ -98,8 +99,9 @@ def test_launch_args_mirror_the_core_struct(core_names) -> None:
     # dc_bundle_kernel_grouped, and the conv view of group > 1 as batch = group; 12 the vendor GEMM's cuBLASLt
     # path: dc_gemm_lt_plan, dc_vendor_gemm_lt, dc_vendor_gemm_call; 13 channels-last conv kernels:
     # dc_bundle_kernel_channels_last, dc_bundle_check_node's channels_last, dc_abi_view's 10th conv int and
-    # dc_conv_plan_make's channels_last, which grew dc_conv_plan)
-    assert load_core().lib.dc_abi_version() == 13
+    # dc_conv_plan_make's channels_last, which grew dc_conv_plan; 14 the split-K counters, param 29, which the
+    # launcher keeps per stream)
+    assert load_core().lib.dc_abi_version() == 14
 
 
 def test_template_params_are_abi_names_in_enum_order(core_names) -> None:

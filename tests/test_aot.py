@@ -75,7 +75,7 @@ def test_sample_of_each_family_compiles_within_limits(sample: list[CompileResult
                     "bmm": ["a", "b", "bias", "c", "M", "N", "K", "stride_a_batch", "stride_b_batch"],
                     "conv": ["a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"]}
         params = [p for p in expected[job.family.op] if p != "bias" or job.epilogue.bias]
-        params += ["workspace"] if job.config.split_k > 1 else []  # split-K kernels take it, last
+        params += ["workspace", "counters"] if job.config.split_k > 1 else []  # split-K kernels take them, last
         assert list(kernel.params) == params
         # The PTX entry takes the ABI params plus the two trailing scratch pointers.
         entry = kernel.ptx[kernel.ptx.index(".entry"):]
@@ -209,7 +209,7 @@ def test_conv_with_the_residual_before_the_relu_compiles_for_sm80_and_sm90(cache
         kernel = result.kernel
         assert kernel is not None and kernel.cubin[:4] == b"\x7fELF"
         want = ["a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual"]
-        assert list(kernel.params) == want + (["workspace"] if result.job.config.split_k > 1 else [])
+        assert list(kernel.params) == want + (["workspace", "counters"] if result.job.config.split_k > 1 else [])
         assert dict(kernel.constants)["RESIDUAL_FIRST"] is True and dict(kernel.constants)["HAS_RESIDUAL"] is True
         if result.job.config.split_k == 1:
             assert "residual" in kernel.div16

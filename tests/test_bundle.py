@@ -52,7 +52,7 @@ def sample_bundle(seed: int = 0) -> Bundle:
     features = (Feature("M", ((0, 0), (0, 1))), Feature("N", ((1, -1),)), Feature("K", ((0, -1),)))
     kernels = (BundleKernel.vendor(), _kernel("gemm_64x128"), _kernel("gemm_128x64_sk4", split_k=4,
                                                                      params=("a", "b", "bias", "c", "M", "N", "K",
-                                                                             "workspace")),
+                                                                             "workspace", "counters")),
                _kernel("bmm_32x32", params=("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch"),
                        div16=("a", "b", "c", "stride_b_batch")))
     return Bundle(features, kernels, random_tree(rng, len(features), len(kernels)))
@@ -249,7 +249,11 @@ def test_bad_kernels_are_refused(core) -> None:
         (_kernel("k", num_warps=3), "num_warps 3"),
         (_kernel("k", split_k=2), "split_k 2 but the params lack the 'workspace' pointer"),
         (_kernel("k", params=("a", "b", "c", "M", "N", "K", "workspace")), "takes a 'workspace' but has split_k 1"),
-        (_kernel("k", split_k=2, params=ATTENTION_PARAMS + ("workspace",)), "both an attention and another view"),
+        (_kernel("k", params=("a", "b", "c", "M", "N", "K", "counters")), "takes a 'counters' but has split_k 1"),
+        (_kernel("k", split_k=2, params=("a", "b", "c", "M", "N", "K", "workspace")),
+         "lack the 'counters' pointer split-K kernels take"),
+        (_kernel("k", split_k=2, params=ATTENTION_PARAMS + ("workspace", "counters")),
+         "both an attention and another view"),
         (_kernel("k", block_m=0), "block_m 0"),
         (_kernel("k", params=("a", "b", "M")), "lack the output pointer"),
         (_kernel("k", params=("a", "c", "a")), "repeat"),
@@ -602,12 +606,12 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6, 7, 8, 9, 10):  # 4: before the kernels' alpha; 5: split-K by atomics (zero_output,
-        # flag bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0 unused, no conv
-        # residual; 8: activations 0..2 only; 9: attention kernels without div16 bits; 10: no channels-last conv
-        # kernels (epilogue flags bit 4)
+    for version in (2, 4, 5, 6, 7, 8, 9, 10, 11):  # 4: before the kernels' alpha; 5: split-K by atomics
+        # (zero_output, flag bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0
+        # unused, no conv residual; 8: activations 0..2 only; 9: attention kernels without div16 bits; 10: no
+        # channels-last conv kernels (epilogue flags bit 4); 11: split-K kernels without the counters param
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 11")
+        _refused(core, bytes(data), f"version {version}, this reader knows 12")
 
 
 def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:

@@ -8,7 +8,8 @@ memset and launch with the raw bytes of each kernel parameter. The kernels are c
 ABI (tests/_fake_cuda_cases.py). Checked: the parameters match the kernel's PTX .param list in count and size
 and the ABI (docs/abi.md) in value (buffers, sizes, strides, the split-K workspace, the TMA global scratch, the
 two trailing scratch pointers), the grid is dc_kernel_grid's, the block the kernel's warps, the shared memory the
-bundle's with the attribute above 48 KiB, the memset zeroes exactly the split-K counters, the persistent grid
+bundle's with the attribute above 48 KiB, the split-K counters kept per (context, stream) and zeroed once when
+allocated (in the workspace, zeroed per call, when no memory is had), the persistent grid
 follows the device's SM count, modules load once per context (a bundle's cubins all at its first launch there,
 PTX on first use, a refused cubin failing only its own launch), the vendor epilogue's PTX launch, the tuner's
 GPU timer (custom_ops/timing.cc) on a CUDA 13.1 and a 12.0 driver; and for every case the recorded parameters,
@@ -126,6 +127,9 @@ def _expected_params(case: Any, kernel: Any, got: dict[str, Any]) -> list[int]:
                 if case.op == "attention" else
                 {"a": ptr.get("a", ptr.get("x")), "b": ptr.get("b", ptr.get("w")), "bias": ptr.get("bias"),
                  "c": ptr["out"], "residual": ptr.get("residual"), "workspace": args["workspace"]})
+    allocs = _of(got["events"], "alloc")
+    if allocs:  # the split-K counters the launcher keeps for the stream
+        pointers["counters"] = allocs[0]["ptr"]
     want = [pointers[p] if p in pointers else args[p] & 0xFFFFFFFF for p in kernel.params]
     split_bytes = 0
     if kernel.split_k > 1:
@@ -185,25 +189,73 @@ def test_tma_scratch_lies_in_the_workspace_128_aligned(launched: dict[str, Any],
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.config[5:6] and c.config[6] > 1],
                          ids=[c.name for c in CASES if c.config[5:6] and c.config[6] > 1])
-def test_split_k_memset_zeroes_exactly_the_counters(launched: dict[str, Any], bundled: dict[str, Any],
-                                                    case: Any) -> None:
+def test_split_k_counters_are_kept_for_the_stream_and_zeroed_once(launched: dict[str, Any],
+                                                                  bundled: dict[str, Any], case: Any) -> None:
     got, kernel = launched[case.name], bundled[case.name]
     args = got["args"]
     tiles = _ceil(args["M"], kernel.block_m) * _ceil(args["N"], kernel.block_n) * max(1, args["batch"])
-    partials = tiles * kernel.split_k * kernel.block_m * kernel.block_n * 4
+    assert tiles <= 256
+    (alloc,) = _of(got["events"], "alloc")
+    assert alloc["bytes"] == 256 * 4  # 1 KiB at least
     (memset,) = _of(got["events"], "memset")
-    assert (memset["ptr"], memset["value"], memset["bytes"]) == (args["workspace"] + partials, 0, tiles * 4)
-    assert memset["stream"] == got["stream"]
+    assert (memset["ptr"], memset["value"], memset["bytes"], memset["stream"]) == (alloc["ptr"], 0, 1024,
+                                                                                     got["stream"])
     events = [e["event"] for e in got["events"]]
-    assert events.index("memset") < events.index("launch")  # on the stream, before the kernel
-    after = bytes.fromhex(got["workspace_after"])
-    assert after[partials:partials + tiles * 4] == bytes(tiles * 4)
-    assert set(after[:partials]) == {FILL} and set(after[partials + tiles * 4:]) <= {FILL}
+    assert events.index("alloc") < events.index("memset") < events.index("launch")  # on the stream, before it
+    (launch,) = _of(got["events"], "launch")
+    assert decode_params(launch)[-3] == alloc["ptr"]  # counters, then the two scratch pointers
+    assert decode_params(launch)[-4] == args["workspace"]
+    assert set(bytes.fromhex(got["workspace_after"])) == {FILL}  # the launcher wrote nothing there
+    assert got["interpreted"]["counters_left"] == 0  # the kernel put every counter back to zero
 
 
-def test_only_split_k_launches_memset(launched: dict[str, Any], bundled: dict[str, Any]) -> None:
+def test_only_split_k_allocates_counters(launched: dict[str, Any], bundled: dict[str, Any]) -> None:
     for case in CASES:
-        assert bool(_of(launched[case.name]["events"], "memset")) == (bundled[case.name].split_k > 1), case.name
+        events = launched[case.name]["events"]
+        split = bundled[case.name].split_k > 1
+        assert (len(_of(events, "alloc")), len(_of(events, "memset"))) == ((1, 1) if split else (0, 0)), case.name
+
+
+def test_split_k_counters_per_stream(launched: dict[str, Any]) -> None:
+    """Kept per (context, stream): the same stream's next launch takes the same counters with no memset; a call
+    needing more allocates at least twice as many (zeroed once) and keeps the smaller block until the bundle is
+    freed; another stream gets its own; without memory the counters go in the workspace, zeroed per call."""
+    got = launched["resident_counters"]
+    assert "error" not in got, got
+
+    def counters(name: str) -> int:
+        (launch,) = _of(got[name]["events"], "launch")
+        return decode_params(launch)[-3]
+
+    def kinds(name: str) -> list[str]:
+        return [e["event"] for e in got[name]["events"] if e["event"] in ("alloc", "memset", "launch", "free")]
+
+    (first,) = _of(got["first"]["events"], "alloc")
+    assert kinds("first") == ["alloc", "memset", "launch"] and counters("first") == first["ptr"]
+    assert kinds("again") == ["launch"] and counters("again") == first["ptr"]
+    (larger,) = _of(got["larger"]["events"], "alloc")
+    assert got["larger"]["M"] == 4200 and larger["bytes"] == 512 * 4  # 264 needed, twice the 256 kept
+    (memset,) = _of(got["larger"]["events"], "memset")
+    assert (memset["ptr"], memset["bytes"], memset["stream"]) == (larger["ptr"], 2048, got["larger"]["stream"])
+    assert kinds("larger") == ["alloc", "memset", "launch"] and counters("larger") == larger["ptr"]
+    assert kinds("small_after") == ["launch"] and counters("small_after") == larger["ptr"]
+    (second,) = _of(got["other_stream"]["events"], "alloc")
+    assert second["ptr"] not in (first["ptr"], larger["ptr"]) and counters("other_stream") == second["ptr"]
+    assert kinds("other_stream") == ["alloc", "memset", "launch"]
+    for name in ("first", "again", "larger", "small_after", "other_stream"):  # the launcher wrote nothing there
+        assert got[name]["untouched"] == got[name]["workspace_bytes"], name
+    # no memory: the counter room after the 2 x 2 tiles' 4 splits of 32 x 64 fp32 partials, zeroed per call
+    no_memory = got["no_memory"]
+    partials = 4 * 4 * 32 * 64 * 4
+    (error,) = _of(no_memory["events"], "error")
+    assert error["call"] == "cuMemAlloc"
+    (memset,) = _of(no_memory["events"], "memset")
+    assert (memset["ptr"], memset["bytes"], memset["stream"]) == (no_memory["workspace"] + partials, 4 * 4,
+                                                                  no_memory["stream"])
+    assert counters("no_memory") == no_memory["workspace"] + partials
+    assert no_memory["untouched"] == no_memory["workspace_bytes"] - 16
+    freed = sorted(e["ptr"] for e in _of(got["freed"], "free"))
+    assert freed == sorted((first["ptr"], larger["ptr"], second["ptr"]))
 
 
 def test_persistent_grid_follows_the_devices_sm_count(launched: dict[str, Any], bundled: dict[str, Any]) -> None:
@@ -250,8 +302,9 @@ def test_modules_load_once_per_context_and_the_context_is_restored(launched: dic
 
 
 def _driver_calls(step: dict[str, Any]) -> list[str]:
-    """A launch's driver events, without the device attribute queries and the split-K memset."""
-    return [e["event"] for e in step["events"] if e["event"] not in ("device_attribute", "memset")]
+    """A launch's driver events, without the device attribute queries and the split-K counters' allocation and
+    memset."""
+    return [e["event"] for e in step["events"] if e["event"] not in ("device_attribute", "alloc", "memset")]
 
 
 def test_a_bundles_cubins_load_at_its_first_launch_in_a_context(launched: dict[str, Any],

@@ -73,11 +73,12 @@ def test_aot_cubin_launches_per_abi(tmp_path: Path) -> None:
         size = workspace_bytes(m, n, 1, kernel.block_m, kernel.block_n, kernel.split_k)
         workspace = torch.full((max(size, 16) // 4,), float("nan"), device="cuda")  # NaN partials
         tiles = -(-m // kernel.block_m) * -(-n // kernel.block_n)
-        workspace.view(torch.int32)[tiles * kernel.split_k * kernel.block_m * kernel.block_n:] = 0  # counters
-        assert ("workspace" in kernel.params) == (kernel.split_k > 1)
+        counters = torch.zeros(max(tiles, 1), device="cuda", dtype=torch.int32)
+        assert ("workspace" in kernel.params) == ("counters" in kernel.params) == (kernel.split_k > 1)
         values = {"a": a.data_ptr(), "b": b.data_ptr(), "bias": bias.data_ptr(), "c": c.data_ptr(),
-                  "workspace": workspace.data_ptr(), "M": m, "N": n, "K": k}
-        args = [ctypes.c_void_p(values[p]) if p in ("a", "b", "bias", "c", "workspace") else ctypes.c_int32(values[p])
+                  "workspace": workspace.data_ptr(), "counters": counters.data_ptr(), "M": m, "N": n, "K": k}
+        args = [ctypes.c_void_p(values[p]) if p in ("a", "b", "bias", "c", "workspace", "counters")
+                else ctypes.c_int32(values[p])
                 for p in kernel.params]
         args += [ctypes.c_void_p(0), ctypes.c_void_p(0)]  # global_scratch, profile_scratch
         params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in args))

@@ -260,7 +260,7 @@ def test_crafted_persistent_byte_is_refused(value: int) -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(split_k=2, params=("a", "b", "c", "M", "N", "K", "workspace")), "persistent applies to gemm and bmm "
+    (dict(split_k=2, params=("a", "b", "c", "M", "N", "K", "workspace", "counters")), "persistent applies to gemm and bmm "
                                                                          "kernels with split_k 1"),
     (dict(params=("a", "b", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w"), conv=(64, 3, 3, 1, 1, 1, 1, 1, 1),
           div16=()), "persistent applies to gemm and bmm kernels"),

@@ -14,7 +14,7 @@ PTX = ".version 8.0\n.target sm_80\n"
 
 def _bundle(split_k: int, block_m: int = 16, block_n: int = 64, bmm: bool = False):
     params = ("a", "b", "c", "M", "N", "K") + (("stride_a_batch", "stride_b_batch") if bmm else ()) + \
-        (("workspace",) if split_k > 1 else ())
+        (("workspace", "counters") if split_k > 1 else ())
     kernel = BundleKernel(name="k", ptx=PTX, params=params, block_m=block_m, block_n=block_n, split_k=split_k)
     return load_core().parse(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes())
 

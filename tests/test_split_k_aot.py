@@ -34,7 +34,7 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_split_k_gelu_residual_compiles_with_the_workspace(kernels: dict[str, object], target: str) -> None:
     kernel = kernels[target]
-    assert kernel.params == ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace")
+    assert kernel.params == ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace", "counters")
     assert kernel.split_k == 4 and kernel.epilogue.activation == "gelu"
     assert "workspace" not in kernel.div16  # the launcher checks its alignment, not the bundle's div16 mask
     assert kernel.n_spills == 0

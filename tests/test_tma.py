@@ -105,7 +105,7 @@ def test_tma_split_k_and_bmm_compile_on_sm90(tmp_path: Path) -> None:
     from tuner.aot import compile_kernel
 
     split = compile_kernel(Family("gemm", "float16", "sm_90"), TMA_SPLIT, epilogue=FULL, cache_dir=tmp_path)
-    assert "cp.async.bulk.tensor" in split.ptx and split.params[-1] == "workspace"
+    assert "cp.async.bulk.tensor" in split.ptx and split.params[-2:] == ("workspace", "counters")
     assert split.global_scratch_size == 256 and "atom.global.gpu.acq_rel.add.u32" in split.ptx
     bmm = compile_kernel(Family("bmm", "bfloat16", "sm_90"), MicroKernel(128, 128, 64, 8, 4, tma=1),
                          epilogue=Epilogue(alpha=0.125), trans_b=True, cache_dir=tmp_path)
@@ -200,7 +200,7 @@ def test_workspace_bytes_with_scratch_agree(m: int, n: int, batch: int, split_k:
     from dietcode_ort.runtime import LaunchArgs, load_core
     from tuner.templates import workspace_bytes
 
-    params = ("a", "b", "c", "M", "N", "K") + (("workspace",) if split_k > 1 else ())
+    params = ("a", "b", "c", "M", "N", "K") + (("workspace", "counters") if split_k > 1 else ())
     bundle = load_core().parse(_payload(_tma_bundle_kernel(params=params, split_k=split_k)))
     args = LaunchArgs(M=m, N=n, K=64, batch=batch)
     got = bundle.workspace_bytes(0, args)
@@ -220,7 +220,7 @@ def test_workspace_bytes_with_scratch_agree(m: int, n: int, batch: int, split_k:
 def test_workspace_overflow_with_scratch_is_refused() -> None:
     from dietcode_ort.runtime import LaunchArgs, load_core
 
-    params = ("a", "b", "c", "M", "N", "K", "workspace")
+    params = ("a", "b", "c", "M", "N", "K", "workspace", "counters")
     bundle = load_core().parse(_payload(_tma_bundle_kernel(params=params, block_m=1, block_n=1, split_k=1024,
                                                            image_scratch=((1 << 16, 128),), ptx_scratch=(1 << 16, 128))))
     args = LaunchArgs(M=2**31 - 1, N=1, K=64, batch=65535)  # the split-K part fits int64, the scratch does not
@@ -279,7 +279,7 @@ def test_the_launch_passes_the_scratch_past_the_split_k_part_aligned() -> None:
     from dietcode_ort.runtime import LaunchArgs, load_core
     from tuner.templates import workspace_bytes
 
-    params = ("a", "b", "c", "M", "N", "K", "workspace")
+    params = ("a", "b", "c", "M", "N", "K", "workspace", "counters")
     bundle = load_core().parse(_payload(_tma_bundle_kernel(params=params, split_k=4, image_scratch=((256, 128),),
                                                            ptx_scratch=(0, 1))))
     m, n = 100, 130

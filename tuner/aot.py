@@ -5,7 +5,8 @@ directly: that needs no GPU (the ``triton.tools.compile`` CLI does). The result 
 record that carries everything the runtime needs to launch it under the kernel ABI: parameter names in
 order (the two trailing scratch pointers are always there and take null), threads, shared bytes and the grid
 rule. Split-K kernels take the fp32 ``workspace`` (templates.workspace_bytes); it is always compiled as
-16-byte aligned, which the launcher checks per call (docs/abi.md), outside the bundle's div16 mask.
+16-byte aligned, which the launcher checks per call (docs/abi.md), outside the bundle's div16 mask; and the
+int32 ``counters``, which the launcher keeps per stream (no alignment assumed).
 
 Value specialization: by default no scalar is assumed divisible by 16, so the kernel is valid for any
 shape. Triton only vectorizes and software-pipelines (cp.async / TMA) operand loads when the row strides
@@ -66,8 +67,8 @@ _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_ba
 _ATTENTION_ALIGNED = ("q", "k", "v", "out")
 # How float32 dots are computed (FP32_PRECISIONS, DEFAULT_FP32_PRECISION, check_fp32_precision, uses_tf32): the
 # precision shapes the float32 search space too, so tuner.space owns them (and says why tf32 is the default).
-_FORMAT = 4  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
-# 4: split-K takes a workspace, no zero_output)
+_FORMAT = 5  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
+# 4: split-K takes a workspace, no zero_output; 5: and the counters)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -295,7 +296,7 @@ def _check_inputs(family: Family, config: MicroKernel, epilogue: Epilogue, trans
     if family.op == "conv" and trans_b:
         raise DietcodeError("conv: trans_b does not apply (the weight is always [OC, C*KH*KW])")
     allowed = set(templates.ABI_PARAMS[family.op]) - (set() if epilogue.bias else {"bias"}) - \
-        (set() if epilogue.residual else {"residual"}) - {"workspace"}  # always aligned, checked by the launcher
+        (set() if epilogue.residual else {"residual"}) - {"workspace", "counters"}  # the launcher's own buffers
     unknown = sorted(set(div16) - allowed)
     if unknown:
         raise DietcodeError(f"div16 names {unknown} are not parameters of {family.op}; allowed: "
@@ -349,12 +350,15 @@ def _signature(family: Family, config: MicroKernel, epilogue: Epilogue, trans_b:
         constants["residual"] = None
     if config.split_k == 1:
         constants["workspace"] = None
+        constants["counters"] = None
     signature: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
         elif name == "workspace":
             signature[name] = "*fp32"
+        elif name == "counters":
+            signature[name] = "*i32"
         elif name in _POINTERS:
             signature[name] = pointer
         else:
@@ -505,7 +509,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         block_m=config.block_m, block_n=config.block_n, split_k=config.split_k, epilogue=epilogue,
         trans_b=trans_b, conv=conv, div16=div16, allow_tf32=allow_tf32, triton_version=triton.__version__,
         n_regs=n_regs, n_spills=n_spills,
-        constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual", "workspace"))),
+        constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual", "workspace", "counters"))),
         **facts)
     record = kernel.to_dict()
     _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))

@@ -59,7 +59,8 @@ _MODEL_MAGIC = "dietcode-cost-model-v5"  # v2: kernel_features gained "wgmma" (o
 
 PERSISTENT_TAIL_CREDIT = 0.5  # share of a partial last round's saving a persistent config gets (assumed)
 LAUNCH_SECONDS = 3e-6  # the analytic fixed cost of one kernel launch (tuner/roofline.py, attention's cost)
-MEMSET_SECONDS = 3e-6  # split-K's counter memset: as much as a launch (fitted: tuner/roofline.py's docstring)
+MEMSET_SECONDS = 3e-6  # split-K's fixed cost per call, fitted when it included a counter memset per call: as much
+# as a launch (tuner/roofline.py's docstring; launch_weight says what has changed since)
 
 
 def persistent_loops(persistent: Any, tiles: Any, num_sms: int) -> Any:
@@ -95,12 +96,14 @@ def _roundup(value: int, multiple: int) -> int:
 
 
 def launch_weight(config: MicroKernel, memset_s: float = MEMSET_SECONDS) -> float:
-    """A call's fixed cost in kernel launches. The launcher (dc_launch_fit, custom_ops/launch.cc) issues one
-    kernel launch per call and, before a split-K kernel, one cuMemsetD8Async of its tile counters (4 bytes per
-    tile and batch) on the same stream, weighed as ``memset_s`` / ``LAUNCH_SECONDS`` of a launch: a whole one
-    by default, as the H100 table says (the split-K configs there ran 1.25x to 1.35x slower than the roofline
-    predicted with the memset at a sixth of a launch; tuner/roofline.py). The learned model's fitted per-launch
-    latency and the analytic roofline's ``LAUNCH_SECONDS`` are both multiplied by it."""
+    """A call's fixed cost in kernel launches: one kernel launch per call (dc_launch_fit, custom_ops/launch.cc),
+    and for a split-K config ``memset_s`` / ``LAUNCH_SECONDS`` of a launch more: a whole one by default, as the
+    H100 table says (its split-K configs ran 1.25x to 1.35x slower than the roofline predicted with a sixth of a
+    launch; tuner/roofline.py). The table was timed when the launcher zeroed the tile counters with a
+    cuMemsetD8Async before every split-K launch; since C ABI 14 it keeps them per stream and zeroes them once
+    (docs/abi.md, "The split-K counters"), so part of that fitted cost may be gone: the next recorded table
+    refits it (benchmarks/calibrate_roofline.py). The learned model's fitted per-launch latency and the analytic
+    roofline's ``LAUNCH_SECONDS`` are both multiplied by it."""
     return 1.0 + (memset_s / LAUNCH_SECONDS if config.split_k > 1 else 0.0)
 
 

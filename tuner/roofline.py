@@ -50,8 +50,9 @@ SPLIT_K). The call takes
   others finish (no per-tile launch or prologue) but still finish whole tiles. An assumption, shared with the
   learned model. A persistent config that does not loop launches one program per tile and gets no credit.
 - ``launch``: ``LAUNCH_SECONDS`` x ``cost_model.launch_weight``: one kernel launch per call, plus under
-  split-K the launcher's cuMemsetD8Async of the tile counters (4 bytes per tile) on the kernel's stream
-  (``memset_s``). The learned model weighs its fitted latency the same way.
+  split-K ``memset_s``, fitted when the launcher zeroed the tile counters with a cuMemsetD8Async before every
+  split-K launch (it keeps them per stream since C ABI 14). The learned model weighs its fitted latency the
+  same way.
 - ``setup``: a TMA config's in-kernel descriptors (``tma_setup_s``), once per call.
 
 Each term is non-decreasing in M, N, K and batch for a fixed config, so the predicted time is too.
@@ -72,6 +73,9 @@ pick against the instance's best, and the spread of log(measured / predicted):
 - ``memset_s`` = 3 us (``cost_model.MEMSET_SECONDS``, was an assumed 0.5 us): split-K's counter memset costs
   a kernel launch's worth (the table's split-K configs ran 1.25x to 1.35x slower than the model said, split 8
   worse than split 2); the learned model's fitted latency counts it the same way (``cost_model.launch_weight``).
+  The table was timed with a memset before every split-K launch, which the launcher no longer issues (C ABI
+  14, docs/abi.md "The split-K counters"); the constant stays what that table says until a table recorded
+  since refits it.
 - ``tma_setup_s`` = 1.5 us (was none): a TMA config makes its descriptors in the kernel (global scratch, then a
   tensormap fence) before its first copy, on every call's critical path; the table's TMA configs ran about 8%
   slower than the others on small calls, so a TMA twin is now predicted slower than its pointer-load config on

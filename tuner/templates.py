@@ -6,7 +6,7 @@ store is masked, so no shape needs padding. Accumulation is fp32; the output has
 
 Kernel parameters follow the shared kernel ABI (see ``ABI_PARAMS``): pointers ``a, b, [bias], c`` then int32
 scalars (the gemm and conv templates then take the ``residual`` pointer, added to the ABI later), and split-K
-kernels last the fp32 ``workspace`` (``workspace_bytes`` sizes it);
+kernels last the fp32 ``workspace`` (``workspace_bytes`` sizes it) and the int32 ``counters``;
 everything else (transposition, the scale ``ALPHA``, activation, tile sizes, conv geometry) is a
 ``tl.constexpr``. The epilogue is, in this order: ``out = act(ALPHA * acc + bias) + residual``, or with
 ``RESIDUAL_FIRST`` ``out = act(ALPHA * acc + bias + residual)`` (ResNet's Conv -> Add -> Relu), or with
@@ -88,12 +88,14 @@ def _epilogue(acc, bias, offs_n, N, residual, offs_c, c_mask, ALPHA: tl.constexp
 
 
 @triton.jit
-def _split_k_reduce(acc, workspace, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+def _split_k_reduce(acc, workspace, counters, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
     """Meet the other splits of this program's tile in the workspace; returns (sum, last).
 
-    Workspace layout (fp32 elements, then int32 counters; dc_kernel_workspace_bytes sizes it): the partial
-    tile of (z, tile, split) at ((z * tiles + tile) * SPLIT_K + split) * BLOCK_M * BLOCK_N, row-major, then
-    one counter per (z, tile) at z * tiles + tile, zeroed by the launcher before the launch. Each split
+    Workspace layout (fp32 elements; dc_kernel_workspace_bytes sizes it): the partial tile of (z, tile, split)
+    at ((z * tiles + tile) * SPLIT_K + split) * BLOCK_M * BLOCK_N, row-major. ``counters``: one int32 per
+    (z, tile) at z * tiles + tile, zero at the launch: the launcher keeps them per stream and zeroes them once
+    (docs/abi.md, "The split-K counters"), since every launch leaves them at zero. Each split
     stores its partial, waits for its CTA's stores (barrier), and one thread adds 1 to the tile's counter
     (acq_rel, gpu scope: releases the CTA's partial, acquires the partials of the splits counted before).
     The split that reads SPLIT_K - 1 is the last: it sums the partials in split order, all read back from the
@@ -110,8 +112,7 @@ def _split_k_reduce(acc, workspace, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     base = workspace + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
     tl.store(base + split * (BLOCK_M * BLOCK_N) + offs, acc)
     tl.debug_barrier()
-    partials = tl.num_programs(2).to(tl.int64) * tiles * (SPLIT_K * BLOCK_M * BLOCK_N)
-    counter = (workspace + partials).to(tl.pointer_type(tl.int32), bitcast=True) + tile
+    counter = counters + tile
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     last = arrived == SPLIT_K - 1
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -174,7 +175,7 @@ def _tma_loop(a_desc, b_desc, K, pid_m, pid_n, pid_k, TRANS_B: tl.constexpr, DOT
 
 
 @triton.jit
-def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, tile, pid_k, a_desc, b_desc,
+def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, counters, M, N, K, tile, pid_k, a_desc, b_desc,
                  TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,7 +211,7 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
     offs_c = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K > 1:
-        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
+        acc, last = _split_k_reduce(acc, workspace, counters, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
             _finish(acc, bias, c_base + offs_c, residual, offs_c, offs_n, N, c_mask, ALPHA, HAS_BIAS, ACTIVATION,
                     HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
@@ -220,7 +221,7 @@ def _matmul_tile(a_base, b_base, bias, c_base, residual, workspace, M, N, K, til
 
 
 @triton.jit
-def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
+def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace, counters,
                 TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -239,17 +240,17 @@ def gemm_kernel(a, b, bias, c, M, N, K, residual, workspace,
         tl.static_assert(SPLIT_K == 1, "persistent kernels take no split-K")
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tile, 0, a_desc, b_desc, TRANS_B, ALPHA,
+            _matmul_tile(a, b, bias, c, residual, workspace, counters, M, N, K, tile, 0, a_desc, b_desc, TRANS_B, ALPHA,
                          HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          SPLIT_K, USE_TMA, RESIDUAL_FIRST, RESIDUAL_MUL)
     else:
-        _matmul_tile(a, b, bias, c, residual, workspace, M, N, K, tl.program_id(0), tl.program_id(1), a_desc,
+        _matmul_tile(a, b, bias, c, residual, workspace, counters, M, N, K, tl.program_id(0), tl.program_id(1), a_desc,
                      b_desc, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, DOT_PRECISION, BLOCK_M, BLOCK_N,
                      BLOCK_K, GROUP_M, SPLIT_K, USE_TMA, RESIDUAL_FIRST, RESIDUAL_MUL)
 
 
 @triton.jit
-def _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, z, tile, pid_k,
+def _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, counters, z, tile, pid_k,
               TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr):
@@ -260,13 +261,13 @@ def _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace,
     b_desc = b_base
     if USE_TMA:
         a_desc, b_desc = _tma_descs(a_base, b_base, M, N, K, TRANS_B, BLOCK_M, BLOCK_N, BLOCK_K)
-    _matmul_tile(a_base, b_base, bias, c + z * M * N, c, workspace, M, N, K, tile, pid_k, a_desc, b_desc, TRANS_B,
+    _matmul_tile(a_base, b_base, bias, c + z * M * N, c, workspace, counters, M, N, K, tile, pid_k, a_desc, b_desc, TRANS_B,
                  ALPHA, HAS_BIAS, ACTIVATION, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K,
                  USE_TMA)
 
 
 @triton.jit
-def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, workspace,
+def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, workspace, counters,
                TRANS_B: tl.constexpr, ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr = False,
@@ -281,17 +282,17 @@ def bmm_kernel(a, b, bias, c, M, N, K, batch, stride_a_batch, stride_b_batch, wo
         tl.static_assert(SPLIT_K == 1, "persistent kernels take no split-K")
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for t in range(tl.program_id(0), tiles * batch, tl.num_programs(0)):
-            _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, (t // tiles).to(tl.int64),
+            _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, counters, (t // tiles).to(tl.int64),
                       t % tiles, 0, TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                       GROUP_M, SPLIT_K, USE_TMA)
     else:
-        _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, tl.program_id(2).to(tl.int64),
+        _bmm_tile(a, b, bias, c, M, N, K, stride_a_batch, stride_b_batch, workspace, counters, tl.program_id(2).to(tl.int64),
                   tl.program_id(0), tl.program_id(1), TRANS_B, ALPHA, HAS_BIAS, ACTIVATION, DOT_PRECISION, BLOCK_M,
                   BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, USE_TMA)
 
 
 @triton.jit
-def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace,
+def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, workspace, counters,
                 CHANNELS: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                 STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
                 DIL_H: tl.constexpr, DIL_W: tl.constexpr,
@@ -386,7 +387,7 @@ def conv_kernel(a, b, bias, c, M, N, K, img_h, img_w, out_h, out_w, residual, wo
     else:
         offs_y = (img.to(tl.int64) * (N * groups) * hw_out + z * N * hw_out + pix)[:, None] + (offs_n * hw_out)[None, :]
     if SPLIT_K > 1:
-        acc, last = _split_k_reduce(acc, workspace, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
+        acc, last = _split_k_reduce(acc, workspace, counters, M, N, BLOCK_M, BLOCK_N, SPLIT_K)
         if last:
             _finish(acc, bias, c + offs_y, residual, offs_y, offs_n, N, y_mask, 1.0, HAS_BIAS, ACTIVATION,
                     HAS_RESIDUAL, RESIDUAL_FIRST, RESIDUAL_MUL)
@@ -516,13 +517,16 @@ def attention_kernel(q, k, v, mask, out, seq_q, seq_k, heads,
 KERNELS: dict[str, Any] = {"gemm": gemm_kernel, "bmm": bmm_kernel, "conv": conv_kernel,
                           "attention": attention_kernel}
 
-# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias", "residual" and "workspace"
-# only when it has one (a kernel without is compiled with the pointer as a None constexpr; only split-K
-# kernels take a workspace); bmm's "batch" only when persistent (the others have it as the constexpr 1).
+# Runtime (non-constexpr) parameters of each template in ABI vocabulary, "bias", "residual", "workspace" and
+# "counters" only when it has one (a kernel without is compiled with the pointer as a None constexpr; only
+# split-K kernels take a workspace and counters); bmm's "batch" only when persistent (the others have it as the
+# constexpr 1).
 ABI_PARAMS: dict[str, tuple[str, ...]] = {
-    "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace"),
-    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch", "workspace"),
-    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual", "workspace"),
+    "gemm": ("a", "b", "bias", "c", "M", "N", "K", "residual", "workspace", "counters"),
+    "bmm": ("a", "b", "bias", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch", "workspace",
+            "counters"),
+    "conv": ("a", "b", "bias", "c", "M", "N", "K", "img_h", "img_w", "out_h", "out_w", "residual", "workspace",
+             "counters"),
     "attention": ("q", "k", "v", "mask", "out", "seq_q", "seq_k", "heads", "stride_mask_b", "stride_mask_h",
                   "stride_mask_q", "stride_mask_k"),
 }
@@ -577,7 +581,8 @@ def programs(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: in
 def workspace_bytes(m: int, n: int, batch: int, block_m: int, block_n: int, split_k: int,
                     scratch_size: int = 0, scratch_align: int = 1, persistent: int = 0, sm_count: int = 0) -> int:
     """Bytes of the workspace one call needs (0 when neither part is needed): the split-K part (an fp32 partial
-    tile per (batch, tile, split) and an int32 counter per (batch, tile), rounded up to WORKSPACE_ALIGN), then
+    tile per (batch, tile, split) and room for an int32 counter per (batch, tile), where the launcher puts the
+    counters when it has none kept for the stream, rounded up to WORKSPACE_ALIGN), then
     for a kernel with ``scratch_size`` bytes of global scratch per program (TMA descriptors) room to align it
     up from the 16-byte aligned workspace (``scratch_align`` - 16) and one scratch per program of the grid
     (``programs``: a persistent kernel's grid follows ``sm_count``), the whole rounded up to WORKSPACE_ALIGN. The C core's dc_kernel_workspace_bytes computes the same
@@ -649,7 +654,7 @@ def _batch_operand(x: "torch.Tensor", batch: tuple[int, ...]) -> tuple["torch.Te
 def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         bias: "torch.Tensor | None" = None, residual: "torch.Tensor | None" = None,
         epilogue: Epilogue = Epilogue(), trans_b: bool = False, conv: ConvParams | None = None,
-        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None,
+        allow_tf32: bool = False, workspace: "torch.Tensor | None" = None, counters: "torch.Tensor | None" = None,
         sm_count: int | None = None) -> "torch.Tensor":
     """Launch ``op``'s template with ``config`` through Triton's JIT and return the output tensor.
 
@@ -657,9 +662,11 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     operand's batch dims are all 1 (broadcast) or equal the output's. conv: a = X [n, C, H, W],
     b = W [OC, C / groups, KH, KW], ``conv`` gives the layer (one program grid z per group); with
     ``conv.channels_last`` a = X [n, H, W, C], b = W [OC, KH, KW, C] and the output (and residual) [n, OH, OW, OC]. ``bias`` is required iff ``epilogue.bias``, ``residual``
-    (the output's shape: gemm [M, N], conv [n, OC, OH, OW]) iff ``epilogue.residual``. ``workspace`` (split-K only): an fp32 tensor
-    of at least ``workspace_bytes`` bytes whose counters are zero, as the launcher passes it (default: a new
-    one); the kernel leaves its counters at zero again. A persistent config (gemm, bmm) launches
+    (the output's shape: gemm [M, N], conv [n, OC, OH, OW]) iff ``epilogue.residual``. ``workspace`` (split-K
+    only): an fp32 tensor of at least ``workspace_bytes`` bytes (default: a new one); ``counters`` (split-K
+    only): a contiguous int32 tensor of at least tiles x batch zeros, as the launcher keeps them per stream
+    (default: the counter room in the workspace, zeroed, the launcher's fallback); the kernel leaves the
+    counters at zero again. A persistent config (gemm, bmm) launches
     min(tiles x batch, ``sm_count`` x config.persistent) programs (``programs``); ``sm_count`` defaults to the
     GPU's multiprocessor count and must be given on the CPU (the interpreter).
     """
@@ -682,17 +689,34 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=config.split_k,
                 num_warps=config.num_warps, num_stages=config.num_stages)
 
-    given = workspace
+    given, given_counters = workspace, counters
 
-    def split_workspace(m: int, n: int, batch: int) -> "torch.Tensor | None":
-        """The split-K workspace, its counters zeroed as the launcher does (None without split-K)."""
+    def split_workspace(m: int, n: int, batch: int) -> "tuple[torch.Tensor | None, torch.Tensor | None]":
+        """The split-K workspace and counters (None, None without split-K); without given counters, the
+        workspace's counter room, zeroed, as the launcher's fallback passes them."""
         size = workspace_bytes(m, n, batch, config.block_m, config.block_n, config.split_k)
+        if not size:
+            if given is not None or given_counters is not None:
+                raise DietcodeError(f"{op}: the workspace must be None without split-K (split_k={config.split_k}), "
+                                    "and the counters too")
+            return None, None
         if given is None:
-            return torch.zeros(size // 4, dtype=torch.float32, device=a.device) if size else None
-        if not size or given.dtype != torch.float32 or not given.is_contiguous() or given.numel() * 4 < size:
+            space = torch.zeros(size // 4, dtype=torch.float32, device=a.device)
+        elif given.dtype != torch.float32 or not given.is_contiguous() or given.numel() * 4 < size:
             raise DietcodeError(f"{op}: the workspace must be a contiguous float32 tensor of at least {size} bytes "
                                 f"(split_k={config.split_k}), got {given.dtype} of {given.numel() * 4} bytes")
-        return given
+        else:
+            space = given
+        tiles = -(-m // config.block_m) * -(-n // config.block_n) * max(1, batch)
+        if given_counters is None:
+            partials = tiles * config.split_k * config.block_m * config.block_n
+            room = space[partials:partials + tiles].view(torch.int32)
+            room.zero_()
+            return space, room
+        if given_counters.dtype != torch.int32 or not given_counters.is_contiguous() or given_counters.numel() < tiles:
+            raise DietcodeError(f"{op}: the counters must be a contiguous int32 tensor of at least {tiles} elements, "
+                                f"got {given_counters.dtype} of {given_counters.numel()}")
+        return space, given_counters
 
     if config.persistent:
         if op == "conv" or config.split_k != 1:
@@ -740,7 +764,7 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
                                 f"{tuple(residual.shape)}")
         residual = residual.contiguous() if residual is not None else None
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, g)
-        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, split_workspace(m, n, g),
+        kernel[grid](a, b, bias, out, m, n, k, h, w, oh, ow, residual, *split_workspace(m, n, g),
                      HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
                      RESIDUAL_MUL=epilogue.residual_mul, CHANNELS_LAST=conv.channels_last,
                      **conv_geometry(conv), **meta)
@@ -760,7 +784,8 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, 1)
         if config.persistent:
             grid = (programs(m, n, 1, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
-        kernel[grid](a, b, bias, out, m, n, k, residual, split_workspace(m, n, 1), TRANS_B=trans_b, ALPHA=epilogue.alpha,
+        kernel[grid](a, b, bias, out, m, n, k, residual, *split_workspace(m, n, 1), TRANS_B=trans_b,
+                     ALPHA=epilogue.alpha,
                      HAS_RESIDUAL=residual is not None, RESIDUAL_FIRST=epilogue.residual_first,
                      RESIDUAL_MUL=epilogue.residual_mul, **meta)
         return out
@@ -772,6 +797,6 @@ def run(op: str, config: "MicroKernel", a: "torch.Tensor", b: "torch.Tensor", *,
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k, z)
     if config.persistent:
         grid = (programs(m, n, z, config.block_m, config.block_n, 1, config.persistent, sm_count or 0), 1, 1)
-    kernel[grid](a, b, bias, out, m, n, k, z, sa, sb, split_workspace(m, n, z), TRANS_B=trans_b,
+    kernel[grid](a, b, bias, out, m, n, k, z, sa, sb, *split_workspace(m, n, z), TRANS_B=trans_b,
                  ALPHA=epilogue.alpha, **meta)
     return out
