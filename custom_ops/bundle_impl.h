@@ -213,11 +213,13 @@ struct dc_bundle {
   std::set<void*> eager_loaded;
   std::map<std::pair<void*, int32_t>, std::string> load_errors;
   // Split-K counters kept per (context, stream) (launch.cc SplitKCounters): the device address and how many
-  // int32 counters it holds, and the smaller ones it replaced (launches still queued may use them), all freed
-  // with the bundle. Guarded by mutex.
+  // int32 counters it holds, the smaller ones it replaced (launches still queued may use them), all freed
+  // with the bundle, and whether an allocation was refused (the stream then keeps to the workspace's counter
+  // room). Guarded by mutex.
   struct Counters {
     uint64_t address = 0, count = 0;
     std::vector<uint64_t> retired;
+    bool refused = false;
   };
   std::map<std::pair<void*, void*>, Counters> counters;
 

@@ -43,6 +43,7 @@ struct Driver {
   decltype(&::cuCtxPopCurrent) CtxPopCurrent = nullptr;
   decltype(&::cuCtxGetDevice) CtxGetDevice = nullptr;
   decltype(&::cuStreamGetCtx) StreamGetCtx = nullptr;
+  decltype(&::cuStreamIsCapturing) StreamIsCapturing = nullptr;
   decltype(&::cuModuleLoadData) ModuleLoadData = nullptr;
   decltype(&::cuModuleUnload) ModuleUnload = nullptr;
   decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
@@ -84,6 +85,7 @@ Driver LoadDriver() {
   DC_LOAD(CtxPopCurrent, cuCtxPopCurrent);
   DC_LOAD(CtxGetDevice, cuCtxGetDevice);
   DC_LOAD(StreamGetCtx, cuStreamGetCtx);
+  DC_LOAD(StreamIsCapturing, cuStreamIsCapturing);
   DC_LOAD(ModuleLoadData, cuModuleLoadData);
   DC_LOAD(ModuleUnload, cuModuleUnload);
   DC_LOAD(ModuleGetFunction, cuModuleGetFunction);
@@ -350,21 +352,29 @@ namespace dietcode {
 // used back to zero (the last split of a tile resets its counter, docs/abi.md), and launches on one stream run
 // in order, so the next launch there finds them at zero without a memset per call. A larger call allocates a
 // larger block (at least twice the last), and the one it replaces stays allocated until the bundle is freed,
-// since launches queued before may still use it. 0 when no memory is had (cuMemAlloc refused: out of memory, or
-// allocation not allowed while the stream is captured into a CUDA graph): the caller falls back to the
-// workspace's counter room and a memset; so does a launch on CU_STREAM_PER_THREAD, one handle for a stream per
-// thread, whose launches from two threads may run at once.
+// since launches queued before may still use it. 0 tells the caller to fall back to the workspace's counter room
+// and a memset before the launch, as every launch did before C ABI 14:
+// - while the stream is being captured into a CUDA graph (or its capture state is unknown): cuMemAlloc there
+//   would fail and invalidate the capture, and a graph holding the stream's counters could be replayed on
+//   another stream while launches on this one use them; with the fallback the graph records its own memset and
+//   the call's workspace, so each replay zeroes counters no launch outside it touches;
+// - when the allocation is refused (out of memory): remembered for the (context, stream), which then keeps to
+//   the fallback rather than retry under the bundle's lock at every launch;
+// - on CU_STREAM_PER_THREAD, one handle for a stream per thread, whose launches from two threads may run at once.
 uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s, uint64_t count) {
   if (s == CU_STREAM_PER_THREAD) return 0;
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (d.StreamIsCapturing(s, &capture) != CUDA_SUCCESS || capture != CU_STREAM_CAPTURE_STATUS_NONE) return 0;
   std::lock_guard<std::mutex> lock(b->mutex);
   dc_bundle::Counters& kept = b->counters[std::make_pair(static_cast<void*>(ctx), static_cast<void*>(s))];
   if (count <= kept.count) return kept.address;
+  if (kept.refused) return 0;
   const uint64_t grown = std::max<uint64_t>({count, 2 * kept.count, 256});  // 1 KiB at least
   CUdeviceptr fresh = 0;
-  if (d.MemAlloc(&fresh, grown * 4) != CUDA_SUCCESS) return 0;
+  if (d.MemAlloc(&fresh, grown * 4) != CUDA_SUCCESS) return kept.refused = true, 0;
   if (d.MemsetD8Async(fresh, 0, grown * 4, s) != CUDA_SUCCESS) {
     d.MemFree(fresh);
-    return 0;
+    return kept.refused = true, 0;
   }
   if (kept.address != 0) kept.retired.push_back(kept.address);
   kept.address = static_cast<uint64_t>(fresh);
@@ -374,8 +384,9 @@ uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s
 
 }  // namespace dietcode
 
-// cuMemFree waits for the work still using the memory (the driver synchronizes), so counters that launches
-// still queued use are freed after them.
+// The counters are freed as the modules are unloaded: when the bundle's last user lets it go (ORT frees a
+// session's kernels once its runs are done), after the work that used them; cuMemFree also waits for the device
+// in practice.
 dc_bundle::~dc_bundle() {
   if (loaded.empty() && counters.empty()) return;
   const dietcode::Driver& d = dietcode::GetDriver();

@@ -371,9 +371,10 @@ def main() -> int:
 def resident_counters(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, Any]:
     """The split-K counters the launcher keeps per (context, stream), with the gemm_split_k case's kernel: per
     launch (in order: ``first``, ``again`` on the same stream, ``larger`` needing 264 counters, ``small_after``,
-    ``other_stream``, a second stream of the context, and ``no_memory``, a stream of the other context while
-    cuMemAlloc fails) the driver log, the call's M, N and workspace, and whether the workspace kept its FILL
-    bytes; then the log of freeing the bundle."""
+    ``capturing``, the same stream while it is captured into a graph, ``other_stream``, a second stream of the
+    context, ``no_memory``, a stream of the other context while cuMemAlloc fails, and ``no_memory_again``, that
+    stream with memory back) the driver log, the call's M, N and workspace, and how many workspace bytes kept
+    their FILL; then the log of freeing the bundle."""
     from dataclasses import replace
 
     case = next(c for c in CASES if c.name == "gemm_split_k")
@@ -382,22 +383,25 @@ def resident_counters(core: Any, fake: ctypes.CDLL, folder: Path) -> dict[str, A
     other = fake.fake_cuda_stream(fake.fake_cuda_context(1))
     larger = replace(case, shapes={"a": (4200, 256), "b": (256, 70)})  # 132 x 2 tiles
     fails = ctypes.c_int.in_dll(fake, "fake_cuda_alloc_fails")
+    capturing = ctypes.c_int.in_dll(fake, "fake_cuda_capturing")
     out: dict[str, Any] = {}
     kept = []
     for name, call, stream in (("first", case, first), ("again", case, first), ("larger", larger, first),
-                               ("small_after", case, first), ("other_stream", case, second),
-                               ("no_memory", case, other)):
+                               ("small_after", case, first), ("capturing", case, first),
+                               ("other_stream", case, second), ("no_memory", case, other),
+                               ("no_memory_again", case, other)):
         args, bufs = _bound_args(core, call, np.random.default_rng(0))
         size = bundle.workspace_bytes(0, args)
         raw, start = _aligned(size, WORKSPACE_OFFSET)
         raw[:] = FILL
         args.workspace, args.workspace_bytes = raw.ctypes.data + start, size
         fails.value = int(name == "no_memory")
+        capturing.value = int(name == "capturing")
         fake.fake_cuda_log_clear()
         try:
             bundle.launch(0, args, stream)
         finally:
-            fails.value = 0
+            fails.value = capturing.value = 0
         window = raw[start:start + size]
         out[name] = {"events": _events(fake), "M": args.M, "N": args.N, "workspace": args.workspace,
                      "workspace_bytes": size, "stream": stream, "untouched": window.tobytes().count(FILL)}

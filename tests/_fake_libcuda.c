@@ -30,7 +30,8 @@
  * CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (as the driver refuses a block whose registers exceed the SM's);
  * FAKE_CUDA_FAULT_THREADS=n: a launch of blocks of exactly n threads is accepted and the context then fails
  * as after an illegal address: every later synchronize, event record or query and launch returns
- * CUDA_ERROR_ILLEGAL_ADDRESS. fake_cuda_alloc_fails (set through ctypes): cuMemAlloc answers out of memory.
+ * CUDA_ERROR_ILLEGAL_ADDRESS. Set through ctypes: fake_cuda_alloc_fails, cuMemAlloc answers out of memory;
+ * fake_cuda_capturing, every stream is being captured (cuStreamIsCapturing).
  *
  * The log (fake_cuda_log) is one JSON object per line: "load" (module, image kind, size, FNV-1a 64 hash of
  * the image's bytes), "function", "set_attribute", "alloc", "free", "memset" and "launch" (kernel name, grid,
@@ -63,6 +64,7 @@
 /* Settings a test may change (through ctypes) before the calls that read them. */
 int fake_cuda_sm_count = 132;
 int fake_cuda_alloc_fails = 0; /* nonzero: cuMemAlloc answers CUDA_ERROR_OUT_OF_MEMORY */
+int fake_cuda_capturing = 0;    /* nonzero: cuStreamIsCapturing says every stream is being captured */
 int fake_cuda_cc_major = 9;
 int fake_cuda_cc_minor = 0;
 int fake_cuda_smem_optin = 232448;
@@ -588,6 +590,17 @@ CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int flags) {
   if (!current()) return CUDA_ERROR_INVALID_CONTEXT;
   if (!s || (flags & ~1u)) return CUDA_ERROR_INVALID_VALUE;
   *s = fake_cuda_stream(current());
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* status) {
+  if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  CUresult rc = check_stream(s, "cuStreamIsCapturing");
+  if (rc != CUDA_SUCCESS) return rc;
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  *status = fake_cuda_capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  record("{\"event\": \"is_capturing\", \"stream\": %llu, \"capturing\": %d}", (unsigned long long)(uintptr_t)s,
+         fake_cuda_capturing);
   return CUDA_SUCCESS;
 }
 

@@ -219,7 +219,8 @@ def test_only_split_k_allocates_counters(launched: dict[str, Any], bundled: dict
 def test_split_k_counters_per_stream(launched: dict[str, Any]) -> None:
     """Kept per (context, stream): the same stream's next launch takes the same counters with no memset; a call
     needing more allocates at least twice as many (zeroed once) and keeps the smaller block until the bundle is
-    freed; another stream gets its own; without memory the counters go in the workspace, zeroed per call."""
+    freed; another stream gets its own; while the stream is captured into a graph, or without memory (then for
+    good on that stream), the counters go in the workspace, zeroed per call."""
     got = launched["resident_counters"]
     assert "error" not in got, got
 
@@ -239,21 +240,23 @@ def test_split_k_counters_per_stream(launched: dict[str, Any]) -> None:
     assert (memset["ptr"], memset["bytes"], memset["stream"]) == (larger["ptr"], 2048, got["larger"]["stream"])
     assert kinds("larger") == ["alloc", "memset", "launch"] and counters("larger") == larger["ptr"]
     assert kinds("small_after") == ["launch"] and counters("small_after") == larger["ptr"]
+    partials = 4 * 4 * 32 * 64 * 4  # the 2 x 2 tiles' 4 splits of 32 x 64 fp32 partials, then the counter room
+    for name in ("capturing", "no_memory", "no_memory_again"):  # the fallback: the room, zeroed before the launch
+        call = got[name]
+        (memset,) = _of(call["events"], "memset")
+        assert (memset["ptr"], memset["bytes"], memset["stream"]) == (call["workspace"] + partials, 4 * 4,
+                                                                      call["stream"]), name
+        assert counters(name) == call["workspace"] + partials, name
+        assert call["untouched"] == call["workspace_bytes"] - 16, name
+    assert [e["capturing"] for e in _of(got["capturing"]["events"], "is_capturing")] == [1]
+    assert not _of(got["capturing"]["events"], "alloc")  # the stream's counters are left alone too
+    assert [e["call"] for e in _of(got["no_memory"]["events"], "error")] == ["cuMemAlloc"]
+    assert kinds("no_memory_again") == ["memset", "launch"]  # the refusal is remembered: no second cuMemAlloc
     (second,) = _of(got["other_stream"]["events"], "alloc")
     assert second["ptr"] not in (first["ptr"], larger["ptr"]) and counters("other_stream") == second["ptr"]
     assert kinds("other_stream") == ["alloc", "memset", "launch"]
     for name in ("first", "again", "larger", "small_after", "other_stream"):  # the launcher wrote nothing there
         assert got[name]["untouched"] == got[name]["workspace_bytes"], name
-    # no memory: the counter room after the 2 x 2 tiles' 4 splits of 32 x 64 fp32 partials, zeroed per call
-    no_memory = got["no_memory"]
-    partials = 4 * 4 * 32 * 64 * 4
-    (error,) = _of(no_memory["events"], "error")
-    assert error["call"] == "cuMemAlloc"
-    (memset,) = _of(no_memory["events"], "memset")
-    assert (memset["ptr"], memset["bytes"], memset["stream"]) == (no_memory["workspace"] + partials, 4 * 4,
-                                                                  no_memory["stream"])
-    assert counters("no_memory") == no_memory["workspace"] + partials
-    assert no_memory["untouched"] == no_memory["workspace_bytes"] - 16
     freed = sorted(e["ptr"] for e in _of(got["freed"], "free"))
     assert freed == sorted((first["ptr"], larger["ptr"], second["ptr"]))
 
@@ -302,9 +305,10 @@ def test_modules_load_once_per_context_and_the_context_is_restored(launched: dic
 
 
 def _driver_calls(step: dict[str, Any]) -> list[str]:
-    """A launch's driver events, without the device attribute queries and the split-K counters' allocation and
-    memset."""
-    return [e["event"] for e in step["events"] if e["event"] not in ("device_attribute", "alloc", "memset")]
+    """A launch's driver events, without the device attribute queries and the split-K counters' capture query,
+    allocation and memset."""
+    return [e["event"] for e in step["events"]
+            if e["event"] not in ("device_attribute", "is_capturing", "alloc", "memset")]
 
 
 def test_a_bundles_cubins_load_at_its_first_launch_in_a_context(launched: dict[str, Any],

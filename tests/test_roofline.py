@@ -79,9 +79,9 @@ def test_split_k_workspace_is_written_and_read_in_full_in_both_models(space: lis
 
 
 def test_the_counter_memset_weighs_the_same_in_both_models() -> None:
-    """The launcher issues one kernel launch per call and, before a split-K kernel, one memset of its counters
-    (custom_ops/launch.cc): the roofline's launch term and the learned model's fitted latency both take
-    launch_weight of it: a second launch's worth, as the recorded H100 table has it (tuner/roofline.py)."""
+    """Split-K's fixed cost per call (fitted to the H100 table, timed when the launcher zeroed the counters with
+    a memset before every split-K launch): the roofline's launch term and the learned model's fitted latency
+    both take launch_weight of it: a second launch's worth, as that table has it (tuner/roofline.py)."""
     measurer = AnalyticMeasurer(H100, "float16")
     plain, split = MicroKernel(16, 64, 64, 2, 3), MicroKernel(16, 64, 64, 2, 3, split_k=8)
     problem = Problem(16, 768, 3072)

@@ -16,7 +16,7 @@
   slots (``slots_per_sm``) and its partial last round costs ``r ** tail_alpha``, halfway from alpha to 1
   (``tail_alpha``): no per-tile launch or prologue, but whole tiles still.
 - A fixed per-launch latency (seconds, also fitted per device) times ``launch_weight`` (1 kernel launch, plus
-  under split-K the counter memset the launcher issues first, weighed as another launch) is added to
+  under split-K another launch's worth, fitted when the launcher zeroed the counters per call) is added to
   every prediction: small problems on a fast GPU are dominated by it, and leaving it in the label would make
   f_MK depend on the shape.
 - ``f_MK`` depends on the micro-kernel only. ``LearnedCostModel`` learns it with scikit-learn's gradient

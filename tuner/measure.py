@@ -281,7 +281,7 @@ class AnalyticMeasurer(Measurer):
     loads at a per-SM share of DRAM bandwidth or at the rate its pipelines' bytes in flight allow over a DRAM
     round trip (Little's law), the bytes that cross DRAM at the device's, split-K's fp32 workspace and its last
     split's reduction, TMA's cheaper load issue on sm_90, persistent kernels' grid, and a launch (plus split-K's
-    counter memset). It ranks configs sensibly but knows nothing of the real kernel's efficiency: use it on
+    fixed cost, fitted when the launcher zeroed its counters per call). It ranks configs sensibly but knows nothing of the real kernel's efficiency: use it on
     machines without a GPU, never to report speed. ``tf32``: float32 kernels run their dots in TF32 on the
     tensor cores (the peak is the TF32 rate), and the database keeps those answers apart (``context``).
     """

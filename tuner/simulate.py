@@ -16,7 +16,7 @@ The model, deterministic under ``seed``:
   SPLIT_K; each split-K program also moves its share of the fp32
   workspace (its partial tile written, and one partial read on average: the last split reads all) at its SM's
   share of DRAM bandwidth; a memory roofline with operand re-reads per tile row/column (L2 absorbs most of
-  them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's counter memset is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
+  them) bounds it from below; a launch overhead of 4 us plus 1 us for split-K's fixed cost (once a counter memset per call) is added; each (kernel, problem) gets 1.5% log-normal measurement noise;
 - a failure: configs that cannot launch (0 resident blocks) have seconds = inf and an error;
 - a "vendor" time per problem: the best kernel of a hidden reference set (every config of the space,
   measured without noise) times a log-normal factor around 1.04 (sigma 0.06): sometimes faster than
