@@ -518,7 +518,11 @@ void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   uint64_t total = h.Get<uint64_t>("total size");
   uint32_t count = h.Get<uint32_t>("section count");
   uint32_t reserved = h.Get<uint32_t>("reserved");
-  if (version != kVersion) Fail("version " + std::to_string(version) + ", this reader knows " + std::to_string(kVersion));
+  if (version != kVersion) {
+    Fail("version " + std::to_string(version) + ", this reader knows " + std::to_string(kVersion) +
+         (version < kVersion ? ": the model was optimized by an older dietcode-ort; optimize it again"
+                             : ": the model was optimized by a newer dietcode-ort; update the custom-op library"));
+  }
   if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
   if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
   if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");

@@ -770,7 +770,9 @@ class Bundle:
     def validate(self) -> None:
         """Everything the C++ reader refuses, refused here with the same reasons."""
         if self.version != VERSION:
-            raise _fail(f"version {self.version}, this reader knows {VERSION}")
+            raise _fail(f"version {self.version}, this reader knows {VERSION}: the model was optimized by "
+                        + ("an older dietcode-ort; optimize it again" if self.version < VERSION else
+                           "a newer dietcode-ort; update the custom-op library"))
         if len(self.features) > LIMITS["features"]:
             raise _fail(f"{len(self.features)} features, at most {LIMITS['features']}")
         for j, f in enumerate(self.features):

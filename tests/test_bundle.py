@@ -611,7 +611,11 @@ def test_older_bundle_versions_are_refused(core) -> None:
         # unused, no conv residual; 8: activations 0..2 only; 9: attention kernels without div16 bits; 10: no
         # channels-last conv kernels (epilogue flags bit 4); 11: split-K kernels without the counters param
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 12")
+        _refused(core, bytes(data), f"version {version}, this reader knows 12: the model was optimized by an older "
+                 "dietcode-ort; optimize it again")
+    struct.pack_into("<I", data, 8, 13)  # a later format: the library is the older one
+    _refused(core, bytes(data), "version 13, this reader knows 12: the model was optimized by a newer dietcode-ort; "
+             "update the custom-op library")
 
 
 def test_residual_first_flag_round_trips_and_needs_a_residual_and_an_activation(core) -> None:
