@@ -361,6 +361,10 @@ namespace dietcode {
 // - when the allocation is refused (out of memory): remembered for the (context, stream), which then keeps to
 //   the fallback rather than retry under the bundle's lock at every launch;
 // - on CU_STREAM_PER_THREAD, one handle for a stream per thread, whose launches from two threads may run at once.
+// 16 KiB: the tiles of a split-K call, which a search picks for calls with few tiles (4096: 512 rows x 4096
+// columns of 16 x 32 tiles), so that a later, larger shape seldom allocates again on its first call.
+constexpr uint64_t kMinCounters = 4096;
+
 uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s, uint64_t count) {
   if (s == CU_STREAM_PER_THREAD) return 0;
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -369,7 +373,7 @@ uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s
   dc_bundle::Counters& kept = b->counters[std::make_pair(static_cast<void*>(ctx), static_cast<void*>(s))];
   if (count <= kept.count) return kept.address;
   if (kept.refused) return 0;
-  const uint64_t grown = std::max<uint64_t>({count, 2 * kept.count, 256});  // 1 KiB at least
+  const uint64_t grown = std::max<uint64_t>({count, 2 * kept.count, kMinCounters});
   CUdeviceptr fresh = 0;
   if (d.MemAlloc(&fresh, grown * 4) != CUDA_SUCCESS) return kept.refused = true, 0;
   if (d.MemsetD8Async(fresh, 0, grown * 4, s) != CUDA_SUCCESS) {
