@@ -343,11 +343,12 @@ bool LaunchPtx(const char* ptx, const char* entry, unsigned grid_x, unsigned gri
   return true;
 }
 
-}  // namespace dietcode
+// The fewest counters a (context, stream) gets, 16 KiB: the tiles of a split-K call, which a search picks for
+// calls with few tiles (4096: 512 rows x 4096 columns of 16 x 32 tiles), so that a later, larger shape seldom
+// allocates again on its first call.
+constexpr uint64_t kMinCounters = 4096;
 
-namespace dietcode {
-
-// The split-K counters of a launch of kernel `k` on (`ctx`, `s`) needing `count` of them: memory the bundle
+// The split-K counters of a launch on (`ctx`, `s`) needing `count` of them: memory the bundle
 // keeps per (context, stream), zeroed on the stream when allocated. Every split-K launch puts the counters it
 // used back to zero (the last split of a tile resets its counter, docs/abi.md), and launches on one stream run
 // in order, so the next launch there finds them at zero without a memset per call. A larger call allocates a
@@ -358,13 +359,9 @@ namespace dietcode {
 //   would fail and invalidate the capture, and a graph holding the stream's counters could be replayed on
 //   another stream while launches on this one use them; with the fallback the graph records its own memset and
 //   the call's workspace, so each replay zeroes counters no launch outside it touches;
-// - when the allocation is refused (out of memory): remembered for the (context, stream), which then keeps to
-//   the fallback rather than retry under the bundle's lock at every launch;
+// - when the allocation or its memset is refused (out of memory): remembered for the (context, stream), which
+//   then keeps to the fallback rather than retry under the bundle's lock at every launch;
 // - on CU_STREAM_PER_THREAD, one handle for a stream per thread, whose launches from two threads may run at once.
-// 16 KiB: the tiles of a split-K call, which a search picks for calls with few tiles (4096: 512 rows x 4096
-// columns of 16 x 32 tiles), so that a later, larger shape seldom allocates again on its first call.
-constexpr uint64_t kMinCounters = 4096;
-
 uint64_t SplitKCounters(const Driver& d, dc_bundle* b, CUcontext ctx, CUstream s, uint64_t count) {
   if (s == CU_STREAM_PER_THREAD) return 0;
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
