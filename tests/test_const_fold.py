@@ -146,3 +146,22 @@ def test_a_crafted_constant_too_large_to_build_is_not_built(node, consts):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     out, result = fold_constants(model)
     assert result.folded == () and [n.op_type for n in out.graph.node] == [node.op_type, "Shape"]
+
+
+def test_a_transpose_is_folded_over_integers_only():
+    """TorchScript's ``F.pad`` computes the Pad's pads through a Transpose of an int64 table (the scanner found
+    every Conv after such a Pad data-dependent when that Transpose stayed); a small weight's Transpose is a weight
+    (tuner/affine.py owns those) and stays."""
+    table = numpy_helper.from_array(np.array([[0, 0], [1, 1]], np.int64), "table")
+    weight = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    extra = [helper.make_node("Transpose", ["table"], ["pads_t"], perm=[1, 0]),
+             helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
+             *(helper.make_node("RandomUniformLike", [v], [f"{v}_reader"], dtype=TensorProto.FLOAT)  # kept: read
+               for v in ("pads_t", "w_t"))]
+    model = _model(extra)
+    model.graph.initializer.extend([table, weight])
+    out, result = fold_constants(model)
+    assert "pads_t" in result.folded and "w_t" not in result.folded
+    folded = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert folded["pads_t"].tolist() == [[0, 1], [0, 1]]
+    assert [n.op_type for n in out.graph.node].count("Transpose") == 1

@@ -103,7 +103,8 @@ def merge_units(results: Sequence[tuple[str, ScanResult]]) -> ScanResult:
         tuple(replace(s, node=located(where, s.node)) for where, r in results for s in r.skipped),
         main.input_dims,
         tuple(replace(s, node=located(where, s.node)) for where, r in results for s in r.unfused),
-        tuple(located(where, line) for where, r in results for line in r.prepared))
+        tuple(located(where, line) for where, r in results for line in r.prepared),
+        {name: kept for _, r in results for name, kept in r.merged.items()})
 
 
 def _products(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

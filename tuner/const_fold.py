@@ -12,7 +12,8 @@ all constants (loaded initializers that are not graph inputs a caller could over
 Constant nodes, in any of their numeric forms, and of nodes folded before it) and whose outputs hold at most ``MAX_ELEMENTS`` values each and are
 no graph outputs (known before it is evaluated: a ``ConstantOfShape``, ``Range``, ``Expand`` or broadcast
 whose result would be larger is not built). Larger results (a weight's Transpose) are left to the passes that own them (tuner/affine.py
-makes an unshared weight's Transpose a constant). A node the reference evaluator cannot run stays as it is.
+makes an unshared weight's Transpose a constant); a Transpose is folded over integers only (the pads TorchScript's
+``F.pad`` computes by a Transpose), never a weight's. A node the reference evaluator cannot run stays as it is.
 """
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ FOLDABLE = frozenset((
     "Abs", "Add", "And", "Cast", "Ceil", "Concat", "ConstantOfShape", "Cos", "Div", "Equal", "Erf", "Exp",
     "Expand", "Floor", "Gather", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual", "Log", "Max",
     "Min", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceProd", "ReduceSum", "Reshape",
-    "Shape", "Sign", "Sin", "Size", "Slice", "Sqrt", "Squeeze", "Sub", "Tanh", "Unsqueeze", "Where",
+    "Shape", "Sign", "Sin", "Size", "Slice", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose", "Unsqueeze", "Where",
 ))
+# folded only over integers: shape arithmetic (TorchScript's F.pad reverses its pads through a Transpose); a small
+# weight's Transpose stays for tuner/affine.py, which owns weights
+_INTEGER_ONLY = frozenset(("Transpose",))
 MAX_ELEMENTS = 4096  # per output: scalars, shape vectors, small tables, not weights
 
 
@@ -127,6 +131,9 @@ def fold_constants(model: onnx.ModelProto, copy: bool = True) -> tuple[onnx.Mode
                 not all(i in constants for i in node.input if i) or not any(node.input):
             continue
         tensors = [constants[i] for i in node.input if i]
+        if node.op_type in _INTEGER_ONLY and not all(
+                np.issubdtype(helper.tensor_dtype_to_np_dtype(t.data_type), np.integer) for t in tensors):
+            continue
         shape_only = node.op_type in ("Shape", "Size")
         if not shape_only and any(int(np.prod(t.dims, dtype=object)) > MAX_ELEMENTS for t in tensors):
             continue  # no weight is read to be refused

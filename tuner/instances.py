@@ -22,7 +22,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
 
 __all__ = ["DimSpec", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
-           "instances_from_dims", "instances_from_shape_log"]
+           "merged_dims", "instances_from_dims", "instances_from_shape_log"]
 
 _log = logging.getLogger(__name__)
 
@@ -171,6 +171,52 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[st
             raise DietcodeError(f"--dim gives symbol {spec.name!r} twice")
         specs[spec.name] = spec
     return _cap_product(specs)
+
+
+def merged_dims(options: Sequence[str], merged: Mapping[str, str | int]) -> list[str]:
+    """``--dim`` options with the values of each input dim that the graph makes equal to another
+    (``x[batch, n] + y[batch, m]``: ``merged`` = ``{"m": "n"}``, tuner.scan ``ScanResult.merged``) given to the
+    name shape inference kept, which the workloads' shapes name: ``m=16,32`` becomes ``n=16,32``. Both given with
+    different values is an error; a dim found equal to a size (``{"k": 16}``) keeps that size, with a warning
+    where its values differ (where the graph broadcasts, 1 is a value it may also take)."""
+    def name(option: str) -> str:
+        return option.rpartition("=")[0].strip()
+
+    kept_of = {option: merged.get(name(option)) for option in options}
+    relevant = {name(o): parse_dim_spec(o) for o, kept in kept_of.items() if kept is not None or name(o) in
+                merged.values()}
+
+    def values(spec: DimSpec) -> list[int]:
+        return sorted({v for v, _ in spec.values})
+
+    out: list[str] = []
+    given: set[str] = set()
+    for option in options:
+        alias, kept = name(option), kept_of[option]
+        if kept is None:
+            out.append(option)
+            continue
+        spec = relevant[alias]
+        if isinstance(kept, int):
+            if values(spec) != [kept]:
+                _log.warning("--dim %s: shape inference finds %r equal to %d where the graph combines it with that "
+                             "size, so the tuned nodes see %d, not %s", alias, alias, kept, kept,
+                             _show(values(spec)))
+            continue
+        others = [(n, s) for n, s in relevant.items() if n != alias and (n == kept or merged.get(n) == kept)]
+        for other, other_spec in others:
+            if values(other_spec) != values(spec):
+                raise DietcodeError(f"--dim gives {alias!r} and {other!r} different values, but the model's graph "
+                                    f"makes them one dim (kept as {kept!r}): give the values once (where one of "
+                                    "them is 1 and the graph broadcasts it, give only the other)")
+        if kept not in relevant and kept not in given:
+            out.append(f"{kept}={option.rpartition('=')[2]}")
+            given.add(kept)
+    return out
+
+
+def _show(values: Sequence[int]) -> str:
+    return ", ".join(map(str, values[:6])) + (", ..." if len(values) > 6 else "")
 
 
 def instances_from_dims(specs: Mapping[str, DimSpec], symbols: Sequence[str]) -> tuple[Instance, ...]:

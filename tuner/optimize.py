@@ -19,6 +19,7 @@ from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
+from tuner.instances import merged_dims
 from tuner.layout import NodeValues, choose_layouts
 from tuner.scan import ScanResult, Skipped, attach_instances, load_model, prepare_graph
 from tuner.workload import Problem, Workload
@@ -311,7 +312,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
 
             attention_bundles = tune_sites(
                 [(sites, u.scanned.symbols,
-                  _model_dims(options.dims, u.scanned.symbols) if several or u.branch else options.dims,
+                  merged_dims(_model_dims(options.dims, u.scanned.symbols) if several or u.branch else options.dims,
+                              u.scanned.merged),
                   None if options.shapes_file is None else str(options.shapes_file), u.scanned.input_dims)
                  for (_, u), sites in zip(flat, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,

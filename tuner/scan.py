@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, subgraphs
 from dietcode_ort.errors import DietcodeError
 from tuner import shape_expr
-from tuner.instances import instances_from_dims, instances_from_shape_log, parse_dim_options
+from tuner.instances import instances_from_dims, instances_from_shape_log, merged_dims, parse_dim_options
 from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
@@ -57,6 +57,8 @@ class ScanResult:
     input_dims: dict[str, tuple[str | int | None, ...]] = field(default_factory=dict)  # model_symbols
     unfused: tuple[Skipped, ...] = ()  # Add/activation nodes after a workload node that stay unfused, and why
     prepared: tuple[str, ...] = ()  # what the graph pre-passes changed (``prepare_graph``), a line each
+    # input dims the graph makes equal to another input dim or to a size (``_infer``): {"m": "n"}, {"k": 16}
+    merged: dict[str, str | int] = field(default_factory=dict)
 
 
 class _Refuse(Exception):
@@ -256,7 +258,7 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
 
 @functools.cache
 def _symbolic_shape_inference() -> type:
-    """onnxruntime's SymbolicShapeInference, with three gaps filled:
+    """onnxruntime's SymbolicShapeInference, with these gaps filled:
 
     - ONNX's own Attention (opset 23, torch's dynamo exporter writes it for scaled_dot_product_attention from
       ``opset_version=23``): the tool picks its handlers by op type alone and reads that node as com.microsoft's
@@ -264,13 +266,148 @@ def _symbolic_shape_inference() -> type:
     - a subgraph's own values: the tool hands a subgraph the outer values of the same names (below);
     - the product of a shape's dims by a ReduceProd over all of a 1-D shape vector, kept as a 1-element vector
       (tf2onnx's Einsum writes ``Reshape(x, Concat(ReduceProd(Gather(Shape(x), batch axes)), ...))``): the tool
-      computes only ``axes=[0], keepdims=0``, and every shape behind such a Reshape became data-dependent."""
+      computes only ``axes=[0], keepdims=0``, and every shape behind such a Reshape became data-dependent;
+    - the dim kept when two are found equal (``x[batch, n] + y[batch, m]``): the tool keeps one in the order of a
+      set of names, which follows the strings' hashes (``PYTHONHASHSEED``), so one run named the merged dim ``n``
+      and the next ``m``. Here a size wins, then the input dim the graph's inputs list first, then the first
+      name in sorted order, the same on every run;
+    - ConvTranspose, DepthToSpace and SpaceToDepth (a UNet's decoder, a super-resolution's PixelShuffle): the
+      tool has no rule for them and every shape after them became data-dependent;
+    - Resize by scales: the tool keeps a float scale in the dim (``floor(1.0*batch)``, ``floor(1.5*h)``), which
+      the shape grammar refuses; a scale that is a small fraction (2, 1.5, 0.5) is kept exact (``floor(3*h/2)``);
+    - Pad with ``axes`` (opset 18): the tool asserts one pad per dim at each end;
+    - the node being inferred, for the message of a failure (``current``)."""
+    from fractions import Fraction
+
     import sympy
     from onnx import helper
-    from onnxruntime.tools.symbolic_shape_infer import (SymbolicShapeInference, get_attribute,
-                                                        get_shape_from_sympy_shape, sympy_reduce_product)
+    from onnxruntime.tools.symbolic_shape_infer import (SymbolicShapeInference, get_attribute, get_opset,
+                                                        get_shape_from_sympy_shape, is_literal,
+                                                        sympy_reduce_product)
 
     class Inference(SymbolicShapeInference):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.dispatcher_.update({"ConvTranspose": self._infer_ConvTranspose,
+                                     "DepthToSpace": self._infer_DepthToSpace,
+                                     "SpaceToDepth": self._infer_SpaceToDepth})
+            self.current: onnx.NodeProto | None = None
+
+        def _onnx_infer_single_node(self, node: onnx.NodeProto) -> None:
+            self.current = node  # every node passes here first
+            super()._onnx_infer_single_node(node)
+
+        def _add_suggested_merge(self, symbols: Sequence[Any], apply: bool = False) -> None:
+            order = {d.dim_param: i for i, d in reversed(list(enumerate(
+                d for vi in self.out_mp_.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param)))}
+            found = {self.suggested_merge_.get(s, s) if isinstance(s, str) else s for s in symbols}
+
+            def rank(s: Any) -> tuple:
+                if is_literal(s):
+                    return (0, 0, "")
+                if s in self.input_symbols_:
+                    return (1, order.get(s, len(order)), s)
+                return (2 if type(self.symbolic_dims_.get(s)) is sympy.Symbol else 3, len(s), s)
+
+            keep = min(found, key=rank)
+            for s in sorted((s for s in found if s != keep), key=rank):
+                if is_literal(keep) and is_literal(s):
+                    if int(keep) != int(s):
+                        raise ValueError(f"two different sizes found equal: {keep} and {s}")
+                    continue
+                self.suggested_merge_[s] = int(keep) if is_literal(keep) else keep
+                for k, v in list(self.suggested_merge_.items()):
+                    if v == s:
+                        self.suggested_merge_[k] = self.suggested_merge_[s]
+            if apply and self.auto_merge_:
+                self._apply_suggested_merge()
+
+        def _set_shape(self, node: onnx.NodeProto, shape: list) -> None:
+            self._update_computed_dims(shape)
+            self.known_vi_[node.output[0]].CopyFrom(helper.make_tensor_value_info(
+                node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type,
+                get_shape_from_sympy_shape(shape)))
+
+        def _infer_ConvTranspose(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            # X [N, C, D1..Dn], W [C, OC / group, k1..kn]: out_i = stride (in_i - 1) + output_padding
+            # + dilation (k_i - 1) + 1 - pads at both ends, or in_i x stride under auto_pad SAME_*, or output_shape
+            x, w = self._get_sympy_shape(node, 0), self._get_sympy_shape(node, 1)
+            rank = len(x) - 2
+            if rank < 1 or len(w) != rank + 2:
+                raise ValueError(f"ConvTranspose: input rank {len(x)} and weight rank {len(w)}")
+            kernel = get_attribute(node, "kernel_shape") or w[2:]
+            strides = get_attribute(node, "strides", [1] * rank)
+            dilations = get_attribute(node, "dilations", [1] * rank)
+            extra = get_attribute(node, "output_padding", [0] * rank)
+            pads = get_attribute(node, "pads", [0] * (2 * rank))
+            auto_pad = get_attribute(node, "auto_pad", b"NOTSET").decode()
+            given = get_attribute(node, "output_shape")
+            if given is not None:
+                spatial = [sympy.Integer(v) for v in list(given)[-rank:]]
+            elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+                spatial = [d * s for d, s in zip(x[2:], strides)]
+            else:
+                if auto_pad == "VALID":
+                    pads = [0] * (2 * rank)
+                spatial = [s * (d - 1) + e + (k - 1) * dl + 1 - pads[i] - pads[i + rank]
+                           for i, (d, s, e, k, dl) in enumerate(zip(x[2:], strides, extra, kernel, dilations))]
+            self._set_shape(node, [x[0], w[1] * get_attribute(node, "group", 1), *spatial])
+
+        def _infer_DepthToSpace(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            n, c, h, w = self._get_sympy_shape(node, 0)  # [N, C, H, W] -> [N, C / b^2, H b, W b]
+            b = get_attribute(node, "blocksize")
+            self._set_shape(node, [n, c // (b * b), h * b, w * b])
+
+        def _infer_SpaceToDepth(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            n, c, h, w = self._get_sympy_shape(node, 0)  # [N, C, H, W] -> [N, C b^2, H / b, W / b]
+            b = get_attribute(node, "blocksize")
+            self._set_shape(node, [n, c * b * b, h // b, w // b])
+
+        def _infer_Resize(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            super()._infer_Resize(node)
+            opset = get_opset(self.out_mp_)
+            if opset > 10 and ((len(node.input) > 3 and node.input[3]) or get_attribute(
+                    node, "coordinate_transformation_mode") == b"tf_crop_and_resize"):
+                return  # sizes (the tool's dims are exact), or a region of interest: as the tool says
+            scales = self._try_get_value(node, 1 if opset <= 10 else 2)
+            x = self._get_sympy_shape(node, 0)
+            if scales is None:
+                return
+            full: list[Fraction] = []
+            for s in np.asarray(scales, dtype=np.float64).reshape(-1):
+                exact = Fraction(float(s))
+                if exact <= 0 or exact.limit_denominator(16) != exact:
+                    return  # no small fraction (4/3 in float): the tool's dim, which the grammar refuses
+                full.append(exact)
+            axes = get_attribute(node, "axes")
+            if axes is not None:
+                if len(axes) != len(full):
+                    return
+                by_axis = dict(zip((a % len(x) for a in axes), full))
+                full = [by_axis.get(i, Fraction(1)) for i in range(len(x))]
+            if len(full) != len(x):
+                return
+            self._set_shape(node, [sympy.floor(d * sympy.Rational(f.numerator, f.denominator))
+                                   for d, f in zip(x, full)])
+
+        def _infer_Pad(self, node: onnx.NodeProto) -> None:  # noqa: N802
+            if get_opset(self.out_mp_) < 18 or len(node.input) < 4 or not node.input[3]:
+                super()._infer_Pad(node)
+                return
+            x = self._get_sympy_shape(node, 0)
+            pads, axes = self._try_get_value(node, 1), self._try_get_value(node, 3)
+            if pads is None or axes is None:
+                self._set_shape(node, self._new_symbolic_shape(len(x), node))
+                return
+            axes = [int(a) % len(x) for a in np.asarray(axes).reshape(-1)]
+            pads = [int(p) for p in np.asarray(pads).reshape(-1)]
+            if len(pads) != 2 * len(axes):
+                raise ValueError(f"Pad: {len(pads)} pads for {len(axes)} axes")
+            out = list(x)
+            for i, a in enumerate(axes):
+                out[a] = out[a] + pads[i] + pads[i + len(axes)]
+            self._set_shape(node, out)
+
         def _onnx_infer_subgraph(self, node: onnx.NodeProto, subgraph: onnx.GraphProto, *args: Any,
                                  **kwargs: Any) -> Any:
             # The tool gives a subgraph every value it knows as an outer one, also those the subgraph makes
@@ -328,15 +465,19 @@ def _symbolic_shape_inference() -> type:
     return Inference
 
 
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, merged: dict[str, str | int] | None = None) -> onnx.ModelProto:
     """SymbolicShapeInference (``_symbolic_shape_inference``) driven as its ``infer_shapes`` drives it, except
-    that a model it cannot finish is an error here, never a partial model saved into the current folder (which
-    ``infer_shapes`` does: ``sym_shape_infer_temp.onnx``)."""
+    that a model it cannot finish is an error here (naming the node it failed at), never a partial model saved
+    into the current folder (which ``infer_shapes`` does: ``sym_shape_infer_temp.onnx``).
+
+    ``merged`` (when given) receives the graph-input dims the inference found equal to another input dim or to
+    a size (``x[batch, n] + y[batch, m]``: ``{"m": "n"}``): only the dim kept appears in the shapes inferred."""
     from onnxruntime.tools.symbolic_shape_infer import get_opset
 
     opset = get_opset(model)
     if not opset or opset < 7:
         raise DietcodeError(f"the model imports ONNX opset {opset}: symbolic shape inference needs 7 or newer")
+    inference: Any = None
     try:
         inference = _symbolic_shape_inference()(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess, verbose
         complete = False
@@ -351,10 +492,18 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
                      and not vi.type.tensor_type.HasField("shape")]
         hint = (f"; input {shapeless[0]!r} has no shape (not even a rank): give every graph input its rank, "
                 "with names for the dynamic dims" if shapeless else "")
-        raise DietcodeError(f"symbolic shape inference failed on this model ({type(exc).__name__}: {exc}){hint}") \
-            from None
+        node = getattr(inference, "current", None)
+        at = f" at {node.op_type} node {_label(node)!r}" if node is not None else ""
+        detail = str(exc) or "a check of onnxruntime's tool failed"  # its asserts say nothing
+        raise DietcodeError(f"symbolic shape inference failed on this model{at} ({type(exc).__name__}: {detail})"
+                            f"{hint}") from None
     if inferred is None:
         raise DietcodeError("symbolic shape inference could not complete on this model")
+    if merged is not None:
+        inputs = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
+        for name, kept in sorted(inference.suggested_merge_.items()):
+            if name in inputs and (not isinstance(kept, str) or kept in inputs):
+                merged[name] = kept if isinstance(kept, str) else int(kept)
     return inferred
 
 
@@ -1080,7 +1229,9 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_br
     copy = _inference_copy(model, Path(base_dir) if base_dir is not None else None)
     aliases = _alias_dims(copy)
     loaded = {t.name: t for t in copy.graph.initializer}  # small external constants read (Gelu's 0.5, ...)
-    g = _Graph(_infer(copy), [loaded.get(t.name, t) for t in model.graph.initializer], aliases)
+    merged: dict[str, str | int] = {}
+    g = _Graph(_infer(copy, merged), [loaded.get(t.name, t) for t in model.graph.initializer], aliases)
+    merged = {aliases.get(k, k): aliases.get(v, v) if isinstance(v, str) else v for k, v in merged.items()}
     groups: dict[tuple, list[tuple[str, tuple[str, ...], tuple[int, int]]]] = defaultdict(list)
     protos: dict[tuple, Workload] = {}
     skipped, unfused = [], []
@@ -1140,7 +1291,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_br
                               fused_nodes=tuple(m[1] for m in members), ranks=tuple(m[2] for m in members))
                       for key, members in groups.items())
     skipped.extend(_nested(model, if_branches))
-    return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused))
+    return ScanResult(symbols, workloads, tuple(skipped), input_dims, tuple(unfused), merged=merged)
 
 
 def _nested(model: onnx.ModelProto, if_branches: bool = False) -> list[Skipped]:
@@ -1195,7 +1346,7 @@ def attach_instances(result: ScanResult, dims: Sequence[str] = (), shapes_file: 
             workloads.append(_nonempty(replace(w, instances=tuple(Instance(k, v)
                                                                   for k, v in sorted(counts.items())))))
         return replace(result, workloads=tuple(workloads))
-    specs = parse_dim_options(dims, result.symbols)
+    specs = parse_dim_options(merged_dims(dims, result.merged), result.symbols)
     if not specs:
         return result
     return replace(result, workloads=tuple(_nonempty(replace(w, instances=instances_from_dims(specs, w.symbols)))
@@ -1322,7 +1473,7 @@ def to_json(result: ScanResult) -> dict:
             "workloads": [workload(w) for w in result.workloads],
             "skipped": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.skipped],
             "unfused": [{"node": s.node, "op": s.op, "reason": s.reason} for s in result.unfused],
-            "prepared": list(result.prepared)}
+            "prepared": list(result.prepared), "merged_symbols": dict(result.merged)}
 
 
 def _print_table(result: ScanResult) -> None:
@@ -1352,6 +1503,9 @@ def _print_table(result: ScanResult) -> None:
     console.print(table)
     console.print(Text("symbols: " + "; ".join(f"{sym} = {', '.join(where)}"
                                                 for sym, where in symbol_axes(result.input_dims).items())))
+    if result.merged:
+        console.print(Text("dims the graph makes equal (a --dim for either gives both): " + "; ".join(
+            f"{name} = {kept}" for name, kept in result.merged.items())))
     if result.prepared:
         console.print(Text("graph pre-passes: " + "; ".join(result.prepared)))
     _print_rows(console, "nodes left as they are", ("node", "op", "reason"),
