@@ -226,10 +226,10 @@ class DietcodeKernel {
     const size_t want = BundleInput(spec_) + 1, have = info.GetInputCount();
     const std::string signature = std::string("(A, B, ") + (spec_.bias ? "bias, " : "") +
                                   (spec_.residual ? "residual, " : "") + "bundle)";
-    if (have != want && HasAttribute(info, "bundle")) {  // the contract before ai.dietcode opset 2
+    if (HasAttribute(info, "bundle")) {  // the contract before ai.dietcode opset 2, whatever the inputs say
       Throw("the node carries its kernel bundle as an attribute, the node contract before ai.dietcode opset 2; "
-            "this library reads it from the node's last input " + signature +
-            ": optimize the original model again with this dietcode-ort");
+            "this library reads the bundle from the node's last input " + signature +
+            " only: optimize the original model again with this dietcode-ort");
     }
     if (have != want) {
       Throw("the node has " + std::to_string(have) + " inputs; " + spec_.name + " takes " +

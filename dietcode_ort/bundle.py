@@ -923,15 +923,21 @@ def subgraphs(node: Any) -> list[Any]:
 def dietcode_nodes(model: Any) -> list[DietcodeNode]:
     """Every ``ai.dietcode`` node of an ``onnx.ModelProto`` that takes a bundle (not ``BUNDLELESS_OPS``), in graph
     order, the nodes of an If branch or a loop body right after the node holding it (``optimize`` rewrites If
-    branches too)."""
+    branches too). DietcodeError where two initializers of a graph share the name of a node's bundle input."""
     out: list[DietcodeNode] = []
 
     def walk(graph: Any, inits: dict[str, Any], inputs: set[str], where: str) -> None:
         own = {t.name: t for t in graph.initializer}
         inits = {**inits, **own}
         inputs = (inputs - set(own)) | {v.name for v in graph.input}
+        names = [t.name for t in graph.initializer]
+        twice = {n for n in own if names.count(n) > 1} if len(own) < len(names) else set()
         for node in graph.node:
             if node.domain == DOMAIN and node.op_type not in BUNDLELESS_OPS:
+                if node.input and node.input[-1] in twice:  # a tool reading one and a session the other
+                    raise DietcodeError(f"node {node.name or node.output[0]!r} ({node.op_type}): two initializers "
+                                        f"are named {node.input[-1]!r}, its kernel bundle input; which one a "
+                                        "reader takes is not defined: optimize the original model again")
                 out.append(DietcodeNode(node, inits, inputs, where))
             for a in node.attribute:
                 for sub in ([a.g] if a.HasField("g") else list(a.graphs)):  # named by its attribute
@@ -964,9 +970,11 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
                                     "(Q, Kt, V, mask, bundle): optimize the original model again")
         else:
             want = 3 + ("Bias" in node.op_type) + op_takes_residual(node.op_type)
-        name = node.input[-1] if len(node.input) == want else ""
-        if not name:
+        if len(node.input) != want:
             raise DietcodeError(f"{label} has {len(node.input)} inputs, expected {want} with the kernel bundle last")
+        name = node.input[-1]
+        if not name:
+            raise DietcodeError(f"{label}: its kernel bundle input (the last of its {want}) is empty")
         tensor = inits.get(name)
         if tensor is None or name in graph_inputs:
             raise DietcodeError(f"{label}: its bundle input {name!r} is not a constant initializer")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -73,13 +74,32 @@ def _toolchain_line(chain: dict) -> str:
     return f"{chain['kind']} {chain['arch']}: " + ", ".join(p for p in parts if p)
 
 
+_REQUIRED = object()
+
+
+def _attr(node: onnx.NodeProto, name: str, kind: int, default: object = _REQUIRED) -> Any:
+    """Attribute ``name`` of ``node``, which must be of type ``kind`` (as the library checks it at session
+    creation); ``default`` where it is absent, an error naming the node where it is required."""
+    attr = next((a for a in node.attribute if a.name == name), None)
+    if attr is None:
+        if default is _REQUIRED:
+            raise DietcodeError(f"custom node {node.name!r} ({node.op_type}): the {name!r} attribute is missing")
+        return default
+    if attr.type != kind:
+        raise DietcodeError(f"custom node {node.name!r} ({node.op_type}): the {name!r} attribute is "
+                            f"{onnx.AttributeProto.AttributeType.Name(attr.type)}, not "
+                            f"{onnx.AttributeProto.AttributeType.Name(kind)}")
+    return onnx.helper.get_attribute_value(attr)
+
+
 def _attention(node: onnx.NodeProto) -> dict:
     """A fused Attention node's own facts (tuner/attention_graph.py): its inputs and attributes."""
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    ints = {name: _attr(node, name, onnx.AttributeProto.INT, default)
+            for name, default in (("head_dim", 0), ("nan_to_zero", 0), ("mask_rows", 1), ("causal", 0), ("layout", 0))}
     inputs = [name for name, value in zip(["Q", "Kt", "V", "mask"], node.input) if value]
-    return {"inputs": inputs, "scale": attrs.get("scale"), "head_dim": attrs.get("head_dim"),
-            "nan_to_zero": bool(attrs.get("nan_to_zero", 0)), "mask_rows": bool(attrs.get("mask_rows", 1)),
-            "causal": bool(attrs.get("causal", 0)), "layout": int(attrs.get("layout", 0))}
+    return {"inputs": inputs, "scale": _attr(node, "scale", onnx.AttributeProto.FLOAT), "head_dim": ints["head_dim"],
+            "nan_to_zero": bool(ints["nan_to_zero"]), "mask_rows": bool(ints["mask_rows"]),
+            "causal": bool(ints["causal"]), "layout": ints["layout"]}
 
 
 def _layout_text(layout: int) -> str:
@@ -99,7 +119,7 @@ def epilogue_of(node: onnx.NodeProto) -> dict:
 
     acts = "|".join(sorted(ACTIVATION_OP_NAMES[1:], key=len, reverse=True))  # Relu6 before Relu
     m = re.fullmatch(rf"(MatMul|Gemm|Conv)(Bias)?(?:({acts})?(Residual|Mul)?|(Residual)({acts}))", node.op_type)
-    scale = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 1.0)
+    scale = _attr(node, "scale", onnx.AttributeProto.FLOAT, 1.0)
     if m is None:
         return {"alpha": float(scale)}
     first = m.group(5) is not None
@@ -204,6 +224,7 @@ def inspect_command(path: str, as_json: bool) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(width=max(Console().width, 140))
     bundles = {n["bundle"]["initializer"]: n["bundle"]["bytes"] for n in nodes if n["bundle"]}
@@ -230,9 +251,18 @@ def inspect_command(path: str, as_json: bool) -> int:
         kernels = "\n".join(names)
         ranges = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in n["ranges"].items()) or "-"
         name = f"{n['graph']}: {n['name']}" if n["graph"] else n["name"]
-        table.add_row(name, n["op"], epilogue, work, kernels, ranges, n["tree"]["if_chain"])
+        # names, the info text and toolchain versions come from the model: plain text, never rich markup
+        table.add_row(*(Text(_printable(c)) for c in (name, n["op"], epilogue, work, kernels, ranges,
+                                                      n["tree"]["if_chain"])))
     console.print(table)
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:
-        console.print("images (what made them, the oldest CUDA driver that loads them):\n  " + "\n  ".join(lines))
+        console.print(Text(_printable("images (what made them, the oldest CUDA driver that loads them):\n  "
+                                      + "\n  ".join(lines))))
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters (a terminal's escape sequences in a crafted node name) escaped;
+    line breaks stay."""
+    return "".join(c if c == "\n" or c.isprintable() else repr(c)[1:-1] for c in text)

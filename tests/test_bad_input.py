@@ -17,6 +17,7 @@ from onnx import TensorProto
 import models.__main__ as models_cli
 from _bad_models import broken_files, conv_model, matmul_model, save
 from dietcode_ort.bundle import node_bundles
+from dietcode_ort.errors import DietcodeError
 from dietcode_ort.cli import main
 
 BAD = 2
@@ -521,11 +522,57 @@ def _edit_custom_node(src: Path, dst: Path, attr: str, value) -> Path:
     ("info", "[1, 2]", "'info' attribute is not a description"),
     ("info", '{"ranges": {"M": 4}}', "'info' attribute is not a description"),
     ("bundle", "not a tensor", "carries its kernel bundle as an attribute"),
+    ("scale", "0.5", "the 'scale' attribute is STRING, not FLOAT"),
+    ("scale", [0.5, 0.5], "the 'scale' attribute is FLOATS, not FLOAT"),
 ])
 def test_inspect_malformed_attributes(work, capsys, optimized, attr, value, needle):
     bad = _edit_custom_node(optimized, work / "edited.onnx", attr, value)
     _refused(capsys, ["inspect", str(bad)], "mm0", needle)
     _refused(capsys, ["inspect", str(bad), "--json"], needle)
+
+
+def test_inspect_an_attention_node_without_its_scale():
+    from onnx import helper
+
+    from dietcode_ort.inspect_model import _attention
+
+    node = helper.make_node("Attention", ["q", "kt", "v", "", "b"], ["o"], domain="ai.dietcode", name="att",
+                            head_dim=64)
+    with pytest.raises(DietcodeError, match="custom node 'att' \\(Attention\\): the 'scale' attribute is missing"):
+        _attention(node)
+    node.attribute.append(helper.make_attribute("scale", 0.125))
+    assert _attention(node)["scale"] == 0.125 and _attention(node)["head_dim"] == 64
+
+
+@pytest.mark.parametrize("name", ["[/]", "[b]X[/b]", "mm\x1b[31m0"])
+def test_inspect_shows_names_as_they_are(work, capsys, optimized, name):
+    """Node names come from the model: rich must not read them as markup (``[/]`` failed as an internal
+    error, ``[b]`` styled the table), and a terminal's escape sequence is shown escaped."""
+    model = onnx.load(str(optimized))
+    next(n for n in model.graph.node if n.domain == "ai.dietcode").name = name
+    path = work / "named.onnx"
+    onnx.save(model, str(path))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert name.replace("\x1b", "\\x1b") in out and "\x1b" not in out
+
+
+def test_inspect_refuses_an_ambiguous_or_empty_bundle_input(work, capsys, optimized):
+    """Two initializers of the bundle's name (a tool reading one, onnxruntime the other) and an empty bundle input
+    are refused naming the problem (the empty one read as a wrong input count)."""
+    model = onnx.load(str(optimized))
+    node = next(n for n in model.graph.node if n.domain == "ai.dietcode")
+    bundle = next(t for t in model.graph.initializer if t.name == node.input[-1])
+    twin = onnx.TensorProto()
+    twin.CopyFrom(bundle)
+    model.graph.initializer.insert(0, twin)
+    onnx.save(model, str(work / "twins.onnx"))
+    _refused(capsys, ["inspect", str(work / "twins.onnx")], "mm0", f"two initializers are named {bundle.name!r}")
+    model = onnx.load(str(optimized))
+    node = next(n for n in model.graph.node if n.domain == "ai.dietcode")
+    node.input[-1] = ""
+    onnx.save(model, str(work / "empty.onnx"))
+    _refused(capsys, ["inspect", str(work / "empty.onnx")], "mm0", "its kernel bundle input (the last of its 3) is empty")
 
 
 # --- doctor and python -m models ----------------------------------------------------------------------

@@ -129,12 +129,14 @@ def test_missing_bundle_fails_at_session_creation() -> None:
         dietcode_ort.InferenceSession(custom_model("GemmBias", 3, {}, TensorProto.FLOAT, None), providers=CPU)
 
 
+@pytest.mark.parametrize("with_input", [False, True])
 @pytest.mark.parametrize("as_string", [False, True])
 @pytest.mark.parametrize("op, n_inputs", [("MatMul", 2), ("MatMulBias", 3)])
-def test_per_node_bundle_attribute_names_the_old_contract(op, n_inputs, as_string) -> None:
-    """ai.dietcode opset 1 carried the bundle as a node attribute: refused with what to do about it."""
+def test_per_node_bundle_attribute_names_the_old_contract(op, n_inputs, as_string, with_input) -> None:
+    """ai.dietcode opset 1 carried the bundle as a node attribute: refused with what to do about it, also where
+    the node has its bundle input as well (inspect and doctor refuse that node: the session must too)."""
     data = bundle_bytes(bias="Bias" in op)
-    model = custom_model(op, n_inputs, {}, TensorProto.FLOAT, None)
+    model = custom_model(op, n_inputs, {}, TensorProto.FLOAT, data if with_input else None)
     model.graph.node[0].attribute.append(helper.make_attribute("bundle", data if as_string else
                                                                bundle_initializer(data)))
     with pytest.raises(DietcodeError, match="node 'n0' .*bundle as an attribute.*optimize the original model again"):
