@@ -427,6 +427,35 @@ def _convnext_module(dim: int = 32, classes: int = 10):
     return ConvNeXt()
 
 
+def _decoder_module(width: int = 8, classes: int = 3):
+    """The upsampling layers of a UNet decoder and a super-resolution head, in a chain: a stride-2 Conv, a Conv
+    after ``F.pad`` (TorchScript computes its pads through a Transpose), ConvTranspose2d, ``nn.Upsample`` (Resize
+    by scales) and PixelShuffle (DepthToSpace), each followed by a Conv whose shape runs through it."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = width
+            self.down = nn.Conv2d(3, w, 3, 2, 1)
+            self.mid = nn.Conv2d(w, w, 3)
+            self.up = nn.ConvTranspose2d(w, w, 2, 2)
+            self.fuse = nn.Conv2d(w, w, 3, padding=1)
+            self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
+            self.refine = nn.Conv2d(w, 4 * classes, 3, padding=1)
+            self.shuffle = nn.PixelShuffle(2)
+            self.head = nn.Conv2d(classes, classes, 1)
+
+        def forward(self, x):
+            x = F.relu(self.down(x))
+            x = F.relu(self.mid(F.pad(x, (1, 1, 1, 1))))
+            x = F.relu(self.fuse(self.up(x)))
+            return self.head(self.shuffle(self.refine(self.upsample(x))))
+
+    return Decoder()
+
+
 _IMAGE_AXES = {0: "batch", 2: "height", 3: "width"}
 
 
@@ -446,10 +475,15 @@ def convnext(dtype: str = "float32") -> TorchModel:
     return _tensor_input(_convnext_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
 
 
+def decoder(dtype: str = "float32") -> TorchModel:
+    return _tensor_input(_decoder_module(), dtype, "image", (2, 3, 64, 48), _IMAGE_AXES, key="")
+
+
 MODEL_BUILDERS: dict[str, Callable[..., TorchModel]] = {
     "bert": bert, "distilbert": distilbert, "gpt2": gpt2, "llama": llama, "t5-encoder": t5_encoder,
     "vit": vit, "dinov2": dinov2, "whisper-encoder": whisper_encoder, "resnet18": resnet18, "mobilenet-v2": mobilenet_v2,
     "efficientnet": efficientnet, "convnext": convnext, "bart-decoder": bart_decoder, "t5-decoder": t5_decoder,
+    "upsampling-decoder": decoder,
 }
 
 
@@ -737,6 +771,9 @@ CASES: tuple[Case, ...] = tuple(
     # 1x1 convs on a pooled [batch, C, 1, 1] tensor; ConvNeXt's depthwise 7x7s between NHWC LayerNorm + MLPs
     + _exports("efficientnet", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False, dynamo=False)
     + _exports("convnext", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
+    # shapes through ConvTranspose, Resize by scales, DepthToSpace and a TorchScript F.pad (none was tuned after
+    # them before tuner/scan.py gave onnxruntime's shape inference rules for them)
+    + _exports("upsampling-decoder", tuned=IMAGE_TUNED, probes=IMAGE_PROBES, text=False)
     # optimum's dim names at an opset below 20, where Gelu is exported in its Erf form (a fusion candidate)
     + [Case("bert-opset17-torchscript", "bert", "torchscript", tuned=TEXT_TUNED, probes=TEXT_PROBES, opset=17,
             dim_names={"batch": "batch_size", "sequence": "sequence_length"}),
