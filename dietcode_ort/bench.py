@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from dietcode_ort.bench_report import environment, print_report, write_json, write_plot
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
            "ShapeResult", "BenchReport", "parse_dims", "sweep", "unnamed_dim", "warmup_shape", "make_feeds",
@@ -181,11 +181,12 @@ class BenchReport:
 
 def parse_dims(options: Sequence[str], symbols: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """``--dim NAME=SPEC`` options -> values per symbol, with the tuner's parser (same syntax everywhere:
-    lo:hi inclusive, lo:hi:step, or v1,v2,... whose VALUE@WEIGHT weights bench ignores)."""
+    lo:hi inclusive, lo:hi:step, or v1,v2,... whose VALUE@WEIGHT weights bench ignores), and its cap: past
+    MAX_INSTANCES shapes, evenly spaced values (its notes say how many shapes bench runs)."""
     from tuner.instances import parse_dim_options
 
     return {name: tuple(dict.fromkeys(v for v, _ in spec.values))
-            for name, spec in parse_dim_options(options, symbols).items()}
+            for name, spec in parse_dim_options(options, symbols, purpose="bench").items()}
 
 
 def _default_dim(symbol: str) -> int:
@@ -219,6 +220,11 @@ def _tied_value(terms: tuple[str | int, ...], shape: Mapping[str, int]) -> int:
 
 def sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str] = ()) -> list[dict[str, int]]:
     """The cartesian product over the ``--dim`` symbols; the others take defaults or follow a tie."""
+    return _sweep(symbols, dims, ties)[0]
+
+
+def _sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str]) -> tuple[list[dict[str, int]], list[str]]:
+    """``sweep``'s shapes, and the symbols whose values the ``--dim`` options gave (``warmup_shape``'s ``bounded``)."""
     swept = parse_dims(dims, symbols)
     tied = parse_ties(ties, symbols)
     for name, terms in tied.items():
@@ -232,16 +238,44 @@ def sweep(symbols: Sequence[str], dims: Sequence[str], ties: Sequence[str] = ())
         shape = dict(zip(names, values)) | {s: _default_dim(s) for s in free}
         shape |= {name: _tied_value(terms, shape) for name, terms in tied.items()}
         shapes.append({s: shape[s] for s in symbols})
-    return shapes
+    return shapes, names
 
 
-def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = ()) -> dict[str, int]:
-    """A shape that differs from every swept shape in every symbol (min-1, or max+1 when min is 1)."""
+def warmup_shape(shapes: Sequence[Mapping[str, int]], ties: Sequence[str] = (),
+                 bounded: Collection[str] | None = None) -> dict[str, int]:
+    """The shape each session runs once before the sweep (``measure``); per symbol, the first that applies:
+
+    1. one below the smallest swept value, when that is above 1;
+    2. the smallest value between the swept ones that none takes (a list, a step or a bucketed range leaves
+       such gaps), 1 or more;
+    3. one above the largest, for a symbol not in ``bounded`` (None: every symbol is bounded);
+    4. else the smallest swept value above 0 (0 where there is none).
+
+    Tied symbols follow their terms."""
+    # Why this shape: the warm-up run pays what a session pays once (arena growth, lazy initialisation, loading
+    # kernels), so that each swept shape's timed first call shows what a shape new to the session costs (the CUDA
+    # EP's per-shape cuDNN algorithm search, which a tuned model should not need). For that the warm-up must not
+    # pre-warm any swept shape: in each symbol it takes a value no swept shape takes, so that no node whose shape
+    # follows one symbol has met its value. Below the sweep is the cheapest such value (1). A batch of 1 or an
+    # empty past has none below; a gap inside the sweep (2) keeps the warm-up within the values asked for. Past
+    # the largest value (3) only for a symbol bench gave a default (``run_bench`` bounds those given with --dim):
+    # the largest value the user gave is where the model may stop working (memory, a position table's rows), so
+    # bench never runs past it, not even untimed. A bounded symbol with no unseen value shares one with some swept
+    # shapes (4), and ``measure`` leaves out the first call of a swept shape the warm-up shape equals. Never 0
+    # where a size is swept: an empty tensor warms nothing.
     tied = parse_ties(ties, list(shapes[0]))
     warm: dict[str, int] = {}
     for sym in shapes[0]:
-        seen = {s[sym] for s in shapes}
-        warm[sym] = min(seen) - 1 if min(seen) > 1 else max(seen) + 1
+        seen = sorted({s[sym] for s in shapes})
+        gap = next((max(a + 1, 1) for a, b in zip(seen, seen[1:]) if max(a + 1, 1) < b), None)
+        if seen[0] > 1:
+            warm[sym] = seen[0] - 1
+        elif gap is not None:
+            warm[sym] = gap
+        elif bounded is not None and sym not in bounded:
+            warm[sym] = seen[-1] + 1
+        else:
+            warm[sym] = next((v for v in seen if v > 0), 0)
     return warm | {name: _tied_value(terms, warm) for name, terms in tied.items()}
 
 
@@ -281,8 +315,7 @@ def load_model_info(path: Path) -> ModelInfo:
     """Inputs, outputs, embedding sizes and custom-node count, read without external weights."""
     import onnx
 
-    if not Path(path).is_file():
-        raise DietcodeError(f"model file not found: {path}")
+    check_model_file(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types on a bad file
@@ -537,6 +570,8 @@ def measure(stock: Runner, optimized: Runner, shapes: Sequence[Mapping[str, int]
         warm_feeds = feeds_for(warm_shape)
         for which, runner in runners.items():
             _guarded(which, warm_shape, runner.prepare(warm_feeds).run)
+        # a warm-up shape bounded to the user's values may be one of the swept shapes (warmup_shape, rule 4)
+        skip_first = next((i for i, shape in enumerate(shapes) if dict(shape) == dict(warm_shape)), None)
     except DietcodeError:  # the model rejects the extra shape: warm up on the first swept one instead
         skip_first = 0
         for which, runner in runners.items():
@@ -602,8 +637,8 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
                             f"{options.warmup}, {options.seed})")
     stock_info, opt_info = load_model_info(options.model), load_model_info(options.optimized)
     check_compatible(stock_info, opt_info)
-    shapes = sweep(stock_info.symbols, options.dims, options.ties)
-    warm = warmup_shape(shapes, options.ties) if stock_info.symbols else None
+    shapes, given = _sweep(stock_info.symbols, options.dims, options.ties)
+    warm = warmup_shape(shapes, options.ties, bounded=given) if stock_info.symbols else None
     stock = OrtRunner(options.model, options.provider)
     from dietcode_ort.runtime import library_needed
 

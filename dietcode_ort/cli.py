@@ -17,7 +17,7 @@ import threading
 from typing import Callable, Sequence
 
 from dietcode_ort import __version__
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 
 __all__ = ["main", "build_parser"]
 
@@ -120,11 +120,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
+def _at_least(option: str, value: int | None, least: int) -> None:
+    """DietcodeError (exit 2) for a numeric option below ``least``; None (not given) passes."""
+    if value is not None and value < least:
+        raise DietcodeError(f"{option} must be at least {least}, got {value}")
+
+
 def _cmd_space(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tuner import aot, space
 
+    _at_least("--workers", args.workers, 1)
     cache_dir = Path(args.cache_dir) if args.cache_dir else aot.default_cache_dir()
     compile_ = args.compile or (args.json and not args.estimate)  # JSON reports compiled shared bytes
     if compile_:
@@ -155,7 +162,8 @@ def _add_space(sub: argparse._SubParsersAction) -> None:
                    help="compile each candidate for the table too; shared_bytes becomes the compiled kernel's")
     p.add_argument("--estimate", action="store_true",
                    help="with --json: report the estimated shared bytes instead of compiling")
-    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="compile processes, at least 1 (default and at most: the CPUs this process may use)")
     p.add_argument("--cache-dir", default=None,
                    help="kernel cache folder (default: $DIETCODE_CACHE, else kernels/ in "
                         "$XDG_CACHE_HOME/dietcode-ort or ~/.cache/dietcode-ort)")
@@ -285,11 +293,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from dietcode_ort import doctor
     from dietcode_ort.toolchain import parse_driver
 
-    from pathlib import Path
-
     driver = parse_driver(args.driver) if args.driver is not None else None
-    if args.model is not None and not Path(args.model).is_file():
-        raise DietcodeError(f"model file not found: {args.model}")
+    if args.model is not None:
+        check_model_file(args.model)
     if args.driver is not None and args.model is None:
         raise DietcodeError("--driver compares a MODEL's kernels with a driver: name the model")
     return doctor.doctor_command(as_json=args.json, build=not args.no_build, model=args.model, driver=driver)
@@ -302,7 +308,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
                                    "headers, whether the custom-op library builds and loads, and triton.")
     p.add_argument("model", nargs="?",
                    help="an optimized model: also check that its kernel images load under the driver (each "
-                        "image's recorded minimum driver) and, on a GPU, which kernels would run as ORT's")
+                        "image's recorded minimum driver) and, on a GPU, which kernels would run as ORT's; fails "
+                        "where no kernel of an Attention node can run (Attention has no vendor path)")
     p.add_argument("--driver", metavar="MAJOR.MINOR",
                    help="with MODEL: compare against this CUDA driver version (e.g. 13.0) instead of the one "
                         "libcuda reports")

@@ -16,9 +16,12 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
+
+if TYPE_CHECKING:
+    from dietcode_ort.bundle import BundleKernel
 
 __all__ = ["Check", "LibraryLoad", "cuda_library_sonames", "load_libraries", "cuda_libraries_check", "run_checks",
            "doctor_command", "model_check"]
@@ -163,23 +166,55 @@ def cuda_libraries_check() -> Check:
                    "cuDNN wheels), or put a CUDA toolkit's and cuDNN's libraries on LD_LIBRARY_PATH")
 
 
+def _cannot_run(kernel: "BundleKernel", driver: int, device: tuple[int, int] | None) -> str:
+    """Why a CUDA session would find ``kernel`` unable to run (dc_bundle_fit_device's decision, from what doctor
+    knows: the driver, and the device's compute capability when given), "" when it can. Without a device a
+    kernel is only known unable when every image of it needs a newer driver."""
+    from dietcode_ort.bundle import select_image
+    from dietcode_ort.toolchain import format_driver
+
+    if device is not None:
+        try:
+            select_image(kernel, device[0], device[1], driver)
+        except DietcodeError as exc:
+            return str(exc)
+        return ""
+    images = kernel.all_images()
+    if images and all(chain.min_driver > driver for _, chain in images):
+        oldest = min(chain.min_driver for _, chain in images)
+        return (f"kernel {kernel.name!r}: every image needs a newer driver (the oldest needs >= "
+                f"{format_driver(oldest)}), this driver is {format_driver(driver)}")
+    return ""
+
+
+def _node_names(nodes: Sequence[str], shown: int = 3) -> str:
+    """'a', 'b', 'c' and 4 more."""
+    names = ", ".join(repr(n) for n in nodes[:shown])
+    return names + (f" and {len(nodes) - shown} more" if len(nodes) > shown else "")
+
+
 def model_check(path: str, driver: int | None, device: tuple[int, int] | None = None,
                 driver_source: str = "") -> Check:
     """Whether an optimized model's kernel images load under a CUDA driver of version ``driver``
     (cuDriverGetVersion's encoding; None: no driver here) and, with ``device`` (compute capability), which
     kernels would run as ORT's kernel on it: each image's recorded minimum driver against the driver, and the
-    image choice of docs/bundle.md. "warn" when some image needs a newer driver (those kernels run as ORT's
-    kernel where no other image of theirs loads) or there is no driver to compare with."""
+    image choice of docs/bundle.md. "warn" when some image needs a newer driver (a MatMul/Gemm/Conv kernel
+    runs as ORT's kernel where no other image of it loads) or there is no driver to compare with. "fail" when
+    no kernel of an Attention node's bundle can run: Attention has no vendor path, so the custom op refuses
+    to create the CUDA session (AttentionKernel::FitDevice in custom_ops/attention.cc); an Attention bundle
+    that some kernels can still run only fails the calls its tree sends to the others (a warning)."""
     from pathlib import Path
 
-    from dietcode_ort.bundle import Bundle, node_bundles, read_bundle, select_image
+    from dietcode_ort.bundle import Bundle, node_bundles, read_bundle
     from dietcode_ort.inspect_model import load_optimized
     from dietcode_ort.toolchain import format_driver, format_isa
 
     name = f"model {Path(path).name}"
     model = load_optimized(path)  # what inspect reads, with its errors (the check reports them)
     bundles: dict[str, Bundle] = {}
+    users: dict[str, list[tuple[str, str]]] = {}  # bundle initializer -> (node, op type) of each node taking it
     for where in node_bundles(model, str(Path(path).parent)):
+        users.setdefault(where.initializer, []).append((where.node, where.op_type))
         if where.initializer not in bundles:
             try:
                 bundles[where.initializer] = read_bundle(where.payload)
@@ -204,16 +239,33 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
                      + "; ".join(f"{label}: {n}" for label, n in sorted(groups.items())))
     here = f"this driver is {format_driver(driver)}{driver_source}"
     lines = [f"{label}, {here}: {n} image(s) would not load" for label, n in sorted(refused.items())]
-    if device is not None:
+    on = f"under driver {format_driver(driver)}{driver_source}" + (
+        f" on sm_{device[0]}{device[1]}" if device is not None else "")
+    again = f"--min-driver {format_driver(driver)}" + (f" --target sm_{device[0]}{device[1]}"
+                                                       if device is not None else "")
+    failures: list[str] = []
+    vendor: list[str] = []  # MatMul/Gemm/Conv kernels: the node runs ORT's kernel for them
+    for initializer, bundle in bundles.items():
+        compiled = [k for k in bundle.kernels if k.kind == "triton"]
+        unfit = [why for why in (_cannot_run(k, driver, device) for k in compiled) if why]
+        if not unfit:
+            continue
+        attention = [node for node, op_type in users[initializer] if op_type == "Attention"]
+        if not attention:
+            vendor += unfit
+        elif len(unfit) == len(compiled):
+            failures.append(f"Attention node(s) {_node_names(attention)}: no kernel of their bundle can run {on}, "
+                            "and Attention has no vendor path: the custom op would refuse to create the CUDA "
+                            f"session; first: {unfit[0]} (optimize the original model again with {again})")
+        else:
+            lines.append(f"Attention node(s) {_node_names(attention)}: {len(unfit)} of their bundle's "
+                         f"{len(compiled)} kernels cannot run {on}, and Attention has no vendor path: a call the "
+                         f"dispatch tree sends to one of those fails; first: {unfit[0]}")
+    if device is not None and vendor:
         major, minor = device
-        vendor = []
-        for kernel in kernels:
-            try:
-                select_image(kernel, major, minor, driver)
-            except DietcodeError as exc:
-                vendor.append(str(exc))
-        if vendor:
-            lines.append(f"{len(vendor)} kernel(s) would run as ORT's kernel on sm_{major}{minor}; first: {vendor[0]}")
+        lines.append(f"{len(vendor)} kernel(s) would run as ORT's kernel on sm_{major}{minor}; first: {vendor[0]}")
+    if failures:
+        return Check(name, "fail", f"{summary}; " + "; ".join(failures + lines))
     if lines:
         return Check(name, "warn", f"{summary}; " + "; ".join(lines))
     loads = f"every image loads under driver {format_driver(driver)}{driver_source}"

@@ -11,7 +11,7 @@ from typing import Any
 import onnx
 
 from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, dietcode_nodes, node_bundles, read_bundle
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 from dietcode_ort.toolchain import format_driver, format_isa, ptx_mma, ptx_mma_shapes, ptx_target
 
 __all__ = ["describe", "inspect_command", "load_optimized"]
@@ -202,8 +202,7 @@ def load_optimized(path: str | Path) -> onnx.ModelProto:
     """The model's graph without its external data (bundles are read from it on demand); DietcodeError for
     a missing or unreadable file."""
     path = Path(path)
-    if not path.is_file():
-        raise DietcodeError(f"model file not found: {path}")
+    check_model_file(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, onnx raises several kinds

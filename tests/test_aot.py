@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -148,6 +149,40 @@ def test_compile_failures_are_data(tmp_path: Path) -> None:
     bad = CompileJob(Family("gemm", "float16", "sm_80"), SPLIT, Epilogue(False, "tanh"), cache_dir=tmp_path)
     (result,) = compile_many([bad], workers=1)
     assert result.kernel is None and not result.ok and "unknown activation 'tanh'" in result.error
+
+
+def test_compile_many_refuses_no_workers_and_caps_them_at_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each compile keeps one CPU busy: a pool larger than the CPUs this process may use (or than the jobs) only
+    adds processes (``space --workers 5000`` started one per job); fewer than one worker is refused."""
+    from concurrent.futures import Future
+
+    sizes: list[int] = []
+
+    class Pool:  # runs each job here, recording the pool's size
+        def __init__(self, max_workers: int, **_: Any) -> None:
+            sizes.append(max_workers)
+
+        def submit(self, fn: Any, job: CompileJob) -> Future:
+            future: Future = Future()
+            future.set_result(fn(job))
+            return future
+
+        def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+            pass
+
+    monkeypatch.setattr(aot, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(aot, "_run_job", lambda job: CompileResult(job, None, "not compiled"))
+    monkeypatch.setattr(aot, "usable_cpus", lambda: 4)
+    jobs = [CompileJob(Family("gemm", "float16", "sm_80"), TILE)] * 50
+    assert len(compile_many(jobs, workers=100000)) == 50 and sizes == [4]
+    assert len(compile_many(jobs)) == 50 and sizes == [4, 4]
+    assert len(compile_many(jobs[:3], workers=8)) == 3 and sizes == [4, 4, 3]
+    assert len(compile_many(jobs, workers=1)) == 50 and sizes == [4, 4, 3]  # one: no pool
+    for bad in (0, -3):
+        with pytest.raises(DietcodeError, match=f"compile workers must be at least 1, got {bad}"):
+            compile_many(jobs, workers=bad)
+    monkeypatch.undo()
+    assert 1 <= aot.usable_cpus() <= (os.cpu_count() or 1)
 
 
 def test_default_cache_dir_reads_one_variable(tmp_path: Path) -> None:

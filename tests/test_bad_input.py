@@ -67,14 +67,16 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str)
 # --- model files ----------------------------------------------------------------------------------------
 
 FILE_MESSAGES = {"missing": "not found", "empty": "", "truncated": "not a readable ONNX model",
-                 "text": "not a readable ONNX model"}
+                 "text": "not a readable ONNX model", "directory": "is a directory, not a model file"}
 
 
 @pytest.mark.parametrize("kind", sorted(FILE_MESSAGES))
 @pytest.mark.parametrize("command", ["scan", "optimize", "inspect", "bench-model", "bench-optimized"])
 def test_broken_model_files(work, capsys, kind, command):
     path = str(work / {"missing": "missing.onnx", "empty": "empty.onnx", "truncated": "truncated.onnx",
-                       "text": "text.onnx"}[kind])
+                       "text": "text.onnx", "directory": "folder.onnx"}[kind])
+    if kind == "directory":
+        Path(path).mkdir(exist_ok=True)
     argv = {"scan": ["scan", path, "--dim", "n=1:4"],
             "optimize": _optimize_args(work, Path(path), work / "never.onnx"),
             "inspect": ["inspect", path],
@@ -82,8 +84,8 @@ def test_broken_model_files(work, capsys, kind, command):
             "bench-optimized": ["bench", str(work / "tiny.onnx"), "--optimized", path, "--repeat", "1"]}[command]
     line = _refused(capsys, argv)
     assert path in line
-    if kind == "missing":
-        assert "not found" in line
+    if kind in ("missing", "directory"):
+        assert FILE_MESSAGES[kind] in line
     elif kind == "empty":
         assert "no nodes" in line or "empty" in line or "not a readable" in line, line
     assert not (work / "never.onnx").exists()
@@ -566,13 +568,13 @@ def test_inspect_refuses_an_ambiguous_or_empty_bundle_input(work, capsys, optimi
     twin = onnx.TensorProto()
     twin.CopyFrom(bundle)
     model.graph.initializer.insert(0, twin)
-    onnx.save(model, str(work / "twins.onnx"))
-    _refused(capsys, ["inspect", str(work / "twins.onnx")], "mm0", f"two initializers are named {bundle.name!r}")
+    onnx.save(model, str(work / "twin-bundles.onnx"))
+    _refused(capsys, ["inspect", str(work / "twin-bundles.onnx")], "mm0", f"two initializers are named {bundle.name!r}")
     model = onnx.load(str(optimized))
     node = next(n for n in model.graph.node if n.domain == "ai.dietcode")
     node.input[-1] = ""
-    onnx.save(model, str(work / "empty.onnx"))
-    _refused(capsys, ["inspect", str(work / "empty.onnx")], "mm0", "its kernel bundle input (the last of its 3) is empty")
+    onnx.save(model, str(work / "empty-bundle-input.onnx"))
+    _refused(capsys, ["inspect", str(work / "empty-bundle-input.onnx")], "mm0", "its kernel bundle input (the last of its 3) is empty")
 
 
 # --- doctor and python -m models ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import subprocess
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def test_json_schema_and_plot(tmp_path: Path) -> None:
     for key in ("device", "provider", "onnxruntime", "numpy", "python", "dietcode_ort", "command", "date"):
         assert isinstance(env[key], str) and env[key], key
     assert env["provider"] == "cpu" and env["command"] == "dietcode-ort bench test"
-    assert data["settings"]["repeat"] == 3 and data["settings"]["warmup_shape"] == {"tokens": 6}
+    # tokens has no value below 1: the warm-up takes a gap of the sweep, never a value past the largest given
+    assert data["settings"]["repeat"] == 3 and data["settings"]["warmup_shape"] == {"tokens": 2}
     assert [s["dims"] for s in data["shapes"]] == [{"tokens": 1}, {"tokens": 3}, {"tokens": 5}]
     for shape in data["shapes"]:
         for side in ("stock", "optimized"):
@@ -222,13 +224,63 @@ def test_sweep_defaults_ties_and_unknown_symbols() -> None:
     shapes = bench.sweep(symbols, ["height=32,64"], ["width=height"])
     assert shapes == [{"batch": 1, "height": 32, "width": 32}, {"batch": 1, "height": 64, "width": 64}]
     assert bench.sweep(["batch", "seq", "other"], []) == [{"batch": 1, "seq": 128, "other": 1}]
-    assert bench.warmup_shape(shapes, ["width=height"]) == {"batch": 2, "height": 31, "width": 31}
+    # batch, a default bench chose, may go past its 1; height's values were given (bounded)
+    assert bench.warmup_shape(shapes, ["width=height"], bounded=["height"]) == {"batch": 2, "height": 31, "width": 31}
+    assert bench.warmup_shape(shapes, ["width=height"]) == {"batch": 1, "height": 31, "width": 31}  # all bounded
     with pytest.raises(DietcodeError, match="symbol 'seq'.*batch, height, width"):
         bench.sweep(symbols, ["seq=1:4"])
     with pytest.raises(DietcodeError, match="not a dim"):
         bench.sweep(symbols, [], ["depth=height"])
     with pytest.raises(DietcodeError, match="must not be swept"):
         bench.sweep(symbols, ["width=4"], ["width=height"])
+
+
+def test_a_huge_sweep_says_how_many_shapes_bench_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """Past MAX_INSTANCES shapes bench runs evenly spaced ones, and its notes say so in bench's words (the tuner's
+    parser words them as tuning); the warm-up shape stays within the values given."""
+    caplog.set_level(logging.WARNING)
+    shapes = bench.sweep(["batch", "seq"], ["batch=1:100000", "seq=16:100000"])
+    assert len(shapes) == 1024
+    assert "--dim: 1048576 combinations of batch, seq; benchmarking 1024 of them" in caplog.text
+    assert "--dim batch: 100000 values; benchmarking 1024 evenly spaced ones" in caplog.text
+    assert "tuning" not in caplog.text
+    warm = bench.warmup_shape(shapes, bounded=["batch", "seq"])
+    assert warm == {"batch": 2, "seq": 15}  # batch: a gap between the bucketed values; seq: below the sweep
+    assert all(s["batch"] != warm["batch"] and s["seq"] != warm["seq"] for s in shapes)
+
+
+@pytest.mark.parametrize("dims, bounded, want", [
+    (["tokens=1:4"], ["tokens"], 1),       # no unseen value in 1..4: a swept one, not 5
+    (["tokens=1:4"], [], 5),               # a default's: one past (bench chose the values, not the user)
+    (["tokens=1,2,8"], ["tokens"], 3),     # the smallest gap
+    (["tokens=0,7"], ["tokens"], 1),       # an empty past and 7: 1, not 0 (an empty tensor warms nothing)
+    (["tokens=0,1"], ["tokens"], 1),
+    (["tokens=0"], ["tokens"], 0),         # nothing else given
+    (["tokens=5,9"], ["tokens"], 4),       # below the sweep
+])
+def test_the_warmup_shape_never_exceeds_the_largest_value_given(dims: list[str], bounded: list[str],
+                                                                want: int) -> None:
+    shapes = bench.sweep(["tokens"], dims)
+    warm = bench.warmup_shape(shapes, bounded=bounded)
+    assert warm == {"tokens": want}
+    if bounded:
+        assert warm["tokens"] <= max(s["tokens"] for s in shapes)
+
+
+def test_a_swept_shape_the_warmup_ran_has_no_first_call() -> None:
+    """A warm-up shape bounded to the values given can be one of the swept shapes (``--dim n=1:2``): that shape's
+    first call was the warm-up run, so it is left out, as when the model rejects the warm-up shape."""
+    log: list = []
+    clock = _Clock()
+    stock, opt = _Recorder("A", 2.0, log, clock), _Recorder("B", 1.0, log, clock)
+    shapes = [{"n": 1}, {"n": 2}]
+    warm = bench.warmup_shape(shapes)
+    assert warm == {"n": 1}
+    results = bench.measure(stock, opt, shapes, lambda s: {"x": np.zeros(s["n"])}, repeat=1, warmup=0,
+                            warm_shape=warm, clock=clock)
+    assert log[:2] == [("A", 1), ("B", 1)]
+    assert results[0].stock.first_call is None and results[0].optimized.first_call is None
+    assert results[1].stock.first_call == 2.0 and results[1].optimized.first_call == 1.0
 
 
 def test_a_tie_to_a_sum_gives_a_merged_decoders_mask_length() -> None:
@@ -371,6 +423,8 @@ def test_missing_model_file(tmp_path: Path) -> None:
     model = _mlp(tmp_path / "m.onnx")
     with pytest.raises(DietcodeError, match="model file not found"):
         bench.run_bench(_options(model, tmp_path / "nope.onnx", tmp_path), register=_no_register)
+    with pytest.raises(DietcodeError, match=f"{tmp_path} is a directory, not a model file"):
+        bench.run_bench(_options(model, tmp_path, tmp_path), register=_no_register)
 
 
 # --- the command line ---------------------------------------------------------------------------------

@@ -148,6 +148,10 @@ def test_bad_inputs_write_nothing(work, tmp_path):
         optimize(src, src, _options(work, "tokens=1:4"), log=lambda _: None)
     with pytest.raises(DietcodeError, match="model file not found"):
         optimize(tmp_path / "missing.onnx", out, _options(work, "tokens=1:4"), log=lambda _: None)
+    with pytest.raises(DietcodeError, match="is a directory, not a model file"):
+        optimize(tmp_path, out, _options(work, "tokens=1:4"), log=lambda _: None)
+    with pytest.raises(DietcodeError, match="compile_workers must be at least 1, got 0"):  # as space --workers
+        optimize(src, out, _options(work, "tokens=1:4", compile_workers=0), log=lambda _: None)
     assert not out.exists()
 
 

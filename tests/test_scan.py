@@ -300,6 +300,8 @@ def test_bad_shape_log(tmp_path):
 def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(DietcodeError, match="model file not found"):
         scan(tmp_path / "missing.onnx")
+    with pytest.raises(DietcodeError, match="is a directory, not a model file"):
+        scan(tmp_path)
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00\x01garbage, not a protobuf" * 10)
     with pytest.raises(DietcodeError, match="not a readable ONNX model"):
@@ -332,6 +334,7 @@ def test_cli_json_and_errors(tmp_path):
     table = _cli("scan", str(path))  # the table says where each symbol sits, for names like s33 or unk__793
     assert table.returncode == 0 and "symbols: batch = x[0]; seq = x[1]" in table.stdout, table.stdout
     for args, message in [((str(tmp_path / "nope.onnx"),), "model file not found"),
+                          ((str(tmp_path),), f"{tmp_path} is a directory, not a model file"),
                           ((str(path), "--dim", "seq=5:1"), "inverted"),
                           ((str(path), "--dim", "tokens=1"), "its symbols are: batch, seq")]:
         bad = _cli("scan", *args)

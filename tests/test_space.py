@@ -164,6 +164,9 @@ def test_space_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert "known targets: sm_80, sm_89, sm_90" in capsys.readouterr().err
     assert main(["space", "--target", "sm_80", "--op", "gemm", "--dtype", "fp8"]) == 2
     assert "allowed: float32, float16, bfloat16" in capsys.readouterr().err
+    for workers in ("0", "-2"):  # refused before anything compiles
+        assert main(["space", "--target", "sm_90", "--op", "gemm", "--compile", "--workers", workers]) == 2
+        assert f"error: --workers must be at least 1, got {workers}\n" == capsys.readouterr().err
 
 
 def test_axes_products_are_all_enumerated() -> None:

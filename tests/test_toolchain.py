@@ -193,6 +193,8 @@ def test_doctor_says_which_images_the_driver_does_not_load(tmp_path: Path, capsy
     assert "not MAJOR.MINOR" in capsys.readouterr().err
     assert main(["doctor", str(tmp_path / "absent.onnx"), "--no-build"]) == 2
     assert "model file not found" in capsys.readouterr().err
+    assert main(["doctor", str(tmp_path), "--no-build"]) == 2
+    assert f"error: {tmp_path} is a directory, not a model file" in capsys.readouterr().err
     assert main(["doctor", "--driver", "13.0", "--no-build"]) == 2
     assert "name the model" in capsys.readouterr().err
 

@@ -627,14 +627,29 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
             process.join(timeout=5)
 
 
-def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
-    """Compile ``jobs`` in ``workers`` processes (default: CPU count); results in job order.
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (a container's cpuset or
+    ``taskset`` grant fewer than the machine has), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
 
-    Workers are forked (no ``if __name__ == "__main__"`` guard needed in callers; compiling touches no
-    GPU state). A worker that dies (e.g. a crashing ptxas) turns into an error result for its job. The
-    workers die with this process (SIGKILL, SIGTERM) and are killed at once on KeyboardInterrupt."""
+
+def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
+    """Compile ``jobs`` in ``workers`` processes (default: ``usable_cpus()``); results in job order.
+
+    The pool never exceeds ``usable_cpus()`` nor the number of jobs: each compile keeps one CPU busy, so more
+    processes only add memory (a Triton compiler each) and scheduling, and ``--workers 5000`` would start
+    one per job. Workers are forked (no ``if __name__ == "__main__"`` guard needed in callers; compiling
+    touches no GPU state). A worker that dies (e.g. a crashing ptxas) turns into an error result for its
+    job. The workers die with this process (SIGKILL, SIGTERM) and are killed at once on KeyboardInterrupt.
+    DietcodeError for ``workers`` below 1."""
+    if workers is not None and workers < 1:
+        raise DietcodeError(f"compile workers must be at least 1, got {workers}")
     jobs = list(jobs)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+    cpus = usable_cpus()
+    workers = max(1, min(cpus if workers is None else workers, cpus, len(jobs) or 1))
     if workers == 1:
         return [_run_job(job) for job in jobs]
     import multiprocessing

@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Literal, Mapping, Sequence
 
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
@@ -34,6 +34,18 @@ MAX_INSTANCES = 1024
 MAX_DIM = 1 << 24
 MAX_SHAPE_LOG_BYTES = 64 << 20  # parsed JSON takes about 10x its size in memory
 MAX_WEIGHT = 1e12  # a weight or count past this is a typo, and products of such overflow to inf
+
+# What the values are for, which words the bucketing notes: the tuner tunes for the representatives, each weighted
+# by the values it stands for; bench (dietcode_ort.bench.parse_dims, which ignores weights) runs them only.
+Purpose = Literal["tune", "bench"]
+_NOTES: dict[str, tuple[str, str]] = {  # purpose -> (one symbol's values bucketed, the product bucketed)
+    "tune": ("--dim %s: %d values; tuning for %d evenly spaced representatives, each weighted by the values nearest "
+             "to it (at most %d instances are tuned)",
+             "--dim: %d combinations of %s; tuning for %d (%s), each weighted by the values it stands for"),
+    "bench": ("--dim %s: %d values; benchmarking %d evenly spaced ones, the ends included (at most %d shapes are "
+              "benchmarked)",
+              "--dim: %d combinations of %s; benchmarking %d of them (%s), evenly spaced over each symbol's values"),
+}
 
 
 @dataclass(frozen=True)
@@ -79,9 +91,9 @@ def _bucket(values: Sequence[int], weights: Sequence[float] | None, n: int) -> t
     return tuple(out)
 
 
-def parse_dim_spec(option: str) -> DimSpec:
+def parse_dim_spec(option: str, purpose: Purpose = "tune") -> DimSpec:
     """Parse one ``NAME=SPEC`` option (see the module docstring); more than MAX_INSTANCES values are
-    bucketed (and the output says so)."""
+    bucketed (and the output says so, in the words of ``purpose``)."""
     name, sep, spec = option.rpartition("=")  # a dim name may hold '=' (an exporter's text), SPEC never does
     name, spec = name.strip(), spec.strip()
     if not sep or not name or not spec:
@@ -101,7 +113,7 @@ def parse_dim_spec(option: str) -> DimSpec:
         _check_value(hi, option)
         span = range(lo, hi + 1, step)
         values = _bucket(span, None, MAX_INSTANCES)
-        _note_bucketed(name, len(span), len(values))
+        _note_bucketed(name, len(span), len(values), purpose)
     else:
         merged: dict[int, float] = {}
         for item in spec.split(","):
@@ -122,19 +134,18 @@ def parse_dim_spec(option: str) -> DimSpec:
             merged[value] = merged.get(value, 0.0) + weight
         ordered = sorted(merged)
         values = _bucket(ordered, [merged[v] for v in ordered], MAX_INSTANCES)
-        _note_bucketed(name, len(ordered), len(values))
+        _note_bucketed(name, len(ordered), len(values), purpose)
     if not values:
         raise DietcodeError(f"--dim {option!r}: the range is empty")
     return DimSpec(name, values)
 
 
-def _note_bucketed(name: str, given: int, kept: int) -> None:
+def _note_bucketed(name: str, given: int, kept: int, purpose: Purpose = "tune") -> None:
     if kept < given:
-        _log.warning("--dim %s: %d values; tuning for %d evenly spaced representatives, each weighted by the "
-                     "values nearest to it (at most %d instances are tuned)", name, given, kept, MAX_INSTANCES)
+        _log.warning(_NOTES[purpose][0], name, given, kept, MAX_INSTANCES)
 
 
-def _cap_product(specs: dict[str, DimSpec]) -> dict[str, DimSpec]:
+def _cap_product(specs: dict[str, DimSpec], purpose: Purpose = "tune") -> dict[str, DimSpec]:
     """Bucket the symbols with the most values until the product over all symbols is <= MAX_INSTANCES."""
     counts = {n: len(s.values) for n, s in specs.items()}
     if math.prod(counts.values()) <= MAX_INSTANCES:
@@ -149,18 +160,18 @@ def _cap_product(specs: dict[str, DimSpec]) -> dict[str, DimSpec]:
             values = [v for v, _ in spec.values]
             spec = DimSpec(n, _bucket(values, [w for _, w in spec.values], counts[n]))
         out[n] = spec
-    _log.warning("--dim: %d combinations of %s; tuning for %d (%s), each weighted by the values it stands for",
-                 product, ", ".join(specs), math.prod(counts.values()),
+    _log.warning(_NOTES[purpose][1], product, ", ".join(specs), math.prod(counts.values()),
                  ", ".join(f"{n}: {c} values" for n, c in counts.items()))
     return out
 
 
-def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[str, DimSpec]:
-    """Parse all ``--dim`` options against the model's symbols; unknown or repeated names are errors."""
+def parse_dim_options(options: Sequence[str], symbols: Iterable[str], purpose: Purpose = "tune") -> dict[str, DimSpec]:
+    """Parse all ``--dim`` options against the model's symbols; unknown or repeated names are errors. ``purpose``
+    words the notes of bucketed values: "tune" (the tuner's instances) or "bench" (the shapes bench runs)."""
     known = sorted(set(symbols))
     specs: dict[str, DimSpec] = {}
     for option in options:
-        spec = parse_dim_spec(option)
+        spec = parse_dim_spec(option, purpose)
         padded = [s for s in known if s.strip() == spec.name]
         if spec.name not in known and len(padded) == 1:  # a model's name with spaces around it
             spec = DimSpec(padded[0], spec.values)
@@ -170,7 +181,7 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str]) -> dict[st
         if spec.name in specs:
             raise DietcodeError(f"--dim gives symbol {spec.name!r} twice")
         specs[spec.name] = spec
-    return _cap_product(specs)
+    return _cap_product(specs, purpose)
 
 
 def merged_dims(options: Sequence[str], merged: Mapping[str, str | int]) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
 from tuner.instances import merged_dims
@@ -48,7 +48,7 @@ class OptimizeOptions:
     dims: tuple[str, ...] = ()
     shapes_file: Path | None = None
     cache_dir: Path | None = None  # compiled-kernel cache (tuner.aot default when None)
-    compile_workers: int | None = None  # parallel compile processes (default: CPU count)
+    compile_workers: int | None = None  # parallel compile processes (default and at most: aot.usable_cpus())
     progress: bool = True
     ray: str | None = None  # run compiles and measurements on a Ray cluster: "auto", "local" or its address
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
@@ -494,6 +494,8 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
     if options.max_kernels < 1:
         raise DietcodeError(f"--max-kernels must be at least 1, got {options.max_kernels}")
+    if options.compile_workers is not None and options.compile_workers < 1:  # as `space --workers`
+        raise DietcodeError(f"compile_workers must be at least 1, got {options.compile_workers}")
     if not 0 <= options.seed < 2 ** 32:
         raise DietcodeError(f"--seed must be >= 0 and below 2**32, got {options.seed}")
     if not (math.isfinite(options.min_speedup) and options.min_speedup >= 0):
@@ -510,8 +512,7 @@ def _preflight(model_path: Path, output: Path, options: OptimizeOptions) -> None
         named_profile(options.analytic_gpu, options.targets[0])  # a DietcodeError naming the known GPUs
         if options.measure != "auto":  # auto is checked where it resolves (make_measurer, tune_sites)
             check_analytic_gpu(options.analytic_gpu, options.measure)
-    if not model_path.is_file():
-        raise DietcodeError(f"model file not found: {model_path}")
+    check_model_file(model_path)
     check_output(model_path, output)
     if options.db is not None:
         from tuner.database import Database

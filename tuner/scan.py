@@ -21,7 +21,7 @@ import onnx
 from onnx import numpy_helper
 
 from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, subgraphs
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 from tuner import shape_expr
 from tuner.instances import instances_from_dims, instances_from_shape_log, merged_dims, parse_dim_options
 from tuner.model_file import copy_without, inline_tensor, is_external
@@ -68,8 +68,7 @@ class _Refuse(Exception):
 def load_model(path: str | Path, load_external_data: bool = True) -> onnx.ModelProto:
     """Load an ONNX model file, with a clear error for a missing or corrupt file."""
     path = Path(path)
-    if not path.is_file():
-        raise DietcodeError(f"model file not found: {path}")
+    check_model_file(path)
     try:
         if load_external_data or onnx.serialization.registry.get_format_from_file_extension(path.suffix) \
                 not in (None, "protobuf"):
