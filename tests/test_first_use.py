@@ -117,3 +117,16 @@ def test_read_only_home_with_moved_caches_still_compiles(tmp_path, read_only_dir
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert list((tmp_path / "kernels").glob("*.json"))
+
+
+def test_the_checkout_tracks_no_symbolic_links():
+    """A link the repository tracks points into the machine that committed it: a tracked ``.deps`` link to a
+    local folder left every other clone with a dangling ``.deps``, where ./dev.sh setup then failed to fetch the
+    ORT headers ("cannot create directory '.deps': File exists")."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an sdist or an installed copy)")
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-s"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"git cannot list the checkout: {listed.stderr.strip()}")
+    links = [line.split("\t", 1)[1] for line in listed.stdout.splitlines() if line.startswith("120000 ")]
+    assert links == []
