@@ -212,6 +212,7 @@ def prebuilt_library() -> Path | None:
     if prebuilt:
         if not Path(prebuilt).is_file():
             raise DietcodeError(f"DIETCODE_ORT_LIBRARY={prebuilt!r} does not exist")
+        _check_abi(Path(prebuilt), "DIETCODE_ORT_LIBRARY", _REBUILD)
         return Path(prebuilt)
     return packaged_library()
 
@@ -244,6 +245,8 @@ def library_path(build: bool = True) -> Path:
 
 _REINSTALL = ("reinstall the dietcode-ort wheel built for this platform (docs/deploying.md), or set "
               "DIETCODE_ORT_LIBRARY to a libdietcode_ort.so built from the same version")
+_REBUILD = ("point it at a libdietcode_ort.so built from this version of dietcode-ort (docs/deploying.md), or unset "
+            "it")
 
 
 def packaged_library() -> Path | None:
@@ -253,24 +256,27 @@ def packaged_library() -> Path | None:
     lib = PACKAGED_DIR / _PACKAGED_NAME
     if not lib.is_file():
         return None
-    _check_abi(lib)
+    _check_abi(lib, "the packaged custom-op library", _REINSTALL)
     return lib
 
 
 @functools.lru_cache(maxsize=None)
-def _check_abi(lib: Path) -> None:
+def _check_abi(lib: Path, what: str, remedy: str) -> None:
+    """DietcodeError (``what`` names the library, ``remedy`` says what to do) unless ``lib`` loads and has this
+    package's C ABI: a library of another version, or a file that is no library, fails here rather than as a
+    ctypes error at its first use."""
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as exc:
-        raise DietcodeError(f"the packaged custom-op library does not load ({exc}): {_REINSTALL}") from None
+        raise DietcodeError(f"{what} does not load ({exc}): {remedy}") from None
     try:
         version = handle.dc_abi_version()
     except AttributeError:
-        raise DietcodeError(f"{lib} is not a dietcode-ort custom-op library (no dc_abi_version): "
-                            f"{_REINSTALL}") from None
+        raise DietcodeError(f"{what} ({lib}) is not a dietcode-ort custom-op library (no dc_abi_version): "
+                            f"{remedy}") from None
     if version != C_ABI_VERSION:
-        raise DietcodeError(f"the packaged custom-op library {lib} has C ABI version {version}, this package "
-                            f"expects {C_ABI_VERSION}: {_REINSTALL}")
+        raise DietcodeError(f"{what} ({lib}) has C ABI version {version}, this package expects {C_ABI_VERSION}: "
+                            f"{remedy}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from dietcode_ort.build import C_ABI_VERSION, library_path
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, check_model_file
 
 if TYPE_CHECKING:
     from dietcode_ort.bundle import Bundle, BundleKernel
@@ -124,22 +124,29 @@ def library_needed(providers: Sequence[Any]) -> bool:
 
 
 def _has_fallback(model: Any) -> bool:
-    """Whether every ai.dietcode op type the model uses has a model-local function ORT can run instead."""
+    """Whether every ai.dietcode op type the model uses has a model-local function ORT can run instead.
+    DietcodeError naming the file for a missing or unreadable model (as the CLI's commands say it)."""
     import onnx
 
-    proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
-        onnx.load(model, load_external_data=False)
+    if not isinstance(model, bytes):
+        check_model_file(model)
+    try:
+        proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
+            onnx.load(model, load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError, onnx's own errors
+        what = "the model bytes are" if isinstance(model, bytes) else f"{model} is"
+        raise DietcodeError(f"{what} not a readable ONNX model ({type(exc).__name__}: {exc})") from None
     from dietcode_ort.bundle import dietcode_nodes
 
     functions = {(f.domain, f.name) for f in proto.functions}
     return all((n.domain, n.op_type) in functions for n in (d.node for d in dietcode_nodes(proto)))
 
 
-def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,
-                     **kwargs: Any) -> Any:
-    """An ``onnxruntime.InferenceSession`` for an optimized model.
+def InferenceSession(path_or_bytes: Any, sess_options: Any = None, providers: Sequence[Any] | None = None,
+                     provider_options: Sequence[dict] | None = None, **kwargs: Any) -> Any:
+    """An ``onnxruntime.InferenceSession`` for an optimized model, with ORT's signature (a drop-in for it).
 
-    ``model`` is a path, serialized bytes or an ``onnx.ModelProto``; ``providers`` defaults to CUDA then CPU
+    ``path_or_bytes`` is a path, serialized bytes or an ``onnx.ModelProto``; ``providers`` defaults to CUDA then CPU
     when the CUDA provider can really be created (not merely listed), else CPU. The ai.dietcode ops are
     registered when the session really runs on a GPU provider (see ``library_needed``; a GPU provider ORT
     cannot start is dropped, since ORT would fall back to the CPU) or when a custom node has no fallback
@@ -151,15 +158,25 @@ def InferenceSession(model: Any, sess_options: Any = None, providers: Sequence[A
     """
     import onnxruntime as ort
 
+    model = path_or_bytes
+    if provider_options is not None:
+        kwargs["provider_options"] = provider_options
     opts = sess_options if sess_options is not None else ort.SessionOptions()
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
     elif isinstance(model, Path):
         model = str(model)
+    asked = providers is not None
     if providers is None:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     requested = list(providers)
     kept = [i for i, p in enumerate(requested) if provider_usable(p)]
+    unknown = [name for name in (p[0] if isinstance(p, (tuple, list)) else str(p) for p in requested)
+               if name not in ort.get_available_providers()] if asked else []
+    if unknown:  # a misspelled name, which ORT warns about too; one listed but unable to start is dropped quietly
+        logging.getLogger(__name__).warning(
+            "provider(s) %s: not among this onnxruntime's (%s), left out", ", ".join(unknown),
+            ", ".join(ort.get_available_providers()))
     providers = [requested[i] for i in kept] or ["CPUExecutionProvider"]
     options = kwargs.get("provider_options")
     if options is not None and len(options) == len(requested):  # ORT's list parallel to providers: in step

@@ -56,6 +56,20 @@ def test_prebuilt_library_override(monkeypatch, tmp_path) -> None:
         build.library_path()
 
 
+def test_prebuilt_library_is_checked_like_a_packaged_one(monkeypatch, tmp_path) -> None:
+    """A DIETCODE_ORT_LIBRARY that is no library, another library, or one of another C ABI is refused naming the
+    variable (inspect reported the first two as an internal error: a ctypes OSError / AttributeError)."""
+    text = tmp_path / "text.so"
+    text.write_text("not a library")
+    foreign = _tiny_library(tmp_path, "foreign", 'extern "C" int something_else(void) { return 1; }')
+    other = _tiny_library(tmp_path, "other", 'extern "C" int dc_abi_version(void) { return 99; }')
+    for lib, message in ((text, "does not load"), (foreign, "is not a dietcode-ort custom-op library"),
+                         (other, "has C ABI version 99")):
+        monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(lib))
+        with pytest.raises(DietcodeError, match=rf"DIETCODE_ORT_LIBRARY.*{message}.*unset it"):
+            build.library_path()
+
+
 # --- the library a platform wheel ships ---------------------------------------------------------------------
 
 def _tiny_library(tmp_path, name: str, source: str, *flags: str):

@@ -194,3 +194,28 @@ def test_decision_follows_the_providers_the_session_got(optimized, monkeypatch):
     so = ort.SessionOptions()
     dietcode_ort.register(so)
     assert _has_library(ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"]))
+
+
+def test_a_drop_in_for_onnxruntimes_signature(optimized, caplog):
+    """ORT's signature: provider_options fourth, path_or_bytes by keyword; a provider name this onnxruntime does
+    not have is left out with a warning (as ORT warns), the session runs on the rest."""
+    src, out = optimized
+    _check(dietcode_ort.InferenceSession(str(out), None, ["CPUExecutionProvider"], [{}]), src)
+    _check(dietcode_ort.InferenceSession(path_or_bytes=out.read_bytes(), providers=["CPUExecutionProvider"]), src)
+    sess = dietcode_ort.InferenceSession(out, providers=["CpuExecutionProvidr", "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"] and "CpuExecutionProvidr" in caplog.text
+    _check(sess, src)
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "garbage", "bytes"])
+def test_an_unreadable_model_is_named(tmp_path, kind):
+    """A missing, folder or corrupt model is a DietcodeError naming it (it was protobuf's DecodeError or a bare
+    FileNotFoundError), as the CLI's commands name it."""
+    model: object = {"missing": tmp_path / "none.onnx", "folder": tmp_path, "garbage": tmp_path / "g.onnx",
+                     "bytes": b"\x08\x07garbage"}[kind]
+    if kind == "garbage":
+        (tmp_path / "g.onnx").write_bytes(b"\xff\xfe not a model")
+    want = {"missing": "model file not found", "folder": "is a directory", "garbage": "g.onnx is not a readable ONNX",
+            "bytes": "the model bytes are not a readable ONNX"}[kind]
+    with pytest.raises(DietcodeError, match=want):
+        dietcode_ort.InferenceSession(model, providers=["CPUExecutionProvider"])
