@@ -1,6 +1,7 @@
 // Kernel bundle parsing, validation and dispatch (docs/bundle.md). Mirrors dietcode_ort/bundle.py: every
 // size, offset and index is checked before it is used, and a refusal names the field and the limit.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,7 +18,7 @@ namespace dietcode {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'C', 'B', 'U', 'N', 'D', 'L', 'E'};
-constexpr uint32_t kVersion = 12;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
+constexpr uint32_t kVersion = 13;  // 4: toolchain records, 5: alpha, 6: the split-K workspace, 7: persistent, the
                                    // packed QKV layout flag, 8: residual_first, conv kernels taking the residual,
                                    // 9: activations 3 gelu_tanh, 4 silu, 5 relu6, the kernel record's epilogue
                                    // flags byte (residual_mul, mask_rows, nan_to_zero) and head_dim (docs/bundle.md);
@@ -25,8 +26,10 @@ constexpr uint32_t kVersion = 12;  // 4: toolchain records, 5: alpha, 6: the spl
                                    // than C ABI 11 refuses such a bundle at that flag; 10: an attention kernel's
                                    // div16 bit i names param kQ + i (its params all sit from kQ on); 11: the
                                    // epilogue flags' bit 4, channels-last (NHWC) conv kernels; 12: split-K
-                                   // kernels take the counters (param 29), kept per stream by the launcher
+                                   // kernels take the counters (param 29), kept per stream by the launcher;
+                                   // 13: the header's last u32 (reserved before) is the payload's CRC-32
 constexpr uint32_t kHeaderSize = 32;
+constexpr uint64_t kChecksumAt = 28;  // the header's CRC-32 field, read as 0 when the payload is summed
 constexpr uint32_t kSectionEntrySize = 24;
 constexpr uint32_t kSectionFeatures = 1, kSectionKernels = 2, kSectionTree = 3;
 constexpr uint32_t kFlagResidualFirst = 1;  // the residual added before the activation (format 5: zero_output)
@@ -507,6 +510,29 @@ void ValidateTree(const dc_bundle& b) {
   }
 }
 
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320: zlib's crc32, which the Python writer uses) of
+// data[0, size), the 4 bytes at kChecksumAt read as 0. A table of 256 entries, built once.
+uint32_t PayloadCrc32(const uint8_t* data, uint64_t size) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int bit = 0; bit < 8; ++bit) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t crc = 0xFFFFFFFFu;
+  auto feed = [&](const uint8_t* p, uint64_t n) {
+    for (uint64_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
+  };
+  const uint8_t zeros[4] = {0, 0, 0, 0};
+  feed(data, kChecksumAt);  // Parse calls this on payloads of at least the 32-byte header
+  feed(zeros, 4);
+  feed(data + kChecksumAt + 4, size - kChecksumAt - 4);
+  return crc ^ 0xFFFFFFFFu;
+}
+
 void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   if (data == nullptr || size < kHeaderSize) {
     Fail(std::to_string(size) + " bytes, shorter than the 32-byte header");
@@ -517,15 +543,22 @@ void Parse(const uint8_t* data, uint64_t size, dc_bundle* b) {
   uint32_t header_size = h.Get<uint32_t>("header size");
   uint64_t total = h.Get<uint64_t>("total size");
   uint32_t count = h.Get<uint32_t>("section count");
-  uint32_t reserved = h.Get<uint32_t>("reserved");
+  uint32_t checksum = h.Get<uint32_t>("checksum");
   if (version != kVersion) {
     Fail("version " + std::to_string(version) + ", this reader knows " + std::to_string(kVersion) +
          (version < kVersion ? ": the model was optimized by an older dietcode-ort; optimize it again"
                              : ": the model was optimized by a newer dietcode-ort; update the custom-op library"));
   }
-  if (header_size != kHeaderSize || reserved != 0) Fail("header size / reserved field invalid");
+  if (header_size != kHeaderSize) Fail("header size " + std::to_string(header_size) + ", expected 32");
   if (total != size) Fail("header says " + std::to_string(total) + " bytes, payload has " + std::to_string(size));
   if (total > kMaxTotal) Fail("payload of " + std::to_string(total) + " bytes too large");
+  const uint32_t summed = PayloadCrc32(data, size);
+  if (checksum != summed) {
+    char sums[48];
+    std::snprintf(sums, sizeof(sums), "%08x, its bytes sum to %08x", checksum, summed);
+    Fail(std::string("checksum mismatch: the header says ") + sums + ": the bundle was changed after dietcode-ort "
+         "wrote it (a damaged or edited model file); optimize the original model again");
+  }
   if (count != 3) Fail(std::to_string(count) + " sections, expected 3 (features, kernels, tree)");
   const uint64_t table_end = kHeaderSize + uint64_t{kSectionEntrySize} * count;
   if (table_end > total) Fail("section table runs past the end");

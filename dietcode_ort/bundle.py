@@ -19,7 +19,7 @@ from dietcode_ort.errors import DietcodeError
 from dietcode_ort.toolchain import format_isa, ptx_isa
 
 __all__ = [
-    "DOMAIN", "MAGIC", "VERSION", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
+    "DOMAIN", "MAGIC", "VERSION", "CHECKSUM_AT", "seal", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "subgraphs", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
 ]
@@ -37,8 +37,10 @@ MAGIC = b"DCBUNDLE"
 # 10: an attention kernel's div16 bit i names param 16 + i (q, k, v, mask, out, ...: all its params sit there)
 # 11: epilogue flags bit 4, a channels-last (NHWC) conv kernel (EPILOGUE_CHANNELS_LAST)
 # 12: split-K kernels also take the int32 counters (param 29), which the launcher keeps per stream
-VERSION = 12
+# 13: the header's last u32 (reserved, 0) is a CRC-32 of the payload (``seal``)
+VERSION = 13
 HEADER_SIZE = 32
+CHECKSUM_AT = 28  # the header's CRC-32 field: of the whole payload, read with this field as 0
 SECTION_ENTRY_SIZE = 24
 SECTION_FEATURES, SECTION_KERNELS, SECTION_TREE = 1, 2, 3
 
@@ -822,7 +824,7 @@ class Bundle:
             body += data
         total = offset + len(body)
         header = MAGIC + struct.pack("<IIQII", self.version, HEADER_SIZE, total, len(sections), 0)
-        return header + table + body
+        return seal(header + table + body)
 
     def _features_bytes(self) -> bytes:
         out = [struct.pack("<I", len(self.features))]
@@ -864,6 +866,22 @@ class Bundle:
         t, n = self.tree, len(self.tree.leaf)
         return (struct.pack("<I", n) + struct.pack(f"<{n}i", *t.feature) + struct.pack(f"<{n}q", *t.threshold)
                 + struct.pack(f"<{n}i", *t.left) + struct.pack(f"<{n}i", *t.right) + struct.pack(f"<{n}i", *t.leaf))
+
+
+def seal(payload: bytes) -> bytes:
+    """``payload`` with its header's checksum (format 13) set: the CRC-32 (zlib's, IEEE 802.3) of every byte, the
+    checksum field read as 0. The reader refuses a payload whose bytes no longer match it: a bit flipped on disk
+    or in transfer could otherwise change a field the reader cannot check against anything else (a kernel's
+    BLOCK_N, hence its grid) and give wrong results without an error. Payloads shorter than the header are
+    returned as they are."""
+    import zlib
+
+    if len(payload) < HEADER_SIZE:
+        return bytes(payload)
+    data = bytearray(payload)
+    struct.pack_into("<I", data, CHECKSUM_AT, 0)
+    struct.pack_into("<I", data, CHECKSUM_AT, zlib.crc32(data))
+    return bytes(data)
 
 
 def read_bundle(data: bytes) -> Bundle:

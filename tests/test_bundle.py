@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dietcode_ort.bundle import (ACTIVATION_CODES, ATTENTION_PARAMS, FLAG_RESIDUAL_FIRST, MAGIC, VIEWS, Bundle, BundleKernel, DispatchTree, Feature, parse_arch,
-                                 read_bundle, select_image)
+                                 read_bundle, seal, select_image)
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.runtime import load_core
 
@@ -183,6 +183,8 @@ def test_arch_without_cubin_or_ptx_is_refused(core) -> None:
 
 
 def _refused(core, data: bytes, pattern: str) -> None:
+    """A crafted payload, resealed (its checksum made to match, as a crafter would): the field checks refuse it."""
+    data = seal(data)
     with pytest.raises(DietcodeError, match=pattern):
         core.parse(data)
     with pytest.raises(DietcodeError, match=pattern):
@@ -386,7 +388,7 @@ def test_every_activation_code_round_trips_and_one_past_them_is_refused(core) ->
         with pytest.raises(DietcodeError, match="another activation"):
             parsed.check_node("float32", "MatMul", other)
     a, b = payloads["silu"], payloads["relu6"]
-    (at,) = [i for i in range(len(a)) if a[i] != b[i]]  # the kernel record's activation byte
+    (at,) = [i for i in range(len(a)) if a[i] != b[i] and not 28 <= i < 32]  # the activation byte (28: the CRC)
     assert (a[at], b[at]) == (4, 5)
     bad = bytearray(b)
     bad[at] = len(ACTIVATION_CODES)
@@ -600,21 +602,22 @@ def test_image_shared_is_checked_by_writer_and_reader(core) -> None:
     struct.pack_into("<I", bad, at, (1 << 20) + 1)
     _refused(core, bytes(bad), "image shared")
     struct.pack_into("<I", bad, at, 1 << 20)  # the limit itself is fine
-    assert read_bundle(bytes(bad)).kernels[0].image_shared == (1 << 20, 16384)
-    assert core.parse(bytes(bad)).image_shared(0, 9, 0) == 1 << 20
+    assert read_bundle(seal(bad)).kernels[0].image_shared == (1 << 20, 16384)
+    assert core.parse(seal(bad)).image_shared(0, 9, 0) == 1 << 20
 
 
 def test_older_bundle_versions_are_refused(core) -> None:
     data = bytearray(sample_bundle().to_bytes())
-    for version in (2, 4, 5, 6, 7, 8, 9, 10, 11):  # 4: before the kernels' alpha; 5: split-K by atomics
+    for version in (2, 4, 5, 6, 7, 8, 9, 10, 11, 12):  # 4: before the kernels' alpha; 5: split-K by atomics
         # (zero_output, flag bit 0); 6: before the persistent byte and the packed QKV layout bit; 7: flag bit 0
         # unused, no conv residual; 8: activations 0..2 only; 9: attention kernels without div16 bits; 10: no
-        # channels-last conv kernels (epilogue flags bit 4); 11: split-K kernels without the counters param
+        # channels-last conv kernels (epilogue flags bit 4); 11: split-K kernels without the counters param;
+        # 12: no checksum
         struct.pack_into("<I", data, 8, version)
-        _refused(core, bytes(data), f"version {version}, this reader knows 12: the model was optimized by an older "
+        _refused(core, bytes(data), f"version {version}, this reader knows 13: the model was optimized by an older "
                  "dietcode-ort; optimize it again")
-    struct.pack_into("<I", data, 8, 13)  # a later format: the library is the older one
-    _refused(core, bytes(data), "version 13, this reader knows 12: the model was optimized by a newer dietcode-ort; "
+    struct.pack_into("<I", data, 8, 14)  # a later format: the library is the older one
+    _refused(core, bytes(data), "version 14, this reader knows 13: the model was optimized by a newer dietcode-ort; "
              "update the custom-op library")
 
 
@@ -694,7 +697,7 @@ def _with_epilogue_flags(kernel: BundleKernel, value: int) -> bytes:
     at = k_off + 4 + record - 5  # the epilogue flags, before the u32 head_dim ending the record
     assert data[at] == 0
     data[at] = value
-    return bytes(data)
+    return seal(data)
 
 
 def test_channels_last_flag_round_trips_on_ungrouped_conv_kernels_only(core) -> None:
@@ -893,3 +896,22 @@ def test_channels_last_comes_from_the_compiled_kernels_conv() -> None:
         kernel = BundleKernel.from_compiled([compiled])
         assert (kernel.channels_last, kernel.grouped) == (channels_last, grouped)
         assert read_bundle(Bundle((), (kernel,), DispatchTree.single(0)).to_bytes()).kernels[0] == kernel
+
+
+def test_a_changed_byte_anywhere_is_refused_by_the_checksum(core) -> None:
+    """Format 13: the header's CRC-32 covers every byte, so a bit flipped on disk or in transfer is refused even
+    where the changed field would pass every check (a kernel's BLOCK_N 64 -> 320, hence its grid: wrong results
+    on a GPU, with no error). The magic, version and size fields are checked first, with their own messages."""
+    data = sample_bundle().to_bytes()
+    assert core.parse(data).decode() == read_bundle(data)
+    for at in range(len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 1 << (at % 8)
+        with pytest.raises(DietcodeError, match="checksum mismatch|magic|version|bytes, payload has|header size"):
+            core.parse(bytes(bad))
+    flipped = bytearray(data)
+    flipped[40] ^= 0x10
+    with pytest.raises(DietcodeError, match=r"checksum mismatch: the header says [0-9a-f]{8}, its bytes sum to "
+                                            r"[0-9a-f]{8}: the bundle was changed after dietcode-ort wrote it"):
+        core.parse(bytes(flipped))
+    assert seal(data) == data and seal(data[:20]) == data[:20]  # the writer seals; a stub has no header to seal

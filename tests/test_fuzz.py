@@ -110,6 +110,10 @@ def _mutate(rng: random.Random, data: bytes, seeds: list[bytes]) -> bytes:
             buf[pos:pos + 16] = other[start:start + 16]
     if rng.random() < 0.3 and len(buf) >= 32:  # keep the header's size honest so deeper fields get exercised
         struct.pack_into("<Q", buf, 16, len(buf))
+    if rng.random() < 0.9:  # resealed (the checksum made to match, as a crafter would) so the field checks are
+        from dietcode_ort.bundle import seal  # reached; the rest exercise the checksum's refusal
+
+        return seal(buf)
     return bytes(buf)
 
 

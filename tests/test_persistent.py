@@ -17,6 +17,7 @@ import pytest
 
 from _interpreter import run_interpreted
 from _persistent_cases import CASES as PERSISTENT_CASES
+from dietcode_ort.bundle import seal
 from dietcode_ort.errors import DietcodeError
 from tuner.hardware import get_profile
 from tuner.space import (Family, MicroKernel, enumerate_space, persistent_programs, prune_report, validate,
@@ -256,7 +257,7 @@ def test_crafted_persistent_byte_is_refused(value: int) -> None:
     payload[_persistent_byte_at(bytes(payload), _bundle_kernel())] = value
     with pytest.raises(DietcodeError, match=rf"invalid kernel bundle: kernel 0: persistent {value} programs per SM "
                                             r"outside 0\.\.8"):
-        load_core().parse(bytes(payload))
+        load_core().parse(seal(payload))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -88,7 +88,7 @@ def test_toolchain_fields_round_trip_through_the_c_reader(core) -> None:
 def test_format_3_is_refused_with_the_version_named(core) -> None:
     data = bytearray(_bundle(_kernel("k")).to_bytes())
     struct.pack_into("<I", data, 8, 3)
-    _both_refuse(core, bytes(data), "version 3, this reader knows 12")
+    _both_refuse(core, bytes(data), "version 3, this reader knows 13")
 
 
 def test_recorded_ptx_isa_must_be_the_ptx_version_line(core) -> None:

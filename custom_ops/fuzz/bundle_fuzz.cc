@@ -7,6 +7,9 @@
 //       custom_ops/fuzz/bundle_fuzz.cc custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_fuzz
 //   ./bundle_fuzz -max_total_time=60 custom_ops/fuzz/corpus
 // The corpus is tests/test_fuzz.py's seeds in the current format (seed-NN.bin, written from its _seeds()).
+// Since format 13 a mutant whose header checksum no longer matches is refused before any section is read:
+// tests/test_fuzz.py reseals most of its mutants (dietcode_ort.bundle.seal) to reach the field checks; a
+// libFuzzer run, which does not, mostly exercises the header's checks (the corpus seeds reach the rest).
 // Without clang, build with g++ and -DDC_FUZZ_STANDALONE to replay files given on the command line:
 //   g++ -std=c++17 -g -fsanitize=address,undefined -DDC_FUZZ_STANDALONE $INC custom_ops/fuzz/bundle_fuzz.cc \
 //       custom_ops/core.cc custom_ops/bundle_read.cc custom_ops/launch.cc -ldl -o bundle_replay && ./bundle_replay FILE...
