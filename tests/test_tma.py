@@ -14,6 +14,7 @@ import pytest
 
 from _interpreter import run_interpreted
 from _tma_cases import CASES as TMA_CASES
+from dietcode_ort.bundle import seal
 from dietcode_ort.errors import DietcodeError
 from tuner.hardware import get_profile
 from tuner.space import Family, MicroKernel, enumerate_space, prune_report, validate, wgmma_eligible
@@ -179,17 +180,17 @@ def test_bad_scratch_records_are_refused_by_both_readers(bad: tuple[int, int]) -
         _tma_bundle_kernel(image_scratch=(bad,)).validate(0)
     with pytest.raises(DietcodeError, match="global scratch"):
         _tma_bundle_kernel(ptx_scratch=bad).validate(0)
-    # the C reader, given the bytes the writer would refuse: patch a valid payload's image record
+    # the C reader, given the bytes the writer would refuse: patch a valid payload's image record (resealed)
     good = _payload(_tma_bundle_kernel(ptx_scratch=(0, 1)))
     record = struct.pack("<II", 256, 128)
     assert good.count(record) == 1
     with pytest.raises(DietcodeError, match="invalid kernel bundle: .*global scratch"):
-        load_core().parse(good.replace(record, struct.pack("<II", *bad)))
+        load_core().parse(seal(good.replace(record, struct.pack("<II", *bad))))
     ptx_record = struct.pack("<II", 512, 256)  # the PTX's record, last in the kernel record
     good = _payload(_tma_bundle_kernel(ptx_scratch=(512, 256)))
     assert good.count(ptx_record) == 1
     with pytest.raises(DietcodeError, match="invalid kernel bundle: kernel 0: PTX: global scratch"):
-        load_core().parse(good.replace(ptx_record, struct.pack("<II", *bad)))
+        load_core().parse(seal(good.replace(ptx_record, struct.pack("<II", *bad))))
     with pytest.raises(DietcodeError, match="global scratch record for PTX it does not carry"):
         _tma_bundle_kernel(ptx="", ptx_scratch=(256, 128)).validate(0)
 
