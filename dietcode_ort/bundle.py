@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -948,8 +949,7 @@ def dietcode_nodes(model: Any) -> list[DietcodeNode]:
         own = {t.name: t for t in graph.initializer}
         inits = {**inits, **own}
         inputs = (inputs - set(own)) | {v.name for v in graph.input}
-        names = [t.name for t in graph.initializer]
-        twice = {n for n in own if names.count(n) > 1} if len(own) < len(names) else set()
+        twice = {n for n, count in Counter(t.name for t in graph.initializer).items() if count > 1}
         for node in graph.node:
             if node.domain == DOMAIN and node.op_type not in BUNDLELESS_OPS:
                 if node.input and node.input[-1] in twice:  # a tool reading one and a session the other

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from dietcode_ort.build import C_ABI_VERSION, library_path
-from dietcode_ort.errors import DietcodeError, check_model_file
+from dietcode_ort.errors import DietcodeError
 
 if TYPE_CHECKING:
     from dietcode_ort.bundle import Bundle, BundleKernel
@@ -54,13 +54,18 @@ _USABLE: dict[str, bool] = {}
 _USABLE_LOCK = threading.Lock()
 
 
+def _provider_name(provider: Any) -> str:
+    """A ``providers`` entry's name: the entry, or the first item of a (name, options) pair."""
+    return provider[0] if isinstance(provider, (tuple, list)) else str(provider)
+
+
 def provider_usable(provider: Any) -> bool:
     """Whether ONNX Runtime can really create ``provider`` (a name or (name, options)) on this machine:
     ``get_available_providers`` lists every provider the build has, even when its libraries (CUDA,
     cuDNN) are missing. Answered by a one-node session's ``get_providers()``, once per process."""
     import onnxruntime as ort
 
-    name = provider[0] if isinstance(provider, (tuple, list)) else str(provider)
+    name = _provider_name(provider)
     if name == "CPUExecutionProvider":
         return True
     if name not in ort.get_available_providers():
@@ -128,14 +133,16 @@ def _has_fallback(model: Any) -> bool:
     DietcodeError naming the file for a missing or unreadable model (as the CLI's commands say it)."""
     import onnx
 
-    if not isinstance(model, bytes):
-        check_model_file(model)
-    try:
-        proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
-            onnx.load(model, load_external_data=False)
-    except Exception as exc:  # protobuf's DecodeError, onnx's own errors
-        what = "the model bytes are" if isinstance(model, bytes) else f"{model} is"
-        raise DietcodeError(f"{what} not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if isinstance(model, bytes):
+        try:
+            proto = onnx.load_model_from_string(model)
+        except Exception as exc:  # protobuf's DecodeError, onnx's own errors
+            raise DietcodeError(f"the model bytes are not a readable ONNX model ({type(exc).__name__}: {exc})") \
+                from None
+    else:
+        from dietcode_ort.inspect_model import load_optimized
+
+        proto = load_optimized(model)  # inspect's reading, with its errors
     from dietcode_ort.bundle import dietcode_nodes
 
     functions = {(f.domain, f.name) for f in proto.functions}
@@ -171,12 +178,11 @@ def InferenceSession(path_or_bytes: Any, sess_options: Any = None, providers: Se
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     requested = list(providers)
     kept = [i for i, p in enumerate(requested) if provider_usable(p)]
-    unknown = [name for name in (p[0] if isinstance(p, (tuple, list)) else str(p) for p in requested)
-               if name not in ort.get_available_providers()] if asked else []
+    available = ort.get_available_providers()
+    unknown = [_provider_name(p) for p in requested if _provider_name(p) not in available] if asked else []
     if unknown:  # a misspelled name, which ORT warns about too; one listed but unable to start is dropped quietly
         logging.getLogger(__name__).warning(
-            "provider(s) %s: not among this onnxruntime's (%s), left out", ", ".join(unknown),
-            ", ".join(ort.get_available_providers()))
+            "provider(s) %s: not among this onnxruntime's (%s), left out", ", ".join(unknown), ", ".join(available))
     providers = [requested[i] for i in kept] or ["CPUExecutionProvider"]
     options = kwargs.get("provider_options")
     if options is not None and len(options) == len(requested):  # ORT's list parallel to providers: in step

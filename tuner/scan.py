@@ -297,8 +297,10 @@ def _symbolic_shape_inference() -> type:
             super()._onnx_infer_single_node(node)
 
         def _add_suggested_merge(self, symbols: Sequence[Any], apply: bool = False) -> None:
-            order = {d.dim_param: i for i, d in reversed(list(enumerate(
-                d for vi in self.out_mp_.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param)))}
+            order: dict[str, int] = {}  # each input dim name at its first place in the graph's inputs
+            for vi in self.out_mp_.graph.input:
+                for d in vi.type.tensor_type.shape.dim:
+                    order.setdefault(d.dim_param, len(order))
             found = {self.suggested_merge_.get(s, s) if isinstance(s, str) else s for s in symbols}
 
             def rank(s: Any) -> tuple:
