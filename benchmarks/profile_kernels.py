@@ -933,8 +933,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             p.error("give MODEL --optimized OPT, or --suite NAME")
         symbols = bench.load_model_info(model).symbols
-        shapes = profile_shapes(symbols, args.dim, args.shape, args.tie)
-        warm = bench.warmup_shape(shapes, args.tie) if symbols else None
+        given = [*args.dim, *(part for point in args.shape for part in point.split(","))]
+        ties = bench.model_ties(model, given, args.tie)[0] if symbols else args.tie
+        shapes = profile_shapes(symbols, args.dim, args.shape, ties)
+        warm = bench.warmup_shape(shapes, ties) if symbols else None
         source, fallback = args.source, None
         if source == "auto":
             source = "cupti" if args.provider == "cuda" else "ort"

@@ -21,6 +21,7 @@ Symbols not swept with ``--dim`` take a default from :data:`DEFAULT_DIMS` (first
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import time
@@ -35,8 +36,8 @@ from dietcode_ort.bench_report import environment, print_report, write_json, wri
 from dietcode_ort.errors import DietcodeError, check_model_file
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
-           "ShapeResult", "BenchReport", "parse_dims", "sweep", "unnamed_dim", "warmup_shape", "make_feeds",
-           "load_model_info", "model_info", "check_compatible", "check_agreement", "OrtRunner", "measure",
+           "ShapeResult", "BenchReport", "parse_dims", "merged_ties", "model_ties", "sweep", "unnamed_dim",
+           "warmup_shape", "make_feeds", "load_model_info", "model_info", "check_compatible", "check_agreement", "OrtRunner", "measure",
            "run_bench", "bench_command"]
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -51,6 +52,7 @@ TOLERANCES = {"float32": (1e-3, 1e-3), "float64": (1e-3, 1e-3), "float16": (2e-2
 _NARROW = {10: "float16", 16: "bfloat16"}
 _SMALL_VOCAB = 2  # index range for int inputs whose embedding table cannot be found
 _PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,48 @@ def parse_ties(ties: Sequence[str], symbols: Sequence[str]) -> dict[str, tuple[s
                                     f"{', '.join(symbols) or '(none)'}")
         tied[name] = terms
     return tied
+
+
+def merged_ties(merged: Mapping[str, str | int], dims: Sequence[str], ties: Sequence[str]) -> tuple[str, ...]:
+    """``--tie`` options for the input dims the graph makes equal (``x[batch, n] + y[batch, m]``: ``merged`` =
+    ``{"m": "n"}``, tuner.scan ``ScanResult.merged``), so that a sweep of one never feeds the model shapes it
+    refuses: each set of equal dims follows the one of them ``--dim`` sweeps (else the one shape inference kept),
+    and a dim found equal to a size takes that size unless swept. A set of which ``--dim`` sweeps two is an
+    error; a set one of whose dims a ``--tie`` names is left as the options say."""
+    def name(option: str) -> str:
+        return option.partition("=")[0].strip()
+
+    swept = {name(o) for o in dims}
+    tied = {x.strip() for t in ties for x in re.split(r"[=+]", t)}  # tied or followed
+    sets: dict[str | int, list[str]] = {}
+    for alias, kept in merged.items():
+        sets.setdefault(kept, [kept] if isinstance(kept, str) else []).append(alias)
+    out: list[str] = []
+    for kept, members in sets.items():
+        if tied.intersection(members):
+            continue
+        lead = [m for m in members if m in swept]
+        if len(lead) > 1:
+            raise DietcodeError(f"--dim gives both {lead[0]!r} and {lead[1]!r}, which the graph makes equal (shape "
+                                f"inference finds {', '.join(members)} the same dim): give one and the others follow it, "
+                                "or give the others a size with --tie NAME=SIZE")
+        target = lead[0] if lead else kept
+        out += [f"{m}={target}" for m in members if m != target and m not in swept]
+    return tuple(out)
+
+
+def model_ties(path: Path, dims: Sequence[str], ties: Sequence[str]) -> tuple[tuple[str, ...], dict[str, str | int]]:
+    """``ties`` and the :func:`merged_ties` of the model's input dims that ``scan`` finds the graph makes equal
+    (``ScanResult.merged``, also returned); no more than ``ties``, with a note, where the tuner cannot scan it."""
+    from tuner.scan import scan
+
+    try:
+        merged = scan(path).merged
+    except DietcodeError as exc:
+        _log.warning("the sweep does not tie the input dims the graph makes equal: scan fails on %s (%s); give "
+                     "--tie where two inputs share a dim under different names", path, exc)
+        return tuple(ties), {}
+    return (*ties, *merged_ties(merged, dims, ties)), merged
 
 
 def _tied_value(terms: tuple[str | int, ...], shape: Mapping[str, int]) -> int:
@@ -637,8 +681,9 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
                             f"{options.warmup}, {options.seed})")
     stock_info, opt_info = load_model_info(options.model), load_model_info(options.optimized)
     check_compatible(stock_info, opt_info)
-    shapes, given = _sweep(stock_info.symbols, options.dims, options.ties)
-    warm = warmup_shape(shapes, options.ties, bounded=given) if stock_info.symbols else None
+    ties, merged = model_ties(options.model, options.dims, options.ties) if stock_info.symbols else (options.ties, {})
+    shapes, given = _sweep(stock_info.symbols, options.dims, ties)
+    warm = warmup_shape(shapes, ties, bounded=given) if stock_info.symbols else None
     stock = OrtRunner(options.model, options.provider)
     from dietcode_ort.runtime import library_needed
 
@@ -650,7 +695,7 @@ def run_bench(options: BenchOptions, *, register: Callable[[Any], Any] | None = 
                       computes_in=stock_info.computes_in, clock=clock)
     settings = {"model": str(options.model), "optimized": str(options.optimized), "repeat": options.repeat,
                 "warmup": options.warmup, "seed": options.seed, "dims": list(options.dims),
-                "ties": list(options.ties), "warmup_shape": warm, "tolerances": TOLERANCES,
+                "ties": list(ties), "merged_dims": merged, "warmup_shape": warm, "tolerances": TOLERANCES,
                 "computes_in": stock_info.computes_in or None,
                 "interleaving": "ABBA", "speedup": "median of per-iteration stock/optimized ratios",
                 "intra_op_spinning": False, "library_registered": with_library}

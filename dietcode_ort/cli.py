@@ -106,7 +106,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tie", action="append", default=[], metavar="NAME=OTHER",
                    help="NAME takes OTHER's value in every shape (e.g. width=height for square images), or a sum "
                         "of symbols and sizes (a merged decoder's attention_mask_sequence_length="
-                        "past_sequence_length+sequence_length)")
+                        "past_sequence_length+sequence_length). Input dims the graph makes equal (scan lists "
+                        "them) follow the one --dim gives without a tie")
     p.add_argument("--provider", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per model and shape (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per model and shape (default 3)")

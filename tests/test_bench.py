@@ -328,6 +328,47 @@ class _Recorder:
         return Call()
 
 
+def test_dims_the_graph_makes_equal_follow_the_swept_one() -> None:
+    """``x[batch, n] + y[batch, m]``: scan keeps ``n`` for both (``{"m": "n"}``); whichever of them --dim sweeps,
+    the other follows, and a dim found equal to a size takes it. Both swept is an error; a set a --tie names is the
+    user's."""
+    merged = {"m": "n", "p": "n", "k": 16}
+    assert bench.merged_ties(merged, ["m=8,16"], []) == ("n=m", "p=m", "k=16")
+    assert bench.merged_ties(merged, ["n=8"], []) == ("m=n", "p=n", "k=16")
+    assert bench.merged_ties(merged, ["batch=2", "k=16"], []) == ("m=n", "p=n")
+    assert bench.merged_ties(merged, ["m=8"], ["p=4", "n=m"]) == ("k=16",)
+    assert bench.merged_ties(merged, [], ["q=k+1"]) == ("m=n", "p=n")
+    with pytest.raises(DietcodeError, match="both 'n' and 'm', which the graph makes equal.*--tie NAME=SIZE"):
+        bench.merged_ties(merged, ["n=8", "m=8"], [])
+    shapes = bench.sweep(["batch", "k", "m", "n", "p"], ["m=8,16"], bench.merged_ties(merged, ["m=8,16"], []))
+    assert [(s["m"], s["n"], s["p"], s["k"]) for s in shapes] == [(8, 8, 8, 16), (16, 16, 16, 16)]
+
+
+def _two_inputs(path: Path) -> Path:
+    """x [batch, n, 8] + y [batch, m, 8] -> MatMul: the Add makes n and m one dim (a seq the exporter named
+    twice); stock ORT refuses n != m unless one is 1."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    nodes = [helper.make_node("Add", ["x", "y"], ["s"]), helper.make_node("MatMul", ["s", "w"], ["out"])]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n", 8]),
+                                             helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "m", 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], [w])
+    return _save(graph, path)
+
+
+def test_bench_ties_the_dims_the_graph_makes_equal(tmp_path: Path) -> None:
+    """Sweeping ``m`` alone used to leave ``n`` at its default 1, so bench timed broadcasts of one row, not the
+    shapes asked for; now ``n`` follows, in the shapes, the warm-up shape and the settings."""
+    model = _two_inputs(tmp_path / "two.onnx")
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("m=3,5",)), register=_no_register)
+    assert [dict(r.dims) for r in report.shapes] == [{"batch": 1, "m": 3, "n": 3}, {"batch": 1, "m": 5, "n": 5}]
+    assert report.settings["ties"] == ["n=m"] and report.settings["merged_dims"] == {"m": "n"}
+    assert report.settings["warmup_shape"]["n"] == report.settings["warmup_shape"]["m"]
+    with pytest.raises(DietcodeError, match="which the graph makes equal"):
+        bench.run_bench(_options(model, model, tmp_path, dims=("m=3", "n=3")), register=_no_register)
+    report = bench.run_bench(_options(model, model, tmp_path, dims=("m=3",), ties=("n=1",)), register=_no_register)
+    assert [dict(r.dims) for r in report.shapes] == [{"batch": 1, "m": 3, "n": 1}]  # a broadcast, as asked
+
+
 def test_measure_warms_up_checks_first_then_interleaves_abba() -> None:
     log: list = []
     clock = _Clock()
