@@ -792,9 +792,10 @@ Fit CallFit(const Kernel& kernel, const dc_launch_args& args, std::string* why) 
     return refuse(kFitNegative, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
                                     " batch=" + std::to_string(args.batch) + " (or a stride or image dim) below 0");
   }
-  const int64_t batch = args.batch > 0 ? args.batch : 1;
-  if (M == 0 || N == 0) {
-    return refuse(kFitEmpty, "M=" + std::to_string(M) + " N=" + std::to_string(N) + ": nothing to launch");
+  const int64_t batch = args.batch > 0 ? args.batch : 1;  // gemm and conv views: 1 (0 read as 1)
+  if (M == 0 || N == 0 || (args.batch == 0 && KernelView(kernel) == kViewBmm)) {  // bmm: the output's batch dims
+    return refuse(kFitEmpty, "M=" + std::to_string(M) + " N=" + std::to_string(N) + " batch=" +
+                                 std::to_string(args.batch) + ": nothing to launch");
   }
   if (K == 0) return refuse(kFitZeroK, "the output is the bias alone, which ORT's kernel writes");
   if (batch > 65535) return refuse(kFitBatch, "batch " + std::to_string(batch) + " above 65535 (grid z)");

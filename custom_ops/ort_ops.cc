@@ -71,17 +71,19 @@ struct ConvAlgoCacheDeleter {
 size_t ResidualInput(const OpSpec& spec) { return spec.bias ? 3 : 2; }
 size_t BundleInput(const OpSpec& spec) { return ResidualInput(spec) + (spec.residual ? 1 : 0); }
 
-// The residual holds the output's elements in their order: the output's shape, or one with the same last dim and
-// element count (the output reshaped over its leading dims: GPT-2's Gemm -> Reshape -> Add, whose residual is
-// [batch, seq, n] for a [batch * seq, n] product). The rewrite fuses no broadcast residual.
+// The residual holds the output's elements in their order: the output's shape, or one of another rank with the same
+// last dim and element count (the output reshaped over its leading dims: GPT-2's Gemm -> Reshape -> Add, whose
+// residual is [batch, seq, n] for a [batch * seq, n] product). The rewrite fuses no broadcast residual, and a
+// residual of the output's rank but another shape ([2, 8, n] for [4, 4, n]) is one the original Add refuses.
 std::string ResidualMismatch(const Shape& residual, const Shape& out) {
   if (residual == out) return "";
-  if (!residual.empty() && !out.empty() && residual.back() == out.back() && NumElements(residual) == NumElements(out)) {
+  if (!residual.empty() && !out.empty() && residual.size() != out.size() && residual.back() == out.back() &&
+      NumElements(residual) == NumElements(out)) {
     return "";
   }
   return "the residual input has shape " + ShapeText(residual) + ", not the output's " + ShapeText(out) +
-         " (the fused Add takes a residual of the output's elements only: its shape, or that shape's last dim "
-         "and element count)";
+         " (the fused Add takes a residual of the output's elements only: its shape, or, of another rank, that "
+         "shape's last dim and element count)";
 }
 
 float Gelu(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); }
@@ -93,7 +95,7 @@ float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 void ApplyActivation(float* y, int64_t n, Activation act) {
   if (act == Activation::kRelu) {
-    for (int64_t i = 0; i < n; ++i) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
+    for (int64_t i = 0; i < n; ++i) y[i] = y[i] < 0.0f ? 0.0f : y[i];  // NaN stays NaN, as ORT's CPU Relu
   } else if (act == Activation::kGelu) {
     for (int64_t i = 0; i < n; ++i) y[i] = Gelu(y[i]);
   } else if (act == Activation::kGeluTanh) {

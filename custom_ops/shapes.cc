@@ -89,8 +89,13 @@ std::vector<std::string> AllOpTypes() {
 }
 
 int64_t NumElements(const Shape& shape) {
+  // 0 for any empty shape, whatever its other dims (an empty tensor's may be anything: [2^40, 2^40, 0]), else the
+  // product saturated at INT64_MAX (no tensor that exists gets there; a crafted shape must not overflow)
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) return INT64_MAX;
+  }
   return n;
 }
 
@@ -212,14 +217,16 @@ bool ConvShapeNchw(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape
       *error = "Conv strides and dilations must be >= 1";
       return false;
     }
-    int64_t o;
+    // the window's extent d * (k - 1) + 1 and the padded input, checked: crafted dilations and pads may be any
+    // int64 (overflowed, either is past any input: an empty output); floor division, as ONNX's output size
+    int64_t o, extent, padded = in;
+    const bool huge = k < 1 || __builtin_mul_overflow(d, k - 1, &extent) ||
+                      (attrs.auto_pad != "VALID" && (__builtin_add_overflow(in, get(attrs.pads, i, 0), &padded) ||
+                                                     __builtin_add_overflow(padded, get(attrs.pads, i + sp, 0), &padded)));
     if (attrs.auto_pad == "SAME_UPPER" || attrs.auto_pad == "SAME_LOWER") {
-      o = (in + s - 1) / s;
-    } else if (attrs.auto_pad == "VALID") {
-      o = (in - d * (k - 1) - 1) / s + 1;
-    } else if (attrs.auto_pad == "NOTSET" || attrs.auto_pad.empty()) {
-      o = (in + get(attrs.pads, i, 0) + get(attrs.pads, i + sp, 0) - d * (k - 1) - 1);
-      o = o < 0 ? 0 : o / s + 1;
+      o = in / s + (in % s != 0);
+    } else if (attrs.auto_pad == "VALID" || attrs.auto_pad == "NOTSET" || attrs.auto_pad.empty()) {
+      o = huge || padded - 1 < extent ? 0 : (padded - 1 - extent) / s + 1;
     } else {
       *error = "Conv auto_pad '" + attrs.auto_pad + "', allowed: NOTSET, SAME_UPPER, SAME_LOWER, VALID";
       return false;
@@ -240,7 +247,7 @@ bool MatMulView(const Shape& a, const Shape& b, const Shape& out, bool kernel_is
   if (!kernel_is_batched) {
     // gemm view: A flattened over its leading dims; B must be a single [K, N] matrix.
     if (NumElements(b) != k * n) return false;
-    const int64_t m = NumElements(a) / (k ? k : 1);
+    const int64_t m = NumElements(Shape(a.begin(), a.end() - 1));  // not NumElements(a) / K: K may be 0
     if (!FitsInt32(m) || !FitsInt32(n) || !FitsInt32(k)) return false;
     args->M = static_cast<int32_t>(m), args->N = static_cast<int32_t>(n), args->K = static_cast<int32_t>(k);
     args->batch = 1, args->stride_a_batch = 0, args->stride_b_batch = 0;

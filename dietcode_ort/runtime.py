@@ -984,9 +984,22 @@ _CORE: Core | None = None
 _CORE_LOCK = threading.Lock()
 
 
+def _new_locks() -> None:
+    """In a forked child: fresh locks. A lock another thread of the parent held at the fork (``load_core``'s first
+    call runs the compiler and hashes the sources under it) stays held in the child, where no thread will release
+    it, and the child's first ``node_stats()`` would wait for ever."""
+    global _CORE_LOCK, _USABLE_LOCK
+    _CORE_LOCK, _USABLE_LOCK = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks)
+
+
 def load_core(build: bool = True) -> Core:
-    """The process-wide ctypes binding of the library (built on first use)."""
+    """The process-wide ctypes binding of the library (built on first use; the lock only until then)."""
     global _CORE
+    if _CORE is not None:
+        return _CORE
     with _CORE_LOCK:
         if _CORE is None:
             _CORE = Core(library_path(build=build))

@@ -68,6 +68,28 @@ def test_view_errors_are_clear() -> None:
         core.abi_view("Conv", (1, 4, 8, 8), (5, 2, 3, 3), ints=(1, 1, 0, 0, 0, 0, 1, 1, 2))
 
 
+def test_views_of_edge_sizes() -> None:
+    """K = 0 leaves M the rows of A (not its element count over K, which is 0); a dilation or pads past any input
+    make the conv's output empty (an error), never a product that overflows to a size; a window larger than the
+    input is an empty output, not one row rounded up from a negative numerator."""
+    from dietcode_ort.errors import DietcodeError
+    from dietcode_ort.runtime import load_core
+
+    core = load_core()
+    for a, rows in (((5, 0), 5), ((2, 5, 0), 10), ((0, 7, 0), 0)):
+        view = core.abi_view("MatMul", a, (0, 24))
+        assert view is not None and (view.M, view.N, view.K) == (rows, 24, 0)
+    for dilation in (2**62, 2**61 + 1, 3):  # 5x5 window on 9x9: 2^62 * 4 wraps to 0 in int64
+        with pytest.raises(DietcodeError, match="Conv output would be empty"):
+            core.abi_view("Conv", (1, 1, 9, 9), (1, 1, 5, 5), ints=(1, 1, 0, 0, 0, 0, dilation, dilation, 1))
+    with pytest.raises(DietcodeError, match="Conv output would be empty"):
+        core.abi_view("Conv", (1, 1, 9, 9), (1, 1, 5, 5), ints=(1, 1, 2**62, 0, 2**62, 0, 1, 1, 1))
+    with pytest.raises(DietcodeError, match="Conv output would be empty"):  # 4 + 0 pads < 5: floor(-1/3) + 1 = 0
+        core.abi_view("Conv", (1, 1, 4, 9), (1, 1, 5, 5), ints=(3, 1, 0, 0, 0, 0, 1, 1, 1))
+    view = core.abi_view("Conv", (1, 1, 9, 9), (1, 1, 5, 5), ints=(1, 1, 0, 0, 0, 0, 2, 2, 1))  # 9 - 8 = 1
+    assert view is not None and (view.out_h, view.out_w) == (1, 1)
+
+
 @pytest.mark.parametrize("x, w, ints", [
     ((2, 4, 8, 8), (6, 4, 3, 3), (1, 1, 1, 1, 1, 1, 1, 1, 1)),
     ((1, 3, 17, 11), (8, 3, 5, 3), (2, 1, 2, 1, 2, 1, 1, 2, 1)),

@@ -475,6 +475,10 @@ _BMM = ("a", "b", "c", "M", "N", "K", "batch", "stride_a_batch", "stride_b_batch
     # grid z holds at most 65535 batches
     (dict(params=_BMM), dict(M=4, N=4, K=4, batch=65536, stride_a_batch=16, stride_b_batch=16),
      dict(M=4, N=4, K=4, batch=65535, stride_a_batch=16, stride_b_batch=16), "batch above grid z"),
+    # a batched MatMul whose output's batch dims hold a 0 ([0, 3, M, N]): empty, not one matrix (0 read as 1
+    # launched a program that wrote M x N elements of an output with none)
+    (dict(params=_BMM), dict(M=4, N=4, K=4, batch=0, stride_a_batch=16, stride_b_batch=16),
+     dict(M=4, N=4, K=4, batch=1, stride_a_batch=16, stride_b_batch=16), "empty output"),
     # grid x holds at most 2^31-1 tiles (1x1 tiles: tiles = M*N; K = 1 keeps the operands small)
     (dict(block_m=1, block_n=1), dict(M=2**31 - 1, N=2, K=1), dict(M=2**31 - 1, N=1, K=1), "tiles above grid x"),
 ])

@@ -31,6 +31,7 @@ CASES = [
     ("conv_stride_pad_dilation", "Conv", [(2, 3, 9, 10), (4, 3, 3, 3)],
      {"strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, 4),
     ("conv_same_upper", "Conv", [(1, 2, 7, 7), (3, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 3),
+    ("conv_valid", "Conv", [(1, 2, 8, 7), (3, 2, 3, 3)], {"auto_pad": "VALID", "strides": [2, 3]}, 3),
 ]
 
 
@@ -120,6 +121,28 @@ def test_op_matches_unfused_onnxruntime(case, suffix, dtype, payload, bias_paylo
     else:  # fp16 computes in fp32 and rounds once at the end
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float16).astype(np.float32),
                                    rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("matmul3d", "gemm_transB", "conv_valid")],
+                         ids=lambda c: c[0])
+@pytest.mark.parametrize("suffix", ["Relu", "BiasRelu", "Relu6"])
+def test_nan_and_inf_pass_through_the_activation_as_in_onnxruntime(case, suffix, payload, bias_payload) -> None:
+    """A NaN or an infinity in A reaches the output as ORT's CPU kernels pass it on: Relu(NaN) is NaN (the fused
+    Relu made it 0, so the library and the model's own fallback function disagreed), Relu(inf) inf, Relu(-inf) 0."""
+    _, base, shapes, attrs, n_bias = case
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(shapes[0]).astype(np.float32)
+    a.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+    feeds = {"A": a, "B": rng.standard_normal(shapes[1]).astype(np.float32)}
+    if "Bias" in suffix:
+        feeds["bias"] = rng.standard_normal(n_bias).astype(np.float32)
+    sess = dietcode_ort.InferenceSession(custom_model(base + suffix, len(feeds), attrs, TensorProto.FLOAT,
+                                                      bias_payload if "Bias" in suffix else payload), providers=CPU)
+    (got,) = sess.run(None, feeds)
+    (want,) = ort.InferenceSession(reference_model(base, suffix, attrs).SerializeToString(),
+                                   providers=CPU).run(None, feeds)
+    assert np.isnan(want).any() and np.isnan(got).sum() == np.isnan(want).sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # NaN where NaN (equal_nan)
 
 
 def test_missing_bundle_fails_at_session_creation() -> None:
@@ -315,6 +338,10 @@ def test_residual_and_scale_on_the_cpu_ep(op_type, dtype) -> None:
     with pytest.raises(Exception, match=r"residual input has shape \[5, 6\], not the output's \[2, 5, 6\]") as err:
         sess.run(None, feeds | {"R": r[0]})
     assert str(err.value).count("node 'n0'") == 1, str(err.value)  # the node is named once, not per layer
+    # of the output's rank, the output's shape only: [5, 2, 6] holds as many elements, but the Add it replaces
+    # refuses it (no broadcast of [2, 5, 6] with [5, 2, 6]), so the library must not add it in row order
+    with pytest.raises(Exception, match=r"residual input has shape \[5, 2, 6\], not the output's \[2, 5, 6\]"):
+        sess.run(None, feeds | {"R": r.reshape(5, 2, 6)})
 
 
 @pytest.mark.parametrize("trans_b", [0, 1])

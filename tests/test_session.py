@@ -219,3 +219,44 @@ def test_an_unreadable_model_is_named(tmp_path, kind):
             "bytes": "the model bytes are not a readable ONNX"}[kind]
     with pytest.raises(DietcodeError, match=want):
         dietcode_ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def test_a_child_forked_while_another_thread_holds_the_runtimes_locks_can_use_them(optimized):
+    """A server forks workers while a monitoring thread is inside ``node_stats()`` (whose first call builds or
+    finds the library under a lock): the child must not inherit the held lock and wait for ever."""
+    import os
+    import signal
+    import threading
+
+    src, out = optimized
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with runtime._CORE_LOCK, runtime._USABLE_LOCK:
+            held.set()
+            release.wait(30)
+
+    runtime.load_core()
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the locks are free and a session with the library runs
+            code = 1
+            try:
+                signal.alarm(20)
+                runtime._CORE = None  # the first use in this process, as in a child forked before it
+                got = runtime._CORE_LOCK.acquire(timeout=5) and runtime._USABLE_LOCK.acquire(timeout=5)
+                if got:
+                    runtime._CORE_LOCK.release(), runtime._USABLE_LOCK.release()
+                    dietcode_ort.node_stats()
+                    _check(dietcode_ort.InferenceSession(out, providers=["CPUExecutionProvider"]), src)
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
