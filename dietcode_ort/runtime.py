@@ -26,6 +26,7 @@ __all__ = ["register", "InferenceSession", "provider_usable", "node_stats", "res
 
 
 _REGISTERED_KEY = "dietcode_ort.library"  # session config entry marking options that carry the library
+_log = logging.getLogger(__name__)
 
 
 def register(sess_options: Any, build: bool = True) -> Path:
@@ -39,7 +40,25 @@ def register(sess_options: Any, build: bool = True) -> Path:
     path = library_path(build=build)
     sess_options.register_custom_ops_library(str(path))
     sess_options.add_session_config_entry(_REGISTERED_KEY, str(path))
+    _note_library(path)
     return path
+
+
+_LIBRARIES: list[Path] = []  # the libraries this process registered or loaded, in order
+
+
+def _note_library(path: Path) -> None:
+    """Warn when this process uses a second copy of the library (``DIETCODE_ORT_LIBRARY`` changed, or custom_ops/
+    edited in a checkout, since the first): each copy keeps its own bundles and counters, so ``node_stats()``,
+    which reads the first the process loaded through ``load_core``, would count some sessions only."""
+    if path in _LIBRARIES:
+        return
+    _LIBRARIES.append(path)
+    if len(_LIBRARIES) > 1:
+        _log.warning("this process now uses the custom-op library %s as well as %s (DIETCODE_ORT_LIBRARY changed, "
+                     "or custom_ops/ was edited, since the first was loaded): each copy counts its own calls, so "
+                     "node_stats() counts the sessions of %s only", path, _LIBRARIES[0],
+                     _CORE.path if _CORE is not None else "the first library it loads")
 
 
 def _registered_library(sess_options: Any) -> Path | None:
@@ -181,7 +200,7 @@ def InferenceSession(path_or_bytes: Any, sess_options: Any = None, providers: Se
     available = ort.get_available_providers()
     unknown = [_provider_name(p) for p in requested if _provider_name(p) not in available] if asked else []
     if unknown:  # a misspelled name, which ORT warns about too; one listed but unable to start is dropped quietly
-        logging.getLogger(__name__).warning(
+        _log.warning(
             "provider(s) %s: not among this onnxruntime's (%s), left out", ", ".join(unknown), ", ".join(available))
     providers = [requested[i] for i in kept] or ["CPUExecutionProvider"]
     options = kwargs.get("provider_options")
@@ -211,7 +230,7 @@ def InferenceSession(path_or_bytes: Any, sess_options: Any = None, providers: Se
                 kwargs["provider_options"] = cpu or [{}]
             return ort.InferenceSession(model, sess_options=ort.SessionOptions(),
                                         providers=["CPUExecutionProvider"], **kwargs)
-        logging.getLogger(__name__).warning(
+        _log.warning(
             "the session runs on %s only, not on the GPU provider asked for: the custom-op library's CPU "
             "kernel runs the ai.dietcode nodes (pass options without the library to run the model's fallback "
             "functions instead)", ", ".join(sess.get_providers()))
@@ -1003,4 +1022,5 @@ def load_core(build: bool = True) -> Core:
     with _CORE_LOCK:
         if _CORE is None:
             _CORE = Core(library_path(build=build))
+            _note_library(_CORE.path)
         return _CORE

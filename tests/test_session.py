@@ -260,3 +260,27 @@ def test_a_child_forked_while_another_thread_holds_the_runtimes_locks_can_use_th
         release.set()
         thread.join()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_second_library_in_one_process_is_named(optimized, tmp_path, monkeypatch, caplog):
+    """Two copies of the library in one process each count their own calls: a session registered with a copy
+    (DIETCODE_ORT_LIBRARY set after the first was loaded) is said to be outside node_stats(), once."""
+    import logging
+    import shutil
+
+    src, out = optimized
+    first = runtime.load_core().path
+    copy = shutil.copy(first, tmp_path / "libdietcode_ort.so")
+    monkeypatch.setattr(runtime, "_LIBRARIES", [first])
+    monkeypatch.setenv("DIETCODE_ORT_LIBRARY", str(copy))
+    caplog.set_level(logging.WARNING, logger="dietcode_ort")
+    for _ in range(2):
+        _check(_session_with_library(out), src)
+    said = [r.getMessage() for r in caplog.records if "as well as" in r.getMessage()]
+    assert len(said) == 1 and str(copy) in said[0] and f"node_stats() counts the sessions of {first} only" in said[0]
+
+
+def _session_with_library(model):
+    so = ort.SessionOptions()
+    dietcode_ort.register(so)
+    return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
