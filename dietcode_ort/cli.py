@@ -133,6 +133,11 @@ def _cmd_space(args: argparse.Namespace) -> int:
     from tuner import aot, space
 
     _at_least("--workers", args.workers, 1)
+    if args.estimate and not args.json:
+        raise DietcodeError("--estimate applies to --json (the JSON's shared bytes estimated, not compiled); the "
+                            "table compiles only with --compile")
+    if args.estimate and args.compile:
+        raise DietcodeError("--estimate and --compile contradict each other: give one")
     cache_dir = Path(args.cache_dir) if args.cache_dir else aot.default_cache_dir()
     compile_ = args.compile or (args.json and not args.estimate)  # JSON reports compiled shared bytes
     if compile_:
@@ -213,7 +218,7 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "that also runs on Ampere/Ada and, through its PTX, on newer GPUs")
     p.add_argument("--measure", default="auto",
                    help="gpu (time on this machine's GPU), analytic (roofline model, no GPU), replay:FILE "
-                        "(a recorded table), or auto: gpu when a GPU is visible, else analytic")
+                        "(a recorded table), or auto (the default): gpu when a GPU is visible, else analytic")
     p.add_argument("--analytic-gpu", default="", metavar="NAME",
                    help="with --measure analytic: the GPU of the first --target to model, by name (NVIDIA H200, "
                         "H100 PCIe, H100 NVL, L40S...); default: the target's own (sm_90: H100 SXM5). Measured "

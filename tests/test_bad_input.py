@@ -7,6 +7,8 @@ small budgets keep optimize cheap, and the kernel cache is shared by the module.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sqlite3
 from pathlib import Path
 
@@ -280,7 +282,10 @@ def test_bad_target(work, capsys):
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,bogus"), "bogus")
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", "sm_90,sm_90"), "sm_90 twice")
     _refused(capsys, _optimize_args(work, work / "tiny.onnx", out, "--target", ",,"), "names no GPU arch")
-    _refused(capsys, ["space", "--target", "sm_75", "--op", "gemm", "--estimate"], "sm_75")
+    _refused(capsys, ["space", "--target", "sm_75", "--op", "gemm", "--json", "--estimate"], "sm_75")
+    _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--estimate"], "--estimate applies to --json")
+    _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--json", "--estimate", "--compile"],
+             "contradict")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "nope"], "nope")
     _refused(capsys, ["space", "--target", "sm_90", "--op", "gemm", "--dtype", "int8"], "int8")
     assert not out.exists()
@@ -317,6 +322,52 @@ def test_output_is_checked_before_tuning(work, capsys, read_only_dir, monkeypatc
     _refused(capsys, _optimize_args(work, model, work / "." / "tiny.onnx"), "overwrite the input model")
     _refused(capsys, _optimize_args(work, model, work / "out.textproto"), "not textproto", "name the output .onnx")
     _refused(capsys, _optimize_args(work, model, work / "out.json"), "not json")
+    fifo = work / "out.fifo"  # a special file: written beside, then renamed over, it would be replaced
+    os.mkfifo(fifo)
+    _refused(capsys, _optimize_args(work, model, fifo), "is not a regular file")
+    os.mkfifo(work / "out2.onnx.data")
+    _refused(capsys, _optimize_args(work, model, work / "out2.onnx"), "out2.onnx.data exists and is not a regular")
+    assert stat.S_ISFIFO((work / "out2.onnx.data").stat().st_mode) and not (work / "out2.onnx").exists()
+
+
+def test_a_failed_write_names_the_output_and_leaves_nothing(work, capsys, monkeypatch):
+    """A full disk or a file size limit (EFBIG under ``ulimit -f``) while writing was an internal error naming no
+    file; the old output and its folder stay as they were."""
+    import errno
+
+    import tuner.rewrite as rw
+
+    out = work / "full.onnx"
+    out.write_bytes(b"the old output")
+
+    def full(model, path, *args, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rw, "write_model", full)
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out), f"cannot write {out}: No space left on device")
+    assert out.read_bytes() == b"the old output"
+    assert not [p for p in work.iterdir() if p.name.startswith(".full.onnx.tmp")]
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next(tmp_path):
+    """A run killed while writing (SIGKILL) leaves its temporary folder beside the output; the next write
+    removes it when its process is gone, and leaves a live run's alone."""
+    import subprocess
+
+    from tuner.rewrite import save_model
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f".m.onnx.tmp-{gone.pid}-abc"
+    live = tmp_path / f".m.onnx.tmp-{os.getppid()}-def"
+    other = tmp_path / f".n.onnx.tmp-{gone.pid}-ghi"
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "m.onnx").write_bytes(b"half a model")
+    save_model(matmul_model(), tmp_path / "m.onnx")
+    assert not dead.exists() and live.exists() and other.exists()
+    assert onnx.load(str(tmp_path / "m.onnx")).graph.node
 
 
 def test_output_must_not_replace_the_inputs_external_data(work, capsys, monkeypatch):

@@ -109,6 +109,40 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
         Database(path)
 
 
+def test_another_layout_is_refused_at_open(tmp_path):
+    """A measurements table of other columns (a foreign database, a hand-edited one) or a newer layout is refused
+    when the file is opened, not at the first write minutes into a run; a file made before the layout was marked
+    (user_version 0) is marked, and a read-only one still opens."""
+    from tuner.database import SCHEMA_VERSION
+
+    path = tmp_path / "m.db"
+    with Database(path):
+        pass
+    conn = sqlite3.connect(str(path))
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    with pytest.raises(DietcodeError, match=f"has layout {SCHEMA_VERSION + 1}, this dietcode-ort knows"):
+        Database(path)
+    conn.execute("PRAGMA user_version = 0")
+    conn.commit()
+    conn.close()
+    path.chmod(0o444)
+    try:
+        Database(path).close()  # not marked (read-only), but it serves what it holds
+    finally:
+        path.chmod(0o644)
+    with Database(path):
+        pass
+    assert sqlite3.connect(str(path)).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(str(foreign))
+    conn.execute("CREATE TABLE measurements (device TEXT, seconds REAL)")
+    conn.close()
+    with pytest.raises(DietcodeError, match="other columns \\(device, seconds\\): not one dietcode-ort wrote"):
+        Database(foreign)
+
+
 def test_locked_file_is_a_clear_error(tmp_path):
     path = tmp_path / "m.db"
     Database(path).close()

@@ -35,6 +35,8 @@ CREATE TABLE IF NOT EXISTS measurements (
     PRIMARY KEY (device, family, config, m, n, k, batch, image)
 ) WITHOUT ROWID;
 """
+SCHEMA_VERSION = 1  # PRAGMA user_version: the layout above (files made before it was set read 0)
+_COLUMNS = ("device", "family", "config", "m", "n", "k", "batch", "image", "seconds", "error", "created")
 Pair = tuple[MicroKernel, Problem]
 RowKey = tuple[str, int, int, int, int, str]
 
@@ -73,8 +75,27 @@ class Database:
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._retry_busy(lambda: self._conn.executescript(_SCHEMA))
             self._conn.execute("SELECT count(*) FROM measurements LIMIT 1").fetchone()
+            self._check_layout()
         except sqlite3.Error as exc:
             raise self._error(exc) from None
+
+    def _check_layout(self) -> None:
+        """Refuse, at open rather than at the first write minutes later, a file whose ``measurements`` table is
+        another one (a foreign database, or a newer dietcode-ort's layout); mark a file of this layout."""
+        version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        columns = tuple(r[1] for r in self._conn.execute("PRAGMA table_info(measurements)"))
+        if version > SCHEMA_VERSION:
+            raise DietcodeError(f"measurement database {self.path} has layout {version}, this dietcode-ort knows "
+                                f"{SCHEMA_VERSION}: a newer version wrote it; update dietcode-ort or use another --db file")
+        if columns != _COLUMNS:
+            raise DietcodeError(f"measurement database {self.path} holds a measurements table of other columns "
+                                f"({', '.join(columns)}): not one dietcode-ort wrote; use another --db file")
+        if version < SCHEMA_VERSION:
+            try:
+                self._retry_busy(lambda: self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}"))
+            except sqlite3.OperationalError as exc:  # a read-only file still serves what it holds
+                if "readonly" not in str(exc):
+                    raise
 
     def _retry_busy(self, step: Callable[[], object]) -> None:
         """Run ``step``, retrying while the file is busy for up to ``timeout_s``. SQLite's busy timeout does not

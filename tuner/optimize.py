@@ -466,6 +466,10 @@ def check_output(model_path: str | Path, output: str | Path) -> None:
     model_path, output = Path(model_path), Path(output)
     if output.is_dir():
         raise DietcodeError(f"output {output} is a folder; -o takes the path of the model file to write")
+    for path in (output, output.with_name(output.name + ".data")):
+        if path.exists() and not path.is_file():  # the file is written beside it, then renamed over it
+            raise DietcodeError(f"output {path} exists and is not a regular file (a device, a pipe or a socket), "
+                                "which writing the model would replace; -o takes the path of the model file to write")
     text = onnx.serialization.registry.get_format_from_file_extension(output.suffix)
     if text not in (None, "protobuf"):
         raise DietcodeError(f"output {output}: optimize writes binary ONNX (.onnx), not {text}; name the "

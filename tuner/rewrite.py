@@ -22,6 +22,7 @@ names empty or repeat them.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import os
 from dataclasses import dataclass
@@ -555,13 +556,17 @@ def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | 
     file, so the output never depends on the input's files (tuner.model_file). Everything is written into
     a fresh temporary folder beside ``path`` first, so an existing ``NAME.data`` is replaced, never
     appended to (or removed, when the output it belonged to is replaced by one without external data), and a
-    run killed half-way leaves the old files intact. The model is not modified."""
+    run killed half-way leaves the old files intact (but for the instant between the data file's rename and the
+    model's, when the output has external data). The temporary folders of runs that were killed (their process
+    gone) are removed. A write that fails (a full disk, a file size limit) is an error naming the output. The
+    model is not modified."""
     import shutil
     import tempfile
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
+    _remove_stale_writes(path)
+    tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-"))
     try:
         tmp = tmp_dir / path.name
         data = path.with_name(path.name + ".data")
@@ -570,10 +575,32 @@ def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | 
         from tuner.optimize import _external_files
 
         old_data = path.is_file() and data.is_file() and data.resolve() in _external_files(path)
-        if write_model(model, tmp, tmp_dir / data.name, source, _TWO_GB):
+        try:
+            with_data = write_model(model, tmp, tmp_dir / data.name, source, _TWO_GB)
+        except OSError as exc:
+            raise DietcodeError(f"cannot write {path}: {exc.strerror or exc} (nothing was written there; the "
+                                "tuning is kept in the --db file, so a rerun with room to write is quick)") from None
+        if with_data:
             os.replace(tmp_dir / data.name, data)
-        elif old_data:
-            data.unlink()
         os.replace(tmp, path)
+        if old_data and not with_data:  # only now: a run killed before this left the old model with its data
+            data.unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _remove_stale_writes(path: Path) -> None:
+    """Remove the temporary folders ``save_model`` left beside ``path`` in runs killed before their cleanup:
+    those whose process (the pid in the name) is gone. Another live run's folder is left alone."""
+    import shutil
+
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp-*-*"):
+        pid = tmp.name[len(path.name) + 6:].partition("-")[0]
+        if not tmp.is_dir() or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
