@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 import models.__main__ as models_cli
 from _bad_models import broken_files, conv_model, matmul_model, save
@@ -328,6 +328,21 @@ def test_output_is_checked_before_tuning(work, capsys, read_only_dir, monkeypatc
     os.mkfifo(work / "out2.onnx.data")
     _refused(capsys, _optimize_args(work, model, work / "out2.onnx"), "out2.onnx.data exists and is not a regular")
     assert stat.S_ISFIFO((work / "out2.onnx.data").stat().st_mode) and not (work / "out2.onnx").exists()
+
+
+def test_a_failed_run_leaves_no_folder_it_created(work, capsys):
+    """Several models into a new folder, one of them without symbolic dims: the error, and no empty folder (nor
+    its new parents) left where the outputs would have gone."""
+    static = save(helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])]), opset_imports=[helper.make_opsetid("", 17)]),
+        work / "static.onnx")
+    out = work / "new" / "outs"
+    _refused(capsys, _optimize_args(work, work / "tiny.onnx", out)[:1] + [str(work / "tiny.onnx"), str(static)]
+             + _optimize_args(work, work / "tiny.onnx", out)[2:], "no symbolic dims")
+    assert not (work / "new").exists()
+    _refused(capsys, _optimize_args(work, static, work / "new" / "static.dc.onnx"), "does not have")
+    assert not (work / "new").exists()
 
 
 def test_a_failed_write_names_the_output_and_leaves_nothing(work, capsys, monkeypatch):

@@ -657,3 +657,28 @@ def test_a_failure_of_shape_inference_names_the_node():
                    [_ints("p", [1, 1]), _w("w", (6, 4))], opset=13)
     with pytest.raises(DietcodeError, match=r"at Pad node 'the_pad' \(AssertionError: a check of onnxruntime's"):
         scan_model(model)
+
+
+@pytest.mark.parametrize("beta, c, reason", [
+    (2.0, np.ones(8, np.float32), None),  # both constants: folded, tuned
+    (0.0, np.full(8, np.nan, np.float32), "beta * C is not finite"),
+    (0.5, None, "C 'c' is no constant to fold beta into"),
+])
+def test_a_gemm_whose_scales_stay_says_why(tmp_path, beta, c, reason) -> None:
+    """alpha and beta are folded into a constant B and C by the graph pre-pass; where they cannot be, the reason
+    names what stops it (it said "alpha or beta other than 1 is not supported", though such Gemms are tuned)."""
+    from _bad_models import save
+
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])]
+    inits = [numpy_helper.from_array(np.ones((16, 8), np.float32), "W")]
+    if c is None:
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, ["B", 8]))
+    else:
+        inits.append(numpy_helper.from_array(c, "c"))
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "W", "c"], ["y"], beta=beta)], "g", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    result = scan(save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "g.onnx"))
+    if reason is None:
+        assert len(result.workloads) == 1 and not result.skipped
+    else:
+        assert not result.workloads and reason in result.skipped[0].reason, result.skipped

@@ -8,6 +8,7 @@ The stages live in their own modules; this one only threads their records throug
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -605,7 +606,15 @@ def optimize_command(models: Sequence[str] | str, output: str, options: Optimize
     import sys
 
     jobs = output_paths([models] if isinstance(models, str) else models, output)
-    reports = optimize_many(jobs, options, log=lambda line: print(line, file=sys.stderr))
+    folder = jobs[0][1].parent.absolute()  # -o's folder, or -o itself with several models
+    created = [d for d in (folder, *folder.parents) if not d.exists()]  # what the output check will create
+    try:
+        reports = optimize_many(jobs, options, log=lambda line: print(line, file=sys.stderr))
+    except BaseException:
+        for d in created:  # deepest first: a failed run leaves no empty folders behind
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     for report in reports:
         kinds = {r.measurer for r in report.workloads}
         print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "

@@ -1113,9 +1113,15 @@ def _gemm(g: _Graph, node: onnx.NodeProto) -> dict:
     at = _attrs(node)
     if at.get("transA", 0):
         raise _Refuse("Gemm with transA=1 is not supported")
-    if not math.isclose(at.get("alpha", 1.0), 1.0) or (len(node.input) > 2 and node.input[2]
-                                                        and not math.isclose(at.get("beta", 1.0), 1.0)):
-        raise _Refuse("Gemm with alpha or beta other than 1 is not supported")
+    c = node.input[2] if len(node.input) > 2 else ""
+    alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
+    if not math.isclose(alpha, 1.0) or (c and not math.isclose(beta, 1.0)):
+        # the graph pre-pass (tuner/affine.py) folds them into a constant B and C where every product is finite
+        dynamic = [f"{operand} {name!r} is no constant to fold {what} into" for operand, what, name, factor in
+                   (("B", "alpha", node.input[1], alpha), ("C", "beta", c, beta))
+                   if name and not math.isclose(factor, 1.0) and g.const(name) is None]
+        raise _Refuse(f"Gemm with alpha {alpha:g} and beta {beta:g} (the kernels compute A @ B + C): "
+                      + ("; ".join(dynamic) or "alpha * B or beta * C is not finite, so neither is folded"))
     sa, sb = _shape(g, node.input[0], "input"), _shape(g, node.input[1], "input")
     trans_b = bool(at.get("transB", 0))
     n = sb[0] if trans_b else sb[1]
