@@ -69,3 +69,19 @@ def test_nodes_without_a_bundle_stay_and_save_roundtrips(tmp_path):
     save_model(result.model, path)
     assert onnx.load(str(path)).graph.node[0].domain in (DOMAIN, "")
     assert not list(path.parent.glob(".*tmp*"))
+
+
+def test_unnamed_nodes_get_their_outputs_names():
+    """Exporters that name no node (some write none): each custom node takes its output's name, so node_stats()
+    and inspect tell them apart (all were "" before); named nodes keep their names."""
+    model = models.build("bert", "tiny")
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "MatMul" and i % 2:
+            node.name = ""
+    scanned = scan_model(model)
+    bundles = {n: PAYLOAD for w in scanned.workloads for n in w.nodes}
+    result = rewrite_model(model, list(scanned.workloads), bundles)
+    custom = [n for n in result.model.graph.node if n.domain == DOMAIN]
+    names = [n.name for n in custom]
+    assert all(names) and len(set(names)) == len(names)
+    assert any(n.name == n.output[0] for n in custom) and any(n.name != n.output[0] for n in custom)

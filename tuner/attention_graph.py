@@ -845,7 +845,7 @@ def fuse_attention(model: onnx.ModelProto, sites: tuple[AttentionSite, ...] | No
                                                       overload=overload or None))
         # named as the chain's second MatMul (the last member may be an absorbed Transpose), placed at the last
         named = next(graph.node[m] for m in reversed(members) if graph.node[m].op_type == "MatMul")
-        node = helper.make_node(OP_TYPE, inputs, [site.output], name=named.name, domain=DOMAIN,
+        node = helper.make_node(OP_TYPE, inputs, [site.output], name=named.name or site.output, domain=DOMAIN,
                                 scale=float(site.scale), head_dim=int(site.head_dim),
                                 nan_to_zero=int(site.nan_to_zero), layout=int(site.layout))
         if bundles is not None:

@@ -495,8 +495,9 @@ def rewrite_model(model: onnx.ModelProto, workloads: list[Workload], bundles: Ma
             # the NCHW value stays where something else still reads it
             if not read_elsewhere(site.output, nhwc_members, links, position):
                 back = None
-        custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [output], name=node.name,
-                                  domain=DOMAIN, **attributes)
+        # unnamed nodes (some exporters name none) take their output's name: node_stats() counts per node name
+        custom = helper.make_node(site.op, list(site.inputs) + [shared[payload]], [output],
+                                  name=node.name or node_name, domain=DOMAIN, **attributes)
         if site.scale != 1.0:
             custom.attribute.append(helper.make_attribute("scale", site.scale))
         if overload:
