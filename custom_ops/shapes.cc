@@ -219,7 +219,7 @@ bool ConvShapeNchw(const Shape& x, const Shape& w, const ConvAttrs& attrs, Shape
     }
     // the window's extent d * (k - 1) + 1 and the padded input, checked: crafted dilations and pads may be any
     // int64 (overflowed, either is past any input: an empty output); floor division, as ONNX's output size
-    int64_t o, extent, padded = in;
+    int64_t o = 0, extent = 0, padded = in;
     const bool huge = k < 1 || __builtin_mul_overflow(d, k - 1, &extent) ||
                       (attrs.auto_pad != "VALID" && (__builtin_add_overflow(in, get(attrs.pads, i, 0), &padded) ||
                                                      __builtin_add_overflow(padded, get(attrs.pads, i + sp, 0), &padded)));
