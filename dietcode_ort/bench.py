@@ -37,8 +37,8 @@ from dietcode_ort.errors import DietcodeError, check_model_file
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
            "ShapeResult", "BenchReport", "parse_dims", "merged_ties", "model_ties", "sweep", "unnamed_dim",
-           "warmup_shape", "make_feeds", "load_model_info", "model_info", "check_compatible", "check_agreement", "OrtRunner", "measure",
-           "run_bench", "bench_command"]
+           "warmup_shape", "make_feeds", "load_model_info", "model_info", "check_compatible", "check_agreement",
+           "OrtRunner", "measure", "run_bench", "bench_command"]
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # (regex on the symbol name, default value): batch-like dims 1, sequence-like 128, image sides 224.
@@ -237,8 +237,8 @@ def merged_ties(merged: Mapping[str, str | int], dims: Sequence[str], ties: Sequ
         lead = [m for m in members if m in swept]
         if len(lead) > 1:
             raise DietcodeError(f"--dim gives both {lead[0]!r} and {lead[1]!r}, which the graph makes equal (shape "
-                                f"inference finds {', '.join(members)} the same dim): give one and the others follow it, "
-                                "or give the others a size with --tie NAME=SIZE")
+                                f"inference finds {', '.join(members)} the same dim): give one and the others "
+                                "follow it, or give the others a size with --tie NAME=SIZE")
         target = lead[0] if lead else kept
         out += [f"{m}={target}" for m in members if m != target and m not in swept]
     return tuple(out)
