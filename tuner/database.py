@@ -8,6 +8,7 @@ never stored (see ``put``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import sqlite3
 import time
@@ -36,7 +37,6 @@ CREATE TABLE IF NOT EXISTS measurements (
 ) WITHOUT ROWID;
 """
 SCHEMA_VERSION = 1  # PRAGMA user_version: the layout above (files made before it was set read 0)
-_COLUMNS = ("device", "family", "config", "m", "n", "k", "batch", "image", "seconds", "error", "created")
 Pair = tuple[MicroKernel, Problem]
 RowKey = tuple[str, int, int, int, int, str]
 
@@ -58,6 +58,21 @@ def _config_key(config: MicroKernel | str) -> str:
 
 def row_key(config: str, problem: Problem) -> RowKey:
     return (config, problem.m, problem.n, problem.k, problem.batch, _image(problem))
+
+
+def _columns(conn: sqlite3.Connection) -> tuple[str, ...]:
+    return tuple(r[1] for r in conn.execute("PRAGMA table_info(measurements)"))
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_columns() -> tuple[str, ...]:
+    """The columns ``_SCHEMA`` makes, read from a table it creates in memory (one definition of the layout)."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(_SCHEMA)
+        return _columns(conn)
+    finally:
+        conn.close()
 
 
 class Database:
@@ -83,11 +98,11 @@ class Database:
         """Refuse, at open rather than at the first write minutes later, a file whose ``measurements`` table is
         another one (a foreign database, or a newer dietcode-ort's layout); mark a file of this layout."""
         version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
-        columns = tuple(r[1] for r in self._conn.execute("PRAGMA table_info(measurements)"))
+        columns = _columns(self._conn)
         if version > SCHEMA_VERSION:
             raise DietcodeError(f"measurement database {self.path} has layout {version}, this dietcode-ort knows "
                                 f"{SCHEMA_VERSION}: a newer version wrote it; update dietcode-ort or use another --db file")
-        if columns != _COLUMNS:
+        if columns != _schema_columns():
             raise DietcodeError(f"measurement database {self.path} holds a measurements table of other columns "
                                 f"({', '.join(columns)}): not one dietcode-ort wrote; use another --db file")
         if version < SCHEMA_VERSION:

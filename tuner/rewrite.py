@@ -595,8 +595,9 @@ def _remove_stale_writes(path: Path) -> None:
     those whose process (the pid in the name) is gone. Another live run's folder is left alone."""
     import shutil
 
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp-*-*"):
-        pid = tmp.name[len(path.name) + 6:].partition("-")[0]
+    prefix = f".{path.name}.tmp-"  # save_model's, then the pid and mkdtemp's letters
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*-*"):
+        pid = tmp.name.removeprefix(prefix).partition("-")[0]
         if not tmp.is_dir() or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
