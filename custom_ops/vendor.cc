@@ -453,9 +453,11 @@ std::string EpiloguePtx(int dtype) {
   ptx += "$Lact:\n  @!%p5 bra $Lapply;\n  @!%p6 bra $Lapply;\n  add.u64 %rd18, %rd17, %rd11;\n";
   ptx += "  " + sub(load, "%f15", "%rd18");
   ptx += "  add.f32 %f2, %f2, %f15;\n";
-  ptx += "$Lapply:\n  setp.eq.u32 %p3, %r1, 1;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
-         "  setp.eq.u32 %p3, %r1, 5;\n  @%p3 max.f32 %f2, %f2, 0f00000000;\n"
-         "  @%p3 min.f32 %f2, %f2, 0f40C00000;\n"  // relu6: min(max(x, 0), 6)
+  // relu and relu6 by ordered compares, x <= 0 -> 0 and, relu6, x > 6 -> 6, so NaN stays NaN as onnxruntime's Relu
+  // and Clip give it (max.f32 returns the operand that is not NaN: 0; max.NaN.f32 needs sm_80)
+  ptx += "$Lapply:\n  setp.eq.u32 %p3, %r1, 1;\n  setp.eq.u32 %p4, %r1, 5;\n  or.pred %p3, %p3, %p4;\n"
+         "  setp.le.and.f32 %p1, %f2, 0f00000000, %p3;\n  @%p1 mov.f32 %f2, 0f00000000;\n"
+         "  setp.gt.and.f32 %p1, %f2, 0f40C00000, %p4;\n  @%p1 mov.f32 %f2, 0f40C00000;\n"
          "  setp.eq.u32 %p4, %r1, 2;\n  @%p4 bra $Lgelu;\n"
          "  setp.lt.u32 %p4, %r1, 3;\n  @%p4 bra $Lstore;\n  setp.ge.u32 %p4, %r1, 5;\n  @%p4 bra $Lstore;\n";
   // 3 (gelu tanh) and 4 (silu): x sigmoid(v) = x / (1 + exp(-v)), v = x for silu and for the tanh gelu

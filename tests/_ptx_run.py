@@ -130,9 +130,16 @@ def _thread(code: list[tuple[str | None, bool, str, list[str]]], labels: dict[st
             pc = labels[a[0]]
         elif op.startswith("ld.param."):
             reg[a[0]] = addr(a[1])
-        elif op.startswith("setp."):
-            cmp, x, y = op.split(".")[1], val(a[1]), val(a[2])
-            reg[a[0]] = {"ne": x != y, "eq": x == y, "ge": x >= y, "lt": x < y}[cmp]
+        elif op.startswith("setp."):  # ordered compares: false where a float operand is NaN (bar ne, ints only)
+            parts, x, y = op.split("."), val(a[1]), val(a[2])
+            got = {"ne": x != y, "eq": x == y, "ge": x >= y, "lt": x < y, "le": x <= y, "gt": x > y}[parts[1]]
+            if len(parts) == 4:  # setp.CmpOp.BoolOp.type p, a, b, c
+                got = {"and": got and bool(val(a[3])), "or": got or bool(val(a[3]))}[parts[2]]
+            reg[a[0]] = got
+        elif op == "or.pred":
+            reg[a[0]] = bool(val(a[1])) or bool(val(a[2]))
+        elif op == "mov.f32":
+            reg[a[0]] = val(a[1])
         elif op == "cvta.to.global.u64" or op == "cvt.u64.u32" or op == "mov.u32":
             reg[a[0]] = val(a[1])
         elif op == "mov.b32":
@@ -173,8 +180,9 @@ def _thread(code: list[tuple[str | None, bool, str, list[str]]], labels: dict[st
             reg[a[0]] = _f32(np.float64(val(a[1])) * np.float64(val(a[2])) + np.float64(val(a[3])))
         elif op in ("mul.f32", "add.f32", "sub.f32", "max.f32", "min.f32"):
             x, y = np.float32(val(a[1])), np.float32(val(a[2]))
-            reg[a[0]] = float({"mul.f32": x * y, "add.f32": x + y, "sub.f32": x - y, "max.f32": max(x, y),
-                               "min.f32": min(x, y)}[op])
+            # max.f32 / min.f32 give the operand that is not NaN (NaN only when both are): numpy's fmax / fmin
+            reg[a[0]] = float({"mul.f32": x * y, "add.f32": x + y, "sub.f32": x - y, "max.f32": np.fmax(x, y),
+                               "min.f32": np.fmin(x, y)}[op])
         elif op == "abs.f32":
             reg[a[0]] = abs(val(a[1]))
         elif op == "rcp.rn.f32":

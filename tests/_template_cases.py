@@ -35,6 +35,7 @@ class Case:
     residual: bool = False  # add a second tensor of the output's shape last (gemm, conv)
     residual_first: bool = False  # ... before the activation instead: act(alpha * acc + bias + residual)
     residual_mul: bool = False  # ... multiplied after it instead: act(alpha * acc + bias) * residual
+    nan_rows: tuple[int, ...] = ()  # rows of A set to NaN: their output rows stay NaN through every activation
 
 
 CASES: tuple[Case, ...] = (
@@ -151,6 +152,11 @@ CASES: tuple[Case, ...] = (
     Case("conv_nhwc_3_channels_gelu_mul", "conv", (1, 3, 9, 9), (6, 3, 3, 3), ((16, 16, 16, 2, 2),),
          activation="gelu", residual=True, residual_mul=True,
          conv={"strides": (2, 2), "pads": (1, 1, 1, 1), "channels_last": True}),
+    # NaN through relu and relu6 stays NaN, as onnxruntime's Relu and Clip give it (not max(NaN, 0) = 0)
+    Case("gemm_nan_rows_bias_relu", "gemm", (9, 20), (20, 17), ((16, 16, 16, 2, 2),), bias=True, activation="relu",
+         nan_rows=(0, 5)),
+    Case("gemm_nan_rows_relu6_residual_first_fp16", "gemm", (9, 20), (20, 17), ((16, 16, 16, 2, 2, 8, 2),),
+         dtype="float16", activation="relu6", residual=True, residual_first=True, nan_rows=(3,)),
 )
 
 
@@ -197,6 +203,8 @@ def _run_case(case: Case) -> dict[str, Any]:
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator().manual_seed(len(case.name))
     a = torch.randn(case.a, generator=gen).to(dtype)
+    for row in case.nan_rows:
+        a[..., row, :] = float("nan")
     b = torch.randn(case.b, generator=gen).to(dtype)
     n_out = case.b[0] if case.op == "conv" else (case.b[-2] if case.trans_b else case.b[-1])
     bias = torch.randn(n_out, generator=gen).to(dtype) if case.bias else None
@@ -229,10 +237,12 @@ def _run_case(case: Case) -> dict[str, Any]:
                 conv=conv, allow_tf32=case.allow_tf32)
         if nhwc:
             y = y.permute(0, 3, 1, 2)
-        excess = ((y.double() - ref).abs() - (atol + rtol * ref.abs())).max().item()
-        results.append({"config": config.key(), "shape_ok": tuple(y.shape) == tuple(ref.shape),
-                        "dtype_ok": y.dtype == dtype, "excess": excess,
-                        "max_err": (y.double() - ref).abs().max().item()})
+        shape_ok = tuple(y.shape) == tuple(ref.shape)
+        nan_ok = shape_ok and torch.equal(y.isnan(), ref.isnan())  # NaN exactly where the reference has it
+        err = (y.double() - ref).abs().nan_to_num(nan=0.0 if nan_ok else math.inf)
+        excess = (err - (atol + rtol * ref.abs().nan_to_num(nan=0.0))).max().item()
+        results.append({"config": config.key(), "shape_ok": shape_ok, "dtype_ok": y.dtype == dtype,
+                        "nan_ok": nan_ok, "excess": excess, "max_err": err.max().item()})
     return {"ok": True, "results": results}
 
 

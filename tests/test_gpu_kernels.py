@@ -48,6 +48,27 @@ def test_jit_templates_match_torch(dtype: str) -> None:
     torch.testing.assert_close(y.float(), ref, atol=tol * 10, rtol=tol)
 
 
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+def test_jit_relu_keeps_nan_as_onnxruntime_does(act: str) -> None:
+    """Rows of A that are NaN give NaN rows through relu and relu6 (max.NaN), as onnxruntime's CUDA Relu and Clip
+    do, under split-K too; the other rows match torch."""
+    from tuner.space import MicroKernel
+    from tuner.templates import run
+    from tuner.workload import Epilogue
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(40, 96, device="cuda", generator=gen).half()
+    w = torch.randn(96, 72, device="cuda", generator=gen).half()
+    bias = torch.randn(72, device="cuda", generator=gen).half()
+    a[[0, 17]] = float("nan")
+    ref = a.float() @ w.float() + bias.float()
+    ref = torch.relu(ref) if act == "relu" else torch.clamp(ref, 0.0, 6.0)
+    for config in (MicroKernel(32, 64, 32, 4, 2), MicroKernel(16, 64, 32, 2, 2, 8, 3)):
+        y = run("gemm", config, a, w, bias=bias, epilogue=Epilogue(True, act)).float()
+        assert torch.equal(y.isnan(), ref.isnan()), f"{config.key()}: NaN rows lost"
+        torch.testing.assert_close(y.nan_to_num(), ref.nan_to_num(), atol=0.2, rtol=2e-2)
+
+
 def _check(result: int, what: str) -> None:
     assert result == 0, f"{what} failed with CUresult {result}"
 

@@ -24,7 +24,7 @@ def test_template_matches_torch(interpreted: dict[str, Any], name: str) -> None:
     outcome = interpreted[name]
     assert outcome["ok"], outcome.get("error")
     for result in outcome["results"]:
-        assert result["shape_ok"] and result["dtype_ok"], result
+        assert result["shape_ok"] and result["dtype_ok"] and result["nan_ok"], result
         assert result["excess"] <= 0.0, f"{name} {result['config']}: max error {result['max_err']}"
 
 
@@ -51,6 +51,7 @@ def test_cases_cover_the_brief() -> None:
     assert any(case.residual_mul and len(cfg) == 7 and cfg[6] > 1 for case in CASES for cfg in case.configs)
     assert any(case.op == "conv" and case.residual_mul for case in CASES)
     assert any(case.op == "bmm" and case.alpha != 1.0 for case in CASES)
+    assert {case.activation for case in CASES if case.nan_rows} == {"relu", "relu6"}  # NaN passes both
     # channels-last conv: the vector path (channels a multiple of BLOCK_K) and the per-element one, split-K
     # whose last slices lie past K, every residual form
     nhwc = [case for case in CASES if case.conv.get("channels_last")]

@@ -800,7 +800,8 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
     the arguments dc_vendor_epilogue passes: bias broadcast, scale, activation, the residual added last
     (act(y + bias) + residual) or, p_first 1, before the activation (act(y + bias + residual)) or, p_first 2,
     multiplied after it (act(y + bias) * residual: LLaMA's SwiGLU gate), and the dtype's loads, stores and
-    rounding."""
+    rounding. Two elements are NaN, and stay NaN through every activation (relu and relu6 as onnxruntime's Relu
+    and Clip give it, not as max.f32's 0)."""
     from tests import _ptx_run
 
     _, make, out_shape, bias_shape, scale = case
@@ -809,6 +810,7 @@ def test_epilogue_ptx_executed_on_the_host_equals_numpy(case, activation, dtype,
     assert e.has_residual == 0  # the plan never adds one: the node's op type says (ort_ops.cc sets it)
     rng = np.random.default_rng(3)
     y32 = (rng.standard_normal(out_shape) * 2).astype(np.float32)
+    y32.reshape(-1)[[1, -2]] = np.nan
     y = _to_dtype_bits(y32, dtype)
     y_in = _from_dtype_bits(y, dtype).astype(np.float64)
     ref = y_in.copy()
@@ -1133,6 +1135,32 @@ def test_vendor_leaf_fuses_the_epilogue_into_one_cublaslt_call_on_cuda(case, siz
     assert core.vendor_lt_stats()[0] - calls == (3 if fused else 0)
     want = _torch_reference(op_type, attrs, feeds)
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)  # TF32 / float16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep_works(), reason="needs a CUDA GPU and onnxruntime's CUDA EP")
+@pytest.mark.parametrize("op_type", ["MatMulBiasRelu", "MatMulRelu", "MatMulBiasResidualRelu", "MatMulBiasGelu"])
+def test_vendor_leaf_relu_keeps_nan_as_onnxruntime_does_on_cuda(op_type) -> None:
+    """A NaN row of A stays a NaN row through the vendor path's relu, cuBLASLt's RELU epilogue included (its NaN
+    handling is not documented), as onnxruntime's CUDA Relu (_Max propagates NaN) gives it."""
+    from onnx import helper
+
+    from tests.test_custom_ops import _model, bundle_initializer
+
+    rng = np.random.default_rng(29)
+    feeds = {"A": rng.standard_normal((2, 40, 64)).astype(np.float16),
+             "B": rng.standard_normal((64, 48)).astype(np.float16)}
+    feeds["A"][0, [0, 9]] = np.nan
+    if "Bias" in op_type:
+        feeds["bias"] = rng.standard_normal(48).astype(np.float16)
+    if "Residual" in op_type:
+        feeds["R"] = rng.standard_normal((2, 40, 48)).astype(np.float16)
+    node = helper.make_node(op_type, [*feeds, "bundle"], ["Y"], domain="ai.dietcode", name="lt0")
+    model = _model([node], list(feeds), TensorProto.FLOAT16, initializers=[bundle_initializer(_vendor_only_bundle())])
+    (got,) = dietcode_ort.InferenceSession(model, providers=["CUDAExecutionProvider"]).run(None, feeds)
+    want = _torch_reference(op_type, {}, feeds)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got.astype(np.float64)), np.nan_to_num(want), rtol=2e-2, atol=2e-2)
 
 
 GPU_CONV_CASES = [

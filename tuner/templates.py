@@ -74,16 +74,17 @@ def _epilogue(acc, bias, offs_n, N, residual, offs_c, c_mask, ALPHA: tl.constexp
         acc = acc + bias_v[None, :]
     if RESIDUAL_FIRST:
         acc = acc + tl.load(residual + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
+    if ACTIVATION == "relu":  # NaN stays NaN, as onnxruntime's Relu on both EPs (max.NaN, not max)
+        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == "gelu":
         acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
         acc = acc / (1.0 + tl.exp(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)))
     elif ACTIVATION == "silu":  # x sigmoid(x); exp overflows to inf for x < -88: x / inf = -0
         acc = acc / (1.0 + tl.exp(-acc))
-    elif ACTIVATION == "relu6":
-        acc = tl.minimum(tl.maximum(acc, 0.0), 6.0)
+    elif ACTIVATION == "relu6":  # Clip(0, 6): NaN stays NaN here too
+        acc = tl.minimum(tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0,
+                         propagate_nan=tl.PropagateNan.ALL)
     return acc
 
 
