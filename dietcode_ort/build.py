@@ -375,10 +375,25 @@ def build_packaged(dest_dir: Path, jobs: int | None = None) -> PackagedBuild:
 
 
 def _prune(keep: Path, min_age_s: float = 600.0) -> None:
-    """Remove libraries of other source versions that nothing has touched for a while."""
+    """Remove libraries of other source versions that nothing has touched for a while, with their lock files
+    (not while a process holds one: it is building or checking that version), and the staged copies of builds
+    that were killed (``NAME.tmpPID``, that process gone)."""
+    from dietcode_ort.paths import process_gone
+
     now = time.time()
     for old in keep.parent.glob("libdietcode_ort-*.so"):
         with contextlib.suppress(OSError):
-            if old != keep and now - old.stat().st_mtime > min_age_s:
+            if old == keep or now - old.stat().st_mtime <= min_age_s:
+                continue
+            lock = old.with_suffix(".lock")
+            with open(lock, "a") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
                 old.unlink()
-                old.with_suffix(".lock").unlink(missing_ok=True)
+                lock.unlink()
+    for staged in keep.parent.glob("libdietcode_ort-*.tmp*"):
+        pid = staged.suffix.removeprefix(".tmp")
+        if pid.isdigit() and process_gone(int(pid)):
+            staged.unlink(missing_ok=True)

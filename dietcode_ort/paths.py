@@ -61,3 +61,15 @@ def writable_dir(path: Path, what: str, override: str) -> Path:
     except OSError as exc:
         raise DietcodeError(f"the {what} folder {path} is not writable ({exc.strerror or exc}){hint}") from None
     return path
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists (a file named after it was left by a run that was killed); False for
+    a live one, another user's included."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False

@@ -162,3 +162,31 @@ def test_unreadable_build_record_says_to_reinstall(monkeypatch, tmp_path) -> Non
     (tmp_path / "_lib" / "build_info.json").write_text('{"c_abi_version": 2}')
     with pytest.raises(DietcodeError, match="build_info.json is unreadable.*reinstall"):
         build.packaged_build()
+
+
+def test_prune_spares_locked_versions_and_removes_killed_builds_staging(tmp_path) -> None:
+    """Old libraries go with their lock files, but not one whose lock a process holds (it is building or checking
+    that version: deleting the lock under it would let a second builder in); staged copies of builds whose
+    process is gone are removed, a live one's are not; the kept library stays."""
+    import fcntl
+    import os
+    import sys
+
+    keep = tmp_path / "libdietcode_ort-new.so"
+    stale, held = tmp_path / "libdietcode_ort-old.so", tmp_path / "libdietcode_ort-busy.so"
+    for lib in (keep, stale, held):
+        lib.write_bytes(b"x")
+        lib.with_suffix(".lock").write_text("")
+        os.utime(lib, (time.time() - 3600, time.time() - 3600))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    killed, live = tmp_path / f"libdietcode_ort-old.tmp{dead}", tmp_path / f"libdietcode_ort-new.tmp{os.getpid()}"
+    killed.write_bytes(b"x")
+    live.write_bytes(b"x")
+    with open(held.with_suffix(".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        build._prune(keep)
+    assert not stale.exists() and not stale.with_suffix(".lock").exists()
+    assert held.exists() and held.with_suffix(".lock").exists()
+    assert keep.exists() and keep.with_suffix(".lock").exists()
+    assert not killed.exists() and live.exists()

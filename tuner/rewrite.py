@@ -35,6 +35,7 @@ from onnx import helper, numpy_helper
 
 from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
+from dietcode_ort.paths import process_gone
 from tuner.layout import ChannelsLast, channels_last, nhwc_body, read_elsewhere
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
 from tuner.scan import MOVABLE, GraphLinks, node_reads
@@ -598,11 +599,5 @@ def _remove_stale_writes(path: Path) -> None:
     prefix = f".{path.name}.tmp-"  # save_model's, then the pid and mkdtemp's letters
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*-*"):
         pid = tmp.name.removeprefix(prefix).partition("-")[0]
-        if not tmp.is_dir() or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if tmp.is_dir() and pid.isdigit() and int(pid) != os.getpid() and process_gone(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:  # alive, another user's
-            pass
