@@ -1,5 +1,5 @@
 import sys
 
-from dietcode_ort.cli import main
+from dietcode_ort.cli import console
 
-sys.exit(main())
+sys.exit(console())

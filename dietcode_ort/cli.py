@@ -381,6 +381,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def console() -> int:
+    """The ``dietcode-ort`` command (and ``python -m dietcode_ort``): ``main``'s exit status. Once the command
+    is done, Ctrl-C is ignored, so that one pressed while imported libraries' exit handlers run (torch's, a second
+    or more after a large optimize) does not print their traceback over the result."""
+    try:
+        return main()
+    finally:  # also after argparse's exits (--help, --version, a usage error)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _run(args: argparse.Namespace) -> int:
     tuner = args.command in _TUNER_COMMANDS
     try:

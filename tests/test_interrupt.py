@@ -194,3 +194,18 @@ def test_sigint_stops_within_seconds_and_rerun_resumes(work, reference, to):
     assert proc.wait(timeout=300) == 0, _stderr(proc)
     assert _rows(db) == measured  # nothing measured again
     assert len(_bundles(out)) == 6 and _bundles(out) == _bundles(reference)
+
+
+def test_ctrl_c_after_the_command_is_done_prints_no_traceback(tmp_path: Path) -> None:
+    """A SIGINT that arrives while exit handlers run (torch's take a second after a large optimize) is ignored
+    by the console entry point: the command's own status, and no KeyboardInterrupt traceback over its output."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "from dietcode_ort.cli import console\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.3)))\n"
+              "sys.argv = ['dietcode-ort'] + sys.argv[1:]\n"
+              "sys.exit(console())\n")
+    for argv, status, says in ((["--version"], 0, "dietcode-ort 0."), (["inspect", "missing.onnx"], 2, "error:")):
+        res = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path)
+        assert res.returncode == status and says in res.stdout + res.stderr, res
+        assert "KeyboardInterrupt" not in res.stderr and "Traceback" not in res.stderr, res.stderr
