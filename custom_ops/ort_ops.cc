@@ -913,11 +913,13 @@ struct DietcodeOp : Ort::CustomOpBase<DietcodeOp, DietcodeKernel, true> {
   ONNXTensorElementDataType dtype_;
 };
 
-// Every (op type, EP, dtype) overload, created once and kept for the life of the process, as ORT requires.
+// Every (op type, EP, dtype) overload, and the one domain holding them that every registration adds to its
+// SessionOptions (ORT keeps a pointer, never a copy), created once and kept for the life of the process, as ORT
+// requires. (A domain per registration grew the process by ~9 KB per SessionOptions.)
 struct Registry {
   std::vector<std::unique_ptr<DietcodeOp>> ops;
   std::mutex mutex;
-  std::vector<Ort::CustomOpDomain> domains;
+  std::unique_ptr<Ort::CustomOpDomain> domain;
 
   Registry() {
     const ONNXTensorElementDataType types[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
@@ -959,12 +961,14 @@ OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtA
   Ort::InitApi(api);
   try {
     dietcode::Registry& reg = dietcode::GetRegistry();
-    Ort::CustomOpDomain domain(dietcode::kDomain);
-    for (auto& op : reg.ops) domain.Add(op.get());
-    dietcode::AddAttentionOps(domain);
-    Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(reg.mutex);
-    reg.domains.push_back(std::move(domain));  // must outlive every session that uses it
+    if (!reg.domain) {
+      auto domain = std::make_unique<Ort::CustomOpDomain>(dietcode::kDomain);
+      for (auto& op : reg.ops) domain->Add(op.get());
+      dietcode::AddAttentionOps(*domain);
+      reg.domain = std::move(domain);
+    }
+    Ort::UnownedSessionOptions(options).Add(*reg.domain);
     return nullptr;
   } catch (const std::exception& e) {
     return api->CreateStatus(ORT_FAIL, (std::string("dietcode custom ops: ") + e.what()).c_str());

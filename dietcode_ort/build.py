@@ -59,7 +59,11 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "_lib"
 _PACKAGED_NAME = "libdietcode_ort.so"
 _PACKAGED_INFO = "build_info.json"
 _CFLAGS = ("-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra")
-_LDFLAGS = ("-shared", "-ldl", "-pthread", "-static-libstdc++", "-Wl,--gc-sections", "-Wl,--exclude-libs,ALL")
+# -z nodelete: onnxruntime unloads a custom-op library with the SessionOptions that registered it when no session
+# kept it, and the static libstdc++ leaves ~75 KB behind at each unload (a server registering the library per
+# session grew without bound); never unloaded, it is initialised once per process.
+_LDFLAGS = ("-shared", "-ldl", "-pthread", "-static-libstdc++", "-Wl,--gc-sections", "-Wl,--exclude-libs,ALL",
+            "-Wl,-z,nodelete")
 # Symbols the library exports: ORT's entry point and the C core used through ctypes.
 _EXPORTS = ("RegisterCustomOps", "dc_*")
 _FETCH_HINT = "bash scripts/fetch_ort_headers.sh .deps/onnxruntime"
