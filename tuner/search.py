@@ -556,7 +556,10 @@ def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space:
     """DietCode's joint search over all ``problems`` (problem, weight) with one model and population.
     ``tf32``: the float32 kernels compute their dots in TF32 (the default model's peak and wgmma feature).
     ``warm``: other workloads' measurements on the same device and family (op, dtype, target), e.g. the
-    earlier searches of the same optimize run: the model starts from them (``CostModel.warm_start``)."""
+    earlier searches of the same optimize run: the model starts from them (``CostModel.warm_start``). The
+    seconds reported (and ``max_seconds``) count from the call: the model's warm start and the search's setup
+    (the roofline prior over every config and instance) included."""
+    started = time.perf_counter()
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
     model = model or LearnedCostModel(profile, family.dtype, seed=options.seed, tf32=tf32)
@@ -565,7 +568,7 @@ def tune_joint(family: Family, problems: Sequence[tuple[Problem, float]], space:
     search = _Search(space, order, weights, model, profile, family.dtype, options, rng,
                      _refused(measurer, family, space, order))
     history: list[RoundRecord] = []
-    trials, started = 0, time.perf_counter()
+    trials = 0
     with _progress(options, f"joint {family.op} x{len(order)}") as bar:
         task = bar.add_task("tune", total=options.max_trials)
         while trials < options.max_trials and time.perf_counter() - started < options.max_seconds:
@@ -585,8 +588,10 @@ def tune_per_shape(family: Family, problems: Sequence[tuple[Problem, float]], sp
                    ) -> TuningResult:
     """The baseline: each problem tuned on its own (own model and population), round-robin by rounds.
 
-    ``max_trials`` is the total over all problems; a history record is taken after each sweep.
+    ``max_trials`` is the total over all problems; a history record is taken after each sweep. Seconds count
+    from the call, as ``tune_joint``'s.
     """
+    started = time.perf_counter()
     order, weights = _check_inputs(problems, space, options)
     rng = np.random.default_rng(options.seed)
     models = tuple(LearnedCostModel(profile, family.dtype, seed=options.seed) for _ in order)
@@ -594,7 +599,7 @@ def tune_per_shape(family: Family, problems: Sequence[tuple[Problem, float]], sp
     searches = [_Search(space, [p], [1.0], m, profile, family.dtype, options, rng, refused[:, [j]])
                 for j, (p, m) in enumerate(zip(order, models))]
     history: list[RoundRecord] = []
-    trials, started = 0, time.perf_counter()
+    trials = 0
     with _progress(options, f"per-shape {family.op} x{len(order)}") as bar:
         task = bar.add_task("tune", total=options.max_trials)
         while trials < options.max_trials and time.perf_counter() - started < options.max_seconds:
