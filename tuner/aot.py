@@ -399,14 +399,17 @@ def _ptxas_override(path: str | None) -> Any:
 
 
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], aligned: Sequence[str],
-                    arch: int, num_warps: int, num_stages: int, scratch: Path | None = None,
+                    arch: int, num_warps: int, num_stages: int,
                     toolchain: CompileToolchain = CompileToolchain()) -> tuple[Any, str]:
     """Compile, with the params named in ``aligned`` assumed divisible by 16 (pointers: 16-byte aligned; Triton's
     ``tt.divisibility``), and capture the ptxas log (Triton prints it when its dump knob is on). Triton's own cache
     is bypassed so ptxas always runs and reports registers and spills; this module caches artifacts.
-    Triton still writes its working files to a cache folder: ``scratch`` (inside this module's cache,
-    so a read-only ~/.triton does not matter) when given. The PTX ISA is the lower of the ptxas's own and
-    the newest ``toolchain.min_driver`` JIT-compiles (a ptxas refuses PTX newer than itself)."""
+    Triton still writes its working files to a cache folder, which it reads back into the compiled kernel at
+    once: a temporary folder, removed after the compile (never ~/.triton, which may be read-only, and no
+    ~330 KB per kernel that nothing reads again in the kernel cache). The PTX ISA is the lower of the ptxas's
+    own and the newest ``toolchain.min_driver`` JIT-compiles (a ptxas refuses PTX newer than itself)."""
+    import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import ptx_get_version
@@ -421,9 +424,9 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
     try:
         knobs.dump_ptxas_log = True
         triton.knobs.compilation.always_compile = True
-        if scratch is not None:
-            triton.knobs.cache.dir = str(scratch)
-        with contextlib.redirect_stdout(log), _ptxas_override(toolchain.ptxas):
+        with tempfile.TemporaryDirectory(prefix="dietcode_triton_") as scratch, contextlib.redirect_stdout(log), \
+                _ptxas_override(toolchain.ptxas):
+            triton.knobs.cache.dir = scratch
             attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32),
@@ -482,7 +485,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
     signature, constants = _signature(family, config, epilogue, trans_b, conv, allow_tf32)
     aligned = (*div16, "workspace") if config.split_k > 1 else div16  # the launcher checks the workspace
     compiled, log = _triton_compile(fn, signature, constants, aligned, profile.arch, config.num_warps,
-                                    config.num_stages, scratch=folder / "triton", toolchain=toolchain)
+                                    config.num_stages, toolchain=toolchain)
     md = compiled.metadata
     scratch_align = int(getattr(md, "global_scratch_align", 1) or 1)
     if md.profile_scratch_size > 0 or (md.global_scratch_size > 0 and (
