@@ -147,11 +147,27 @@ def library_needed(providers: Sequence[Any]) -> bool:
     return any(n != "CPUExecutionProvider" for n in names)
 
 
+def _ort_format(model: Any) -> bool:
+    """Whether ``model`` (bytes or a path) is an ORT-format model (``.ort``, from onnxruntime's
+    ``convert_onnx_models_to_ort``): a flatbuffer whose file identifier, bytes 4 to 8, is ``ORTM``."""
+    if isinstance(model, bytes):
+        return model[4:8] == b"ORTM"
+    try:
+        with open(model, "rb") as fh:
+            return fh.read(8)[4:8] == b"ORTM"
+    except (OSError, TypeError):
+        return False  # the ONNX reader names the problem
+
+
 def _has_fallback(model: Any) -> bool:
-    """Whether every ai.dietcode op type the model uses has a model-local function ORT can run instead.
+    """Whether every ai.dietcode op type the model uses has a model-local function ORT can run instead (never for
+    an ORT-format model: one converted with the library registered keeps the custom nodes without their functions,
+    one converted without it has no custom node, so the library is registered for both).
     DietcodeError naming the file for a missing or unreadable model (as the CLI's commands say it)."""
     import onnx
 
+    if _ort_format(model):
+        return False
     if isinstance(model, bytes):
         try:
             proto = onnx.load_model_from_string(model)

@@ -329,3 +329,22 @@ def test_registering_the_library_per_session_does_not_grow_the_process(optimized
         assert res.returncode == 0, res.stderr[-2000:]
         grown = float(res.stdout.strip().splitlines()[-1])
         assert grown < 4.0, f"{model.name}: the process grew {grown:.1f} MB over {n} sessions"
+
+
+def test_an_ort_format_model_runs(optimized, tmp_path):
+    """An optimized model saved by ORT in its own format with the library registered (what
+    convert_onnx_models_to_ort --custom_op_library writes: the custom nodes without their fallback functions) runs
+    through InferenceSession, from a path and from bytes: the library is registered for it (it was refused as
+    no readable ONNX model)."""
+    src, out = optimized
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "m.ort")
+    so.add_session_config_entry("session.save_model_format", "ORT")
+    dietcode_ort.register(so)
+    ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    saved = tmp_path / "m.ort"
+    assert saved.read_bytes()[4:8] == b"ORTM"
+    with pytest.raises(Exception, match="ai.dietcode"):  # stock ORT: the nodes need the library
+        ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"])
+    _check(dietcode_ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"]), src)
+    _check(dietcode_ort.InferenceSession(saved.read_bytes(), providers=["CPUExecutionProvider"]), src)
