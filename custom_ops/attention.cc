@@ -629,13 +629,13 @@ class AttentionKernel {
 };
 
 struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
-  AttentionOp(ONNXTensorElementDataType dtype, bool cuda) : dtype_(dtype), cuda_(cuda) {}
+  AttentionOp(const char* name, ONNXTensorElementDataType dtype, bool cuda) : name_(name), dtype_(dtype), cuda_(cuda) {}
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     return CreateKernelStatus(api, kernel, [&] { return new AttentionKernel(info, cuda_, dtype_); });
   }
 
-  const char* GetName() const { return "Attention"; }
+  const char* GetName() const { return name_; }
   const char* GetExecutionProviderType() const { return cuda_ ? kCudaEp : kCpuEp; }
   // (Q, Kt, V, mask, bundle): the mask and the bundle are optional for the schema so that the kernel, not the
   // schema check, reports a CUDA node without a bundle; the bundle is uint8 and stays in host memory.
@@ -654,6 +654,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return dtype_; }
 
  private:
+  const char* name_;
   ONNXTensorElementDataType dtype_;
   bool cuda_;
 };
@@ -661,14 +662,21 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
 }  // namespace
 
 void AddAttentionOps(OrtCustomOpDomain* domain) {
-  // Created once, kept for the life of the process, as ORT requires of custom ops.
-  static const std::unique_ptr<AttentionOp> ops[] = {
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, false),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, false),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, true),
-      std::make_unique<AttentionOp>(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, true)};
+  // Created once, kept for the life of the process, as ORT requires of custom ops: each dtype and EP under the
+  // op type's name and under "Attention", the name models written before used (ai.dietcode opset 2), which is
+  // also an ONNX op's and com.microsoft's: tools matching nodes by op type alone took the node for those.
+  static const std::vector<std::unique_ptr<AttentionOp>> ops = [] {
+    std::vector<std::unique_ptr<AttentionOp>> made;
+    for (const char* name : {"ScaledDotProductAttention", "Attention"}) {
+      for (bool cuda : {false, true}) {
+        for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                       ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16}) {
+          made.push_back(std::make_unique<AttentionOp>(name, t, cuda));
+        }
+      }
+    }
+    return made;
+  }();
   for (const auto& op : ops) Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(domain, op.get()));
 }
 

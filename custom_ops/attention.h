@@ -1,4 +1,4 @@
-// ai.dietcode::Attention: softmax(Q @ Kt * scale + mask) @ V, the fused attention node of
+// ai.dietcode::ScaledDotProductAttention (formerly Attention): softmax(Q @ Kt * scale + mask) @ V, the fused attention node of
 // tuner/attention_graph.py. Shapes and the CPU computation in plain C++; the ORT op (CPU and CUDA) in attention.cc.
 #ifndef DIETCODE_ATTENTION_H_
 #define DIETCODE_ATTENTION_H_

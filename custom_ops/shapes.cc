@@ -39,10 +39,15 @@ namespace {
 // (0 none, 1 added after the activation, 2 added before it, 3 multiplied after it): "ConvBiasReluResidual",
 // "ConvBiasResidualRelu", "MatMulSiluMul", "GemmBiasResidual". Empty for the combinations no op type has (r 2
 // without an activation, which r 1 already names; r 3 without an activation: the multiply follows one).
+// With no epilogue at all, "MatMulPlain", "GemmPlain", "ConvPlain": no op type is an ONNX op's name, which tools
+// that match nodes by op type alone (onnxruntime's quantizer) would take for that op. The bare bases, the names
+// models written before used, are read as the Plain ones (ParseOpType) and registered too (AllOpTypes).
+const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
+
 std::string OpTypeName(int b, bool bias, int a, int r) {
-  static const char* const kBases[] = {"MatMul", "Gemm", "Conv"};
   static const char* const kActivations[kActivationCount] = {"", "Relu", "Gelu", "GeluTanh", "Silu", "Relu6"};
   if (r >= 2 && a == 0) return "";
+  if (!bias && a == 0 && r == 0) return std::string(kBases[b]) + "Plain";
   const std::string head = std::string(kBases[b]) + (bias ? "Bias" : "");
   if (r == 2) return head + "Residual" + kActivations[a];
   if (r == 3) return head + kActivations[a] + "Mul";
@@ -52,6 +57,14 @@ std::string OpTypeName(int b, bool bias, int a, int r) {
 }  // namespace
 
 bool ParseOpType(const std::string& op_type, OpSpec* spec) {
+  for (int b = 0; b < 3; ++b) {
+    if (op_type == kBases[b]) {
+      *spec = OpSpec{};
+      spec->base = static_cast<BaseOp>(b);
+      spec->name = op_type;
+      return true;
+    }
+  }
   for (int r = 0; r < 4; ++r) {
     for (int b = 0; b < 3; ++b) {
       for (int a = 0; a < kActivationCount; ++a) {
@@ -85,6 +98,7 @@ std::vector<std::string> AllOpTypes() {
       }
     }
   }
+  out.insert(out.end(), std::begin(kBases), std::end(kBases));
   return out;
 }
 

@@ -39,11 +39,13 @@ struct OpSpec {
   std::string name;
 };
 
-// Parses "<Op>[Bias][Act]", "<Op>[Bias][Act]Residual", "<Op>[Bias]Residual<Act>" and "<Op>[Bias]<Act>Mul" with Op
-// one of MatMul, Gemm, Conv and Act one of Relu, Gelu, GeluTanh, Silu, Relu6; false for anything else.
+// Parses "<Op>Plain", "<Op>Bias[Act]", "<Op>[Bias]Act", "<Op>[Bias][Act]Residual", "<Op>[Bias]Residual<Act>" and
+// "<Op>[Bias]<Act>Mul" with Op one of MatMul, Gemm, Conv and Act one of Relu, Gelu, GeluTanh, Silu, Relu6, and the
+// bare "<Op>" of models written before (as "<Op>Plain"); false for anything else.
 bool ParseOpType(const std::string& op_type, OpSpec* spec);
 
-// The 132 op type names, in registration order: the 36 without a residual first.
+// The 132 op type names, in registration order: the 36 without a residual first; then the 3 bare bases of models
+// written before ("MatMul", "Gemm", "Conv"): 135 in all.
 std::vector<std::string> AllOpTypes();
 
 struct GemmAttrs {

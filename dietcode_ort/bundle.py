@@ -23,6 +23,7 @@ __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "CHECKSUM_AT", "seal", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "subgraphs", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
+    "ATTENTION_OP", "LEGACY_OP_TYPES", "canonical_op_type", "is_attention",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -901,10 +902,28 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
     return bundle
 
 
+# The fused attention node's op type. No ai.dietcode op type is a name an ONNX or com.microsoft op has: tools that
+# match nodes by op type alone (onnxruntime's quantizer and SymbolicShapeInference) would take the node for that
+# op (quantize_dynamic turned a MatMul with a fused scale into a MatMulInteger without it: wrong outputs).
+ATTENTION_OP = "ScaledDotProductAttention"
+# The op types models written before that used, and their names now: the library runs both.
+LEGACY_OP_TYPES = {"MatMul": "MatMulPlain", "Gemm": "GemmPlain", "Conv": "ConvPlain", "Attention": ATTENTION_OP}
+
+
+def canonical_op_type(op_type: str) -> str:
+    """An ai.dietcode op type under its current name (``LEGACY_OP_TYPES``: "Attention" is ATTENTION_OP)."""
+    return LEGACY_OP_TYPES.get(op_type, op_type)
+
+
+def is_attention(op_type: str) -> bool:
+    return canonical_op_type(op_type) == ATTENTION_OP
+
+
 def op_takes_residual(op_type: str) -> bool:
     """Whether an ai.dietcode MatMul/Gemm/Conv op type takes the residual input: it names "Residual" (added,
     MatMulBiasResidual, ConvBiasResidualRelu) or ends in "Mul" after its activation (multiplied, MatMulSiluMul)."""
-    return "Residual" in op_type or (op_type.endswith("Mul") and op_type != "MatMul")
+    op_type = canonical_op_type(op_type)
+    return "Residual" in op_type or op_type.endswith("Mul")
 
 
 # ai.dietcode op types whose nodes carry no kernel bundle (none: Attention carries one, docs/bundle.md).
@@ -981,7 +1000,7 @@ def node_bundles(model: Any, base_dir: str | None = None) -> list[NodeBundle]:
         if any(a.name == "bundle" for a in node.attribute):
             raise DietcodeError(f"{label} carries its kernel bundle as an attribute, the node contract before "
                                 "ai.dietcode opset 2; optimize the original model again")
-        if node.op_type == "Attention":
+        if is_attention(node.op_type):
             want = ATTENTION_INPUTS
             if len(node.input) < want:
                 raise DietcodeError(f"{label} has {len(node.input)} inputs and no kernel bundle; Attention takes "

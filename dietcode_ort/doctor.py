@@ -205,7 +205,7 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
     that some kernels can still run only fails the calls its tree sends to the others (a warning)."""
     from pathlib import Path
 
-    from dietcode_ort.bundle import Bundle, node_bundles, read_bundle
+    from dietcode_ort.bundle import Bundle, is_attention, node_bundles, read_bundle
     from dietcode_ort.inspect_model import load_optimized
     from dietcode_ort.toolchain import format_driver, format_isa
 
@@ -250,7 +250,7 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
         unfit = [why for why in (_cannot_run(k, driver, device) for k in compiled) if why]
         if not unfit:
             continue
-        attention = [node for node, op_type in users[initializer] if op_type == "Attention"]
+        attention = [node for node, op_type in users[initializer] if is_attention(op_type)]
         if not attention:
             vendor += unfit
         elif len(unfit) == len(compiled):

@@ -10,7 +10,7 @@ from typing import Any
 
 import onnx
 
-from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, dietcode_nodes, node_bundles, read_bundle
+from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, dietcode_nodes, is_attention, node_bundles, read_bundle
 from dietcode_ort.errors import DietcodeError, check_model_file
 from dietcode_ort.toolchain import format_driver, format_isa, ptx_mma, ptx_mma_shapes, ptx_target
 
@@ -118,7 +118,8 @@ def epilogue_of(node: onnx.NodeProto) -> dict:
     from dietcode_ort.bundle import ACTIVATION_CODES, ACTIVATION_OP_NAMES
 
     acts = "|".join(sorted(ACTIVATION_OP_NAMES[1:], key=len, reverse=True))  # Relu6 before Relu
-    m = re.fullmatch(rf"(MatMul|Gemm|Conv)(Bias)?(?:({acts})?(Residual|Mul)?|(Residual)({acts}))", node.op_type)
+    m = re.fullmatch(rf"(MatMul|Gemm|Conv)(?:Plain|(Bias)?(?:({acts})?(Residual|Mul)?|(Residual)({acts})))",
+                     node.op_type)
     scale = _attr(node, "scale", onnx.AttributeProto.FLOAT, 1.0)
     if m is None:
         return {"alpha": float(scale)}
@@ -177,7 +178,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
             "ranges": info.get("ranges", {}),
             "tuning": info.get("tuning"),
         })
-        if node.op_type == "Attention":
+        if is_attention(node.op_type):
             nodes[-1]["attention"] = _attention(node)
             # the SCALE the kernels were compiled with (their recorded alpha), which the runtime checks
             nodes[-1]["attention"]["kernel_scale"] = sorted({k.alpha for k in bundle.kernels if k.kind == "triton"})

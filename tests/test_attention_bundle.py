@@ -97,9 +97,9 @@ def test_instances_come_from_the_chain_expressions() -> None:
 def test_attention_nodes_carry_a_shared_bundle_of_attention_kernels(optimized) -> None:
     _, out, logs = optimized
     model = onnx.load(str(out))
-    nodes = [n for n in model.graph.node if n.op_type == "Attention"]
+    nodes = [n for n in model.graph.node if n.op_type == "ScaledDotProductAttention"]
     assert len(nodes) == LAYERS and all(len(n.input) == 5 and n.input[3] for n in nodes)
-    found = [b for b in node_bundles(model) if b.op_type == "Attention"]
+    found = [b for b in node_bundles(model) if b.op_type == "ScaledDotProductAttention"]
     assert len(found) == LAYERS and len({b.initializer for b in found}) == 1  # both layers: one workload
     bundle = read_bundle(found[0].payload)
     assert [f.name for f in bundle.features] == ["seq_q", "seq_k", "batch"]
@@ -112,7 +112,7 @@ def test_inspect_shows_attention_kernels_and_tree(optimized, capsys: pytest.Capt
     from dietcode_ort.inspect_model import describe, inspect_command
 
     _, out, _ = optimized
-    nodes = [n for n in describe(onnx.load(str(out))) if n["op"] == "Attention"]
+    nodes = [n for n in describe(onnx.load(str(out))) if n["op"] == "ScaledDotProductAttention"]
     assert len(nodes) == LAYERS
     n = nodes[0]
     assert n["view"] == "attention" and n["bundle"]["bytes"] > 0
@@ -140,7 +140,7 @@ def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused
 
     _, out, _ = optimized
     model = onnx.load(str(out))
-    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "ScaledDotProductAttention")
     assert {k.alpha for k in read_bundle(payload).kernels} == {0.125}
     parsed = Core(library_path()).parse(payload)
     parsed.check_scale(0.125)
@@ -154,7 +154,7 @@ def test_attention_kernels_record_their_scale_and_a_node_with_another_is_refused
         names.append(node.name)
         next(a for a in node.attribute if a.name == "scale").f = 0.25
 
-    edited = _with_node(model, "Attention", rescale)
+    edited = _with_node(model, "ScaledDotProductAttention", rescale)
     with pytest.raises(Exception, match=re.escape(f"node '{names[0]}' (ai.dietcode:Attention)") +
                        r".*alpha 0\.125, the node's scale is 0\.25; optimize the model again"):
         _session(edited)
@@ -193,9 +193,9 @@ def test_the_core_picks_attention_kernels_and_builds_their_launch_args(optimized
 
     _, out, _ = optimized
     model = onnx.load(str(out))
-    node = next(n for n in model.graph.node if n.op_type == "Attention")
+    node = next(n for n in model.graph.node if n.op_type == "ScaledDotProductAttention")
     info = json.loads(next(a.s for a in node.attribute if a.name == "info"))
-    payload = next(b.payload for b in node_bundles(model) if b.op_type == "Attention")
+    payload = next(b.payload for b in node_bundles(model) if b.op_type == "ScaledDotProductAttention")
     core = Core(library_path())
     bundle = core.parse(payload)
     decoded = read_bundle(payload)
@@ -254,13 +254,13 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
     _, out, _ = optimized
     model = onnx.load(str(out))
     gemm_bundle = next(n.input[-1] for n in model.graph.node if n.op_type.startswith("MatMul"))
-    att_bundle = next(n.input[4] for n in model.graph.node if n.op_type == "Attention")
+    att_bundle = next(n.input[4] for n in model.graph.node if n.op_type == "ScaledDotProductAttention")
 
     def swap(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         node.input[4] = gemm_bundle
 
     with pytest.raises(Exception, match="is not a kernel for this op type"):
-        _session(_with_node(model, "Attention", swap))
+        _session(_with_node(model, "ScaledDotProductAttention", swap))
 
     # the core's node check (what a CUDA node runs at creation): attention kernels fit Attention only, and a
     # MatMul node given them is refused rather than launched with the wrong view
@@ -279,7 +279,7 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         attention.check_node("float16", "Attention")
     # the kernels were compiled for the node's layouts (Q, K, V and out as [B, S, H, d]); any other is refused
     attrs = {a.name: onnx.helper.get_attribute_value(a)
-             for a in next(n for n in model.graph.node if n.op_type == "Attention").attribute}
+             for a in next(n for n in model.graph.node if n.op_type == "ScaledDotProductAttention").attribute}
     head_dim, mask_rows, nan_to_zero = attrs["head_dim"], bool(attrs.get("mask_rows", 1)), bool(attrs.get("nan_to_zero", 0))
     attention.check_attention(31, head_dim, mask_rows, nan_to_zero)
     assert {(k.head_dim, k.mask_rows, k.nan_to_zero) for k in attention.decode().kernels} == {(head_dim, mask_rows,
@@ -305,26 +305,26 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
             ("nan_to_zero", int(not nan_to_zero), f"compiled with nan_to_zero={int(nan_to_zero)}, the node has "
                                                   f"nan_to_zero={int(not nan_to_zero)}")):
         with pytest.raises(Exception, match=r"bundle kernel \d+ \('attention_kernel[^']*'\) was " + message):
-            _session(_with_node(model, "Attention", set_attr(name, value)))
+            _session(_with_node(model, "ScaledDotProductAttention", set_attr(name, value)))
 
     def relayout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         next(a for a in node.attribute if a.name == "layout").i = 0
 
     with pytest.raises(Exception, match=r"compiled for operand layout q=BSHD,k=BSHD,v=BSHD,out=BSHD,packed, the "
                                         r"node has q=BHSD,k=BHDS,v=BHSD,out=BHSD"):
-        _session(_with_node(model, "Attention", relayout))
+        _session(_with_node(model, "ScaledDotProductAttention", relayout))
 
     def bad_layout(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         next(a for a in node.attribute if a.name == "layout").i = 16
 
     with pytest.raises(Exception, match="layout attribute 16 is not a bit set"):
-        _session(_with_node(model, "Attention", bad_layout))
+        _session(_with_node(model, "ScaledDotProductAttention", bad_layout))
 
     def drop_mask(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         node.input[3] = ""
 
     with pytest.raises(Exception, match="takes a mask but the node has none"):
-        _session(_with_node(model, "Attention", drop_mask))
+        _session(_with_node(model, "ScaledDotProductAttention", drop_mask))
 
     def drop_scale(_: onnx.ModelProto, node: onnx.NodeProto) -> None:
         keep = [a for a in node.attribute if a.name != "scale"]
@@ -332,23 +332,23 @@ def test_bad_attention_bundles_and_attributes_are_refused(optimized) -> None:
         node.attribute.extend(keep)
 
     with pytest.raises(Exception, match="'scale' attribute is missing"):
-        _session(_with_node(model, "Attention", drop_scale))
+        _session(_with_node(model, "ScaledDotProductAttention", drop_scale))
 
     def garbage(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
         m.graph.initializer.append(numpy_helper.from_array(np.arange(40, dtype=np.uint8), "junk"))
         node.input[4] = "junk"
 
     with pytest.raises(Exception, match="bundle input 'junk'"):
-        _session(_with_node(model, "Attention", garbage))
+        _session(_with_node(model, "ScaledDotProductAttention", garbage))
 
     def float_bundle(m: onnx.ModelProto, node: onnx.NodeProto) -> None:
         m.graph.initializer.append(helper.make_tensor("fb", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]))
         node.input[4] = "fb"
 
     with pytest.raises(Exception):
-        _session(_with_node(model, "Attention", float_bundle))
+        _session(_with_node(model, "ScaledDotProductAttention", float_bundle))
     with pytest.raises(DietcodeError, match="not a non-empty 1-D uint8|must be a non-empty 1-D uint8"):
-        node_bundles(_with_node(model, "Attention", float_bundle))
+        node_bundles(_with_node(model, "ScaledDotProductAttention", float_bundle))
 
 
 
@@ -365,7 +365,7 @@ def test_attention_attributes_of_another_type_are_refused(optimized, name, value
         node.attribute.extend(keep + [helper.make_attribute(name, value)])
 
     with pytest.raises(Exception, match=rf"ai.dietcode:Attention.*the '{name}' attribute is not {kind}"):
-        _session(_with_node(onnx.load(str(out)), "Attention", retype))
+        _session(_with_node(onnx.load(str(out)), "ScaledDotProductAttention", retype))
 
 
 def test_gpu_measure_times_shipped_attention_kernels_through_the_timing_child(tmp_path: Path, monkeypatch) -> None:
@@ -470,7 +470,7 @@ def test_a_chain_without_mask_gets_an_empty_mask_slot_and_runs_everywhere() -> N
     (bundles,) = tune_sites([(sites, ("T", "z"), ("z=1:3", "T=1:9:4"), None, {})], ["sm_90"], max_kernels=2,
                             seed=0, min_driver=13000, ptxas=None, log=lambda _: None)
     fused, _ = fuse_attention(model, sites, bundles=bundles)
-    node = next(n for n in fused.graph.node if n.op_type == "Attention")
+    node = next(n for n in fused.graph.node if n.op_type == "ScaledDotProductAttention")
     assert len(node.input) == 5 and node.input[3] == "" and node.input[4].startswith("dietcode_bundle_")
     kernels = read_bundle(node_bundles(fused)[0].payload).kernels
     assert kernels and all("mask" not in k.params for k in kernels)

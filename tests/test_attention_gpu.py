@@ -138,7 +138,7 @@ def test_optimized_bert_reads_packed_qkv_on_cuda_ep_like_the_cpu_ep(tmp_path) ->
                                        max_kernels=2, measure="analytic", db=tmp_path / "t.db",
                                        cache_dir=tmp_path / "k", progress=False), log=lambda _: None)
     nodes = onnx.load(str(out)).graph.node
-    assert all(next(a.i for a in n.attribute if a.name == "layout") == 31 for n in nodes if n.op_type == "Attention")
+    assert all(next(a.i for a in n.attribute if a.name == "layout") == 31 for n in nodes if n.op_type == "ScaledDotProductAttention")
     assert not any(n.op_type in ("Split", "Transpose") for n in nodes)
     opts = ort.SessionOptions()
     register(opts)

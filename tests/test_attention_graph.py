@@ -286,7 +286,7 @@ def test_an_attention_node_without_a_bundle_is_refused_by_the_bundle_reader() ->
     from dietcode_ort.bundle import node_bundles
 
     fused, _ = fuse_attention(build_graph(PRESETS["tiny"], "float32", 0))
-    with pytest.raises(DietcodeError, match=r"MatMul_1' \(Attention\) has 4 inputs and no kernel bundle"):
+    with pytest.raises(DietcodeError, match=r"MatMul_1' \(ScaledDotProductAttention\) has 4 inputs and no kernel bundle"):
         node_bundles(fused)
 
 
@@ -310,7 +310,9 @@ def test_optimize_fuse_attention_leaves_the_chains_to_attention_nodes(tmp_path: 
     assert ops.count(OP_TYPE) == layers and "Softmax" not in [n.op_type for n in model.graph.node]
     assert any(op.startswith("MatMul") for op in ops)  # the dense layers' tuned kernels
     assert all(w.workload.batch == "1" for w in report.workloads)  # no bmm workload: the chains are fused
-    assert any(line.startswith(f"{layers} attention chains fused into ai.dietcode::Attention") for line in logs)
+    assert report.attention == layers
+    assert any(line.startswith(f"{layers} attention chains fused into ai.dietcode::ScaledDotProductAttention")
+               for line in logs)
     views = {n["view"] for n in describe(model)}
     assert views == {"attention", "gemm"}
     stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])

@@ -214,7 +214,7 @@ def test_exports_merged_as_optimum_merges_decoders(tmp_path: Path, name: str) ->
     sides = {n.split("': ")[0] + "'" for n in report.rewritten}
     assert sides == {"the then_branch of If 'optimum::if'", "the else_branch of If 'optimum::if'"}
     optimized = onnx.load(str(out))
-    assert sum(n.op_type == "Attention" for n, _, _, _ in dietcode_nodes(optimized)) == 4  # two layers, two branches
+    assert sum(n.op_type == "ScaledDotProductAttention" for n, _, _, _ in dietcode_nodes(optimized)) == 4  # two layers, two branches
     read = set().union(*(node_reads(n) for n in optimized.graph.node))
     assert [t.name for t in optimized.graph.initializer if t.name not in read] == []
     big = [t for t in optimized.graph.initializer if len(t.raw_data) > 1024]
@@ -324,7 +324,7 @@ def test_a_decoder_and_its_with_past_twin_merged(tmp_path: Path) -> None:
     optimize(src, out, _options(tmp_path, "batch=1,2", "seq=1:16:4", "past_seq=0:32:8"), log=lines.append)
     assert any("Tk=past_seq + seq" in line for line in lines)
     nodes = [n for n, _, _, _ in dietcode_nodes(onnx.load(str(out)))]
-    assert sum(n.op_type == "Attention" for n in nodes) == 2 and len(nodes) == 14  # and 6 GEMMs a branch
+    assert sum(n.op_type == "ScaledDotProductAttention" for n in nodes) == 2 and len(nodes) == 14  # and 6 GEMMs a branch
     rng = np.random.default_rng(0)
     sessions = _sessions(src, out)
     for use_cache in (True, False):

@@ -178,7 +178,7 @@ def test_an_einsum_attention_export_is_fused_and_matches(tmp_path: Path):
     optimize(src, dst, OptimizeOptions(dims=("batch=1,4", "seq=8:64:8"), measure="analytic", budget=4, progress=False,
                                        db=tmp_path / "t.db", cache_dir=tmp_path / "k"), log=lambda _: None)
     ops = sorted(n.op_type for n in onnx.load(str(dst)).graph.node if n.domain == "ai.dietcode")
-    assert ops == ["Attention", "MatMul", "MatMulBias"]  # Q/K/V in one projection, the chain, the output one
+    assert ops == ["MatMulBias", "MatMulPlain", "ScaledDotProductAttention"]  # Q/K/V in one projection, the chain, the output one
     stock = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     import dietcode_ort
 

@@ -110,7 +110,7 @@ def test_optimize_measure_gpu_end_to_end_through_the_driver(fake_lib: Path, tmp_
     assert "trials in" in stderr and " with gpu (NVIDIA H100 SXM5);" in stderr  # no product of its own
     assert "no vendor baseline (the vendor baseline needs torch with CUDA" in stderr
     ops = {n.op_type for n in onnx.load(str(out)).graph.node if n.domain == "ai.dietcode"}
-    assert any(op.startswith("MatMul") for op in ops) and ("Attention" in ops) == (name == "bert"), ops
+    assert any(op.startswith("MatMul") for op in ops) and ("ScaledDotProductAttention" in ops) == (name == "bert"), ops
     rows = sqlite3.connect(str(db)).execute("SELECT device, family, config, seconds, error FROM measurements").fetchall()
     assert rows and {r[0] for r in rows} == {rows[0][0]} and rows[0][0].startswith(FAKE_DEVICE)
     assert all(r[2] != "vendor" for r in rows)

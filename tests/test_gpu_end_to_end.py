@@ -38,7 +38,7 @@ def _cuda_ep_works() -> bool:
 
 def _op_kind(node: str, op_type: str, kernels) -> str:
     """dense MatMul | attention MatMul (its kernels take the bmm view) | fused Attention | Gemm | Conv."""
-    if op_type == "Attention":
+    if op_type == "ScaledDotProductAttention":
         return "fused Attention"
     if op_type.startswith("MatMul"):
         return "attention MatMul" if any(k.view == "bmm" for k in kernels) else "dense MatMul"

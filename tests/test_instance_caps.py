@@ -77,3 +77,23 @@ def test_scan_says_so(tmp_path, capsys):
     (workload,) = json.loads(out.out)["workloads"]
     assert len(workload["instances"]) == MAX_INSTANCES
     assert "tuning for 1024" in out.err
+
+
+def test_each_workload_is_capped_over_its_own_symbols():
+    """Values given for dims a workload does not use do not thin out its shapes: a dense MatMul over u keeps all
+    of u's 512 values while a batched one over a, b and u is bucketed to MAX_INSTANCES (the cap over the product
+    of every symbol left the dense one 2 values of u)."""
+    from onnx import TensorProto, helper
+
+    from tuner.scan import attach_instances, scan_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["u", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "u", 8])
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("d", "e")]
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [0.0] * 64)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["d"]), helper.make_node("MatMul", ["y", "w"], ["e"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, y], outs, [w]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    scanned = attach_instances(scan_model(model), ["u=1:512", "a=1:8", "b=1:8"])
+    counts = {w.nodes[0]: len(w.instances) for w in scanned.workloads}
+    assert counts == {"d": 512, "e": MAX_INSTANCES}

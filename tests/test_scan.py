@@ -85,6 +85,29 @@ def test_identical_nodes_group_and_static_nodes_are_skipped():
     assert [(k.node, k.reason) for k in result.skipped] == [("static", "static shapes: no symbolic dim to tune over")]
 
 
+def test_quantized_products_are_left_out_with_the_reason():
+    """A QDQ model's MatMul (operands from DequantizeLinear: ORT runs it as a quantized kernel) and the integer
+    ops are listed as left out, each with its reason; the float MatMul beside them is tuned."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    xq = helper.make_tensor_value_info("xq", TensorProto.UINT8, ["n", 4])
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "f")] + \
+        [helper.make_tensor_value_info("yi", TensorProto.INT32, None)]
+    scale, zero = helper.make_tensor("sc", TensorProto.FLOAT, [], [0.1]), helper.make_tensor("zp", TensorProto.UINT8, [], [0])
+    wq = numpy_helper.from_array(np.ones((4, 4), np.uint8), "wq")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sc", "zp"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "sc", "zp"], ["dq"]),
+             helper.make_node("DequantizeLinear", ["wq", "sc", "zp"], ["wdq"]),
+             helper.make_node("MatMul", ["dq", "wdq"], ["y"], name="qdq"),
+             helper.make_node("MatMulInteger", ["xq", "wq"], ["yi"], name="int"),
+             helper.make_node("MatMul", ["x", "w"], ["f"], name="float")]
+    result = scan_model(_model(nodes, [x, xq], outs, [_w("w", (4, 4)), wq, scale, zero]))
+    reasons = {k.node: k.reason for k in result.skipped}
+    assert "a quantized (QDQ) model: 'dq' comes from a DequantizeLinear" in reasons["qdq"]
+    assert reasons["int"].startswith("a quantized op")
+    (w,) = result.workloads
+    assert w.nodes == ("f",)
+
+
 def test_unsupported_dtype_is_skipped_and_a_grouped_conv_is_batched_over_its_groups():
     x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["n", 4])
     img = helper.make_tensor_value_info("img", TensorProto.FLOAT, ["n", 4, "h", "w"])

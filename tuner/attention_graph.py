@@ -65,6 +65,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from dietcode_ort import bundle as bundle_format
 from dietcode_ort.errors import DietcodeError
 from tuner import scan as scan_mod
 from tuner.attention import LAYOUT_BITS
@@ -75,7 +76,7 @@ from tuner.workload import Workload
 
 __all__ = ["OP_TYPE", "AttentionSite", "AttentionScan", "find_attention", "fuse_attention", "without_attention"]
 
-OP_TYPE = "Attention"
+OP_TYPE = bundle_format.ATTENTION_OP
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                           onnx.TensorProto.BFLOAT16: "bfloat16"}
 _CODES = {v: k for k, v in _DTYPES.items()}

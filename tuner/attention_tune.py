@@ -480,7 +480,7 @@ def info_json(tuned: TunedAttention) -> str:
                      "precision": "tf32" if tuned.allow_tf32 else "ieee", "layout": w.layout},
         "kernels": [c.key() + ("" if aligned else " unaligned") for c, aligned in shipped_kernels(tuned)],
         "ranges": {n: [min(v[i] for v in values), max(v[i] for v in values)] for i, n in enumerate(names)},
-        "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems), "seconds": 0.0,
+        "tuning": {"measurer": tuned.measurer, "trials": tuned.candidates * len(tuned.problems),
                    "regret": tuned.dispatch.report.geomean, "geomean_vs_vendor": None,
                    "instances": len(tuned.problems)},
     })

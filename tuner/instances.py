@@ -21,7 +21,7 @@ from typing import Iterable, Literal, Mapping, Sequence
 from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
 
-__all__ = ["DimSpec", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
+__all__ = ["DimSpec", "cap_product", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
            "merged_dims", "instances_from_dims", "instances_from_shape_log"]
 
 _log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _note_bucketed(name: str, given: int, kept: int, purpose: Purpose = "tune") 
         _log.warning(_NOTES[purpose][0], name, given, kept, MAX_INSTANCES)
 
 
-def _cap_product(specs: dict[str, DimSpec], purpose: Purpose = "tune") -> dict[str, DimSpec]:
+def cap_product(specs: dict[str, DimSpec], purpose: Purpose = "tune") -> dict[str, DimSpec]:
     """Bucket the symbols with the most values until the product over all symbols is <= MAX_INSTANCES."""
     counts = {n: len(s.values) for n, s in specs.items()}
     if math.prod(counts.values()) <= MAX_INSTANCES:
@@ -165,9 +165,12 @@ def _cap_product(specs: dict[str, DimSpec], purpose: Purpose = "tune") -> dict[s
     return out
 
 
-def parse_dim_options(options: Sequence[str], symbols: Iterable[str], purpose: Purpose = "tune") -> dict[str, DimSpec]:
+def parse_dim_options(options: Sequence[str], symbols: Iterable[str], purpose: Purpose = "tune",
+                      cap: bool = True) -> dict[str, DimSpec]:
     """Parse all ``--dim`` options against the model's symbols; unknown or repeated names are errors. ``purpose``
-    words the notes of bucketed values: "tune" (the tuner's instances) or "bench" (the shapes bench runs)."""
+    words the notes of bucketed values: "tune" (the tuner's instances) or "bench" (the shapes bench runs).
+    ``cap``: bucket the product over all the symbols to MAX_INSTANCES (``cap_product``); the tuner caps each
+    workload's own symbols instead."""
     known = sorted(set(symbols))
     specs: dict[str, DimSpec] = {}
     for option in options:
@@ -181,7 +184,7 @@ def parse_dim_options(options: Sequence[str], symbols: Iterable[str], purpose: P
         if spec.name in specs:
             raise DietcodeError(f"--dim gives symbol {spec.name!r} twice")
         specs[spec.name] = spec
-    return _cap_product(specs, purpose)
+    return cap_product(specs, purpose) if cap else specs
 
 
 def merged_dims(options: Sequence[str], merged: Mapping[str, str | int]) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from dietcode_ort.bundle import Bundle, BundleKernel, DispatchTree, Feature
+from dietcode_ort.bundle import ATTENTION_OP, Bundle, BundleKernel, DispatchTree, Feature
 from dietcode_ort.errors import DietcodeError, check_model_file
 from dietcode_ort.toolchain import DEFAULT_MIN_DRIVER
 from tuner.executor import Executor, LocalExecutor
@@ -86,6 +86,7 @@ class OptimizeReport:
     rewritten: tuple[str, ...]
     workloads: tuple[WorkloadReport, ...]
     skipped: tuple[tuple[str, str], ...] = field(default=())
+    attention: int = 0  # attention chains fused into ai.dietcode nodes with tuned kernels
 
 
 def default_db() -> Path:
@@ -323,6 +324,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
     rewritten: list[list[str]] = [[] for _ in pairs]
     reports: list[list[WorkloadReport]] = [[] for _ in pairs]
     left: list[list[tuple[str, str]]] = [[] for _ in pairs]  # (node, why it is left as it is)
+    chains = [0 for _ in pairs]  # attention chains fused
     done: list["onnx.ModelProto"] = []
     any_lost = any_changed = False  # a workload left to ORT by --min-speedup; a node rewritten
     for (i, u), sites, attention_bundle in zip(flat, attention, attention_bundles):
@@ -357,8 +359,9 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
 
             _, fused = fuse_attention(result.model, sites, base_dir=model_path.parent, copy=False,
                                       bundles=attention_bundle)
-            log(f"{prefix(i, u)}{len(fused)} attention chains fused into ai.dietcode::Attention nodes "
+            log(f"{prefix(i, u)}{len(fused)} attention chains fused into ai.dietcode::{ATTENTION_OP} nodes "
                 "with tuned kernels")
+            chains[i] += len(fused)
         rewritten[i].extend(located(u.where, n) for n in result.rewritten)
         any_changed = any_changed or bool(result.rewritten or sites)
         done.append(result.model)
@@ -373,7 +376,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
             splice(done[start[i] + u.parent], u.branch, done[j])
     for i, (model_path, output) in enumerate(pairs):  # only now that every model is rewritten
         save_model(done[start[i]], output, model_path.parent)
-    return [OptimizeReport(output, tuple(rewritten[i]), tuple(reports[i]), tuple(left[i]))
+    return [OptimizeReport(output, tuple(rewritten[i]), tuple(reports[i]), tuple(left[i]), chains[i])
             for i, (_, output) in enumerate(pairs)]
 
 
@@ -581,7 +584,8 @@ def _info(w: Workload, r: WorkloadReport, problems: list[tuple[Problem, float]],
                      "residual_first": w.epilogue.residual_first, "residual_mul": w.epilogue.residual_mul,
                      **({"layout": "nhwc" if w.conv.channels_last else "nchw"} if w.conv is not None else {})},
         "kernels": list(r.kernels), "ranges": ranges,
-        "tuning": {"measurer": r.measurer, "trials": r.trials, "seconds": round(r.seconds, 3),
+        # no wall-clock seconds: the same model, tuning and kernels give the same bytes (the log says the time)
+        "tuning": {"measurer": r.measurer, "trials": r.trials,
                    "regret": r.regret, "geomean_vs_vendor": r.geomean_vs_vendor, "instances": r.instances,
                    **({"profile": r.profile} if r.profile else {})},
     })
@@ -617,8 +621,10 @@ def optimize_command(models: Sequence[str] | str, output: str, options: Optimize
         raise
     for report in reports:
         kinds = {r.measurer for r in report.workloads}
-        print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads now run "
-              f"dietcode kernels; tuned with {', '.join(sorted(kinds))}")
+        chains = f" and {report.attention} attention chains" if report.attention else ""
+        tuned = f"; tuned with {', '.join(sorted(kinds))}" if kinds else ""
+        print(f"wrote {report.output}: {len(report.rewritten)} nodes in {len(report.workloads)} workloads{chains} "
+              f"now run dietcode kernels{tuned}")
     if any(not r.measured for report in reports for r in report.workloads):
         print("note: no GPU timings were used; the kernel choice follows the analytic model only "
               "(run optimize on a GPU machine, or with --measure replay:FILE, for measured choices)")

@@ -45,7 +45,9 @@ __all__ = ["DOMAIN", "op_type", "RewriteResult", "plan_rewrite", "rewrite_model"
            "default_opset", "axes_node"]
 
 DOMAIN = bundle_format.DOMAIN
-DOMAIN_VERSION = 2  # 2: the bundle is the node's last input (1: a per-node `bundle` attribute)
+DOMAIN_VERSION = 3  # 3: no op type is an ONNX op's name (MatMulPlain, ScaledDotProductAttention; 2 had MatMul,
+# Gemm, Conv and Attention, which the library still runs); 2: the bundle is the node's last input (1: a per-node
+# `bundle` attribute)
 _TWO_GB = TWO_GB  # the protobuf size from which save_model puts inline tensors in the data file
 
 
@@ -57,6 +59,8 @@ def op_type(workload: Workload) -> str:
     bias = "Bias" if e.bias else ""
     act = bundle_format.ACTIVATION_OP_NAMES[bundle_format.ACTIVATION_CODES.index(e.activation)]
     residual = "Mul" if e.residual_mul else "Residual" if e.residual else ""
+    if not (bias or act or residual):  # "MatMulPlain": never an ONNX op's name (bundle_format.ATTENTION_OP)
+        return f"{workload.onnx_op}Plain"
     return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 
 

@@ -23,7 +23,8 @@ from onnx import numpy_helper
 from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, subgraphs
 from dietcode_ort.errors import DietcodeError, check_model_file
 from tuner import shape_expr
-from tuner.instances import instances_from_dims, instances_from_shape_log, merged_dims, parse_dim_options
+from tuner.instances import (DimSpec, cap_product, instances_from_dims, instances_from_shape_log, merged_dims,
+                             parse_dim_options)
 from tuner.model_file import copy_without, inline_tensor, is_external
 from tuner.workload import ConvParams, Epilogue, Instance, Workload
 
@@ -36,6 +37,9 @@ __all__ = ["Skipped", "ScanResult", "load_model", "model_symbols", "symbol_axes"
 _DTYPES: dict[int, str] = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
 _OPS = ("MatMul", "Gemm", "Conv")
+# Integer and low-bit products (ONNX's and com.microsoft's) scan lists as left out, with the reason.
+_QUANTIZED_OPS = ("MatMulInteger", "QLinearMatMul", "ConvInteger", "QLinearConv", "DynamicQuantizeMatMul",
+                  "MatMulIntegerToFloat", "QGemm", "QAttention", "MatMulNBits", "MatMulBnb4")
 
 Dim = "int | str"  # a dim is an int or an expression text over the model's symbols (tuner.shape_expr)
 
@@ -1228,6 +1232,10 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_br
 
     ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
     """
+    ours = [_label(n) for n in model.graph.node if n.domain == "ai.dietcode"]
+    if ours:  # before shape inference, which fails on op types it does not know the way they are used here
+        raise DietcodeError(f"the model was optimized by dietcode-ort already ({len(ours)} ai.dietcode node(s): "
+                            f"{', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}): optimize the original model")
     input_dims = model_symbols(model)
     _check_input_dims(model)
     symbols = _names(input_dims)
@@ -1244,13 +1252,18 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_br
     skipped, unfused = [], []
     claimed: set[int] = set()  # ids of the nodes absorbed so far (a shortcut Add between two convs: one takes it)
     for node in model.graph.node:
-        if node.domain == "ai.dietcode":
-            skipped.append(Skipped(_label(node), node.op_type, "an ai.dietcode node: the model was optimized by "
-                                                               "dietcode-ort already (optimize the original model)"))
+        if node.op_type in _QUANTIZED_OPS:
+            skipped.append(Skipped(_label(node), node.op_type, "a quantized op: dietcode-ort tunes float MatMul, "
+                                                               "Gemm and Conv nodes (optimize the float model)"))
         if node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
             continue
         name = _label(node)
         try:
+            dequantized = [x for x in node.input[:2] if getattr(g.producers.get(x), "op_type", "") == "DequantizeLinear"]
+            if dequantized:  # a QDQ model: ORT fuses DequantizeLinear -> MatMul -> QuantizeLinear into a quantized op
+                raise _Refuse(f"a quantized (QDQ) model: {dequantized[0]!r} comes from a DequantizeLinear, and "
+                              "onnxruntime runs such a node as a quantized kernel; dietcode-ort tunes float ones "
+                              "(optimize the float model)")
             info = _RULES[node.op_type](g, node)
             dtype = _dtype(g, node.input[0])
             other = node.input[1]  # B / W: ONNX gives both operands one type (ORT refuses the model otherwise)
@@ -1353,11 +1366,19 @@ def attach_instances(result: ScanResult, dims: Sequence[str] = (), shapes_file: 
             workloads.append(_nonempty(replace(w, instances=tuple(Instance(k, v)
                                                                   for k, v in sorted(counts.items())))))
         return replace(result, workloads=tuple(workloads))
-    specs = parse_dim_options(merged_dims(dims, result.merged), result.symbols)
+    specs = parse_dim_options(merged_dims(dims, result.merged), result.symbols, cap=False)
     if not specs:
         return result
-    return replace(result, workloads=tuple(_nonempty(replace(w, instances=instances_from_dims(specs, w.symbols)))
-                                           for w in result.workloads))
+    # MAX_INSTANCES over each workload's own symbols: values given for dims a workload does not use must not thin
+    # out its shapes (a dense layer over u kept 2 of 4096 values when five other dims had values of their own)
+    capped: dict[tuple[str, ...], dict[str, DimSpec]] = {}
+    workloads = []
+    for w in result.workloads:
+        own = tuple(sorted(s for s in w.symbols if s in specs))
+        if own not in capped:
+            capped[own] = cap_product({s: specs[s] for s in own})
+        workloads.append(_nonempty(replace(w, instances=instances_from_dims({**specs, **capped[own]}, w.symbols))))
+    return replace(result, workloads=tuple(workloads))
 
 
 def _nonempty(w: Workload) -> Workload:
