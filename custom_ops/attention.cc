@@ -327,12 +327,12 @@ class AttentionKernel {
     }
     has_mask_ = n > kMaskInput && !info.GetInputName(kMaskInput).empty();
     if (n > kBundleInput && !info.GetInputName(kBundleInput).empty()) LoadBundle(info);
+    counter_ = dc_node_counter_get(info.GetNodeName().c_str());  // node_stats() counts both EPs' calls
     if (cuda_) {
       if (!bundle_) {
         Throw("the node carries no kernel bundle (inputs (Q, Kt, V, mask, bundle)); the CUDA EP runs Attention "
               "with tuned kernels only: optimize the original model again");
       }
-      counter_ = dc_node_counter_get(info.GetNodeName().c_str());
       FitDevice(raw);
       return;
     }
@@ -511,6 +511,7 @@ class AttentionKernel {
   }
 
   void Compute(OrtKernelContext* raw) {
+    dc_node_count_fallback(counter_, "the CPU execution provider runs ONNX Runtime's kernels");
     Ort::KernelContext ctx(raw);
     const size_t n_in = ctx.GetInputCount();
     Ort::ConstValue mask_value = n_in > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};

@@ -207,6 +207,9 @@ def test_library_cpu_kernel_matches_stock_ort_on_tiny_bert(dtype: str, tol: floa
     model = build_graph(PRESETS["tiny"], dtype, 0)
     fused, _ = fuse_attention(model)
     sess = _library_session(fused, profile=tmp_path)
+    import dietcode_ort
+
+    dietcode_ort.reset_node_stats()
     for batch, seq in ((1, 1), (3, 5), (2, 17)):
         feeds = _bert_feeds(batch, seq)
         want = _run(model, feeds)
@@ -218,6 +221,10 @@ def test_library_cpu_kernel_matches_stock_ort_on_tiny_bert(dtype: str, tol: floa
     kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     ops = [e["args"]["op_name"] for e in kernels]
     assert ops.count(OP_TYPE) == 3 * PRESETS["tiny"].layers and "Softmax" not in ops
+    # node_stats() counts them, as the CPU calls of the GEMM nodes (they were left out)
+    names = [n.name for n in fused.graph.node if n.op_type == OP_TYPE]
+    stats = dietcode_ort.node_stats()
+    assert all(stats[n]["fallbacks"] == 3 and stats[n]["launches"] == 0 for n in names), stats
 
 
 @pytest.mark.parametrize("scale_op, mask", [("Div", True), (None, False), ("Mul", False)])
