@@ -99,7 +99,7 @@ def test_inspect_lists_kernels_tree_and_ranges(work):
         # pointers always (the gate's residual, up's output, too), and N/K because 64 and 176 are multiples of
         # 16 (checked again per call)
         assert all(k["div16"] == ["a", "b", "c", "N", "K"] + ["residual"] * gate for k in node["kernels"])
-        assert (node["op"], node["epilogue"]["residual_mul"]) == (("MatMulSiluMul", True) if gate else ("MatMul", False))
+        assert (node["op"], node["epilogue"]["residual_mul"]) == (("MatMulSiluMul", True) if gate else ("MatMulPlain", False))
         act = "silu" if gate else "none"
         assert all(k["built_for"] == {"dtype": "float32", "activation": act, "trans_b": False, "conv": [],
                                       "grouped": False, "nhwc": False, "precision": "tf32"}  # --fp32-precision's default

@@ -613,7 +613,7 @@ def test_repeated_names_link_each_node():
     bundle = next(t.name for t in result.model.graph.initializer if t.name.startswith("dietcode_bundle_"))
     assert [(n.op_type, list(n.input), list(n.output)) for n in result.model.graph.node] == [
         ("MatMulBiasGelu", ["x", "a_w", "a_b", bundle], ["y1"]),
-        ("MatMulBiasRelu", ["x", "b_w", "b_b", bundle], ["y2"]), ("MatMul", ["y2", "w3", bundle], ["y3"])]
+        ("MatMulBiasRelu", ["x", "b_w", "b_b", bundle], ["y2"]), ("MatMulPlain", ["y2", "w3", bundle], ["y3"])]
 
 
 def test_differing_gelu_forms_get_an_overload_each():
@@ -641,7 +641,7 @@ def test_identical_bodies_share_one_function():
     result = rewrite_model(model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
     assert sum(n.op_type == "MatMulBiasGelu" for n in result.model.graph.node) == 2
     assert sorted((f.name, f.overload) for f in result.model.functions) == [
-        ("MatMul", ""), ("MatMulBiasGelu", ""), ("MatMulBiasRelu", "")]
+        ("MatMulBiasGelu", ""), ("MatMulBiasRelu", ""), ("MatMulPlain", "")]
 
 
 def test_the_library_runs_overloaded_nodes():
@@ -726,7 +726,7 @@ def test_swiglu_gate_node_comes_after_the_up_projection():
     _, _, workloads = _workload_epilogues(case.model)
     result = rewrite_model(case.model, workloads, {k: PAYLOAD for w in workloads for k in w.nodes})
     nodes = result.model.graph.node
-    assert [n.op_type for n in nodes][:2] == ["MatMul", "MatMulSiluMul"] and list(nodes[0].output) == ["u"]
+    assert [n.op_type for n in nodes][:2] == ["MatMulPlain", "MatMulSiluMul"] and list(nodes[0].output) == ["u"]
     gate = nodes[1]
     assert list(gate.input[:-1]) == ["x", "wg", "u"] and list(gate.output) == ["y"]
     fn = next(f for f in result.model.functions if f.name == "MatMulSiluMul")
@@ -785,7 +785,7 @@ def test_conv_shortcut_nodes_take_the_residual_before_the_relu():
     shortcut as its input after the bias and sits where the Relu was; with the projection shortcut the other
     conv is a node of its own before it, and the fallback body is the Conv, the Add and the Relu."""
     for make, inputs, ops in ((conv_identity_shortcut_relu, ["x", "a_w", "a_b", "x"], ["ConvBiasResidualRelu"]),
-                              (conv_projection_shortcut_relu, ["x", "a_w", "a_b", "hb"], ["Conv", "ConvBiasResidualRelu"]),
+                              (conv_projection_shortcut_relu, ["x", "a_w", "a_b", "hb"], ["ConvPlain", "ConvBiasResidualRelu"]),
                               (conv_relu_then_residual, ["x", "a_w", "x"], ["ConvReluResidual"])):
         case = make()
         _, _, workloads = _workload_epilogues(case.model)

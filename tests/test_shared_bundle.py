@@ -81,7 +81,7 @@ def test_many_identical_layers_store_each_bundle_once() -> None:
     layers = 200
     model, out = optimized_chain(layers, image, bias_every=4)
     custom = [n for n in out.graph.node if n.domain == rewrite.DOMAIN]
-    assert len(custom) == layers and {n.op_type for n in custom} == {"MatMul", "MatMulBias"}
+    assert len(custom) == layers and {n.op_type for n in custom} == {"MatMulPlain", "MatMulBias"}
     bundle_inits = [t for t in out.graph.initializer if t.data_type == TensorProto.UINT8]
     assert len(bundle_inits) == 2  # one per distinct bundle (per workload here), not one per node
     assert {n.input[-1] for n in custom} == {t.name for t in bundle_inits}
