@@ -59,7 +59,7 @@ def op_type(workload: Workload) -> str:
     bias = "Bias" if e.bias else ""
     act = bundle_format.ACTIVATION_OP_NAMES[bundle_format.ACTIVATION_CODES.index(e.activation)]
     residual = "Mul" if e.residual_mul else "Residual" if e.residual else ""
-    if not (bias or act or residual):  # "MatMulPlain": never an ONNX op's name (bundle_format.ATTENTION_OP)
+    if not (bias or act or residual):  # "MatMulPlain": no ai.dietcode op type is an ONNX op's name (bundle_format.ATTENTION_OP's note)
         return f"{workload.onnx_op}Plain"
     return f"{workload.onnx_op}{bias}{residual}{act}" if e.residual_first else f"{workload.onnx_op}{bias}{act}{residual}"
 

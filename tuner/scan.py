@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, subgraphs
+from dietcode_ort.bundle import CONV_FIELDS, CONV_RANGES, DOMAIN, subgraphs
 from dietcode_ort.errors import DietcodeError, check_model_file
 from tuner import shape_expr
 from tuner.instances import (DimSpec, cap_product, instances_from_dims, instances_from_shape_log, merged_dims,
@@ -1232,7 +1232,7 @@ def scan_model(model: onnx.ModelProto, base_dir: str | Path | None = None, if_br
 
     ``base_dir`` is where the model's external data lives, when its tensors were not loaded.
     """
-    ours = [_label(n) for n in model.graph.node if n.domain == "ai.dietcode"]
+    ours = [_label(n) for n in model.graph.node if n.domain == DOMAIN]
     if ours:  # before shape inference, which fails on op types it does not know the way they are used here
         raise DietcodeError(f"the model was optimized by dietcode-ort already ({len(ours)} ai.dietcode node(s): "
                             f"{', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}): optimize the original model")
@@ -1336,7 +1336,7 @@ def _nested(model: onnx.ModelProto, if_branches: bool = False) -> list[Skipped]:
 
     walk(model.graph.node, "")
     for function in model.functions:
-        if function.domain != "ai.dietcode":
+        if function.domain != DOMAIN:
             walk(function.node, f"the model-local function {function.domain}.{function.name}")
     return out
 
