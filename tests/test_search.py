@@ -9,7 +9,7 @@ known quality, a per-shape tuner far from the oracle at ten times joint search's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -331,6 +331,33 @@ def test_roofline_matrix_is_the_analytic_measurer():
     problems = [Problem(16, 768, 768), Problem(1000, 3072, 768), Problem(64, 64, 64, 48)]
     answers = AnalyticMeasurer(PROFILE, "float16").measure(FAMILY, [(c, p) for c in configs for p in problems])
     assert _roofline(configs, problems).ravel().tolist() == [a.seconds for a in answers]
+
+
+@pytest.mark.parametrize("dtype, tf32", [("float16", False), ("float32", True), ("float32", False)])
+def test_roofline_matrix_computes_each_pair_as_roofline_does(dtype, tf32):
+    """The matrix computes a config's row over all problems at once; every answer is the float ``roofline``
+    gives for that pair, over the whole sm_90 space (persistent, TMA, split-K and mma.sync configs) and shapes
+    from one row to persistent grids that loop, batched ones, a K below BLOCK_K, and sizes past what int64
+    counts hold (those take the per-pair path)."""
+    from tuner.cost_model import blocks_per_sm, config_peak_flops
+    from tuner.roofline import roofline, roofline_matrix
+    from tuner.workload import Problem
+
+    space = enumerate_space(Family("gemm", dtype, "sm_90"), "tf32" if tf32 else "ieee")
+    assert any(c.persistent for c in space) == (dtype == "float16" or tf32)
+    problems = [Problem(1, 16, 1), Problem(7, 176, 64), Problem(1000, 3072, 768), Problem(33333, 3072, 5000),
+                Problem(64, 64, 64, 48), Problem(4097, 768, 3, 5)]
+    huge = [Problem(1 << 40, 4096, 4096)]
+    for chosen in (problems, problems + huge):
+        matrix = roofline_matrix(space, chosen, PROFILE, dtype, tf32)
+        for i, config in enumerate(space):
+            peak, resident = config_peak_flops(config, PROFILE, dtype, tf32), blocks_per_sm(config, PROFILE, dtype)
+            for j, problem in enumerate(chosen):
+                terms = roofline(config, problem, PROFILE, dtype, peak, resident)
+                assert matrix[i, j] == (math.inf if terms is None else terms.seconds), (config, problem)
+    # a config that cannot launch (no resident block) is inf on every problem
+    heavy = replace(space[0], block_m=256, block_n=256, block_k=128, num_stages=4)
+    assert np.isinf(roofline_matrix([heavy], problems, PROFILE, dtype, tf32)).all()
 
 
 def test_first_round_holds_the_roofline_top(roofline_case):

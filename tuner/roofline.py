@@ -215,8 +215,42 @@ def roofline_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem],
                     dtype: str, tf32: bool = False, constants: RooflineConstants = CONSTANTS) -> np.ndarray:
     """Predicted seconds of every (config, problem): array [len(configs), len(problems)], inf where a config
     cannot launch. The analytic measurer's answers (same peaks and residency), computed once per config for
-    the search's prior (tuner/search.py)."""
+    the search's prior (tuner/search.py).
+
+    Each config's row is ``roofline``'s arithmetic over all problems at once (``_seconds_row``: the same
+    operations in the same order on int64 and float64 arrays, so the answers are the same floats); a workload
+    of a thousand instances takes a second here where a call per pair took half a minute. Problems whose byte
+    counts could pass int64 take the per-pair path."""
     out = np.full((len(configs), len(problems)), np.inf)
+    if not problems:
+        return out
+    if _largest_count(configs, problems, dtype) >= 2 ** 53:
+        return _roofline_matrix_per_pair(configs, problems, profile, dtype, tf32, constants, out)
+    m, n, k, batch = (np.array([getattr(p, f) for p in problems], dtype=np.int64) for f in ("m", "n", "k", "batch"))
+    operands = (m * k + k * n + m * n) * DTYPE_BYTES[dtype] * batch
+    for i, config in enumerate(configs):
+        resident = blocks_per_sm(config, profile, dtype)
+        if resident > 0:
+            out[i] = _seconds_row(config, m, n, k, batch, operands, profile, dtype,
+                                  config_peak_flops(config, profile, dtype, tf32), resident, constants)
+    return out
+
+
+def _largest_count(configs: Sequence[MicroKernel], problems: Sequence[Problem], dtype: str) -> int:
+    """A bound of the integer counts ``_seconds_row`` forms in int64 (operand bytes, split-K workspace bytes,
+    a program's operand bytes): below 2^53 none wraps and each converts to the float Python's int would."""
+    if not configs:
+        return 0
+    bm, bn, bk, split = (max(getattr(c, f) for c in configs) for f in ("block_m", "block_n", "block_k", "split_k"))
+    elem = DTYPE_BYTES[dtype]
+    return max(max((p.m * p.k + p.k * p.n + p.m * p.n) * elem * p.batch,
+                   (p.m + bm) * (p.n + bn) * p.batch * 2 * split * 4,
+                   (p.k + 1) * (bm + bn) * bk * elem) for p in problems)
+
+
+def _roofline_matrix_per_pair(configs: Sequence[MicroKernel], problems: Sequence[Problem],
+                              profile: HardwareProfile, dtype: str, tf32: bool, constants: RooflineConstants,
+                              out: np.ndarray) -> np.ndarray:
     for i, config in enumerate(configs):
         peak = config_peak_flops(config, profile, dtype, tf32)
         resident = blocks_per_sm(config, profile, dtype)
@@ -227,3 +261,54 @@ def roofline_matrix(configs: Sequence[MicroKernel], problems: Sequence[Problem],
             if terms is not None:
                 out[i, j] = terms.seconds
     return out
+
+
+def _seconds_row(config: MicroKernel, m: np.ndarray, n: np.ndarray, k: np.ndarray, batch: np.ndarray,
+                 operands: np.ndarray, profile: HardwareProfile, dtype: str, peak_flops: float,
+                 blocks_per_sm: int, constants: RooflineConstants) -> np.ndarray:
+    """``roofline(config, problem, ...).seconds`` for every problem (m, n, k, batch: int64 arrays; operands:
+    their A, B and C bytes), term by term as ``roofline`` computes them. Keep the two in step: a test compares
+    them over the whole space (tests/test_search.py)."""
+    bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
+    elem = DTYPE_BYTES[dtype]
+    sms = profile.num_sms
+    tiles = -(-m // bm) * -(-n // bn) * batch
+    programs = tiles * split
+    per_sm = -(-programs // sms)
+    last = programs / sms - (per_sm - 1)
+    loops = persistent_loops(config.persistent, programs, sms)
+    exponent = np.where(loops, tail_alpha(config, 0.0, True), tail_alpha(config, 0.0, False))
+    rounds = (per_sm - 1) + last ** exponent
+    k_steps = -(-k // (bk * split))
+    concurrent = np.minimum(per_sm, slots_per_sm(config, blocks_per_sm))
+    warps = config.num_warps * concurrent
+    clock = profile.tensor_clock_hz
+
+    step_flops = 2.0 * bm * bn * bk
+    step_bytes = (bm + bn) * bk * elem
+    mma_cycles = step_flops / (peak_flops / (sms * clock)) / np.minimum(1.0, warps / _SCHEDULERS)
+    pointer_issue = POINTER_LOAD_INSTRUCTIONS * step_bytes / (_CHUNK * profile.warp_size) / np.minimum(_SCHEDULERS,
+                                                                                                       warps)
+    tma = config.tma and profile.wgmma
+    issue_cycles = np.minimum(pointer_issue, float(TMA_LOAD_INSTRUCTIONS)) if tma else pointer_issue
+    mma = rounds * k_steps * mma_cycles / clock
+    issue = rounds * k_steps * issue_cycles / clock
+
+    cap = constants.sm_bandwidth_factor * profile.dram_bandwidth_gbs * 1e9 / sms
+    partial = bm * bn * 4.0
+    written, read = split_k_partials(split)
+    program_bytes = k_steps * step_bytes + (partial if split > 1 else bm * bn * elem)
+    reduce_bytes = read * partial + bm * bn * elem if split > 1 else 0.0
+    reductions = -(-tiles // sms) if split > 1 else np.zeros_like(tiles)
+    sm_memory = (rounds * program_bytes + np.maximum(reductions - 1, 0) * reduce_bytes) / cap
+    depth = np.maximum(1, np.minimum(config.num_stages - 1, k_steps))
+    pipeline = np.maximum(1.0, rounds / concurrent) * k_steps / depth * constants.dram_latency_s
+
+    workspace = (tiles * (written + read) * bm * bn * 4).astype(np.float64)  # cost_model.workspace_bytes_moved
+    dram = (operands + workspace) / (profile.dram_bandwidth_gbs * 1e9)
+
+    reduce = reduce_bytes / cap
+    launch = LAUNCH_SECONDS * launch_weight(config, constants.memset_s)
+    setup = constants.tma_setup_s if tma else 0.0
+    bound = np.maximum(np.maximum(np.maximum(mma, sm_memory), dram), pipeline)
+    return bound + issue + reduce + launch + setup
