@@ -224,8 +224,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "H100 PCIe, H100 NVL, L40S...); default: the target's own (sm_90: H100 SXM5). Measured "
                         "tuning models the GPU it measures")
     p.add_argument("--budget", type=int, default=256,
-                   help="measured trials per workload, in rounds of 64, or of budget / 4 (at least 8, and two "
-                        "rounds under 16) under 256 (default 256)")
+                   help="measured trials of each workload's search, in rounds of 64, or of budget / 4 (at least "
+                        "8, and two rounds under 16) under 256 (default 256); the chosen kernels are then timed on "
+                        "each shape the search left untimed, up to one more trial per shape")
     p.add_argument("--max-kernels", type=int, default=8, help="distinct kernels per workload (default 8)")
     p.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
                    help="with measured tuning (gpu, replay), leave a conv workload to ORT where its kernels reach "

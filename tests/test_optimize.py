@@ -435,6 +435,21 @@ def test_tuning_models_the_gpu_its_timings_come_from(monkeypatch) -> None:
     assert tuning_profile(AnalyticMeasurer(get_profile("sm_90"), "float16"), "sm_90") == get_profile("sm_90")
 
 
+def test_the_summary_says_which_trials_checked_the_chosen_kernels(tmp_path) -> None:
+    """--budget bounds the search; settling then times each shape's chosen kernel where the search only predicted
+    it (up to one trial per shape). The report keeps the two apart, and the summary says how many were checks."""
+    from tuner import optimize as opt
+    from tuner.scan import attach_instances
+
+    w = attach_instances(scan_model(models.build("mlp", "tiny")), ("tokens=1:64",)).workloads[0]
+    options = OptimizeOptions(budget=8, measure="analytic", progress=False, db=tmp_path / "t.db",
+                              cache_dir=tmp_path / "k")
+    report = opt._tune(w, opt.merge_problems(w), options, lambda _: None).report
+    assert 0 < report.checked <= 64 and report.trials - report.checked <= 8
+    assert f"{report.trials} trials ({report.checked} of them timing the chosen kernels" in opt._summary(0, report)
+    assert "of them" not in opt._summary(0, replace(report, checked=0))
+
+
 def test_analytic_tuning_models_the_gpu_it_is_told(tmp_path, capsys) -> None:
     """``--analytic-gpu "NVIDIA H200"``: the analytic measurer and the search model the H200 (4.8 TB/s), its answers
     are stored apart from the H100 model's, and the summary names the profile."""

@@ -78,6 +78,7 @@ class WorkloadReport:
     regret: float  # weighted geomean of dispatched / best known time, >= 1
     measured: bool  # whether the times behind the figures were measured (else predicted / analytic)
     profile: str = ""  # the hardware profile the search modelled (tuner.measure.tuning_profile)
+    checked: int = 0  # of the trials, those timing the dispatcher's pick on a shape the search had not (settle)
 
 
 @dataclass(frozen=True)
@@ -654,8 +655,14 @@ def _summary(index: int, r: WorkloadReport) -> str:
     vs = "n/a" if r.geomean_vs_vendor is None else f"{r.geomean_vs_vendor:.3f}x"
     kind = "measured" if r.measured else "predicted"
     return (f"workload {index} {w.op} M={w.m} N={w.n} K={w.k} ({len(w.nodes)} nodes, {r.instances} shapes): "
-            f"{r.trials} trials in {r.seconds:.1f}s with {r.measurer}{f' ({r.profile})' if r.profile else ''}; {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''}; "
+            f"{r.trials} trials{_checked(r)} in {r.seconds:.1f}s with {r.measurer}{f' ({r.profile})' if r.profile else ''}; {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''}; "
             f"{kind} geomean vs vendor {vs}; regret {r.regret:.3f}")
+
+
+def _checked(r: WorkloadReport) -> str:
+    """The summary's note of the trials beyond the search's budget: the chosen kernels timed on the shapes the
+    search had only predicted them on (tuner.search.settle), up to one per shape."""
+    return f" ({r.checked} of them timing the chosen kernels on shapes the search had not)" if r.checked else ""
 
 
 @dataclass(frozen=True)
@@ -755,6 +762,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
 
     if options.budget <= 0:
         raise DietcodeError(f"--budget must be positive, got {options.budget}")
+    started = time.perf_counter()
     family = _family(w, options.targets[0])
     measurer, label = make_measurer(options, w, executor)
     profile = tuning_profile(measurer, options.targets[0])  # the measured GPU's product (an H200's bandwidth)
@@ -779,6 +787,7 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     # correctness fallback (cuDNN's heuristic choice within a 256 MiB workspace, symmetric pads), not the algorithm
     # torch's conv2d runs when it is timed here;
     # the vendor time stays a comparison
+    searched = result.trials
     dispatch, result = settled_dispatch(names, instances, result, None if w.op == "conv" else vendor, measurer,
                                          options.max_kernels, options.seed)
     rows = dispatch.report.rows
@@ -787,9 +796,9 @@ def _tune(w: Workload, problems: list[tuple[Problem, float]], options: OptimizeO
     vs_vendor = None
     if vendor is not None and all(math.isfinite(v) for v in vendor):
         vs_vendor = _geomean([v / d for v, d in zip(vendor, dispatched)], weights)
-    report = WorkloadReport(workload=w, measurer=label, trials=result.trials, seconds=result.seconds,
+    report = WorkloadReport(workload=w, measurer=label, trials=result.trials, seconds=time.perf_counter() - started,
                             kernels=tuple(k if isinstance(k, str) else k.key() for k in dispatch.kernels),
                             instances=len(w.instances), geomean_vs_vendor=vs_vendor,
                             regret=dispatch.report.geomean, measured=label.startswith(("gpu", "replay")),
-                            profile=profile.name)
+                            profile=profile.name, checked=result.trials - searched)
     return _Chosen(dispatch.kernels, dispatch.tree, report, result.measurements)
