@@ -470,24 +470,31 @@ def test_analytic_tuning_models_the_gpu_it_is_told(tmp_path, capsys) -> None:
 
 
 def test_the_same_tuning_writes_the_same_bytes(tmp_path):
-    """Two runs on one model with fresh databases and kernel caches (and another PYTHONHASHSEED for the second)
-    write byte-identical models: a build pipeline can compare them (each node's info carried the tuning's
-    wall-clock seconds, which changed every run)."""
+    """Two runs on one model with fresh databases and kernel caches, the second with another PYTHONHASHSEED and
+    from a copy of the package installed elsewhere, write byte-identical models: a build pipeline can compare
+    them (each node's info carried the tuning's wall-clock seconds, which changed every run, and the kernels'
+    line info named the template's and Triton's files by their absolute paths: the build machine's folders
+    shipped in every model)."""
     import os
+    import shutil
     import subprocess
     import sys
 
     from _bad_models import ROOT, matmul_model, save
 
     src = save(matmul_model(layers=2), tmp_path / "m.onnx")
+    elsewhere = tmp_path / "installed" / "elsewhere"
+    for package in ("dietcode_ort", "tuner"):
+        shutil.copytree(ROOT / package, elsewhere / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     outs = []
-    for run, seed in (("a", "1"), ("b", "2")):
+    for run, seed, root in (("a", "1", ROOT), ("b", "2", elsewhere)):
         out = tmp_path / f"{run}.onnx"
         res = subprocess.run([sys.executable, "-m", "dietcode_ort", "optimize", str(src), "-o", str(out), "--dim",
                               "n=1:64", "--measure", "analytic", "--budget", "8", "--quiet", "--db",
                               str(tmp_path / f"{run}.db"), "--cache-dir", str(tmp_path / f"k{run}")],
                              capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed))
+                             env=dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED=seed))
         assert res.returncode == 0, res.stderr[-3000:]
         outs.append(out.read_bytes())
+    assert str(ROOT).encode() not in outs[0] and str(elsewhere).encode() not in outs[1]
     assert outs[0] == outs[1]

@@ -415,15 +415,19 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
     from triton.backends.nvidia.compiler import ptx_get_version
     from triton.compiler import ASTSource
 
-    knobs = triton.knobs.nvidia
-    previous = knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir
+    knobs, compilation = triton.knobs.nvidia, triton.knobs.compilation
+    previous = (knobs.dump_ptxas_log, compilation.always_compile, compilation.disable_line_info,
+                triton.knobs.cache.dir)
     log = io.StringIO()
     ptxas = _ptxas_for(arch, toolchain)
     release = ".".join(tc.ptxas_version(ptxas).split(".")[:2])
     ptx_version = min(ptx_get_version(release), tc.max_ptx_isa(toolchain.min_driver))
     try:
         knobs.dump_ptxas_log = True
-        triton.knobs.compilation.always_compile = True
+        compilation.always_compile = True
+        # no line info: it names the source files by absolute path (this installation's, often a home folder),
+        # so every shipped PTX and cubin would carry the build machine's paths and differ between installs
+        compilation.disable_line_info = True
         with tempfile.TemporaryDirectory(prefix="dietcode_triton_") as scratch, contextlib.redirect_stdout(log), \
                 _ptxas_override(toolchain.ptxas):
             triton.knobs.cache.dir = scratch
@@ -433,7 +437,8 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
                                       options={"num_warps": num_warps, "num_stages": num_stages,
                                                "enable_fp_fusion": True, "ptx_version": ptx_version})
     finally:
-        knobs.dump_ptxas_log, triton.knobs.compilation.always_compile, triton.knobs.cache.dir = previous
+        (knobs.dump_ptxas_log, compilation.always_compile, compilation.disable_line_info,
+         triton.knobs.cache.dir) = previous
     return compiled, log.getvalue()
 
 
