@@ -252,7 +252,7 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
                         "choose them per arch")
     p.add_argument("--fuse-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse each attention chain (MatMul, scale, mask Add, Softmax, MatMul) into one "
-                        "ai.dietcode::Attention node with tuned flash-style kernels (default; --no-fuse-attention "
+                        "ai.dietcode::ScaledDotProductAttention node with tuned flash-style kernels (default; --no-fuse-attention "
                         "leaves the chains as they are: their MatMuls then get tuned GEMM kernels)")
     p.add_argument("--fp32-precision", choices=("tf32", "ieee"), default="tf32",
                    help="how float32 kernels compute their products: tf32 (tensor cores, operands rounded to "
@@ -316,7 +316,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?",
                    help="an optimized model: also check that its kernel images load under the driver (each "
                         "image's recorded minimum driver) and, on a GPU, which kernels would run as ORT's; fails "
-                        "where no kernel of an Attention node can run (Attention has no vendor path)")
+                        "where no kernel of an attention node can run (attention has no vendor path)")
     p.add_argument("--driver", metavar="MAJOR.MINOR",
                    help="with MODEL: compare against this CUDA driver version (e.g. 13.0) instead of the one "
                         "libcuda reports")

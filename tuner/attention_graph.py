@@ -1,5 +1,5 @@
 """Attention in a graph: find the ``MatMul -> [scale] -> [Add mask] -> Softmax -> MatMul`` chains and fuse each
-into one ``ai.dietcode::Attention`` node.
+into one ``ai.dietcode::ScaledDotProductAttention`` node.
 
 The chain, as the project's BERT builder and torch.onnx write it::
 

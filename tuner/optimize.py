@@ -55,7 +55,7 @@ class OptimizeOptions:
     ray_gpu: str | None = None  # the GPU model (Ray accelerator type) to time on; default: the target's
     min_driver: int = DEFAULT_MIN_DRIVER  # the oldest CUDA driver the kernels must load on (13000 = 13.0)
     ptxas: str | None = None  # a ptxas for every arch instead of Triton's bundled ones
-    fuse_attention: bool = True  # each attention chain -> one ai.dietcode::Attention (tuner/attention_graph.py)
+    fuse_attention: bool = True  # each attention chain -> one ai.dietcode::ScaledDotProductAttention (tuner/attention_graph.py)
     fp32_precision: str = "tf32"  # float32 dots: "tf32" (ONNX Runtime CUDA EP's default) or "ieee" (tuner.aot)
     prior: bool = True  # the search starts from the analytic roofline (tuner/search.py, SearchOptions.prior)
     warm_start: bool = True  # a gemm search starts from the run's earlier ones of its family (_tune_all)

@@ -1610,7 +1610,7 @@ def _print_attention(report: dict) -> None:
 
     console = Console(width=max(Console().width, 140))
     if report["fused"]:
-        fused = Table(title=f"{len(report['fused'])} attention chains fused (ai.dietcode::Attention)")
+        fused = Table(title=f"{len(report['fused'])} attention chains fused (ai.dietcode::ScaledDotProductAttention)")
         for col in ("output", "dtype", "head_dim", "scale", "mask", "layout", "transposes kept", "qkv not packed"):
             fused.add_column(col, overflow="fold")
         for f in report["fused"]:
