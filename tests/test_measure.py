@@ -105,6 +105,44 @@ def test_replay_of_the_recorded_h100_table():
     assert [r.seconds for r in vendor] == [qk[("vendor", (p.m, p.n, p.k, p.batch))][0] for p in problems]
 
 
+def test_refusal_matrix_is_refusals_over_every_pair(tmp_path):
+    """``refusal_matrix`` answers ``refusals`` for every config x problem: a replay's recorded refusals through the
+    tuning database's wrapper, and none, without forming the pairs, for a measurer that foresees none."""
+    import numpy as np
+
+    from _recorded import H100_TABLE, cells
+    from tuner.database import CachingMeasurer, Database
+
+    family = Family("bmm", "float16", "sm_90")
+    qk = cells("attention-qk")
+    configs = sorted({MicroKernel.from_key(c) for c, _ in qk if c != "vendor"})[:60]
+    problems = sorted({Problem(*p) for _, p in qk})[:40]
+    replay = ReplayMeasurer(H100_TABLE, family="attention-qk")
+    want = np.array([why is not None for why in replay.refusals(family, [(c, p) for c in configs for p in problems])])
+    assert want.any() and not want.all()
+    with Database(tmp_path / "t.db") as db:
+        for measurer in (replay, CachingMeasurer(replay, db)):
+            assert (measurer.refusal_matrix(family, configs, problems) == want.reshape(60, 40)).all()
+
+        class Counting(AnalyticMeasurer):
+            asked = 0
+
+            def refusals(self, family, pairs):
+                Counting.asked += len(pairs)
+                return super().refusals(family, pairs)
+
+        class PairByPair(CachingMeasurer):
+            def refusals(self, family, pairs):
+                raise AssertionError("the wrapper asks its measurer's matrix, not each pair")
+
+        analytic = AnalyticMeasurer(get_profile("sm_90"), "float16")
+        for measurer in (analytic, CachingMeasurer(analytic, db), PairByPair(analytic, db)):
+            assert measurer.refusal_matrix(family, configs, problems).shape == (60, 40)
+            assert not measurer.refusal_matrix(family, configs, problems).any()
+        assert not Counting(get_profile("sm_90"), "float16").refusal_matrix(family, configs, problems).any()
+        assert Counting.asked == 60 * 40  # an override is asked, pair by pair
+
+
 def test_gpu_measurer_foresees_the_recorded_h100_refusals():
     """GpuMeasurer.refusals (the div16 part of the runtime's per-call check, with the div16 each set was compiled
     with: record_table.shipped_div16) names exactly the calls the H100's runtime refused, and no other; so does

@@ -13,7 +13,7 @@ import math
 import sqlite3
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from dietcode_ort.errors import DietcodeError
 from dietcode_ort.paths import writable_dir
@@ -248,6 +248,9 @@ class CachingMeasurer(Measurer):
 
     def refusals(self, family: Family, configs_and_problems: Sequence[Pair]) -> list[str | None]:
         return self.inner.refusals(family, configs_and_problems)
+
+    def refusal_matrix(self, family: Family, configs: Sequence[MicroKernel], problems: Sequence[Problem]) -> Any:
+        return self.inner.refusal_matrix(family, configs, problems)
 
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The vendor library's times, stored like kernels' under the config key VENDOR_KEY."""

@@ -135,6 +135,17 @@ class Measurer(ABC):
         cannot tell before measuring (here: always None)."""
         return [None] * len(configs_and_problems)
 
+    def refusal_matrix(self, family: Family, configs: Sequence[MicroKernel], problems: Sequence[Problem]) -> Any:
+        """``refusals`` of every config on every problem as a bool array [configs, problems] (True: refused). A
+        measurer that keeps the base class's ``refusals`` foresees none and answers without forming a pair per
+        config and problem (a million at 1,024 shapes)."""
+        import numpy as np
+
+        if type(self).refusals is Measurer.refusals:
+            return np.zeros((len(configs), len(problems)), dtype=bool)
+        answers = self.refusals(family, [(c, p) for c in configs for p in problems])
+        return np.array([a is not None for a in answers], dtype=bool).reshape(len(configs), len(problems))
+
     def measure_vendor(self, family: Family, problems: Sequence[Problem]) -> list[MeasureResult]:
         """The stock library's time per problem; measurers without one say so."""
         raise DietcodeError(f"{type(self).__name__} has no vendor timings; use GpuMeasurer or a replay table "

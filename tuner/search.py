@@ -495,9 +495,8 @@ def _check_inputs(problems: Sequence[tuple[Problem, float]], space: Sequence[Mic
 
 def _refused(measurer: Measurer, family: Family, space: Sequence[MicroKernel], problems: Sequence[Problem]
              ) -> np.ndarray:
-    """[C, P]: the calls the measurer knows the runtime refuses (``Measurer.refusals``)."""
-    answers = measurer.refusals(family, [(c, p) for c in space for p in problems])
-    return np.array([a is not None for a in answers], dtype=bool).reshape(len(space), len(problems))
+    """[C, P]: the calls the measurer knows the runtime refuses (``Measurer.refusal_matrix``)."""
+    return np.asarray(measurer.refusal_matrix(family, space, problems), dtype=bool)
 
 
 def _progress(options: SearchOptions, label: str):  # -> rich Progress or a no-op stand-in
