@@ -254,6 +254,21 @@ def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in bad.stderr
 
 
+def test_cli_optimize_piped_prints_no_empty_lines(tmp_path):
+    """Piped (no terminal), optimize without --quiet prints its lines and nothing else: the search's progress bar
+    drew nothing there but ended with an empty line on stdout per workload."""
+    from _bad_models import matmul_model, save
+
+    src = save(matmul_model(layers=2), tmp_path / "m.onnx")
+    res = subprocess.run([sys.executable, "-m", "dietcode_ort", "optimize", str(src), "-o", str(tmp_path / "o.onnx"),
+                          "--dim", "n=1:16", "--measure", "analytic", "--budget", "8", "--db", str(tmp_path / "t.db"),
+                          "--cache-dir", str(tmp_path / "k")], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "wrote " in res.stdout and "trials" in res.stderr
+    for stream in (res.stdout, res.stderr):
+        assert "" not in stream.splitlines(), stream
+
+
 @pytest.mark.ptx
 def test_two_targets_give_a_cubin_each_and_portable_ptx(work, tmp_path):
     from dietcode_ort.bundle import node_bundles, read_bundle

@@ -118,10 +118,12 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        console = Console(stderr=True)  # on a terminal only: elsewhere rich would end it with an empty line
+        enabled = enabled and console.is_terminal
         self.bar = Progress(TextColumn("cluster"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]} meas/s, tasks {task.fields[done]}/{task.fields[sent]}"
                                        ", {task.fields[failed]} failed"), TimeRemainingColumn(),
-                            console=Console(stderr=True), disable=not enabled, transient=True)
+                            console=console, disable=not enabled, transient=True)
         self.task = self.bar.add_task("cluster", total=None, rate="-", done=0, sent=0, failed=0)
         self.total = self.items = self.measurements = self.sent = self.done = self.failed = 0
         self.measure_started: float | None = None  # the first measurement task's start

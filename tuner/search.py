@@ -500,10 +500,14 @@ def _refused(measurer: Measurer, family: Family, space: Sequence[MicroKernel], p
 
 
 def _progress(options: SearchOptions, label: str):  # -> rich Progress or a no-op stand-in
+    """The search's bar, on stderr and only on a terminal: rich draws nothing elsewhere but still ends a transient
+    bar with an empty line, which went to stdout, one per workload, between a command's results."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    disable=not options.progress, transient=True)
+    console = Console(stderr=True)
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                    disable=not (options.progress and console.is_terminal), transient=True)
 
 
 def _measure_round(searches: Sequence[_Search], proposals: Sequence[list[tuple[int, int]]], family: Family,
