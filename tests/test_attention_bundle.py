@@ -630,6 +630,45 @@ def test_attention_kernels_are_compiled_by_the_executor_optimize_uses(tmp_path: 
     assert isinstance(_what_optimize_hands_attention(tmp_path, monkeypatch, "executor"), LocalExecutor)
 
 
+def test_attention_kernels_are_kept_in_the_kernel_cache(tmp_path: Path, monkeypatch) -> None:
+    """The chosen attention kernels' compiles are stored in the kernel cache (--cache-dir) as the GEMM kernels'
+    are: a rerun compiles nothing and writes the same bundle; another scale is another kernel (compiled); a
+    damaged entry is compiled again. optimize hands tune_sites its cache folder."""
+    from tuner import aot, attention_tune
+    from tuner.attention_graph import AttentionSite
+    from tuner.executor import LocalExecutor
+
+    cache = tmp_path / "k"
+
+    def bundle(scale: float) -> bytes:
+        site = AttentionSite(("s",), "q", "kt", "v", None, "y", scale, 64, "float32", 3, seq_q="seq", seq_k="seq",
+                             batch="4")
+        (bundles,) = attention_tune.tune_sites([((site,), ("seq",), ("seq=16:64:16",), None, {})], ["sm_90"],
+                                               max_kernels=2, seed=0, min_driver=13000, ptxas=None,
+                                               log=lambda _: None, executor=LocalExecutor(1), cache_dir=cache)
+        return bundles["y"][0]
+
+    first = bundle(0.125)
+    entries = sorted(cache.glob("*.json"))
+    assert len(entries) == len(read_bundle(first).kernels)
+    real = aot._triton_compile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("recompiled")
+
+    monkeypatch.setattr(aot, "_triton_compile", refuse)
+    assert bundle(0.125) == first
+    with pytest.raises(DietcodeError, match="recompiled"):
+        bundle(0.25)
+    entries[0].write_text(entries[0].read_text()[:-40])
+    monkeypatch.setattr(aot, "_triton_compile", real)
+    assert bundle(0.125) == first and len(list(cache.glob("*.json"))) == len(entries)
+    monkeypatch.setattr(aot, "_triton_compile", refuse)
+    assert bundle(0.125) == first
+    monkeypatch.setattr(aot, "_triton_compile", real)
+    assert _what_optimize_hands_attention(tmp_path, monkeypatch, "cache_dir") == tmp_path / "k"
+
+
 def test_kernel_layouts_round_trip_through_the_c_reader_and_are_refused_off_attention() -> None:
     """Each attention kernel's operand layouts (flags bits 3..6) survive the C core's parser; the Python writer
     and the C reader refuse them on kernels that are not attention kernels, and unknown flag bits."""

@@ -67,8 +67,8 @@ _ALIGNED = {"gemm": ("K", "N"), "bmm": ("K", "N", "stride_a_batch", "stride_b_ba
 _ATTENTION_ALIGNED = ("q", "k", "v", "out")
 # How float32 dots are computed (FP32_PRECISIONS, DEFAULT_FP32_PRECISION, check_fp32_precision, uses_tf32): the
 # precision shapes the float32 search space too, so tuner.space owns them (and says why tf32 is the default).
-_FORMAT = 5  # bump when the record layout changes (2: records carry a sha256 of their content; 3: toolchain;
-# 4: split-K takes a workspace, no zero_output; 5: and the counters)
+_FORMAT = 6  # bump when the record layout or the artifacts change (2: records carry a sha256 of their content; 3: toolchain;
+# 4: split-K takes a workspace, no zero_output; 5: and the counters; 6: compiled without line info)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:

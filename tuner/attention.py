@@ -23,10 +23,14 @@ one-row mask; every other config spills.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import itertools
+import json
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from dietcode_ort.errors import DietcodeError
 from tuner.hardware import HardwareProfile, get_profile
@@ -302,6 +306,26 @@ class CompiledAttention:
     split_k: int = 1  # the launch facts BundleKernel.from_compiled reads
     div16: tuple[str, ...] = ()
 
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (the kernel cache's record; the cubin as base64)."""
+        data = asdict(self)
+        data["cubin"] = base64.b64encode(self.cubin).decode("ascii")
+        data["constants"] = [list(item) for item in self.constants]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CompiledAttention":
+        n_regs, n_spills = data["n_regs"], data["n_spills"]
+        return cls(name=str(data["name"]), arch=int(data["arch"]), cubin=base64.b64decode(data["cubin"]),
+                   ptx=str(data["ptx"]), params=tuple(data["params"]), num_warps=int(data["num_warps"]),
+                   shared=int(data["shared"]), n_regs=None if n_regs is None else int(n_regs),
+                   n_spills=None if n_spills is None else int(n_spills), config=AttentionConfig(**data["config"]),
+                   constants=tuple((str(k), v) for k, v in data["constants"]), dtype=str(data["dtype"]),
+                   triton_version=str(data["triton_version"]), ptxas_version=str(data["ptxas_version"]),
+                   ptx_isa=int(data["ptx_isa"]), cubin_min_driver=int(data["cubin_min_driver"]),
+                   ptx_min_driver=int(data["ptx_min_driver"]), split_k=int(data["split_k"]),
+                   div16=tuple(data["div16"]))
+
     @property
     def block_m(self) -> int:
         return self.config.block_m
@@ -314,13 +338,15 @@ class CompiledAttention:
 def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim: int, *, scale: float,
                       has_mask: bool, mask_rows: bool = True, causal: bool = False, nan_to_zero: bool = False,
                       toolchain: "CompileToolchain | None" = None, allow_tf32: bool = False,
-                      layout: int = 0, aligned: bool = True) -> CompiledAttention:
+                      layout: int = 0, aligned: bool = True, cache_dir: "Path | None" = None) -> CompiledAttention:
     """Compile ``attention_kernel`` with ``config`` for ``target`` through tuner.aot's compiler (no GPU
     needed); ``allow_tf32``: a float32 kernel's two dots in TF32 (tuner.aot's precision). ``aligned``: Q, K, V
     and the output assumed 16-byte aligned (``aot.aligned_params("attention")``, the kernel's ``div16``, which
     the runtime checks per call), which lets Triton vectorize the operand loads and pipeline them (cp.async);
     without it every load is one element, in registers. A config outside the pruned space, a kernel needing scratch memory or launch features beyond a
-    plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused."""
+    plain launch, and a toolchain whose artifacts the chosen driver cannot load are refused. ``cache_dir``: the
+    kernel cache folder (optimize's ``--cache-dir``) to answer from and store in, as tuner.aot's GEMM kernels
+    (``attention_cache_key``); None compiles every time."""
     import triton
 
     from tuner import aot, templates
@@ -344,6 +370,12 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     signature = {name: "constexpr" if name in constants else pointer if name in ("q", "k", "v", "mask", "out")
                  else "i32" for name in fn.arg_names}
     div16 = aot.aligned_params("attention") if aligned else ()
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"{attention_cache_key(config, dtype, target, head_dim, constants, div16, chain)}.json"
+        cached = _read_cached(path, config)
+        if cached is not None:
+            return cached
     compiled, log = aot._triton_compile(fn, signature, constants, div16, profile.arch, config.num_warps,
                                         config.num_stages, toolchain=chain)
     md = compiled.metadata
@@ -356,10 +388,58 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     facts = aot._toolchain_facts(profile.arch, compiled.asm["ptx"], chain, what)
     n_regs, n_spills = aot._parse_ptxas(log)
     params = tuple(p for p in templates.ATTENTION_PARAMS if signature[p] != "constexpr")
-    return CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
-                             md.num_warps, md.shared, n_regs, n_spills, config,
-                             tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
-                             triton_version=triton.__version__, div16=tuple(div16), **facts)
+    kernel = CompiledAttention(md.name, profile.arch, compiled.asm["cubin"], compiled.asm["ptx"], params,
+                               md.num_warps, md.shared, n_regs, n_spills, config,
+                               tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
+                               triton_version=triton.__version__, div16=tuple(div16), **facts)
+    if path is not None:
+        record = kernel.to_dict()
+        aot._write_atomic(path, json.dumps({"sha256": aot._digest(record), "attention": record}))
+    return kernel
+
+
+def attention_cache_key(config: AttentionConfig, dtype: str, target: str, head_dim: int,
+                        constants: dict[str, object], div16: Sequence[str], toolchain: "CompileToolchain") -> str:
+    """sha256 over everything that changes a compiled attention kernel (``aot.cache_key``'s counterpart): the
+    record format, Triton, the templates' source, dtype, target, head dim, config, every constexpr (scale, mask
+    form, causal, layout, dot precision), the aligned params and the toolchain (ptxas and the PTX ISA cap)."""
+    import triton
+
+    from dietcode_ort import toolchain as tc
+    from tuner import aot
+
+    ptxas = aot._ptxas_for(_check(dtype, target).arch, toolchain)
+    payload = {"format": aot._FORMAT, "kernel": "attention", "triton": triton.__version__,
+               "templates": aot.template_hash(), "dtype": dtype, "target": target, "head_dim": head_dim,
+               "config": config.key(), "constants": sorted((k, repr(v)) for k, v in constants.items()),
+               "div16": sorted(div16), "ptx_cap": tc.max_ptx_isa(toolchain.min_driver),
+               "ptxas": [ptxas, tc.ptxas_version(ptxas)]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cached(path: Path, config: AttentionConfig) -> "CompiledAttention | None":
+    """The cached kernel at ``path``, or None when there is none or the entry is damaged (unreadable, truncated,
+    edited, checksum mismatch, another config's): a damaged entry is removed and compiled again."""
+    from tuner import aot
+
+    try:
+        entry = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        path.unlink(missing_ok=True)
+        return None
+    try:
+        record = entry["attention"]
+        if not isinstance(record, dict) or entry.get("sha256") != aot._digest(record):
+            raise ValueError("checksum mismatch")
+        kernel = CompiledAttention.from_dict(record)
+        if kernel.config != config or not kernel.cubin or not kernel.ptx:
+            raise ValueError("record of another kernel")
+        return kernel
+    except (ValueError, KeyError, TypeError, AttributeError):
+        path.unlink(missing_ok=True)
+        return None
 
 
 @dataclass(frozen=True)
@@ -381,12 +461,13 @@ class AttentionCompileJob:
     allow_tf32: bool = False
     layout: int = 0  # LAYOUT_BITS
     aligned: bool = True  # Q, K, V and the output assumed 16-byte aligned (compile_attention)
+    cache_dir: "Path | None" = None  # the kernel cache (compile_attention); None: no cache
 
     def compile(self) -> CompiledAttention:
         return compile_attention(self.config, self.dtype, self.target, self.head_dim, scale=self.scale,
                                  has_mask=self.has_mask, mask_rows=self.mask_rows, causal=self.causal,
                                  nan_to_zero=self.nan_to_zero, toolchain=self.toolchain, allow_tf32=self.allow_tf32,
-                                 layout=self.layout, aligned=self.aligned)
+                                 layout=self.layout, aligned=self.aligned, cache_dir=self.cache_dir)
 
 
 @dataclass(frozen=True)

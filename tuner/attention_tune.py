@@ -425,11 +425,13 @@ def shipped_kernels(tuned: TunedAttention) -> list[tuple[AttentionConfig, bool]]
 
 
 def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple[Feature, ...], *,
-                  min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None) -> bytes:
+                  min_driver: int, ptxas: str | None = None, executor: "Executor | None" = None,
+                  cache_dir: "Path | None" = None) -> bytes:
     """Compile the chosen configs for every target and return the node's bundle bytes. The compiles are
     ``AttentionCompileJob``s run by ``executor`` (default: this machine's compile pool; under ``--ray`` the
     cluster's CPU tasks, as the GEMM kernels' are). The kernels are ``shipped_kernels``: the runtime runs the
-    last, unaligned one for a call whose pointers the tree's kernels refuse."""
+    last, unaligned one for a call whose pointers the tree's kernels refuse. ``cache_dir``: the kernel cache
+    the compiles answer from and store in (``attention.compile_attention``)."""
     from tuner import aot
     from tuner.attention import AttentionCompileJob
     from tuner.executor import LocalExecutor
@@ -438,7 +440,8 @@ def compile_tuned(tuned: TunedAttention, targets: Sequence[str], features: tuple
     chain = aot.CompileToolchain(min_driver, ptxas)
     shipped = shipped_kernels(tuned)
     jobs = [AttentionCompileJob(config, w.dtype, t, w.head_dim, w.scale, w.has_mask, w.mask_rows, w.causal,
-                                w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout, aligned=aligned)
+                                w.nan_to_zero, chain, tuned.allow_tf32, layout=w.layout, aligned=aligned,
+                                cache_dir=cache_dir)
             for config, aligned in shipped for t in targets]
     # aot._run_job runs any job with compile(), locally or in a Ray task, as it runs GEMM CompileJobs
     results = (executor or LocalExecutor()).compile_many(jobs)  # type: ignore[arg-type]
@@ -491,13 +494,15 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
                targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                measure: str = "analytic", budget: int = 16, log: Callable[[str], None] = print,
                db: "str | Path | None" = None, backend: str | None = None, executor: "Executor | None" = None,
-               fp32_precision: str = "tf32", analytic_gpu: str = "") -> list[dict[str, tuple[bytes, str]]]:
+               fp32_precision: str = "tf32", analytic_gpu: str = "", cache_dir: "Path | None" = None
+               ) -> list[dict[str, tuple[bytes, str]]]:
     """The bundle of every attention chain of several models: per model (its sites, symbols, --dim options,
     shape log, input dims), a map from each chain's output to its bundle bytes and ``info`` JSON. Chains of equal workload and
     instances (within and across models) are tuned and compiled once. ``db``: the tuning database GPU
     timings are reused from and stored in (``--db``). ``executor`` (optimize's; default this machine's) compiles
     the chosen kernels (the compile pool, or Ray's CPU tasks under ``--ray``) and runs the GPU timings (this
-    machine's GPU, or Ray GPU tasks). ``analytic_gpu``: the GPU the analytic cost models (``--analytic-gpu``)."""
+    machine's GPU, or Ray GPU tasks). ``analytic_gpu``: the GPU the analytic cost models (``--analytic-gpu``).
+    ``cache_dir``: the kernel cache the chosen kernels' compiles answer from and store in (``--cache-dir``)."""
     from tuner.executor import LocalExecutor
 
     runner = executor or LocalExecutor()
@@ -526,7 +531,8 @@ def tune_sites(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str], 
     try:
         return _tune_models(models, targets, max_kernels=max_kernels, seed=seed, min_driver=min_driver,
                             ptxas=ptxas, kind=kind, budget=budget, log=log, db=store, backend=backend,
-                            executor=executor, fp32_precision=fp32_precision, analytic_gpu=analytic_gpu)
+                            executor=executor, fp32_precision=fp32_precision, analytic_gpu=analytic_gpu,
+                            cache_dir=cache_dir)
     finally:
         if store is not None:
             store.close()
@@ -537,7 +543,7 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                  targets: Sequence[str], *, max_kernels: int, seed: int, min_driver: int, ptxas: str | None,
                  kind: str, budget: int, log: Callable[[str], None], db: "Database | None", backend: str | None,
                  executor: "Executor | None" = None, fp32_precision: str = "tf32",
-                 analytic_gpu: str = "") -> list[dict[str, tuple[bytes, str]]]:
+                 analytic_gpu: str = "", cache_dir: "Path | None" = None) -> list[dict[str, tuple[bytes, str]]]:
     from tuner.scan import ScanResult, attach_instances
 
     tuned: dict[tuple, tuple[bytes, str]] = {}
@@ -561,7 +567,7 @@ def _tune_models(models: Sequence[tuple[Sequence["AttentionSite"], Sequence[str]
                 log(report_line(index, result))
                 index += 1
                 payload = compile_tuned(result, targets, attention_features(w), min_driver=min_driver,
-                                        ptxas=ptxas, executor=executor)
+                                        ptxas=ptxas, executor=executor, cache_dir=cache_dir)
                 tuned[key] = (payload, info_json(result))
             bundles[site.output] = tuned[key]
         out.append(bundles)

@@ -311,6 +311,7 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                                 executor)
         attention_bundles: list[dict[str, tuple[bytes, str]]] = [{} for _ in flat]
         if any(attention):  # compiled by the same executor (Ray's CPU tasks under --ray), timed here
+            from tuner import aot
             from tuner.attention_tune import tune_sites
 
             attention_bundles = tune_sites(
@@ -321,7 +322,8 @@ def optimize_many(jobs: Sequence[tuple[str | Path, str | Path]], options: Optimi
                  for (_, u), sites in zip(flat, attention)],
                 options.targets, max_kernels=options.max_kernels, seed=options.seed, min_driver=options.min_driver,
                 ptxas=options.ptxas, measure=options.measure, budget=options.budget, log=log, db=options.db,
-                executor=executor, fp32_precision=options.fp32_precision, analytic_gpu=options.analytic_gpu)
+                executor=executor, fp32_precision=options.fp32_precision, analytic_gpu=options.analytic_gpu,
+                cache_dir=options.cache_dir if options.cache_dir is not None else aot.default_cache_dir())
     rewritten: list[list[str]] = [[] for _ in pairs]
     reports: list[list[WorkloadReport]] = [[] for _ in pairs]
     left: list[list[tuple[str, str]]] = [[] for _ in pairs]  # (node, why it is left as it is)
