@@ -23,7 +23,7 @@ __all__ = [
     "DOMAIN", "MAGIC", "VERSION", "CHECKSUM_AT", "seal", "PARAM_NAMES", "POINTER_PARAMS", "ATTENTION_PARAMS", "KERNEL_KINDS", "VIEWS", "DTYPE_CODES", "ACTIVATION_CODES", "ACTIVATION_OP_NAMES", "CONV_FIELDS", "CONV_RANGES", "LIMITS",
     "Feature", "Toolchain", "BundleKernel", "DispatchTree", "Bundle", "ImageChoice", "parse_arch", "select_image", "make_bundle",
     "NodeBundle", "node_bundles", "DietcodeNode", "dietcode_nodes", "subgraphs", "read_bundle", "BUNDLELESS_OPS", "ATTENTION_INPUTS", "op_takes_residual",
-    "ATTENTION_OP", "LEGACY_OP_TYPES", "canonical_op_type", "is_attention",
+    "ATTENTION_OP", "LEGACY_OP_TYPES", "LIBRARY_OP_TYPES", "canonical_op_type", "is_attention",
 ]
 
 DOMAIN = "ai.dietcode"  # the custom ops' domain (docs/bundle.md, node contract)
@@ -908,6 +908,27 @@ def make_bundle(features: Iterable[Feature], kernels: Iterable[BundleKernel], tr
 ATTENTION_OP = "ScaledDotProductAttention"
 # The op types models written before that used, and their names now: the library runs both.
 LEGACY_OP_TYPES = {"MatMul": "MatMulPlain", "Gemm": "GemmPlain", "Conv": "ConvPlain", "Attention": ATTENTION_OP}
+
+
+def _library_op_types() -> frozenset[str]:
+    """The op types the library registers (custom_ops/shapes.cc ``OpTypeName`` and ``AllOpTypes``, and the attention
+    op): per base, ``<Op>Plain``; ``<Op>[Bias][<Act>]`` with a bias or an activation; ``<Op>[Bias][<Act>]Residual``
+    (``MatMulResidual`` included); with an activation ``<Op>[Bias]Residual<Act>`` and ``<Op>[Bias]<Act>Mul``; and the
+    names of ``LEGACY_OP_TYPES``. 137 in all."""
+    names = set(LEGACY_OP_TYPES) | {ATTENTION_OP}
+    for base in ("MatMul", "Gemm", "Conv"):
+        names.add(f"{base}Plain")
+        for bias in ("", "Bias"):
+            for act in ACTIVATION_OP_NAMES:
+                names.add(f"{base}{bias}{act}Residual")
+                if bias or act:
+                    names.add(f"{base}{bias}{act}")
+                if act:
+                    names |= {f"{base}{bias}Residual{act}", f"{base}{bias}{act}Mul"}
+    return frozenset(names)
+
+
+LIBRARY_OP_TYPES = _library_op_types()
 
 
 def canonical_op_type(op_type: str) -> str:

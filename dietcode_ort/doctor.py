@@ -205,8 +205,8 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
     that some kernels can still run only fails the calls its tree sends to the others (a warning)."""
     from pathlib import Path
 
-    from dietcode_ort.bundle import Bundle, is_attention, node_bundles, read_bundle
-    from dietcode_ort.inspect_model import load_optimized
+    from dietcode_ort.bundle import LIBRARY_OP_TYPES, Bundle, is_attention, node_bundles, read_bundle
+    from dietcode_ort.inspect_model import load_optimized, renamed_note
     from dietcode_ort.toolchain import format_driver, format_isa
 
     name = f"model {Path(path).name}"
@@ -222,6 +222,8 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
                 raise DietcodeError(f"node {where.node!r}: {exc}") from None
     if not bundles:
         return Check(name, "warn", "no ai.dietcode nodes (not optimized by dietcode-ort)")
+    renamed = renamed_note([(node, op_type) for users_of in users.values() for node, op_type in users_of
+                            if op_type not in LIBRARY_OP_TYPES])
     kernels = [k for b in bundles.values() for k in b.kernels if k.kind == "triton"]
     groups: dict[str, int] = {}
     refused: dict[str, int] = {}
@@ -235,10 +237,12 @@ def model_check(path: str, driver: int | None, device: tuple[int, int] | None = 
                 refused[label] = refused.get(label, 0) + 1
     summary = f"{len(kernels)} compiled kernels in {len(bundles)} bundles"
     if driver is None:
-        return Check(name, "warn", f"{summary}; no driver on this machine, nothing to compare; the images: "
+        return Check(name, "warn", f"{summary}; " + (f"{renamed}; " if renamed else "")
+                     + "no driver on this machine, nothing to compare; the images: "
                      + "; ".join(f"{label}: {n}" for label, n in sorted(groups.items())))
     here = f"this driver is {format_driver(driver)}{driver_source}"
-    lines = [f"{label}, {here}: {n} image(s) would not load" for label, n in sorted(refused.items())]
+    lines = [renamed] if renamed else []
+    lines += [f"{label}, {here}: {n} image(s) would not load" for label, n in sorted(refused.items())]
     on = f"under driver {format_driver(driver)}{driver_source}" + (
         f" on sm_{device[0]}{device[1]}" if device is not None else "")
     again = f"--min-driver {format_driver(driver)}" + (f" --target sm_{device[0]}{device[1]}"

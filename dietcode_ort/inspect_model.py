@@ -10,7 +10,8 @@ from typing import Any
 
 import onnx
 
-from dietcode_ort.bundle import DOMAIN, Bundle, BundleKernel, dietcode_nodes, is_attention, node_bundles, read_bundle
+from dietcode_ort.bundle import (DOMAIN, LIBRARY_OP_TYPES, Bundle, BundleKernel, dietcode_nodes, is_attention, node_bundles,
+                                 read_bundle)
 from dietcode_ort.errors import DietcodeError, check_model_file
 from dietcode_ort.toolchain import format_driver, format_isa, ptx_mma, ptx_mma_shapes, ptx_target
 
@@ -156,6 +157,7 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
         nodes.append({
             # exporters may leave names empty: then the node is named by its output
             "name": node.name or node.output[0], "op": node.op_type, "workload": info.get("workload"),
+            "library_op": node.op_type in LIBRARY_OP_TYPES,  # else ORT runs its fallback function (renamed_note)
             "graph": graph,  # "" in the main graph, else the If branch (or loop body) it is in
             "epilogue": epilogue_of(node),
             "bundle": {"initializer": where.initializer, "bytes": len(where.payload)},
@@ -183,6 +185,20 @@ def describe(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list
             # the SCALE the kernels were compiled with (their recorded alpha), which the runtime checks
             nodes[-1]["attention"]["kernel_scale"] = sorted({k.alpha for k in bundle.kernels if k.kind == "triton"})
     return nodes
+
+
+def renamed_note(nodes: list[tuple[str, str]]) -> str:
+    """What to say of ai.dietcode nodes (name, op type) whose op type the library does not run: ORT runs their
+    fallback functions, so they get no dietcode kernel. onnx.compose's ``add_prefix`` and ``merge_models`` rename
+    a model's local functions and, with them, the op types of the nodes calling them. "" for none."""
+    if not nodes:
+        return ""
+    shown = ", ".join(f"{name!r} ({op})" for name, op in nodes[:3]) + (f" and {len(nodes) - 3} more"
+                                                                       if len(nodes) > 3 else "")
+    return (f"{len(nodes)} {DOMAIN} node(s) have an op type the library does not run: {shown}. ONNX Runtime runs "
+            "their fallback functions (the original ops), with no dietcode kernel. onnx.compose's add_prefix and "
+            "merge_models rename a model's functions and so its op types: merge the original models and optimize "
+            "the merged one, or use add_prefix(..., rename_functions=False)")
 
 
 def _kernel_facts(k: dict) -> str:
@@ -255,6 +271,9 @@ def inspect_command(path: str, as_json: bool) -> int:
         table.add_row(*(Text(_printable(c)) for c in (name, n["op"], epilogue, work, kernels, ranges,
                                                       n["tree"]["if_chain"])))
     console.print(table)
+    note = renamed_note([(n["name"], n["op"]) for n in nodes if not n["library_op"]])
+    if note:
+        console.print(Text(_printable(f"warning: {note}")))
     lines = sorted({_toolchain_line(image) for n in nodes for k in n["kernels"] for image in k["images"]})
     if lines:
         console.print(Text(_printable("images (what made them, the oldest CUDA driver that loads them):\n  "

@@ -628,3 +628,36 @@ def test_residual_order_must_be_the_kernels() -> None:
                        initializers=[bundle_initializer(_conv_residual_payload("relu", True))])
         with pytest.raises(DietcodeError, match=f"ai.dietcode:{name}.* is not a registered function/op"):
             dietcode_ort.InferenceSession(model, providers=CPU)
+
+
+def test_the_library_registers_exactly_the_op_types_python_names():
+    """``bundle.LIBRARY_OP_TYPES`` (what inspect and doctor check a node's op type against) is the library's list: a
+    graph of all of them resolves (each a registered op), and every other arrangement of a base, Bias, an
+    activation, Residual and Mul (and a renamed op type as onnx.compose's prefix writes it) is unknown to it."""
+    import itertools
+
+    from dietcode_ort.bundle import ACTIVATION_OP_NAMES, LIBRARY_OP_TYPES
+
+    acts = ACTIVATION_OP_NAMES
+    names = {"Attention", "ScaledDotProductAttention", "x_MatMulPlain", "m2_ScaledDotProductAttention",
+             "MatMulPlainRelu", "GemmBiasPlain", "ConvResidualBias", "MatMulReluBias"}
+    for base, bias, act, tail in itertools.product(("MatMul", "Gemm", "Conv"), ("", "Bias"), acts,
+                                                   ("", "Plain", "Residual", "Mul", "ResidualResidual")):
+        names |= {base + bias + act + tail, base + bias + "Residual" + act + tail}
+    assert LIBRARY_OP_TYPES < names and len(LIBRARY_OP_TYPES) == 137
+
+    def refusal(op_types) -> str:
+        nodes = [helper.make_node(t, ["A", "B"], [f"Y{i}" if i else "Y"], domain="ai.dietcode", name=f"n{i}")
+                 for i, t in enumerate(op_types)]
+        try:  # (no op type creates with two inputs and no bundle)
+            ort.InferenceSession(_model(nodes, ["A", "B"], TensorProto.FLOAT).SerializeToString(), options,
+                                 providers=CPU)
+        except Exception as exc:  # the library's refusal of a node, or ORT's of an unknown op type
+            return str(exc)
+        return ""
+
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    assert "is not a registered function/op" not in refusal(sorted(LIBRARY_OP_TYPES))
+    for name in sorted(names - LIBRARY_OP_TYPES):
+        assert f"ai.dietcode:{name}(-1) is not a registered function/op" in refusal([name]), name

@@ -254,6 +254,41 @@ def test_cli_optimize_reports_and_exit_codes(work, tmp_path):
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in bad.stderr
 
 
+def test_inspect_and_doctor_name_nodes_that_onnx_compose_renamed(work, tmp_path, capsys):
+    """onnx.compose's merge_models prefixes the second model's local functions, and with them its ai.dietcode op
+    types (MatMulPlain -> m2_MatMulPlain), which the library does not run: ORT runs those nodes' fallback functions,
+    correctly but with no dietcode kernel. inspect warns, and doctor's model check warns, naming them; the optimized
+    model itself draws no such warning."""
+    from onnx import compose
+
+    from dietcode_ort.doctor import model_check
+    from dietcode_ort.inspect_model import inspect_command
+
+    _, out = _optimized(work, "mlp", CASES["mlp"][0])
+    first, second = onnx.load(str(out)), onnx.load(str(out))
+    merged = compose.merge_models(first, second, io_map=[(first.graph.output[0].name, first.graph.input[0].name)],
+                                  prefix2="m2_")
+    onnx.save(merged, str(tmp_path / "merged.onnx"))
+    renamed = sorted({n.op_type for n in merged.graph.node if n.op_type.startswith("m2_")})
+    assert renamed and all(n.domain == "ai.dietcode" for n in merged.graph.node)
+    for path, warned in ((out, False), (tmp_path / "merged.onnx", True)):
+        assert inspect_command(str(path), False) == 0
+        printed = " ".join(capsys.readouterr().out.split())
+        check = model_check(str(path), None)
+        for text in (printed, check.detail):
+            assert ("have an op type the library does not run" in text) == warned, text
+            assert all(f"({op})" in text for op in renamed) == warned
+        assert check.status == "warn"  # no driver here either way
+    options = ort.SessionOptions()
+    dietcode_ort.register(options)
+    sess = ort.InferenceSession(str(tmp_path / "merged.onnx"), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    stock = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (once,) = stock.run(None, {"hidden": x})
+    np.testing.assert_allclose(sess.run(None, {"hidden": x})[0], stock.run(None, {"hidden": once})[0], rtol=1e-4,
+                               atol=1e-4)
+
+
 def test_cli_optimize_piped_prints_no_empty_lines(tmp_path):
     """Piped (no terminal), optimize without --quiet prints its lines and nothing else: the search's progress bar
     drew nothing there but ended with an empty line on stdout per workload."""
