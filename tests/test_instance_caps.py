@@ -54,15 +54,31 @@ def test_product_over_symbols_is_capped(caplog):
     assert "combinations of batch, seq" in caplog.text
 
 
-def test_shape_log_with_many_shapes_keeps_the_most_frequent(tmp_path, caplog, monkeypatch):
+def test_shape_log_with_many_shapes_keeps_the_frequent_ones_and_spans_the_rest(tmp_path, caplog, monkeypatch):
+    """Past MAX_INSTANCES distinct shapes a log is tuned for representatives: the most frequent, then shapes spread
+    over the rest (its ends included), each weighted by the calls nearest to it, so no call's weight is lost. (The
+    1024 most frequent alone tuned a log of 4096 equally frequent token counts for 1..1024 only.)"""
     caplog.set_level(logging.WARNING)
-    records = [{"x": [1, s], "count": 2 if s <= 10 else 1} for s in range(1, 3001)]
+    records = [{"x": [1, s], "count": 50 if s % 700 == 0 else 1} for s in range(1, 4097)]
     log = tmp_path / "shapes.json"
     log.write_text(json.dumps(records))
     counts = instances_from_shape_log(log, {"x": ("batch", "seq")})
     assert len(counts) == MAX_INSTANCES
-    assert counts[(("batch", 1), ("seq", 5))] == 2.0  # frequent shapes are kept
-    assert "3000 distinct shapes" in caplog.text
+    assert sum(counts.values()) == pytest.approx(4096 - 5 + 5 * 50)
+    seqs = sorted(dict(key)["seq"] for key in counts)
+    assert seqs[0] == 1 and seqs[-1] == 4096 and sum(s > 2048 for s in seqs) > 64
+    assert all(counts[(("batch", 1), ("seq", s))] >= 50 for s in range(700, 4097, 700))  # frequent shapes are kept
+    assert "4096 distinct shapes" in caplog.text and "representatives" in caplog.text
+    # two symbols: each one's whole observed range is tuned for, and the large values are not left out
+    grid = [{"x": [b, s]} for b in range(1, 33) for s in range(1, 129)]
+    log.write_text(json.dumps(grid))
+    counts = instances_from_shape_log(log, {"x": ("batch", "seq")})
+    assert len(counts) == MAX_INSTANCES and sum(counts.values()) == pytest.approx(32 * 128)
+    shapes = [dict(key) for key in counts]
+    for name, top in (("batch", 32), ("seq", 128)):
+        assert min(s[name] for s in shapes) == 1 and max(s[name] for s in shapes) == top
+    assert sum(s["batch"] > 16 for s in shapes) > 128
+    assert instances_from_shape_log(log, {"x": ("batch", "seq")}) == counts  # the same log, the same choice
     monkeypatch.setattr(instances, "MAX_SHAPE_LOG_BYTES", 100)
     with pytest.raises(DietcodeError, match="over the 0 MiB limit"):
         instances_from_shape_log(log, {"x": ("batch", "seq")})

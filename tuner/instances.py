@@ -22,7 +22,7 @@ from dietcode_ort.errors import DietcodeError
 from tuner.workload import Instance
 
 __all__ = ["DimSpec", "cap_product", "MAX_INSTANCES", "MAX_DIM", "MAX_SHAPE_LOG_BYTES", "MAX_WEIGHT", "parse_dim_spec", "parse_dim_options",
-           "merged_dims", "instances_from_dims", "instances_from_shape_log"]
+           "merged_dims", "instances_from_dims", "instances_from_shape_log", "representative_shapes"]
 
 _log = logging.getLogger(__name__)
 
@@ -308,9 +308,62 @@ def instances_from_shape_log(path: str | Path, input_dims: Mapping[str, Sequence
         key = tuple(sorted(values.items()))
         counts[key] = counts.get(key, 0.0) + float(count)
     if len(counts) > MAX_INSTANCES:
-        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_INSTANCES]
-        kept = sum(c for _, c in ranked) / sum(counts.values())
-        _log.warning("shape log %s: %d distinct shapes; tuning for the %d most frequent (%.1f%% of the "
-                     "recorded calls)", path, len(counts), MAX_INSTANCES, 100 * kept)
-        counts = dict(sorted(ranked))
+        frequent = MAX_INSTANCES // 4
+        _log.warning("shape log %s: %d distinct shapes; tuning for %d representatives (the %d most frequent, the "
+                     "others spread over the rest), each weighted by the calls of the shapes nearest to it",
+                     path, len(counts), MAX_INSTANCES, frequent)
+        counts = representative_shapes(counts, MAX_INSTANCES, frequent)
     return counts
+
+
+Shape = tuple[tuple[str, int], ...]  # a symbol assignment, sorted by symbol
+
+
+def representative_shapes(counts: Mapping[Shape, float], n: int, frequent: int) -> dict[Shape, float]:
+    """``n`` of the shapes of ``counts`` (all of them when there are no more), each weighted by the summed counts
+    of the shapes nearest to it, so the total is kept: the ``frequent`` most frequent first, then a shape with each
+    symbol's smallest and largest value (the range tuned for is the log's), then, one at a time, the shape farthest
+    from every one chosen (distance: Euclidean over the symbols' log2 values; a symbol a shape
+    does not give counts as -1), so the ends and the gaps of the observed range are tuned for too, as --dim's
+    evenly spaced representatives are. (Keeping the n most frequent alone tuned a log of 4096 equally frequent
+    token counts for 1..1024 only.) Ties go to the smaller shape; the result is the same for the same counts."""
+    import numpy as np
+
+    keys = sorted(counts)
+    if len(keys) <= n:
+        return {k: counts[k] for k in keys}
+    symbols = sorted({name for key in keys for name, _ in key})
+    points = np.full((len(keys), len(symbols)), -1.0)
+    for row, key in enumerate(keys):
+        for name, value in key:
+            points[row, symbols.index(name)] = math.log2(max(value, 1))
+    weights = np.array([counts[k] for k in keys])
+    order = sorted(range(len(keys)), key=lambda i: (-weights[i], i))
+    chosen: list[int] = []
+    distance = np.full(len(keys), np.inf)
+    nearest = np.zeros(len(keys), dtype=np.int64)
+
+    columns = [np.ascontiguousarray(points[:, c]) for c in range(len(symbols))]
+    here, step = np.empty(len(keys)), np.empty(len(keys))
+
+    def choose(row: int) -> None:  # squared distances suffice to compare; in place: a million shapes, 1024 times
+        here.fill(0.0)
+        for column in columns:
+            np.subtract(column, column[row], out=step)
+            np.multiply(step, step, out=step)
+            np.add(here, step, out=here)
+        closer = here < distance
+        nearest[closer] = len(chosen)
+        distance[closer] = here[closer]
+        chosen.append(row)
+
+    for row in order[:min(frequent, n)]:
+        choose(row)
+    for column in range(len(symbols)):  # each symbol's smallest and largest value: the range tuned for is the log's
+        for row in (int(np.argmin(points[:, column])), int(np.argmax(points[:, column]))):
+            if len(chosen) < n and row not in chosen:
+                choose(row)
+    while len(chosen) < n:
+        choose(int(np.argmax(distance)))  # the first of equals: the smaller shape
+    totals = np.bincount(nearest, weights=weights, minlength=len(chosen))
+    return {keys[row]: float(total) for row, total in sorted(zip(chosen, totals), key=lambda rt: keys[rt[0]])}
