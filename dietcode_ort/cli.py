@@ -17,7 +17,7 @@ import threading
 from typing import Callable, Sequence
 
 from dietcode_ort import __version__
-from dietcode_ort.errors import DietcodeError, check_model_file
+from dietcode_ort.errors import DietcodeError, check_model_file, note_stop, raise_if_stopped
 
 __all__ = ["main", "build_parser"]
 
@@ -366,20 +366,31 @@ class _Terminated(BaseException):
     """SIGTERM, raised so that cleanup runs (temporary files removed, compile workers stopped)."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGTERM raises ``_Terminated``, SIGINT KeyboardInterrupt (as Python's own handler does); both are recorded
+    first (``errors.note_stop``), so that a raise Python swallows (in an at-fork hook, say) still stops the
+    command before it writes its result."""
+    kind: type[BaseException] = _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    note_stop(kind)
+    raise kind()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _show_notes()
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    note_stop(None)
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in handled} if in_main else {}
+    if in_main:
+        signal.signal(signal.SIGTERM, _on_signal)
+        if previous[signal.SIGINT] is signal.default_int_handler:  # not where the caller ignores Ctrl-C
+            signal.signal(signal.SIGINT, _on_signal)
     try:
         return _run(args)
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def console() -> int:
@@ -397,7 +408,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if tuner:
             _require_tuner(args.command)
-        return int(args.handler(args) or 0)
+        status = int(args.handler(args) or 0)
+        raise_if_stopped()  # a signal whose raise was swallowed on the way: the command did not end on its own
+        return status
     except ModuleNotFoundError as exc:
         if not tuner or (exc.name or "").split(".")[0] not in _TUNER_MODULES:
             return _internal(exc)

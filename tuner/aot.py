@@ -428,7 +428,8 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
         # no line info: it names the source files by absolute path (this installation's, often a home folder),
         # so every shipped PTX and cubin would carry the build machine's paths and differ between installs
         compilation.disable_line_info = True
-        with tempfile.TemporaryDirectory(prefix="dietcode_triton_") as scratch, contextlib.redirect_stdout(log), \
+        with tempfile.TemporaryDirectory(prefix="dietcode_triton_", dir=_SCRATCH) as scratch, \
+                contextlib.redirect_stdout(log), \
                 _ptxas_override(toolchain.ptxas):
             triton.knobs.cache.dir = scratch
             attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -606,11 +607,16 @@ def _run_job(job: CompileJob) -> CompileResult:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _worker_init(parent: int) -> None:
+def _worker_init(parent: int, scratch: str) -> None:
     """In each compile worker: die with the parent (Linux PR_SET_PDEATHSIG, so a killed optimize leaves
-    no compiler running), and leave SIGINT to the parent, which stops the workers itself."""
+    no compiler running), leave SIGINT to the parent, which stops the workers itself, and keep every temporary
+    file (Triton's working folders, the PTX and log files its ptxas step makes) in ``scratch``, the run's folder
+    that the parent removes however the workers end (``compile_many``)."""
     import signal
+    import tempfile
 
+    global _SCRATCH
+    _SCRATCH = tempfile.tempdir = scratch
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
@@ -626,6 +632,7 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     import signal
 
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # shutdown forgets it
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -633,6 +640,16 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     for process in processes:
         with contextlib.suppress(Exception):
             process.join(timeout=5)
+    # the pool, broken by its killed workers, closes its manager's wakeup pipe but (CPython 3.11) stays in the
+    # registry that the interpreter's exit hook writes to, which then printed "Exception ignored ... OSError: [Errno
+    # 9] Bad file descriptor" after the command had ended; a pool whose manager has stopped needs no wakeup
+    if manager is not None:
+        manager.join(timeout=5)
+        if not manager.is_alive():
+            from concurrent.futures import process as futures_process
+
+            with contextlib.suppress(Exception):
+                getattr(futures_process, "_threads_wakeups", {}).pop(manager, None)
 
 
 def usable_cpus() -> int:
@@ -661,24 +678,51 @@ def compile_many(jobs: Sequence[CompileJob], workers: int | None = None) -> list
     if workers == 1:
         return [_run_job(job) for job in jobs]
     import multiprocessing
+    import shutil
 
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
-                               initargs=(os.getpid(),))
+    scratch = _make_scratch()
     try:
-        futures = [pool.submit(_run_job, job) for job in jobs]
-        results = []
-        for job, future in zip(jobs, futures):
-            try:
-                results.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - a lost worker is recorded, not raised
-                results.append(CompileResult(job, None, f"worker failed: {type(exc).__name__}: {exc}"))
-    except BaseException:
-        _stop_workers(pool)
-        raise
-    pool.shutdown(wait=True)
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
+                                   initargs=(os.getpid(), scratch))
+        try:
+            futures = [pool.submit(_run_job, job) for job in jobs]
+            results = []
+            for job, future in zip(jobs, futures):
+                try:
+                    results.append(future.result())
+                except Exception as exc:  # noqa: BLE001 - a lost worker is recorded, not raised
+                    results.append(CompileResult(job, None, f"worker failed: {type(exc).__name__}: {exc}"))
+            pool.shutdown(wait=True)
+        except BaseException:
+            _stop_workers(pool)
+            raise
+    finally:  # the workers are gone: what they left (killed mid-compile, a Triton folder or ptxas files) goes too
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
+
+
+_SCRATCH: str | None = None  # a compile worker's temporary folder (_worker_init); None in the parent
+_SCRATCH_PREFIX = "dietcode_compile_"
+
+
+def _make_scratch() -> str:
+    """A fresh folder for one ``compile_many``'s workers, named after this process, after removing the folders of
+    runs whose process is gone (a SIGKILLed optimize's: nothing of its ran to remove them)."""
+    import re
+    import shutil
+    import tempfile
+
+    from dietcode_ort.paths import process_gone
+
+    root = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in root.glob(f"{_SCRATCH_PREFIX}*"):
+            match = re.fullmatch(rf"{_SCRATCH_PREFIX}(\d+)_.*", entry.name)
+            if match and entry.is_dir() and process_gone(int(match.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}_")
 
 
 @functools.lru_cache(maxsize=1)

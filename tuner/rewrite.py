@@ -34,7 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dietcode_ort import bundle as bundle_format
-from dietcode_ort.errors import DietcodeError
+from dietcode_ort.errors import DietcodeError, raise_if_stopped
 from dietcode_ort.paths import process_gone
 from tuner.layout import ChannelsLast, channels_last, nhwc_body, read_elsewhere
 from tuner.model_file import TWO_GB, inline_tensor, is_external, write_model
@@ -586,6 +586,7 @@ def save_model(model: onnx.ModelProto, path: str | Path, base_dir: str | Path | 
         except OSError as exc:
             raise DietcodeError(f"cannot write {path}: {exc.strerror or exc} (nothing was written there; the "
                                 "tuning is kept in the --db file, so a rerun with room to write is quick)") from None
+        raise_if_stopped()  # a signal whose raise was swallowed (errors.note_stop): the old files stay as they are
         if with_data:
             os.replace(tmp_dir / data.name, data)
         os.replace(tmp, path)
