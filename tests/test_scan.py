@@ -639,6 +639,29 @@ def _two_inputs_added() -> onnx.ModelProto:
     return _model(nodes, [x, y], [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)], [_w("w", (16, 24))])
 
 
+@pytest.mark.parametrize("op", ["ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMin",
+                                "ReduceProd", "ReduceSumSquare", "ReduceSum", "ReduceMean"])
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_reduce_ops_with_their_axes_as_an_input_keep_the_shapes_symbolic(op, keepdims):
+    """From opset 18 a Reduce op takes its axes as an input (torch.onnx's default opset 20 writes F.normalize's
+    ReduceL2 and torch.amax's ReduceMax so, and wav2vec2's weight norm): onnxruntime's tool had a rule for ReduceSum
+    and ReduceMean only, and every model with another failed its shape inference. The MatMul after it is found, with
+    the reduced shape."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 32])
+    axes = numpy_helper.from_array(np.array([-1 if keepdims else 1], np.int64))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"], name="mm"),
+             helper.make_node("Constant", [], ["axes"], value=axes),
+             helper.make_node(op, ["t", "axes"], ["r"], keepdims=keepdims, name="red"),
+             helper.make_node("Sub" if keepdims else "MatMul", ["t", "r"] if keepdims else ["r", "w2"], ["y"],
+                              name="after")]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    result = scan_model(_model(nodes, [x], [out], [_w("w", (32, 48)), _w("w2", (48, 8))], opset=20))
+    shapes = {(w.m, w.n, w.k) for w in result.workloads}
+    assert ("b*s", "48", "32") in shapes
+    if not keepdims:  # [b, s, 48] reduced over axis 1: [b, 48] @ [48, 8]
+        assert ("b", "8", "48") in shapes
+
+
 def test_the_dim_kept_of_two_found_equal_is_the_same_on_every_run(tmp_path):
     """onnxruntime's tool keeps one of two dims it finds equal in a set's order, which follows the strings' hashes:
     the same model named its workload ``batch*m`` in one run and ``batch*n`` in the next (and optimize then asked

@@ -259,6 +259,12 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
     node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
+# Reduce ops whose axes became an input at opset 18, and which the tool has no rule for (it has ReduceSum's, whose
+# axes moved at 13, ReduceMean's and ReduceProd's for the attribute): F.normalize's ReduceL2, torch.amax's ReduceMax
+_AXES_INPUT_REDUCES = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMin",
+                       "ReduceSumSquare")
+
+
 @functools.cache
 def _symbolic_shape_inference() -> type:
     """onnxruntime's SymbolicShapeInference, with these gaps filled:
@@ -279,6 +285,9 @@ def _symbolic_shape_inference() -> type:
     - Resize by scales: the tool keeps a float scale in the dim (``floor(1.0*batch)``, ``floor(1.5*h)``), which
       the shape grammar refuses; a scale that is a small fraction (2, 1.5, 0.5) is kept exact (``floor(3*h/2)``);
     - Pad with ``axes`` (opset 18): the tool asserts one pad per dim at each end;
+    - Reduce ops other than ReduceSum and ReduceMean with their axes as an input (opset 18: ReduceL2 from
+      F.normalize, ReduceMax from torch.amax, wav2vec2's weight norm): no rule, and ONNX's inference of the node
+      alone gave no shape, so the tool failed on the next node (``_AXES_INPUT_REDUCES``);
     - the node being inferred, for the message of a failure (``current``)."""
     from fractions import Fraction
 
@@ -294,6 +303,7 @@ def _symbolic_shape_inference() -> type:
             self.dispatcher_.update({"ConvTranspose": self._infer_ConvTranspose,
                                      "DepthToSpace": self._infer_DepthToSpace,
                                      "SpaceToDepth": self._infer_SpaceToDepth})
+            self.dispatcher_.update({op: self._infer_reduce_by_axes_input for op in _AXES_INPUT_REDUCES})
             self.current: onnx.NodeProto | None = None
 
         def _onnx_infer_single_node(self, node: onnx.NodeProto) -> None:
@@ -426,8 +436,18 @@ def _symbolic_shape_inference() -> type:
             finally:
                 self.known_vi_.update(hidden)
 
+        def _infer_reduce_by_axes_input(self, node: onnx.NodeProto) -> None:
+            """A Reduce op's output shape where its axes are an input (opset 18; ReduceSum's from 13): the tool's
+            ReduceSum rule, for the axes' values where the tool knows them (a Constant, an initializer). ONNX's
+            single-node inference, which the tool leaves the others to, does not see them and gives no shape."""
+            if len(node.input) > 1 and node.input[1]:
+                axes = self._try_get_value(node, 1)
+                if axes is not None and len(axes) > 0:
+                    self._infer_ReduceSum(node)
+
         def _infer_ReduceProd(self, node: onnx.NodeProto) -> None:  # noqa: N802
             super()._infer_ReduceProd(node)
+            self._infer_reduce_by_axes_input(node)
             if node.output[0] in self.sympy_data_ or (len(node.input) > 1 and node.input[1]):
                 return
             axes = get_attribute(node, "axes")
