@@ -662,6 +662,29 @@ def test_reduce_ops_with_their_axes_as_an_input_keep_the_shapes_symbolic(op, kee
         assert ("b", "8", "48") in shapes
 
 
+@pytest.mark.parametrize("op, attrs", [("Scaler", {"offset": [0.5] * 16, "scale": [2.0] * 16}),
+                                       ("Normalizer", {"norm": "L2"}), ("Binarizer", {"threshold": 0.0})])
+def test_scikit_learn_preprocessing_before_an_mlp_keeps_the_shapes(op, attrs):
+    """skl2onnx writes StandardScaler and Normalizer as ai.onnx.ml Scaler and Normalizer, which onnxruntime's tool
+    has no rule for: shape inference stopped there and a scaler + MLP pipeline was refused whole. They keep their
+    input's shape; an op no rule covers is named in the message."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])
+    nodes = [helper.make_node(op, ["x"], ["s"], domain="ai.onnx.ml", name="pre", **attrs),
+             helper.make_node("MatMul", ["s", "w"], ["y"], name="mm")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                                                 None)],
+                                                [_w("w", (16, 24))]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 10
+    assert [(w.m, w.n, w.k) for w in scan_model(model).workloads] == [("N", "24", "16")]
+    model.graph.node[0].op_type, model.graph.node[0].domain = "Mystery", "com.example"
+    del model.graph.node[0].attribute[:]
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    with pytest.raises(DietcodeError, match="could not complete on this model: no output shape for Mystery node "
+                                            "'pre' \\(domain com.example\\)"):
+        scan_model(model)
+
+
 def test_the_dim_kept_of_two_found_equal_is_the_same_on_every_run(tmp_path):
     """onnxruntime's tool keeps one of two dims it finds equal in a set's order, which follows the strings' hashes:
     the same model named its workload ``batch*m`` in one run and ``batch*n`` in the next (and optimize then asked

@@ -265,6 +265,11 @@ _AXES_INPUT_REDUCES = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp"
                        "ReduceSumSquare")
 
 
+# ai.onnx.ml ops whose output has their input's shape, which the tool has no rule for (scikit-learn's StandardScaler
+# and Normalizer before an MLP, through skl2onnx): inference stopped there and the whole model was refused
+_ML_ELEMENTWISE = ("Scaler", "Normalizer", "Binarizer", "Imputer")
+
+
 @functools.cache
 def _symbolic_shape_inference() -> type:
     """onnxruntime's SymbolicShapeInference, with these gaps filled:
@@ -285,6 +290,7 @@ def _symbolic_shape_inference() -> type:
     - Resize by scales: the tool keeps a float scale in the dim (``floor(1.0*batch)``, ``floor(1.5*h)``), which
       the shape grammar refuses; a scale that is a small fraction (2, 1.5, 0.5) is kept exact (``floor(3*h/2)``);
     - Pad with ``axes`` (opset 18): the tool asserts one pad per dim at each end;
+    - the ai.onnx.ml ops that keep their input's shape (``_ML_ELEMENTWISE``: skl2onnx's Scaler, Normalizer);
     - Reduce ops other than ReduceSum and ReduceMean with their axes as an input (opset 18: ReduceL2 from
       F.normalize, ReduceMax from torch.amax, wav2vec2's weight norm): no rule, and ONNX's inference of the node
       alone gave no shape, so the tool failed on the next node (``_AXES_INPUT_REDUCES``);
@@ -304,6 +310,7 @@ def _symbolic_shape_inference() -> type:
                                      "DepthToSpace": self._infer_DepthToSpace,
                                      "SpaceToDepth": self._infer_SpaceToDepth})
             self.dispatcher_.update({op: self._infer_reduce_by_axes_input for op in _AXES_INPUT_REDUCES})
+            self.dispatcher_.update({op: self._infer_ml_elementwise for op in _ML_ELEMENTWISE})
             self.current: onnx.NodeProto | None = None
 
         def _onnx_infer_single_node(self, node: onnx.NodeProto) -> None:
@@ -436,6 +443,16 @@ def _symbolic_shape_inference() -> type:
             finally:
                 self.known_vi_.update(hidden)
 
+        def _infer_ml_elementwise(self, node: onnx.NodeProto) -> None:
+            """An ai.onnx.ml op that keeps its input's shape (``_ML_ELEMENTWISE``), with its output's element
+            type: float for Scaler and Normalizer, the input's for the others."""
+            if node.domain != "ai.onnx.ml":
+                return
+            dtype = (onnx.TensorProto.FLOAT if node.op_type in ("Scaler", "Normalizer")
+                     else self.known_vi_[node.input[0]].type.tensor_type.elem_type)
+            self.known_vi_[node.output[0]].CopyFrom(helper.make_tensor_value_info(
+                node.output[0], dtype, get_shape_from_sympy_shape(self._get_sympy_shape(node, 0))))
+
         def _infer_reduce_by_axes_input(self, node: onnx.NodeProto) -> None:
             """A Reduce op's output shape where its axes are an input (opset 18; ReduceSum's from 13): the tool's
             ReduceSum rule, for the axes' values where the tool knows them (a Constant, an initializer). ONNX's
@@ -523,7 +540,13 @@ def _infer(model: onnx.ModelProto, merged: dict[str, str | int] | None = None) -
         raise DietcodeError(f"symbolic shape inference failed on this model{at} ({type(exc).__name__}: {detail})"
                             f"{hint}") from None
     if inferred is None:
-        raise DietcodeError("symbolic shape inference could not complete on this model")
+        known = inference.known_vi_
+        stuck = [n for n in model.graph.node
+                 if any(o and (o not in known or not known[o].type.tensor_type.HasField("shape")) for o in n.output)]
+        at = "" if not stuck else (f": no output shape for {stuck[0].op_type} node {_label(stuck[0])!r}"
+                                   + (f" (domain {stuck[0].domain})" if stuck[0].domain else "")
+                                   + " (onnxruntime's tool has no rule for it)")
+        raise DietcodeError(f"symbolic shape inference could not complete on this model{at}")
     if merged is not None:
         inputs = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
         for name, kept in sorted(inference.suggested_merge_.items()):
