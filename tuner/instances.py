@@ -127,9 +127,9 @@ def parse_dim_spec(option: str, purpose: Purpose = "tune") -> DimSpec:
                     weight = float(weight_text)
                 except ValueError:
                     raise DietcodeError(f"--dim {option!r}: weight {weight_text!r} is not a number") from None
-                if not 0 < weight <= MAX_WEIGHT:
-                    raise DietcodeError(f"--dim {option!r}: weights must be positive and finite (at most "
-                                        f"{MAX_WEIGHT:g}), got {weight_text}")
+                if not 1 / MAX_WEIGHT <= weight <= MAX_WEIGHT:  # a product of tiny ones would underflow to 0
+                    raise DietcodeError(f"--dim {option!r}: weights must be between {1 / MAX_WEIGHT:g} and "
+                                        f"{MAX_WEIGHT:g}, got {weight_text}")
             value = _check_value(_int(value_text, option), option)
             merged[value] = merged.get(value, 0.0) + weight
         ordered = sorted(merged)
@@ -151,9 +151,11 @@ def cap_product(specs: dict[str, DimSpec], purpose: Purpose = "tune") -> dict[st
     if math.prod(counts.values()) <= MAX_INSTANCES:
         return specs
     product = math.prod(counts.values())
-    while math.prod(counts.values()) > MAX_INSTANCES:
-        widest = max(counts, key=lambda n: (counts[n], n))
-        counts[widest] = max(1, counts[widest] // 2)
+    while math.prod(counts.values()) > MAX_INSTANCES:  # the widest symbol loses values, down to the next widest
+        widest = max(counts, key=lambda n: (counts[n], n))  # at most: the product ends as close under the cap as
+        rest = math.prod(counts.values()) // counts[widest]  # it can (halving the widest left 528 of 33 x 33)
+        second = max((c for n, c in counts.items() if n != widest), default=1)
+        counts[widest] = max(1, MAX_INSTANCES // rest, min(second, counts[widest] - 1))
     out = {}
     for n, spec in specs.items():
         if counts[n] < len(spec.values):
