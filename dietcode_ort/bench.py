@@ -36,7 +36,7 @@ from dietcode_ort.bench_report import environment, print_report, write_json, wri
 from dietcode_ort.errors import DietcodeError, check_model_file
 
 __all__ = ["DEFAULT_DIMS", "PROVIDERS", "TOLERANCES", "BenchOptions", "InputSpec", "ModelInfo", "Timing",
-           "ShapeResult", "BenchReport", "parse_dims", "merged_ties", "model_ties", "sweep", "unnamed_dim",
+           "ShapeResult", "BenchReport", "parse_dims", "merged_ties", "model_ties", "sweep", "unnamed_dim", "dim_names_taken",
            "warmup_shape", "make_feeds", "load_model_info", "model_info", "check_compatible", "check_agreement",
            "OrtRunner", "measure", "run_bench", "bench_command"]
 
@@ -349,10 +349,24 @@ def _find_vocab(graph: Any, name: str, initializers: Mapping[str, Any]) -> int |
     return None
 
 
-def unnamed_dim(input_name: str, axis: int) -> str:
+def unnamed_dim(input_name: str, axis: int, taken: "set[str] | None" = None) -> str:
     """The name a dynamic input dim without one goes by (skl2onnx writes such dims): ``<input>_dim<axis>``, in bench
-    as in ``scan`` and ``optimize`` (tuner.scan.prepare_graph names them so)."""
-    return f"{input_name}_dim{axis}"
+    as in ``scan`` and ``optimize`` (tuner.scan.prepare_graph names them so), with "_" appended while it is a name
+    in ``taken`` (the model's own dim names and those given before it: the graph's inputs in order, axes in order;
+    the name is added), so that no dim takes another's name."""
+    name = f"{input_name}_dim{axis}"
+    while taken is not None and name in taken:
+        name += "_"
+    if taken is not None:
+        taken.add(name)
+    return name
+
+
+def dim_names_taken(graph: Any) -> set[str]:
+    """The dim names of the graph's inputs (not those that are initializers): what ``unnamed_dim`` must not give."""
+    inits = {t.name for t in graph.initializer}
+    return {d.dim_param for vi in graph.input if vi.name not in inits and vi.type.HasField("tensor_type")
+            for d in vi.type.tensor_type.shape.dim if d.dim_param}
 
 
 def load_model_info(path: Path) -> ModelInfo:
@@ -376,12 +390,13 @@ def model_info(model: Any) -> ModelInfo:
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = []
+    taken = dim_names_taken(graph)
     for value in graph.input:
         if value.name in inits:
             continue
         tensor = value.type.tensor_type
         dtype = np.dtype(tensor_dtype_to_np_dtype(tensor.elem_type)).name
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or unnamed_dim(value.name, i))
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or unnamed_dim(value.name, i, taken))
                      for i, d in enumerate(tensor.shape.dim))
         inputs.append(InputSpec(value.name, dtype, dims))
     vocab = tuple((s.name, v) for s in inputs if s.dtype.startswith("int")

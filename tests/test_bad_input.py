@@ -140,6 +140,32 @@ def test_input_dims_without_a_name_are_named_as_bench_names_them(work, capsys):
     assert main(["bench", model, "--optimized", str(out), "--dim", "x_dim0=2,3", "--repeat", "1"]) == 0
 
 
+def test_an_unnamed_dim_never_takes_the_name_of_another(tmp_path, capsys):
+    """x [<unnamed>, "x_dim0", 16]: the name an unnamed dim goes by is another axis's name, and the two dims became
+    one (the product was refused as "data-dependent" on a name of the tool's). The unnamed one gets "x_dim0_" in
+    scan, optimize and bench alike."""
+    from dietcode_ort.bench import model_info
+
+    model = matmul_model()
+    x = model.graph.input[0].type.tensor_type.shape
+    del x.dim[:]
+    x.dim.add()
+    x.dim.add().dim_param = "x_dim0"
+    x.dim.add().dim_value = 16
+    model.graph.output[0].type.tensor_type.ClearField("shape")
+    src = save(model, tmp_path / "collide.onnx")
+    assert model_info(onnx.load(str(src))).inputs[0].dims == ("x_dim0_", "x_dim0", 16)
+    assert main(["scan", str(src), "--json", "--dim", "x_dim0=1,3", "--dim", "x_dim0_=2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["symbol_axes"] == {"x_dim0": ["x[1]"], "x_dim0_": ["x[0]"]}
+    assert [w["m"] for w in data["workloads"]] == ["x_dim0*x_dim0_"] and not data["skipped"]
+    out = tmp_path / "collide.opt.onnx"
+    assert main(["optimize", str(src), "-o", str(out), "--dim", "x_dim0=1,3", "--dim", "x_dim0_=2", "--measure",
+                 "analytic", "--quiet", "--db", str(tmp_path / "t.db"), "--cache-dir", str(tmp_path / "k")]) == 0
+    assert main(["bench", str(src), "--optimized", str(out), "--dim", "x_dim0=2", "--dim", "x_dim0_=3",
+                 "--repeat", "1"]) == 0
+
+
 def test_input_without_a_shape_is_named(work, capsys):
     """Shape inference cannot run past a graph input of unknown rank: the error names the input (it gave
     only inference's own TypeError)."""

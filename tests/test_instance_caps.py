@@ -63,7 +63,7 @@ def test_product_over_symbols_is_capped(caplog):
 
 def test_weights_too_small_to_multiply_are_refused():
     """A product of tiny weights underflowed to 0, which the tuner refused naming an internal object."""
-    with pytest.raises(DietcodeError, match="weights must be between 1e-12 and 1e"):
+    with pytest.raises(DietcodeError, match="weights must be positive and finite, at least 1e-12 and at most 1e"):
         parse_dim_options(["batch=1@1e-300,2@1e-300"], ["batch"])
 
 

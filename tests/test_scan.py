@@ -293,7 +293,7 @@ def test_instances_from_shape_log(tmp_path):
     ("seq=-1:4", "must be 0 or more"),
     ("seq=-2", "must be 0 or more"),
     ("seq=1:8:0", "step must be positive"),
-    ("seq=4@-1", "weights must be between"),
+    ("seq=4@-1", "weights must be positive"),
 ])
 def test_bad_dim_specs(option, message):
     with pytest.raises(DietcodeError, match=message):

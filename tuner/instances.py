@@ -128,8 +128,8 @@ def parse_dim_spec(option: str, purpose: Purpose = "tune") -> DimSpec:
                 except ValueError:
                     raise DietcodeError(f"--dim {option!r}: weight {weight_text!r} is not a number") from None
                 if not 1 / MAX_WEIGHT <= weight <= MAX_WEIGHT:  # a product of tiny ones would underflow to 0
-                    raise DietcodeError(f"--dim {option!r}: weights must be between {1 / MAX_WEIGHT:g} and "
-                                        f"{MAX_WEIGHT:g}, got {weight_text}")
+                    raise DietcodeError(f"--dim {option!r}: weights must be positive and finite, at least "
+                                        f"{1 / MAX_WEIGHT:g} and at most {MAX_WEIGHT:g}, got {weight_text}")
             value = _check_value(_int(value_text, option), option)
             merged[value] = merged.get(value, 0.0) + weight
         ordered = sorted(merged)

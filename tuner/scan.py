@@ -1458,23 +1458,20 @@ class Prepared(NamedTuple):
 def _name_dynamic_dims(model: onnx.ModelProto) -> list[str]:
     """Give each dynamic graph-input dim that has no name (neither size nor name: skl2onnx's batch) the name bench
     gives it (``dietcode_ort.bench.unnamed_dim``), in place, so --dim can give it values; returns the names given.
-    A name the model already uses for something else is not taken twice: such a dim stays unnamed (scan then says
-    so)."""
-    from dietcode_ort.bench import unnamed_dim
+    A name the model already uses for another dim is not taken twice (the dims would become one): ``unnamed_dim``
+    then appends "_" (``x_dim0_``), as bench does."""
+    from dietcode_ort.bench import dim_names_taken, unnamed_dim
 
     inits = {t.name for t in model.graph.initializer}
-    taken = {d.dim_param for vi in model.graph.input if vi.type.HasField("tensor_type")
-             for d in vi.type.tensor_type.shape.dim if d.dim_param}
+    taken = dim_names_taken(model.graph)
     given = []
     for vi in model.graph.input:
         if vi.name in inits or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
             continue
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            text = unnamed_dim(vi.name, axis)
-            if not d.HasField("dim_value") and not d.dim_param and text not in taken:
-                d.dim_param = text
-                taken.add(text)
-                given.append(text)
+            if not d.HasField("dim_value") and not d.dim_param:
+                d.dim_param = unnamed_dim(vi.name, axis, taken)
+                given.append(d.dim_param)
     return given
 
 
