@@ -22,12 +22,16 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     from tuner.space import Family, MicroKernel
     from tuner.workload import Epilogue
 
+    from tuner import aot
+
     cache: Path = tmp_path_factory.mktemp("kernels")
     config = MicroKernel(16, 64, 64, 4, 3, 8, 4)
     epilogue = Epilogue(bias=True, activation="gelu", alpha=0.5, residual=True)
-    return {target: compile_kernel(Family("gemm", "float16", target), config, epilogue=epilogue, cache_dir=cache,
-                                   div16=shipped_div16("gemm", True, 768, 768, residual=True))
-            for target in ("sm_80", "sm_90")}
+    with pytest.MonkeyPatch.context() as patch:  # line info, to find the template's barrier by its source line
+        patch.setattr(aot, "_LINE_INFO", True)
+        return {target: compile_kernel(Family("gemm", "float16", target), config, epilogue=epilogue, cache_dir=cache,
+                                       div16=shipped_div16("gemm", True, 768, 768, residual=True))
+                for target in ("sm_80", "sm_90")}
 
 
 @pytest.mark.ptx

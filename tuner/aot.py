@@ -316,7 +316,8 @@ def cache_key(family: Family, config: MicroKernel, *, epilogue: Epilogue, trans_
                "family": asdict(family), "config": config.key(), "epilogue": asdict(epilogue),
                "trans_b": trans_b, "conv": None if conv is None else asdict(conv),
                "div16": sorted(div16), "allow_tf32": allow_tf32,
-               "ptx_cap": tc.max_ptx_isa(toolchain.min_driver), "ptxas": [ptxas, tc.ptxas_version(ptxas)]}
+               "ptx_cap": tc.max_ptx_isa(toolchain.min_driver), "ptxas": [ptxas, tc.ptxas_version(ptxas)],
+               **({"line_info": True} if _LINE_INFO else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -398,6 +399,12 @@ def _ptxas_override(path: str | None) -> Any:
                 os.environ[key] = value
 
 
+# Line info in the PTX (`.loc` lines, `// templates.py:LINE:COL` comments): off for every shipped kernel (see
+# _triton_compile); a PTX test that finds an instruction by its template line turns it on while it compiles, and the
+# cache keeps such kernels apart (cache_key)
+_LINE_INFO = False
+
+
 def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], aligned: Sequence[str],
                     arch: int, num_warps: int, num_stages: int,
                     toolchain: CompileToolchain = CompileToolchain()) -> tuple[Any, str]:
@@ -427,7 +434,7 @@ def _triton_compile(fn: Any, signature: dict[str, str], constants: dict[str, Any
         compilation.always_compile = True
         # no line info: it names the source files by absolute path (this installation's, often a home folder),
         # so every shipped PTX and cubin would carry the build machine's paths and differ between installs
-        compilation.disable_line_info = True
+        compilation.disable_line_info = not _LINE_INFO
         with tempfile.TemporaryDirectory(prefix="dietcode_triton_", dir=_SCRATCH) as scratch, \
                 contextlib.redirect_stdout(log), \
                 _ptxas_override(toolchain.ptxas):
