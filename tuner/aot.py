@@ -40,7 +40,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dietcode_ort import toolchain as tc
 from dietcode_ort.bundle import LIMITS
@@ -528,7 +528,7 @@ def compile_kernel(family: Family, config: MicroKernel, *, epilogue: Epilogue = 
         constants=tuple(sorted((k, v) for k, v in constants.items() if k not in ("bias", "residual", "workspace", "counters"))),
         **facts)
     record = kernel.to_dict()
-    _write_atomic(path, json.dumps({"sha256": _digest(record), "kernel": record}))
+    write_record(path, "kernel", record)
     return kernel
 
 
@@ -537,26 +537,37 @@ def _digest(record: Mapping[str, Any]) -> str:
 
 
 def _read_cached(path: Path, family: Family, config: MicroKernel) -> CompiledKernel | None:
-    """The cached kernel at ``path``, or None when there is none or the entry is damaged (truncated,
-    edited, checksum mismatch, or a record for another kernel): a damaged entry is removed and rebuilt."""
+    """The cached kernel at ``path`` (``read_record``), or None."""
+    return read_record(path, "kernel", CompiledKernel.from_dict,
+                       lambda k: k.family == family and k.config == config and bool(k.cubin) and bool(k.ptx))
+
+
+def read_record(path: Path, field: str, decode: Callable[[Any], Any], fits: Callable[[Any], bool]) -> Any:
+    """The kernel cache entry at ``path`` (written by ``write_record`` under ``field``), decoded, or None when there
+    is none or the entry is damaged (truncated, edited, checksum mismatch, or a record ``fits`` refuses: another
+    kernel's): a damaged entry is removed and rebuilt; an unreadable one is compiled again (the write replaces it).
+    The GEMM kernels' cache and the attention kernels' (tuner/attention.py) share it."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
-        return None
     except OSError:
-        return None  # unreadable: compile again (the write replaces it)
+        return None
     try:
         entry = json.loads(text)
-        record = entry["kernel"]
+        record = entry[field]
         if not isinstance(record, dict) or entry.get("sha256") != _digest(record):
             raise ValueError("checksum mismatch")
-        kernel = CompiledKernel.from_dict(record)
-        if kernel.family != family or kernel.config != config or not kernel.cubin or not kernel.ptx:
+        kernel = decode(record)
+        if not fits(kernel):
             raise ValueError("record of another kernel")
         return kernel
     except (ValueError, KeyError, TypeError, AttributeError):
         path.unlink(missing_ok=True)
         return None
+
+
+def write_record(path: Path, field: str, record: Mapping[str, Any]) -> None:
+    """Store a kernel's ``record`` (its to_dict) at ``path`` under ``field``, with its checksum, atomically."""
+    _write_atomic(path, json.dumps({"sha256": _digest(record), field: record}))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -373,7 +373,8 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / f"{attention_cache_key(config, dtype, target, head_dim, constants, div16, chain)}.json"
-        cached = _read_cached(path, config)
+        cached = aot.read_record(path, "attention", CompiledAttention.from_dict,
+                                 lambda k: k.config == config and bool(k.cubin) and bool(k.ptx))
         if cached is not None:
             return cached
     compiled, log = aot._triton_compile(fn, signature, constants, div16, profile.arch, config.num_warps,
@@ -393,8 +394,7 @@ def compile_attention(config: AttentionConfig, dtype: str, target: str, head_dim
                                tuple(sorted((k, v) for k, v in constants.items() if k != "mask")), dtype,
                                triton_version=triton.__version__, div16=tuple(div16), **facts)
     if path is not None:
-        record = kernel.to_dict()
-        aot._write_atomic(path, json.dumps({"sha256": aot._digest(record), "attention": record}))
+        aot.write_record(path, "attention", kernel.to_dict())
     return kernel
 
 
@@ -415,31 +415,6 @@ def attention_cache_key(config: AttentionConfig, dtype: str, target: str, head_d
                "div16": sorted(div16), "ptx_cap": tc.max_ptx_isa(toolchain.min_driver),
                "ptxas": [ptxas, tc.ptxas_version(ptxas)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def _read_cached(path: Path, config: AttentionConfig) -> "CompiledAttention | None":
-    """The cached kernel at ``path``, or None when there is none or the entry is damaged (unreadable, truncated,
-    edited, checksum mismatch, another config's): a damaged entry is removed and compiled again."""
-    from tuner import aot
-
-    try:
-        entry = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        path.unlink(missing_ok=True)
-        return None
-    try:
-        record = entry["attention"]
-        if not isinstance(record, dict) or entry.get("sha256") != aot._digest(record):
-            raise ValueError("checksum mismatch")
-        kernel = CompiledAttention.from_dict(record)
-        if kernel.config != config or not kernel.cubin or not kernel.ptx:
-            raise ValueError("record of another kernel")
-        return kernel
-    except (ValueError, KeyError, TypeError, AttributeError):
-        path.unlink(missing_ok=True)
-        return None
 
 
 @dataclass(frozen=True)
